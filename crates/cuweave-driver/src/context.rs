@@ -1,0 +1,183 @@
+//! [`Context`]: a device's primary context, retained while any handle needs it.
+
+use std::sync::Arc;
+
+use crate::device::Device;
+use crate::error::Result;
+use crate::loader::{cu, driver};
+use crate::sys;
+
+/// A device's primary context (the one the CUDA runtime and PyTorch also use).
+///
+/// Created retained with [`Context::primary`] and released on drop. Every safe handle holds an
+/// `Arc<Context>` and makes it current on the calling thread before a driver call
+/// ([`Context::bind_to_thread`]), so handles can be used from any thread.
+#[derive(Debug)]
+pub struct Context {
+    device: Device,
+    raw: sys::CUcontext,
+    owned: bool,
+}
+
+// SAFETY: a CUcontext may be made current on, and used from, any thread; the driver synchronises
+// its own state. The handle itself is an immutable pointer value.
+unsafe impl Send for Context {}
+// SAFETY: as above; no method mutates `self`.
+unsafe impl Sync for Context {}
+
+/// The range of stream priorities a context offers. Lower numbers are higher priority.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamPriorityRange {
+    /// The lowest priority (numerically greatest, usually 0).
+    pub least: i32,
+    /// The highest priority (numerically least, e.g. -5).
+    pub greatest: i32,
+}
+
+impl StreamPriorityRange {
+    /// Whether `priority` lies inside the range.
+    pub fn contains(&self, priority: i32) -> bool {
+        (self.greatest..=self.least).contains(&priority)
+    }
+
+    /// Clamps `priority` into the range, as the driver itself does.
+    pub fn clamp(&self, priority: i32) -> i32 {
+        priority.clamp(self.greatest, self.least)
+    }
+}
+
+/// Free and total device memory, as `cuMemGetInfo` reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryInfo {
+    /// Bytes free on the device.
+    pub free: usize,
+    /// Bytes the device has in all.
+    pub total: usize,
+}
+
+impl Context {
+    /// Retains `device`'s primary context.
+    pub fn primary(device: Device) -> Result<Arc<Self>> {
+        let api = driver()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: `raw` is a valid out-pointer; the device handle came from cuDeviceGet.
+        unsafe { cu!(api.device_primary_ctx_retain(&mut raw, device.as_raw())) }?;
+        Ok(Arc::new(Self {
+            device,
+            raw,
+            owned: true,
+        }))
+    }
+
+    /// Wraps a context another library created, without taking ownership: dropping the
+    /// returned handle does not release it.
+    ///
+    /// # Safety
+    /// `raw` must be a live context of `device`, and must outlive every handle made from it.
+    pub unsafe fn from_raw_borrowed(raw: sys::CUcontext, device: Device) -> Arc<Self> {
+        Arc::new(Self {
+            device,
+            raw,
+            owned: false,
+        })
+    }
+
+    /// The device this context belongs to.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The raw `CUcontext`.
+    pub fn as_raw(&self) -> sys::CUcontext {
+        self.raw
+    }
+
+    /// Makes this context current on the calling thread; cheap when it already is.
+    pub fn bind_to_thread(&self) -> Result<()> {
+        let api = driver()?;
+        let mut current = std::ptr::null_mut();
+        // SAFETY: `current` is a valid out-pointer.
+        unsafe { cu!(api.ctx_get_current(&mut current)) }?;
+        if current != self.raw {
+            // SAFETY: `self.raw` is a live context (retained by us, or guaranteed by from_raw's caller).
+            unsafe { cu!(api.ctx_set_current(self.raw)) }?;
+        }
+        Ok(())
+    }
+
+    /// Blocks until all work queued in this context has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        self.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: the context is current on this thread.
+        unsafe { cu!(api.ctx_synchronize()) }
+    }
+
+    /// The stream priorities this context offers.
+    pub fn stream_priority_range(&self) -> Result<StreamPriorityRange> {
+        self.bind_to_thread()?;
+        let api = driver()?;
+        let (mut least, mut greatest) = (0, 0);
+        // SAFETY: both are valid out-pointers; the context is current.
+        unsafe { cu!(api.ctx_get_stream_priority_range(&mut least, &mut greatest)) }?;
+        Ok(StreamPriorityRange { least, greatest })
+    }
+
+    /// Free and total memory of this context's device.
+    pub fn memory_info(&self) -> Result<MemoryInfo> {
+        self.bind_to_thread()?;
+        let api = driver()?;
+        let (mut free, mut total) = (0, 0);
+        // SAFETY: both are valid out-pointers; the context is current.
+        unsafe { cu!(api.mem_get_info(&mut free, &mut total)) }?;
+        Ok(MemoryInfo { free, total })
+    }
+
+    /// Lets kernels and copies in this context access memory of `peer`'s device directly.
+    ///
+    /// Idempotent: enabling an already-enabled pair is `Ok`. Fails with `InvalidArgument` for
+    /// the same device, and with the driver's `CUDA_ERROR_PEER_ACCESS_UNSUPPORTED` where the
+    /// hardware cannot (check [`Device::can_access_peer`] first).
+    pub fn enable_peer_access(&self, peer: &Context) -> Result<()> {
+        if peer.device == self.device {
+            return Err(crate::DriverError::invalid(
+                "Context::enable_peer_access",
+                format!("device {} cannot be its own peer", self.device.ordinal()),
+            ));
+        }
+        self.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: this context is current and `peer.raw` is a live context; flags must be 0.
+        let outcome = unsafe { cu!(api.ctx_enable_peer_access(peer.raw, 0)) };
+        match outcome {
+            Err(error)
+                if error.code()
+                    == Some(sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) =>
+            {
+                Ok(())
+            }
+            Err(error) => Err(error),
+            Ok(()) => {
+                tracing::info!(
+                    from = self.device.ordinal(),
+                    to = peer.device.ordinal(),
+                    "peer access enabled"
+                );
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
+        let Ok(api) = driver() else { return };
+        // SAFETY: we retained this device's primary context in `primary` and release it once.
+        if let Err(error) = unsafe { cu!(api.device_primary_ctx_release(self.device.as_raw())) } {
+            tracing::warn!(%error, device = self.device.ordinal(), "releasing primary context failed");
+        }
+    }
+}

@@ -1,0 +1,77 @@
+//! [`DriverError`]: every way a driver call can fail, with the driver's own words for it.
+
+use crate::sys;
+
+/// A result whose error is a [`DriverError`].
+pub type Result<T, E = DriverError> = std::result::Result<T, E>;
+
+/// Why a driver operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DriverError {
+    /// No CUDA driver library could be loaded on this machine.
+    #[error("no CUDA driver found: looked for {searched} ({reason})")]
+    NotFound {
+        /// The library names tried, in order.
+        searched: String,
+        /// What the last attempt reported.
+        reason: String,
+    },
+    /// The loaded driver does not export an entry point this operation needs.
+    #[error("the CUDA driver does not provide `{symbol}` (driver too old?)")]
+    Unsupported {
+        /// The missing symbol.
+        symbol: &'static str,
+    },
+    /// A driver call returned an error code.
+    #[error("{operation} failed: {name} ({code}): {description}")]
+    Cuda {
+        /// The raw `CUresult` value.
+        code: u32,
+        /// The driver's name for the code, e.g. `CUDA_ERROR_OUT_OF_MEMORY`.
+        name: String,
+        /// The driver's description of the code.
+        description: String,
+        /// The driver entry point that failed.
+        operation: &'static str,
+    },
+    /// An argument was rejected before reaching the driver.
+    #[error("invalid argument to {operation}: {reason}")]
+    InvalidArgument {
+        /// The operation that rejected it.
+        operation: &'static str,
+        /// What was wrong, with the offending value.
+        reason: String,
+    },
+}
+
+impl DriverError {
+    /// The raw `CUresult`, when the driver itself reported the error.
+    pub fn code(&self) -> Option<sys::CUresult> {
+        match self {
+            Self::Cuda { code, .. } => Some(sys::CUresult(*code)),
+            _ => None,
+        }
+    }
+
+    /// Whether the driver reported `CUDA_ERROR_OUT_OF_MEMORY`.
+    pub fn is_out_of_memory(&self) -> bool {
+        self.code() == Some(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)
+    }
+
+    /// Whether the driver reported `CUDA_ERROR_NOT_READY` (work still pending; not a failure).
+    pub fn is_not_ready(&self) -> bool {
+        self.code() == Some(sys::CUresult::CUDA_ERROR_NOT_READY)
+    }
+
+    /// Whether no driver is installed (as opposed to a driver that failed).
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, Self::NotFound { .. })
+    }
+
+    pub(crate) fn invalid(operation: &'static str, reason: impl Into<String>) -> Self {
+        Self::InvalidArgument {
+            operation,
+            reason: reason.into(),
+        }
+    }
+}

@@ -1,0 +1,204 @@
+//! [`Event`]: a marker in a stream's work, for ordering, polling and timing.
+
+use std::sync::Arc;
+
+use crate::context::Context;
+use crate::device::Device;
+use crate::error::{DriverError, Result};
+use crate::loader::{cu, driver};
+use crate::stream::Stream;
+use crate::sys;
+
+/// Creation flags for an [`Event`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct EventFlags {
+    timing: bool,
+    blocking_sync: bool,
+}
+
+impl Default for EventFlags {
+    fn default() -> Self {
+        Self::TIMING
+    }
+}
+
+impl EventFlags {
+    /// Records timestamps, so [`Event::elapsed_ms`] works.
+    pub const TIMING: Self = Self {
+        timing: true,
+        blocking_sync: false,
+    };
+    /// No timestamps: cheaper to record and to wait on (what pools and synchronisation use).
+    pub const DISABLE_TIMING: Self = Self {
+        timing: false,
+        blocking_sync: false,
+    };
+
+    /// The same flags, with `synchronize` blocking the thread instead of spinning.
+    #[must_use]
+    pub fn with_blocking_sync(mut self) -> Self {
+        self.blocking_sync = true;
+        self
+    }
+
+    /// Whether the event records timestamps.
+    pub fn is_timing(&self) -> bool {
+        self.timing
+    }
+
+    /// Whether waiting on the event yields the thread.
+    pub fn is_blocking_sync(&self) -> bool {
+        self.blocking_sync
+    }
+
+    fn bits(self) -> u32 {
+        let mut bits = sys::CUevent_flags::CU_EVENT_DEFAULT.0;
+        if !self.timing {
+            bits |= sys::CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
+        }
+        if self.blocking_sync {
+            bits |= sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC.0;
+        }
+        bits
+    }
+}
+
+/// A CUDA event of one context. Destroyed on drop.
+#[derive(Debug)]
+pub struct Event {
+    context: Arc<Context>,
+    raw: sys::CUevent,
+    flags: EventFlags,
+    owned: bool,
+}
+
+// SAFETY: a CUevent may be recorded, queried and waited on from any thread once its context is
+// current, which every method ensures.
+unsafe impl Send for Event {}
+// SAFETY: as above; no method mutates `self`.
+unsafe impl Sync for Event {}
+
+impl Event {
+    /// Creates an event in `context`.
+    pub fn new(context: &Arc<Context>, flags: EventFlags) -> Result<Self> {
+        context.bind_to_thread()?;
+        let api = driver()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the context is current.
+        unsafe { cu!(api.event_create(&mut raw, flags.bits())) }?;
+        Ok(Self {
+            context: Arc::clone(context),
+            raw,
+            flags,
+            owned: true,
+        })
+    }
+
+    /// Wraps an event another library created.
+    ///
+    /// # Safety
+    /// `raw` must be a live event of `context` created with `flags`. With `owned`, the handle
+    /// destroys it on drop and nobody else may; without, it must outlive the handle.
+    pub unsafe fn from_raw(
+        context: &Arc<Context>,
+        raw: sys::CUevent,
+        flags: EventFlags,
+        owned: bool,
+    ) -> Self {
+        Self {
+            context: Arc::clone(context),
+            raw,
+            flags,
+            owned,
+        }
+    }
+
+    /// The raw `CUevent`.
+    pub fn as_raw(&self) -> sys::CUevent {
+        self.raw
+    }
+
+    /// The flags the event was created with.
+    pub fn flags(&self) -> EventFlags {
+        self.flags
+    }
+
+    /// The context the event belongs to.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.context
+    }
+
+    /// The device the event belongs to.
+    pub fn device(&self) -> Device {
+        self.context.device()
+    }
+
+    /// Captures the work queued on `stream` so far: the event completes when that work has.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when the stream belongs to another device.
+    pub fn record(&self, stream: &Stream) -> Result<()> {
+        stream.ensure_device(self.device(), "Event::record")?;
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: live event and stream of the same context.
+        unsafe { cu!(api.event_record(self.raw, stream.as_raw())) }
+    }
+
+    /// Whether the captured work has finished (`true` also for a never-recorded event).
+    pub fn query(&self) -> Result<bool> {
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: live event.
+        match unsafe { cu!(api.event_query(self.raw)) } {
+            Ok(()) => Ok(true),
+            Err(error) if error.is_not_ready() => Ok(false),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Blocks until the captured work has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: live event.
+        unsafe { cu!(api.event_synchronize(self.raw)) }
+    }
+
+    /// Milliseconds of GPU time between this event (the start) and `end`, both completed.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when either event was created without timing; the driver's
+    /// `CUDA_ERROR_NOT_READY` while either is pending.
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        if !self.flags.timing || !end.flags.timing {
+            return Err(DriverError::invalid(
+                "Event::elapsed_ms",
+                "both events must be created with EventFlags::TIMING",
+            ));
+        }
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        let mut ms = 0.0f32;
+        // SAFETY: valid out-pointer; live events.
+        unsafe { cu!(api.event_elapsed_time(&mut ms, self.raw, end.raw)) }?;
+        Ok(ms)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
+        let Ok(api) = driver() else { return };
+        if let Err(error) = self.context.bind_to_thread() {
+            tracing::warn!(%error, "binding context to destroy an event failed");
+            return;
+        }
+        // SAFETY: we created this event and destroy it once; pending work keeps its own reference.
+        if let Err(error) = unsafe { cu!(api.event_destroy(self.raw)) } {
+            tracing::warn!(%error, "destroying an event failed");
+        }
+    }
+}

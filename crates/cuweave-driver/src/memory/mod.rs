@@ -1,0 +1,1 @@
+//! Raw device, host and managed memory.

@@ -1,0 +1,287 @@
+//! [`Module`] and [`Kernel`]: loading PTX or cubin and launching its kernels.
+
+use std::ffi::{CString, c_void};
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use crate::context::Context;
+use crate::error::{DriverError, Result};
+use crate::loader::{cu, driver};
+use crate::stream::Stream;
+use crate::sys;
+
+/// A loaded module (PTX, cubin or fatbin) of one context. Unloaded when the last kernel taken
+/// from it and the module handle itself are gone.
+#[derive(Debug)]
+pub struct Module {
+    context: Arc<Context>,
+    raw: sys::CUmodule,
+}
+
+// SAFETY: a CUmodule may be used from any thread once its context is current.
+unsafe impl Send for Module {}
+// SAFETY: as above; no method mutates `self`.
+unsafe impl Sync for Module {}
+
+impl Module {
+    /// JIT-compiles and loads PTX source text.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for text with a NUL byte; the driver's compile error otherwise.
+    pub fn from_ptx(context: &Arc<Context>, ptx: &str) -> Result<Arc<Self>> {
+        let text = CString::new(ptx).map_err(|e| {
+            DriverError::invalid("Module::from_ptx", format!("PTX has a NUL byte at {}", e.nul_position()))
+        })?;
+        // SAFETY: a NUL-terminated PTX string is a valid image for cuModuleLoadData.
+        unsafe { Self::load(context, text.as_ptr().cast()) }
+    }
+
+    /// Loads a cubin or fatbin image.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for an empty image; the driver's error for a malformed one.
+    pub fn from_cubin(context: &Arc<Context>, image: &[u8]) -> Result<Arc<Self>> {
+        if image.is_empty() {
+            return Err(DriverError::invalid("Module::from_cubin", "empty image"));
+        }
+        // SAFETY: the driver reads the ELF image in place; cubins carry their own length.
+        unsafe { Self::load(context, image.as_ptr().cast()) }
+    }
+
+    /// # Safety
+    /// `image` must point to a valid PTX (NUL-terminated), cubin or fatbin image.
+    unsafe fn load(context: &Arc<Context>, image: *const c_void) -> Result<Arc<Self>> {
+        context.bind_to_thread()?;
+        let api = driver()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the image contract is the caller's.
+        unsafe { cu!(api.module_load_data(&mut raw, image)) }?;
+        Ok(Arc::new(Self {
+            context: Arc::clone(context),
+            raw,
+        }))
+    }
+
+    /// The raw `CUmodule`.
+    pub fn as_raw(&self) -> sys::CUmodule {
+        self.raw
+    }
+
+    /// The context the module is loaded in.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.context
+    }
+
+    /// Looks up a kernel by its (unmangled, `extern "C"`) name.
+    pub fn function(self: &Arc<Self>, name: &str) -> Result<Kernel> {
+        let c_name = CString::new(name)
+            .map_err(|_| DriverError::invalid("Module::function", format!("name {name:?} has a NUL byte")))?;
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: valid out-pointer, live module, NUL-terminated name.
+        unsafe { cu!(api.module_get_function(&mut raw, self.raw, c_name.as_ptr())) }?;
+        Ok(Kernel {
+            module: Arc::clone(self),
+            raw,
+            name: name.to_owned(),
+        })
+    }
+}
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        let Ok(api) = driver() else { return };
+        if let Err(error) = self.context.bind_to_thread() {
+            tracing::warn!(%error, "binding context to unload a module failed");
+            return;
+        }
+        // SAFETY: we loaded this module and unload it once; kernels hold an Arc to us.
+        if let Err(error) = unsafe { cu!(api.module_unload(self.raw)) } {
+            tracing::warn!(%error, "unloading a module failed");
+        }
+    }
+}
+
+/// Grid and block shape of a launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchConfig {
+    /// Blocks in x, y, z.
+    pub grid: (u32, u32, u32),
+    /// Threads per block in x, y, z.
+    pub block: (u32, u32, u32),
+    /// Dynamic shared memory per block, in bytes.
+    pub shared_mem_bytes: u32,
+}
+
+impl LaunchConfig {
+    /// Most blocks `for_elements` asks for; grid-stride kernels cover the rest.
+    pub const MAX_ELEMENT_BLOCKS: u32 = 65_535;
+
+    /// A 1-D launch of `block` threads per block with enough blocks to give each of `n` elements
+    /// a thread (at most [`Self::MAX_ELEMENT_BLOCKS`]; kernels must loop grid-stride beyond that).
+    pub fn for_elements(n: usize, block: u32) -> Self {
+        let block = block.max(1);
+        let blocks = n.div_ceil(block as usize).clamp(1, Self::MAX_ELEMENT_BLOCKS as usize);
+        Self {
+            grid: (blocks as u32, 1, 1),
+            block: (block, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// A single thread (one block of one).
+    pub fn single() -> Self {
+        Self {
+            grid: (1, 1, 1),
+            block: (1, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        let (g, b) = (self.grid, self.block);
+        if [g.0, g.1, g.2, b.0, b.1, b.2].contains(&0) {
+            return Err(DriverError::invalid(
+                "Kernel::launch",
+                format!("zero dimension in grid {g:?} or block {b:?}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The argument list of a launch: pointers to each argument's value, in the kernel's order.
+///
+/// The values are borrowed until the launch call returns (the driver copies them then).
+#[derive(Debug, Default)]
+pub struct KernelArgs<'a> {
+    pointers: Vec<*mut c_void>,
+    _values: PhantomData<&'a ()>,
+}
+
+impl<'a> KernelArgs<'a> {
+    /// An empty argument list.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends an argument. `T` must match the kernel parameter's size and layout.
+    #[must_use]
+    pub fn arg<T: Copy>(mut self, value: &'a T) -> Self {
+        self.pointers.push((value as *const T).cast_mut().cast());
+        self
+    }
+
+    /// How many arguments are in the list.
+    pub fn len(&self) -> usize {
+        self.pointers.len()
+    }
+
+    /// Whether the list is empty.
+    pub fn is_empty(&self) -> bool {
+        self.pointers.is_empty()
+    }
+}
+
+/// A kernel (`CUfunction`) of a loaded [`Module`].
+#[derive(Debug, Clone)]
+pub struct Kernel {
+    module: Arc<Module>,
+    raw: sys::CUfunction,
+    name: String,
+}
+
+// SAFETY: a CUfunction may be launched from any thread once its context is current.
+unsafe impl Send for Kernel {}
+// SAFETY: as above; no method mutates `self`.
+unsafe impl Sync for Kernel {}
+
+impl Kernel {
+    /// The kernel's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The raw `CUfunction`.
+    pub fn as_raw(&self) -> sys::CUfunction {
+        self.raw
+    }
+
+    /// The module the kernel came from.
+    pub fn module(&self) -> &Arc<Module> {
+        &self.module
+    }
+
+    /// Queues the kernel on `stream`.
+    ///
+    /// # Safety
+    /// The kernel's behaviour is unchecked: `args` must match its parameters in number, order,
+    /// size and layout, and every pointer it dereferences must be valid device memory, of the
+    /// size the kernel assumes, that stays alive and unaliased by host writes until the kernel
+    /// has finished on `stream`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a zero dimension or a stream of another device; the driver's error
+    /// for a launch it refuses.
+    pub unsafe fn launch(&self, stream: &Stream, config: LaunchConfig, args: &KernelArgs<'_>) -> Result<()> {
+        config.validate()?;
+        stream.ensure_device(self.module.context.device(), "Kernel::launch")?;
+        self.module.context.bind_to_thread()?;
+        let api = driver()?;
+        let mut pointers = args.pointers.clone();
+        let params = if pointers.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            pointers.as_mut_ptr()
+        };
+        let (g, b) = (config.grid, config.block);
+        // SAFETY: the argument pointers borrow live values for the duration of this call (the
+        // driver copies them before returning); everything the kernel does is the caller's contract.
+        unsafe {
+            cu!(api.launch_kernel(
+                self.raw,
+                g.0,
+                g.1,
+                g.2,
+                b.0,
+                b.1,
+                b.2,
+                config.shared_mem_bytes,
+                stream.as_raw(),
+                params,
+                std::ptr::null_mut(),
+            ))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn for_elements_covers_every_element_within_the_block_cap() {
+        let c = LaunchConfig::for_elements(1000, 256);
+        assert_eq!(c.grid, (4, 1, 1));
+        assert_eq!(c.block, (256, 1, 1));
+        let big = LaunchConfig::for_elements(usize::MAX / 2, 256);
+        assert_eq!(big.grid.0, LaunchConfig::MAX_ELEMENT_BLOCKS);
+        assert_eq!(LaunchConfig::for_elements(0, 128).grid.0, 1);
+    }
+
+    #[test]
+    fn zero_dimensions_are_rejected() {
+        let mut c = LaunchConfig::single();
+        c.block.1 = 0;
+        assert!(matches!(c.validate(), Err(DriverError::InvalidArgument { .. })));
+    }
+
+    #[test]
+    fn kernel_args_keep_order() {
+        let (a, b) = (1u32, 2.0f64);
+        let args = KernelArgs::new().arg(&a).arg(&b);
+        assert_eq!(args.len(), 2);
+        assert_eq!(args.pointers[0], (&a as *const u32).cast_mut().cast());
+    }
+}

@@ -1,0 +1,248 @@
+//! [`Stream`]: an ordered queue of device work, with priorities and host callbacks.
+
+use std::ffi::c_void;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use crate::context::Context;
+use crate::device::Device;
+use crate::error::{DriverError, Result};
+use crate::event::Event;
+use crate::loader::{cu, driver};
+use crate::sys;
+
+/// Creation flags for a [`Stream`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StreamFlags {
+    non_blocking: bool,
+}
+
+impl StreamFlags {
+    /// A stream that synchronises with the legacy default stream (CUDA's default behaviour).
+    pub const DEFAULT: Self = Self {
+        non_blocking: false,
+    };
+    /// A stream that does not synchronise with the legacy default stream (what pools use).
+    pub const NON_BLOCKING: Self = Self { non_blocking: true };
+
+    /// Whether the stream skips synchronisation with the legacy default stream.
+    pub fn is_non_blocking(&self) -> bool {
+        self.non_blocking
+    }
+
+    fn bits(self) -> u32 {
+        if self.non_blocking {
+            sys::CUstream_flags::CU_STREAM_NON_BLOCKING.0
+        } else {
+            sys::CUstream_flags::CU_STREAM_DEFAULT.0
+        }
+    }
+}
+
+/// A CUDA stream of one context. Work queued on it runs in order; streams run concurrently.
+///
+/// Destroyed on drop: the driver lets queued work finish first and frees the stream after.
+#[derive(Debug)]
+pub struct Stream {
+    context: Arc<Context>,
+    raw: sys::CUstream,
+    owned: bool,
+}
+
+// SAFETY: a CUstream may be used from any thread once its context is current, which every method
+// ensures; the driver serialises concurrent submissions to one stream.
+unsafe impl Send for Stream {}
+// SAFETY: as above; no method mutates `self`.
+unsafe impl Sync for Stream {}
+
+type HostCallback = Box<dyn FnOnce() + Send + 'static>;
+
+unsafe extern "C" fn host_callback_trampoline(data: *mut c_void) {
+    // SAFETY: `data` is the `Box<HostCallback>` leaked by `launch_host_fn`, which the driver hands
+    // back exactly once.
+    let callback = unsafe { Box::from_raw(data.cast::<HostCallback>()) };
+    // A panic must not unwind into the driver's thread.
+    if std::panic::catch_unwind(AssertUnwindSafe(callback)).is_err() {
+        tracing::error!("a stream host callback panicked; the panic was contained");
+    }
+}
+
+impl Stream {
+    /// Creates a stream in `context` with default priority.
+    pub fn new(context: &Arc<Context>, flags: StreamFlags) -> Result<Self> {
+        context.bind_to_thread()?;
+        let api = driver()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: `raw` is a valid out-pointer; the context is current.
+        unsafe { cu!(api.stream_create(&mut raw, flags.bits())) }?;
+        Ok(Self {
+            context: Arc::clone(context),
+            raw,
+            owned: true,
+        })
+    }
+
+    /// Creates a stream with a priority from [`Context::stream_priority_range`] (lower is higher).
+    ///
+    /// # Errors
+    /// `InvalidArgument` when `priority` lies outside the context's range.
+    pub fn with_priority(context: &Arc<Context>, flags: StreamFlags, priority: i32) -> Result<Self> {
+        let range = context.stream_priority_range()?;
+        if !range.contains(priority) {
+            return Err(DriverError::invalid(
+                "Stream::with_priority",
+                format!(
+                    "priority {priority} outside the device's range {}..={}",
+                    range.greatest, range.least
+                ),
+            ));
+        }
+        let api = driver()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: `raw` is a valid out-pointer; the context is current (bound by the range query).
+        unsafe { cu!(api.stream_create_with_priority(&mut raw, flags.bits(), priority)) }?;
+        Ok(Self {
+            context: Arc::clone(context),
+            raw,
+            owned: true,
+        })
+    }
+
+    /// Wraps a stream another library created.
+    ///
+    /// # Safety
+    /// `raw` must be a live stream of `context` (or null, the legacy default stream). With
+    /// `owned`, the returned handle destroys it on drop and nobody else may; without, the stream
+    /// must outlive the handle.
+    pub unsafe fn from_raw(context: &Arc<Context>, raw: sys::CUstream, owned: bool) -> Self {
+        Self {
+            context: Arc::clone(context),
+            raw,
+            owned,
+        }
+    }
+
+    /// The raw `CUstream`.
+    pub fn as_raw(&self) -> sys::CUstream {
+        self.raw
+    }
+
+    /// The context this stream belongs to.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.context
+    }
+
+    /// The device this stream runs on.
+    pub fn device(&self) -> Device {
+        self.context.device()
+    }
+
+    /// The stream's priority (lower is higher).
+    pub fn priority(&self) -> Result<i32> {
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        let mut priority = 0;
+        // SAFETY: valid out-pointer; live stream.
+        unsafe { cu!(api.stream_get_priority(self.raw, &mut priority)) }?;
+        Ok(priority)
+    }
+
+    /// The flags the stream was created with.
+    pub fn flags(&self) -> Result<StreamFlags> {
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        let mut bits = 0;
+        // SAFETY: valid out-pointer; live stream.
+        unsafe { cu!(api.stream_get_flags(self.raw, &mut bits)) }?;
+        Ok(StreamFlags {
+            non_blocking: bits & sys::CUstream_flags::CU_STREAM_NON_BLOCKING.0 != 0,
+        })
+    }
+
+    /// Whether all work queued so far has finished (`false` while some is pending).
+    pub fn query(&self) -> Result<bool> {
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: live stream.
+        match unsafe { cu!(api.stream_query(self.raw)) } {
+            Ok(()) => Ok(true),
+            Err(error) if error.is_not_ready() => Ok(false),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Blocks until all work queued so far has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: live stream.
+        unsafe { cu!(api.stream_synchronize(self.raw)) }
+    }
+
+    /// Makes later work on this stream wait until `event` has completed (device-side; the host
+    /// does not block). The event may belong to another stream or device.
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: live stream and event; flags must be 0.
+        unsafe { cu!(api.stream_wait_event(self.raw, event.as_raw(), 0)) }
+    }
+
+    /// Queues `callback` to run on a driver thread once all earlier work on the stream is done;
+    /// later work waits for it to return.
+    ///
+    /// The callback must not call CUDA (the driver forbids it and may deadlock): hand work to
+    /// your own threads or wake a future instead. A panic in it is caught and logged.
+    pub fn launch_host_fn<F>(&self, callback: F) -> Result<()>
+    where
+        F: FnOnce() + Send + 'static,
+    {
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        let boxed: Box<HostCallback> = Box::new(Box::new(callback));
+        let data = Box::into_raw(boxed).cast::<c_void>();
+        // SAFETY: the trampoline matches CUhostFn and takes ownership of `data` when it runs.
+        let outcome = unsafe {
+            cu!(api.launch_host_func(self.raw, Some(host_callback_trampoline), data))
+        };
+        if outcome.is_err() {
+            // SAFETY: the driver rejected the launch, so it will never call the trampoline: we
+            // still own `data` and reclaim it exactly once.
+            drop(unsafe { Box::from_raw(data.cast::<HostCallback>()) });
+        }
+        outcome
+    }
+
+    /// An error unless this stream belongs to `device`: a stream is usable only on its own device.
+    pub fn ensure_device(&self, device: Device, operation: &'static str) -> Result<()> {
+        if self.device() == device {
+            Ok(())
+        } else {
+            Err(DriverError::invalid(
+                operation,
+                format!(
+                    "stream belongs to device {}, not device {}",
+                    self.device().ordinal(),
+                    device.ordinal()
+                ),
+            ))
+        }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        if !self.owned || self.raw.is_null() {
+            return;
+        }
+        let Ok(api) = driver() else { return };
+        if let Err(error) = self.context.bind_to_thread() {
+            tracing::warn!(%error, "binding context to destroy a stream failed");
+            return;
+        }
+        // SAFETY: we created this stream and destroy it once; queued work still completes.
+        if let Err(error) = unsafe { cu!(api.stream_destroy(self.raw)) } {
+            tracing::warn!(%error, "destroying a stream failed");
+        }
+    }
+}

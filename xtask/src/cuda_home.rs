@@ -1,0 +1,33 @@
+//! Finding a CUDA toolkit: `$CUDA_HOME`, then the pip `nvidia-*-cu13` packages, then `PATH`.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// Candidate CUDA roots (directories holding `include/` and `bin/`), best first.
+pub(crate) fn candidate_roots() -> Vec<PathBuf> {
+    let mut roots = Vec::new();
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(dir) = std::env::var_os(var) {
+            roots.push(PathBuf::from(dir));
+        }
+    }
+    // The pip wheels (`nvidia-cuda-nvcc`, `nvidia-cuda-runtime`, ...) unpack under site-packages/nvidia/cu13.
+    if let Ok(out) = Command::new("python3")
+        .args([
+            "-c",
+            "import nvidia, os; print('\\n'.join(os.path.join(p, 'cu13') for p in nvidia.__path__))",
+        ])
+        .output()
+    {
+        if out.status.success() {
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                let line = line.trim();
+                if !line.is_empty() {
+                    roots.push(PathBuf::from(line));
+                }
+            }
+        }
+    }
+    roots.push(PathBuf::from("/usr/local/cuda"));
+    roots
+}

@@ -1,0 +1,596 @@
+//! `cargo xtask gpu-test`: run every GPU test, here or from a bundle carried to a GPU machine.
+//!
+//! Both paths go through one bundle: release test binaries in `tests/`, criterion bench binaries
+//! in `benches/`, the `cuweave` CLI in `bin/`, and a `run` bash script that executes them with
+//! `CUWEAVE_REQUIRE_GPU=1` and prints one summary line. `--bundle DIR` stops after writing it (the
+//! GPU machine needs no Rust toolchain, only bash); without it the bundle goes to
+//! `target/gpu-bundle` and its `run` script is executed here, so one parser counts results.
+
+use std::collections::{BTreeMap, HashSet};
+use std::ffi::OsString;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{Context, bail};
+use serde_json::Value;
+
+use crate::workspace_root;
+
+/// Above this a bundle is slow to carry; worth a look at what grew.
+const BUNDLE_WARN_BYTES: u64 = 40 * 1024 * 1024;
+
+/// Package and binary name of the command-line tool, bundled when the workspace has it.
+const CLI_BIN: &str = "cuweave";
+
+/// Workspace members whose tests never touch a GPU and need cargo at run time.
+const EXCLUDED_PACKAGES: &[&str] = &["xtask"];
+
+pub(crate) fn run(bundle: Option<&Path>) -> anyhow::Result<()> {
+    let root = workspace_root();
+    let dir = match bundle {
+        Some(dir) => dir.to_path_buf(),
+        None => root.join("target").join("gpu-bundle"),
+    };
+    build_bundle(&root, &dir)?;
+    if bundle.is_some() {
+        println!(
+            "carry {} to a GPU machine and run `{}/run` there",
+            dir.display(),
+            dir.display()
+        );
+        return Ok(());
+    }
+    let status = Command::new("bash")
+        .arg(dir.join("run"))
+        .status()
+        .context("running the bundle's run script with bash")?;
+    if !status.success() {
+        bail!("GPU tests failed ({status})");
+    }
+    Ok(())
+}
+
+/// One binary to bundle: where cargo put it and the name it gets in the bundle.
+#[derive(Debug)]
+struct Binary {
+    path: PathBuf,
+    name: String,
+}
+
+/// What `cargo metadata` tells us about the workspace.
+struct Workspace {
+    /// Manifest path to package name, for naming binaries after their package.
+    packages: BTreeMap<PathBuf, String>,
+    /// Names of every `bench` target in the workspace.
+    bench_targets: Vec<String>,
+    /// The package holding a `bin` target named [`CLI_BIN`], if any.
+    cli_package: Option<String>,
+}
+
+fn build_bundle(root: &Path, dir: &Path) -> anyhow::Result<()> {
+    let workspace = workspace_metadata(root)?;
+
+    let mut test_args = vec!["test", "--workspace", "--release", "--no-run"];
+    for package in EXCLUDED_PACKAGES {
+        test_args.extend(["--exclude", package]);
+    }
+    let tests = cargo_binaries(root, &test_args, &workspace, |artifact| {
+        artifact["profile"]["test"].as_bool() == Some(true)
+    })?;
+
+    // `cargo bench` also rebuilds every lib and bin as a libtest bench harness; only the bench
+    // targets themselves are wanted, so name them.
+    let benches = if workspace.bench_targets.is_empty() {
+        Vec::new()
+    } else {
+        let mut bench_args = vec!["bench", "--workspace", "--no-run"];
+        for package in EXCLUDED_PACKAGES {
+            bench_args.extend(["--exclude", package]);
+        }
+        for name in &workspace.bench_targets {
+            bench_args.extend(["--bench", name]);
+        }
+        cargo_binaries(root, &bench_args, &workspace, |artifact| {
+            has_kind(artifact, "bench")
+        })?
+    };
+
+    let cli = match &workspace.cli_package {
+        Some(package) => {
+            let args = [
+                "build",
+                "--release",
+                "--package",
+                package.as_str(),
+                "--bin",
+                CLI_BIN,
+            ];
+            cargo_binaries(root, &args, &workspace, |artifact| {
+                has_kind(artifact, "bin") && artifact["target"]["name"] == CLI_BIN
+            })?
+            .into_iter()
+            .map(|binary| Binary {
+                name: format!("{CLI_BIN}{}", std::env::consts::EXE_SUFFIX),
+                ..binary
+            })
+            .collect()
+        }
+        None => Vec::new(),
+    };
+
+    fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    // Only our own subdirectories are cleared: DIR may be a directory the user keeps other files in.
+    for sub in ["tests", "benches", "bin", "logs"] {
+        let path = dir.join(sub);
+        if path.exists() {
+            fs::remove_dir_all(&path).with_context(|| format!("clearing {}", path.display()))?;
+        }
+    }
+    let strip = strip_available();
+    copy_binaries(&tests, &dir.join("tests"), strip)?;
+    copy_binaries(&benches, &dir.join("benches"), strip)?;
+    copy_binaries(&cli, &dir.join("bin"), strip)?;
+    write_run_script(&dir.join("run"))?;
+
+    let bytes = dir_size(dir)?;
+    println!(
+        "gpu bundle {}: {} test, {} bench, {} cli binaries, {:.1} MiB",
+        dir.display(),
+        tests.len(),
+        benches.len(),
+        cli.len(),
+        bytes as f64 / (1024.0 * 1024.0)
+    );
+    if bytes > BUNDLE_WARN_BYTES {
+        eprintln!(
+            "warning: the bundle is over {} MiB; check which binaries grew",
+            BUNDLE_WARN_BYTES / (1024 * 1024)
+        );
+    }
+    Ok(())
+}
+
+fn cargo() -> OsString {
+    std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into())
+}
+
+fn workspace_metadata(root: &Path) -> anyhow::Result<Workspace> {
+    let output = Command::new(cargo())
+        .args(["metadata", "--no-deps", "--format-version", "1"])
+        .current_dir(root)
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running cargo metadata")?;
+    if !output.status.success() {
+        bail!("cargo metadata failed ({})", output.status);
+    }
+    let metadata: Value =
+        serde_json::from_slice(&output.stdout).context("parsing cargo metadata output")?;
+    parse_metadata(&metadata)
+}
+
+fn parse_metadata(metadata: &Value) -> anyhow::Result<Workspace> {
+    let mut workspace = Workspace {
+        packages: BTreeMap::new(),
+        bench_targets: Vec::new(),
+        cli_package: None,
+    };
+    let packages = metadata["packages"]
+        .as_array()
+        .context("cargo metadata has no packages")?;
+    for package in packages {
+        let name = package["name"].as_str().context("package without a name")?;
+        if let Some(manifest) = package["manifest_path"].as_str() {
+            workspace
+                .packages
+                .insert(PathBuf::from(manifest), name.to_string());
+        }
+        if EXCLUDED_PACKAGES.contains(&name) {
+            continue;
+        }
+        for target in package["targets"].as_array().into_iter().flatten() {
+            let Some(target_name) = target["name"].as_str() else {
+                continue;
+            };
+            if has_target_kind(target, "bench")
+                && !workspace.bench_targets.iter().any(|n| n == target_name)
+            {
+                workspace.bench_targets.push(target_name.to_string());
+            }
+            if has_target_kind(target, "bin") && target_name == CLI_BIN {
+                workspace.cli_package = Some(name.to_string());
+            }
+        }
+    }
+    Ok(workspace)
+}
+
+fn has_target_kind(target: &Value, kind: &str) -> bool {
+    target["kind"]
+        .as_array()
+        .is_some_and(|kinds| kinds.iter().any(|k| k == kind))
+}
+
+fn has_kind(artifact: &Value, kind: &str) -> bool {
+    has_target_kind(&artifact["target"], kind)
+}
+
+/// Runs a cargo build command with JSON messages and returns the executables of the artifacts
+/// `keep` accepts, deduplicated, each named after its package and target.
+fn cargo_binaries(
+    root: &Path,
+    args: &[&str],
+    workspace: &Workspace,
+    keep: impl Fn(&Value) -> bool,
+) -> anyhow::Result<Vec<Binary>> {
+    println!("cargo {}", args.join(" "));
+    let output = Command::new(cargo())
+        .args(args)
+        .arg("--message-format=json-render-diagnostics")
+        .current_dir(root)
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| format!("running cargo {}", args.join(" ")))?;
+    if !output.status.success() {
+        bail!("cargo {} failed ({})", args.join(" "), output.status);
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let mut binaries = Vec::new();
+    let mut seen_paths = HashSet::new();
+    let mut seen_names = HashSet::new();
+    for line in stdout.lines() {
+        let Ok(message) = serde_json::from_str::<Value>(line) else {
+            continue;
+        };
+        if message["reason"] != "compiler-artifact" || !keep(&message) {
+            continue;
+        }
+        let Some(executable) = message["executable"].as_str() else {
+            continue;
+        };
+        if !seen_paths.insert(executable.to_string()) {
+            continue;
+        }
+        let mut name = bundle_name(&message, workspace);
+        // Two targets mapping to one name would overwrite each other in the bundle.
+        let base = name.clone();
+        let mut n = 2;
+        while !seen_names.insert(name.clone()) {
+            name = format!("{base}-{n}");
+            n += 1;
+        }
+        name.push_str(std::env::consts::EXE_SUFFIX);
+        binaries.push(Binary {
+            path: PathBuf::from(executable),
+            name,
+        });
+    }
+    Ok(binaries)
+}
+
+/// `package--target` without cargo's hash: `cuweave-driver--lib`, `cuweave-memory--caching`.
+fn bundle_name(artifact: &Value, workspace: &Workspace) -> String {
+    let target = artifact["target"]["name"].as_str().unwrap_or("unknown");
+    let package = artifact["manifest_path"]
+        .as_str()
+        .and_then(|manifest| workspace.packages.get(Path::new(manifest)))
+        .map_or(target, String::as_str);
+    let kind = artifact["target"]["kind"][0].as_str().unwrap_or("");
+    let suffix = match kind {
+        "lib" | "rlib" | "dylib" | "cdylib" | "staticlib" | "proc-macro" => "lib".to_string(),
+        "bin" => format!("bin-{target}"),
+        "example" => format!("example-{target}"),
+        _ => target.to_string(),
+    };
+    format!("{package}--{suffix}")
+}
+
+fn strip_available() -> bool {
+    Command::new("strip")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success())
+}
+
+fn copy_binaries(binaries: &[Binary], dir: &Path, strip: bool) -> anyhow::Result<()> {
+    if binaries.is_empty() {
+        return Ok(());
+    }
+    fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    for binary in binaries {
+        let dest = dir.join(&binary.name);
+        fs::copy(&binary.path, &dest).with_context(|| {
+            format!("copying {} to {}", binary.path.display(), dest.display())
+        })?;
+        if strip {
+            // The release profile already strips symbols; this only trims what is left, so a
+            // failure (an unusual binary format) is not worth stopping for.
+            let stripped = Command::new("strip")
+                .arg(&dest)
+                .status()
+                .is_ok_and(|status| status.success());
+            if !stripped {
+                eprintln!("warning: could not strip {}", dest.display());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn write_run_script(path: &Path) -> anyhow::Result<()> {
+    fs::write(path, RUN_SCRIPT).with_context(|| format!("writing {}", path.display()))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(path, fs::Permissions::from_mode(0o755))
+            .with_context(|| format!("making {} executable", path.display()))?;
+    }
+    Ok(())
+}
+
+fn dir_size(dir: &Path) -> anyhow::Result<u64> {
+    let mut total = 0;
+    for entry in fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let entry = entry?;
+        let meta = entry.metadata()?;
+        total += if meta.is_dir() {
+            dir_size(&entry.path())?
+        } else {
+            meta.len()
+        };
+    }
+    Ok(total)
+}
+
+/// The bundle's `run` script. Plain bash and coreutils, because the GPU machine has nothing else.
+///
+/// Counting: `passed` and `failed` come from libtest's `test result:` line of each binary;
+/// `skipped` is its `ignored` plus the `SKIPPED <test>: <reason>` notes that
+/// `cuweave_test_support::gpu` writes (such a test reports as passed to libtest, so it moves from
+/// passed to skipped). A binary that exits non-zero without reporting a failure (a crash, an abort,
+/// a segfault) counts as one failure under its own name.
+const RUN_SCRIPT: &str = r#"#!/usr/bin/env bash
+# Runs cuweave's GPU tests or benches from this bundle. Written by `cargo xtask gpu-test`.
+#
+#   ./run [--quiet] [ARGS...]   every test binary in tests/ with --test-threads=1 ARGS (ARGS: a test
+#                               name filter, --ignored, ...); --quiet keeps passing output in logs/ only.
+#                               Last line: gpu-test: DEVICE passed=N failed=N skipped=N
+#   ./run --bench [FILTER...]   every criterion binary in benches/ with --bench FILTER
+#   ./run --info [ARGS...]      bin/cuweave info ARGS
+#
+# CUWEAVE_REQUIRE_GPU=1 is exported, so a test that finds no GPU fails instead of skipping.
+# Logs go to logs/ beside this script and, when $OUT is set, are copied to $OUT/logs.
+set -u
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+export CUWEAVE_REQUIRE_GPU=1
+export CRITERION_HOME="${CRITERION_HOME:-$here/criterion}"
+logs="$here/logs"
+
+mode=test
+quiet=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bench) mode=bench; shift ;;
+    --info) mode=info; shift ;;
+    --quiet) quiet=1; shift ;;
+    --) shift; break ;;
+    *) break ;;
+  esac
+done
+
+device="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+device="$(printf '%s' "$device" | sed 's/^[[:space:]]*//; s/[[:space:]]*$//')"
+[ -n "$device" ] || device="unknown-device"
+
+rm -rf "$logs"
+mkdir -p "$logs"
+
+copy_out() {
+  if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT" && cp -r "$logs" "$OUT/" 2>/dev/null
+    if [ "$mode" = bench ] && [ -d "$CRITERION_HOME" ]; then
+      cp -r "$CRITERION_HOME" "$OUT/" 2>/dev/null
+    fi
+  fi
+  return 0
+}
+
+now_ms() { date +%s%3N; }
+
+shopt -s nullglob
+
+if [ "$mode" = info ]; then
+  if [ ! -x "$here/bin/cuweave" ]; then
+    echo "run: this bundle has no bin/cuweave" >&2
+    exit 1
+  fi
+  "$here/bin/cuweave" info "$@" 2>&1 | tee "$logs/info.log"
+  status=${PIPESTATUS[0]}
+  copy_out
+  exit "$status"
+fi
+
+if [ "$mode" = bench ]; then
+  benches=("$here"/benches/*)
+  if [ ${#benches[@]} -eq 0 ]; then
+    echo "run: this bundle has no bench binaries" >&2
+    exit 1
+  fi
+  echo "bench: $device"
+  status=0
+  for bin in "${benches[@]}"; do
+    name="$(basename "$bin")"
+    echo "== $name"
+    "$bin" --bench "$@" 2>&1 | tee "$logs/$name.log"
+    code=${PIPESTATUS[0]}
+    if [ "$code" -ne 0 ]; then
+      echo "run: $name exited with status $code" >&2
+      status=1
+    fi
+  done
+  copy_out
+  exit "$status"
+fi
+
+tests=("$here"/tests/*)
+passed=0
+failed=0
+skipped=0
+summaries=()
+failures=()
+for bin in ${tests[@]+"${tests[@]}"}; do
+  [ -f "$bin" ] && [ -x "$bin" ] || continue
+  name="$(basename "$bin")"
+  log="$logs/$name.log"
+  echo "== $name"
+  start=$(now_ms)
+  if [ "$quiet" = 1 ]; then
+    "$bin" --test-threads=1 "$@" >"$log" 2>&1
+    code=$?
+  else
+    "$bin" --test-threads=1 "$@" 2>&1 | tee "$log"
+    code=${PIPESTATUS[0]}
+  fi
+  ms=$(( $(now_ms) - start ))
+
+  p=0; f=0; i=0; results=0; running=""
+  re='test result: [A-Za-z]+\. ([0-9]+) passed; ([0-9]+) failed; ([0-9]+) ignored;'
+  while IFS= read -r line || [ -n "$line" ]; do
+    if [[ $line =~ $re ]]; then
+      p=$(( p + BASH_REMATCH[1] ))
+      f=$(( f + BASH_REMATCH[2] ))
+      i=$(( i + BASH_REMATCH[3] ))
+      results=$(( results + 1 ))
+    elif [[ $line =~ ^test\ (.+)\ \.\.\.\ FAILED$ ]]; then
+      failures+=("$name: ${BASH_REMATCH[1]}")
+      running=""
+    elif [[ $line =~ ^test\ (.+)\ \.\.\.\ (ok|ignored.*)$ ]] || [ "$line" = ok ]; then
+      running=""
+    elif [[ $line =~ ^test\ (.+)\ \.\.\.\  ]]; then
+      # A test that started and has not reported yet: if the binary dies, it died here.
+      running="${BASH_REMATCH[1]}"
+    fi
+  done <"$log"
+  # libtest prints "test NAME ... " before running a test, so a skip note lands mid-line; count
+  # occurrences anywhere, not lines starting with it.
+  s=$(grep -o 'SKIPPED [^ ]*: ' "$log" | wc -l | tr -d ' ')
+  [ "$s" -le "$p" ] || s=$p
+  p=$(( p - s ))
+  i=$(( i + s ))
+
+  note=""
+  if [ "$results" -eq 0 ]; then
+    if [ "$code" -eq 0 ]; then
+      # Not a libtest binary (harness = false): its exit status is its one result.
+      p=$(( p + 1 ))
+      note=" (no libtest summary; counted by exit status)"
+    else
+      f=$(( f + 1 ))
+      if [ -n "$running" ]; then
+        failures+=("$name: exited with status $code during $running")
+      else
+        failures+=("$name: exited with status $code before reporting a result")
+      fi
+      note=" (exited with status $code, no test result)"
+    fi
+  elif [ "$code" -ne 0 ] && [ "$f" -eq 0 ]; then
+    f=1
+    failures+=("$name: exited with status $code after all tests passed")
+    note=" (exited with status $code after its tests)"
+  fi
+  if [ "$f" -eq 0 ]; then verdict=ok; else verdict=FAIL; fi
+  if [ "$quiet" = 1 ] && [ "$f" -ne 0 ]; then
+    cat "$log"
+  fi
+
+  summary=$(printf '%-4s %-48s passed=%d failed=%d skipped=%d %d.%03ds%s' \
+    "$verdict" "$name" "$p" "$f" "$i" $(( ms / 1000 )) $(( ms % 1000 )) "$note")
+  echo "$summary"
+  summaries+=("$summary")
+  passed=$(( passed + p ))
+  failed=$(( failed + f ))
+  skipped=$(( skipped + i ))
+done
+
+echo
+echo "== summary"
+for line in ${summaries[@]+"${summaries[@]}"}; do
+  echo "$line"
+done
+if [ ${#failures[@]} -gt 0 ]; then
+  echo "failures:"
+  for line in "${failures[@]}"; do
+    echo "  $line"
+  done
+fi
+if [ ${#summaries[@]} -eq 0 ]; then
+  echo "run: this bundle has no test binaries" >&2
+  failed=$(( failed + 1 ))
+fi
+copy_out
+echo "gpu-test: $device passed=$passed failed=$failed skipped=$skipped"
+[ "$failed" -eq 0 ]
+"#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn workspace() -> Workspace {
+        Workspace {
+            packages: BTreeMap::from([(
+                PathBuf::from("/w/crates/cuweave-memory/Cargo.toml"),
+                "cuweave-memory".to_string(),
+            )]),
+            bench_targets: Vec::new(),
+            cli_package: None,
+        }
+    }
+
+    fn artifact(kind: &str, name: &str) -> Value {
+        serde_json::json!({
+            "reason": "compiler-artifact",
+            "manifest_path": "/w/crates/cuweave-memory/Cargo.toml",
+            "target": { "kind": [kind], "name": name },
+            "profile": { "test": true },
+            "executable": format!("/w/target/release/deps/{name}-0123abcd"),
+        })
+    }
+
+    #[test]
+    fn bundle_names_drop_the_hash_and_keep_the_package() {
+        let ws = workspace();
+        assert_eq!(
+            bundle_name(&artifact("lib", "cuweave_memory"), &ws),
+            "cuweave-memory--lib"
+        );
+        assert_eq!(
+            bundle_name(&artifact("test", "caching"), &ws),
+            "cuweave-memory--caching"
+        );
+        assert_eq!(
+            bundle_name(&artifact("bin", "tool"), &ws),
+            "cuweave-memory--bin-tool"
+        );
+    }
+
+    #[test]
+    fn metadata_finds_benches_and_the_cli() {
+        let metadata = serde_json::json!({ "packages": [
+            { "name": "cuweave-cli", "manifest_path": "/w/cli/Cargo.toml",
+              "targets": [{ "kind": ["bin"], "name": "cuweave" }] },
+            { "name": "cuweave-benches", "manifest_path": "/w/benches/Cargo.toml",
+              "targets": [{ "kind": ["bench"], "name": "alloc" },
+                          { "kind": ["lib"], "name": "cuweave_benches" }] },
+            { "name": "xtask", "manifest_path": "/w/xtask/Cargo.toml",
+              "targets": [{ "kind": ["bench"], "name": "ignored" }] },
+        ]});
+        let ws = parse_metadata(&metadata).unwrap();
+        assert_eq!(ws.cli_package.as_deref(), Some("cuweave-cli"));
+        assert_eq!(ws.bench_targets, ["alloc"]);
+        assert_eq!(ws.packages.len(), 3);
+    }
+}
