@@ -302,9 +302,8 @@ fn copy_binaries(binaries: &[Binary], dir: &Path, strip: bool) -> anyhow::Result
     fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     for binary in binaries {
         let dest = dir.join(&binary.name);
-        fs::copy(&binary.path, &dest).with_context(|| {
-            format!("copying {} to {}", binary.path.display(), dest.display())
-        })?;
+        fs::copy(&binary.path, &dest)
+            .with_context(|| format!("copying {} to {}", binary.path.display(), dest.display()))?;
         if strip {
             // The release profile already strips symbols; this only trims what is left, so a
             // failure (an unusual binary format) is not worth stopping for.
@@ -453,6 +452,8 @@ for bin in ${tests[@]+"${tests[@]}"}; do
   else
     "$bin" --test-threads=1 "$@" 2>&1 | tee "$log"
     code=${PIPESTATUS[0]}
+    # A binary that died mid-line (after "test NAME ... ") would glue our verdict onto that line.
+    [ -z "$(tail -c 1 "$log")" ] || echo
   fi
   ms=$(( $(now_ms) - start ))
 

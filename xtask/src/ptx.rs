@@ -56,7 +56,11 @@ fn compile(nvcc: &Path, source: &Path, out: &Path) -> anyhow::Result<()> {
         .status()
         .with_context(|| format!("running {}", nvcc.display()))?;
     if !status.success() {
-        bail!("{} failed on {} ({status})", nvcc.display(), source.display());
+        bail!(
+            "{} failed on {} ({status})",
+            nvcc.display(),
+            source.display()
+        );
     }
     Ok(())
 }
@@ -75,7 +79,11 @@ fn find_nvcc() -> anyhow::Result<PathBuf> {
         .into_iter()
         .map(|root| root.join("bin").join(&exe));
     let from_path: Vec<PathBuf> = std::env::var_os("PATH")
-        .map(|path| std::env::split_paths(&path).map(|dir| dir.join(&exe)).collect())
+        .map(|path| {
+            std::env::split_paths(&path)
+                .map(|dir| dir.join(&exe))
+                .collect()
+        })
         .unwrap_or_default();
     from_roots
         .chain(from_path)

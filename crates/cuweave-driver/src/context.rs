@@ -151,8 +151,7 @@ impl Context {
         let outcome = unsafe { cu!(api.ctx_enable_peer_access(peer.raw, 0)) };
         match outcome {
             Err(error)
-                if error.code()
-                    == Some(sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) =>
+                if error.code() == Some(sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) =>
             {
                 Ok(())
             }

@@ -34,6 +34,16 @@ pub enum DriverError {
         /// The driver entry point that failed.
         operation: &'static str,
     },
+    /// The device lacks a capability the operation needs (managed memory, memory pools, …).
+    #[error("device {device} lacks {capability}, which {operation} needs")]
+    CapabilityMissing {
+        /// The missing capability, e.g. `concurrent managed access`.
+        capability: &'static str,
+        /// The device's ordinal.
+        device: usize,
+        /// The operation that needed it.
+        operation: &'static str,
+    },
     /// An argument was rejected before reaching the driver.
     #[error("invalid argument to {operation}: {reason}")]
     InvalidArgument {

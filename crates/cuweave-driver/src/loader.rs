@@ -70,7 +70,8 @@ impl<F: Copy> Entry<F> {
                 // SAFETY: `F` is the `PFN_*` typedef that `cudaTypedefs.h` gives for exactly this
                 // symbol and version, so the address has that ABI; the sizes were checked above and
                 // the address is non-null, as a function pointer must be.
-                let function = unsafe { std::mem::transmute_copy::<*mut c_void, F>(&address.as_ptr()) };
+                let function =
+                    unsafe { std::mem::transmute_copy::<*mut c_void, F>(&address.as_ptr()) };
                 Self {
                     symbol,
                     function: Some(function),
@@ -107,7 +108,11 @@ impl<F> std::fmt::Debug for Entry<F> {
             f,
             "{}{}",
             self.symbol,
-            if self.function.is_some() { "" } else { " (absent)" }
+            if self.function.is_some() {
+                ""
+            } else {
+                " (absent)"
+            }
         )
     }
 }
@@ -385,7 +390,11 @@ impl DriverApi {
             return None;
         }
         // SAFETY: on success the driver returns a NUL-terminated string with static lifetime.
-        Some(unsafe { CStr::from_ptr(text) }.to_string_lossy().into_owned())
+        Some(
+            unsafe { CStr::from_ptr(text) }
+                .to_string_lossy()
+                .into_owned(),
+        )
     }
 }
 

@@ -30,7 +30,10 @@ impl Module {
     /// `InvalidArgument` for text with a NUL byte; the driver's compile error otherwise.
     pub fn from_ptx(context: &Arc<Context>, ptx: &str) -> Result<Arc<Self>> {
         let text = CString::new(ptx).map_err(|e| {
-            DriverError::invalid("Module::from_ptx", format!("PTX has a NUL byte at {}", e.nul_position()))
+            DriverError::invalid(
+                "Module::from_ptx",
+                format!("PTX has a NUL byte at {}", e.nul_position()),
+            )
         })?;
         // SAFETY: a NUL-terminated PTX string is a valid image for cuModuleLoadData.
         unsafe { Self::load(context, text.as_ptr().cast()) }
@@ -74,8 +77,9 @@ impl Module {
 
     /// Looks up a kernel by its (unmangled, `extern "C"`) name.
     pub fn function(self: &Arc<Self>, name: &str) -> Result<Kernel> {
-        let c_name = CString::new(name)
-            .map_err(|_| DriverError::invalid("Module::function", format!("name {name:?} has a NUL byte")))?;
+        let c_name = CString::new(name).map_err(|_| {
+            DriverError::invalid("Module::function", format!("name {name:?} has a NUL byte"))
+        })?;
         self.context.bind_to_thread()?;
         let api = driver()?;
         let mut raw = std::ptr::null_mut();
@@ -122,7 +126,9 @@ impl LaunchConfig {
     /// a thread (at most [`Self::MAX_ELEMENT_BLOCKS`]; kernels must loop grid-stride beyond that).
     pub fn for_elements(n: usize, block: u32) -> Self {
         let block = block.max(1);
-        let blocks = n.div_ceil(block as usize).clamp(1, Self::MAX_ELEMENT_BLOCKS as usize);
+        let blocks = n
+            .div_ceil(block as usize)
+            .clamp(1, Self::MAX_ELEMENT_BLOCKS as usize);
         Self {
             grid: (blocks as u32, 1, 1),
             block: (block, 1, 1),
@@ -224,7 +230,12 @@ impl Kernel {
     /// # Errors
     /// `InvalidArgument` for a zero dimension or a stream of another device; the driver's error
     /// for a launch it refuses.
-    pub unsafe fn launch(&self, stream: &Stream, config: LaunchConfig, args: &KernelArgs<'_>) -> Result<()> {
+    pub unsafe fn launch(
+        &self,
+        stream: &Stream,
+        config: LaunchConfig,
+        args: &KernelArgs<'_>,
+    ) -> Result<()> {
         config.validate()?;
         stream.ensure_device(self.module.context.device(), "Kernel::launch")?;
         self.module.context.bind_to_thread()?;
@@ -274,7 +285,10 @@ mod tests {
     fn zero_dimensions_are_rejected() {
         let mut c = LaunchConfig::single();
         c.block.1 = 0;
-        assert!(matches!(c.validate(), Err(DriverError::InvalidArgument { .. })));
+        assert!(matches!(
+            c.validate(),
+            Err(DriverError::InvalidArgument { .. })
+        ));
     }
 
     #[test]

@@ -86,7 +86,11 @@ impl Stream {
     ///
     /// # Errors
     /// `InvalidArgument` when `priority` lies outside the context's range.
-    pub fn with_priority(context: &Arc<Context>, flags: StreamFlags, priority: i32) -> Result<Self> {
+    pub fn with_priority(
+        context: &Arc<Context>,
+        flags: StreamFlags,
+        priority: i32,
+    ) -> Result<Self> {
         let range = context.stream_priority_range()?;
         if !range.contains(priority) {
             return Err(DriverError::invalid(
@@ -202,9 +206,8 @@ impl Stream {
         let boxed: Box<HostCallback> = Box::new(Box::new(callback));
         let data = Box::into_raw(boxed).cast::<c_void>();
         // SAFETY: the trampoline matches CUhostFn and takes ownership of `data` when it runs.
-        let outcome = unsafe {
-            cu!(api.launch_host_func(self.raw, Some(host_callback_trampoline), data))
-        };
+        let outcome =
+            unsafe { cu!(api.launch_host_func(self.raw, Some(host_callback_trampoline), data)) };
         if outcome.is_err() {
             // SAFETY: the driver rejected the launch, so it will never call the trampoline: we
             // still own `data` and reclaim it exactly once.

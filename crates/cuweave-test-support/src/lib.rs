@@ -1,1 +1,194 @@
-//! placeholder
+//! Test-only helpers for cuweave: find a GPU or skip, and PTX kernels to drive it.
+//!
+//! GPU tests in every cuweave crate start with [`require_gpu!`]. On a machine without a CUDA
+//! driver or device the test prints `SKIPPED <test>: <reason>` to stderr and passes, so
+//! `cargo test` stays green everywhere; with `CUWEAVE_REQUIRE_GPU=1` (which `cargo xtask gpu-test`
+//! and its bundles set) the same test fails instead, so a GPU run can never pass by skipping.
+//!
+//! [`kernels::TestKernels`] loads small PTX kernels (fill, add, saxpy, increment, checksum, spin,
+//! watch) that let tests check real outcomes: bytes written by the device, ordering observed by a
+//! kernel, memory that a running kernel still reads not being reused.
+//!
+//! ```no_run
+//! use cuweave_driver::{Stream, StreamFlags};
+//! use cuweave_test_support::{kernels::TestKernels, require_gpu};
+//!
+//! # fn main() -> Result<(), cuweave_driver::DriverError> {
+//! let gpu = require_gpu!(else return Ok(()));
+//! let kernels = TestKernels::load(&gpu.context)?;
+//! let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING)?;
+//! kernels.spin_ns(&stream, 1_000_000)?;
+//! stream.synchronize()?;
+//! # Ok(())
+//! # }
+//! ```
+
+use std::io::Write;
+use std::sync::Arc;
+
+use cuweave_driver::{Context, Device, DriverError};
+
+pub mod kernels;
+
+/// Name of the environment variable that turns a missing GPU from a skip into a failure.
+pub const REQUIRE_GPU_VAR: &str = "CUWEAVE_REQUIRE_GPU";
+
+/// The GPU a test runs on: device 0 and its primary context.
+#[derive(Debug, Clone)]
+pub struct Gpu {
+    /// Device 0.
+    pub device: Device,
+    /// Device 0's primary context, retained for as long as this value (or a clone) lives.
+    pub context: Arc<Context>,
+}
+
+/// Device 0 and its primary context, or `None` (after saying why) when the test must be skipped.
+///
+/// When no driver or no device is present this writes `SKIPPED <test>: <reason>` straight to the
+/// process's stderr (libtest does not capture that, so the skip shows in test output and the
+/// `gpu-test` bundle counts it) and returns `None`.
+///
+/// # Panics
+/// When no GPU is usable and `CUWEAVE_REQUIRE_GPU=1`, with the reason: a GPU run must not pass by
+/// skipping.
+pub fn gpu(test: &str) -> Option<Gpu> {
+    match find_gpu() {
+        Ok(gpu) => Some(gpu),
+        Err(reason) => {
+            if gpu_required() {
+                panic!("{test}: {REQUIRE_GPU_VAR}=1 but no GPU is usable: {reason}");
+            }
+            // One write, so that lines from concurrent tests do not interleave.
+            let line = format!("SKIPPED {test}: {reason}\n");
+            let _ = std::io::stderr().write_all(line.as_bytes());
+            None
+        }
+    }
+}
+
+/// Whether `CUWEAVE_REQUIRE_GPU` is `1`, i.e. a test without a GPU must fail instead of skipping.
+pub fn gpu_required() -> bool {
+    std::env::var_os(REQUIRE_GPU_VAR).is_some_and(|value| value == "1")
+}
+
+/// Device 0 with its primary context, or why there is none (the text a skip prints).
+fn find_gpu() -> Result<Gpu, String> {
+    let count = Device::count().map_err(|error| skip_reason(&error))?;
+    if count == 0 {
+        return Err("the CUDA driver reports no devices".to_string());
+    }
+    let device = Device::get(0).map_err(|error| skip_reason(&error))?;
+    let context = Context::primary(device)
+        .map_err(|error| format!("device 0 is present but its primary context failed: {error}"))?;
+    Ok(Gpu { device, context })
+}
+
+fn skip_reason(error: &DriverError) -> String {
+    match error {
+        DriverError::NotFound { .. } => format!("no CUDA driver ({error})"),
+        other => other.to_string(),
+    }
+}
+
+/// The test's name from `std::any::type_name` of a function item declared inside it:
+/// `my_crate::tests::fills::__cuweave_test_name` becomes `my_crate::tests::fills`.
+#[doc(hidden)]
+pub fn __test_name(item_type_name: &'static str) -> &'static str {
+    item_type_name
+        .strip_suffix("::__cuweave_test_name")
+        .unwrap_or(item_type_name)
+}
+
+/// Gets the test's [`Gpu`], or skips the test by returning early when there is none.
+///
+/// `let gpu = require_gpu!();` expands to `match gpu(<this test's path>) { Some(g) => g,
+/// None => return }`. In a test that returns a value, say what to return:
+/// `let gpu = require_gpu!(else return Ok(()));`. The test's name (its module path and function
+/// name) is found automatically; `require_gpu!(name = "custom")` overrides it.
+///
+/// With `CUWEAVE_REQUIRE_GPU=1` a missing GPU panics instead (see [`gpu`]).
+///
+/// ```no_run
+/// #[test]
+/// fn fills_device_memory() {
+///     let gpu = cuweave_test_support::require_gpu!();
+///     let _ = gpu.device.name();
+/// }
+/// ```
+#[macro_export]
+macro_rules! require_gpu {
+    (name = $name:expr, else $ret:expr) => {
+        match $crate::gpu($name) {
+            ::std::option::Option::Some(gpu) => gpu,
+            ::std::option::Option::None => {
+                #[allow(clippy::needless_return)]
+                $ret;
+            }
+        }
+    };
+    (name = $name:expr) => {
+        $crate::require_gpu!(name = $name, else return)
+    };
+    (else $ret:expr) => {
+        $crate::require_gpu!(
+            name = {
+                fn __cuweave_test_name() {}
+                $crate::__test_name(::std::any::type_name_of_val(&__cuweave_test_name))
+            },
+            else $ret
+        )
+    };
+    () => {
+        $crate::require_gpu!(else return)
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn has_device() -> bool {
+        Device::count().is_ok_and(|count| count > 0)
+    }
+
+    #[test]
+    fn gpu_is_some_exactly_when_a_device_is_present() {
+        if has_device() {
+            assert!(gpu("gpu_is_some_exactly_when_a_device_is_present").is_some());
+        } else if gpu_required() {
+            let result = std::panic::catch_unwind(|| gpu("required_without_a_device"));
+            assert!(result.is_err(), "a required GPU that is missing must panic");
+        } else {
+            assert!(gpu("skips_without_a_device").is_none());
+        }
+    }
+
+    #[test]
+    fn require_gpu_returns_early_without_a_gpu() {
+        if has_device() || gpu_required() {
+            return;
+        }
+        fn body() -> bool {
+            let _gpu = require_gpu!(else return false);
+            true
+        }
+        assert!(!body());
+        let mut reached = false;
+        (|| {
+            let _gpu = require_gpu!();
+            reached = true;
+        })();
+        assert!(!reached);
+    }
+
+    #[test]
+    fn test_name_is_the_enclosing_function_path() {
+        fn __cuweave_test_name() {}
+        let name = __test_name(std::any::type_name_of_val(&__cuweave_test_name));
+        assert_eq!(
+            name,
+            "cuweave_test_support::tests::test_name_is_the_enclosing_function_path"
+        );
+        assert_eq!(__test_name("plain"), "plain");
+    }
+}

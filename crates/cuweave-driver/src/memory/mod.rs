@@ -1,1 +1,41 @@
-//! Raw device, host and managed memory.
+//! Raw memory: device, pinned-host and managed allocations, copies, memsets, stream-ordered
+//! pools, and the unified-memory advice, prefetch and range queries.
+//!
+//! The allocation types own their memory and free it on drop. Copies, memsets, advice and
+//! prefetch take raw pointers, so they are `unsafe fn`s with their contracts written down:
+//! `cuweave-memory` builds the typed, safe buffers on top of them.
+
+mod copy;
+mod device_alloc;
+mod host;
+mod managed;
+mod pointer;
+mod pool;
+
+pub use copy::{
+    copy_dtod, copy_dtod_async, copy_dtoh, copy_dtoh_async, copy_htod, copy_htod_async,
+    copy_peer_async, memset_d8, memset_d8_async, memset_d32, memset_d32_async,
+};
+pub use device_alloc::{DeviceAllocation, alloc_async, free_async};
+pub use host::{HostAllocFlags, HostAllocation, HostRegistration};
+pub use managed::{
+    Advice, ManagedAllocation, MemLocation, PrefetchRange, advise, prefetch_async,
+    prefetch_batch_async, range_accessed_by, range_attribute, range_last_prefetch_location,
+    range_preferred_location, range_read_mostly,
+};
+pub use pointer::{MemoryType, PointerAttributes, pointer_attributes};
+pub use pool::MemoryPool;
+
+/// A device address (`CUdeviceptr`).
+pub type DevicePtr = crate::sys::CUdeviceptr;
+
+use crate::error::{DriverError, Result};
+
+/// An error for a zero-byte request, which every driver allocation rejects.
+pub(crate) fn nonzero(bytes: usize, operation: &'static str) -> Result<()> {
+    if bytes == 0 {
+        Err(DriverError::invalid(operation, "zero-byte request"))
+    } else {
+        Ok(())
+    }
+}

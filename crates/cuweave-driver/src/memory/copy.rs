@@ -1,0 +1,200 @@
+//! Copies and memsets on raw addresses, synchronous and stream-ordered.
+//!
+//! All are `unsafe`: the driver checks device addresses only loosely and host addresses not at
+//! all. Each function's contract is the same shape: every range is valid for `bytes` (or
+//! `count` elements), and for the async forms stays valid, and unwritten by the host for
+//! sources / unread for destinations, until the stream has passed the operation.
+
+use std::ffi::c_void;
+
+use super::DevicePtr;
+use crate::context::Context;
+use crate::error::Result;
+use crate::loader::{cu, driver};
+use crate::stream::Stream;
+
+/// Copies `bytes` from host `src` to device `dst` and waits for it.
+///
+/// # Safety
+/// `src` is readable for `bytes`; `dst` is device memory of `context`'s device (or memory it
+/// can address) writable for `bytes`.
+pub unsafe fn copy_htod(
+    context: &Context,
+    dst: DevicePtr,
+    src: *const u8,
+    bytes: usize,
+) -> Result<()> {
+    context.bind_to_thread()?;
+    let api = driver()?;
+    // SAFETY: the caller's contract.
+    unsafe { cu!(api.memcpy_htod(dst, src.cast::<c_void>(), bytes)) }
+}
+
+/// Copies `bytes` from device `src` to host `dst` and waits for it.
+///
+/// # Safety
+/// `dst` is writable for `bytes`; `src` is readable device memory for `bytes`.
+pub unsafe fn copy_dtoh(
+    context: &Context,
+    dst: *mut u8,
+    src: DevicePtr,
+    bytes: usize,
+) -> Result<()> {
+    context.bind_to_thread()?;
+    let api = driver()?;
+    // SAFETY: the caller's contract.
+    unsafe { cu!(api.memcpy_dtoh(dst.cast::<c_void>(), src, bytes)) }
+}
+
+/// Copies `bytes` between device ranges (same device, or peers with unified addressing).
+///
+/// # Safety
+/// Both ranges are valid device memory for `bytes`.
+pub unsafe fn copy_dtod(
+    context: &Context,
+    dst: DevicePtr,
+    src: DevicePtr,
+    bytes: usize,
+) -> Result<()> {
+    context.bind_to_thread()?;
+    let api = driver()?;
+    // SAFETY: the caller's contract.
+    unsafe { cu!(api.memcpy_dtod(dst, src, bytes)) }
+}
+
+/// Queues a host-to-device copy on `stream`. Asynchronous only from pinned host memory; from
+/// pageable memory the driver stages it and returns once `src` has been read.
+///
+/// # Safety
+/// `src` stays readable and unmodified, and `dst` valid, until `stream` passes the copy.
+pub unsafe fn copy_htod_async(
+    dst: DevicePtr,
+    src: *const u8,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<()> {
+    stream.context().bind_to_thread()?;
+    let api = driver()?;
+    // SAFETY: the caller's contract.
+    unsafe { cu!(api.memcpy_htod_async(dst, src.cast::<c_void>(), bytes, stream.as_raw())) }
+}
+
+/// Queues a device-to-host copy on `stream`.
+///
+/// # Safety
+/// `dst` stays writable and unread by the host, and `src` valid, until `stream` passes the copy.
+pub unsafe fn copy_dtoh_async(
+    dst: *mut u8,
+    src: DevicePtr,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<()> {
+    stream.context().bind_to_thread()?;
+    let api = driver()?;
+    // SAFETY: the caller's contract.
+    unsafe { cu!(api.memcpy_dtoh_async(dst.cast::<c_void>(), src, bytes, stream.as_raw())) }
+}
+
+/// Queues a device-to-device copy on `stream`.
+///
+/// # Safety
+/// Both ranges stay valid until `stream` passes the copy.
+pub unsafe fn copy_dtod_async(
+    dst: DevicePtr,
+    src: DevicePtr,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<()> {
+    stream.context().bind_to_thread()?;
+    let api = driver()?;
+    // SAFETY: the caller's contract.
+    unsafe { cu!(api.memcpy_dtod_async(dst, src, bytes, stream.as_raw())) }
+}
+
+/// Queues a copy between devices on `stream` (direct over NVLink/PCIe when peer access is
+/// enabled, staged by the driver otherwise).
+///
+/// # Safety
+/// `dst` is memory of `dst_context`'s device and `src` of `src_context`'s, both valid for `bytes`
+/// until `stream` passes the copy.
+pub unsafe fn copy_peer_async(
+    dst: DevicePtr,
+    dst_context: &Context,
+    src: DevicePtr,
+    src_context: &Context,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<()> {
+    stream.context().bind_to_thread()?;
+    let api = driver()?;
+    // SAFETY: the caller's contract.
+    unsafe {
+        cu!(api.memcpy_peer_async(
+            dst,
+            dst_context.as_raw(),
+            src,
+            src_context.as_raw(),
+            bytes,
+            stream.as_raw(),
+        ))
+    }
+}
+
+/// Sets `bytes` bytes at `dst` to `value` and waits for it.
+///
+/// # Safety
+/// `dst` is device memory writable for `bytes`.
+pub unsafe fn memset_d8(context: &Context, dst: DevicePtr, value: u8, bytes: usize) -> Result<()> {
+    context.bind_to_thread()?;
+    let api = driver()?;
+    // SAFETY: the caller's contract.
+    unsafe { cu!(api.memset_d8(dst, value, bytes)) }
+}
+
+/// Sets `count` 32-bit words at `dst` (4-byte aligned) to `value` and waits for it.
+///
+/// # Safety
+/// `dst` is 4-byte aligned device memory writable for `4 * count` bytes.
+pub unsafe fn memset_d32(
+    context: &Context,
+    dst: DevicePtr,
+    value: u32,
+    count: usize,
+) -> Result<()> {
+    context.bind_to_thread()?;
+    let api = driver()?;
+    // SAFETY: the caller's contract.
+    unsafe { cu!(api.memset_d32(dst, value, count)) }
+}
+
+/// Queues a byte memset on `stream`.
+///
+/// # Safety
+/// `dst` stays valid for `bytes` until `stream` passes the memset.
+pub unsafe fn memset_d8_async(
+    dst: DevicePtr,
+    value: u8,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<()> {
+    stream.context().bind_to_thread()?;
+    let api = driver()?;
+    // SAFETY: the caller's contract.
+    unsafe { cu!(api.memset_d8_async(dst, value, bytes, stream.as_raw())) }
+}
+
+/// Queues a 32-bit memset of `count` words on `stream`.
+///
+/// # Safety
+/// `dst` is 4-byte aligned and stays valid for `4 * count` bytes until `stream` passes it.
+pub unsafe fn memset_d32_async(
+    dst: DevicePtr,
+    value: u32,
+    count: usize,
+    stream: &Stream,
+) -> Result<()> {
+    stream.context().bind_to_thread()?;
+    let api = driver()?;
+    // SAFETY: the caller's contract.
+    unsafe { cu!(api.memset_d32_async(dst, value, count, stream.as_raw())) }
+}

@@ -1,0 +1,123 @@
+//! Device memory from `cuMemAlloc`, and stream-ordered `cuMemAllocAsync` / `cuMemFreeAsync`.
+
+use std::sync::Arc;
+
+use super::{DevicePtr, nonzero};
+use crate::context::Context;
+use crate::error::Result;
+use crate::loader::{cu, driver};
+use crate::stream::Stream;
+
+/// Device memory allocated with `cuMemAlloc`, freed with `cuMemFree` on drop.
+///
+/// Dropping synchronises with the device (that is what `cuMemFree` does), so memory is never
+/// freed under queued work; allocators that must not block use stream-ordered frees instead.
+#[derive(Debug)]
+pub struct DeviceAllocation {
+    context: Arc<Context>,
+    ptr: DevicePtr,
+    bytes: usize,
+}
+
+impl DeviceAllocation {
+    /// Allocates `bytes` of device memory in `context`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for zero bytes; the driver's `CUDA_ERROR_OUT_OF_MEMORY`
+    /// ([`crate::DriverError::is_out_of_memory`]) when the device is full.
+    pub fn new(context: &Arc<Context>, bytes: usize) -> Result<Self> {
+        nonzero(bytes, "DeviceAllocation::new")?;
+        context.bind_to_thread()?;
+        let api = driver()?;
+        let mut ptr = 0;
+        // SAFETY: valid out-pointer; nonzero size; the context is current.
+        unsafe { cu!(api.mem_alloc(&mut ptr, bytes)) }?;
+        Ok(Self {
+            context: Arc::clone(context),
+            ptr,
+            bytes,
+        })
+    }
+
+    /// Takes ownership of memory from `cuMemAlloc`.
+    ///
+    /// # Safety
+    /// `ptr` must come from `cuMemAlloc` in `context`, be `bytes` long, and be owned by nobody else.
+    pub unsafe fn from_raw(context: &Arc<Context>, ptr: DevicePtr, bytes: usize) -> Self {
+        Self {
+            context: Arc::clone(context),
+            ptr,
+            bytes,
+        }
+    }
+
+    /// Gives up ownership: the caller must `cuMemFree` the returned pointer.
+    pub fn into_raw(self) -> (DevicePtr, usize) {
+        let this = std::mem::ManuallyDrop::new(self);
+        (this.ptr, this.bytes)
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// The size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// Always `false`: allocations are never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The context the memory belongs to.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.context
+    }
+}
+
+impl Drop for DeviceAllocation {
+    fn drop(&mut self) {
+        let Ok(api) = driver() else { return };
+        if let Err(error) = self.context.bind_to_thread() {
+            tracing::warn!(%error, "binding context to free device memory failed");
+            return;
+        }
+        // SAFETY: we own this allocation from cuMemAlloc and free it once.
+        if let Err(error) = unsafe { cu!(api.mem_free(self.ptr)) } {
+            tracing::warn!(%error, bytes = self.bytes, "cuMemFree failed");
+        }
+    }
+}
+
+/// Allocates `bytes` from the device's current memory pool, ordered on `stream`
+/// (`cuMemAllocAsync`): the memory may be used by work queued on `stream` after this call.
+///
+/// # Safety
+/// The caller owns the returned pointer and must release it exactly once with [`free_async`]
+/// (or `cuMemFree`), and must not use it on another stream without ordering that stream after
+/// this one.
+pub unsafe fn alloc_async(stream: &Stream, bytes: usize) -> Result<DevicePtr> {
+    nonzero(bytes, "alloc_async")?;
+    stream.context().bind_to_thread()?;
+    let api = driver()?;
+    let mut ptr = 0;
+    // SAFETY: valid out-pointer; live stream whose context is current.
+    unsafe { cu!(api.mem_alloc_async(&mut ptr, bytes, stream.as_raw())) }?;
+    Ok(ptr)
+}
+
+/// Frees stream-ordered memory once the work queued on `stream` so far has finished
+/// (`cuMemFreeAsync`).
+///
+/// # Safety
+/// `ptr` must come from a stream-ordered allocation that has not been freed, and no work
+/// ordered after this free on any stream may touch it.
+pub unsafe fn free_async(ptr: DevicePtr, stream: &Stream) -> Result<()> {
+    stream.context().bind_to_thread()?;
+    let api = driver()?;
+    // SAFETY: the caller guarantees `ptr` is a live stream-ordered allocation.
+    unsafe { cu!(api.mem_free_async(ptr, stream.as_raw())) }
+}
