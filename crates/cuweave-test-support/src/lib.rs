@@ -73,21 +73,14 @@ pub fn gpu_required() -> bool {
 
 /// Device 0 with its primary context, or why there is none (the text a skip prints).
 fn find_gpu() -> Result<Gpu, String> {
-    let count = Device::count().map_err(|error| skip_reason(&error))?;
+    let count = Device::count().map_err(|error: DriverError| error.to_string())?;
     if count == 0 {
         return Err("the CUDA driver reports no devices".to_string());
     }
-    let device = Device::get(0).map_err(|error| skip_reason(&error))?;
+    let device = Device::get(0).map_err(|error: DriverError| error.to_string())?;
     let context = Context::primary(device)
         .map_err(|error| format!("device 0 is present but its primary context failed: {error}"))?;
     Ok(Gpu { device, context })
-}
-
-fn skip_reason(error: &DriverError) -> String {
-    match error {
-        DriverError::NotFound { .. } => format!("no CUDA driver ({error})"),
-        other => other.to_string(),
-    }
 }
 
 /// The test's name from `std::any::type_name` of a function item declared inside it:

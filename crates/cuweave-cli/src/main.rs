@@ -1,0 +1,3 @@
+//! The `cuweave` command (in progress).
+#![forbid(unsafe_code)]
+fn main() {}

@@ -1,0 +1,1 @@
+//! caching (in progress).

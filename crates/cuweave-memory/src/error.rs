@@ -1,0 +1,104 @@
+//! [`MemoryError`]: what can go wrong in the memory layer.
+
+use cuweave_driver::DriverError;
+
+/// A result whose error is a [`MemoryError`].
+pub type Result<T, E = MemoryError> = std::result::Result<T, E>;
+
+/// Why a memory operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MemoryError {
+    /// The driver failed (or is missing, or lacks a capability).
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+    /// A zero-length allocation, copy, range or prefetch was asked for.
+    #[error("{operation}: zero-length request")]
+    ZeroLength {
+        /// The operation that was asked for nothing.
+        operation: &'static str,
+    },
+    /// An offset and length run past the end of the buffer or range.
+    #[error("{operation}: range {offset}..{offset}+{len} is outside a buffer of {capacity}")]
+    OutOfRange {
+        /// The operation.
+        operation: &'static str,
+        /// Start of the requested range (elements or bytes, as the operation says).
+        offset: usize,
+        /// Length of the requested range.
+        len: usize,
+        /// Size of what it was taken from.
+        capacity: usize,
+    },
+    /// Two sides of a copy differ in length.
+    #[error("{operation}: length mismatch: expected {expected}, got {actual}")]
+    SizeMismatch {
+        /// The operation.
+        operation: &'static str,
+        /// The length required.
+        expected: usize,
+        /// The length given.
+        actual: usize,
+    },
+    /// A byte size does not fit the element type, or overflows.
+    #[error("{operation}: {bytes} bytes is not a whole number of {element_size}-byte elements or overflows")]
+    Misaligned {
+        /// The operation.
+        operation: &'static str,
+        /// The byte count given.
+        bytes: usize,
+        /// Size of one element.
+        element_size: usize,
+    },
+    /// The allocator could not satisfy a request, even after freeing its cache and retrying.
+    #[error(
+        "out of memory: requested {requested} bytes with {allocated} allocated and {reserved} reserved{}",
+        limit.map(|l| format!(" (limit {l})")).unwrap_or_default()
+    )]
+    OutOfMemory {
+        /// Bytes requested (after rounding).
+        requested: usize,
+        /// Bytes handed out to users at the time.
+        allocated: usize,
+        /// Bytes held from the upstream resource at the time.
+        reserved: usize,
+        /// The cap of a limiting adaptor, when one refused.
+        limit: Option<usize>,
+    },
+    /// Host access to unified memory was asked for while device work may still touch it.
+    #[error("{operation}: device work queued on stream {stream:#x} may still use this buffer")]
+    DeviceBusy {
+        /// The operation.
+        operation: &'static str,
+        /// The raw stream handle of the pending work, for diagnostics.
+        stream: usize,
+    },
+    /// An object of one device (or pool) was used with another.
+    #[error("{operation}: belongs to device {expected}, used with device {actual}")]
+    WrongDevice {
+        /// The operation.
+        operation: &'static str,
+        /// The device it belongs to.
+        expected: usize,
+        /// The device it was used with.
+        actual: usize,
+    },
+    /// A pointer handed back to an allocator or pool is not one it gave out.
+    #[error("{operation}: {ptr:#x} was not allocated here (or was already freed)")]
+    UnknownAllocation {
+        /// The operation.
+        operation: &'static str,
+        /// The pointer.
+        ptr: u64,
+    },
+}
+
+impl MemoryError {
+    /// Whether this is an out-of-memory failure, from the allocator or from the driver.
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            Self::OutOfMemory { .. } => true,
+            Self::Driver(error) => error.is_out_of_memory(),
+            _ => false,
+        }
+    }
+}

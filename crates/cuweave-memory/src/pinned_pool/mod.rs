@@ -1,0 +1,1 @@
+//! pinned_pool (in progress).

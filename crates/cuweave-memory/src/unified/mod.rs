@@ -1,0 +1,1 @@
+//! unified (in progress).
