@@ -12,21 +12,22 @@ pub(crate) fn candidate_roots() -> Vec<PathBuf> {
         }
     }
     // The pip wheels (`nvidia-cuda-nvcc`, `nvidia-cuda-runtime`, ...) unpack under site-packages/nvidia/cu13.
-    if let Ok(out) = Command::new("python3")
+    let pip_roots = Command::new("python3")
         .args([
             "-c",
             "import nvidia, os; print('\\n'.join(os.path.join(p, 'cu13') for p in nvidia.__path__))",
         ])
-        .output()
+        .output();
+    if let Ok(out) = pip_roots
+        && out.status.success()
     {
-        if out.status.success() {
-            for line in String::from_utf8_lossy(&out.stdout).lines() {
-                let line = line.trim();
-                if !line.is_empty() {
-                    roots.push(PathBuf::from(line));
-                }
-            }
-        }
+        roots.extend(
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .map(str::trim)
+                .filter(|line| !line.is_empty())
+                .map(PathBuf::from),
+        );
     }
     roots.push(PathBuf::from("/usr/local/cuda"));
     roots

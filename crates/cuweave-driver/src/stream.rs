@@ -3,6 +3,7 @@
 use std::ffi::c_void;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::context::Context;
 use crate::device::Device;
@@ -47,6 +48,14 @@ pub struct Stream {
     context: Arc<Context>,
     raw: sys::CUstream,
     owned: bool,
+    id: u64,
+}
+
+/// Source of [`Stream::id`]s: never reused within a process, unlike raw handles.
+static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(1);
+
+fn next_stream_id() -> u64 {
+    NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed)
 }
 
 // SAFETY: a CUstream may be used from any thread once its context is current, which every method
@@ -79,6 +88,7 @@ impl Stream {
             context: Arc::clone(context),
             raw,
             owned: true,
+            id: next_stream_id(),
         })
     }
 
@@ -109,6 +119,7 @@ impl Stream {
             context: Arc::clone(context),
             raw,
             owned: true,
+            id: next_stream_id(),
         })
     }
 
@@ -123,12 +134,20 @@ impl Stream {
             context: Arc::clone(context),
             raw,
             owned,
+            id: next_stream_id(),
         }
     }
 
     /// The raw `CUstream`.
     pub fn as_raw(&self) -> sys::CUstream {
         self.raw
+    }
+
+    /// A process-unique identity for this handle, never reused (raw `CUstream` values are
+    /// recycled by the driver once a stream is destroyed, so they cannot key caches safely).
+    /// Two handles made from the same raw stream with [`Stream::from_raw`] get different ids.
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// The context this stream belongs to.

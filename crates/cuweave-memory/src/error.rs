@@ -40,7 +40,9 @@ pub enum MemoryError {
         actual: usize,
     },
     /// A byte size does not fit the element type, or overflows.
-    #[error("{operation}: {bytes} bytes is not a whole number of {element_size}-byte elements or overflows")]
+    #[error(
+        "{operation}: {bytes} bytes is not a whole number of {element_size}-byte elements or overflows"
+    )]
     Misaligned {
         /// The operation.
         operation: &'static str,

@@ -22,6 +22,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "increment_u32",
     "spin_ns",
     "spin_then_store_u32",
+    "wait_u32",
     "checksum_u32",
     "watch_u32",
 ];
@@ -47,6 +48,7 @@ pub struct TestKernels {
     increment_u32: Kernel,
     spin_ns: Kernel,
     spin_then_store_u32: Kernel,
+    wait_u32: Kernel,
     checksum_u32: Kernel,
     watch_u32: Kernel,
 }
@@ -66,6 +68,7 @@ impl TestKernels {
             increment_u32: module.function("increment_u32")?,
             spin_ns: module.function("spin_ns")?,
             spin_then_store_u32: module.function("spin_then_store_u32")?,
+            wait_u32: module.function("wait_u32")?,
             checksum_u32: module.function("checksum_u32")?,
             watch_u32: module.function("watch_u32")?,
             module,
@@ -207,6 +210,39 @@ impl TestKernels {
         }
     }
 
+    /// Queues a single thread that busy-waits until `*flag == value` or `timeout_ns` has passed,
+    /// holding back everything queued after it on `stream`: a gate the host opens.
+    ///
+    /// Queue the gate, queue the work to be timed (on any streams, each behind its own gate on
+    /// the same flag), then write `value` to the flag (mapped pinned memory, volatile write): the
+    /// work then starts together on the GPU however slowly the host enqueued it. The timeout
+    /// keeps a test that panics before opening the gate from hanging the GPU; keep it to seconds.
+    ///
+    /// While a gate is closed, a driver call that synchronizes the context (`cuMemFree`,
+    /// `cuMemFreeHost`, module unload, synchronous copies) blocks until it opens or times out,
+    /// on every thread: open it promptly, make no such call in between, and run such tests under
+    /// [`serial`](crate::serial).
+    ///
+    /// # Safety
+    /// `flag` must be a device-accessible address (typically the device pointer of mapped pinned
+    /// host memory) of the stream's context, valid for one `u32` until the kernel finishes. The
+    /// host may write it meanwhile only with volatile or atomic writes.
+    ///
+    /// # Errors
+    /// The launch's error.
+    pub unsafe fn wait_u32(
+        &self,
+        stream: &Stream,
+        flag: u64,
+        value: u32,
+        timeout_ns: u64,
+    ) -> Result<(), DriverError> {
+        let args = KernelArgs::new().arg(&flag).arg(&value).arg(&timeout_ns);
+        // SAFETY: wait_u32(const unsigned*, unsigned, unsigned long long) matches the arguments;
+        // the caller guarantees `flag` is valid for one element.
+        unsafe { self.wait_u32.launch(stream, LaunchConfig::single(), &args) }
+    }
+
     /// Queues `*out += data[0] + … + data[n-1]` (as `u64`, so it does not wrap). Zero `*out`
     /// first for a plain sum.
     ///
@@ -238,7 +274,10 @@ impl TestKernels {
     ///
     /// Fill `data` with `expected`, zero `*mismatches`, start the watch, then let the code under
     /// test free `data` and allocate on another stream: a non-zero count afterwards proves the
-    /// memory was reused while this kernel still read it.
+    /// memory was reused while this kernel still read it. A zero count proves something only if
+    /// the other stream's work really overlapped the watch: the hardware serializes streams that
+    /// share one of its few work queues (see [`serial`](crate::serial)), and the
+    /// [`wait_u32`](Self::wait_u32) gate removes the host's enqueue speed from the timing.
     ///
     /// # Safety
     /// `data` must be device-accessible memory of the stream's context valid for `n` `u32`s and

@@ -24,7 +24,7 @@
 //! ```
 
 use std::io::Write;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cuweave_driver::{Context, Device, DriverError};
 
@@ -44,6 +44,9 @@ pub struct Gpu {
 
 /// Device 0 and its primary context, or `None` (after saying why) when the test must be skipped.
 ///
+/// The device is looked up once per process and its primary context stays retained until the
+/// process exits, so tests share one context rather than each creating and destroying it.
+///
 /// When no driver or no device is present this writes `SKIPPED <test>: <reason>` straight to the
 /// process's stderr (libtest does not capture that, so the skip shows in test output and the
 /// `gpu-test` bundle counts it) and returns `None`.
@@ -52,8 +55,12 @@ pub struct Gpu {
 /// When no GPU is usable and `CUWEAVE_REQUIRE_GPU=1`, with the reason: a GPU run must not pass by
 /// skipping.
 pub fn gpu(test: &str) -> Option<Gpu> {
-    match find_gpu() {
-        Ok(gpu) => Some(gpu),
+    // Found once per process and kept: retaining device 0's primary context for the whole run
+    // spares every test the context creation (hundreds of milliseconds) that releasing the last
+    // reference at the end of the previous test would force.
+    static GPU: OnceLock<Result<Gpu, String>> = OnceLock::new();
+    match GPU.get_or_init(find_gpu) {
+        Ok(gpu) => Some(gpu.clone()),
         Err(reason) => {
             if gpu_required() {
                 panic!("{test}: {REQUIRE_GPU_VAR}=1 but no GPU is usable: {reason}");
@@ -69,6 +76,22 @@ pub fn gpu(test: &str) -> Option<Gpu> {
 /// Whether `CUWEAVE_REQUIRE_GPU` is `1`, i.e. a test without a GPU must fail instead of skipping.
 pub fn gpu_required() -> bool {
     std::env::var_os(REQUIRE_GPU_VAR).is_some_and(|value| value == "1")
+}
+
+/// Holds a process-wide lock so that timing-sensitive GPU tests of one test binary never overlap.
+///
+/// libtest runs a binary's tests on parallel threads (the `gpu-test` bundle passes
+/// `--test-threads=1`, a plain `cargo test` does not). Tests that need two streams to really run
+/// concurrently, or that hold a stream behind a [`kernels::TestKernels::wait_u32`] gate, break
+/// when another thread's work shares the GPU: the hardware has few work queues
+/// (`CUDA_DEVICE_MAX_CONNECTIONS`, 8 by default), so extra streams alias and serialize, and a
+/// driver call that synchronizes the context (`cuMemFree`, `cuMemFreeHost`, module unload) on any
+/// thread stalls behind a closed gate. Take the guard first in such tests:
+/// `let _serial = cuweave_test_support::serial();`. A test that panicked while holding it does
+/// not poison it for the others.
+pub fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Device 0 with its primary context, or why there is none (the text a skip prints).
@@ -172,6 +195,16 @@ mod tests {
             reached = true;
         })();
         assert!(!reached);
+    }
+
+    #[test]
+    fn serial_survives_a_panicking_holder() {
+        let _ = std::thread::spawn(|| {
+            let _serial = serial();
+            panic!("a failing GPU test");
+        })
+        .join();
+        drop(serial());
     }
 
     #[test]

@@ -1,4 +1,7 @@
 //! Every test kernel on a real GPU: each does what its launcher's docs promise.
+//!
+//! Each test takes [`serial`]: several check timing or cross-stream concurrency, which other
+//! tests' work on the same GPU would disturb.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -6,7 +9,7 @@ use std::time::{Duration, Instant};
 use cuweave_driver::memory::{self, DeviceAllocation, HostAllocFlags, HostAllocation};
 use cuweave_driver::{Context, Stream, StreamFlags};
 use cuweave_test_support::kernels::TestKernels;
-use cuweave_test_support::require_gpu;
+use cuweave_test_support::{require_gpu, serial};
 
 const MS: u64 = 1_000_000;
 
@@ -53,6 +56,7 @@ fn download<T: Copy + Default>(context: &Context, src: &DeviceAllocation, n: usi
 
 #[test]
 fn fill_increment_and_checksum_agree() {
+    let _serial = serial();
     let gpu = require_gpu!();
     let ctx = &gpu.context;
     let (kernels, stream) = setup(ctx);
@@ -77,6 +81,7 @@ fn fill_increment_and_checksum_agree() {
 
 #[test]
 fn add_and_saxpy_compute_elementwise() {
+    let _serial = serial();
     let gpu = require_gpu!();
     let ctx = &gpu.context;
     let (kernels, stream) = setup(ctx);
@@ -107,17 +112,69 @@ fn add_and_saxpy_compute_elementwise() {
     }
 }
 
+/// A host-opened gate ([`TestKernels::wait_u32`]) on mapped pinned memory.
+struct Gate {
+    host: HostAllocation,
+}
+
+impl Gate {
+    const TIMEOUT_NS: u64 = 10_000 * MS;
+
+    fn new(context: &Arc<Context>) -> Self {
+        let mut host = HostAllocation::new(context, 4, HostAllocFlags::PORTABLE_MAPPED).unwrap();
+        host.as_bytes_mut().fill(0);
+        Self { host }
+    }
+
+    /// Holds back later work on `stream` until [`Gate::open`].
+    fn hold(&self, kernels: &TestKernels, stream: &Stream) {
+        let flag = self.host.device_ptr().unwrap();
+        // SAFETY: `flag` maps the 4 bytes of `self.host`; every test synchronizes its streams
+        // before the gate is dropped, and the host writes the flag only volatile.
+        unsafe { kernels.wait_u32(stream, flag, 1, Self::TIMEOUT_NS).unwrap() };
+    }
+
+    fn open(&self) {
+        let flag = self.host.as_ptr().cast::<u32>().cast_mut();
+        // SAFETY: 4 aligned bytes of live pinned memory that kernels only read.
+        unsafe { flag.write_volatile(1) };
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for Gate {
+    /// A test that fails with the gate closed releases the waiting kernels rather than freeing
+    /// the flag under them.
+    fn drop(&mut self) {
+        self.open();
+    }
+}
+
+fn mapped_memory_supported(gpu: &cuweave_test_support::Gpu) -> bool {
+    let supported = gpu.device.can_map_host_memory().unwrap();
+    if !supported {
+        eprintln!("device cannot map host memory; nothing to check");
+    }
+    supported
+}
+
 #[test]
 fn spin_keeps_the_stream_busy_for_the_requested_time() {
+    let _serial = serial();
     let gpu = require_gpu!();
     let (kernels, stream) = setup(&gpu.context);
-    // Warm up: the first launch pays for module JIT and lazy loading.
+    // Warm up: the first launch pays for lazy loading.
     kernels.spin_ns(&stream, 0).unwrap();
     stream.synchronize().unwrap();
 
     let start = Instant::now();
     kernels.spin_ns(&stream, 50 * MS).unwrap();
-    assert!(!stream.query().unwrap(), "a 50 ms spin finished at once");
+    let pending = !stream.query().unwrap();
+    // The host may have been descheduled past the spin (tests run in parallel); only a prompt
+    // query proves anything.
+    if start.elapsed() < Duration::from_millis(40) {
+        assert!(pending, "a 50 ms spin finished at once");
+    }
     stream.synchronize().unwrap();
     let elapsed = start.elapsed();
     assert!(
@@ -128,18 +185,42 @@ fn spin_keeps_the_stream_busy_for_the_requested_time() {
 }
 
 #[test]
-fn spin_then_store_reaches_mapped_host_memory_while_the_host_polls() {
+fn wait_holds_the_stream_until_the_host_opens_the_gate() {
+    let _serial = serial();
     let gpu = require_gpu!();
-    if !gpu.device.can_map_host_memory().unwrap() {
-        eprintln!("device cannot map host memory; nothing to check");
+    if !mapped_memory_supported(&gpu) {
         return;
     }
     let (kernels, stream) = setup(&gpu.context);
+    let gate = Gate::new(&gpu.context);
+    gate.hold(&kernels, &stream);
+    kernels.spin_ns(&stream, 0).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(!stream.query().unwrap(), "work ran past a closed gate");
+    let opened = Instant::now();
+    gate.open();
+    stream.synchronize().unwrap();
+    assert!(
+        opened.elapsed() < Duration::from_secs(5),
+        "the gate did not see the host's write"
+    );
+}
+
+#[test]
+fn spin_then_store_reaches_mapped_host_memory_while_the_host_polls() {
+    let _serial = serial();
+    let gpu = require_gpu!();
+    if !mapped_memory_supported(&gpu) {
+        return;
+    }
+    let (kernels, stream) = setup(&gpu.context);
+    let gate = Gate::new(&gpu.context);
     let mut host = HostAllocation::new(&gpu.context, 4, HostAllocFlags::PORTABLE_MAPPED).unwrap();
     host.as_bytes_mut().fill(0);
     let dptr = host.device_ptr().unwrap();
     let flag = host.as_ptr().cast::<u32>();
 
+    gate.hold(&kernels, &stream);
     // SAFETY: `dptr` maps the 4 live bytes of `host`, which outlives the synchronize below; the
     // host only reads them, volatile.
     unsafe {
@@ -150,7 +231,8 @@ fn spin_then_store_reaches_mapped_host_memory_while_the_host_polls() {
     // SAFETY: `flag` points to 4 aligned bytes of `host` (page-aligned pinned memory) that the
     // kernel writes; volatile reads see its store.
     let read = || unsafe { flag.read_volatile() };
-    assert_eq!(read(), 0, "the store came before the spin");
+    assert_eq!(read(), 0, "the store came before the gate opened");
+    gate.open();
     let deadline = Instant::now() + Duration::from_secs(5);
     while read() != 42 {
         assert!(
@@ -164,7 +246,11 @@ fn spin_then_store_reaches_mapped_host_memory_while_the_host_polls() {
 
 #[test]
 fn watch_counts_writes_made_while_it_runs_and_nothing_otherwise() {
+    let _serial = serial();
     let gpu = require_gpu!();
+    if !mapped_memory_supported(&gpu) {
+        return;
+    }
     let ctx = &gpu.context;
     let (kernels, watcher) = setup(ctx);
     let writer = Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap();
@@ -184,7 +270,11 @@ fn watch_counts_writes_made_while_it_runs_and_nothing_otherwise() {
     watcher.synchronize().unwrap();
     assert_eq!(download::<u32>(ctx, &mismatches, 1), [0]);
 
-    // Overwritten halfway through a 200 ms watch from another stream: seen.
+    // Overwritten 50 ms into a 200 ms watch from another stream: seen. Both streams start at the
+    // gate, so the overlap does not depend on how fast this thread enqueues.
+    let gate = Gate::new(ctx);
+    gate.hold(&kernels, &watcher);
+    gate.hold(&kernels, &writer);
     // SAFETY: as above; the writer's fill races the watch on purpose, which the watch allows.
     unsafe {
         kernels
@@ -193,6 +283,7 @@ fn watch_counts_writes_made_while_it_runs_and_nothing_otherwise() {
         kernels.spin_ns(&writer, 50 * MS).unwrap();
         kernels.fill_u32(&writer, data.ptr(), 6, n).unwrap();
     }
+    gate.open();
     writer.synchronize().unwrap();
     watcher.synchronize().unwrap();
     let seen = download::<u32>(ctx, &mismatches, 1)[0];

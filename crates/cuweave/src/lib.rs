@@ -1,6 +1,78 @@
-//! cuweave facade (in progress).
+//! cuweave: CUDA memory, streams, events and transfers for Rust, in the spirit of PyTorch's
+//! c10/cuda and RAPIDS RMM.
+//!
+//! # The model
+//!
+//! cuweave talks to the CUDA *driver* API, which it loads at run time: building needs no CUDA
+//! install, one binary runs on CUDA 12.x and 13.x drivers, and a machine without a driver gets a
+//! typed error ([`driver::DriverError::NotFound`]), never a panic. Everything is a handle that
+//! frees itself on drop and holds the primary context of its device, which it makes current on
+//! the calling thread before each driver call, so handles move freely between threads.
+//!
+//! The work is split into layers, each its own crate; a crate depends only on those below it.
+//! This crate re-exports them, one Cargo feature per layer, so a program can depend on
+//! `cuweave` alone and turn on what it uses (or depend on one layer's crate directly):
+//!
+//! | layer | crate | re-exported as | what it holds |
+//! |---|---|---|---|
+//! | driver | `cuweave-driver` | [`driver`] | the loader, `DriverError`, `Device`, `Context`, `Stream`, `Event`, `Module` / `Kernel`, raw memory calls |
+//! | memory | `cuweave-memory` | [`memory`] | typed device, pinned and unified buffers, migration hints, the caching allocator, the pinned pool |
+//!
+//! The stream layer (stream pools, priorities, multi-stream coordination), the event layer
+//! (event pools, dependency-aware coordination, async waiting) and the transfer layer (a transfer
+//! manager choosing the fastest path between host and devices) arrive with their issues, each as
+//! a crate of its own and a feature of the same name here (`stream`, `event`, `transfer`).
+//!
+//! # Features
+//!
+//! | feature | default | enables |
+//! |---|---|---|
+//! | `driver` | yes | [`driver`]: the CUDA driver layer |
+//! | `memory` | yes | [`memory`]: typed buffers, unified memory, allocators (implies `driver`) |
+//!
+//! # Example
+//!
+//! ```no_run
+//! use cuweave::prelude::*;
+//!
+//! # fn main() -> Result<(), DriverError> {
+//! for device in Device::all()? {
+//!     let context = Context::primary(device)?;
+//!     let memory = context.memory_info()?;
+//!     println!(
+//!         "device {}: {} (compute {}), {} of {} bytes free",
+//!         device.ordinal(),
+//!         device.name()?,
+//!         device.compute_capability()?,
+//!         memory.free,
+//!         memory.total
+//!     );
+//!
+//!     // Order work on a stream and wait for it with an event.
+//!     let stream = Stream::new(&context, StreamFlags::NON_BLOCKING)?;
+//!     let done = Event::new(&context, EventFlags::DISABLE_TIMING)?;
+//!     done.record(&stream)?;
+//!     done.synchronize()?;
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The `cuweave` command (crate `cuweave-cli`) prints what the driver and each device offer:
+//! `cargo run -p cuweave-cli -- info`.
 #![forbid(unsafe_code)]
+
 #[cfg(feature = "driver")]
 pub use cuweave_driver as driver;
 #[cfg(feature = "memory")]
 pub use cuweave_memory as memory;
+
+/// The most used types of every enabled layer, for `use cuweave::prelude::*`.
+pub mod prelude {
+    #[cfg(feature = "driver")]
+    pub use cuweave_driver::{
+        Context, Device, DriverError, Event, EventFlags, Stream, StreamFlags,
+    };
+    #[cfg(feature = "memory")]
+    pub use cuweave_memory::{Element, MemoryError};
+}

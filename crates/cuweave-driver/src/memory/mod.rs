@@ -5,13 +5,16 @@
 //! prefetch take raw pointers, so they are `unsafe fn`s with their contracts written down:
 //! `cuweave-memory` builds the typed, safe buffers on top of them.
 
+mod address_range;
 mod copy;
 mod device_alloc;
+mod device_free;
 mod host;
 mod managed;
 mod pointer;
 mod pool;
 
+pub use address_range::address_range;
 pub use copy::{
     copy_dtod, copy_dtod_async, copy_dtoh, copy_dtoh_async, copy_htod, copy_htod_async,
     copy_peer_async, memset_d8, memset_d8_async, memset_d32, memset_d32_async,

@@ -1,1 +1,91 @@
-//! buffer (in progress).
+//! Typed buffers: [`DeviceBuffer`], [`PinnedBuffer`] and [`UnifiedBuffer`], and the
+//! [`Buffer`] trait they share.
+//!
+//! # The model
+//!
+//! Elements are plain data ([`Element`](crate::Element)): any bytes the GPU writes are a valid
+//! value. Every buffer remembers the last stream that used it, as an event recorded after that
+//! use. Each operation on a buffer, on any stream, first makes its stream wait for that event
+//! (device-side, `cuStreamWaitEvent`), then queues its work, then records the event again. So:
+//!
+//! - two uses of one buffer never race on the GPU, whatever streams they are on;
+//! - host access to pinned and unified buffers waits for (or refuses while) queued device work;
+//! - a buffer is never freed under queued work: `Drop` waits for the last use first.
+//!
+//! Kernels you launch yourself on [`Buffer::device_ptr`] join the same order through
+//! [`Buffer::prepare_use`] (before the launch) and [`Buffer::record_use`] (after).
+//!
+//! # Asynchronous copies own their host side
+//!
+//! An async copy between a buffer and host memory takes the host side by value (a `Vec<T>`, a
+//! `Box<[T]>`, a [`PinnedBuffer`], or a borrow of one: see [`HostSource`] and [`HostSink`])
+//! and returns a [`PendingCopy`] that gives it back from [`PendingCopy::wait`] once the stream
+//! has passed the copy. Dropping the `PendingCopy` waits too; `mem::forget` leaks the host
+//! memory rather than freeing it under the copy engine. Safe code cannot read, change or free
+//! host memory that a queued copy still uses.
+//!
+//! # Errors
+//!
+//! Zero lengths, ranges past the end, mismatched lengths, overflowing sizes and streams of
+//! another device are typed [`MemoryError`](crate::MemoryError)s, checked before any driver
+//! call.
+//!
+//! ```no_run
+//! use cuweave_driver::{Context, Device, Stream, StreamFlags};
+//! use cuweave_memory::buffer::{Buffer, DeviceBuffer, PinnedBuffer};
+//!
+//! # fn main() -> cuweave_memory::Result<()> {
+//! let context = Context::primary(Device::get(0)?)?;
+//! let (a, b) = (
+//!     Stream::new(&context, StreamFlags::NON_BLOCKING)?,
+//!     Stream::new(&context, StreamFlags::NON_BLOCKING)?,
+//! );
+//! let mut device = DeviceBuffer::<u64>::new(&context, 1024)?;
+//! let upload = device.copy_from_host_async(PinnedBuffer::from_slice(&context, &[5u64; 1024])?, &a)?;
+//! // Stream `b` waits for the upload on `a` before reading.
+//! let download = device.copy_to_host_async(vec![0u64; 1024], &b)?;
+//! assert_eq!(download.wait()?, vec![5u64; 1024]);
+//! upload.wait()?;
+//! # Ok(())
+//! # }
+//! ```
+
+mod common;
+mod device;
+mod fill;
+mod host;
+mod pending;
+mod pinned;
+pub(crate) mod range;
+// Unsafe is allowed here alone in this module: the driver's raw copies and memsets take raw
+// pointers, and managed memory becomes a host slice only through a raw pointer.
+#[allow(unsafe_code)]
+pub(crate) mod raw;
+pub(crate) mod tracker;
+mod unified;
+
+pub use common::Buffer;
+pub use device::DeviceBuffer;
+pub use host::{HostSink, HostSource};
+pub use pending::PendingCopy;
+pub use pinned::PinnedBuffer;
+pub use unified::UnifiedBuffer;
+
+pub(crate) use common::sealed::Sealed;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn buffers_and_pending_copies_cross_threads() {
+        send_sync::<DeviceBuffer<f32>>();
+        send_sync::<PinnedBuffer<u8>>();
+        send_sync::<UnifiedBuffer<u64>>();
+        send_sync::<PendingCopy<Vec<u32>>>();
+        send_sync::<PendingCopy<PinnedBuffer<u32>>>();
+        send_sync::<PendingCopy<&mut PinnedBuffer<u32>>>();
+    }
+}

@@ -1,1 +1,93 @@
-//! caching (in progress).
+//! The caching allocator: PyTorch's c10 CUDA caching allocator, over any
+//! [`MemoryResource`](crate::resource::MemoryResource).
+//!
+//! Asking the driver for memory costs microseconds and `cuMemFree` waits for the device, so a
+//! program that allocates in its inner loop keeps what it frees and hands it out again. The
+//! [`CachingAllocator`] does that with PyTorch's semantics:
+//!
+//! - **Rounding.** Requests are rounded up to 512 B ([`size_class::round_size`]).
+//! - **Two pools.** Requests of at most 1 MiB are carved from 2 MiB segments (the small pool);
+//!   larger ones from segments of 20 MiB (requests under 10 MiB) or of their own size rounded up
+//!   to 2 MiB (the large pool). A block never moves between pools.
+//! - **Best fit, splitting, merging.** A request takes the smallest free block of its stream and
+//!   pool that fits; the remainder is split off into a free block when it is worth keeping (small
+//!   pool: at least 512 B; large pool: more than 1 MiB). A freed block merges with the free
+//!   blocks next to it in its segment. Ties between blocks of one size go to the lowest address
+//!   in the large pool (as in PyTorch) and to the most recently freed in the small pool, whose
+//!   exact 512 B size classes make best fit two bit scans.
+//! - **Free lists per stream.** A block is allocated for a stream ([`StreamKey`]) and returns to
+//!   that stream's free lists; it is handed out again only on that stream, where new work is
+//!   queued after the old. No event is recorded on this path: allocation and free stay a
+//!   lock-protected tree lookup (sub-microsecond).
+//! - **Other streams.** Memory used on another stream must be recorded there with
+//!   [`CachedAllocation::record_stream`]. When it is freed, a pooled `DISABLE_TIMING` event is
+//!   recorded on each such stream and the block waits in a pending list; it is handed out again
+//!   only once every one of those events has completed (polled with `cuEventQuery`, without
+//!   blocking, at the next allocation; never while none are pending).
+//! - **Out of memory.** When the upstream runs out, the allocator waits for its pending blocks,
+//!   returns every wholly free cached segment to the upstream, and retries once; then it fails
+//!   with [`MemoryError::OutOfMemory`](crate::MemoryError::OutOfMemory) carrying the request,
+//!   the allocated and reserved bytes, and the cap of a [`LimitAdaptor`] if one refused.
+//! - **Emptying.** [`CachingAllocator::empty_cache`] returns every wholly free segment (after
+//!   waiting for pending blocks and for the device); segments with blocks in use stay.
+//! - **Statistics.** [`MemoryStats`]: allocated, requested, reserved and active bytes and
+//!   segments (current and peak), allocation and free counts, cache hits and misses, released
+//!   segments, OOM retries and failures.
+//!
+//! The allocator is `Send + Sync`. Its state sits under one short `parking_lot` mutex that is
+//! never held across a driver call; upstream allocations, event recording and waiting, and the
+//! release of segments all happen outside it.
+//!
+//! A stream key is the [`Stream`](cuweave_driver::Stream) handle's process-unique id, not the raw
+//! `CUstream` value: the driver recycles raw handles after a stream is destroyed, and the
+//! per-thread default stream's one handle names a different stream on each thread, so neither
+//! may key a free list. Blocks cached for a dropped stream stay cached until `empty_cache`.
+//!
+//! Rules for callers: do not drop allocations
+//! in a stream host callback: freeing a block recorded on other streams records events, and
+//! dropping the last handle of an allocator returns its memory, both CUDA calls.
+//!
+//! [`LimitAdaptor`]: crate::resource::LimitAdaptor
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use cuweave_driver::{Context, Device, Stream, StreamFlags};
+//! use cuweave_memory::caching::CachingAllocator;
+//! use cuweave_memory::resource::{DriverResource, LimitAdaptor, StatisticsAdaptor};
+//!
+//! # fn main() -> cuweave_memory::Result<()> {
+//! let context = Context::primary(Device::get(0)?)?;
+//! let stream = Stream::new(&context, StreamFlags::NON_BLOCKING)?;
+//! // At most 4 GiB from the driver, counted.
+//! let upstream = Arc::new(StatisticsAdaptor::new(LimitAdaptor::new(
+//!     DriverResource::new(&context),
+//!     4 << 30,
+//! )));
+//! let allocator = CachingAllocator::new(upstream.clone());
+//! for _ in 0..1000 {
+//!     let scratch = allocator.allocate(3 << 20, &stream)?;
+//!     // ... queue kernels on `stream` that use scratch.ptr() ...
+//! #   let _ = scratch.ptr();
+//! }
+//! assert_eq!(upstream.stats().total_allocations, 1);
+//! assert_eq!(allocator.stats().cache_hits, 999);
+//! allocator.empty_cache()?;
+//! # Ok(())
+//! # }
+//! ```
+
+mod allocation;
+mod allocator;
+mod block;
+mod engine;
+mod free_list;
+mod pool;
+pub mod size_class;
+mod stats;
+mod stream_uses;
+
+pub use allocation::CachedAllocation;
+pub use allocator::CachingAllocator;
+pub use size_class::PoolKind;
+pub use stats::{MemoryStats, Stat};
+pub use stream_uses::StreamKey;

@@ -1,1 +1,177 @@
-//! resource (in progress).
+//! Memory resources: where device memory comes from, composed RMM-style from a base resource and
+//! adaptors around it.
+//!
+//! A [`MemoryResource`] allocates and frees device memory ordered on a stream. The base resources
+//! call the driver:
+//!
+//! | resource | memory from | freed |
+//! |---|---|---|
+//! | [`DriverResource`] | `cuMemAlloc` | `cuMemFree` (waits for the device) |
+//! | [`AsyncPoolResource`] | `cuMemAllocFromPoolAsync` on a private pool that keeps its memory | `cuMemFreeAsync`, in stream order |
+//!
+//! Adaptors wrap any resource (a concrete one, or an `Arc<dyn MemoryResource>`) and add one
+//! behaviour: [`StatisticsAdaptor`] counts, [`LimitAdaptor`] caps the bytes outstanding. The
+//! [`CachingAllocator`](crate::caching::CachingAllocator) takes any resource as its upstream.
+//!
+//! Every resource checks its input: a zero-byte request is [`MemoryError::ZeroLength`], a stream
+//! of another device [`MemoryError::WrongDevice`], and a pointer it did not hand out (or already
+//! took back) [`MemoryError::UnknownAllocation`], so nothing is ever freed twice.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use cuweave_driver::{Context, Device, Stream, StreamFlags};
+//! use cuweave_memory::resource::{DriverResource, LimitAdaptor, MemoryResource, StatisticsAdaptor};
+//!
+//! # fn main() -> cuweave_memory::Result<()> {
+//! let context = Context::primary(Device::get(0)?)?;
+//! let stream = Stream::new(&context, StreamFlags::NON_BLOCKING)?;
+//! let resource = StatisticsAdaptor::new(LimitAdaptor::new(DriverResource::new(&context), 1 << 30));
+//! let ptr = resource.allocate(1 << 20, &stream)?;
+//! resource.deallocate(ptr, 1 << 20, &stream)?;
+//! assert_eq!(resource.stats().total_allocations, 1);
+//! # Ok(())
+//! # }
+//! ```
+
+use std::sync::Arc;
+
+use cuweave_driver::memory::DevicePtr;
+use cuweave_driver::{Context, Device, Stream};
+
+use crate::error::{MemoryError, Result};
+
+mod async_pool;
+mod driver;
+mod limit;
+mod statistics;
+
+pub use async_pool::AsyncPoolResource;
+pub use driver::DriverResource;
+pub use limit::LimitAdaptor;
+pub use statistics::{ResourceStats, StatisticsAdaptor};
+
+/// A source of device memory whose allocations and frees are ordered on streams (RMM's
+/// `device_memory_resource`).
+///
+/// `allocate` returns memory that work queued on `stream` after the call may use; `deallocate`
+/// returns it once the work queued on `stream` before the call has finished with it. Using the
+/// memory on another stream needs that stream ordered in between (an event wait), as with any
+/// stream-ordered allocation.
+///
+/// Object safe and `Send + Sync`: `Arc<dyn MemoryResource>` is the common currency, and adaptors
+/// accept it as their upstream.
+pub trait MemoryResource: Send + Sync {
+    /// Allocates `bytes` of device memory, usable by work queued on `stream` after this call.
+    ///
+    /// # Errors
+    /// [`MemoryError::ZeroLength`] for zero bytes, [`MemoryError::WrongDevice`] for a stream of
+    /// another device, and an out-of-memory error ([`MemoryError::is_out_of_memory`]) when the
+    /// memory is not there.
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr>;
+
+    /// Frees `ptr`, of `bytes` as allocated, after the work queued on `stream` so far.
+    ///
+    /// # Errors
+    /// [`MemoryError::UnknownAllocation`] when `ptr` was not allocated here or was already freed,
+    /// [`MemoryError::SizeMismatch`] when `bytes` is not its size; both leave it allocated.
+    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()>;
+
+    /// The context whose device the memory is on.
+    fn context(&self) -> &Arc<Context>;
+
+    /// The device the memory is on.
+    fn device(&self) -> Device {
+        self.context().device()
+    }
+
+    /// A short name for statistics and logs, e.g. `statistics(limit(driver))`.
+    fn name(&self) -> &str;
+}
+
+impl<R: MemoryResource + ?Sized> MemoryResource for Arc<R> {
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        (**self).allocate(bytes, stream)
+    }
+
+    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        (**self).deallocate(ptr, bytes, stream)
+    }
+
+    fn context(&self) -> &Arc<Context> {
+        (**self).context()
+    }
+
+    fn device(&self) -> Device {
+        (**self).device()
+    }
+
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+}
+
+impl<R: MemoryResource + ?Sized> MemoryResource for Box<R> {
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        (**self).allocate(bytes, stream)
+    }
+
+    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        (**self).deallocate(ptr, bytes, stream)
+    }
+
+    fn context(&self) -> &Arc<Context> {
+        (**self).context()
+    }
+
+    fn device(&self) -> Device {
+        (**self).device()
+    }
+
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+}
+
+/// An error unless `stream` runs on `device`.
+pub(crate) fn check_stream(device: Device, stream: &Stream, operation: &'static str) -> Result<()> {
+    if stream.device() == device {
+        Ok(())
+    } else {
+        Err(MemoryError::WrongDevice {
+            operation,
+            expected: device.ordinal(),
+            actual: stream.device().ordinal(),
+        })
+    }
+}
+
+/// An error for a zero-byte request or a stream of another device.
+pub(crate) fn check_request(
+    device: Device,
+    bytes: usize,
+    stream: &Stream,
+    operation: &'static str,
+) -> Result<()> {
+    if bytes == 0 {
+        return Err(MemoryError::ZeroLength { operation });
+    }
+    check_stream(device, stream, operation)
+}
+
+/// The error for a pointer that is absent from a resource's books (`recorded` is the size it is
+/// known by, if it is there at all).
+pub(crate) fn unknown_or_mismatch(
+    ptr: DevicePtr,
+    bytes: usize,
+    recorded: Option<usize>,
+    operation: &'static str,
+) -> MemoryError {
+    match recorded {
+        Some(expected) => MemoryError::SizeMismatch {
+            operation,
+            expected,
+            actual: bytes,
+        },
+        None => MemoryError::UnknownAllocation { operation, ptr },
+    }
+}

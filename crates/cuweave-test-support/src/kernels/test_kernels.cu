@@ -78,6 +78,20 @@ __global__ void spin_then_store_u32(unsigned long long ns, unsigned* dst, unsign
     }
 }
 
+// Busy-waits (thread 0 only) until *flag == value, or until `timeout_ns` has
+// passed so that a test that never opens the gate cannot hang the GPU. `flag`
+// is typically mapped pinned host memory the host writes: work queued behind
+// this kernel is held until the host says go, which makes cross-stream timing
+// tests independent of how fast the host enqueues.
+__global__ void wait_u32(const unsigned* flag, unsigned value, unsigned long long timeout_ns) {
+    if (grid_start() == 0) {
+        const volatile unsigned* vflag = flag;
+        unsigned long long start = global_ns();
+        while (*vflag != value && global_ns() - start < timeout_ns) {
+        }
+    }
+}
+
 // *out += sum of data[0..n) (64-bit, so no wrap for any realistic n).
 __global__ void checksum_u32(const unsigned* data, size_t n, unsigned long long* out) {
     unsigned long long partial = 0;

@@ -1,0 +1,336 @@
+//! cuweave-memory against the raw driver calls it replaces, side by side in one run.
+//!
+//! Timed regions, per iteration:
+//!
+//! | group / id | timed |
+//! |---|---|
+//! | `alloc_free_1MiB/cuweave/CachingAllocator` | `CachingAllocator::allocate(1 MiB, stream)` + dropping the allocation; warm (the 2 MiB segment is cached before timing), always the same stream, so every iteration is a cache hit and no driver call |
+//! | `alloc_free_1MiB/raw/cuMemAllocFromPoolAsync+cuMemFreeAsync` | the cached stream-ordered pool: both calls on one stream, on a pool with release threshold `u64::MAX`, warm; one `cuStreamSynchronize` per batch of iterations, inside the timing (amortized) |
+//! | `alloc_free_1MiB/cuweave/AsyncPoolResource` | the same pool through `MemoryResource::allocate` + `deallocate`, amortized alike |
+//! | `alloc_free_1MiB/raw/cuMemAlloc+cuMemFree` | `cuMemAlloc_v2` + `cuMemFree_v2` of 1 MiB |
+//! | `pinned_get_return_16MiB/cuweave/PinnedPool` | `PinnedPool::get(16 MiB)` + dropping the block (no recorded stream, so it is ready again at once); warm |
+//! | `pinned_get_return_16MiB/raw/cuMemHostAlloc+cuMemFreeHost` | the same 16 MiB pinned (`PORTABLE`, as the pool pins) and freed |
+//! | `managed_checksum_512MiB/kernel_after_prefetch` | device time (timing events) of one `checksum_u32` kernel over a 512 MiB `UnifiedBuffer<u32>` whose pages a `PrefetchPlan` moved to the device before the start event |
+//! | `managed_checksum_512MiB/prefetch_plus_kernel` | device time of `PrefetchPlan::execute` (512 MiB, host to device) and the same kernel, both between the events |
+//! | `managed_checksum_512MiB/kernel_on_demand` | device time of the same kernel while every page is on the host, so the kernel faults them in |
+//!
+//! Before each managed iteration, untimed: the buffer is prefetched to the host and the stream
+//! synchronised (every case starts with all 512 MiB on the host), and the kernel's 8-byte output
+//! is zeroed; after it, untimed: the checksum is read back and must equal the element count (the
+//! buffer holds ones), so every case did the same, complete work. Managed memory in this bench is
+//! that one buffer of exactly 512 MiB.
+//!
+//! After criterion's report, under `--bench`, a summary line re-measures (median of five
+//! batches, host clock) the caching allocator against its targets: at most 0.15 µs per
+//! alloc+free, and at least ten times faster than the cached `cuMemAllocAsync` pool.
+//!
+//! Run with `cargo bench -p cuweave-benches --bench memory`; without a driver it prints
+//! `skipping benches: no CUDA driver` and exits 0.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput};
+use cuweave_benches::{Gpu, GpuTimer, MIB, measuring, median_per_iteration, slow_group};
+use cuweave_driver::memory::{self, DeviceAllocation, DevicePtr, MemoryPool};
+use cuweave_driver::{Context, DriverApi, Stream, StreamFlags, driver, sys};
+use cuweave_memory::buffer::{Buffer, UnifiedBuffer};
+use cuweave_memory::caching::CachingAllocator;
+use cuweave_memory::pinned_pool::PinnedPool;
+use cuweave_memory::resource::{AsyncPoolResource, MemoryResource};
+use cuweave_memory::unified::{MemLocation, PrefetchPlan};
+use cuweave_test_support::kernels::TestKernels;
+
+/// The caching allocator's targets (issue 3): time per alloc+free, and speed-up over the pool.
+const CACHING_TARGET_US: f64 = 0.15;
+const CACHING_TARGET_SPEEDUP: f64 = 10.0;
+
+fn main() {
+    cuweave_benches::run("memory", |c, gpu| {
+        let allocators = Allocators::new(gpu);
+        alloc_free(c, &allocators);
+        pinned(c, gpu);
+        managed(c, gpu);
+        if measuring() {
+            summary(&allocators);
+        }
+    });
+}
+
+/// The loaded driver table; [`cuweave_benches::run`] has already checked that it loads.
+fn api() -> &'static DriverApi {
+    driver().expect("the CUDA driver loaded a moment ago")
+}
+
+/// Panics with the driver's own name and text for `code` unless it is `CUDA_SUCCESS`.
+fn check(code: sys::CUresult, operation: &'static str) {
+    if let Err(error) = api().check(code, operation) {
+        panic!("{error}");
+    }
+}
+
+/// The four 1 MiB alloc+free paths, each as an `iter_custom` routine (iterations in, host time
+/// out) so criterion and the summary time exactly the same loops.
+struct Allocators {
+    // Field order is drop order: the caching allocator and the pools go before their stream.
+    caching: CachingAllocator,
+    resource: AsyncPoolResource,
+    pool: MemoryPool,
+    stream: Stream,
+    context: std::sync::Arc<Context>,
+}
+
+impl Allocators {
+    fn new(gpu: &Gpu) -> Self {
+        let context = std::sync::Arc::clone(&gpu.context);
+        let stream = Stream::new(&context, StreamFlags::NON_BLOCKING).expect("Stream::new");
+        let pool = MemoryPool::new(&context).expect("MemoryPool::new");
+        // Keep everything the pool reserves: the cached case.
+        pool.set_release_threshold(u64::MAX)
+            .expect("set the pool's release threshold");
+        let this = Self {
+            caching: CachingAllocator::with_driver(&context),
+            resource: AsyncPoolResource::new(&context).expect("AsyncPoolResource::new"),
+            pool,
+            stream,
+            context,
+        };
+        // Warm every cache before anything is timed.
+        this.caching(1);
+        this.raw_pool(1);
+        this.resource(1);
+        assert_eq!(
+            this.caching.stats().cache_misses,
+            1,
+            "only the warm-up allocation reaches the driver"
+        );
+        this
+    }
+
+    fn caching(&self, iters: u64) -> Duration {
+        let start = Instant::now();
+        for _ in 0..iters {
+            let allocation = self
+                .caching
+                .allocate(MIB, &self.stream)
+                .expect("CachingAllocator::allocate");
+            drop(black_box(allocation));
+        }
+        start.elapsed()
+    }
+
+    fn raw_pool(&self, iters: u64) -> Duration {
+        let api = api();
+        let alloc = api
+            .mem_alloc_from_pool_async
+            .get()
+            .expect("cuMemAllocFromPoolAsync");
+        let free = api.mem_free_async.get().expect("cuMemFreeAsync");
+        self.context.bind_to_thread().expect("bind the context");
+        let (pool, stream) = (self.pool.as_raw(), self.stream.as_raw());
+        let start = Instant::now();
+        for _ in 0..iters {
+            let mut ptr: DevicePtr = 0;
+            // SAFETY: valid out-pointer, nonzero size, live pool and stream of the current context.
+            check(
+                unsafe { alloc(&mut ptr, MIB, pool, stream) },
+                "cuMemAllocFromPoolAsync",
+            );
+            // SAFETY: `ptr` is a live stream-ordered allocation from just above, freed once on the
+            // same stream; nothing uses it.
+            check(unsafe { free(black_box(ptr), stream) }, "cuMemFreeAsync");
+        }
+        self.stream.synchronize().expect("synchronize the stream");
+        start.elapsed()
+    }
+
+    fn resource(&self, iters: u64) -> Duration {
+        let start = Instant::now();
+        for _ in 0..iters {
+            let ptr = self
+                .resource
+                .allocate(MIB, &self.stream)
+                .expect("AsyncPoolResource::allocate");
+            self.resource
+                .deallocate(black_box(ptr), MIB, &self.stream)
+                .expect("AsyncPoolResource::deallocate");
+        }
+        self.stream.synchronize().expect("synchronize the stream");
+        start.elapsed()
+    }
+
+    fn raw_alloc(&self, iters: u64) -> Duration {
+        let api = api();
+        let alloc = api.mem_alloc.get().expect("cuMemAlloc_v2");
+        let free = api.mem_free.get().expect("cuMemFree_v2");
+        self.context.bind_to_thread().expect("bind the context");
+        let start = Instant::now();
+        for _ in 0..iters {
+            let mut ptr: DevicePtr = 0;
+            // SAFETY: valid out-pointer, nonzero size, and the context is current on this thread.
+            check(unsafe { alloc(&mut ptr, MIB) }, "cuMemAlloc_v2");
+            // SAFETY: `ptr` came from cuMemAlloc just above, no work uses it, and it is freed once.
+            check(unsafe { free(black_box(ptr)) }, "cuMemFree_v2");
+        }
+        start.elapsed()
+    }
+}
+
+fn alloc_free(c: &mut Criterion, allocators: &Allocators) {
+    let mut group = c.benchmark_group("alloc_free_1MiB");
+    group.bench_function("cuweave/CachingAllocator", |b| {
+        b.iter_custom(|iters| allocators.caching(iters));
+    });
+    group.bench_function("raw/cuMemAllocFromPoolAsync+cuMemFreeAsync", |b| {
+        b.iter_custom(|iters| allocators.raw_pool(iters));
+    });
+    group.bench_function("cuweave/AsyncPoolResource", |b| {
+        b.iter_custom(|iters| allocators.resource(iters));
+    });
+    group.bench_function("raw/cuMemAlloc+cuMemFree", |b| {
+        b.iter_custom(|iters| allocators.raw_alloc(iters));
+    });
+    group.finish();
+}
+
+fn pinned(c: &mut Criterion, gpu: &Gpu) {
+    const BYTES: usize = 16 * MIB;
+    let pool = PinnedPool::new(&gpu.context);
+    // Warm: the one 16 MiB block is pinned before timing, then reused.
+    drop(pool.get(BYTES).expect("PinnedPool::get"));
+    let api = api();
+    let alloc = api.mem_host_alloc.get().expect("cuMemHostAlloc");
+    let free = api.mem_free_host.get().expect("cuMemFreeHost");
+
+    let mut group = c.benchmark_group("pinned_get_return_16MiB");
+    group.bench_function("cuweave/PinnedPool", |b| {
+        b.iter(|| drop(black_box(pool.get(BYTES).expect("PinnedPool::get"))));
+    });
+    slow_group(&mut group, Duration::from_secs(2));
+    group.bench_function("raw/cuMemHostAlloc+cuMemFreeHost", |b| {
+        gpu.context.bind_to_thread().expect("bind the context");
+        b.iter(|| {
+            let mut ptr = std::ptr::null_mut();
+            // SAFETY: valid out-pointer, nonzero size, valid flags, and the context is current.
+            check(
+                unsafe { alloc(&mut ptr, BYTES, sys::CU_MEMHOSTALLOC_PORTABLE) },
+                "cuMemHostAlloc",
+            );
+            // SAFETY: `ptr` came from cuMemHostAlloc just above, is unused, and is freed once.
+            check(unsafe { free(black_box(ptr)) }, "cuMemFreeHost");
+        });
+    });
+    group.finish();
+    assert_eq!(pool.stats().misses, 1, "only the warm-up get pinned memory");
+}
+
+fn managed(c: &mut Criterion, gpu: &Gpu) {
+    // GPU safety rule: managed memory stays at or under 1 GiB; this is the only managed buffer.
+    const BYTES: usize = 512 * MIB;
+    const LEN: usize = BYTES / size_of::<u32>();
+    let context = &gpu.context;
+    let on_device = MemLocation::Device(gpu.device.ordinal());
+    let stream = Stream::new(context, StreamFlags::NON_BLOCKING).expect("Stream::new");
+    let kernels = TestKernels::load(context).expect("load the test kernels");
+    let mut data = UnifiedBuffer::<u32>::new(context, LEN).expect("allocate 512 MiB managed");
+    assert_eq!(data.byte_size(), BYTES);
+    data.fill(1).expect("fill the managed buffer");
+    let out = DeviceAllocation::new(context, size_of::<u64>()).expect("allocate the checksum");
+    let mut plan = PrefetchPlan::new();
+    plan.add(&data, on_device).expect("PrefetchPlan::add");
+    let timer = GpuTimer::new(gpu);
+
+    // Untimed, before every iteration: all pages back on the host, and the output zeroed.
+    let reset = || {
+        data.prefetch_to(MemLocation::Host, &stream)
+            .expect("prefetch to the host");
+        // SAFETY: `out` is a live 8-byte device allocation, written only by the kernels below,
+        // which run after this on the same stream.
+        unsafe { memory::memset_d8_async(out.ptr(), 0, size_of::<u64>(), &stream) }
+            .expect("zero the checksum");
+        stream.synchronize().expect("synchronize the stream");
+    };
+    let checksum = || {
+        // SAFETY: `data` holds LEN u32s and `out` one u64; both outlive the kernel, which
+        // `GpuTimer::time` waits for before `verify` or the next `reset` touches them.
+        unsafe { kernels.checksum_u32(&stream, data.device_ptr(), LEN, out.ptr()) }
+            .expect("launch checksum_u32");
+    };
+    // Untimed, after every iteration: the kernel read every element (all ones).
+    let verify = || {
+        data.record_use(&stream).expect("record the kernel's use");
+        let mut sum = 0u64;
+        // SAFETY: `sum` is 8 writable bytes and `out` 8 device bytes; the kernel that wrote
+        // `out` has finished (its stop event was waited for).
+        unsafe { memory::copy_dtoh(context, (&raw mut sum).cast(), out.ptr(), size_of::<u64>()) }
+            .expect("read the checksum");
+        assert_eq!(sum, LEN as u64, "the kernel must read all 512 MiB");
+    };
+    let run = |iters: u64, timed: &dyn Fn() -> Duration| {
+        (0..iters)
+            .map(|_| {
+                reset();
+                let elapsed = timed();
+                verify();
+                elapsed
+            })
+            .sum::<Duration>()
+    };
+
+    reset();
+    let path = plan.execute(&stream).expect("PrefetchPlan::execute");
+    stream.synchronize().expect("synchronize the stream");
+    println!("managed_checksum_512MiB: PrefetchPlan issues its prefetch {path}");
+
+    let mut group = c.benchmark_group("managed_checksum_512MiB");
+    slow_group(&mut group, Duration::from_secs(3));
+    group.throughput(Throughput::BytesDecimal(BYTES as u64));
+    group.bench_function("kernel_after_prefetch", |b| {
+        b.iter_custom(|iters| {
+            run(iters, &|| {
+                plan.execute(&stream).expect("PrefetchPlan::execute");
+                stream.synchronize().expect("synchronize the stream");
+                timer.time(&stream, checksum)
+            })
+        });
+    });
+    group.bench_function("prefetch_plus_kernel", |b| {
+        b.iter_custom(|iters| {
+            run(iters, &|| {
+                timer.time(&stream, || {
+                    plan.execute(&stream).expect("PrefetchPlan::execute");
+                    checksum();
+                })
+            })
+        });
+    });
+    group.bench_function("kernel_on_demand", |b| {
+        b.iter_custom(|iters| run(iters, &|| timer.time(&stream, checksum)));
+    });
+    group.finish();
+}
+
+fn summary(allocators: &Allocators) {
+    let micros = |d: Duration| d.as_secs_f64() * 1e6;
+    let caching = micros(median_per_iteration(5, 200_000, |n| allocators.caching(n)));
+    let pool = micros(median_per_iteration(5, 20_000, |n| allocators.raw_pool(n)));
+    let raw = micros(median_per_iteration(5, 100, |n| allocators.raw_alloc(n)));
+    let verdict = |met: bool| if met { "met" } else { "MISSED" };
+    let speedup = pool / caching;
+    println!();
+    println!(
+        "summary: 1 MiB alloc+free, median of 5 batches, host clock (separate from criterion)"
+    );
+    println!(
+        "  CachingAllocator                 {caching:>9.3} µs  target <= {CACHING_TARGET_US} µs: {}",
+        verdict(caching <= CACHING_TARGET_US)
+    );
+    println!(
+        "  cached cuMemAllocAsync pool      {pool:>9.3} µs  caching allocator {speedup:.1}x faster, target >= {CACHING_TARGET_SPEEDUP}x: {}",
+        verdict(speedup >= CACHING_TARGET_SPEEDUP)
+    );
+    println!(
+        "  cuMemAlloc + cuMemFree           {raw:>9.3} µs  caching allocator {:.0}x faster",
+        raw / caching
+    );
+}

@@ -1,0 +1,23 @@
+//! [`DeviceAllocation::free`]: `cuMemFree` now, with its error returned instead of logged.
+
+use std::sync::Arc;
+
+use super::DeviceAllocation;
+use crate::error::Result;
+use crate::loader::{cu, driver};
+
+impl DeviceAllocation {
+    /// Frees the memory now (`cuMemFree`, which waits for the device), returning the driver's
+    /// error where dropping would only log it.
+    ///
+    /// The memory is given up either way: after an error it is not freed a second time.
+    pub fn free(self) -> Result<()> {
+        let context = Arc::clone(self.context());
+        let (ptr, _) = self.into_raw();
+        context.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: `ptr` came from cuMemAlloc in `context` (the allocation owned it, and
+        // `into_raw` handed ownership to us), and it is freed exactly once, here.
+        unsafe { cu!(api.mem_free(ptr)) }
+    }
+}

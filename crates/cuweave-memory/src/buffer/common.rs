@@ -1,0 +1,387 @@
+//! [`Buffer`]: what device, pinned and unified buffers share.
+
+use std::sync::Arc;
+
+use cuweave_driver::memory::DevicePtr;
+use cuweave_driver::{Context, Device, Stream};
+
+use super::fill::FillPlan;
+use super::host::{HostSink, HostSource};
+use super::pending::PendingCopy;
+use super::range::{DeviceSpan, check_same_len};
+use super::raw;
+use super::tracker::StreamTracker;
+use crate::element::Element;
+use crate::error::{MemoryError, Result};
+
+/// The untyped part every buffer holds: where its memory is, and its last use.
+#[derive(Debug)]
+pub struct BufferCore {
+    context: Arc<Context>,
+    ptr: DevicePtr,
+    len: usize,
+    element_size: usize,
+    tracker: StreamTracker,
+}
+
+impl BufferCore {
+    /// A core for `len` elements of `element_size` bytes at device address `ptr`.
+    pub(crate) fn new(
+        context: &Arc<Context>,
+        ptr: DevicePtr,
+        len: usize,
+        element_size: usize,
+    ) -> Self {
+        Self {
+            context: Arc::clone(context),
+            ptr,
+            len,
+            element_size,
+            tracker: StreamTracker::new(context),
+        }
+    }
+
+    /// The context the memory belongs to.
+    pub(crate) fn context(&self) -> &Arc<Context> {
+        &self.context
+    }
+
+    /// The device address of element 0.
+    pub(crate) fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// Length in elements.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Size in bytes.
+    pub(crate) fn bytes(&self) -> usize {
+        self.len * self.element_size
+    }
+
+    /// The buffer's last-use tracker.
+    pub(crate) fn tracker(&self) -> &StreamTracker {
+        &self.tracker
+    }
+
+    /// The whole buffer as a span.
+    pub(crate) fn whole(&self) -> DeviceSpan {
+        DeviceSpan::checked(self.ptr, self.bytes())
+    }
+
+    /// Elements `offset..offset + len`, checked.
+    pub(crate) fn span(
+        &self,
+        operation: &'static str,
+        offset: usize,
+        len: usize,
+    ) -> Result<DeviceSpan> {
+        DeviceSpan::of_elements(
+            operation,
+            self.ptr,
+            self.len,
+            self.element_size,
+            offset,
+            len,
+        )
+    }
+}
+
+pub(crate) mod sealed {
+    /// Gives the shared implementation access to a buffer's core. Sealed: only this crate's
+    /// buffers implement [`Buffer`](super::Buffer).
+    pub trait Sealed {
+        /// The buffer's untyped core.
+        fn core(&self) -> &super::BufferCore;
+    }
+}
+
+fn ensure_same_device(operation: &'static str, dst: &BufferCore, src: &BufferCore) -> Result<()> {
+    let (expected, actual) = (dst.context.device(), src.context.device());
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(MemoryError::WrongDevice {
+            operation,
+            expected: expected.ordinal(),
+            actual: actual.ordinal(),
+        })
+    }
+}
+
+/// Queues the cheapest fill of `span` with `value` on `stream` (see [`FillPlan`]).
+fn enqueue_fill(span: DeviceSpan, value: &[u8], stream: &Stream) -> Result<()> {
+    match FillPlan::for_value(value, span.bytes()) {
+        FillPlan::Bytes(byte) => raw::memset_d8(span, byte, stream),
+        FillPlan::Words(word) => raw::memset_d32(span, word, stream),
+        FillPlan::Pattern => raw::fill_pattern(span, value, stream),
+    }
+}
+
+/// The operations every buffer offers: size, device address, fill, and copies to and from the
+/// host and other buffers, blocking or on a stream.
+///
+/// Offsets and lengths are in elements. Blocking methods return once the operation (and every
+/// earlier use of the buffers involved) has finished; they run on the context's legacy default
+/// stream, so they also wait for work on streams created with `StreamFlags::DEFAULT`. Methods
+/// ending in `_async` queue the work on a stream and return at once; copies with host memory
+/// take the host side by value and give it back from [`PendingCopy::wait`].
+///
+/// Every use is ordered after the buffer's previous use, whatever stream that was on (see
+/// [`prepare_use`](Self::prepare_use)): no sequence of calls on this trait races with itself on
+/// the GPU, and a buffer is never freed under queued work.
+///
+/// ```no_run
+/// use cuweave_driver::{Context, Device, Stream, StreamFlags};
+/// use cuweave_memory::buffer::{Buffer, DeviceBuffer};
+///
+/// # fn main() -> cuweave_memory::Result<()> {
+/// let context = Context::primary(Device::get(0)?)?;
+/// let mut buffer = DeviceBuffer::<u32>::new(&context, 1 << 20)?;
+/// buffer.fill(7)?;
+/// let stream = Stream::new(&context, StreamFlags::NON_BLOCKING)?;
+/// let pending = buffer.copy_to_host_async(vec![0u32; 1 << 20], &stream)?;
+/// assert!(pending.wait()?.iter().all(|&x| x == 7));
+/// # Ok(())
+/// # }
+/// ```
+pub trait Buffer<T: Element>: sealed::Sealed {
+    /// Number of elements (never zero: empty buffers are refused at creation).
+    fn len(&self) -> usize {
+        self.core().len()
+    }
+
+    /// Always `false`; present for API symmetry with slices.
+    fn is_empty(&self) -> bool {
+        self.core().len() == 0
+    }
+
+    /// Size in bytes.
+    fn byte_size(&self) -> usize {
+        self.core().bytes()
+    }
+
+    /// The device address of element 0, for kernels (see [`prepare_use`](Self::prepare_use)
+    /// and [`record_use`](Self::record_use) to keep them ordered with this buffer's other uses).
+    fn device_ptr(&self) -> DevicePtr {
+        self.core().ptr()
+    }
+
+    /// The context the memory belongs to.
+    fn context(&self) -> &Arc<Context> {
+        self.core().context()
+    }
+
+    /// The device the memory belongs to.
+    fn device(&self) -> Device {
+        self.core().context().device()
+    }
+
+    /// Sets every element to `value`, blocking: a byte or word memset when `value`'s bytes
+    /// allow, else a host-staged chunk doubled on the device.
+    fn fill(&mut self, value: T) -> Result<()> {
+        let core = self.core();
+        let span = core.whole();
+        raw::run_blocking(
+            "Buffer::fill",
+            core.context(),
+            &[core.tracker()],
+            |stream| enqueue_fill(span, bytemuck::bytes_of(&value), stream),
+        )
+    }
+
+    /// Queues setting every element to `value` on `stream`.
+    fn fill_async(&mut self, value: T, stream: &Stream) -> Result<()> {
+        let core = self.core();
+        let span = core.whole();
+        super::tracker::run("Buffer::fill_async", stream, &[core.tracker()], || {
+            enqueue_fill(span, bytemuck::bytes_of(&value), stream)
+        })?;
+        Ok(())
+    }
+
+    /// Copies `src` (exactly [`len`](Self::len) elements) into the buffer, blocking.
+    fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
+        check_same_len("Buffer::copy_from_host", self.len(), src.len())?;
+        self.copy_range_from_host(0, src)
+    }
+
+    /// Copies `src` into elements `offset..offset + src.len()`, blocking.
+    fn copy_range_from_host(&mut self, offset: usize, src: &[T]) -> Result<()> {
+        const OP: &str = "Buffer::copy_range_from_host";
+        let core = self.core();
+        let span = core.span(OP, offset, src.len())?;
+        raw::write_blocking(
+            OP,
+            core.context(),
+            span,
+            bytemuck::cast_slice(src),
+            &[core.tracker()],
+        )
+    }
+
+    /// Copies the buffer into `dst` (exactly [`len`](Self::len) elements), blocking.
+    fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        check_same_len("Buffer::copy_to_host", self.len(), dst.len())?;
+        self.copy_range_to_host(0, dst)
+    }
+
+    /// Copies elements `offset..offset + dst.len()` into `dst`, blocking.
+    fn copy_range_to_host(&self, offset: usize, dst: &mut [T]) -> Result<()> {
+        const OP: &str = "Buffer::copy_range_to_host";
+        let core = self.core();
+        let span = core.span(OP, offset, dst.len())?;
+        raw::read_blocking(
+            OP,
+            core.context(),
+            bytemuck::cast_slice_mut(dst),
+            span,
+            &[core.tracker()],
+        )
+    }
+
+    /// The whole buffer, copied into a new vector, blocking.
+    fn to_vec(&self) -> Result<Vec<T>> {
+        let mut out = vec![T::zeroed(); self.len()];
+        self.copy_to_host(&mut out)?;
+        Ok(out)
+    }
+
+    /// Copies another buffer of the same length and device into this one, blocking.
+    fn copy_from<B: Buffer<T> + ?Sized>(&mut self, src: &B) -> Result<()> {
+        check_same_len("Buffer::copy_from", self.len(), src.len())?;
+        self.copy_range_from(0, src, 0, self.len())
+    }
+
+    /// Copies `len` elements of `src` from `src_offset` to this buffer at `offset`, blocking.
+    ///
+    /// # Errors
+    /// `WrongDevice` when `src` lives on another device (peer copies belong to
+    /// `cuweave-transfer`); `ZeroLength` / `OutOfRange` for bad ranges on either side.
+    fn copy_range_from<B: Buffer<T> + ?Sized>(
+        &mut self,
+        offset: usize,
+        src: &B,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        const OP: &str = "Buffer::copy_range_from";
+        let (dst, src) = (self.core(), src.core());
+        ensure_same_device(OP, dst, src)?;
+        let (dst_span, src_span) = (dst.span(OP, offset, len)?, src.span(OP, src_offset, len)?);
+        raw::run_blocking(
+            OP,
+            dst.context(),
+            &[dst.tracker(), src.tracker()],
+            |stream| raw::copy_dtod(dst_span, src_span, stream),
+        )
+    }
+
+    /// Queues a copy of another buffer of the same length and device into this one on `stream`.
+    fn copy_from_async<B: Buffer<T> + ?Sized>(&mut self, src: &B, stream: &Stream) -> Result<()> {
+        check_same_len("Buffer::copy_from_async", self.len(), src.len())?;
+        self.copy_range_from_async(0, src, 0, self.len(), stream)
+    }
+
+    /// Queues a copy of `len` elements of `src` from `src_offset` to `offset` on `stream`.
+    fn copy_range_from_async<B: Buffer<T> + ?Sized>(
+        &mut self,
+        offset: usize,
+        src: &B,
+        src_offset: usize,
+        len: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        const OP: &str = "Buffer::copy_range_from_async";
+        let (dst, src) = (self.core(), src.core());
+        ensure_same_device(OP, dst, src)?;
+        let (dst_span, src_span) = (dst.span(OP, offset, len)?, src.span(OP, src_offset, len)?);
+        super::tracker::run(OP, stream, &[dst.tracker(), src.tracker()], || {
+            raw::copy_dtod(dst_span, src_span, stream)
+        })?;
+        Ok(())
+    }
+
+    /// Queues a copy of `host` (exactly [`len`](Self::len) elements) into the buffer on
+    /// `stream`; the returned [`PendingCopy`] owns `host` until the copy has finished.
+    fn copy_from_host_async<H: HostSource<T>>(
+        &mut self,
+        host: H,
+        stream: &Stream,
+    ) -> Result<PendingCopy<H>> {
+        check_same_len("Buffer::copy_from_host_async", self.len(), host.host_len())?;
+        self.copy_range_from_host_async(0, host, stream)
+    }
+
+    /// Queues a copy of `host` into elements `offset..offset + host_len` on `stream`.
+    fn copy_range_from_host_async<H: HostSource<T>>(
+        &mut self,
+        offset: usize,
+        host: H,
+        stream: &Stream,
+    ) -> Result<PendingCopy<H>> {
+        const OP: &str = "Buffer::copy_range_from_host_async";
+        let core = self.core();
+        let span = core.span(OP, offset, host.host_len())?;
+        raw::write_async::<T, H>(OP, span, host, stream, core.tracker())
+    }
+
+    /// Queues a copy of the buffer into `host` (exactly [`len`](Self::len) elements) on
+    /// `stream`; [`PendingCopy::wait`] returns `host` holding the data.
+    fn copy_to_host_async<H: HostSink<T>>(
+        &self,
+        host: H,
+        stream: &Stream,
+    ) -> Result<PendingCopy<H>> {
+        check_same_len("Buffer::copy_to_host_async", self.len(), host.host_len())?;
+        self.copy_range_to_host_async(0, host, stream)
+    }
+
+    /// Queues a copy of elements `offset..offset + host_len` into `host` on `stream`.
+    fn copy_range_to_host_async<H: HostSink<T>>(
+        &self,
+        offset: usize,
+        host: H,
+        stream: &Stream,
+    ) -> Result<PendingCopy<H>> {
+        const OP: &str = "Buffer::copy_range_to_host_async";
+        let core = self.core();
+        let span = core.span(OP, offset, host.host_len())?;
+        raw::read_async::<T, H>(OP, span, host, stream, core.tracker())
+    }
+
+    /// Makes `stream` wait (device-side) for every use of the buffer so far. Call it before
+    /// launching your own kernel on [`device_ptr`](Self::device_ptr), and
+    /// [`record_use`](Self::record_use) after.
+    fn prepare_use(&self, stream: &Stream) -> Result<()> {
+        self.core()
+            .tracker()
+            .prepare_use("Buffer::prepare_use", stream)
+    }
+
+    /// Records that work just queued on `stream` uses the buffer: later uses on other streams
+    /// wait for it, host access waits for it, and the buffer is not freed before it finishes.
+    fn record_use(&self, stream: &Stream) -> Result<()> {
+        self.core()
+            .tracker()
+            .record_use("Buffer::record_use", stream)
+    }
+
+    /// The raw handle (as an integer) of the stream that last used the buffer; 0 is the legacy
+    /// default stream, which blocking operations use. `None` if it was never used.
+    fn last_use(&self) -> Option<usize> {
+        self.core().tracker().last_use()
+    }
+
+    /// Whether every queued use of the buffer has finished, without blocking.
+    fn is_idle(&self) -> Result<bool> {
+        self.core().tracker().is_idle()
+    }
+
+    /// Blocks until every queued use of the buffer has finished.
+    fn synchronize(&self) -> Result<()> {
+        self.core().tracker().synchronize()
+    }
+}

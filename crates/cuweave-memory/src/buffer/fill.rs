@@ -1,0 +1,134 @@
+//! How to fill a buffer with one value of any plain-data type, in as few driver calls as possible.
+//!
+//! The driver sets memory a byte (`cuMemsetD8`) or a 32-bit word (`cuMemsetD32`) at a time. A
+//! value whose bytes are all equal is a byte memset; a value whose repeated bytes are 4-byte
+//! periodic (any `u32`/`f32`, a `u16` filling a whole number of words, a `u64` with equal
+//! halves, …) is a word memset. Anything else is a [`FillPlan::Pattern`]: one chunk of copies of
+//! the value is copied from the host, then doubled device-to-device until the buffer is full.
+
+/// Bytes of host-staged pattern copied before doubling on the device.
+pub(crate) const PATTERN_CHUNK_BYTES: usize = 64 * 1024;
+
+/// The driver calls a fill takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FillPlan {
+    /// `cuMemsetD8` with this byte.
+    Bytes(u8),
+    /// `cuMemsetD32` with this word (as the device stores it, little-endian).
+    Words(u32),
+    /// A host-staged chunk of the value, doubled by device-to-device copies.
+    Pattern,
+}
+
+impl FillPlan {
+    /// The plan for filling `total_bytes` (a whole number of values, starting 4-byte aligned)
+    /// with repetitions of `value`'s bytes.
+    pub(crate) fn for_value(value: &[u8], total_bytes: usize) -> Self {
+        let Some(&first) = value.first() else {
+            return Self::Pattern;
+        };
+        if value.iter().all(|&byte| byte == first) {
+            return Self::Bytes(first);
+        }
+        // The repeated value is both `len`-periodic and, for a word memset, 4-periodic: so it
+        // must be gcd(len, 4)-periodic, and the word is its first four bytes.
+        let period = gcd(value.len(), 4);
+        let periodic = value
+            .iter()
+            .enumerate()
+            .all(|(index, &byte)| byte == value[index % period]);
+        if periodic && total_bytes % 4 == 0 {
+            let word = [0, 1, 2, 3].map(|index| value[index % period]);
+            return Self::Words(u32::from_le_bytes(word));
+        }
+        Self::Pattern
+    }
+}
+
+/// How many values the first, host-staged chunk of a pattern fill holds.
+pub(crate) fn pattern_chunk_len(value_size: usize, len: usize) -> usize {
+    (PATTERN_CHUNK_BYTES / value_size.max(1)).clamp(1, len.max(1))
+}
+
+/// The device-to-device copies that double a filled prefix of `chunk` values until `len` are
+/// filled: `(destination offset, count)` in values, each copying from offset 0.
+pub(crate) fn doubling_steps(chunk: usize, len: usize) -> Vec<(usize, usize)> {
+    let mut steps = Vec::new();
+    let mut filled = chunk.min(len);
+    while filled < len {
+        let count = filled.min(len - filled);
+        steps.push((filled, count));
+        filled += count;
+    }
+    steps
+}
+
+fn gcd(mut a: usize, mut b: usize) -> usize {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+#[cfg(test)]
+mod tests {
+    use rstest::rstest;
+
+    use super::*;
+
+    #[rstest]
+    #[case::zero_u32(&0u32.to_le_bytes(), 16, FillPlan::Bytes(0))]
+    #[case::all_ones_u64(&u64::MAX.to_le_bytes(), 16, FillPlan::Bytes(0xff))]
+    #[case::u8(&[7], 3, FillPlan::Bytes(7))]
+    #[case::u32(&0x0102_0304u32.to_le_bytes(), 8, FillPlan::Words(0x0102_0304))]
+    #[case::f32(&1.5f32.to_le_bytes(), 4, FillPlan::Words(1.5f32.to_bits()))]
+    #[case::u16_even(&0x0102u16.to_le_bytes(), 8, FillPlan::Words(0x0102_0102))]
+    #[case::u16_odd_count(&0x0102u16.to_le_bytes(), 6, FillPlan::Pattern)]
+    #[case::u64_equal_halves(&0x0a0b_0c0d_0a0b_0c0du64.to_le_bytes(), 16, FillPlan::Words(0x0a0b_0c0d))]
+    #[case::u64(&0x1122_3344_5566_7788u64.to_le_bytes(), 16, FillPlan::Pattern)]
+    #[case::three_bytes(&[1, 2, 3], 12, FillPlan::Pattern)]
+    #[case::six_bytes_u16_pattern(&[1, 2, 1, 2, 1, 2], 12, FillPlan::Words(0x0201_0201))]
+    fn plans_use_the_cheapest_memset(
+        #[case] value: &[u8],
+        #[case] total: usize,
+        #[case] plan: FillPlan,
+    ) {
+        assert_eq!(FillPlan::for_value(value, total), plan);
+    }
+
+    #[test]
+    fn word_plans_reproduce_the_bytes() {
+        // What the device stores for a word memset must equal the repeated value.
+        for value in [[1u8, 2, 1, 2], [9, 8, 7, 6]] {
+            let FillPlan::Words(word) = FillPlan::for_value(&value, 8) else {
+                panic!("expected a word plan")
+            };
+            assert_eq!(word.to_le_bytes(), value);
+        }
+    }
+
+    #[rstest]
+    #[case(1, 1, vec![])]
+    #[case(4, 4, vec![])]
+    #[case(8, 4, vec![])]
+    #[case(1, 5, vec![(1, 1), (2, 2), (4, 1)])]
+    #[case(3, 10, vec![(3, 3), (6, 4)])]
+    fn doubling_fills_exactly(
+        #[case] chunk: usize,
+        #[case] len: usize,
+        #[case] steps: Vec<(usize, usize)>,
+    ) {
+        let got = doubling_steps(chunk, len);
+        assert_eq!(got, steps);
+        let covered: usize = chunk.min(len) + got.iter().map(|&(_, count)| count).sum::<usize>();
+        assert_eq!(covered, len);
+        assert!(got.iter().all(|&(offset, count)| count <= offset));
+    }
+
+    #[test]
+    fn chunks_stay_within_the_buffer_and_the_stage() {
+        assert_eq!(pattern_chunk_len(8, 3), 3);
+        assert_eq!(pattern_chunk_len(8, 1 << 30), PATTERN_CHUNK_BYTES / 8);
+        assert_eq!(pattern_chunk_len(1 << 20, 10), 1);
+    }
+}

@@ -1,0 +1,157 @@
+//! [`HostSource`] and [`HostSink`]: host memory an asynchronous copy may own until it finishes.
+//!
+//! An async copy hands the host side to the copy engine, which reads or writes it later. So the
+//! copy takes the host side by value (a `Vec<T>`, a `Box<[T]>`, a [`PinnedBuffer`]) or by a
+//! borrow of a [`PinnedBuffer`] (whose own tracker then remembers the copy), and the returned
+//! [`PendingCopy`](super::PendingCopy) gives it back only once the stream has passed the copy.
+//!
+//! | host side | source | sink | how the copy runs |
+//! |---|---|---|---|
+//! | `PinnedBuffer<T>`, `&mut PinnedBuffer<T>` | yes | yes | truly asynchronous (DMA from page-locked memory) |
+//! | `&PinnedBuffer<T>` | yes | no | truly asynchronous |
+//! | `Vec<T>`, `Box<[T]>` | yes | yes | pageable: the driver stages it; a device-to-host copy returns only when done |
+//!
+//! The traits are sealed: their soundness rests on each implementation keeping its memory at
+//! the same address when the value is moved, which holds for exactly these types.
+
+use super::common::Buffer;
+use super::pinned::PinnedBuffer;
+use super::tracker::StreamTracker;
+use crate::element::Element;
+
+pub(crate) mod sealed {
+    use super::StreamTracker;
+
+    /// Raw access for the copy functions. Implementations keep their memory at the same
+    /// address when moved, and valid for `host_len` elements for as long as they live.
+    pub trait HostSide<T> {
+        /// Number of elements.
+        fn host_len(&self) -> usize;
+        /// The first element's address.
+        fn host_ptr(&self) -> *const u8;
+        /// The tracker of a buffer that remembers its own device uses, if any.
+        fn host_tracker(&self) -> Option<&StreamTracker>;
+    }
+
+    /// Writable raw access for device-to-host copies.
+    pub trait HostSideMut<T>: HostSide<T> {
+        /// The first element's address, writable.
+        fn host_mut_ptr(&mut self) -> *mut u8;
+    }
+}
+
+/// Host memory an asynchronous host-to-device copy can read from while it owns it.
+///
+/// | host side | source | sink | how the copy runs |
+/// |---|---|---|---|
+/// | `PinnedBuffer<T>`, `&mut PinnedBuffer<T>` | yes | yes | truly asynchronous (DMA from page-locked memory) |
+/// | `&PinnedBuffer<T>` | yes | no | truly asynchronous |
+/// | `Vec<T>`, `Box<[T]>` | yes | yes | pageable: the driver stages it; a device-to-host copy returns only when done |
+///
+/// A borrowed [`PinnedBuffer`] also records the copy in its own tracker, so its host slices
+/// wait for the copy even if the [`PendingCopy`](super::PendingCopy) is forgotten.
+pub trait HostSource<T: Element>: sealed::HostSide<T> + Send {}
+
+/// Host memory an asynchronous device-to-host copy can write into while it owns it.
+///
+/// Implemented for `Vec<T>`, `Box<[T]>`, [`PinnedBuffer<T>`] and `&mut PinnedBuffer<T>` (see
+/// [`HostSource`] for how each copy runs).
+pub trait HostSink<T: Element>: sealed::HostSideMut<T> + Send {}
+
+impl<T: Element> sealed::HostSide<T> for Vec<T> {
+    fn host_len(&self) -> usize {
+        self.len()
+    }
+    fn host_ptr(&self) -> *const u8 {
+        self.as_ptr().cast()
+    }
+    fn host_tracker(&self) -> Option<&StreamTracker> {
+        None
+    }
+}
+
+impl<T: Element> sealed::HostSideMut<T> for Vec<T> {
+    fn host_mut_ptr(&mut self) -> *mut u8 {
+        self.as_mut_ptr().cast()
+    }
+}
+
+impl<T: Element> HostSource<T> for Vec<T> {}
+impl<T: Element> HostSink<T> for Vec<T> {}
+
+impl<T: Element> sealed::HostSide<T> for Box<[T]> {
+    fn host_len(&self) -> usize {
+        self.len()
+    }
+    fn host_ptr(&self) -> *const u8 {
+        self.as_ptr().cast()
+    }
+    fn host_tracker(&self) -> Option<&StreamTracker> {
+        None
+    }
+}
+
+impl<T: Element> sealed::HostSideMut<T> for Box<[T]> {
+    fn host_mut_ptr(&mut self) -> *mut u8 {
+        self.as_mut_ptr().cast()
+    }
+}
+
+impl<T: Element> HostSource<T> for Box<[T]> {}
+impl<T: Element> HostSink<T> for Box<[T]> {}
+
+impl<T: Element> sealed::HostSide<T> for PinnedBuffer<T> {
+    fn host_len(&self) -> usize {
+        Buffer::len(self)
+    }
+    fn host_ptr(&self) -> *const u8 {
+        self.host_ptr()
+    }
+    fn host_tracker(&self) -> Option<&StreamTracker> {
+        Some(self.tracker())
+    }
+}
+
+impl<T: Element> sealed::HostSideMut<T> for PinnedBuffer<T> {
+    fn host_mut_ptr(&mut self) -> *mut u8 {
+        self.host_mut_ptr()
+    }
+}
+
+impl<T: Element> HostSource<T> for PinnedBuffer<T> {}
+impl<T: Element> HostSink<T> for PinnedBuffer<T> {}
+
+impl<T: Element> sealed::HostSide<T> for &PinnedBuffer<T> {
+    fn host_len(&self) -> usize {
+        Buffer::len(&**self)
+    }
+    fn host_ptr(&self) -> *const u8 {
+        (**self).host_ptr()
+    }
+    fn host_tracker(&self) -> Option<&StreamTracker> {
+        Some(self.tracker())
+    }
+}
+
+impl<T: Element> HostSource<T> for &PinnedBuffer<T> {}
+
+impl<T: Element> sealed::HostSide<T> for &mut PinnedBuffer<T> {
+    fn host_len(&self) -> usize {
+        Buffer::len(&**self)
+    }
+    fn host_ptr(&self) -> *const u8 {
+        (**self).host_ptr()
+    }
+    fn host_tracker(&self) -> Option<&StreamTracker> {
+        Some(self.tracker())
+    }
+}
+
+impl<T: Element> sealed::HostSideMut<T> for &mut PinnedBuffer<T> {
+    fn host_mut_ptr(&mut self) -> *mut u8 {
+        (**self).host_mut_ptr()
+    }
+}
+
+impl<T: Element> HostSource<T> for &mut PinnedBuffer<T> {}
+impl<T: Element> HostSink<T> for &mut PinnedBuffer<T> {}

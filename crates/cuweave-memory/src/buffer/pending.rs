@@ -1,0 +1,81 @@
+//! [`PendingCopy`]: an asynchronous copy in flight, owning its host side until it has finished.
+
+use cuweave_driver::Event;
+
+/// An asynchronous copy queued on a stream, holding the host side (`H`) until the stream has
+/// passed it.
+///
+/// [`wait`](Self::wait) blocks until the copy is done and hands the host side back. Dropping a
+/// `PendingCopy` also waits before the host side is dropped, so host memory is never freed
+/// under the copy engine; `std::mem::forget` leaks the host side (it is never freed), which is
+/// safe. If waiting fails (the context is broken), the host side is leaked rather than freed.
+///
+/// ```no_run
+/// use cuweave_driver::{Context, Device, Stream, StreamFlags};
+/// use cuweave_memory::buffer::{Buffer, DeviceBuffer, PinnedBuffer};
+///
+/// # fn main() -> cuweave_memory::Result<()> {
+/// let context = Context::primary(Device::get(0)?)?;
+/// let stream = Stream::new(&context, StreamFlags::NON_BLOCKING)?;
+/// let mut device = DeviceBuffer::<f32>::zeroed(&context, 1024)?;
+/// let staging = PinnedBuffer::from_slice(&context, &[1.0f32; 1024])?;
+/// let pending = device.copy_from_host_async(staging, &stream)?;
+/// // … queue more work, do host work …
+/// let staging = pending.wait()?; // the copy has finished; the pinned buffer is ours again
+/// # drop(staging);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+#[must_use = "dropping a PendingCopy blocks until the copy has finished; call `wait` to get the host side back"]
+pub struct PendingCopy<H> {
+    host: Option<H>,
+    done: Event,
+    bytes: usize,
+}
+
+impl<H> PendingCopy<H> {
+    /// Wraps a copy of `bytes` that `done` was recorded after, owning `host` until it completes.
+    pub(crate) fn new(host: H, done: Event, bytes: usize) -> Self {
+        Self {
+            host: Some(host),
+            done,
+            bytes,
+        }
+    }
+
+    /// Blocks until the copy has finished and returns the host side.
+    ///
+    /// # Errors
+    /// The driver's error if waiting fails; the host side is then leaked, not freed.
+    pub fn wait(mut self) -> crate::Result<H> {
+        self.done.synchronize()?;
+        Ok(self
+            .host
+            .take()
+            .expect("the host side is present until wait or drop"))
+    }
+
+    /// Whether the copy has finished (then [`wait`](Self::wait) returns at once).
+    pub fn is_complete(&self) -> crate::Result<bool> {
+        Ok(self.done.query()?)
+    }
+
+    /// How many bytes the copy moves.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl<H> Drop for PendingCopy<H> {
+    fn drop(&mut self) {
+        let Some(host) = self.host.take() else { return };
+        match self.done.synchronize() {
+            Ok(()) => drop(host),
+            Err(error) => {
+                tracing::error!(%error, bytes = self.bytes, "waiting for an async copy failed; leaking its host memory");
+                std::mem::forget(host);
+            }
+        }
+    }
+}

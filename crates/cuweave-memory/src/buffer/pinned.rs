@@ -1,0 +1,193 @@
+//! [`PinnedBuffer`]: typed page-locked host memory, readable as a slice and a fast copy partner.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cuweave_driver::Context;
+use cuweave_driver::memory::{HostAllocFlags, HostAllocation};
+
+use super::common::{Buffer, BufferCore, sealed::Sealed};
+use super::range::{allocation_bytes, check_range};
+use super::tracker::StreamTracker;
+use crate::element::Element;
+use crate::error::{MemoryError, Result};
+
+/// `len` elements of `T` in page-locked (pinned) host memory, mapped into the device's address
+/// space, freed when dropped (after every queued use of it has finished).
+///
+/// Copies between pinned memory and the device run at full bus speed and truly asynchronously:
+/// pass a `PinnedBuffer` (owned or borrowed) as the host side of
+/// [`Buffer::copy_from_host_async`] / [`Buffer::copy_to_host_async`]. It is also a [`Buffer`]
+/// itself (its [`device_ptr`](Buffer::device_ptr) is the mapped address, usable by kernels).
+///
+/// Host access waits for queued device work: [`as_slice`](Self::as_slice) and
+/// [`as_mut_slice`](Self::as_mut_slice) block until the last use on any stream has finished,
+/// [`try_as_slice`](Self::try_as_slice) refuses with [`MemoryError::DeviceBusy`] instead.
+/// Pinning is slow (tens of milliseconds for 64 MiB): keep pinned buffers, or use the pool.
+///
+/// ```no_run
+/// use cuweave_driver::{Context, Device};
+/// use cuweave_memory::buffer::PinnedBuffer;
+///
+/// # fn main() -> cuweave_memory::Result<()> {
+/// let context = Context::primary(Device::get(0)?)?;
+/// let mut staging = PinnedBuffer::<u32>::new(&context, 4096)?;
+/// staging.as_mut_slice()?.iter_mut().enumerate().for_each(|(i, x)| *x = i as u32);
+/// assert_eq!(staging.as_slice()?[7], 7);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct PinnedBuffer<T: Element> {
+    core: BufferCore,
+    allocation: HostAllocation,
+    _element: PhantomData<T>,
+}
+
+impl<T: Element> PinnedBuffer<T> {
+    /// Allocates `len` elements of pinned host memory, set to zero (host memory may be read as
+    /// a slice, so it is never handed out uninitialized).
+    ///
+    /// # Errors
+    /// `ZeroLength` for `len == 0`, `Misaligned` on overflow, the driver's error when pinning
+    /// fails.
+    pub fn new(context: &Arc<Context>, len: usize) -> Result<Self> {
+        let bytes = allocation_bytes::<T>("PinnedBuffer::new", len)?;
+        let mut allocation = HostAllocation::new(context, bytes, HostAllocFlags::PORTABLE_MAPPED)?;
+        allocation.as_bytes_mut().fill(0);
+        let device_ptr = allocation.device_ptr()?;
+        Ok(Self {
+            core: BufferCore::new(context, device_ptr, len, size_of::<T>()),
+            allocation,
+            _element: PhantomData,
+        })
+    }
+
+    /// Allocates `len` zeroed elements (the same as [`new`](Self::new)).
+    pub fn zeroed(context: &Arc<Context>, len: usize) -> Result<Self> {
+        Self::new(context, len)
+    }
+
+    /// Allocates a pinned copy of `data`.
+    ///
+    /// # Errors
+    /// `ZeroLength` for an empty slice.
+    pub fn from_slice(context: &Arc<Context>, data: &[T]) -> Result<Self> {
+        let mut buffer = Self::new(context, data.len())?;
+        buffer.slice_mut()?.copy_from_slice(data);
+        Ok(buffer)
+    }
+
+    /// The elements, after waiting for every queued device use of the buffer (blocks).
+    pub fn as_slice(&self) -> Result<&[T]> {
+        self.core.tracker().synchronize()?;
+        self.slice()
+    }
+
+    /// The elements, or `DeviceBusy` while queued device work may still use the buffer.
+    pub fn try_as_slice(&self) -> Result<&[T]> {
+        self.core
+            .tracker()
+            .ensure_idle("PinnedBuffer::try_as_slice")?;
+        self.slice()
+    }
+
+    /// The elements, writable, after waiting for every queued device use (blocks).
+    pub fn as_mut_slice(&mut self) -> Result<&mut [T]> {
+        self.core.tracker().synchronize()?;
+        self.slice_mut()
+    }
+
+    /// The elements, writable, or `DeviceBusy` while queued device work may use the buffer.
+    pub fn try_as_mut_slice(&mut self) -> Result<&mut [T]> {
+        self.core
+            .tracker()
+            .ensure_idle("PinnedBuffer::try_as_mut_slice")?;
+        self.slice_mut()
+    }
+
+    /// The driver allocation, for interop.
+    pub fn allocation(&self) -> &HostAllocation {
+        &self.allocation
+    }
+
+    // Callers have made sure no device work can write the memory meanwhile.
+    fn slice(&self) -> Result<&[T]> {
+        let bytes = &self.allocation.as_bytes()[..self.core.bytes()];
+        bytemuck::try_cast_slice(bytes).map_err(|_| self.misaligned())
+    }
+
+    // Callers have made sure no device work can use the memory meanwhile.
+    fn slice_mut(&mut self) -> Result<&mut [T]> {
+        let bytes = self.core.bytes();
+        let error = self.misaligned();
+        bytemuck::try_cast_slice_mut(&mut self.allocation.as_bytes_mut()[..bytes])
+            .map_err(|_| error)
+    }
+
+    fn misaligned(&self) -> MemoryError {
+        MemoryError::Misaligned {
+            operation: "PinnedBuffer host slice",
+            bytes: self.core.bytes(),
+            element_size: size_of::<T>(),
+        }
+    }
+
+    /// Host address of element 0, for the async copy functions.
+    pub(crate) fn host_ptr(&self) -> *const u8 {
+        self.allocation.as_ptr()
+    }
+
+    /// Writable host address of element 0, for the async copy functions.
+    pub(crate) fn host_mut_ptr(&mut self) -> *mut u8 {
+        self.allocation.as_mut_ptr()
+    }
+
+    /// The buffer's last-use tracker.
+    pub(crate) fn tracker(&self) -> &StreamTracker {
+        self.core.tracker()
+    }
+}
+
+impl<T: Element> Sealed for PinnedBuffer<T> {
+    fn core(&self) -> &BufferCore {
+        &self.core
+    }
+}
+
+/// Blocking host-side operations run on the CPU (after waiting for queued device uses): the
+/// memory is the host's own, so a `memcpy` beats a DMA round trip.
+impl<T: Element> Buffer<T> for PinnedBuffer<T> {
+    fn fill(&mut self, value: T) -> Result<()> {
+        self.as_mut_slice()?.fill(value);
+        Ok(())
+    }
+
+    fn copy_range_from_host(&mut self, offset: usize, src: &[T]) -> Result<()> {
+        let range = check_range(
+            "PinnedBuffer::copy_range_from_host",
+            offset,
+            src.len(),
+            self.core.len(),
+        )?;
+        self.as_mut_slice()?[range].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn copy_range_to_host(&self, offset: usize, dst: &mut [T]) -> Result<()> {
+        let range = check_range(
+            "PinnedBuffer::copy_range_to_host",
+            offset,
+            dst.len(),
+            self.core.len(),
+        )?;
+        dst.copy_from_slice(&self.as_slice()?[range]);
+        Ok(())
+    }
+}
+
+impl<T: Element> Drop for PinnedBuffer<T> {
+    fn drop(&mut self) {
+        self.core.tracker().synchronize_for_drop("PinnedBuffer");
+    }
+}

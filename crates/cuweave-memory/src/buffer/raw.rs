@@ -1,0 +1,269 @@
+//! The buffer layer's unsafe spot: the driver's raw copies and memsets, and host slices over
+//! managed memory.
+//!
+//! Every function here is safe to call from the rest of the crate because it keeps the host
+//! side's contract itself:
+//!
+//! - blocking copies use the driver's synchronous calls (`cuMemcpyHtoD` returns once the host
+//!   memory has been read or staged, `cuMemcpyDtoH` once it has been written), so the borrowed
+//!   host slice is not touched after they return;
+//! - asynchronous copies take the host side by value and return it inside a [`PendingCopy`],
+//!   which frees it only after the event recorded behind the copy has completed;
+//! - the pattern fill hands its staging vector to a host function queued behind its copy.
+//!
+//! and the device side's contract through the crate invariant of [`DeviceSpan`]: spans come
+//! from live, range-checked buffers, work on them is queued only inside [`tracker::run`] (which
+//! records it on the buffer's tracker), and buffers synchronize their tracker before freeing.
+
+use std::sync::Arc;
+
+use cuweave_driver::memory::{self, ManagedAllocation};
+use cuweave_driver::{Context, Event, EventFlags, Stream};
+
+use super::fill::{doubling_steps, pattern_chunk_len};
+use super::host::{HostSink, HostSource};
+use super::pending::PendingCopy;
+use super::range::DeviceSpan;
+use super::tracker::{self, StreamTracker};
+use crate::element::Element;
+use crate::error::{MemoryError, Result};
+
+/// The context's legacy default stream (`NULL`), on which blocking operations are ordered.
+pub(crate) fn legacy_stream(context: &Arc<Context>) -> Stream {
+    // SAFETY: the null stream is the legacy default stream, which every context has; the handle
+    // is not owned, so dropping it destroys nothing.
+    unsafe { Stream::from_raw(context, std::ptr::null_mut(), false) }
+}
+
+/// Runs `op` on the legacy default stream under the ordering protocol and returns once it, and
+/// every earlier use of the buffers, has finished.
+pub(crate) fn run_blocking<R>(
+    operation: &'static str,
+    context: &Arc<Context>,
+    trackers: &[&StreamTracker],
+    op: impl FnOnce(&Stream) -> Result<R>,
+) -> Result<R> {
+    let legacy = legacy_stream(context);
+    let value = tracker::run(operation, &legacy, trackers, || op(&legacy))?;
+    trackers[0].synchronize()?;
+    Ok(value)
+}
+
+/// Copies `src` into `dst` and returns once the copy has completed.
+pub(crate) fn write_blocking(
+    operation: &'static str,
+    context: &Arc<Context>,
+    dst: DeviceSpan,
+    src: &[u8],
+    trackers: &[&StreamTracker],
+) -> Result<()> {
+    debug_assert_eq!(src.len(), dst.bytes());
+    run_blocking(operation, context, trackers, |_| {
+        // SAFETY: `src` is readable for `dst.bytes()` bytes and `cuMemcpyHtoD` is done with it
+        // (read, or staged from pageable memory) when it returns; `dst` is a live span
+        // (crate invariant). The legacy stream it runs on was ordered after the buffer's uses.
+        unsafe { memory::copy_htod(context, dst.ptr(), src.as_ptr(), dst.bytes()) }?;
+        Ok(())
+    })
+}
+
+/// Copies `src` into `dst` and returns once the copy has completed.
+pub(crate) fn read_blocking(
+    operation: &'static str,
+    context: &Arc<Context>,
+    dst: &mut [u8],
+    src: DeviceSpan,
+    trackers: &[&StreamTracker],
+) -> Result<()> {
+    debug_assert_eq!(dst.len(), src.bytes());
+    run_blocking(operation, context, trackers, |_| {
+        // SAFETY: `dst` is writable for `src.bytes()` bytes and exclusively borrowed;
+        // `cuMemcpyDtoH` returns only once the copy has completed. `src` is a live span.
+        unsafe { memory::copy_dtoh(context, dst.as_mut_ptr(), src.ptr(), src.bytes()) }?;
+        Ok(())
+    })
+}
+
+/// Queues a copy from the host side `host` into `dst` on `stream`; the returned
+/// [`PendingCopy`] owns `host` until the copy has finished.
+pub(crate) fn write_async<T: Element, H: HostSource<T>>(
+    operation: &'static str,
+    dst: DeviceSpan,
+    host: H,
+    stream: &Stream,
+    buffer: &StreamTracker,
+) -> Result<PendingCopy<H>> {
+    debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
+    tracker::ensure_same_device(operation, buffer.context(), stream)?;
+    let done = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
+    let src = host.host_ptr();
+    let trackers: Vec<&StreamTracker> = [Some(buffer), host.host_tracker()]
+        .into_iter()
+        .flatten()
+        .collect();
+    let outcome = tracker::run(operation, stream, &trackers, || {
+        // SAFETY: `src` is `host`'s memory, valid for `dst.bytes()` bytes; `host` is moved into
+        // the returned PendingCopy (its memory does not move with it: HostSide's contract),
+        // which frees it only after `done`, recorded behind this copy, has completed. A pinned
+        // host side's own tracker is ordered and recorded by `run` too. `dst` is a live span.
+        unsafe { memory::copy_htod_async(dst.ptr(), src, dst.bytes(), stream) }?;
+        done.record(stream)?;
+        Ok(())
+    });
+    finish(outcome, host, done, dst.bytes())
+}
+
+/// Queues a copy from `src` into the host side `host` on `stream`; the returned
+/// [`PendingCopy`] owns `host` until the copy has finished.
+pub(crate) fn read_async<T: Element, H: HostSink<T>>(
+    operation: &'static str,
+    src: DeviceSpan,
+    mut host: H,
+    stream: &Stream,
+    buffer: &StreamTracker,
+) -> Result<PendingCopy<H>> {
+    debug_assert_eq!(host.host_len() * size_of::<T>(), src.bytes());
+    tracker::ensure_same_device(operation, buffer.context(), stream)?;
+    let done = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
+    let dst = host.host_mut_ptr();
+    let trackers: Vec<&StreamTracker> = [Some(buffer), host.host_tracker()]
+        .into_iter()
+        .flatten()
+        .collect();
+    let outcome = tracker::run(operation, stream, &trackers, || {
+        // SAFETY: `dst` is `host`'s memory, writable for `src.bytes()` bytes and reachable only
+        // through `host`, which moves (without its memory moving) into the returned
+        // PendingCopy; that frees or returns it only after `done`, recorded behind this copy,
+        // has completed. `src` is a live span.
+        unsafe { memory::copy_dtoh_async(dst, src.ptr(), src.bytes(), stream) }?;
+        done.record(stream)?;
+        Ok(())
+    });
+    finish(outcome, host, done, src.bytes())
+}
+
+fn finish<H>(
+    outcome: Result<(), tracker::OpFailure>,
+    host: H,
+    done: Event,
+    bytes: usize,
+) -> Result<PendingCopy<H>> {
+    match outcome {
+        Ok(()) => Ok(PendingCopy::new(host, done, bytes)),
+        Err(failure) => {
+            if !failure.settled {
+                // The copy may still be running: its host memory must never be freed.
+                std::mem::forget(host);
+            }
+            Err(failure.error)
+        }
+    }
+}
+
+/// Queues a device-to-device copy of `src` into `dst` (same length) on `stream`.
+pub(crate) fn copy_dtod(dst: DeviceSpan, src: DeviceSpan, stream: &Stream) -> Result<()> {
+    debug_assert_eq!(dst.bytes(), src.bytes());
+    // SAFETY: both are live spans of device-accessible memory (crate invariant), ordered on
+    // `stream` by the caller's `tracker::run`.
+    unsafe { memory::copy_dtod_async(dst.ptr(), src.ptr(), dst.bytes(), stream) }?;
+    Ok(())
+}
+
+/// Queues a byte memset of `dst` on `stream`.
+pub(crate) fn memset_d8(dst: DeviceSpan, value: u8, stream: &Stream) -> Result<()> {
+    // SAFETY: a live span (crate invariant), ordered by the caller's `tracker::run`.
+    unsafe { memory::memset_d8_async(dst.ptr(), value, dst.bytes(), stream) }?;
+    Ok(())
+}
+
+/// Queues a 32-bit memset of `dst` (4-byte aligned, a whole number of words) on `stream`.
+pub(crate) fn memset_d32(dst: DeviceSpan, value: u32, stream: &Stream) -> Result<()> {
+    debug_assert!(dst.ptr() % 4 == 0 && dst.bytes() % 4 == 0);
+    // SAFETY: a live, 4-byte-aligned span (crate invariant; allocations are at least 256-byte
+    // aligned and fills cover whole buffers), ordered by the caller's `tracker::run`.
+    unsafe { memory::memset_d32_async(dst.ptr(), value, dst.bytes() / 4, stream) }?;
+    Ok(())
+}
+
+/// Queues a fill of `dst` with repetitions of `value` (one element's bytes): a host-staged
+/// chunk, then device-to-device doublings. The staging memory is released by a host function
+/// queued behind the copy (or after synchronizing `stream` if that cannot be queued).
+pub(crate) fn fill_pattern(dst: DeviceSpan, value: &[u8], stream: &Stream) -> Result<()> {
+    let size = value.len();
+    let len = dst.bytes() / size;
+    let chunk = pattern_chunk_len(size, len);
+    let staging: Arc<Vec<u8>> = Arc::new(value.repeat(chunk));
+    let first = dst.sub(0, staging.len());
+    // SAFETY: `staging` is readable for its length and stays allocated until the copy is done:
+    // one reference goes to a host function queued behind the copy, and ours is dropped only
+    // after that was queued, or after synchronizing the stream (and leaked if that fails).
+    // `first` lies inside the live span `dst`.
+    unsafe { memory::copy_htod_async(first.ptr(), staging.as_ptr(), first.bytes(), stream) }?;
+    let mut doubled = Ok(());
+    for (offset, count) in doubling_steps(chunk, len) {
+        doubled = copy_dtod(
+            dst.sub(offset * size, count * size),
+            dst.sub(0, count * size),
+            stream,
+        );
+        if doubled.is_err() {
+            break;
+        }
+    }
+    let in_callback = Arc::clone(&staging);
+    // The host function only drops a reference (no CUDA call), on the driver's thread.
+    match stream.launch_host_fn(move || drop(in_callback)) {
+        Ok(()) => drop(staging),
+        Err(error) => {
+            // The driver refused the callback (and dropped its reference); ours must outlive
+            // the copy.
+            if !tracker::settle(stream) {
+                std::mem::forget(staging);
+            }
+            return Err(error.into());
+        }
+    }
+    doubled
+}
+
+/// The elements of a managed allocation, as a host slice.
+///
+/// The caller ([`super::UnifiedBuffer`]) guarantees that no queued device work can write the
+/// allocation while the slice lives: it synchronizes its tracker first, and writes through the
+/// buffer's API need `&mut` access, which the returned borrow excludes.
+pub(crate) fn managed_slice<T: Element>(
+    allocation: &ManagedAllocation,
+    len: usize,
+) -> Result<&[T]> {
+    check_host_layout::<T>(allocation, len)?;
+    // SAFETY: managed memory is host-accessible at its device address under unified addressing;
+    // the allocation holds `len` elements (checked) at a `T`-aligned address (checked), was
+    // initialized when the buffer was created (zeroed or copied into), and stays allocated for
+    // the borrow of `allocation`. Every bit pattern is a valid `T` (Pod).
+    Ok(unsafe { std::slice::from_raw_parts(allocation.ptr() as usize as *const T, len) })
+}
+
+/// The elements of a managed allocation, as a mutable host slice (see [`managed_slice`]).
+pub(crate) fn managed_slice_mut<T: Element>(
+    allocation: &mut ManagedAllocation,
+    len: usize,
+) -> Result<&mut [T]> {
+    check_host_layout::<T>(allocation, len)?;
+    // SAFETY: as in `managed_slice`; the exclusive borrow of `allocation` makes this the only
+    // reference to the memory for its lifetime.
+    Ok(unsafe { std::slice::from_raw_parts_mut(allocation.ptr() as usize as *mut T, len) })
+}
+
+fn check_host_layout<T>(allocation: &ManagedAllocation, len: usize) -> Result<()> {
+    let fits = len
+        .checked_mul(size_of::<T>())
+        .is_some_and(|bytes| bytes <= allocation.len());
+    if !fits || allocation.ptr() as usize % align_of::<T>() != 0 {
+        return Err(MemoryError::Misaligned {
+            operation: "UnifiedBuffer host slice",
+            bytes: allocation.len(),
+            element_size: size_of::<T>(),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,170 @@
+//! [`UnifiedBuffer`]: typed managed (unified) memory, usable from the host and every device.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cuweave_driver::Context;
+use cuweave_driver::memory::ManagedAllocation;
+
+use super::common::{Buffer, BufferCore, sealed::Sealed};
+use super::range::allocation_bytes;
+use super::raw;
+use super::tracker::StreamTracker;
+use crate::element::Element;
+use crate::error::Result;
+use crate::unified::ManagedCapabilities;
+
+/// `len` elements of `T` in managed memory (`cuMemAllocManaged`): one address valid on the
+/// host and on every device, migrated on demand by the driver, freed when dropped (after every
+/// queued use of it has finished).
+///
+/// Host slices are handed out only when no queued device work can touch the buffer: the buffer
+/// remembers the last stream that used it (copies, fills, prefetches, and kernels you report
+/// with [`record_use`](Buffer::record_use)); [`as_slice`](Self::as_slice) waits for it,
+/// [`try_as_slice`](Self::try_as_slice) refuses with
+/// [`MemoryError::DeviceBusy`](crate::MemoryError::DeviceBusy). Migration hints and prefetches
+/// are in [`crate::unified`] ([`hints`](Self::hints), [`prefetch_to`](Self::prefetch_to), …).
+///
+/// Keep managed allocations within the device's free memory: oversubscribing managed memory
+/// can stall the whole GPU.
+///
+/// ```no_run
+/// use cuweave_driver::{Context, Device, Stream, StreamFlags};
+/// use cuweave_memory::buffer::UnifiedBuffer;
+/// use cuweave_memory::unified::MemLocation;
+///
+/// # fn main() -> cuweave_memory::Result<()> {
+/// let context = Context::primary(Device::get(0)?)?;
+/// let stream = Stream::new(&context, StreamFlags::NON_BLOCKING)?;
+/// let mut data = UnifiedBuffer::<u32>::new(&context, 1 << 20)?;
+/// data.as_mut_slice()?.fill(1);
+/// data.prefetch_to(MemLocation::Device(0), &stream)?;
+/// // … kernels on `stream`, then `data.record_use(&stream)` …
+/// data.prefetch_to(MemLocation::Host, &stream)?;
+/// let sum: u64 = data.as_slice()?.iter().map(|&x| u64::from(x)).sum(); // waits for the stream
+/// # let _ = sum;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct UnifiedBuffer<T: Element> {
+    core: BufferCore,
+    allocation: ManagedAllocation,
+    concurrent_managed_access: bool,
+    _element: PhantomData<T>,
+}
+
+impl<T: Element> UnifiedBuffer<T> {
+    /// Allocates `len` elements of managed memory, set to zero (by a device memset: the host
+    /// may read the memory as a slice, so it is never handed out uninitialized).
+    ///
+    /// # Errors
+    /// `ZeroLength` for `len == 0`, `Misaligned` on overflow, `CapabilityMissing` on a device
+    /// without managed memory, the driver's out-of-memory error.
+    pub fn new(context: &Arc<Context>, len: usize) -> Result<Self> {
+        let mut buffer = Self::allocate(context, len)?;
+        buffer.fill(T::zeroed())?;
+        Ok(buffer)
+    }
+
+    /// Allocates `len` zeroed elements (the same as [`new`](Self::new)).
+    pub fn zeroed(context: &Arc<Context>, len: usize) -> Result<Self> {
+        Self::new(context, len)
+    }
+
+    /// Allocates managed memory holding a copy of `data`.
+    ///
+    /// # Errors
+    /// `ZeroLength` for an empty slice.
+    pub fn from_slice(context: &Arc<Context>, data: &[T]) -> Result<Self> {
+        let mut buffer = Self::allocate(context, data.len())?;
+        buffer.copy_from_host(data)?;
+        Ok(buffer)
+    }
+
+    // Uninitialized: every constructor writes the whole buffer before handing it out.
+    fn allocate(context: &Arc<Context>, len: usize) -> Result<Self> {
+        let bytes = allocation_bytes::<T>("UnifiedBuffer::new", len)?;
+        let capabilities = ManagedCapabilities::of(context.device())?;
+        capabilities.require_managed_memory("UnifiedBuffer::new")?;
+        let allocation = ManagedAllocation::new(context, bytes)?;
+        Ok(Self {
+            core: BufferCore::new(context, allocation.ptr(), len, size_of::<T>()),
+            allocation,
+            concurrent_managed_access: capabilities.concurrent_managed_access,
+            _element: PhantomData,
+        })
+    }
+
+    /// The elements, after waiting for every queued device use of the buffer (blocks).
+    ///
+    /// On devices without concurrent managed access (where the host may touch managed memory
+    /// only while the whole device is idle) it also synchronizes the context.
+    pub fn as_slice(&self) -> Result<&[T]> {
+        self.wait_for_host()?;
+        raw::managed_slice(&self.allocation, self.core.len())
+    }
+
+    /// The elements, or `DeviceBusy` while queued device work may still use the buffer.
+    ///
+    /// On devices without concurrent managed access it synchronizes the context after the
+    /// check, as [`as_slice`](Self::as_slice) does.
+    pub fn try_as_slice(&self) -> Result<&[T]> {
+        self.ensure_host_ready("UnifiedBuffer::try_as_slice")?;
+        raw::managed_slice(&self.allocation, self.core.len())
+    }
+
+    /// The elements, writable, after waiting for every queued device use (blocks).
+    pub fn as_mut_slice(&mut self) -> Result<&mut [T]> {
+        self.wait_for_host()?;
+        raw::managed_slice_mut(&mut self.allocation, self.core.len())
+    }
+
+    /// The elements, writable, or `DeviceBusy` while queued device work may use the buffer.
+    pub fn try_as_mut_slice(&mut self) -> Result<&mut [T]> {
+        self.ensure_host_ready("UnifiedBuffer::try_as_mut_slice")?;
+        raw::managed_slice_mut(&mut self.allocation, self.core.len())
+    }
+
+    /// The driver allocation, for interop.
+    pub fn allocation(&self) -> &ManagedAllocation {
+        &self.allocation
+    }
+
+    fn wait_for_host(&self) -> Result<()> {
+        self.core.tracker().synchronize()?;
+        self.wait_for_device_if_exclusive()
+    }
+
+    fn ensure_host_ready(&self, operation: &'static str) -> Result<()> {
+        self.core.tracker().ensure_idle(operation)?;
+        self.wait_for_device_if_exclusive()
+    }
+
+    fn wait_for_device_if_exclusive(&self) -> Result<()> {
+        if !self.concurrent_managed_access {
+            // Without concurrent managed access, any running kernel makes host access fault.
+            self.core.context().synchronize()?;
+        }
+        Ok(())
+    }
+
+    /// The buffer's last-use tracker.
+    pub(crate) fn tracker(&self) -> &StreamTracker {
+        self.core.tracker()
+    }
+}
+
+impl<T: Element> Sealed for UnifiedBuffer<T> {
+    fn core(&self) -> &BufferCore {
+        &self.core
+    }
+}
+
+impl<T: Element> Buffer<T> for UnifiedBuffer<T> {}
+
+impl<T: Element> Drop for UnifiedBuffer<T> {
+    fn drop(&mut self) {
+        self.core.tracker().synchronize_for_drop("UnifiedBuffer");
+    }
+}

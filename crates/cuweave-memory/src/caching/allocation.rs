@@ -1,0 +1,197 @@
+//! [`CachedAllocation`]: a block handed out by the caching allocator, returned on drop.
+
+use std::fmt;
+use std::sync::Arc;
+
+use cuweave_driver::memory::DevicePtr;
+use cuweave_driver::{Device, Stream};
+
+use super::allocator::Shared;
+use super::block::BlockId;
+use super::pool::Grant;
+use super::stream_uses::{StreamKey, record_uses};
+use crate::error::Result;
+use crate::resource::check_stream;
+
+/// Device memory from a [`CachingAllocator`](super::CachingAllocator), returned to its cache
+/// when dropped (or by [`free`](Self::free), which reports errors).
+///
+/// The memory belongs to the stream it was allocated on: returned to that stream's free list,
+/// it is handed out again only for that stream, after the work queued there so far. Using it on
+/// another stream needs that stream ordered after the allocating one (an event wait) *and*
+/// [`record_stream`](Self::record_stream), so that it is not reused while that stream still
+/// works on it.
+///
+/// Device memory is a raw address ([`ptr`](Self::ptr)): what is written there is up to the
+/// kernels and copies the caller queues (which are `unsafe` for that reason). Dropping the handle
+/// while such work is queued on the allocating stream, or on recorded streams, is fine.
+#[must_use = "dropping the allocation frees it at once"]
+pub struct CachedAllocation {
+    shared: Arc<Shared>,
+    id: BlockId,
+    ptr: DevicePtr,
+    size: usize,
+    block_size: usize,
+    stream: StreamKey,
+    /// Other streams the memory is used on; kept alive until events are recorded on them.
+    uses: Vec<Arc<Stream>>,
+    freed: bool,
+}
+
+impl CachedAllocation {
+    #[inline]
+    pub(super) fn new(shared: Arc<Shared>, grant: Grant, size: usize, stream: StreamKey) -> Self {
+        Self {
+            shared,
+            id: grant.id,
+            ptr: grant.ptr,
+            size,
+            block_size: grant.size,
+            stream,
+            uses: Vec::new(),
+            freed: false,
+        }
+    }
+
+    /// The device address of the first byte.
+    #[inline]
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// The bytes asked for.
+    #[inline]
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Always `false`: allocations are never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The bytes of the block behind it (the request rounded up to 512 B, or more when the rest
+    /// of a block was too small to split off); all of them are usable.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The stream it was allocated on, whose free list it returns to.
+    pub fn stream(&self) -> StreamKey {
+        self.stream
+    }
+
+    /// The device the memory is on.
+    pub fn device(&self) -> Device {
+        self.shared.device
+    }
+
+    /// The other streams recorded with [`record_stream`](Self::record_stream).
+    pub fn recorded_streams(&self) -> &[Arc<Stream>] {
+        &self.uses
+    }
+
+    /// Marks the memory as used on `stream` too (PyTorch's `record_stream`): when freed, it is
+    /// not handed out again until all work queued on `stream` up to the free has finished.
+    ///
+    /// An event is recorded on `stream` at free time (not now), so work queued there after this
+    /// call is covered as well; the handle keeps `stream` alive until then. Recording the
+    /// allocating stream, or a stream twice, does nothing.
+    ///
+    /// # Errors
+    /// [`MemoryError::WrongDevice`](crate::MemoryError::WrongDevice) for a stream of another
+    /// device.
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use cuweave_driver::{Context, Device, Event, EventFlags, Stream, StreamFlags};
+    /// use cuweave_memory::caching::CachingAllocator;
+    ///
+    /// # fn main() -> cuweave_memory::Result<()> {
+    /// let context = Context::primary(Device::get(0)?)?;
+    /// let compute = Stream::new(&context, StreamFlags::NON_BLOCKING)?;
+    /// let copy = Arc::new(Stream::new(&context, StreamFlags::NON_BLOCKING)?);
+    /// let allocator = CachingAllocator::with_driver(&context);
+    /// let mut block = allocator.allocate(1 << 20, &compute)?;
+    /// // ... fill it on `compute`, then let `copy` read it after that:
+    /// let filled = Event::new(&context, EventFlags::DISABLE_TIMING)?;
+    /// filled.record(&compute)?;
+    /// copy.wait_event(&filled)?;
+    /// // ... queue the reads on `copy` ...
+    /// block.record_stream(&copy)?;
+    /// drop(block); // reused on `compute` only once `copy` has passed its reads
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn record_stream(&mut self, stream: &Arc<Stream>) -> Result<()> {
+        check_stream(
+            self.shared.device,
+            stream,
+            "CachedAllocation::record_stream",
+        )?;
+        let key = StreamKey::of(stream);
+        if key != self.stream && !self.uses.iter().any(|used| StreamKey::of(used) == key) {
+            self.uses.push(Arc::clone(stream));
+        }
+        Ok(())
+    }
+
+    /// Returns the memory to the cache now, reporting what dropping would only log.
+    ///
+    /// # Errors
+    /// The driver's error when an event could not be recorded on a recorded stream and the
+    /// stream could not be synchronised either; the block is then never reused.
+    pub fn free(mut self) -> Result<()> {
+        self.release()
+    }
+
+    #[inline]
+    fn release(&mut self) -> Result<()> {
+        self.freed = true;
+        if self.uses.is_empty() {
+            return self.shared.engine.free(self.id, self.ptr);
+        }
+        self.release_recorded()
+    }
+
+    /// The slow path of a free: record events on the other streams the memory was used on.
+    #[cold]
+    fn release_recorded(&mut self) -> Result<()> {
+        let engine = &self.shared.engine;
+        let uses = std::mem::take(&mut self.uses);
+        let mut spare = engine.take_spare(uses.len());
+        let recorded = record_uses(&uses, &mut spare);
+        engine.recycle(spare);
+        match recorded {
+            Ok(events) => engine.free_after(self.id, self.ptr, events),
+            Err(error) => {
+                engine.free_never_reuse(self.id, self.ptr)?;
+                Err(error)
+            }
+        }
+    }
+}
+
+impl Drop for CachedAllocation {
+    #[inline]
+    fn drop(&mut self) {
+        if self.freed {
+            return;
+        }
+        if let Err(error) = self.release() {
+            tracing::error!(%error, ptr = self.ptr, "freeing a cached allocation failed");
+        }
+    }
+}
+
+impl fmt::Debug for CachedAllocation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CachedAllocation")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("size", &self.size)
+            .field("block_size", &self.block_size)
+            .field("stream", &self.stream)
+            .field("recorded_streams", &self.uses.len())
+            .finish()
+    }
+}

@@ -1,0 +1,240 @@
+//! [`CachingAllocator`]: the public face of the cache, over any [`MemoryResource`].
+
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+
+use cuweave_driver::{Context, Device, Event, Stream, StreamFlags};
+
+use super::allocation::CachedAllocation;
+use super::engine::{Engine, Release, Upstream};
+use super::pool::Segment;
+use super::stats::MemoryStats;
+use super::stream_uses::StreamKey;
+use crate::error::Result;
+use crate::resource::{DriverResource, MemoryResource, check_stream};
+
+/// What the allocator and every allocation it handed out share.
+pub(crate) struct Shared {
+    pub(crate) engine: Engine<Event>,
+    upstream: Arc<dyn MemoryResource>,
+    pub(crate) device: Device,
+    /// The stream cached segments are handed back to the upstream on, made on first use.
+    release_stream: OnceLock<Stream>,
+}
+
+impl Shared {
+    fn release_stream(&self) -> Result<&Stream> {
+        if let Some(stream) = self.release_stream.get() {
+            return Ok(stream);
+        }
+        let stream = Stream::new(self.upstream.context(), StreamFlags::NON_BLOCKING)?;
+        // Another thread may have won the race; its stream is as good, and ours is destroyed.
+        Ok(self.release_stream.get_or_init(|| stream))
+    }
+}
+
+impl Release for Shared {
+    /// Waits for the device, then frees every segment on the release stream.
+    ///
+    /// A cached block is free in its own stream's order: work queued there before its free may
+    /// still be running. The context synchronisation makes that work finish, so the segments can
+    /// be handed back on any stream; `cuMemFree` would wait for the device anyway.
+    fn release_segments(&self, segments: &[Segment]) -> Result<()> {
+        self.upstream.context().synchronize()?;
+        let stream = self.release_stream()?;
+        let mut first_error = None;
+        for segment in segments {
+            if let Err(error) = self.upstream.deallocate(segment.ptr, segment.size, stream) {
+                tracing::warn!(%error, ptr = segment.ptr, bytes = segment.size, "returning a cached segment failed");
+                first_error.get_or_insert(error);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // No allocation is left (each holds an Arc of this), so after the pending blocks are
+        // waited for, every segment is whole and free.
+        if let Err(error) = self.engine.release_cached(&*self) {
+            tracing::warn!(%error, "releasing the caching allocator's segments on drop failed");
+        }
+        let stats = self.engine.stats();
+        if stats.reserved_bytes.current != 0 {
+            tracing::warn!(
+                bytes = stats.reserved_bytes.current,
+                segments = stats.segments.current,
+                "caching allocator dropped with segments it could not release"
+            );
+        }
+    }
+}
+
+/// One request's view of the upstream: segments for it are allocated on its stream.
+struct RequestUpstream<'a> {
+    shared: &'a Shared,
+    stream: &'a Stream,
+}
+
+impl Release for RequestUpstream<'_> {
+    fn release_segments(&self, segments: &[Segment]) -> Result<()> {
+        self.shared.release_segments(segments)
+    }
+}
+
+impl Upstream for RequestUpstream<'_> {
+    fn allocate_segment(&self, bytes: usize) -> Result<u64> {
+        self.shared.upstream.allocate(bytes, self.stream)
+    }
+}
+
+/// A PyTorch-style caching allocator of device memory: blocks freed by the program are kept
+/// and handed out again without a driver call.
+///
+/// See the [module documentation](super) for the model: size rounding, the small and large
+/// pools, best fit, splitting and merging, per-stream free lists, [`record_stream`], the
+/// out-of-memory retry and [`empty_cache`](Self::empty_cache).
+///
+/// Cheap to clone (an `Arc`); `Send + Sync`. Every [`CachedAllocation`] keeps the allocator's
+/// state alive, so the allocator may be dropped before its allocations; the cached memory goes
+/// back to the upstream when the last of them is freed.
+///
+/// [`record_stream`]: CachedAllocation::record_stream
+///
+/// ```no_run
+/// use cuweave_driver::{Context, Device, Stream, StreamFlags};
+/// use cuweave_memory::caching::CachingAllocator;
+///
+/// # fn main() -> cuweave_memory::Result<()> {
+/// let context = Context::primary(Device::get(0)?)?;
+/// let stream = Stream::new(&context, StreamFlags::NON_BLOCKING)?;
+/// let allocator = CachingAllocator::with_driver(&context);
+/// let block = allocator.allocate(1 << 20, &stream)?;
+/// let ptr = block.ptr();
+/// drop(block); // back to the cache, not to the driver
+/// let again = allocator.allocate(1 << 20, &stream)?;
+/// assert_eq!(again.ptr(), ptr);
+/// assert_eq!(allocator.stats().cache_hits, 1);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct CachingAllocator {
+    shared: Arc<Shared>,
+}
+
+impl CachingAllocator {
+    /// A caching allocator that takes its segments from `upstream`.
+    ///
+    /// Makes no driver call; the first allocation does.
+    pub fn new(upstream: Arc<dyn MemoryResource>) -> Self {
+        let device = upstream.device();
+        Self {
+            shared: Arc::new(Shared {
+                engine: Engine::default(),
+                upstream,
+                device,
+                release_stream: OnceLock::new(),
+            }),
+        }
+    }
+
+    /// A caching allocator over `cuMemAlloc` in `context` (a [`DriverResource`]).
+    pub fn with_driver(context: &Arc<Context>) -> Self {
+        Self::new(Arc::new(DriverResource::new(context)))
+    }
+
+    /// Allocates at least `bytes` of device memory for use on `stream`.
+    ///
+    /// The memory comes from a cached block of `stream` when one fits (no driver call, no
+    /// synchronisation), else from a new upstream segment. It may be used right away by work
+    /// queued on `stream`; to use it on another stream, order that stream after `stream` and
+    /// call [`CachedAllocation::record_stream`].
+    ///
+    /// # Errors
+    /// [`MemoryError::ZeroLength`](crate::MemoryError::ZeroLength) for zero bytes;
+    /// [`MemoryError::WrongDevice`](crate::MemoryError::WrongDevice) for a stream of another
+    /// device; [`MemoryError::OutOfMemory`](crate::MemoryError::OutOfMemory) when the upstream
+    /// has no memory even after the cache was released and the request retried; other upstream
+    /// errors as they are.
+    #[must_use = "dropping the allocation frees it at once"]
+    #[inline]
+    pub fn allocate(&self, bytes: usize, stream: &Stream) -> Result<CachedAllocation> {
+        check_stream(self.shared.device, stream, "CachingAllocator::allocate")?;
+        let key = StreamKey::of(stream);
+        let upstream = RequestUpstream {
+            shared: &self.shared,
+            stream,
+        };
+        let grant = self.shared.engine.allocate(key, bytes, &upstream)?;
+        Ok(CachedAllocation::new(
+            Arc::clone(&self.shared),
+            grant,
+            bytes,
+            key,
+        ))
+    }
+
+    /// Returns every cached segment that is wholly free to the upstream, and reports how many
+    /// bytes went back.
+    ///
+    /// Blocks freed while recorded on other streams are waited for first (their events are
+    /// synchronised), so they are returned too; then the device is synchronised, so no work
+    /// queued before a block's free can still use it. Segments with a block still allocated stay.
+    /// Slow (it waits for the device): for handing memory to other programs, not for the loop.
+    ///
+    /// # Errors
+    /// The driver's error when waiting or freeing fails; what could be released is released.
+    pub fn empty_cache(&self) -> Result<usize> {
+        self.shared.engine.release_cached(&*self.shared)
+    }
+
+    /// A snapshot of the allocator's statistics.
+    pub fn stats(&self) -> MemoryStats {
+        self.shared.engine.stats()
+    }
+
+    /// Sets every peak statistic to its current value.
+    pub fn reset_peak(&self) {
+        self.shared.engine.reset_peak();
+    }
+
+    /// Freed blocks that wait for other streams' recorded uses before they can be reused.
+    pub fn pending_frees(&self) -> usize {
+        self.shared.engine.pending_blocks()
+    }
+
+    /// The resource the segments come from.
+    pub fn upstream(&self) -> &Arc<dyn MemoryResource> {
+        &self.shared.upstream
+    }
+
+    /// The device the memory is on.
+    pub fn device(&self) -> Device {
+        self.shared.device
+    }
+}
+
+impl fmt::Debug for CachingAllocator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CachingAllocator")
+            .field("upstream", &self.shared.upstream.name())
+            .field("device", &self.shared.device.ordinal())
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocator_and_allocations_can_be_shared_across_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<CachingAllocator>();
+        send_sync::<CachedAllocation>();
+        send_sync::<Arc<dyn MemoryResource>>();
+    }
+}

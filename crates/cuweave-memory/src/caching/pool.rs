@@ -1,0 +1,306 @@
+//! [`Pools`]: the free lists of the small and large pools, best fit per stream, splitting on
+//! allocation and merging with free neighbours on free; and the statistics that go with them.
+//!
+//! Pure bookkeeping on addresses: no driver calls, so it is tested without a GPU and runs under
+//! the allocator's one short lock.
+
+use super::block::{Arena, Block, BlockId, BlockState};
+use super::free_list::FreeLists;
+use super::size_class::PoolKind;
+use super::stats::MemoryStats;
+use super::stream_uses::StreamKey;
+use crate::error::{MemoryError, Result};
+
+/// A block handed to a caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Grant {
+    /// The block, to give back on free.
+    pub id: BlockId,
+    /// Its device address.
+    pub ptr: u64,
+    /// Its size in bytes (at least the rounded request).
+    pub size: usize,
+}
+
+/// A whole segment taken out of the pools, to be returned to the upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Segment {
+    /// The address the upstream returned.
+    pub ptr: u64,
+    /// The size it was asked for.
+    pub size: usize,
+    /// The stream the segment was allocated for.
+    pub stream: StreamKey,
+}
+
+/// Every block of every segment, the free lists, and the statistics.
+#[derive(Debug, Default)]
+pub(crate) struct Pools {
+    arena: Arena,
+    free: FreeLists,
+    stats: MemoryStats,
+}
+
+impl Pools {
+    /// The statistics.
+    pub fn stats(&self) -> &MemoryStats {
+        &self.stats
+    }
+
+    /// The statistics, mutably (for the counters the pools do not keep themselves).
+    pub fn stats_mut(&mut self) -> &mut MemoryStats {
+        &mut self.stats
+    }
+
+    fn insert_free(&mut self, id: BlockId) {
+        self.free.insert(&mut self.arena, id);
+    }
+
+    fn remove_free(&mut self, id: BlockId) {
+        self.free.remove(&mut self.arena, id);
+    }
+
+    /// Hands out the best-fitting free block of `stream` for `rounded` bytes, if there is one.
+    pub fn take_free(
+        &mut self,
+        stream: StreamKey,
+        rounded: usize,
+        requested: usize,
+    ) -> Option<Grant> {
+        let id = self.free.take_best_fit(&mut self.arena, stream, rounded)?;
+        self.stats.cache_hits += 1;
+        Some(self.carve(id, rounded, requested))
+    }
+
+    /// Adds a segment just obtained from the upstream for `stream` and hands out its first
+    /// `rounded` bytes.
+    pub fn add_segment(
+        &mut self,
+        stream: StreamKey,
+        ptr: u64,
+        segment_size: usize,
+        rounded: usize,
+        requested: usize,
+    ) -> Grant {
+        let pool = PoolKind::for_size(rounded);
+        let mut block = Block::segment(ptr, segment_size, stream, pool);
+        if pool == PoolKind::Small {
+            block.slot = self.free.acquire_slot(stream);
+        }
+        let id = self.arena.insert(block);
+        self.stats.reserved_bytes.add(segment_size);
+        self.stats.segments.add(1);
+        self.stats.cache_misses += 1;
+        self.carve(id, rounded, requested)
+    }
+
+    /// Marks block `id` (out of its free list) allocated for `rounded` bytes, splitting the
+    /// remainder off into a free block when it is worth keeping.
+    fn carve(&mut self, id: BlockId, rounded: usize, requested: usize) -> Grant {
+        let block = self.arena.block(id);
+        let remaining = block.size - rounded;
+        if block.pool.should_split(remaining) {
+            let rest = Block {
+                prev: Some(id),
+                next: block.next,
+                slot: block.slot,
+                ..Block::segment(
+                    block.ptr + rounded as u64,
+                    remaining,
+                    block.stream,
+                    block.pool,
+                )
+            };
+            let rest_id = self.arena.insert(rest);
+            if let Some(next) = self.arena.block(rest_id).next {
+                self.arena.block_mut(next).prev = Some(rest_id);
+            }
+            let block = self.arena.block_mut(id);
+            block.next = Some(rest_id);
+            block.size = rounded;
+            self.insert_free(rest_id);
+        }
+        let block = self.arena.block_mut(id);
+        block.state = BlockState::Allocated;
+        block.requested = requested;
+        let grant = Grant {
+            id,
+            ptr: block.ptr,
+            size: block.size,
+        };
+        self.stats.allocations += 1;
+        self.stats.allocated_bytes.add(grant.size);
+        self.stats.requested_bytes.add(requested);
+        self.stats.active_bytes.add(grant.size);
+        grant
+    }
+
+    /// The allocated block `id`, checked against the address its holder knows it by.
+    fn allocated(&self, id: BlockId, ptr: u64, operation: &'static str) -> Result<&Block> {
+        match self.arena.get(id) {
+            Some(block) if block.ptr == ptr && block.state == BlockState::Allocated => Ok(block),
+            _ => Err(MemoryError::UnknownAllocation { operation, ptr }),
+        }
+    }
+
+    fn count_free(&mut self, id: BlockId) {
+        let block = self.arena.block(id);
+        let (size, requested) = (block.size, block.requested);
+        self.stats.frees += 1;
+        self.stats.allocated_bytes.sub(size);
+        self.stats.requested_bytes.sub(requested);
+    }
+
+    /// Returns the allocated block `id` to its stream's free list, merged with free neighbours.
+    pub fn free(&mut self, id: BlockId, ptr: u64) -> Result<()> {
+        let size = self.allocated(id, ptr, "CachingAllocator::free")?.size;
+        self.count_free(id);
+        self.stats.active_bytes.sub(size);
+        self.merge_and_insert(id);
+        Ok(())
+    }
+
+    /// Marks the allocated block `id` freed by its holder but still in use on other streams.
+    pub fn free_to_pending(&mut self, id: BlockId, ptr: u64) -> Result<()> {
+        self.allocated(id, ptr, "CachingAllocator::free")?;
+        self.count_free(id);
+        let block = self.arena.block_mut(id);
+        block.state = BlockState::Pending;
+        block.requested = 0;
+        Ok(())
+    }
+
+    /// Returns a pending block, whose other-stream uses have all passed, to its free list.
+    pub fn release_pending(&mut self, id: BlockId) {
+        let block = self.arena.block(id);
+        debug_assert_eq!(block.state, BlockState::Pending);
+        self.stats.active_bytes.sub(block.size);
+        self.merge_and_insert(id);
+    }
+
+    fn merge_and_insert(&mut self, id: BlockId) {
+        let block = self.arena.block_mut(id);
+        block.state = BlockState::Free;
+        block.requested = 0;
+        let (prev, next) = (block.prev, block.next);
+        if let Some(prev) = prev {
+            self.try_merge(id, prev);
+        }
+        if let Some(next) = next {
+            self.try_merge(id, next);
+        }
+        self.insert_free(id);
+    }
+
+    /// Absorbs the neighbour `other` of `id` into `id` if it is free.
+    fn try_merge(&mut self, id: BlockId, other: BlockId) {
+        if self.arena.block(other).state != BlockState::Free {
+            return;
+        }
+        self.remove_free(other);
+        let other_block = self.arena.remove(other);
+        let block = self.arena.block_mut(id);
+        block.size += other_block.size;
+        if block.prev == Some(other) {
+            block.ptr = other_block.ptr;
+            block.prev = other_block.prev;
+            if let Some(before) = other_block.prev {
+                self.arena.block_mut(before).next = Some(id);
+            }
+        } else {
+            block.next = other_block.next;
+            if let Some(after) = other_block.next {
+                self.arena.block_mut(after).prev = Some(id);
+            }
+        }
+    }
+
+    /// Takes every free whole segment out of the pools, for return to the upstream.
+    pub fn take_free_segments(&mut self) -> Vec<Segment> {
+        let whole: Vec<BlockId> = self
+            .arena
+            .iter()
+            .filter(|(_, block)| block.state == BlockState::Free && block.is_whole_segment())
+            .map(|(id, _)| id)
+            .collect();
+        let mut segments = Vec::with_capacity(whole.len());
+        for id in whole {
+            self.remove_free(id);
+            let block = self.arena.remove(id);
+            if block.pool == PoolKind::Small {
+                self.free.release_slot(block.stream, block.slot);
+            }
+            self.stats.reserved_bytes.sub(block.size);
+            self.stats.segments.sub(1);
+            self.stats.segments_released += 1;
+            segments.push(Segment {
+                ptr: block.ptr,
+                size: block.size,
+                stream: block.stream,
+            });
+        }
+        segments
+    }
+
+    /// How many blocks are in free lists.
+    #[cfg(test)]
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Checks every structural invariant; the randomized tests call it after each step.
+    #[cfg(test)]
+    pub fn check_invariants(&self) {
+        let mut reserved = 0;
+        let mut segments = 0;
+        let mut allocated = 0;
+        let mut active = 0;
+        for (id, block) in self.arena.iter() {
+            assert_eq!(block.size % super::size_class::MIN_BLOCK_SIZE, 0);
+            if let Some(next) = block.next {
+                let next_block = self.arena.block(next);
+                assert_eq!(next_block.prev, Some(id), "links are symmetric");
+                assert_eq!(block.ptr + block.size as u64, next_block.ptr, "contiguous");
+                assert_eq!(block.stream, next_block.stream);
+                assert!(
+                    !(block.state == BlockState::Free && next_block.state == BlockState::Free),
+                    "free neighbours are merged"
+                );
+            }
+            if block.prev.is_none() {
+                segments += 1;
+                let mut cursor = Some(id);
+                while let Some(current) = cursor {
+                    reserved += self.arena.block(current).size;
+                    cursor = self.arena.block(current).next;
+                }
+            }
+            let listed = block.state == BlockState::Free && self.free.contains(&self.arena, id);
+            match block.state {
+                BlockState::Free => assert!(listed, "free blocks are listed"),
+                BlockState::Allocated => {
+                    allocated += block.size;
+                    active += block.size;
+                }
+                BlockState::Pending => {
+                    active += block.size;
+                }
+            }
+        }
+        assert_eq!(
+            self.free_blocks(),
+            self.arena
+                .iter()
+                .filter(|(_, b)| b.state == BlockState::Free)
+                .count()
+        );
+        assert_eq!(self.stats.reserved_bytes.current, reserved);
+        assert_eq!(self.stats.segments.current, segments);
+        assert_eq!(self.stats.allocated_bytes.current, allocated);
+        assert_eq!(self.stats.active_bytes.current, active);
+    }
+}
+
+#[cfg(test)]
+#[path = "pool_tests.rs"]
+mod tests;

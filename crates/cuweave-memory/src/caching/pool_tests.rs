@@ -1,0 +1,257 @@
+//! The pools on made-up addresses: reuse, splitting, merging, best fit, streams, pools, pending
+//! blocks, release, and a randomized workload checked against every invariant.
+
+use super::*;
+use crate::caching::size_class::{SMALL_SEGMENT, round_size, segment_size};
+use rstest::rstest;
+
+const MIB: usize = 1 << 20;
+const S1: StreamKey = StreamKey::from_raw(1);
+
+/// Allocates like the engine does, with a counter for upstream addresses.
+fn alloc(pools: &mut Pools, next_ptr: &mut u64, stream: StreamKey, bytes: usize) -> Grant {
+    let rounded = round_size(bytes).unwrap();
+    let grant = pools.take_free(stream, rounded, bytes).unwrap_or_else(|| {
+        let segment = segment_size(rounded).unwrap();
+        let ptr = *next_ptr;
+        *next_ptr += segment as u64 + 0x1000_0000;
+        pools.add_segment(stream, ptr, segment, rounded, bytes)
+    });
+    pools.check_invariants();
+    grant
+}
+
+#[test]
+fn a_freed_block_of_the_same_size_is_reused() {
+    let mut pools = Pools::default();
+    let mut next = 0x1000_0000;
+    let a = alloc(&mut pools, &mut next, S1, 4000);
+    assert_eq!(a.size, 4096);
+    pools.free(a.id, a.ptr).unwrap();
+    pools.check_invariants();
+    let b = alloc(&mut pools, &mut next, S1, 4000);
+    assert_eq!(b.ptr, a.ptr);
+    let stats = pools.stats();
+    assert_eq!((stats.cache_hits, stats.cache_misses), (1, 1));
+    assert_eq!(stats.reserved_bytes.current, SMALL_SEGMENT);
+    assert_eq!(stats.allocated_bytes.current, 4096);
+    assert_eq!(stats.requested_bytes.current, 4000);
+}
+
+#[test]
+fn small_blocks_split_from_one_segment_and_merge_back() {
+    let mut pools = Pools::default();
+    let mut next = 0x1000_0000;
+    let grants: Vec<Grant> = (0..4)
+        .map(|_| alloc(&mut pools, &mut next, S1, 512 * 1024))
+        .collect();
+    assert_eq!(
+        pools.stats().segments.current,
+        1,
+        "four 512 KiB blocks share a 2 MiB segment"
+    );
+    for pair in grants.windows(2) {
+        assert_eq!(
+            pair[0].ptr + 512 * 1024,
+            pair[1].ptr,
+            "carved in address order"
+        );
+    }
+    // Free out of order: the middle ones cannot merge until a neighbour is free.
+    for index in [1, 3, 0, 2] {
+        pools.free(grants[index].id, grants[index].ptr).unwrap();
+        pools.check_invariants();
+    }
+    assert_eq!(
+        pools.free_blocks(),
+        1,
+        "everything merged back into the segment"
+    );
+    let segments = pools.take_free_segments();
+    assert_eq!(
+        segments,
+        vec![Segment {
+            ptr: grants[0].ptr,
+            size: SMALL_SEGMENT,
+            stream: S1
+        }]
+    );
+    pools.check_invariants();
+    assert_eq!(pools.stats().reserved_bytes.current, 0);
+}
+
+#[test]
+fn best_fit_picks_the_smallest_block_that_fits() {
+    let mut pools = Pools::default();
+    let mut next = 0x1000_0000;
+    // Three large segments of different sizes, all freed.
+    let sizes = [40 * MIB, 12 * MIB, 24 * MIB];
+    let grants: Vec<Grant> = sizes
+        .iter()
+        .map(|&s| alloc(&mut pools, &mut next, S1, s))
+        .collect();
+    for grant in &grants {
+        pools.free(grant.id, grant.ptr).unwrap();
+    }
+    let fit = alloc(&mut pools, &mut next, S1, 11 * MIB);
+    assert_eq!(
+        fit.ptr, grants[1].ptr,
+        "the 12 MiB block is the best fit for 11 MiB"
+    );
+    assert_eq!(
+        fit.size,
+        12 * MIB,
+        "a 1 MiB remainder is not worth splitting in the large pool"
+    );
+    let fit = alloc(&mut pools, &mut next, S1, 20 * MIB);
+    assert_eq!(fit.ptr, grants[2].ptr);
+    assert_eq!(fit.size, 20 * MIB, "a 4 MiB remainder is split off");
+    assert_eq!(pools.stats().cache_misses, 3);
+}
+
+#[test]
+fn streams_have_separate_free_lists() {
+    let mut pools = Pools::default();
+    let mut next = 0x1000_0000;
+    let s2 = StreamKey::from_raw(2);
+    let a = alloc(&mut pools, &mut next, S1, 4096);
+    pools.free(a.id, a.ptr).unwrap();
+    let b = alloc(&mut pools, &mut next, s2, 4096);
+    assert_ne!(
+        b.ptr, a.ptr,
+        "a block of stream 1 is not handed to stream 2"
+    );
+    assert_eq!(pools.stats().segments.current, 2);
+    let c = alloc(&mut pools, &mut next, S1, 4096);
+    assert_eq!(c.ptr, a.ptr);
+}
+
+#[rstest]
+#[case(1, PoolKind::Small)]
+#[case(MIB, PoolKind::Small)]
+#[case(MIB + 1, PoolKind::Large)]
+fn small_and_large_pools_do_not_mix(#[case] bytes: usize, #[case] pool: PoolKind) {
+    let mut pools = Pools::default();
+    let mut next = 0x1000_0000;
+    // A freed 20 MiB large segment never serves a small request, and vice versa.
+    let large = alloc(&mut pools, &mut next, S1, 5 * MIB);
+    let small = alloc(&mut pools, &mut next, S1, 4096);
+    pools.free(large.id, large.ptr).unwrap();
+    pools.free(small.id, small.ptr).unwrap();
+    let grant = alloc(&mut pools, &mut next, S1, bytes);
+    let expected = match pool {
+        PoolKind::Small => small.ptr,
+        PoolKind::Large => large.ptr,
+    };
+    assert_eq!(grant.ptr, expected);
+    assert_eq!(pools.stats().cache_hits, 1);
+}
+
+#[test]
+fn pending_blocks_are_neither_reused_nor_merged() {
+    let mut pools = Pools::default();
+    let mut next = 0x1000_0000;
+    let a = alloc(&mut pools, &mut next, S1, 4096);
+    let b = alloc(&mut pools, &mut next, S1, 4096);
+    pools.free_to_pending(a.id, a.ptr).unwrap();
+    pools.check_invariants();
+    assert_eq!(pools.stats().allocated_bytes.current, 4096);
+    assert_eq!(pools.stats().active_bytes.current, 8192);
+    pools.free(b.id, b.ptr).unwrap();
+    pools.check_invariants();
+    let c = alloc(&mut pools, &mut next, S1, 4096);
+    assert_eq!(c.ptr, b.ptr, "the pending block below is skipped");
+    pools.free(c.id, c.ptr).unwrap();
+    pools.release_pending(a.id);
+    pools.check_invariants();
+    assert_eq!(
+        pools.free_blocks(),
+        1,
+        "released, it merges with its free neighbour"
+    );
+    assert_eq!(pools.stats().active_bytes.current, 0);
+}
+
+#[test]
+fn freeing_twice_or_a_stale_id_is_a_typed_error() {
+    let mut pools = Pools::default();
+    let mut next = 0x1000_0000;
+    let a = alloc(&mut pools, &mut next, S1, 4096);
+    pools.free(a.id, a.ptr).unwrap();
+    assert!(matches!(
+        pools.free(a.id, a.ptr),
+        Err(MemoryError::UnknownAllocation { ptr, .. }) if ptr == a.ptr
+    ));
+    assert!(pools.free(999, 0).is_err());
+    pools.check_invariants();
+}
+
+#[test]
+fn only_whole_free_segments_are_released() {
+    let mut pools = Pools::default();
+    let mut next = 0x1000_0000;
+    let kept = alloc(&mut pools, &mut next, S1, 4096);
+    let large = alloc(&mut pools, &mut next, S1, 30 * MIB);
+    pools.free(large.id, large.ptr).unwrap();
+    let segments = pools.take_free_segments();
+    assert_eq!(segments.len(), 1, "the small segment is split and in use");
+    assert_eq!(segments[0].size, 30 * MIB);
+    pools.check_invariants();
+    assert_eq!(pools.stats().reserved_bytes.current, SMALL_SEGMENT);
+    assert_eq!(pools.stats().segments_released, 1);
+    pools.free(kept.id, kept.ptr).unwrap();
+    assert_eq!(pools.take_free_segments().len(), 1);
+    assert_eq!(pools.stats().reserved_bytes.current, 0);
+}
+
+#[test]
+fn random_workloads_keep_every_invariant_and_balance() {
+    let mut pools = Pools::default();
+    let mut next = 0x1000_0000;
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    let mut random = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut live: Vec<Grant> = Vec::new();
+    for _ in 0..4000 {
+        if live.is_empty() || random() % 3 != 0 {
+            let stream = StreamKey::from_raw(1 + (random() % 3) as usize);
+            let bytes = match random() % 4 {
+                0 => 1 + (random() % 4096) as usize,
+                1 => 1 + (random() % MIB as u64) as usize,
+                2 => MIB + 1 + (random() % (12 * MIB as u64)) as usize,
+                _ => 1 + (random() % (40 * MIB as u64)) as usize,
+            };
+            live.push(alloc(&mut pools, &mut next, stream, bytes));
+        } else {
+            let grant = live.swap_remove((random() % live.len() as u64) as usize);
+            pools.free(grant.id, grant.ptr).unwrap();
+            pools.check_invariants();
+        }
+    }
+    for grant in live.drain(..) {
+        pools.free(grant.id, grant.ptr).unwrap();
+    }
+    pools.check_invariants();
+    let reserved = pools.stats().reserved_bytes.current;
+    let released: usize = pools.take_free_segments().iter().map(|s| s.size).sum();
+    assert_eq!(released, reserved, "every segment merged back whole");
+    let stats = pools.stats();
+    assert_eq!(stats.allocations, stats.frees);
+    assert_eq!(stats.allocations, stats.cache_hits + stats.cache_misses);
+    assert_eq!(
+        (
+            stats.allocated_bytes.current,
+            stats.active_bytes.current,
+            stats.requested_bytes.current
+        ),
+        (0, 0, 0)
+    );
+    assert_eq!(
+        (stats.reserved_bytes.current, stats.segments.current),
+        (0, 0)
+    );
+}

@@ -1,0 +1,196 @@
+//! Streams as the allocator sees them: the key of a free list, the uses recorded on other
+//! streams, and the events that must complete before a block used there may be handed out again.
+
+use std::sync::Arc;
+
+use cuweave_driver::{Context, Event, EventFlags, Stream};
+
+use super::block::BlockId;
+use crate::error::Result;
+
+/// The identity of a stream for the caching allocator: the handle's process-unique
+/// [`Stream::id`], not its raw `CUstream` value, which the driver recycles after a stream is
+/// destroyed (a new stream must never inherit a dead stream's free list while the dead stream's
+/// last work may still be running).
+///
+/// Each stream has its own free lists; a block freed on a stream is handed out again only on that
+/// stream, where the work queued after the reuse is ordered after the work that used it before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamKey(usize);
+
+impl StreamKey {
+    /// The key of `stream`.
+    pub fn of(stream: &Stream) -> Self {
+        Self(stream.id() as usize)
+    }
+
+    /// The key as an integer (the stream's [`Stream::id`]).
+    pub fn as_usize(self) -> usize {
+        self.0
+    }
+
+    #[cfg(test)]
+    pub(crate) const fn from_raw(raw: usize) -> Self {
+        Self(raw)
+    }
+}
+
+impl From<&Stream> for StreamKey {
+    fn from(stream: &Stream) -> Self {
+        Self::of(stream)
+    }
+}
+
+/// A marker of queued work that can be polled and waited for: a CUDA event in the allocator, a
+/// flag in the unit tests.
+pub(crate) trait Marker: Send + 'static {
+    /// Whether the marked work has finished; never blocks.
+    fn is_complete(&self) -> Result<bool>;
+    /// Blocks until the marked work has finished.
+    fn wait(&self) -> Result<()>;
+}
+
+impl Marker for Event {
+    fn is_complete(&self) -> Result<bool> {
+        Ok(self.query()?)
+    }
+
+    fn wait(&self) -> Result<()> {
+        Ok(self.synchronize()?)
+    }
+}
+
+/// A freed block waiting for the markers recorded on the streams it was used on.
+#[derive(Debug)]
+pub(crate) struct Pending<E> {
+    /// The block, in state `Pending`.
+    pub block: BlockId,
+    /// Markers not yet seen complete.
+    pub markers: Vec<E>,
+}
+
+impl<E: Marker> Pending<E> {
+    /// Moves every completed marker into `spare`; `true` when none is left to wait for.
+    ///
+    /// A marker whose query fails stays: a block is never handed out on a guess.
+    pub fn poll(&mut self, spare: &mut Vec<E>) -> bool {
+        while let Some(marker) = self.markers.first() {
+            match marker.is_complete() {
+                Ok(true) => spare.push(self.markers.swap_remove(0)),
+                Ok(false) => return false,
+                Err(error) => {
+                    tracing::warn!(%error, "querying a block's stream-use event failed; keeping the block");
+                    return false;
+                }
+            }
+        }
+        true
+    }
+}
+
+/// Records, on each of `streams`, an event that completes when the work queued there so far has;
+/// events come from `spare` where one of the stream's context is there, else are created.
+///
+/// When an event cannot be created or recorded on a stream, that stream is synchronised instead
+/// (its work is then done, so no event is needed); only if that fails too is the error returned,
+/// and the caller must then never hand the block out again.
+pub(crate) fn record_uses(streams: &[Arc<Stream>], spare: &mut Vec<Event>) -> Result<Vec<Event>> {
+    let mut events = Vec::with_capacity(streams.len());
+    for stream in streams {
+        match record_one(stream, spare) {
+            Ok(event) => events.push(event),
+            Err(error) => {
+                tracing::warn!(%error, "recording a stream-use event failed; synchronising the stream");
+                stream.synchronize()?;
+            }
+        }
+    }
+    Ok(events)
+}
+
+fn record_one(stream: &Stream, spare: &mut Vec<Event>) -> Result<Event> {
+    let event = match take_spare(stream.context(), spare) {
+        Some(event) => event,
+        None => Event::new(stream.context(), EventFlags::DISABLE_TIMING)?,
+    };
+    match event.record(stream) {
+        Ok(()) => Ok(event),
+        Err(error) => {
+            spare.push(event);
+            Err(error.into())
+        }
+    }
+}
+
+/// A spare event of `context`, if there is one.
+fn take_spare(context: &Arc<Context>, spare: &mut Vec<Event>) -> Option<Event> {
+    let raw = context.as_raw();
+    let index = spare
+        .iter()
+        .rposition(|event| event.context().as_raw() == raw)?;
+    Some(spare.swap_remove(index))
+}
+
+#[cfg(test)]
+pub(crate) mod fake {
+    //! A marker the tests complete by hand.
+
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::Marker;
+    use crate::error::Result;
+
+    /// A marker that completes when its flag is set (or on `wait`, which sets it).
+    #[derive(Debug, Clone, Default)]
+    pub struct Flag(pub Arc<AtomicBool>);
+
+    impl Flag {
+        pub fn complete(&self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    impl Marker for Flag {
+        fn is_complete(&self) -> Result<bool> {
+            Ok(self.0.load(Ordering::SeqCst))
+        }
+
+        fn wait(&self) -> Result<()> {
+            self.complete();
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fake::Flag;
+    use super::*;
+
+    #[test]
+    fn pending_is_done_only_when_every_marker_completed() {
+        let (a, b) = (Flag::default(), Flag::default());
+        let mut pending = Pending {
+            block: 7,
+            markers: vec![a.clone(), b.clone()],
+        };
+        let mut spare = Vec::new();
+        assert!(!pending.poll(&mut spare));
+        b.complete();
+        assert!(
+            !pending.poll(&mut spare),
+            "the first marker is still running"
+        );
+        a.complete();
+        assert!(pending.poll(&mut spare));
+        assert_eq!(spare.len(), 2, "completed markers are recycled");
+        assert!(pending.markers.is_empty());
+    }
+
+    #[test]
+    fn stream_keys_order_by_raw_handle() {
+        assert!(StreamKey::from_raw(1) < StreamKey::from_raw(2));
+        assert_eq!(StreamKey::from_raw(3).as_usize(), 3);
+    }
+}

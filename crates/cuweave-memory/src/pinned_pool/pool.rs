@@ -1,0 +1,315 @@
+//! [`PinnedPool`]: the shared pool, and the driver side of its bookkeeping.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cuweave_driver::memory::HostAllocation;
+use cuweave_driver::{Context, DriverError, Event, EventFlags, Stream};
+use parking_lot::Mutex;
+
+use super::block::{PinnedBlock, TypedPinnedBlock};
+use super::cache::{BlockCache, Capacity, Fence, Released};
+use super::config::PinnedPoolConfig;
+use super::size_class::block_size;
+use super::stats::PinnedPoolStats;
+use crate::element::{Element, byte_len};
+use crate::error::{MemoryError, Result};
+
+/// Most idle events kept for reuse by [`PinnedBlock::record`]; more are destroyed.
+const MAX_SPARE_EVENTS: usize = 256;
+
+impl Capacity for HostAllocation {
+    fn capacity(&self) -> usize {
+        self.len()
+    }
+}
+
+impl Fence for Event {
+    fn passed(&self) -> Result<bool, DriverError> {
+        self.query()
+    }
+
+    fn wait(&self) -> Result<(), DriverError> {
+        self.synchronize()
+    }
+}
+
+/// A pool of page-locked host blocks, reused by size class so that staging a transfer does not
+/// pay for pinning (tens of milliseconds for 64 MiB) each time.
+///
+/// Blocks are pinned portable, so streams of every context and device may use them, and
+/// optionally mapped for zero-copy kernels ([`PinnedPoolConfig`]). Requests are rounded to a size
+/// class ([`block_size`](super::block_size)); a block is reused only for its own class.
+///
+/// A returned block whose use was [`record`](PinnedBlock::record)ed on streams waits until
+/// every such stream has passed that use; [`get`](Self::get) never waits for it, it pins a new
+/// block instead. Pinning and freeing happen outside the pool's lock.
+///
+/// Cloning is cheap and shares the pool; it is `Send + Sync`. Memory goes back to the driver on
+/// [`trim`](Self::trim), when a returned block does not fit
+/// [`max_cached_bytes`](PinnedPoolConfig::max_cached_bytes), and when the last clone and the last
+/// block are gone (that last drop waits for pending blocks' streams).
+///
+/// ```no_run
+/// use cuweave_driver::{Context, Device};
+/// use cuweave_memory::pinned_pool::PinnedPool;
+///
+/// # fn main() -> Result<(), cuweave_memory::MemoryError> {
+/// let pool = PinnedPool::new(&Context::primary(Device::get(0)?)?);
+/// let first = pool.get(16 << 20)?;
+/// let address = first.as_slice().as_ptr();
+/// drop(first);
+/// let second = pool.get(16 << 20)?; // no pinning: the same block again
+/// assert_eq!(second.as_slice().as_ptr(), address);
+/// assert_eq!(pool.stats().hits, 1);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct PinnedPool {
+    inner: Arc<Inner>,
+}
+
+/// The state shared by a pool's clones and its blocks.
+pub(super) struct Inner {
+    context: Arc<Context>,
+    config: PinnedPoolConfig,
+    state: Mutex<State>,
+}
+
+struct State {
+    cache: BlockCache<HostAllocation, Event>,
+    /// Idle events of the pool's context, recorded again by later blocks.
+    spare_events: Vec<Event>,
+}
+
+impl PinnedPool {
+    /// An empty pool pinning in `context`, with the default [`PinnedPoolConfig`].
+    pub fn new(context: &Arc<Context>) -> Self {
+        Self::with_config(context, PinnedPoolConfig::default())
+    }
+
+    /// An empty pool pinning in `context` as `config` says.
+    pub fn with_config(context: &Arc<Context>, config: PinnedPoolConfig) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                context: Arc::clone(context),
+                config,
+                state: Mutex::new(State {
+                    cache: BlockCache::new(config.max_cached_bytes),
+                    spare_events: Vec::new(),
+                }),
+            }),
+        }
+    }
+
+    /// The context blocks are pinned in.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.inner.context
+    }
+
+    /// The configuration the pool was made with.
+    pub fn config(&self) -> PinnedPoolConfig {
+        self.inner.config
+    }
+
+    /// A block of at least `bytes` bytes: a cached one of the request's size class whose last use
+    /// has finished, or else a newly pinned one.
+    ///
+    /// Never waits for the GPU. If pinning fails for lack of memory, the cache's ready blocks are
+    /// freed and pinning is tried once more.
+    ///
+    /// # Errors
+    /// [`MemoryError::ZeroLength`] for zero bytes; [`MemoryError::OutOfMemory`] when the request
+    /// cannot be rounded to a size class or the host cannot pin that much even after the cache
+    /// was freed; the driver's error when pinning fails otherwise.
+    pub fn get(&self, bytes: usize) -> Result<PinnedBlock> {
+        if bytes == 0 {
+            return Err(MemoryError::ZeroLength {
+                operation: "PinnedPool::get",
+            });
+        }
+        let class = block_size(bytes).ok_or_else(|| self.inner.out_of_memory(bytes))?;
+        let cached = self
+            .inner
+            .with_state(|state, released| state.cache.take(class, released));
+        let allocation = match cached {
+            Some(allocation) => allocation,
+            None => self.inner.pin(class)?,
+        };
+        Ok(PinnedBlock::new(allocation, bytes, Arc::clone(&self.inner)))
+    }
+
+    /// A block holding `len` elements of `T`, viewable as `&[T]` / `&mut [T]` (see [`get`](Self::get)).
+    ///
+    /// # Errors
+    /// [`MemoryError::ZeroLength`] for no elements (or a zero-sized `T`);
+    /// [`MemoryError::Misaligned`] when the byte size overflows or `T` needs more than page
+    /// alignment; otherwise as [`get`](Self::get).
+    pub fn get_typed<T: Element>(&self, len: usize) -> Result<TypedPinnedBlock<T>> {
+        const OPERATION: &str = "PinnedPool::get_typed";
+        let misaligned = |bytes| MemoryError::Misaligned {
+            operation: OPERATION,
+            bytes,
+            element_size: size_of::<T>(),
+        };
+        let bytes = byte_len::<T>(len).ok_or_else(|| misaligned(usize::MAX))?;
+        if bytes == 0 {
+            return Err(MemoryError::ZeroLength {
+                operation: OPERATION,
+            });
+        }
+        TypedPinnedBlock::new(self.get(bytes)?).ok_or_else(|| misaligned(bytes))
+    }
+
+    /// Gives every cached block that is ready for reuse back to the driver, and the idle events;
+    /// returns the bytes unpinned.
+    ///
+    /// Blocks whose last use is still running stay pending (they are freed by a later `trim`,
+    /// or when the pool goes away); blocks in use are untouched.
+    pub fn trim(&self) -> usize {
+        let freed = self.inner.with_state(|state, released| {
+            released.fences.append(&mut state.spare_events);
+            state.cache.drain_ready(released)
+        });
+        if freed > 0 {
+            tracing::debug!(freed, "pinned pool trimmed");
+        }
+        freed
+    }
+
+    /// A snapshot of the pool's memory and counters.
+    ///
+    /// Pending figures are as of the last poll (a `get` that found no ready block, or a `trim`):
+    /// this does not query the GPU.
+    pub fn stats(&self) -> PinnedPoolStats {
+        self.inner.state.lock().cache.stats()
+    }
+
+    /// Sets the peak figures of [`stats`](Self::stats) to their current values.
+    pub fn reset_peak_stats(&self) {
+        self.inner.state.lock().cache.reset_peaks();
+    }
+}
+
+impl fmt::Debug for PinnedPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PinnedPool")
+            .field("device", &self.inner.context.device().ordinal())
+            .field("config", &self.inner.config)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl Inner {
+    /// Runs `f` under the lock, recycles the events it released, and frees what it released
+    /// after unlocking: freeing pinned memory and destroying events are driver calls.
+    fn with_state<R>(
+        &self,
+        f: impl FnOnce(&mut State, &mut Released<HostAllocation, Event>) -> R,
+    ) -> R {
+        let mut released = Released::default();
+        let result = {
+            let mut state = self.state.lock();
+            let result = f(&mut state, &mut released);
+            for event in std::mem::take(&mut released.fences) {
+                let ours = event.context().as_raw() == self.context.as_raw();
+                if ours && state.spare_events.len() < MAX_SPARE_EVENTS {
+                    state.spare_events.push(event);
+                } else {
+                    released.fences.push(event);
+                }
+            }
+            result
+        };
+        drop(released);
+        result
+    }
+
+    /// Pins a new block of `class` bytes, outside the lock; on lack of memory frees the cache
+    /// and tries once more.
+    fn pin(&self, class: usize) -> Result<HostAllocation> {
+        let flags = self.config.host_alloc_flags();
+        let started = Instant::now();
+        let allocation = match HostAllocation::new(&self.context, class, flags) {
+            Ok(allocation) => allocation,
+            Err(error) if error.is_out_of_memory() => {
+                let freed = self.with_state(|state, released| {
+                    let freed = state.cache.drain_ready(released);
+                    if freed > 0 {
+                        state.cache.add_oom_retry();
+                    }
+                    freed
+                });
+                tracing::warn!(
+                    bytes = class,
+                    freed,
+                    "pinning failed for lack of memory; freed the cache to retry"
+                );
+                if freed == 0 {
+                    return Err(self.out_of_memory(class));
+                }
+                HostAllocation::new(&self.context, class, flags).map_err(|error| {
+                    if error.is_out_of_memory() {
+                        self.out_of_memory(class)
+                    } else {
+                        error.into()
+                    }
+                })?
+            }
+            Err(error) => return Err(error.into()),
+        };
+        self.with_state(|state, _| state.cache.add_pinned(class));
+        tracing::debug!(
+            bytes = class,
+            mapped = flags.device_map,
+            elapsed_us = started.elapsed().as_micros() as u64,
+            "pinned pool: pinned a new block"
+        );
+        Ok(allocation)
+    }
+
+    /// An event for marking a use on `stream`: a spare one when `stream` is of the pool's
+    /// context, else a new one in the stream's context (created outside the lock).
+    pub(super) fn event_for(&self, stream: &Stream) -> Result<Event> {
+        if stream.context().as_raw() == self.context.as_raw() {
+            let spare = self.state.lock().spare_events.pop();
+            if let Some(event) = spare {
+                return Ok(event);
+            }
+        }
+        Ok(Event::new(stream.context(), EventFlags::DISABLE_TIMING)?)
+    }
+
+    /// Takes back a block from a dropped [`PinnedBlock`] with the events of its last use.
+    pub(super) fn give_back(&self, allocation: HostAllocation, events: Vec<Event>) {
+        self.with_state(|state, released| state.cache.give_back(allocation, events, released));
+    }
+
+    fn out_of_memory(&self, requested: usize) -> MemoryError {
+        let stats = self.state.lock().cache.stats();
+        MemoryError::OutOfMemory {
+            requested,
+            allocated: stats.allocated_bytes,
+            reserved: stats.pinned_bytes,
+            limit: None,
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let state = self.state.get_mut();
+        let cache = std::mem::replace(&mut state.cache, BlockCache::new(0));
+        let stats = cache.stats();
+        if stats.pending_blocks > 0 {
+            tracing::debug!(
+                pending = stats.pending_blocks,
+                "pinned pool dropped: waiting for pending blocks' last use before freeing them"
+            );
+        }
+        cache.shutdown();
+    }
+}

@@ -1,0 +1,168 @@
+//! Memory resources on a real GPU: each round-trips data, checks what it is given back, and the
+//! async pool keeps what is freed.
+
+use std::sync::Arc;
+
+use cuweave_driver::memory::{self, DevicePtr};
+use cuweave_driver::{Context, Stream, StreamFlags};
+use cuweave_memory::MemoryError;
+use cuweave_memory::resource::{
+    AsyncPoolResource, DriverResource, LimitAdaptor, MemoryResource, StatisticsAdaptor,
+};
+use cuweave_test_support::require_gpu;
+
+const MIB: usize = 1 << 20;
+
+fn stream(context: &Arc<Context>) -> Stream {
+    Stream::new(context, StreamFlags::NON_BLOCKING).expect("create stream")
+}
+
+/// Allocates two buffers from `resource`, uploads a pattern into one, copies it to the other on
+/// the device, downloads and compares, then frees both: the memory is real and usable.
+fn round_trip(resource: &dyn MemoryResource, stream: &Stream) {
+    let words = MIB / 4;
+    let pattern: Vec<u32> = (0..words as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761))
+        .collect();
+    let src = resource.allocate(MIB, stream).unwrap();
+    let dst = resource.allocate(MIB, stream).unwrap();
+    assert_ne!(src, dst);
+    let mut back = vec![0u32; words];
+    // SAFETY: both device ranges are MIB bytes and live until the deallocations below, which
+    // are queued after the copies on the same stream; `pattern` and `back` outlive the
+    // synchronisation that ends the copies.
+    unsafe {
+        memory::memset_d32_async(dst, 0, words, stream).unwrap();
+        memory::copy_htod_async(src, pattern.as_ptr().cast(), MIB, stream).unwrap();
+        memory::copy_dtod_async(dst, src, MIB, stream).unwrap();
+        memory::copy_dtoh_async(back.as_mut_ptr().cast(), dst, MIB, stream).unwrap();
+    }
+    stream.synchronize().unwrap();
+    assert!(
+        back == pattern,
+        "{}: data survived upload, device copy and download",
+        resource.name()
+    );
+    resource.deallocate(src, MIB, stream).unwrap();
+    resource.deallocate(dst, MIB, stream).unwrap();
+}
+
+/// Bad frees are typed errors and leave the allocation intact.
+fn rejects_bad_input(resource: &dyn MemoryResource, stream: &Stream) {
+    assert!(matches!(
+        resource.allocate(0, stream),
+        Err(MemoryError::ZeroLength { .. })
+    ));
+    let ptr: DevicePtr = resource.allocate(4096, stream).unwrap();
+    assert!(matches!(
+        resource.deallocate(ptr, 512, stream),
+        Err(MemoryError::SizeMismatch {
+            expected: 4096,
+            actual: 512,
+            ..
+        })
+    ));
+    assert!(matches!(
+        resource.deallocate(ptr + 1, 4096, stream),
+        Err(MemoryError::UnknownAllocation { .. })
+    ));
+    resource.deallocate(ptr, 4096, stream).unwrap();
+    assert!(
+        matches!(
+            resource.deallocate(ptr, 4096, stream),
+            Err(MemoryError::UnknownAllocation { ptr: p, .. }) if p == ptr
+        ),
+        "a second free is refused, not passed to the driver"
+    );
+}
+
+#[test]
+fn driver_resource_round_trips_and_checks_its_frees() {
+    let gpu = require_gpu!();
+    let s = stream(&gpu.context);
+    let resource = DriverResource::new(&gpu.context);
+    round_trip(&resource, &s);
+    rejects_bad_input(&resource, &s);
+    assert_eq!(resource.outstanding(), 0);
+    assert_eq!(resource.device(), gpu.device);
+}
+
+#[test]
+fn async_pool_resource_round_trips_and_keeps_freed_memory() {
+    let gpu = require_gpu!();
+    if !gpu.device.supports_memory_pools().unwrap() {
+        eprintln!("device lacks memory pools; AsyncPoolResource::new must say so");
+        assert!(AsyncPoolResource::new(&gpu.context).is_err());
+        return;
+    }
+    let s = stream(&gpu.context);
+    let resource = AsyncPoolResource::new(&gpu.context).unwrap();
+    assert_eq!(resource.pool().release_threshold().unwrap(), u64::MAX);
+    round_trip(&resource, &s);
+    rejects_bad_input(&resource, &s);
+    s.synchronize().unwrap();
+    assert_eq!(resource.outstanding(), 0);
+    let pool = resource.pool();
+    assert_eq!(pool.used_bytes().unwrap(), 0, "everything was freed");
+    assert!(
+        pool.reserved_bytes().unwrap() >= 2 * MIB as u64,
+        "the pool keeps the freed memory even after a synchronisation"
+    );
+    // Kept memory is reused: another megabyte needs no more reservation.
+    let reserved = pool.reserved_bytes().unwrap();
+    let ptr = resource.allocate(MIB, &s).unwrap();
+    assert_eq!(pool.reserved_bytes().unwrap(), reserved);
+    resource.deallocate(ptr, MIB, &s).unwrap();
+    s.synchronize().unwrap();
+}
+
+#[test]
+fn statistics_adaptor_counts_what_passes_through() {
+    let gpu = require_gpu!();
+    let s = stream(&gpu.context);
+    let upstream: Arc<dyn MemoryResource> = Arc::new(DriverResource::new(&gpu.context));
+    let counted = StatisticsAdaptor::new(upstream);
+    assert_eq!(counted.name(), "statistics(driver)");
+    round_trip(&counted, &s);
+    let stats = counted.stats();
+    assert_eq!((stats.total_allocations, stats.total_deallocations), (2, 2));
+    assert_eq!((stats.current_bytes, stats.peak_bytes), (0, 2 * MIB));
+    assert_eq!((stats.current_allocations, stats.peak_allocations), (0, 2));
+    assert!(counted.allocate(0, &s).is_err());
+    assert_eq!(counted.stats().failed_allocations, 1);
+}
+
+#[test]
+fn limit_adaptor_refuses_past_its_cap_without_calling_upstream() {
+    let gpu = require_gpu!();
+    let s = stream(&gpu.context);
+    let cap = 3 * MIB;
+    let limited = LimitAdaptor::new(
+        StatisticsAdaptor::new(DriverResource::new(&gpu.context)),
+        cap,
+    );
+    assert_eq!(limited.name(), "limit(statistics(driver))");
+    round_trip(&limited, &s);
+    let held = limited.allocate(2 * MIB, &s).unwrap();
+    assert_eq!(limited.used(), 2 * MIB);
+    assert_eq!(
+        limited.allocate(2 * MIB, &s).unwrap_err(),
+        MemoryError::OutOfMemory {
+            requested: 2 * MIB,
+            allocated: 2 * MIB,
+            reserved: 2 * MIB,
+            limit: Some(cap),
+        }
+    );
+    let upstream = limited.upstream().stats();
+    assert_eq!(
+        upstream.total_allocations, 3,
+        "the refused request never reached the driver"
+    );
+    assert_eq!(upstream.failed_allocations, 0);
+    let fits = limited.allocate(MIB, &s).unwrap();
+    assert_eq!(limited.used(), cap);
+    limited.deallocate(held, 2 * MIB, &s).unwrap();
+    limited.deallocate(fits, MIB, &s).unwrap();
+    assert_eq!(limited.used(), 0);
+}
