@@ -19,6 +19,12 @@ const SOURCES: &[&str] = &["crates/cuweave-test-support/src/kernels/test_kernels
 /// The virtual architecture the PTX is written for.
 const ARCH: &str = "compute_75";
 
+/// The PTX ISA version written into the file. nvcc 13 stamps `.version 9.0`, which only CUDA 13
+/// drivers JIT; the kernels use nothing newer than ISA 8.0, so stamping 8.0 lets CUDA 12.0+
+/// drivers load the same file. `ptxas` re-checks the stamped file, so a kernel that starts to
+/// need a newer ISA fails here rather than on a user's machine.
+const PTX_ISA: &str = "8.0";
+
 pub(crate) fn run(nvcc: Option<PathBuf>) -> anyhow::Result<()> {
     let nvcc = match nvcc {
         Some(path) => path,
@@ -29,7 +35,9 @@ pub(crate) fn run(nvcc: Option<PathBuf>) -> anyhow::Result<()> {
         let source = root.join(source);
         let out = source.with_extension("ptx");
         compile(&nvcc, &source, &out)?;
-        println!("wrote {}", out.display());
+        stamp_isa_version(&out)?;
+        verify_with_ptxas(&nvcc, &out)?;
+        println!("wrote {} (PTX ISA {PTX_ISA})", out.display());
     }
     Ok(())
 }
@@ -60,6 +68,51 @@ fn compile(nvcc: &Path, source: &Path, out: &Path) -> anyhow::Result<()> {
             "{} failed on {} ({status})",
             nvcc.display(),
             source.display()
+        );
+    }
+    Ok(())
+}
+
+/// Rewrites the `.version` directive to [`PTX_ISA`].
+fn stamp_isa_version(ptx: &Path) -> anyhow::Result<()> {
+    let text =
+        std::fs::read_to_string(ptx).with_context(|| format!("reading {}", ptx.display()))?;
+    let mut stamped = false;
+    let rewritten: Vec<String> = text
+        .lines()
+        .map(|line| {
+            if !stamped && line.starts_with(".version ") {
+                stamped = true;
+                format!(".version {PTX_ISA}")
+            } else {
+                line.to_owned()
+            }
+        })
+        .collect();
+    if !stamped {
+        bail!("{} has no .version directive", ptx.display());
+    }
+    std::fs::write(ptx, rewritten.join("\n") + "\n")
+        .with_context(|| format!("writing {}", ptx.display()))
+}
+
+/// Assembles the stamped PTX with the toolkit's `ptxas` to prove it is valid at that ISA.
+fn verify_with_ptxas(nvcc: &Path, ptx: &Path) -> anyhow::Result<()> {
+    let ptxas = nvcc.with_file_name("ptxas");
+    let sm = ARCH.replace("compute_", "sm_");
+    let scratch = std::env::temp_dir().join("cuweave-ptx-check.cubin");
+    let status = Command::new(&ptxas)
+        .arg(format!("-arch={sm}"))
+        .arg(ptx)
+        .arg("-o")
+        .arg(&scratch)
+        .status()
+        .with_context(|| format!("running {}", ptxas.display()))?;
+    let _ = std::fs::remove_file(&scratch);
+    if !status.success() {
+        bail!(
+            "ptxas rejects {} at PTX ISA {PTX_ISA} ({status})",
+            ptx.display()
         );
     }
     Ok(())

@@ -45,7 +45,8 @@ pub struct Gpu {
 /// Device 0 and its primary context, or `None` (after saying why) when the test must be skipped.
 ///
 /// The device is looked up once per process and its primary context stays retained until the
-/// process exits, so tests share one context rather than each creating and destroying it.
+/// process exits, so tests share one context rather than each creating and destroying it; the
+/// returned `Arc<Context>` is a fresh handle nobody else holds.
 ///
 /// When no driver or no device is present this writes `SKIPPED <test>: <reason>` straight to the
 /// process's stderr (libtest does not capture that, so the skip shows in test output and the
@@ -55,12 +56,22 @@ pub struct Gpu {
 /// When no GPU is usable and `CUWEAVE_REQUIRE_GPU=1`, with the reason: a GPU run must not pass by
 /// skipping.
 pub fn gpu(test: &str) -> Option<Gpu> {
-    // Found once per process and kept: retaining device 0's primary context for the whole run
-    // spares every test the context creation (hundreds of milliseconds) that releasing the last
-    // reference at the end of the previous test would force.
-    static GPU: OnceLock<Result<Gpu, String>> = OnceLock::new();
-    match GPU.get_or_init(find_gpu) {
-        Ok(gpu) => Some(gpu.clone()),
+    // One handle on the primary context is kept for the whole process: releasing the last
+    // reference at the end of each test would destroy the context and make the next test pay
+    // for creating it again (hundreds of milliseconds). Each caller still gets its own
+    // `Arc<Context>` from a fresh retain, so its reference counts are its own.
+    static KEPT: OnceLock<Result<Gpu, String>> = OnceLock::new();
+    let found = KEPT.get_or_init(find_gpu).as_ref().map_err(String::clone);
+    let found = found.and_then(|kept| {
+        Context::primary(kept.device)
+            .map(|context| Gpu {
+                device: kept.device,
+                context,
+            })
+            .map_err(|error| format!("retaining device 0's primary context failed: {error}"))
+    });
+    match found {
+        Ok(gpu) => Some(gpu),
         Err(reason) => {
             if gpu_required() {
                 panic!("{test}: {REQUIRE_GPU_VAR}=1 but no GPU is usable: {reason}");

@@ -1,5 +1,12 @@
 //! Copies and memsets on raw addresses, synchronous and stream-ordered.
 //!
+//! The blocking forms return only once the operation has completed. The driver alone does not
+//! promise that: a `cuMemcpyHtoD` from pageable memory returns once the bytes are staged, and
+//! device-to-device copies and memsets return before they run (they are merely ordered on the
+//! legacy default stream). So each blocking form synchronises the legacy default stream after
+//! the call, which also waits for work on streams created with `StreamFlags::DEFAULT`, as
+//! `cudaMemcpy` does.
+//!
 //! All are `unsafe`: the driver checks device addresses only loosely and host addresses not at
 //! all. Each function's contract is the same shape: every range is valid for `bytes` (or
 //! `count` elements), and for the async forms stays valid, and unwritten by the host for
@@ -12,6 +19,13 @@ use crate::context::Context;
 use crate::error::Result;
 use crate::loader::{cu, driver};
 use crate::stream::Stream;
+
+/// Waits for everything queued on the current context's legacy default stream.
+fn complete_legacy_stream(api: &crate::loader::DriverApi) -> Result<()> {
+    // SAFETY: the null stream is the current context's legacy default stream (the caller bound
+    // the context).
+    unsafe { cu!(api.stream_synchronize(std::ptr::null_mut())) }
+}
 
 /// Copies `bytes` from host `src` to device `dst` and waits for it.
 ///
@@ -27,7 +41,8 @@ pub unsafe fn copy_htod(
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
-    unsafe { cu!(api.memcpy_htod(dst, src.cast::<c_void>(), bytes)) }
+    unsafe { cu!(api.memcpy_htod(dst, src.cast::<c_void>(), bytes)) }?;
+    complete_legacy_stream(api)
 }
 
 /// Copies `bytes` from device `src` to host `dst` and waits for it.
@@ -59,7 +74,8 @@ pub unsafe fn copy_dtod(
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
-    unsafe { cu!(api.memcpy_dtod(dst, src, bytes)) }
+    unsafe { cu!(api.memcpy_dtod(dst, src, bytes)) }?;
+    complete_legacy_stream(api)
 }
 
 /// Queues a host-to-device copy on `stream`. Asynchronous only from pinned host memory; from
@@ -148,7 +164,8 @@ pub unsafe fn memset_d8(context: &Context, dst: DevicePtr, value: u8, bytes: usi
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
-    unsafe { cu!(api.memset_d8(dst, value, bytes)) }
+    unsafe { cu!(api.memset_d8(dst, value, bytes)) }?;
+    complete_legacy_stream(api)
 }
 
 /// Sets `count` 32-bit words at `dst` (4-byte aligned) to `value` and waits for it.
@@ -164,7 +181,8 @@ pub unsafe fn memset_d32(
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
-    unsafe { cu!(api.memset_d32(dst, value, count)) }
+    unsafe { cu!(api.memset_d32(dst, value, count)) }?;
+    complete_legacy_stream(api)
 }
 
 /// Queues a byte memset on `stream`.

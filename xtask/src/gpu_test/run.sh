@@ -1,0 +1,193 @@
+#!/usr/bin/env bash
+# Runs cuweave's GPU tests or benches from this bundle. Written by `cargo xtask gpu-test`.
+#
+#   ./run [--quiet] [ARGS...]   every test binary in tests/ with --test-threads=1 ARGS (ARGS: a test
+#                               name filter, --ignored, ...); --quiet keeps passing output in logs/ only.
+#                               Last line: gpu-test: DEVICE passed=N failed=N skipped=N
+#   ./run --bench [FILTER...]   every criterion binary in benches/ with --bench FILTER
+#   ./run --info [ARGS...]      bin/cuweave info ARGS
+#
+# CUWEAVE_REQUIRE_GPU=1 is exported, so a test that finds no GPU fails instead of skipping.
+# Logs go to logs/ beside this script and, when $OUT is set, into one $OUT/gpu-<mode>.log.
+set -u
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+export CUWEAVE_REQUIRE_GPU=1
+export CRITERION_HOME="${CRITERION_HOME:-$here/criterion}"
+logs="$here/logs"
+
+mode=test
+quiet=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bench) mode=bench; shift ;;
+    --info) mode=info; shift ;;
+    --quiet) quiet=1; shift ;;
+    --) shift; break ;;
+    *) break ;;
+  esac
+done
+
+device="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+device="$(printf '%s' "$device" | sed 's/^[[:space:]]*//; s/[[:space:]]*$//')"
+[ -n "$device" ] || device="unknown-device"
+
+rm -rf "$logs"
+mkdir -p "$logs"
+
+# $OUT (set on the GPU machine) gets one combined log, not one file per binary: what comes back
+# from there is limited in file count.
+copy_out() {
+  if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT" || return 0
+    for log in "$logs"/*.log; do
+      echo "===== $(basename "$log" .log)"
+      cat "$log"
+    done >"$OUT/gpu-$mode.log" 2>/dev/null
+    if [ "$mode" = bench ] && [ -d "$CRITERION_HOME" ]; then
+      tar -czf "$OUT/criterion.tar.gz" -C "$(dirname "$CRITERION_HOME")" \
+        "$(basename "$CRITERION_HOME")" 2>/dev/null
+    fi
+  fi
+  return 0
+}
+
+now_ms() { date +%s%3N; }
+
+shopt -s nullglob
+
+if [ "$mode" = info ]; then
+  if [ ! -x "$here/bin/cuweave" ]; then
+    echo "run: this bundle has no bin/cuweave" >&2
+    exit 1
+  fi
+  "$here/bin/cuweave" info "$@" 2>&1 | tee "$logs/info.log"
+  status=${PIPESTATUS[0]}
+  copy_out
+  exit "$status"
+fi
+
+if [ "$mode" = bench ]; then
+  benches=("$here"/benches/*)
+  if [ ${#benches[@]} -eq 0 ]; then
+    echo "run: this bundle has no bench binaries" >&2
+    exit 1
+  fi
+  echo "bench: $device"
+  status=0
+  for bin in "${benches[@]}"; do
+    name="$(basename "$bin")"
+    echo "== $name"
+    "$bin" --bench "$@" 2>&1 | tee "$logs/$name.log"
+    code=${PIPESTATUS[0]}
+    if [ "$code" -ne 0 ]; then
+      echo "run: $name exited with status $code" >&2
+      status=1
+    fi
+  done
+  copy_out
+  exit "$status"
+fi
+
+# The hardware has CUDA_DEVICE_MAX_CONNECTIONS work queues (8 unless set); streams beyond that
+# share one and serialize, which would hide the concurrency that ordering tests must provoke.
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-32}"
+tests=("$here"/tests/*)
+passed=0
+failed=0
+skipped=0
+summaries=()
+failures=()
+for bin in ${tests[@]+"${tests[@]}"}; do
+  [ -f "$bin" ] && [ -x "$bin" ] || continue
+  name="$(basename "$bin")"
+  log="$logs/$name.log"
+  echo "== $name"
+  start=$(now_ms)
+  if [ "$quiet" = 1 ]; then
+    "$bin" --test-threads=1 "$@" >"$log" 2>&1
+    code=$?
+  else
+    "$bin" --test-threads=1 "$@" 2>&1 | tee "$log"
+    code=${PIPESTATUS[0]}
+    # A binary that died mid-line (after "test NAME ... ") would glue our verdict onto that line.
+    [ -z "$(tail -c 1 "$log")" ] || echo
+  fi
+  ms=$(( $(now_ms) - start ))
+
+  p=0; f=0; i=0; results=0; running=""
+  re='test result: [A-Za-z]+\. ([0-9]+) passed; ([0-9]+) failed; ([0-9]+) ignored;'
+  while IFS= read -r line || [ -n "$line" ]; do
+    if [[ $line =~ $re ]]; then
+      p=$(( p + BASH_REMATCH[1] ))
+      f=$(( f + BASH_REMATCH[2] ))
+      i=$(( i + BASH_REMATCH[3] ))
+      results=$(( results + 1 ))
+    elif [[ $line =~ ^test\ (.+)\ \.\.\.\ FAILED$ ]]; then
+      failures+=("$name: ${BASH_REMATCH[1]}")
+      running=""
+    elif [[ $line =~ ^test\ (.+)\ \.\.\.\ (ok|ignored.*)$ ]] || [ "$line" = ok ]; then
+      running=""
+    elif [[ $line =~ ^test\ (.+)\ \.\.\.\  ]]; then
+      # A test that started and has not reported yet: if the binary dies, it died here.
+      running="${BASH_REMATCH[1]}"
+    fi
+  done <"$log"
+  # libtest prints "test NAME ... " before running a test, so a skip note lands mid-line; count
+  # occurrences anywhere, not lines starting with it.
+  s=$(grep -o 'SKIPPED [^ ]*: ' "$log" | wc -l | tr -d ' ')
+  [ "$s" -le "$p" ] || s=$p
+  p=$(( p - s ))
+  i=$(( i + s ))
+
+  note=""
+  if [ "$results" -eq 0 ]; then
+    if [ "$code" -eq 0 ]; then
+      # Not a libtest binary (harness = false): its exit status is its one result.
+      p=$(( p + 1 ))
+      note=" (no libtest summary; counted by exit status)"
+    else
+      f=$(( f + 1 ))
+      if [ -n "$running" ]; then
+        failures+=("$name: exited with status $code during $running")
+      else
+        failures+=("$name: exited with status $code before reporting a result")
+      fi
+      note=" (exited with status $code, no test result)"
+    fi
+  elif [ "$code" -ne 0 ] && [ "$f" -eq 0 ]; then
+    f=1
+    failures+=("$name: exited with status $code after all tests passed")
+    note=" (exited with status $code after its tests)"
+  fi
+  if [ "$f" -eq 0 ]; then verdict=ok; else verdict=FAIL; fi
+  if [ "$quiet" = 1 ] && [ "$f" -ne 0 ]; then
+    cat "$log"
+  fi
+
+  summary=$(printf '%-4s %-48s passed=%d failed=%d skipped=%d %d.%03ds%s' \
+    "$verdict" "$name" "$p" "$f" "$i" $(( ms / 1000 )) $(( ms % 1000 )) "$note")
+  echo "$summary"
+  summaries+=("$summary")
+  passed=$(( passed + p ))
+  failed=$(( failed + f ))
+  skipped=$(( skipped + i ))
+done
+
+echo
+echo "== summary"
+for line in ${summaries[@]+"${summaries[@]}"}; do
+  echo "$line"
+done
+if [ ${#failures[@]} -gt 0 ]; then
+  echo "failures:"
+  for line in "${failures[@]}"; do
+    echo "  $line"
+  done
+fi
+if [ ${#summaries[@]} -eq 0 ]; then
+  echo "run: this bundle has no test binaries" >&2
+  failed=$(( failed + 1 ))
+fi
+copy_out
+echo "gpu-test: $device passed=$passed failed=$failed skipped=$skipped"
+[ "$failed" -eq 0 ]
