@@ -74,5 +74,14 @@ pub mod prelude {
         Context, Device, DriverError, Event, EventFlags, Stream, StreamFlags,
     };
     #[cfg(feature = "memory")]
-    pub use cuweave_memory::{Element, MemoryError};
+    pub use cuweave_memory::{
+        Buffer, CachedAllocation, CachingAllocator, DeviceBuffer, Element, MemAdvice, MemLocation,
+        MemoryError, MemoryStats, MigrationPolicy, PinnedBuffer, PinnedPool, PrefetchPlan,
+        UnifiedBuffer,
+    };
 }
+
+/// The README's examples, compiled as doc tests so they cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
