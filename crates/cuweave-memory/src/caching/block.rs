@@ -20,6 +20,9 @@ pub(crate) enum BlockState {
     /// Freed by its caller but recorded on other streams whose events have not all completed;
     /// neither handed out nor merged until they have.
     Pending,
+    /// Freed and parked whole in the [`super::stash::Stash`] for its stream's next request of
+    /// its exact size; not merged or listed until it is evicted or the stash is flushed.
+    Parked,
 }
 
 /// A contiguous piece of one upstream segment.

@@ -15,10 +15,14 @@
 //!   blocks next to it in its segment. Ties between blocks of one size go to the lowest address
 //!   in the large pool (as in PyTorch) and to the most recently freed in the small pool, whose
 //!   exact 512 B size classes make best fit two bit scans.
+//! - **A stash in front.** A freed block is first parked whole, keyed by (stream, size), for the
+//!   next request of exactly its size on its stream, which then skips best fit, the split and the
+//!   merge. Parked blocks are merged back when evicted from their bucket, before any request goes
+//!   to the upstream, and before segments are released, so parking never costs reserved memory.
 //! - **Free lists per stream.** A block is allocated for a stream ([`StreamKey`]) and returns to
 //!   that stream's free lists; it is handed out again only on that stream, where new work is
 //!   queued after the old. No event is recorded on this path: allocation and free stay a
-//!   lock-protected tree lookup (sub-microsecond).
+//!   lock-protected lookup (about 0.1 µs).
 //! - **Other streams.** Memory used on another stream must be recorded there with
 //!   [`CachedAllocation::record_stream`]. When it is freed, a pooled `DISABLE_TIMING` event is
 //!   recorded on each such stream and the block waits in a pending list; it is handed out again
@@ -83,6 +87,7 @@ mod engine;
 mod free_list;
 mod pool;
 pub mod size_class;
+mod stash;
 mod stats;
 mod stream_uses;
 

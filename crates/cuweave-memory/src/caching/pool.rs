@@ -7,6 +7,7 @@
 use super::block::{Arena, Block, BlockId, BlockState};
 use super::free_list::FreeLists;
 use super::size_class::PoolKind;
+use super::stash::Stash;
 use super::stats::MemoryStats;
 use super::stream_uses::StreamKey;
 use crate::error::{MemoryError, Result};
@@ -38,6 +39,7 @@ pub(crate) struct Segment {
 pub(crate) struct Pools {
     arena: Arena,
     free: FreeLists,
+    stash: Stash,
     stats: MemoryStats,
 }
 
@@ -60,16 +62,38 @@ impl Pools {
         self.free.remove(&mut self.arena, id);
     }
 
-    /// Hands out the best-fitting free block of `stream` for `rounded` bytes, if there is one.
+    /// Hands out a cached block of `stream` for `rounded` bytes, if there is one: a parked
+    /// block of exactly that size first, else the best-fitting free block. When neither fits,
+    /// the parked blocks are merged back into the free lists and best fit is tried once more,
+    /// so parking never sends a request to the upstream that merged blocks could have served.
+    #[inline]
     pub fn take_free(
         &mut self,
         stream: StreamKey,
         rounded: usize,
         requested: usize,
     ) -> Option<Grant> {
-        let id = self.free.take_best_fit(&mut self.arena, stream, rounded)?;
+        if let Some(id) = self.stash.take(stream, rounded) {
+            self.stats.cache_hits += 1;
+            return Some(self.hand_out(id, requested));
+        }
+        let id = match self.free.take_best_fit(&mut self.arena, stream, rounded) {
+            Some(id) => id,
+            None if self.stash.len() != 0 => {
+                self.flush_stash();
+                self.free.take_best_fit(&mut self.arena, stream, rounded)?
+            }
+            None => return None,
+        };
         self.stats.cache_hits += 1;
         Some(self.carve(id, rounded, requested))
+    }
+
+    /// Merges every parked block back into the free lists.
+    pub fn flush_stash(&mut self) {
+        for id in self.stash.drain() {
+            self.merge_and_insert(id);
+        }
     }
 
     /// Adds a segment just obtained from the upstream for `stream` and hands out its first
@@ -120,6 +144,11 @@ impl Pools {
             block.size = rounded;
             self.insert_free(rest_id);
         }
+        self.hand_out(id, requested)
+    }
+
+    /// Marks block `id` (out of every free list and the stash) allocated to a caller.
+    fn hand_out(&mut self, id: BlockId, requested: usize) -> Grant {
         let block = self.arena.block_mut(id);
         block.state = BlockState::Allocated;
         block.requested = requested;
@@ -151,12 +180,20 @@ impl Pools {
         self.stats.requested_bytes.sub(requested);
     }
 
-    /// Returns the allocated block `id` to its stream's free list, merged with free neighbours.
+    /// Returns the allocated block `id` to its stream's cache: parked whole for the next request
+    /// of its size (the block it evicts, if any, is merged into the free lists).
+    #[inline]
     pub fn free(&mut self, id: BlockId, ptr: u64) -> Result<()> {
         let size = self.allocated(id, ptr, "CachingAllocator::free")?.size;
         self.count_free(id);
         self.stats.active_bytes.sub(size);
-        self.merge_and_insert(id);
+        let block = self.arena.block_mut(id);
+        block.state = BlockState::Parked;
+        block.requested = 0;
+        let stream = block.stream;
+        if let Some(evicted) = self.stash.park(stream, size, id) {
+            self.merge_and_insert(evicted);
+        }
         Ok(())
     }
 
@@ -217,6 +254,7 @@ impl Pools {
 
     /// Takes every free whole segment out of the pools, for return to the upstream.
     pub fn take_free_segments(&mut self) -> Vec<Segment> {
+        self.flush_stash();
         let whole: Vec<BlockId> = self
             .arena
             .iter()
@@ -264,7 +302,7 @@ impl Pools {
                 assert_eq!(block.stream, next_block.stream);
                 assert!(
                     !(block.state == BlockState::Free && next_block.state == BlockState::Free),
-                    "free neighbours are merged"
+                    "free neighbours are merged (parked blocks wait in the stash)"
                 );
             }
             if block.prev.is_none() {
@@ -285,6 +323,9 @@ impl Pools {
                 BlockState::Pending => {
                     active += block.size;
                 }
+                BlockState::Parked => {
+                    assert!(self.stash.contains(id), "parked blocks are in the stash");
+                }
             }
         }
         assert_eq!(
@@ -292,6 +333,13 @@ impl Pools {
             self.arena
                 .iter()
                 .filter(|(_, b)| b.state == BlockState::Free)
+                .count()
+        );
+        assert_eq!(
+            self.stash.len(),
+            self.arena
+                .iter()
+                .filter(|(_, b)| b.state == BlockState::Parked)
                 .count()
         );
         assert_eq!(self.stats.reserved_bytes.current, reserved);

@@ -62,6 +62,9 @@ fn small_blocks_split_from_one_segment_and_merge_back() {
         pools.free(grants[index].id, grants[index].ptr).unwrap();
         pools.check_invariants();
     }
+    // Freed blocks park whole for their size's next request; flushing merges them.
+    pools.flush_stash();
+    pools.check_invariants();
     assert_eq!(
         pools.free_blocks(),
         1,
@@ -78,6 +81,67 @@ fn small_blocks_split_from_one_segment_and_merge_back() {
     );
     pools.check_invariants();
     assert_eq!(pools.stats().reserved_bytes.current, 0);
+}
+
+#[test]
+fn a_parked_block_comes_back_without_splitting_or_merging() {
+    let mut pools = Pools::default();
+    let mut next = 0x1000_0000;
+    let a = alloc(&mut pools, &mut next, S1, MIB);
+    let blocks_in_use = pools.free_blocks();
+    pools.free(a.id, a.ptr).unwrap();
+    pools.check_invariants();
+    assert_eq!(
+        pools.free_blocks(),
+        blocks_in_use,
+        "the freed block is parked, not merged into the free lists"
+    );
+    let b = alloc(&mut pools, &mut next, S1, MIB);
+    assert_eq!((b.ptr, b.size), (a.ptr, MIB));
+    assert_eq!(
+        pools.free_blocks(),
+        blocks_in_use,
+        "and taken back without a split"
+    );
+    assert_eq!(
+        (pools.stats().cache_hits, pools.stats().cache_misses),
+        (1, 1)
+    );
+    pools.free(b.id, b.ptr).unwrap();
+    let other = alloc(&mut pools, &mut next, StreamKey::from_raw(9), MIB);
+    assert_ne!(other.ptr, b.ptr, "another stream never gets a parked block");
+    assert_eq!(pools.stats().cache_misses, 2, "it got a segment of its own");
+}
+
+#[test]
+fn parked_blocks_are_merged_before_a_request_goes_upstream() {
+    let mut pools = Pools::default();
+    let mut next = 0x1000_0000;
+    // Fill one 2 MiB segment: 512 KiB + 512 KiB + 1 MiB.
+    let x = alloc(&mut pools, &mut next, S1, 512 * 1024);
+    let y = alloc(&mut pools, &mut next, S1, 512 * 1024);
+    let z = alloc(&mut pools, &mut next, S1, MIB);
+    assert_eq!(pools.stats().segments.current, 1);
+    // Both land in one stash bucket: y evicts x into the free lists, y stays parked.
+    pools.free(x.id, x.ptr).unwrap();
+    pools.free(y.id, y.ptr).unwrap();
+    pools.check_invariants();
+    // No single free or parked block holds 1 MiB, but x and y together do once merged.
+    let w = alloc(&mut pools, &mut next, S1, MIB);
+    assert_eq!(
+        w.ptr, x.ptr,
+        "served from x and y merged, not from a new segment"
+    );
+    assert_eq!(pools.stats().segments.current, 1);
+    assert_eq!(pools.stats().cache_misses, 1);
+    pools.free(w.id, w.ptr).unwrap();
+    pools.free(z.id, z.ptr).unwrap();
+    assert_eq!(
+        pools.take_free_segments().len(),
+        1,
+        "releasing flushes the stash"
+    );
+    pools.check_invariants();
 }
 
 #[test]
@@ -138,6 +202,7 @@ fn small_and_large_pools_do_not_mix(#[case] bytes: usize, #[case] pool: PoolKind
     let small = alloc(&mut pools, &mut next, S1, 4096);
     pools.free(large.id, large.ptr).unwrap();
     pools.free(small.id, small.ptr).unwrap();
+    pools.flush_stash();
     let grant = alloc(&mut pools, &mut next, S1, bytes);
     let expected = match pool {
         PoolKind::Small => small.ptr,
@@ -162,6 +227,7 @@ fn pending_blocks_are_neither_reused_nor_merged() {
     let c = alloc(&mut pools, &mut next, S1, 4096);
     assert_eq!(c.ptr, b.ptr, "the pending block below is skipped");
     pools.free(c.id, c.ptr).unwrap();
+    pools.flush_stash();
     pools.release_pending(a.id);
     pools.check_invariants();
     assert_eq!(
