@@ -16,6 +16,7 @@ use crate::sys;
 pub struct Module {
     context: Arc<Context>,
     raw: sys::CUmodule,
+    owned: bool,
 }
 
 // SAFETY: a CUmodule may be used from any thread once its context is current.
@@ -62,7 +63,22 @@ impl Module {
         Ok(Arc::new(Self {
             context: Arc::clone(context),
             raw,
+            owned: true,
         }))
+    }
+
+    /// Wraps a module another library loaded.
+    ///
+    /// # Safety
+    /// `raw` must be a live module of `context`. With `owned`, the returned handle unloads it
+    /// when the last handle and kernel are gone, and nobody else may; without, the module must
+    /// outlive every handle and kernel made from it.
+    pub unsafe fn from_raw(context: &Arc<Context>, raw: sys::CUmodule, owned: bool) -> Arc<Self> {
+        Arc::new(Self {
+            context: Arc::clone(context),
+            raw,
+            owned,
+        })
     }
 
     /// The raw `CUmodule`.
@@ -95,6 +111,9 @@ impl Module {
 
 impl Drop for Module {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         let Ok(api) = driver() else { return };
         if let Err(error) = self.context.bind_to_thread() {
             tracing::warn!(%error, "binding context to unload a module failed");
@@ -204,6 +223,22 @@ unsafe impl Send for Kernel {}
 unsafe impl Sync for Kernel {}
 
 impl Kernel {
+    /// Wraps a `CUfunction` another library looked up in `module`.
+    ///
+    /// # Safety
+    /// `raw` must be a function of `module` (which the kernel keeps loaded).
+    pub unsafe fn from_raw(
+        module: &Arc<Module>,
+        raw: sys::CUfunction,
+        name: impl Into<String>,
+    ) -> Self {
+        Self {
+            module: Arc::clone(module),
+            raw,
+            name: name.into(),
+        }
+    }
+
     /// The kernel's name.
     pub fn name(&self) -> &str {
         &self.name

@@ -76,6 +76,19 @@ impl MemoryPool {
         })
     }
 
+    /// Wraps a pool another library created.
+    ///
+    /// # Safety
+    /// `raw` must be a live memory pool of `context`'s device. With `owned`, the handle destroys
+    /// it on drop and nobody else may; without, the pool must outlive the handle.
+    pub unsafe fn from_raw(context: &Arc<Context>, raw: sys::CUmemoryPool, owned: bool) -> Self {
+        Self {
+            context: Arc::clone(context),
+            raw,
+            owned,
+        }
+    }
+
     /// The raw `CUmemoryPool`.
     pub fn as_raw(&self) -> sys::CUmemoryPool {
         self.raw
