@@ -173,8 +173,8 @@ fn a_block_recorded_on_a_second_stream_is_not_reused_while_a_kernel_there_reads_
     assert_eq!(allocator.stats().active_bytes.current, 2 * MIB);
 
     // The watch is over (s2 synchronised): the next allocation polls the event, and the old
-    // block, merged with the free rest of its segment, is reused.
-    drop(new);
+    // block, back in its stream's free lists, is reused. (`new` stays held so that the stash of
+    // recently freed blocks cannot serve the request instead.)
     let again = allocator.allocate(MIB, &s1).unwrap();
     assert_eq!(
         again.ptr(),
@@ -188,6 +188,7 @@ fn a_block_recorded_on_a_second_stream_is_not_reused_while_a_kernel_there_reads_
         "all from one segment"
     );
     drop(again);
+    drop(new);
     assert_eq!(allocator.stats().active_bytes.current, 0);
 }
 

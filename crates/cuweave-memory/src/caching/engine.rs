@@ -65,6 +65,7 @@ impl<E: Marker> Engine<E> {
     /// Hands out a block of at least `bytes` for `stream`: from the cache when a free block of
     /// that stream fits, else from a new upstream segment; on out-of-memory the cache is emptied
     /// and the upstream asked once more before failing with [`MemoryError::OutOfMemory`].
+    #[inline]
     pub fn allocate(
         &self,
         stream: StreamKey,
@@ -81,6 +82,19 @@ impl<E: Marker> Engine<E> {
         if let Some(grant) = self.pools.lock().take_free(stream, rounded, bytes) {
             return Ok(grant);
         }
+        self.allocate_from_upstream(stream, rounded, bytes, upstream)
+    }
+
+    /// The miss path of [`Self::allocate`]: a new segment, with the out-of-memory retry.
+    #[cold]
+    #[inline(never)]
+    fn allocate_from_upstream(
+        &self,
+        stream: StreamKey,
+        rounded: usize,
+        bytes: usize,
+        upstream: &impl Upstream,
+    ) -> Result<Grant> {
         let Some(segment) = segment_size(rounded) else {
             return Err(self.out_of_memory(rounded, None));
         };
@@ -131,6 +145,7 @@ impl<E: Marker> Engine<E> {
     }
 
     /// Counts an out-of-memory failure and describes it with the current totals.
+    #[cold]
     fn out_of_memory(&self, requested: usize, limit: Option<usize>) -> MemoryError {
         let mut pools = self.pools.lock();
         let stats = pools.stats_mut();

@@ -148,6 +148,7 @@ impl Pools {
     }
 
     /// Marks block `id` (out of every free list and the stash) allocated to a caller.
+    #[inline]
     fn hand_out(&mut self, id: BlockId, requested: usize) -> Grant {
         let block = self.arena.block_mut(id);
         block.state = BlockState::Allocated;
@@ -165,6 +166,7 @@ impl Pools {
     }
 
     /// The allocated block `id`, checked against the address its holder knows it by.
+    #[inline]
     fn allocated(&self, id: BlockId, ptr: u64, operation: &'static str) -> Result<&Block> {
         match self.arena.get(id) {
             Some(block) if block.ptr == ptr && block.state == BlockState::Allocated => Ok(block),
@@ -172,6 +174,7 @@ impl Pools {
         }
     }
 
+    #[inline]
     fn count_free(&mut self, id: BlockId) {
         let block = self.arena.block(id);
         let (size, requested) = (block.size, block.requested);

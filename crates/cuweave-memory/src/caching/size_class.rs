@@ -58,6 +58,7 @@ impl PoolKind {
 /// # Errors
 /// [`MemoryError::ZeroLength`] for zero bytes; [`MemoryError::OutOfMemory`] when rounding would
 /// overflow (no device has that much memory).
+#[inline]
 pub fn round_size(bytes: usize) -> Result<usize> {
     if bytes == 0 {
         return Err(MemoryError::ZeroLength {
