@@ -80,14 +80,9 @@ impl DeviceAllocation {
 
 impl Drop for DeviceAllocation {
     fn drop(&mut self) {
-        let Ok(api) = driver() else { return };
-        if let Err(error) = self.context.bind_to_thread() {
-            tracing::warn!(%error, "binding context to free device memory failed");
-            return;
-        }
         // SAFETY: we own this allocation from cuMemAlloc and free it once.
-        if let Err(error) = unsafe { cu!(api.mem_free(self.ptr)) } {
-            tracing::warn!(%error, bytes = self.bytes, "cuMemFree failed");
+        if let Err(error) = unsafe { super::free_device_memory(&self.context, self.ptr) } {
+            tracing::warn!(%error, bytes = self.bytes, "freeing device memory failed");
         }
     }
 }

@@ -4,7 +4,6 @@ use std::sync::Arc;
 
 use super::DeviceAllocation;
 use crate::error::Result;
-use crate::loader::{cu, driver};
 
 impl DeviceAllocation {
     /// Frees the memory now (`cuMemFree`, which waits for the device), returning the driver's
@@ -14,10 +13,8 @@ impl DeviceAllocation {
     pub fn free(self) -> Result<()> {
         let context = Arc::clone(self.context());
         let (ptr, _) = self.into_raw();
-        context.bind_to_thread()?;
-        let api = driver()?;
         // SAFETY: `ptr` came from cuMemAlloc in `context` (the allocation owned it, and
         // `into_raw` handed ownership to us), and it is freed exactly once, here.
-        unsafe { cu!(api.mem_free(ptr)) }
+        unsafe { super::free_device_memory(&context, ptr) }
     }
 }

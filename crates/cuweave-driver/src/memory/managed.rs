@@ -175,14 +175,9 @@ impl ManagedAllocation {
 
 impl Drop for ManagedAllocation {
     fn drop(&mut self) {
-        let Ok(api) = driver() else { return };
-        if let Err(error) = self.context.bind_to_thread() {
-            tracing::warn!(%error, "binding context to free managed memory failed");
-            return;
-        }
         // SAFETY: we own this managed allocation and free it once (cuMemFree synchronises).
-        if let Err(error) = unsafe { cu!(api.mem_free(self.ptr)) } {
-            tracing::warn!(%error, bytes = self.bytes, "cuMemFree of managed memory failed");
+        if let Err(error) = unsafe { super::free_device_memory(&self.context, self.ptr) } {
+            tracing::warn!(%error, bytes = self.bytes, "freeing managed memory failed");
         }
     }
 }
@@ -354,13 +349,13 @@ pub fn range_preferred_location(
     ptr: DevicePtr,
     bytes: usize,
 ) -> Result<Option<MemLocation>> {
-    let raw = range_attribute(
+    use sys::CUmem_range_attribute as A;
+    range_location(
         context,
         ptr,
         bytes,
-        sys::CUmem_range_attribute::CU_MEM_RANGE_ATTRIBUTE_PREFERRED_LOCATION,
-    )?;
-    Ok(MemLocation::from_legacy_device(raw))
+        A::CU_MEM_RANGE_ATTRIBUTE_PREFERRED_LOCATION,
+    )
 }
 
 /// Where the range was last prefetched to, if the whole range went to the same place.
@@ -369,12 +364,23 @@ pub fn range_last_prefetch_location(
     ptr: DevicePtr,
     bytes: usize,
 ) -> Result<Option<MemLocation>> {
-    let raw = range_attribute(
+    use sys::CUmem_range_attribute as A;
+    range_location(
         context,
         ptr,
         bytes,
-        sys::CUmem_range_attribute::CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION,
-    )?;
+        A::CU_MEM_RANGE_ATTRIBUTE_LAST_PREFETCH_LOCATION,
+    )
+}
+
+/// A location-valued range attribute, decoded from its legacy device-ordinal form.
+fn range_location(
+    context: &Context,
+    ptr: DevicePtr,
+    bytes: usize,
+    attribute: sys::CUmem_range_attribute,
+) -> Result<Option<MemLocation>> {
+    let raw = range_attribute(context, ptr, bytes, attribute)?;
     Ok(MemLocation::from_legacy_device(raw))
 }
 

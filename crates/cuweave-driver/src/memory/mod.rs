@@ -34,6 +34,18 @@ pub type DevicePtr = crate::sys::CUdeviceptr;
 
 use crate::error::{DriverError, Result};
 
+/// Frees memory from `cuMemAlloc` or `cuMemAllocManaged` with `cuMemFree` (which waits for the
+/// device first).
+///
+/// # Safety
+/// `ptr` must be a live allocation of `context` that the caller owns and frees exactly once.
+pub(crate) unsafe fn free_device_memory(context: &crate::Context, ptr: DevicePtr) -> Result<()> {
+    context.bind_to_thread()?;
+    let api = crate::loader::driver()?;
+    // SAFETY: the caller's contract.
+    unsafe { crate::loader::cu!(api.mem_free(ptr)) }
+}
+
 /// An error for a zero-byte request, which every driver allocation rejects.
 pub(crate) fn nonzero(bytes: usize, operation: &'static str) -> Result<()> {
     if bytes == 0 {
