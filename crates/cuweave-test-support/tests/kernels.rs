@@ -195,7 +195,11 @@ fn wait_holds_the_stream_until_the_host_opens_the_gate() {
     let gate = Gate::new(&gpu.context);
     gate.hold(&kernels, &stream);
     kernels.spin_ns(&stream, 0).unwrap();
-    std::thread::sleep(Duration::from_millis(20));
+    // Give the held stream 20 ms of GPU time in which to (wrongly) run past the gate: a spin on
+    // a second stream, waited for, runs concurrently with it.
+    let witness = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    kernels.spin_ns(&witness, 20 * MS).unwrap();
+    witness.synchronize().unwrap();
     assert!(!stream.query().unwrap(), "work ran past a closed gate");
     let opened = Instant::now();
     gate.open();
