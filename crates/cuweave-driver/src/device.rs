@@ -1,6 +1,8 @@
 //! [`Device`]: a CUDA device by ordinal, its properties and capabilities.
 
+use std::collections::HashMap;
 use std::ffi::CStr;
+use std::sync::{OnceLock, RwLock};
 
 use crate::error::{DriverError, Result};
 use crate::loader::{cu, driver};
@@ -48,6 +50,16 @@ pub struct DeviceCapabilities {
     pub async_engine_count: u32,
     /// Streaming multiprocessors.
     pub multiprocessor_count: u32,
+}
+
+/// A device's managed-memory support: what advice, prefetch and managed allocation need.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ManagedSupport {
+    /// Can allocate managed memory (`CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY`).
+    pub managed_memory: bool,
+    /// Host and device may access managed memory concurrently
+    /// (`CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS`); prefetch needs it.
+    pub concurrent_managed_access: bool,
 }
 
 impl Device {
@@ -167,6 +179,31 @@ impl Device {
     /// Whether host and device can access managed memory concurrently.
     pub fn supports_concurrent_managed_access(&self) -> Result<bool> {
         self.flag(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS)
+    }
+
+    /// The device's managed-memory support, queried once per device and cached for the process
+    /// (the attributes never change), so the checks before every advise and prefetch cost no
+    /// driver call after the first.
+    pub fn managed_support(&self) -> Result<ManagedSupport> {
+        static CACHE: OnceLock<RwLock<HashMap<usize, ManagedSupport>>> = OnceLock::new();
+        let cache = CACHE.get_or_init(RwLock::default);
+        let known = cache
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&self.ordinal)
+            .copied();
+        if let Some(known) = known {
+            return Ok(known);
+        }
+        let support = ManagedSupport {
+            managed_memory: self.supports_managed_memory()?,
+            concurrent_managed_access: self.supports_concurrent_managed_access()?,
+        };
+        cache
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(self.ordinal, support);
+        Ok(support)
     }
 
     /// Whether the device reads pageable host memory directly.

@@ -45,7 +45,7 @@ pub mod stream;
 pub mod sys;
 
 pub use context::{Context, MemoryInfo, StreamPriorityRange};
-pub use device::{ComputeCapability, Device, DeviceCapabilities};
+pub use device::{ComputeCapability, Device, DeviceCapabilities, ManagedSupport};
 pub use error::{DriverError, Result};
 pub use event::{Event, EventFlags};
 pub use loader::{DriverApi, driver, driver_version, is_available};

@@ -98,14 +98,15 @@ impl Advice {
 
 fn require_managed(context: &Context, concurrent: bool, operation: &'static str) -> Result<()> {
     let device = context.device();
-    if !device.supports_managed_memory()? {
+    let support = device.managed_support()?;
+    if !support.managed_memory {
         return Err(DriverError::CapabilityMissing {
             capability: "managed memory",
             device: device.ordinal(),
             operation,
         });
     }
-    if concurrent && !device.supports_concurrent_managed_access()? {
+    if concurrent && !support.concurrent_managed_access {
         return Err(DriverError::CapabilityMissing {
             capability: "concurrent managed access",
             device: device.ordinal(),

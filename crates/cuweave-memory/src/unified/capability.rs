@@ -1,10 +1,7 @@
 //! [`ManagedCapabilities`]: what a device can do with managed memory, read once per device.
 
-use std::sync::OnceLock;
-
 use cuweave_driver::memory::MemLocation;
 use cuweave_driver::{Device, DriverError};
-use dashmap::DashMap;
 
 use crate::error::Result;
 
@@ -22,22 +19,16 @@ pub struct ManagedCapabilities {
     pub concurrent_managed_access: bool,
 }
 
-static CACHE: OnceLock<DashMap<usize, ManagedCapabilities>> = OnceLock::new();
-
 impl ManagedCapabilities {
-    /// The capabilities of `device`, queried on first use and cached.
+    /// The capabilities of `device`, from the driver layer's per-device cache
+    /// ([`Device::managed_support`]), which the driver's own checks share.
     pub fn of(device: Device) -> Result<Self> {
-        let cache = CACHE.get_or_init(DashMap::new);
-        if let Some(known) = cache.get(&device.ordinal()) {
-            return Ok(*known);
-        }
-        let capabilities = Self {
+        let support = device.managed_support()?;
+        Ok(Self {
             device: device.ordinal(),
-            managed_memory: device.supports_managed_memory()?,
-            concurrent_managed_access: device.supports_concurrent_managed_access()?,
-        };
-        cache.insert(device.ordinal(), capabilities);
-        Ok(capabilities)
+            managed_memory: support.managed_memory,
+            concurrent_managed_access: support.concurrent_managed_access,
+        })
     }
 
     /// `CapabilityMissing { capability: "managed memory" }` unless the device has it.
