@@ -13,8 +13,9 @@ use anyhow::{Context, bail};
 use crate::cuda_home::candidate_roots;
 use crate::workspace_root;
 
-/// The `.cu` sources to compile, relative to the workspace root; each gets a `.ptx` beside it.
-const SOURCES: &[&str] = &["crates/cuweave-test-support/src/kernels/test_kernels.cu"];
+/// Where kernel sources live: every `.cu` file directly in one of these folders (relative to the
+/// workspace root) is compiled to a `.ptx` beside it.
+const SOURCE_DIRS: &[&str] = &["crates/cuweave-test-support/src/kernels"];
 
 /// The virtual architecture the PTX is written for.
 const ARCH: &str = "compute_75";
@@ -31,8 +32,7 @@ pub(crate) fn run(nvcc: Option<PathBuf>) -> anyhow::Result<()> {
         None => find_nvcc()?,
     };
     let root = workspace_root();
-    for source in SOURCES {
-        let source = root.join(source);
+    for source in cuda_sources(&root)? {
         let out = source.with_extension("ptx");
         compile(&nvcc, &source, &out)?;
         stamp_isa_version(&out)?;
@@ -40,6 +40,24 @@ pub(crate) fn run(nvcc: Option<PathBuf>) -> anyhow::Result<()> {
         println!("wrote {} (PTX ISA {PTX_ISA})", out.display());
     }
     Ok(())
+}
+
+/// Every `.cu` file in [`SOURCE_DIRS`], sorted so the output order is stable.
+fn cuda_sources(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let mut sources = Vec::new();
+    for dir in SOURCE_DIRS {
+        let dir = root.join(dir);
+        for entry in
+            std::fs::read_dir(&dir).with_context(|| format!("listing {}", dir.display()))?
+        {
+            let path = entry?.path();
+            if path.extension().is_some_and(|ext| ext == "cu") {
+                sources.push(path);
+            }
+        }
+    }
+    sources.sort();
+    Ok(sources)
 }
 
 fn compile(nvcc: &Path, source: &Path, out: &Path) -> anyhow::Result<()> {

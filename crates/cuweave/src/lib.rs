@@ -64,8 +64,14 @@
 
 #[cfg(feature = "driver")]
 pub use cuweave_driver as driver;
+#[cfg(feature = "event")]
+pub use cuweave_event as event;
 #[cfg(feature = "memory")]
 pub use cuweave_memory as memory;
+#[cfg(feature = "stream")]
+pub use cuweave_stream as stream;
+#[cfg(feature = "transfer")]
+pub use cuweave_transfer as transfer;
 
 /// The most used types of every enabled layer, for `use cuweave::prelude::*`.
 pub mod prelude {
