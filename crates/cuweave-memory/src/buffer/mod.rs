@@ -69,6 +69,7 @@ pub use device::DeviceBuffer;
 pub use host::{HostSink, HostSource};
 pub use pending::PendingCopy;
 pub use pinned::PinnedBuffer;
+pub use tracker::Access;
 pub use unified::UnifiedBuffer;
 
 pub(crate) use common::sealed::Sealed;
