@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 use cuweave_driver::{Context, Device, Event, Stream, StreamFlags};
 
 use super::allocation::CachedAllocation;
-use super::engine::{Engine, Release, SHARDS, Upstream, shard_index};
+use super::engine::{Engine, Release, SHARDS, Upstream};
 use super::pool::Segment;
 use super::stats::MemoryStats;
 use super::stream_uses::StreamKey;
@@ -146,14 +146,26 @@ impl CachingAllocator {
     ///
     /// Makes no driver call; the first allocation does.
     pub fn new(upstream: Arc<dyn MemoryResource>) -> Self {
+        Self::with_shards(upstream, SHARDS)
+    }
+
+    /// A caching allocator over `upstream` whose free lists are split into `shards` shards
+    /// (rounded up to a power of two; at least 1), each under its own lock.
+    ///
+    /// A stream's blocks live in shard `stream id % shards`, and stream ids are handed out in
+    /// sequence, so threads on up to `shards` streams made one after another never share a lock.
+    /// [`new`](Self::new) uses 32. One shard puts every stream under one lock, as the allocator
+    /// was before it was sharded (the benchmarks compare the two).
+    pub fn with_shards(upstream: Arc<dyn MemoryResource>, shards: usize) -> Self {
+        let shards = shards.max(1).checked_next_power_of_two().unwrap_or(SHARDS);
         let device = upstream.device();
         let shared = Arc::new(Shared {
-            engine: Engine::default(),
+            engine: Engine::with_shards(shards),
             upstream,
             device,
             release_stream: OnceLock::new(),
         });
-        let shards = (0..SHARDS)
+        let shards = (0..shards)
             .map(|_| {
                 Arc::new(ShardHandle {
                     shared: Arc::clone(&shared),
@@ -191,7 +203,7 @@ impl CachingAllocator {
         let key = StreamKey::of(stream);
         let upstream = RequestUpstream { shared, stream };
         let grant = shared.engine.allocate(key, bytes, &upstream)?;
-        let shard = &self.handles.shards[shard_index(key)];
+        let shard = &self.handles.shards[shared.engine.shard_index(key)];
         Ok(CachedAllocation::new(Arc::clone(shard), grant, bytes, key))
     }
 
@@ -235,6 +247,11 @@ impl CachingAllocator {
     /// The device the memory is on.
     pub fn device(&self) -> Device {
         self.handles.shared.device
+    }
+
+    /// How many shards the free lists are split into (see [`with_shards`](Self::with_shards)).
+    pub fn shards(&self) -> usize {
+        self.handles.shards.len()
     }
 }
 

@@ -30,8 +30,8 @@ pub(crate) trait Upstream: Release {
     fn allocate_segment(&self, bytes: usize) -> Result<u64>;
 }
 
-/// How many shards the free lists are split into. A stream's blocks live in shard
-/// `stream id % SHARDS`; stream ids are handed out in sequence, so up to this many streams made
+/// How many shards the free lists are split into by default. A stream's blocks live in shard
+/// `stream id % shards`; stream ids are handed out in sequence, so up to this many streams made
 /// one after another never share a shard (and so never a lock).
 pub(crate) const SHARDS: usize = 32;
 
@@ -84,18 +84,26 @@ pub(crate) struct Engine<E> {
 
 impl<E> Default for Engine<E> {
     fn default() -> Self {
+        Self::with_shards(SHARDS)
+    }
+}
+
+impl<E> Engine<E> {
+    /// An engine with `shards` shards (a power of two, at least 1).
+    pub fn with_shards(shards: usize) -> Self {
+        debug_assert!(shards.is_power_of_two());
         Self {
-            shards: (0..SHARDS).map(|_| Shard::default()).collect(),
+            shards: (0..shards).map(|_| Shard::default()).collect(),
             totals: Mutex::default(),
             spare: Mutex::new(Vec::new()),
         }
     }
-}
 
-/// The shard that holds `stream`'s blocks.
-#[inline]
-pub(crate) fn shard_index(stream: StreamKey) -> usize {
-    stream.as_usize() % SHARDS
+    /// The index of the shard that holds `stream`'s blocks.
+    #[inline]
+    pub fn shard_index(&self, stream: StreamKey) -> usize {
+        stream.as_usize() & (self.shards.len() - 1)
+    }
 }
 
 /// The cap a limiting adaptor reported in an out-of-memory error, if any.
@@ -109,7 +117,7 @@ fn limit_of(error: &MemoryError) -> Option<usize> {
 impl<E: Marker> Engine<E> {
     #[inline]
     fn shard(&self, stream: StreamKey) -> &Shard<E> {
-        &self.shards[shard_index(stream)]
+        &self.shards[self.shard_index(stream)]
     }
 
     /// Hands out a block of at least `bytes` for `stream`: from the cache when a free block of
