@@ -59,6 +59,8 @@ pub mod error;
 #[allow(unsafe_code)]
 pub mod launch;
 pub mod pinned_pool;
+#[cfg(test)]
+mod proptest_config;
 pub mod resource;
 pub mod unified;
 

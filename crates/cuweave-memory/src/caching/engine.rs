@@ -451,3 +451,7 @@ impl<E: Marker> Engine<E> {
 #[cfg(test)]
 #[path = "engine_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "engine_props.rs"]
+mod props;
