@@ -224,7 +224,12 @@ impl CachingAllocator {
             .release_cached(&*self.handles.shared)
     }
 
-    /// A snapshot of the allocator's statistics.
+    /// A snapshot of the allocator's statistics, consistent across shards (every shard is
+    /// locked while it is read).
+    ///
+    /// Counters and current values are exact; reserved-bytes and segment peaks are exact; the
+    /// peaks of allocated, requested and active bytes are the shards' peaks summed (exact for
+    /// one stream, an upper bound of the simultaneous peak across streams of different shards).
     pub fn stats(&self) -> MemoryStats {
         self.handles.shared.engine.stats()
     }

@@ -88,12 +88,15 @@ fn ops() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// The state of one fence's work, shared by the model and the fence.
+type WorkState = Rc<Cell<Work>>;
+
 #[derive(Debug, Default)]
 struct Model {
     /// Blocks held by users: id -> capacity.
     held: BTreeMap<u32, usize>,
     /// Returned blocks with the fences of their last use.
-    returned: BTreeMap<u32, (usize, Vec<Rc<Cell<Work>>>)>,
+    returned: BTreeMap<u32, (usize, Vec<WorkState>)>,
     freed: BTreeSet<u32>,
     pinned: usize,
     gets: u64,
@@ -143,7 +146,6 @@ fn run(ops: Vec<Op>, max_cached: usize) {
                         );
                         model.returned.remove(&block.id);
                         model.held.insert(block.id, class);
-                        std::mem::forget(block);
                     }
                     None => {
                         let id = model.next_id;
