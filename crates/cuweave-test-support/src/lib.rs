@@ -7,7 +7,11 @@
 //!
 //! [`kernels::TestKernels`] loads small PTX kernels (fill, add, saxpy, increment, checksum, spin,
 //! watch) that let tests check real outcomes: bytes written by the device, ordering observed by a
-//! kernel, memory that a running kernel still reads not being reused.
+//! kernel, memory that a running kernel still reads not being reused. [`memory_kernels`] adds a
+//! timed reader and a flag-checking writer for cuweave-memory's read/write ordering tests.
+//!
+//! Under compute-sanitizer (`cargo xtask gpu-test --sanitize`, which sets `CUWEAVE_SANITIZE=1`)
+//! tests that need two streams to run at once call [`skip_under_sanitizer`].
 //!
 //! ```no_run
 //! use cuweave_driver::{Stream, StreamFlags};

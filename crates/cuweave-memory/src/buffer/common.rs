@@ -134,9 +134,11 @@ fn enqueue_fill(span: DeviceSpan, value: &[u8], stream: &Stream) -> Result<()> {
 /// ending in `_async` queue the work on a stream and return at once; copies with host memory
 /// take the host side by value and give it back from [`PendingCopy::wait`].
 ///
-/// Every use is ordered after the buffer's previous use, whatever stream that was on (see
-/// [`prepare_use`](Self::prepare_use)): no sequence of calls on this trait races with itself on
-/// the GPU, and a buffer is never freed under queued work.
+/// Every use is ordered after the earlier uses it conflicts with, whatever stream they were on: a
+/// read after the last write, a write after every use since the last write (see
+/// [`prepare_read`](Self::prepare_read) and [`prepare_write`](Self::prepare_write)). No sequence
+/// of calls on this trait races with itself on the GPU, reads on different streams overlap, and a
+/// buffer is never freed under queued work.
 ///
 /// ```no_run
 /// use cuweave_driver::{Context, Device, Stream, StreamFlags};
