@@ -53,12 +53,35 @@ fn stream_identity(stream: &Stream) -> Option<u64> {
     }
 }
 
+/// Which read entry a read may re-record: its own stream's. Reads on the legacy default stream
+/// (one stream per context) share one entry; reads on the per-thread default stream, whose one
+/// handle names a different stream on each thread, never share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReadSlot {
+    Stream(u64),
+    Legacy,
+}
+
+fn read_slot(stream: &Stream) -> Option<ReadSlot> {
+    match stream.as_raw() as usize {
+        0 | 1 => Some(ReadSlot::Legacy),
+        2 => None,
+        _ => Some(ReadSlot::Stream(stream.id())),
+    }
+}
+
+/// Reads tracked at once before completed ones are pruned (reads of streams that come and go,
+/// or of the per-thread default stream, would otherwise pile up until the next write).
+const PRUNE_READS_AT: usize = 8;
+
 /// An event recorded on a stream behind a use of the buffer.
 #[derive(Debug)]
 struct Use {
     event: Arc<Event>,
     /// The stream's identity (`None`: never skip a wait for it).
     stream: Option<u64>,
+    /// For reads: the entry a later read of the same stream re-records.
+    slot: Option<ReadSlot>,
 }
 
 impl Use {
@@ -113,25 +136,40 @@ impl TrackerState {
         let identity = stream_identity(stream);
         match access {
             Access::Write => {
-                let event = match self.write.take() {
-                    Some(previous) => previous.event,
+                let event = match &self.write {
+                    Some(previous) => Arc::clone(&previous.event),
                     None => self.new_event(context)?,
                 };
-                let recorded = event.record(stream);
-                // Whether or not the record worked, the stream waited for every read: they are
-                // behind the new write, or (on failure) `run` drains the stream.
+                if let Err(error) = event.record(stream) {
+                    // Nothing changed: the earlier uses stay tracked (and `run` drains the
+                    // stream, which waited for them).
+                    if self.write.is_none() {
+                        self.spare.push(event);
+                    }
+                    return Err(error.into());
+                }
+                // The stream waited for every read: they are behind the new write.
                 self.spare
                     .extend(self.reads.drain(..).map(|read| read.event));
-                recorded?;
                 self.write = Some(Use {
                     event,
                     stream: identity,
+                    slot: None,
                 });
             }
             Access::Read => {
-                if let Some(read) = self.reads.iter().find(|read| read.covers(identity)) {
+                let slot = read_slot(stream);
+                if let Some(read) = self
+                    .reads
+                    .iter()
+                    .find(|read| slot.is_some() && read.slot == slot)
+                {
+                    // Stream order: the event recorded now also covers the earlier read there.
                     read.event.record(stream)?;
                 } else {
+                    if self.reads.len() >= PRUNE_READS_AT {
+                        self.prune_finished_reads();
+                    }
                     let event = self.new_event(context)?;
                     if let Err(error) = event.record(stream) {
                         self.spare.push(event);
@@ -140,12 +178,23 @@ impl TrackerState {
                     self.reads.push(Use {
                         event,
                         stream: identity,
+                        slot,
                     });
                 }
             }
         }
         self.last_stream = Some(stream.as_raw() as usize);
         Ok(())
+    }
+
+    /// Drops the reads whose events have completed (a later write need not wait for them); a
+    /// read whose event cannot be queried is kept.
+    fn prune_finished_reads(&mut self) {
+        let (done, running): (Vec<Use>, Vec<Use>) = std::mem::take(&mut self.reads)
+            .into_iter()
+            .partition(|read| matches!(read.event.query(), Ok(true)));
+        self.reads = running;
+        self.spare.extend(done.into_iter().map(|read| read.event));
     }
 
     /// Every event a host access must wait for.
