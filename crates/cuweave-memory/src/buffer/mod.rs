@@ -68,6 +68,7 @@ pub(crate) mod range;
 pub(crate) mod raw;
 pub(crate) mod tracker;
 mod unified;
+mod uses;
 
 pub use common::Buffer;
 pub use device::DeviceBuffer;

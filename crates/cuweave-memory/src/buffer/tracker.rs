@@ -28,7 +28,13 @@ use std::sync::Arc;
 use cuweave_driver::{Context, Event, EventFlags, Stream};
 use parking_lot::{Mutex, MutexGuard};
 
+use super::uses::UseState;
 use crate::error::{MemoryError, Result};
+
+/// A fresh event for tracking uses in `context`.
+fn new_event(context: &Arc<Context>) -> Result<Arc<Event>> {
+    Ok(Arc::new(Event::new(context, EventFlags::DISABLE_TIMING)?))
+}
 
 /// How an operation uses a buffer: whether it only reads the memory or may write it.
 ///
@@ -42,171 +48,6 @@ pub enum Access {
     Write,
 }
 
-/// The identity of a stream for skipping waits: its id, or none for a default stream whose
-/// handle can name several streams.
-fn stream_identity(stream: &Stream) -> Option<u64> {
-    // CUstream values 0 (legacy NULL), 1 (CU_STREAM_LEGACY) and 2 (CU_STREAM_PER_THREAD).
-    if (stream.as_raw() as usize) <= 2 {
-        None
-    } else {
-        Some(stream.id())
-    }
-}
-
-/// Which read entry a read may re-record: its own stream's. Reads on the legacy default stream
-/// (one stream per context) share one entry; reads on the per-thread default stream, whose one
-/// handle names a different stream on each thread, never share.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ReadSlot {
-    Stream(u64),
-    Legacy,
-}
-
-fn read_slot(stream: &Stream) -> Option<ReadSlot> {
-    match stream.as_raw() as usize {
-        0 | 1 => Some(ReadSlot::Legacy),
-        2 => None,
-        _ => Some(ReadSlot::Stream(stream.id())),
-    }
-}
-
-/// Reads tracked at once before completed ones are pruned (reads of streams that come and go,
-/// or of the per-thread default stream, would otherwise pile up until the next write).
-const PRUNE_READS_AT: usize = 8;
-
-/// An event recorded on a stream behind a use of the buffer.
-#[derive(Debug)]
-struct Use {
-    event: Arc<Event>,
-    /// The stream's identity (`None`: never skip a wait for it).
-    stream: Option<u64>,
-    /// For reads: the entry a later read of the same stream re-records.
-    slot: Option<ReadSlot>,
-}
-
-impl Use {
-    /// Whether work queued on `stream` is already ordered after this use.
-    fn covers(&self, stream: Option<u64>) -> bool {
-        self.stream.is_some() && self.stream == stream
-    }
-}
-
-/// A buffer's conflicting uses: the last write and the reads since it.
-#[derive(Debug, Default)]
-struct TrackerState {
-    /// The event recorded behind the last write (`None`: never written on a stream).
-    write: Option<Use>,
-    /// One event per stream that read the buffer since the last write.
-    reads: Vec<Use>,
-    /// Events no longer needed, for reuse.
-    spare: Vec<Arc<Event>>,
-    /// Raw handle of the stream of the latest use (`None`: never used).
-    last_stream: Option<usize>,
-}
-
-impl TrackerState {
-    fn new_event(&mut self, context: &Arc<Context>) -> Result<Arc<Event>> {
-        match self.spare.pop() {
-            Some(event) => Ok(event),
-            None => Ok(Arc::new(Event::new(context, EventFlags::DISABLE_TIMING)?)),
-        }
-    }
-
-    /// Makes `stream` wait for the uses an `access` conflicts with, skipping those it is already
-    /// ordered after.
-    fn wait_on(&self, stream: &Stream, access: Access) -> Result<()> {
-        let identity = stream_identity(stream);
-        if let Some(write) = &self.write
-            && !write.covers(identity)
-        {
-            stream.wait_event(&write.event)?;
-        }
-        if access == Access::Write {
-            for read in &self.reads {
-                if !read.covers(identity) {
-                    stream.wait_event(&read.event)?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Records an `access` by `stream`, behind the work just queued there.
-    fn record(&mut self, context: &Arc<Context>, stream: &Stream, access: Access) -> Result<()> {
-        let identity = stream_identity(stream);
-        match access {
-            Access::Write => {
-                let event = match &self.write {
-                    Some(previous) => Arc::clone(&previous.event),
-                    None => self.new_event(context)?,
-                };
-                if let Err(error) = event.record(stream) {
-                    // Nothing changed: the earlier uses stay tracked (and `run` drains the
-                    // stream, which waited for them).
-                    if self.write.is_none() {
-                        self.spare.push(event);
-                    }
-                    return Err(error.into());
-                }
-                // The stream waited for every read: they are behind the new write.
-                self.spare
-                    .extend(self.reads.drain(..).map(|read| read.event));
-                self.write = Some(Use {
-                    event,
-                    stream: identity,
-                    slot: None,
-                });
-            }
-            Access::Read => {
-                let slot = read_slot(stream);
-                if let Some(read) = self
-                    .reads
-                    .iter()
-                    .find(|read| slot.is_some() && read.slot == slot)
-                {
-                    // Stream order: the event recorded now also covers the earlier read there.
-                    read.event.record(stream)?;
-                } else {
-                    if self.reads.len() >= PRUNE_READS_AT {
-                        self.prune_finished_reads();
-                    }
-                    let event = self.new_event(context)?;
-                    if let Err(error) = event.record(stream) {
-                        self.spare.push(event);
-                        return Err(error.into());
-                    }
-                    self.reads.push(Use {
-                        event,
-                        stream: identity,
-                        slot,
-                    });
-                }
-            }
-        }
-        self.last_stream = Some(stream.as_raw() as usize);
-        Ok(())
-    }
-
-    /// Drops the reads whose events have completed (a later write need not wait for them); a
-    /// read whose event cannot be queried is kept.
-    fn prune_finished_reads(&mut self) {
-        let (done, running): (Vec<Use>, Vec<Use>) = std::mem::take(&mut self.reads)
-            .into_iter()
-            .partition(|read| matches!(read.event.query(), Ok(true)));
-        self.reads = running;
-        self.spare.extend(done.into_iter().map(|read| read.event));
-    }
-
-    /// Every event a host access must wait for.
-    fn all_events(&self) -> Vec<Arc<Event>> {
-        self.write
-            .iter()
-            .chain(&self.reads)
-            .map(|used| Arc::clone(&used.event))
-            .collect()
-    }
-}
-
 /// Remembers a buffer's last write and the reads since, as events recorded behind them.
 ///
 /// Part of every buffer; reached through the [`Buffer`](super::Buffer) methods `prepare_read`,
@@ -216,7 +57,7 @@ impl TrackerState {
 #[derive(Debug)]
 pub struct StreamTracker {
     context: Arc<Context>,
-    state: Mutex<TrackerState>,
+    state: Mutex<UseState<Event>>,
 }
 
 impl StreamTracker {
@@ -224,7 +65,7 @@ impl StreamTracker {
     pub(crate) fn new(context: &Arc<Context>) -> Self {
         Self {
             context: Arc::clone(context),
-            state: Mutex::new(TrackerState::default()),
+            state: Mutex::new(UseState::default()),
         }
     }
 
@@ -241,7 +82,7 @@ impl StreamTracker {
 
     /// How many streams read the buffer since its last write (their reads may overlap).
     pub(crate) fn concurrent_readers(&self) -> usize {
-        self.state.lock().reads.len()
+        self.state.lock().readers()
     }
 
     /// Blocks until every use has finished on the device.
@@ -398,7 +239,7 @@ pub(crate) fn run_uses<R>(
         let mut state = tracker.state.lock();
         state.wait_on(stream, *access).map_err(unqueued)?;
         let outcome = op();
-        let recorded = state.record(&tracker.context, stream, *access);
+        let recorded = state.record(stream, *access, || new_event(&tracker.context));
         drop(state);
         return finish(outcome, recorded, stream);
     }
@@ -410,7 +251,7 @@ pub(crate) fn run_uses<R>(
     let outcome = op();
     let mut recorded = Ok(());
     for (tracker, access, state) in &mut guards {
-        if let Err(error) = state.record(&tracker.context, stream, *access) {
+        if let Err(error) = state.record(stream, *access, || new_event(&tracker.context)) {
             recorded = recorded.and(Err(error));
         }
     }
@@ -443,7 +284,7 @@ pub(crate) fn settle(stream: &Stream) -> bool {
 /// trackers cannot deadlock; a tracker listed twice keeps the stronger access.
 fn lock_in_address_order<'a>(
     uses: &[(&'a StreamTracker, Access)],
-) -> Vec<(&'a StreamTracker, Access, MutexGuard<'a, TrackerState>)> {
+) -> Vec<(&'a StreamTracker, Access, MutexGuard<'a, UseState<Event>>)> {
     let mut sorted = uses.to_vec();
     sorted.sort_by_key(|(tracker, _)| std::ptr::from_ref(*tracker) as usize);
     let mut merged: Vec<(&StreamTracker, Access)> = Vec::with_capacity(sorted.len());
