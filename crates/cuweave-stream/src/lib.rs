@@ -1,5 +1,18 @@
 //! Streams for cuweave: priority streams, stream pools, multi-stream coordination, a
 //! stream-ordered allocator and a GPU-timed profiler.
 //!
-//! Work in progress (issue 6); see `ARCHITECTURE.md`.
+//! Work in progress (issue 6); see `docs/streams.md`.
 #![forbid(unsafe_code)]
+
+pub mod error;
+pub mod pool;
+pub mod priority;
+pub mod stream;
+
+pub use error::{Result, StreamError};
+pub use pool::{
+    AllocationStrategy, ConfigurationChange, StreamPool, StreamPoolConfig, WorkloadLayout,
+    WorkloadType, compute_stream_share, wait_for_any_ready,
+};
+pub use priority::StreamPriority;
+pub use stream::{CallbackFailure, OperationKind, PriorityStream, StreamMetrics};
