@@ -9,7 +9,8 @@
 //! mapped pinned memory, queued before the callback) to the user's code running: the GPU
 //! noticing the gate, the driver reaching the host function, and (cuweave only) the hand-off to
 //! the worker thread. Both sides pay the same gate, so the difference is cuweave's hand-off. The
-//! p50/p99 lines come from 2000 samples each, taken before criterion's own measurement.
+//! p50/p99 lines come from 2000 samples each, the two kinds interleaved, taken before criterion's
+//! own measurement.
 //!
 //! Run with `cargo bench -p cuweave-benches --bench stream`; without a driver it prints
 //! `skipping benches: no CUDA driver` and exits 0.
@@ -220,8 +221,12 @@ fn callback_latency(c: &mut Criterion, gpu: &Gpu) {
     };
 
     const SAMPLES: usize = 2000;
-    let cuweave: Vec<Duration> = (0..SAMPLES).map(|_| cuweave_sample(&mut gate)).collect();
-    let raw: Vec<Duration> = (0..SAMPLES).map(|_| raw_sample(&mut gate)).collect();
+    // Interleaved, so drift in the driver's or the machine's state hits both sides alike.
+    let (mut cuweave, mut raw) = (Vec::with_capacity(SAMPLES), Vec::with_capacity(SAMPLES));
+    for _ in 0..SAMPLES {
+        cuweave.push(cuweave_sample(&mut gate));
+        raw.push(raw_sample(&mut gate));
+    }
     let ((c50, c99), (r50, r99)) = (percentiles(cuweave), percentiles(raw));
     println!(
         "summary callback_latency ({SAMPLES} samples each, gate open to user code running): cuweave add_callback p50 {:.1} us p99 {:.1} us; raw cuLaunchHostFunc p50 {:.1} us p99 {:.1} us",

@@ -129,12 +129,13 @@ fn operations_are_counted_and_timed_on_the_gpu() {
     stream.fill(&mut a, 7).unwrap();
     let upload = stream.copy_from_host(&mut b, vec![3u32; N]).unwrap();
     stream.launch(|s| kernels.spin_ns(s, 20 * MS)).unwrap();
-    stream.copy_buffer(&mut a, &b).unwrap();
-    let download = stream.copy_to_host(&a, vec![0u32; N]).unwrap();
+    // Checked before the download: a copy into pageable memory returns only once it is done.
     assert!(
         stream.outstanding_work().unwrap() > 0,
         "the 20 ms spin is still queued"
     );
+    stream.copy_buffer(&mut a, &b).unwrap();
+    let download = stream.copy_to_host(&a, vec![0u32; N]).unwrap();
     assert_eq!(download.wait().unwrap(), vec![3u32; N]);
     upload.wait().unwrap();
     stream.synchronize().unwrap();
