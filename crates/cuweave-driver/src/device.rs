@@ -259,4 +259,53 @@ impl Device {
         unsafe { cu!(api.device_can_access_peer(&mut can, self.raw, peer.raw)) }?;
         Ok(can != 0)
     }
+
+    /// A peer-to-peer attribute of the link from this device to `peer` (`cuDeviceGetP2PAttribute`).
+    ///
+    /// # Errors
+    /// `InvalidArgument` when `peer` is this device (the driver rejects that pair).
+    pub fn p2p_attribute(
+        &self,
+        peer: &Device,
+        attribute: sys::CUdevice_P2PAttribute,
+    ) -> Result<i32> {
+        if peer == self {
+            return Err(DriverError::invalid(
+                "Device::p2p_attribute",
+                format!("device {} is not its own peer", self.ordinal()),
+            ));
+        }
+        let api = driver()?;
+        let mut value = 0;
+        // SAFETY: `value` is a valid out-pointer; both handles came from cuDeviceGet.
+        unsafe { cu!(api.device_get_p2p_attribute(&mut value, attribute, self.raw, peer.raw)) }?;
+        Ok(value)
+    }
+
+    /// The driver's relative performance rank of the link to `peer` (lower is faster), or `None`
+    /// when this device cannot access `peer` directly.
+    pub fn peer_link(&self, peer: &Device) -> Result<Option<PeerLink>> {
+        use sys::CUdevice_P2PAttribute as A;
+        if peer == self
+            || self.p2p_attribute(peer, A::CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED)? == 0
+        {
+            return Ok(None);
+        }
+        Ok(Some(PeerLink {
+            performance_rank: self
+                .p2p_attribute(peer, A::CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK)?,
+            native_atomics: self
+                .p2p_attribute(peer, A::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED)?
+                != 0,
+        }))
+    }
+}
+
+/// What the driver says of a direct link between two devices ([`Device::peer_link`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerLink {
+    /// Relative performance of the link among this system's links (0 is the fastest).
+    pub performance_rank: i32,
+    /// Whether atomics over the link are native.
+    pub native_atomics: bool,
 }

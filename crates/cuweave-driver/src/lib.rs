@@ -45,9 +45,9 @@ pub mod stream;
 pub mod sys;
 
 pub use context::{Context, MemoryInfo, StreamPriorityRange};
-pub use device::{ComputeCapability, Device, DeviceCapabilities, ManagedSupport};
+pub use device::{ComputeCapability, Device, DeviceCapabilities, ManagedSupport, PeerLink};
 pub use error::{DriverError, Result};
 pub use event::{Event, EventFlags};
 pub use loader::{DriverApi, driver, driver_version, is_available};
 pub use module::{Kernel, KernelArgs, LaunchConfig, Module};
-pub use stream::{Stream, StreamFlags};
+pub use stream::{Stream, StreamFlags, WaitCondition, WriteOrdering};

@@ -182,6 +182,8 @@ driver_table! {
     device_can_access_peer: PFN_cuDeviceCanAccessPeer_v4000 = ["cuDeviceCanAccessPeer"],
     /// `cuDeviceGetDefaultMemPool`
     device_get_default_mem_pool: PFN_cuDeviceGetDefaultMemPool_v11020 = ["cuDeviceGetDefaultMemPool"],
+    /// `cuDeviceGetP2PAttribute`
+    device_get_p2p_attribute: PFN_cuDeviceGetP2PAttribute_v8000 = ["cuDeviceGetP2PAttribute"],
     /// `cuDevicePrimaryCtxRetain`
     device_primary_ctx_retain: PFN_cuDevicePrimaryCtxRetain_v7000 = ["cuDevicePrimaryCtxRetain"],
     /// `cuDevicePrimaryCtxRelease_v2`
@@ -216,6 +218,14 @@ driver_table! {
     stream_get_priority: PFN_cuStreamGetPriority_v5050 = ["cuStreamGetPriority"],
     /// `cuStreamGetFlags`
     stream_get_flags: PFN_cuStreamGetFlags_v5050 = ["cuStreamGetFlags"],
+    /// `cuStreamWriteValue32_v2` (11.7+), else `cuStreamWriteValue32`: same signature.
+    stream_write_value32: PFN_cuStreamWriteValue32_v11070 = ["cuStreamWriteValue32_v2", "cuStreamWriteValue32"],
+    /// `cuStreamWriteValue64_v2` (11.7+), else `cuStreamWriteValue64`: same signature.
+    stream_write_value64: PFN_cuStreamWriteValue64_v11070 = ["cuStreamWriteValue64_v2", "cuStreamWriteValue64"],
+    /// `cuStreamWaitValue32_v2` (11.7+), else `cuStreamWaitValue32`: same signature.
+    stream_wait_value32: PFN_cuStreamWaitValue32_v11070 = ["cuStreamWaitValue32_v2", "cuStreamWaitValue32"],
+    /// `cuStreamWaitValue64_v2` (11.7+), else `cuStreamWaitValue64`: same signature.
+    stream_wait_value64: PFN_cuStreamWaitValue64_v11070 = ["cuStreamWaitValue64_v2", "cuStreamWaitValue64"],
     /// `cuLaunchHostFunc`
     launch_host_func: PFN_cuLaunchHostFunc_v10000 = ["cuLaunchHostFunc"],
     /// `cuEventCreate`
@@ -286,6 +296,10 @@ driver_table! {
     memcpy_dtoh_async: PFN_cuMemcpyDtoHAsync_v3020 = ["cuMemcpyDtoHAsync_v2"],
     /// `cuMemcpyDtoDAsync_v2`
     memcpy_dtod_async: PFN_cuMemcpyDtoDAsync_v3020 = ["cuMemcpyDtoDAsync_v2"],
+    /// `cuMemcpy` (unified addressing: the driver infers each side's memory type)
+    memcpy: PFN_cuMemcpy_v4000 = ["cuMemcpy"],
+    /// `cuMemcpyAsync` (unified addressing)
+    memcpy_async: PFN_cuMemcpyAsync_v4000 = ["cuMemcpyAsync"],
     /// `cuMemcpyPeer`
     memcpy_peer: PFN_cuMemcpyPeer_v4000 = ["cuMemcpyPeer"],
     /// `cuMemcpyPeerAsync`

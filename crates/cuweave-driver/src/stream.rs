@@ -40,6 +40,54 @@ impl StreamFlags {
     }
 }
 
+/// How a [`Stream::write_value_u32`] write is ordered against the stream's earlier memory writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WriteOrdering {
+    /// The write lands after every earlier write of the stream is visible (a memory barrier).
+    #[default]
+    AfterPriorWrites,
+    /// The write may overtake earlier writes of the stream (no barrier; cheaper).
+    Relaxed,
+}
+
+impl WriteOrdering {
+    fn bits(self) -> u32 {
+        match self {
+            Self::AfterPriorWrites => {
+                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT.0
+            }
+            Self::Relaxed => {
+                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER.0
+            }
+        }
+    }
+}
+
+/// What a [`Stream::wait_value_u32`] waits for, comparing the word at the address with a value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitCondition {
+    /// `(signed)(word - value) >= 0`: the word has reached `value` (wrapping sequence numbers).
+    AtLeast,
+    /// `word == value`.
+    Equal,
+    /// `word & value != 0`.
+    AnyBitSet,
+    /// `!(word | value) != 0`.
+    Nor,
+}
+
+impl WaitCondition {
+    fn bits(self) -> u32 {
+        use sys::CUstreamWaitValue_flags as F;
+        match self {
+            Self::AtLeast => F::CU_STREAM_WAIT_VALUE_GEQ.0,
+            Self::Equal => F::CU_STREAM_WAIT_VALUE_EQ.0,
+            Self::AnyBitSet => F::CU_STREAM_WAIT_VALUE_AND.0,
+            Self::Nor => F::CU_STREAM_WAIT_VALUE_NOR.0,
+        }
+    }
+}
+
 /// A CUDA stream of one context. Work queued on it runs in order; streams run concurrently.
 ///
 /// Destroyed on drop: the driver lets queued work finish first and frees the stream after.
@@ -233,6 +281,81 @@ impl Stream {
             drop(unsafe { Box::from_raw(data.cast::<HostCallback>()) });
         }
         outcome
+    }
+
+    /// Queues a write of `value` to the 32-bit word at `address`: it lands once all earlier work
+    /// on the stream has finished (with [`WriteOrdering::AfterPriorWrites`], after that work's
+    /// memory writes are visible too). `cuStreamWriteValue32`.
+    ///
+    /// The word may be device memory or mapped pinned host memory (its device address from
+    /// `cuMemHostGetDevicePointer`), which lets the host observe the stream's progress with plain
+    /// loads.
+    ///
+    /// # Safety
+    /// `address` is 4-byte aligned memory that this stream's device can write, valid until the
+    /// stream has passed the write, and nothing else reads or writes it non-atomically meanwhile.
+    pub unsafe fn write_value_u32(
+        &self,
+        address: sys::CUdeviceptr,
+        value: u32,
+        ordering: WriteOrdering,
+    ) -> Result<()> {
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: live stream; the caller's contract covers `address`.
+        unsafe { cu!(api.stream_write_value32(self.raw, address, value, ordering.bits())) }
+    }
+
+    /// Queues a write of `value` to the 64-bit word at `address`; see [`Stream::write_value_u32`].
+    /// `cuStreamWriteValue64`.
+    ///
+    /// # Safety
+    /// As [`Stream::write_value_u32`], with 8-byte alignment.
+    pub unsafe fn write_value_u64(
+        &self,
+        address: sys::CUdeviceptr,
+        value: u64,
+        ordering: WriteOrdering,
+    ) -> Result<()> {
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: live stream; the caller's contract covers `address`.
+        unsafe { cu!(api.stream_write_value64(self.raw, address, value, ordering.bits())) }
+    }
+
+    /// Makes later work on this stream wait (on the device) until the 32-bit word at `address`
+    /// meets `condition` against `value`. `cuStreamWaitValue32`.
+    ///
+    /// # Safety
+    /// `address` is 4-byte aligned memory this stream's device can read, valid until the wait
+    /// has been satisfied. A condition nothing ever meets stalls the stream forever.
+    pub unsafe fn wait_value_u32(
+        &self,
+        address: sys::CUdeviceptr,
+        value: u32,
+        condition: WaitCondition,
+    ) -> Result<()> {
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: live stream; the caller's contract covers `address`.
+        unsafe { cu!(api.stream_wait_value32(self.raw, address, value, condition.bits())) }
+    }
+
+    /// Makes later work on this stream wait until the 64-bit word at `address` meets
+    /// `condition`; see [`Stream::wait_value_u32`]. `cuStreamWaitValue64`.
+    ///
+    /// # Safety
+    /// As [`Stream::wait_value_u32`], with 8-byte alignment.
+    pub unsafe fn wait_value_u64(
+        &self,
+        address: sys::CUdeviceptr,
+        value: u64,
+        condition: WaitCondition,
+    ) -> Result<()> {
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: live stream; the caller's contract covers `address`.
+        unsafe { cu!(api.stream_wait_value64(self.raw, address, value, condition.bits())) }
     }
 
     /// An error unless this stream belongs to `device`: a stream is usable only on its own device.

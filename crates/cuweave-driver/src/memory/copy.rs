@@ -78,6 +78,38 @@ pub unsafe fn copy_dtod(
     complete_legacy_stream(api)
 }
 
+/// Copies `bytes` between any two addresses of the unified address space (host, pinned, device
+/// or managed: the driver infers each side from its address) and waits for it.
+///
+/// # Safety
+/// `src` is readable and `dst` writable for `bytes`, each either host memory or memory the
+/// driver knows (device, pinned, registered or managed).
+pub unsafe fn copy(context: &Context, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
+    context.bind_to_thread()?;
+    let api = driver()?;
+    // SAFETY: the caller's contract.
+    unsafe { cu!(api.memcpy(dst, src, bytes)) }?;
+    complete_legacy_stream(api)
+}
+
+/// Queues a copy between any two addresses of the unified address space on `stream` (see
+/// [`copy`]). Asynchronous with respect to the host only when no side is pageable host memory.
+///
+/// # Safety
+/// Both ranges stay valid for `bytes`, `src` unwritten and `dst` unread by the host, until
+/// `stream` passes the copy.
+pub unsafe fn copy_async(
+    dst: DevicePtr,
+    src: DevicePtr,
+    bytes: usize,
+    stream: &Stream,
+) -> Result<()> {
+    stream.context().bind_to_thread()?;
+    let api = driver()?;
+    // SAFETY: the caller's contract.
+    unsafe { cu!(api.memcpy_async(dst, src, bytes, stream.as_raw())) }
+}
+
 /// Queues a host-to-device copy on `stream`. Asynchronous only from pinned host memory; from
 /// pageable memory the driver stages it and returns once `src` has been read.
 ///

@@ -16,8 +16,8 @@ mod pool;
 
 pub use address_range::address_range;
 pub use copy::{
-    copy_dtod, copy_dtod_async, copy_dtoh, copy_dtoh_async, copy_htod, copy_htod_async,
-    copy_peer_async, memset_d8, memset_d8_async, memset_d32, memset_d32_async,
+    copy, copy_async, copy_dtod, copy_dtod_async, copy_dtoh, copy_dtoh_async, copy_htod,
+    copy_htod_async, copy_peer_async, memset_d8, memset_d8_async, memset_d32, memset_d32_async,
 };
 pub use device_alloc::{DeviceAllocation, alloc_async, free_async};
 pub use host::{HostAllocFlags, HostAllocation, HostRegistration};

@@ -17,6 +17,8 @@ pub const CU_MEMHOSTREGISTER_PORTABLE: u32 = 1;
 pub const CU_MEMHOSTREGISTER_DEVICEMAP: u32 = 2;
 pub const CU_MEMHOSTREGISTER_IOMEMORY: u32 = 4;
 pub const CU_MEMHOSTREGISTER_READ_ONLY: u32 = 8;
+pub type cuuint32_t = u32;
+pub type cuuint64_t = u64;
 pub type CUdeviceptr_v2 = ::std::os::raw::c_ulonglong;
 pub type CUdevice_v1 = ::std::os::raw::c_int;
 #[repr(C)]
@@ -100,6 +102,32 @@ impl CUevent_flags_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct CUevent_flags_enum(pub ::std::os::raw::c_uint);
 pub use self::CUevent_flags_enum as CUevent_flags;
+impl CUstreamWaitValue_flags_enum {
+    pub const CU_STREAM_WAIT_VALUE_GEQ: CUstreamWaitValue_flags_enum =
+        CUstreamWaitValue_flags_enum(0);
+    pub const CU_STREAM_WAIT_VALUE_EQ: CUstreamWaitValue_flags_enum =
+        CUstreamWaitValue_flags_enum(1);
+    pub const CU_STREAM_WAIT_VALUE_AND: CUstreamWaitValue_flags_enum =
+        CUstreamWaitValue_flags_enum(2);
+    pub const CU_STREAM_WAIT_VALUE_NOR: CUstreamWaitValue_flags_enum =
+        CUstreamWaitValue_flags_enum(3);
+    pub const CU_STREAM_WAIT_VALUE_FLUSH: CUstreamWaitValue_flags_enum =
+        CUstreamWaitValue_flags_enum(1073741824);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUstreamWaitValue_flags_enum(pub ::std::os::raw::c_uint);
+pub use self::CUstreamWaitValue_flags_enum as CUstreamWaitValue_flags;
+impl CUstreamWriteValue_flags_enum {
+    pub const CU_STREAM_WRITE_VALUE_DEFAULT: CUstreamWriteValue_flags_enum =
+        CUstreamWriteValue_flags_enum(0);
+    pub const CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER: CUstreamWriteValue_flags_enum =
+        CUstreamWriteValue_flags_enum(1);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUstreamWriteValue_flags_enum(pub ::std::os::raw::c_uint);
+pub use self::CUstreamWriteValue_flags_enum as CUstreamWriteValue_flags;
 impl CUdevice_attribute_enum {
     pub const CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: CUdevice_attribute_enum =
         CUdevice_attribute_enum(1);
@@ -605,6 +633,24 @@ impl cudaError_enum {
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct cudaError_enum(pub ::std::os::raw::c_uint);
 pub use self::cudaError_enum as CUresult;
+impl CUdevice_P2PAttribute_enum {
+    pub const CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK: CUdevice_P2PAttribute_enum =
+        CUdevice_P2PAttribute_enum(1);
+    pub const CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED: CUdevice_P2PAttribute_enum =
+        CUdevice_P2PAttribute_enum(2);
+    pub const CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED: CUdevice_P2PAttribute_enum =
+        CUdevice_P2PAttribute_enum(3);
+    pub const CU_DEVICE_P2P_ATTRIBUTE_ACCESS_ACCESS_SUPPORTED: CUdevice_P2PAttribute_enum =
+        CUdevice_P2PAttribute_enum(4);
+    pub const CU_DEVICE_P2P_ATTRIBUTE_CUDA_ARRAY_ACCESS_SUPPORTED: CUdevice_P2PAttribute_enum =
+        CUdevice_P2PAttribute_enum(4);
+    pub const CU_DEVICE_P2P_ATTRIBUTE_ONLY_PARTIAL_NATIVE_ATOMIC_SUPPORTED:
+        CUdevice_P2PAttribute_enum = CUdevice_P2PAttribute_enum(5);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUdevice_P2PAttribute_enum(pub ::std::os::raw::c_uint);
+pub use self::CUdevice_P2PAttribute_enum as CUdevice_P2PAttribute;
 impl CUmemAllocationHandleType_enum {
     pub const CU_MEM_HANDLE_TYPE_NONE: CUmemAllocationHandleType_enum =
         CUmemAllocationHandleType_enum(0);
@@ -920,6 +966,14 @@ pub type PFN_cuCtxEnablePeerAccess_v4000 = ::std::option::Option<
 >;
 pub type PFN_cuCtxDisablePeerAccess_v4000 =
     ::std::option::Option<unsafe extern "C" fn(peerContext: CUcontext) -> CUresult>;
+pub type PFN_cuDeviceGetP2PAttribute_v8000 = ::std::option::Option<
+    unsafe extern "C" fn(
+        value: *mut ::std::os::raw::c_int,
+        attrib: CUdevice_P2PAttribute,
+        srcDevice: CUdevice_v1,
+        dstDevice: CUdevice_v1,
+    ) -> CUresult,
+>;
 pub type PFN_cuMemcpyHtoD_v3020 = ::std::option::Option<
     unsafe extern "C" fn(
         dstDevice: CUdeviceptr_v2,
@@ -977,6 +1031,17 @@ pub type PFN_cuMemsetD32_v3020 = ::std::option::Option<
         dstDevice: CUdeviceptr_v2,
         ui: ::std::os::raw::c_uint,
         N: usize,
+    ) -> CUresult,
+>;
+pub type PFN_cuMemcpy_v4000 = ::std::option::Option<
+    unsafe extern "C" fn(dst: CUdeviceptr_v2, src: CUdeviceptr_v2, ByteCount: usize) -> CUresult,
+>;
+pub type PFN_cuMemcpyAsync_v4000 = ::std::option::Option<
+    unsafe extern "C" fn(
+        dst: CUdeviceptr_v2,
+        src: CUdeviceptr_v2,
+        ByteCount: usize,
+        hStream: CUstream,
     ) -> CUresult,
 >;
 pub type PFN_cuMemcpyPeer_v4000 = ::std::option::Option<
@@ -1053,6 +1118,38 @@ pub type PFN_cuLaunchHostFunc_v10000 = ::std::option::Option<
         hStream: CUstream,
         fn_: CUhostFn,
         userData: *mut ::std::os::raw::c_void,
+    ) -> CUresult,
+>;
+pub type PFN_cuStreamWriteValue32_v11070 = ::std::option::Option<
+    unsafe extern "C" fn(
+        stream: CUstream,
+        addr: CUdeviceptr_v2,
+        value: cuuint32_t,
+        flags: ::std::os::raw::c_uint,
+    ) -> CUresult,
+>;
+pub type PFN_cuStreamWaitValue32_v11070 = ::std::option::Option<
+    unsafe extern "C" fn(
+        stream: CUstream,
+        addr: CUdeviceptr_v2,
+        value: cuuint32_t,
+        flags: ::std::os::raw::c_uint,
+    ) -> CUresult,
+>;
+pub type PFN_cuStreamWriteValue64_v11070 = ::std::option::Option<
+    unsafe extern "C" fn(
+        stream: CUstream,
+        addr: CUdeviceptr_v2,
+        value: cuuint64_t,
+        flags: ::std::os::raw::c_uint,
+    ) -> CUresult,
+>;
+pub type PFN_cuStreamWaitValue64_v11070 = ::std::option::Option<
+    unsafe extern "C" fn(
+        stream: CUstream,
+        addr: CUdeviceptr_v2,
+        value: cuuint64_t,
+        flags: ::std::os::raw::c_uint,
     ) -> CUresult,
 >;
 pub type PFN_cuMemPrefetchAsync_v8000 = ::std::option::Option<

@@ -1,0 +1,165 @@
+//! Stream memory operations, unified-addressing copies and peer attributes on a real GPU.
+//!
+//! The stream writes and waits are observed through mapped pinned host memory: the host sees a
+//! word change only when the GPU has passed the work before it, and a stream gated on a word
+//! runs nothing behind the gate until the host writes it.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use cuweave_driver::memory::{self, DeviceAllocation, HostAllocFlags, HostAllocation};
+use cuweave_driver::sys::CUdevice_P2PAttribute;
+use cuweave_driver::{Device, DriverError, Stream, StreamFlags, WaitCondition, WriteOrdering};
+use cuweave_test_support::kernels::TestKernels;
+use cuweave_test_support::require_gpu;
+
+const MS: u64 = 1_000_000;
+
+/// A mapped pinned page whose first words the host reads and writes atomically.
+fn mapped_words(context: &std::sync::Arc<cuweave_driver::Context>) -> HostAllocation {
+    let mut page = HostAllocation::new(context, 4096, HostAllocFlags::PORTABLE_MAPPED).unwrap();
+    page.as_bytes_mut().fill(0);
+    page
+}
+
+fn word32(page: &HostAllocation) -> &AtomicU32 {
+    // SAFETY: the page is 4096 bytes of page-aligned pinned memory that lives as long as the
+    // borrow; the device touches it only through 32-bit stream memory operations, and the host
+    // only through this atomic.
+    unsafe { &*page.as_ptr().cast::<AtomicU32>() }
+}
+
+fn word64(page: &HostAllocation) -> &AtomicU64 {
+    // SAFETY: as `word32`, at offset 8 (8-byte aligned), touched only as a 64-bit word.
+    unsafe { &*page.as_ptr().add(8).cast::<AtomicU64>() }
+}
+
+#[test]
+fn a_stream_write_lands_in_mapped_memory_only_after_the_work_before_it() {
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let page = mapped_words(&gpu.context);
+    let base = page.device_ptr().unwrap();
+
+    kernels.spin_ns(&stream, 30 * MS).unwrap();
+    // SAFETY: `base` and `base + 8` are aligned words of the mapped page, alive until the
+    // stream is synchronized below; the host reads them only atomically.
+    unsafe {
+        stream
+            .write_value_u32(base, 7, WriteOrdering::AfterPriorWrites)
+            .unwrap();
+        stream
+            .write_value_u64(base + 8, 0x1_0000_0002, WriteOrdering::AfterPriorWrites)
+            .unwrap();
+    }
+    let queued = Instant::now();
+    assert_eq!(
+        word32(&page).load(Ordering::Acquire),
+        0,
+        "write overtook the spin"
+    );
+    // The host sees the words change without synchronizing: poll them.
+    while word64(&page).load(Ordering::Acquire) != 0x1_0000_0002 {
+        assert!(
+            queued.elapsed() < Duration::from_secs(5),
+            "the write never landed"
+        );
+        std::hint::spin_loop();
+    }
+    assert!(
+        queued.elapsed() >= Duration::from_millis(20),
+        "the words changed after {:?}, before the 30 ms spin could end",
+        queued.elapsed()
+    );
+    assert_eq!(word32(&page).load(Ordering::Acquire), 7);
+    stream.synchronize().unwrap();
+}
+
+#[test]
+fn a_stream_waiting_on_a_word_runs_nothing_behind_it_until_the_host_writes_it() {
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let page = mapped_words(&gpu.context);
+    let gate = page.device_ptr().unwrap();
+    let out = DeviceAllocation::new(&gpu.context, 4 * 1024).unwrap();
+
+    // SAFETY: the gate word lives until the stream is synchronized; `out` holds 1024 words and
+    // outlives the kernel (dropped after the synchronize).
+    unsafe {
+        stream
+            .wait_value_u32(gate, 1, WaitCondition::AtLeast)
+            .unwrap();
+        kernels
+            .fill_u32(&stream, out.ptr(), 0xC0FFEE, 1024)
+            .unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    assert!(
+        !stream.query().unwrap(),
+        "the stream ran past an unopened gate"
+    );
+    word32(&page).store(1, Ordering::Release);
+    stream.synchronize().unwrap();
+
+    let mut host = vec![0u8; 4 * 1024];
+    // SAFETY: `host` and `out` are both 4 KiB.
+    unsafe { memory::copy_dtoh(&gpu.context, host.as_mut_ptr(), out.ptr(), host.len()) }.unwrap();
+    let words: Vec<u32> = host
+        .chunks_exact(4)
+        .map(|chunk| u32::from_ne_bytes(chunk.try_into().unwrap()))
+        .collect();
+    assert!(words.iter().all(|&word| word == 0xC0FFEE));
+}
+
+#[test]
+fn unified_addressing_copies_round_trip_host_device_and_pinned_bytes() {
+    let gpu = require_gpu!();
+    let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let bytes = (1 << 20) + 3;
+    let source: Vec<u8> = (0..bytes).map(|i| (i * 31 % 251) as u8).collect();
+    let device = DeviceAllocation::new(&gpu.context, bytes).unwrap();
+    let mut pinned = HostAllocation::new(&gpu.context, bytes, HostAllocFlags::default()).unwrap();
+
+    // SAFETY: `source` (pageable host) and `device` are both `bytes` long; cuMemcpy infers the
+    // host side from the address under unified addressing.
+    unsafe { memory::copy(&gpu.context, device.ptr(), source.as_ptr() as u64, bytes) }.unwrap();
+    // SAFETY: `pinned` and `device` are `bytes` long and untouched by the host until the
+    // stream is synchronized.
+    unsafe { memory::copy_async(pinned.as_mut_ptr() as u64, device.ptr(), bytes, &stream) }
+        .unwrap();
+    stream.synchronize().unwrap();
+    assert!(pinned.as_bytes() == source.as_slice());
+}
+
+#[test]
+fn peer_attributes_agree_with_peer_access_and_refuse_a_device_paired_with_itself() {
+    let gpu = require_gpu!();
+    match gpu.device.p2p_attribute(
+        &gpu.device,
+        CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED,
+    ) {
+        Err(DriverError::InvalidArgument { operation, .. }) => {
+            assert_eq!(operation, "Device::p2p_attribute");
+        }
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    assert_eq!(gpu.device.peer_link(&gpu.device).unwrap(), None);
+    let devices = Device::all().unwrap();
+    for a in &devices {
+        for b in devices.iter().filter(|b| *b != a) {
+            let link = a.peer_link(b).unwrap();
+            assert_eq!(
+                link.is_some(),
+                a.can_access_peer(b).unwrap(),
+                "{a:?} -> {b:?}"
+            );
+            if let Some(link) = link {
+                assert!(link.performance_rank >= 0);
+            }
+        }
+    }
+}
