@@ -8,7 +8,8 @@
 //! [`kernels::TestKernels`] loads small PTX kernels (fill, add, saxpy, increment, checksum, spin,
 //! watch) that let tests check real outcomes: bytes written by the device, ordering observed by a
 //! kernel, memory that a running kernel still reads not being reused. [`memory_kernels`] adds a
-//! timed reader and a flag-checking writer for cuweave-memory's read/write ordering tests.
+//! timed reader and a flag-checking writer for cuweave-memory's read/write ordering tests;
+//! [`stream_kernels`] a spin that stamps `%globaltimer` and a flag copy for the stream layer.
 //!
 //! Under compute-sanitizer (`cargo xtask gpu-test --sanitize`, which sets `CUWEAVE_SANITIZE=1`)
 //! tests that need two streams to run at once call [`skip_under_sanitizer`].
@@ -34,6 +35,7 @@ use cuweave_driver::{Context, Device, DriverError};
 
 pub mod kernels;
 pub mod memory_kernels;
+pub mod stream_kernels;
 
 /// Name of the environment variable that turns a missing GPU from a skip into a failure.
 pub const REQUIRE_GPU_VAR: &str = "CUWEAVE_REQUIRE_GPU";
