@@ -49,7 +49,7 @@ pub struct CalibrationTable {
 }
 
 impl CalibrationTable {
-    /// Records (or replaces) the figure for `(path, size_class, method)`.
+    /// Records (or replaces) the figure for `(path, size_class, method)`, rounded to 0.01 GB/s.
     pub fn record(
         &mut self,
         path: TransferPath,
@@ -57,6 +57,8 @@ impl CalibrationTable {
         method: TransferMethod,
         gbps: f64,
     ) {
+        // Two decimals are all a measurement carries, and they survive JSON exactly.
+        let gbps = (gbps * 100.0).round() / 100.0;
         let entry = CalibrationEntry {
             path,
             size_class,
@@ -209,29 +211,37 @@ impl CalibrationTable {
 }
 
 // Measured figures (GB/s) per size class: (class, first method, second method) in the order of
-// the rows in `h100_defaults`. See docs/transfer.md for the run they come from.
+// the rows in `h100_defaults`. From `TransferManager::calibrate` on the H100 (run 1 of issue 8,
+// staging 4 MiB x 2 x 6 threads; Large and Huge are both measured at 64 MiB), rounded; the peer
+// row is the H200 pair's expected NVLink figure until measured. See docs/transfer.md.
 const DEFAULT_PAGEABLE_H2D: [(SizeClass, f64, f64); 5] = [
-    (SizeClass::Tiny, 6.0, 2.0),
-    (SizeClass::Small, 9.0, 6.0),
-    (SizeClass::Medium, 10.0, 20.0),
-    (SizeClass::Large, 10.0, 30.0),
-    (SizeClass::Huge, 10.0, 30.0),
+    (SizeClass::Tiny, 2.02, 3.66),
+    (SizeClass::Small, 10.34, 8.57),
+    (SizeClass::Medium, 10.89, 15.94),
+    (SizeClass::Large, 8.04, 29.9),
+    (SizeClass::Huge, 7.46, 23.95),
 ];
 const DEFAULT_PAGEABLE_D2H: [(SizeClass, f64, f64); 5] = [
-    (SizeClass::Tiny, 6.0, 2.0),
-    (SizeClass::Small, 8.0, 6.0),
-    (SizeClass::Medium, 8.0, 20.0),
-    (SizeClass::Large, 8.0, 30.0),
-    (SizeClass::Huge, 8.0, 30.0),
+    (SizeClass::Tiny, 3.03, 3.88),
+    (SizeClass::Small, 7.82, 9.24),
+    (SizeClass::Medium, 9.89, 19.79),
+    (SizeClass::Large, 10.47, 23.67),
+    (SizeClass::Huge, 10.34, 30.0),
 ];
 const DEFAULT_PINNED_H2D: [(SizeClass, f64, f64); 5] = [
-    (SizeClass::Tiny, 10.0, 9.0),
-    (SizeClass::Small, 40.0, 38.0),
-    (SizeClass::Medium, 52.0, 50.0),
-    (SizeClass::Large, 55.0, 53.0),
-    (SizeClass::Huge, 55.0, 53.0),
+    (SizeClass::Tiny, 4.1, 5.23),
+    (SizeClass::Small, 29.55, 34.13),
+    (SizeClass::Medium, 52.36, 53.16),
+    (SizeClass::Large, 54.26, 54.54),
+    (SizeClass::Huge, 54.23, 54.6),
 ];
-const DEFAULT_PINNED_D2H: [(SizeClass, f64, f64); 5] = DEFAULT_PINNED_H2D;
+const DEFAULT_PINNED_D2H: [(SizeClass, f64, f64); 5] = [
+    (SizeClass::Tiny, 4.54, 5.87),
+    (SizeClass::Small, 31.54, 34.28),
+    (SizeClass::Medium, 52.76, 53.28),
+    (SizeClass::Large, 54.47, 54.69),
+    (SizeClass::Huge, 54.29, 54.69),
+];
 const DEFAULT_PEER: [(SizeClass, f64, f64); 5] = [
     (SizeClass::Tiny, 1.0, 20.0),
     (SizeClass::Small, 8.0, 150.0),

@@ -387,11 +387,11 @@ mod tests {
     }
 
     #[rstest]
-    #[case::tiny(4096, DirectCopy)]
-    #[case::small(MIB, DirectCopy)]
+    #[case::tiny(4096, HostStaged)]
+    #[case::medium(16 * MIB, HostStaged)]
     #[case::large(256 * MIB, HostStaged)]
     #[case::huge(1024 * MIB, HostStaged)]
-    fn the_h100_defaults_stage_large_pageable_copies_only(
+    fn the_h100_defaults_stage_pageable_copies(
         #[case] bytes: usize,
         #[case] expected: TransferMethod,
     ) {

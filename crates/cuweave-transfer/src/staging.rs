@@ -64,7 +64,7 @@ impl Default for StagingConfig {
         Self {
             chunk_bytes: 4 << 20,
             depth: 2,
-            threads: 6,
+            threads: 12,
         }
     }
 }
@@ -285,6 +285,6 @@ mod tests {
         assert_eq!(config.workers(3), 3);
         assert_eq!(config.workers(0), 1);
         assert_eq!(config.workers(100), 8);
-        assert_eq!(StagingConfig::default().staging_bytes(), 6 * 2 * (4 << 20));
+        assert_eq!(StagingConfig::default().staging_bytes(), 12 * 2 * (4 << 20));
     }
 }
