@@ -73,25 +73,45 @@ impl Fixture {
     fn raw_h2d_pageable(&self, bytes: usize) {
         // SAFETY: `host` is readable for `bytes`, `device` writable for `bytes` (both >= bytes);
         // copy_htod returns once the copy has completed.
-        unsafe { memory::copy_htod(&self.context, self.device.device_ptr(), self.host.as_ptr(), bytes) }
-            .expect("cuMemcpyHtoD");
+        unsafe {
+            memory::copy_htod(
+                &self.context,
+                self.device.device_ptr(),
+                self.host.as_ptr(),
+                bytes,
+            )
+        }
+        .expect("cuMemcpyHtoD");
     }
 
     fn raw_d2h_pageable(&mut self, bytes: usize) {
         // SAFETY: as above, reversed; copy_dtoh returns once the copy has completed.
-        unsafe { memory::copy_dtoh(&self.context, self.host.as_mut_ptr(), self.device.device_ptr(), bytes) }
-            .expect("cuMemcpyDtoH");
+        unsafe {
+            memory::copy_dtoh(
+                &self.context,
+                self.host.as_mut_ptr(),
+                self.device.device_ptr(),
+                bytes,
+            )
+        }
+        .expect("cuMemcpyDtoH");
     }
 
     fn ours_h2d_pageable(&mut self, bytes: usize) {
         self.manager
-            .transfer(&self.host[..bytes], Destination::device(&mut self.device, 0))
+            .transfer(
+                &self.host[..bytes],
+                Destination::device(&mut self.device, 0),
+            )
             .expect("transfer");
     }
 
     fn ours_d2h_pageable(&mut self, bytes: usize) {
         self.manager
-            .transfer(Source::device(&self.device, 0, bytes), Destination::Host(&mut self.host[..bytes]))
+            .transfer(
+                Source::device(&self.device, 0, bytes),
+                Destination::Host(&mut self.host[..bytes]),
+            )
             .expect("transfer");
     }
 
@@ -112,25 +132,41 @@ impl Fixture {
 
     fn ours_h2d_pinned(&mut self, bytes: usize) {
         self.manager
-            .transfer(Source::pinned(&self.pinned, 0, bytes), Destination::device(&mut self.device, 0))
+            .transfer(
+                Source::pinned(&self.pinned, 0, bytes),
+                Destination::device(&mut self.device, 0),
+            )
             .expect("transfer");
     }
 
     fn ours_d2h_pinned(&mut self, bytes: usize) {
         self.manager
-            .transfer(Source::device(&self.device, 0, bytes), Destination::pinned(&mut self.pinned, 0))
+            .transfer(
+                Source::device(&self.device, 0, bytes),
+                Destination::pinned(&mut self.pinned, 0),
+            )
             .expect("transfer");
     }
 
     fn raw_d2d(&self, bytes: usize) {
         // SAFETY: both device buffers hold at least `bytes`; copy_dtod waits for completion.
-        unsafe { memory::copy_dtod(&self.context, self.device2.device_ptr(), self.device.device_ptr(), bytes) }
-            .expect("cuMemcpyDtoD");
+        unsafe {
+            memory::copy_dtod(
+                &self.context,
+                self.device2.device_ptr(),
+                self.device.device_ptr(),
+                bytes,
+            )
+        }
+        .expect("cuMemcpyDtoD");
     }
 
     fn ours_d2d(&mut self, bytes: usize) {
         self.manager
-            .transfer(Source::device(&self.device, 0, bytes), Destination::device(&mut self.device2, 0))
+            .transfer(
+                Source::device(&self.device, 0, bytes),
+                Destination::device(&mut self.device2, 0),
+            )
             .expect("transfer");
     }
 }
@@ -198,39 +234,105 @@ fn label(bytes: usize) -> String {
 type Op = fn(&mut Fixture, usize);
 
 /// One criterion group: the raw call and the manager on the same memory, `bytes` each.
-fn pair(c: &mut Criterion, f: &mut Fixture, name: &str, bytes: usize, raw: (&str, Op), ours: Op, slow: bool) {
+fn pair(
+    c: &mut Criterion,
+    f: &mut Fixture,
+    name: &str,
+    bytes: usize,
+    raw: (&str, Op),
+    ours: Op,
+    slow: bool,
+) {
     let mut group = c.benchmark_group(format!("{name}_{}", label(bytes)));
     if slow {
         slow_group(&mut group, Duration::from_secs(3));
     }
     group.throughput(Throughput::Bytes(bytes as u64));
-    group.bench_function(format!("raw/{}", raw.0), |b| b.iter(|| (raw.1)(f, black_box(bytes))));
+    group.bench_function(format!("raw/{}", raw.0), |b| {
+        b.iter(|| (raw.1)(f, black_box(bytes)))
+    });
     group.bench_function("cuweave/transfer", |b| b.iter(|| ours(f, black_box(bytes))));
     group.finish();
 }
 
 fn pageable(c: &mut Criterion, f: &mut Fixture) {
     for bytes in [256 * MIB, GIB] {
-        pair(c, f, "pageable_h2d", bytes, ("cuMemcpyHtoD", |f, n| f.raw_h2d_pageable(n)), Fixture::ours_h2d_pageable, true);
-        pair(c, f, "pageable_d2h", bytes, ("cuMemcpyDtoH", Fixture::raw_d2h_pageable), Fixture::ours_d2h_pageable, true);
+        pair(
+            c,
+            f,
+            "pageable_h2d",
+            bytes,
+            ("cuMemcpyHtoD", |f, n| f.raw_h2d_pageable(n)),
+            Fixture::ours_h2d_pageable,
+            true,
+        );
+        pair(
+            c,
+            f,
+            "pageable_d2h",
+            bytes,
+            ("cuMemcpyDtoH", Fixture::raw_d2h_pageable),
+            Fixture::ours_d2h_pageable,
+            true,
+        );
     }
 }
 
 fn small(c: &mut Criterion, f: &mut Fixture) {
     for bytes in [4 << 10, 64 << 10] {
-        pair(c, f, "small_h2d", bytes, ("cuMemcpyHtoD", |f, n| f.raw_h2d_pageable(n)), Fixture::ours_h2d_pageable, false);
-        pair(c, f, "small_d2h", bytes, ("cuMemcpyDtoH", Fixture::raw_d2h_pageable), Fixture::ours_d2h_pageable, false);
+        pair(
+            c,
+            f,
+            "small_h2d",
+            bytes,
+            ("cuMemcpyHtoD", |f, n| f.raw_h2d_pageable(n)),
+            Fixture::ours_h2d_pageable,
+            false,
+        );
+        pair(
+            c,
+            f,
+            "small_d2h",
+            bytes,
+            ("cuMemcpyDtoH", Fixture::raw_d2h_pageable),
+            Fixture::ours_d2h_pageable,
+            false,
+        );
     }
 }
 
 fn pinned(c: &mut Criterion, f: &mut Fixture) {
     let bytes = 64 * MIB;
-    pair(c, f, "pinned_h2d", bytes, ("cuMemcpyHtoD", |f, n| f.raw_h2d_pinned(n)), Fixture::ours_h2d_pinned, true);
-    pair(c, f, "pinned_d2h", bytes, ("cuMemcpyDtoH", Fixture::raw_d2h_pinned), Fixture::ours_d2h_pinned, true);
+    pair(
+        c,
+        f,
+        "pinned_h2d",
+        bytes,
+        ("cuMemcpyHtoD", |f, n| f.raw_h2d_pinned(n)),
+        Fixture::ours_h2d_pinned,
+        true,
+    );
+    pair(
+        c,
+        f,
+        "pinned_d2h",
+        bytes,
+        ("cuMemcpyDtoH", Fixture::raw_d2h_pinned),
+        Fixture::ours_d2h_pinned,
+        true,
+    );
 }
 
 fn device_to_device(c: &mut Criterion, f: &mut Fixture) {
-    pair(c, f, "d2d", 256 * MIB, ("cuMemcpyDtoD", |f, n| f.raw_d2d(n)), Fixture::ours_d2d, true);
+    pair(
+        c,
+        f,
+        "d2d",
+        256 * MIB,
+        ("cuMemcpyDtoD", |f, n| f.raw_d2d(n)),
+        Fixture::ours_d2d,
+        true,
+    );
 }
 
 fn peer_to_peer(c: &mut Criterion, p: &mut Peer) {
@@ -266,11 +368,21 @@ fn verdict(met: bool) -> &'static str {
 
 fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
     println!();
-    println!("summary: median of 7 runs (small sizes: of 201), host clock, separate from criterion");
+    println!(
+        "summary: median of 7 runs (small sizes: of 201), host clock, separate from criterion"
+    );
     for bytes in [256 * MIB, GIB] {
         for (dir, raw, ours) in [
-            ("h2d", (|f: &mut Fixture, n| f.raw_h2d_pageable(n)) as Op, Fixture::ours_h2d_pageable as Op),
-            ("d2h", Fixture::raw_d2h_pageable as Op, Fixture::ours_d2h_pageable as Op),
+            (
+                "h2d",
+                (|f: &mut Fixture, n| f.raw_h2d_pageable(n)) as Op,
+                Fixture::ours_h2d_pageable as Op,
+            ),
+            (
+                "d2h",
+                Fixture::raw_d2h_pageable as Op,
+                Fixture::ours_d2h_pageable as Op,
+            ),
         ] {
             let r = gbps(bytes, median(7, || raw(f, bytes)));
             let o = gbps(bytes, median(7, || ours(f, bytes)));
@@ -284,8 +396,16 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
     }
     for bytes in [4 << 10, 64 << 10] {
         for (dir, raw, ours) in [
-            ("h2d", (|f: &mut Fixture, n| f.raw_h2d_pageable(n)) as Op, Fixture::ours_h2d_pageable as Op),
-            ("d2h", Fixture::raw_d2h_pageable as Op, Fixture::ours_d2h_pageable as Op),
+            (
+                "h2d",
+                (|f: &mut Fixture, n| f.raw_h2d_pageable(n)) as Op,
+                Fixture::ours_h2d_pageable as Op,
+            ),
+            (
+                "d2h",
+                Fixture::raw_d2h_pageable as Op,
+                Fixture::ours_d2h_pageable as Op,
+            ),
         ] {
             let r = median(201, || raw(f, bytes));
             let o = median(201, || ours(f, bytes));
@@ -302,8 +422,16 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
     }
     let bytes = 64 * MIB;
     for (dir, raw, ours) in [
-        ("h2d", (|f: &mut Fixture, n| f.raw_h2d_pinned(n)) as Op, Fixture::ours_h2d_pinned as Op),
-        ("d2h", Fixture::raw_d2h_pinned as Op, Fixture::ours_d2h_pinned as Op),
+        (
+            "h2d",
+            (|f: &mut Fixture, n| f.raw_h2d_pinned(n)) as Op,
+            Fixture::ours_h2d_pinned as Op,
+        ),
+        (
+            "d2h",
+            Fixture::raw_d2h_pinned as Op,
+            Fixture::ours_d2h_pinned as Op,
+        ),
     ] {
         let r = gbps(bytes, median(7, || raw(f, bytes)));
         let o = gbps(bytes, median(7, || ours(f, bytes)));

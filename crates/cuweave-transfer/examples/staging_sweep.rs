@@ -27,7 +27,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("no CUDA driver: nothing to sweep");
         return Ok(());
     }
-    let mib: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(256);
+    let mib: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(256);
     let bytes = mib << 20;
     let context = Context::primary(Device::get(0)?)?;
     let mut host = vec![1u8; bytes];
@@ -35,26 +38,46 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let gbps = |d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
     let h2d = best(|| device.copy_from_host(&host).unwrap());
     let d2h = best(|| device.copy_to_host(&mut host).unwrap());
-    println!("{mib} MiB pageable, plain cuMemcpyHtoD {:.2} GB/s, cuMemcpyDtoH {:.2} GB/s", gbps(h2d), gbps(d2h));
+    println!(
+        "{mib} MiB pageable, plain cuMemcpyHtoD {:.2} GB/s, cuMemcpyDtoH {:.2} GB/s",
+        gbps(h2d),
+        gbps(d2h)
+    );
     println!("chunk_MiB depth threads   h2d_GB/s  d2h_GB/s");
     for chunk in [1usize, 2, 4, 8, 16] {
         for depth in [2usize, 3] {
             for threads in [2usize, 4, 6, 8, 12] {
-                let config = StagingConfig { chunk_bytes: chunk << 20, depth, threads };
+                let config = StagingConfig {
+                    chunk_bytes: chunk << 20,
+                    depth,
+                    threads,
+                };
                 let manager = TransferManager::with_staging(config)?;
                 let up = best(|| {
                     manager
-                        .transfer_with(TransferMethod::HostStaged, &host, Destination::device(&mut device, 0))
+                        .transfer_with(
+                            TransferMethod::HostStaged,
+                            &host,
+                            Destination::device(&mut device, 0),
+                        )
                         .map(drop)
                         .unwrap()
                 });
                 let down = best(|| {
                     manager
-                        .transfer_with(TransferMethod::HostStaged, Source::device(&device, 0, bytes), &mut host)
+                        .transfer_with(
+                            TransferMethod::HostStaged,
+                            Source::device(&device, 0, bytes),
+                            &mut host,
+                        )
                         .map(drop)
                         .unwrap()
                 });
-                println!("{chunk:>9} {depth:>5} {threads:>7} {:>10.2} {:>9.2}", gbps(up), gbps(down));
+                println!(
+                    "{chunk:>9} {depth:>5} {threads:>7} {:>10.2} {:>9.2}",
+                    gbps(up),
+                    gbps(down)
+                );
             }
         }
     }

@@ -168,12 +168,7 @@ impl CalibrationTable {
             device: Some("NVIDIA H100 80GB HBM3 (defaults)".to_owned()),
             entries: Vec::new(),
         };
-        let rows: &[(
-            TransferPath,
-            [(SizeClass, f64, f64); 5],
-            TransferMethod,
-            TransferMethod,
-        )] = &[
+        let rows: &[DefaultRow] = &[
             (
                 TransferPath::PAGEABLE_TO_DEVICE,
                 DEFAULT_PAGEABLE_H2D,
@@ -209,6 +204,14 @@ impl CalibrationTable {
         table
     }
 }
+
+/// A path's default figures and the two methods they are for.
+type DefaultRow = (
+    TransferPath,
+    [(SizeClass, f64, f64); 5],
+    TransferMethod,
+    TransferMethod,
+);
 
 // Measured figures (GB/s) per size class: (class, first method, second method) in the order of
 // the rows in `h100_defaults`. From `TransferManager::calibrate` on the H100 (run 1 of issue 8,

@@ -114,8 +114,7 @@ impl Pipeline<'_> {
         for (i, piece) in dst.chunks_mut(chunk).enumerate() {
             shares[i % workers].push((src_offset + i * chunk, piece));
         }
-        let shares: Vec<Mutex<Vec<(usize, &mut [T])>>> =
-            shares.into_iter().map(Mutex::new).collect();
+        let shares: Vec<Mutex<Share<'_, T>>> = shares.into_iter().map(Mutex::new).collect();
         let depth = self.config.depth.max(1);
         run_workers(workers, |w| {
             let mine = std::mem::take(&mut *shares[w].lock());
@@ -123,6 +122,9 @@ impl Pipeline<'_> {
         })
     }
 }
+
+/// One download worker's chunks: (element offset in the source, destination piece).
+type Share<'a, T> = Vec<(usize, &'a mut [T])>;
 
 /// Runs `work(0..workers)` on scoped threads (the first on this thread) and returns the first
 /// error. Every worker waits for its own queued copies before it returns, even on error.

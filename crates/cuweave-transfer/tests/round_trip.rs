@@ -87,7 +87,12 @@ impl Side {
         }
     }
 
-    fn destination(&mut self, kind: LocationKind, offset: usize, len: usize) -> Destination<'_, u8> {
+    fn destination(
+        &mut self,
+        kind: LocationKind,
+        offset: usize,
+        len: usize,
+    ) -> Destination<'_, u8> {
         match kind {
             LocationKind::Pageable => Destination::Host(&mut self.host[offset..offset + len]),
             LocationKind::Pinned => Destination::pinned(&mut self.pinned, offset),
@@ -107,7 +112,13 @@ const KINDS: [LocationKind; 4] = [
 /// Moves `len` bytes from `src` (at SRC_OFFSET) to `dst` (at DST_OFFSET) for every pair of
 /// kinds and every method the path and devices allow (plus the planned one), and checks every
 /// byte of the destination. Returns how many cases ran.
-fn every_pair(manager: &TransferManager, src: &Side, dst: &mut Side, len: usize, data: &[u8]) -> usize {
+fn every_pair(
+    manager: &TransferManager,
+    src: &Side,
+    dst: &mut Side,
+    len: usize,
+    data: &[u8],
+) -> usize {
     let mut cases = 0;
     for src_kind in KINDS {
         for dst_kind in KINDS {
@@ -199,7 +210,11 @@ fn every_pair_and_method_round_trips_between_two_devices() {
         }
     }
     let plan = manager.plan(Location::Device(0), Location::Device(1), 64 * MIB);
-    if Device::get(1).unwrap().can_access_peer(&Device::get(0).unwrap()).unwrap() {
+    if Device::get(1)
+        .unwrap()
+        .can_access_peer(&Device::get(0).unwrap())
+        .unwrap()
+    {
         assert_eq!(plan.method, TransferMethod::PeerToPeer, "{plan}");
     } else {
         assert_eq!(plan.skipped[0].method, TransferMethod::PeerToPeer, "{plan}");
@@ -217,10 +232,16 @@ fn typed_slices_move_through_the_pipeline_with_a_short_last_chunk() {
         threads: 4,
     })
     .unwrap();
-    let data: Vec<u64> = (0..(3 * MIB + 11) as u64).map(|i| i * 0x9E37_79B9).collect();
+    let data: Vec<u64> = (0..(3 * MIB + 11) as u64)
+        .map(|i| i * 0x9E37_79B9)
+        .collect();
     let mut device = DeviceBuffer::<u64>::zeroed(&gpu.context, data.len() + 2).unwrap();
     let report = manager
-        .transfer_with(TransferMethod::HostStaged, &data, Destination::device(&mut device, 2))
+        .transfer_with(
+            TransferMethod::HostStaged,
+            &data,
+            Destination::device(&mut device, 2),
+        )
         .unwrap();
     assert_eq!(report.bytes, data.len() * 8);
     let mut back = vec![0u64; data.len()];
@@ -243,13 +264,18 @@ fn typed_slices_move_through_the_pipeline_with_a_short_last_chunk() {
 fn bad_ranges_and_impossible_methods_are_typed_errors() {
     let gpu = require_gpu!();
     let manager = TransferManager::new().unwrap();
-    let host = vec![1u8; 100];
+    let host = [1u8; 100];
     let mut device = DeviceBuffer::<u8>::zeroed(&gpu.context, 64).unwrap();
     let other = DeviceBuffer::<u8>::zeroed(&gpu.context, 64).unwrap();
     // Destination too small from its offset.
     assert!(matches!(
         manager.transfer(&host[..60], Destination::device(&mut device, 10)),
-        Err(TransferError::OutOfRange { side: "destination", offset: 10, len: 60, capacity: 64 })
+        Err(TransferError::OutOfRange {
+            side: "destination",
+            offset: 10,
+            len: 60,
+            capacity: 64
+        })
     ));
     // Source range past the end, and overflowing.
     let mut out = vec![0u8; 10];
@@ -265,18 +291,42 @@ fn bad_ranges_and_impossible_methods_are_typed_errors() {
     let mut short = vec![0u8; 9];
     assert!(matches!(
         manager.transfer(Source::device(&other, 0, 10), &mut short),
-        Err(TransferError::LengthMismatch { source_len: 10, destination_len: 9 })
+        Err(TransferError::LengthMismatch {
+            source_len: 10,
+            destination_len: 9
+        })
     ));
     // A zero-length transfer past the end is still an error; at the end it is fine.
-    assert!(manager.transfer(&host[..0], Destination::device(&mut device, 65)).is_err());
-    assert_eq!(manager.transfer(&host[..0], Destination::device(&mut device, 64)).unwrap().bytes, 0);
+    assert!(
+        manager
+            .transfer(&host[..0], Destination::device(&mut device, 65))
+            .is_err()
+    );
+    assert_eq!(
+        manager
+            .transfer(&host[..0], Destination::device(&mut device, 64))
+            .unwrap()
+            .bytes,
+        0
+    );
     // Methods that do not serve the path.
     assert!(matches!(
-        manager.transfer_with(TransferMethod::HostStaged, Source::device(&other, 0, 8), Destination::device(&mut device, 0)),
-        Err(TransferError::Unsupported { method: TransferMethod::HostStaged, .. })
+        manager.transfer_with(
+            TransferMethod::HostStaged,
+            Source::device(&other, 0, 8),
+            Destination::device(&mut device, 0)
+        ),
+        Err(TransferError::Unsupported {
+            method: TransferMethod::HostStaged,
+            ..
+        })
     ));
     assert!(matches!(
-        manager.transfer_with(TransferMethod::ZeroCopy, &host[..8], Destination::device(&mut device, 0)),
+        manager.transfer_with(
+            TransferMethod::ZeroCopy,
+            &host[..8],
+            Destination::device(&mut device, 0)
+        ),
         Err(TransferError::Unsupported { .. })
     ));
     // Nothing was written by the refused calls.
@@ -290,8 +340,18 @@ fn plans_follow_the_given_calibration_and_statistics_count_each_transfer() {
     let manager = TransferManager::new().unwrap();
     let mut table = CalibrationTable::default();
     for class in SizeClass::ALL {
-        table.record(TransferPath::PAGEABLE_TO_DEVICE, class, TransferMethod::DirectCopy, 50.0);
-        table.record(TransferPath::PAGEABLE_TO_DEVICE, class, TransferMethod::HostStaged, 1.0);
+        table.record(
+            TransferPath::PAGEABLE_TO_DEVICE,
+            class,
+            TransferMethod::DirectCopy,
+            50.0,
+        );
+        table.record(
+            TransferPath::PAGEABLE_TO_DEVICE,
+            class,
+            TransferMethod::HostStaged,
+            1.0,
+        );
     }
     manager.set_calibration(table);
     let plan = manager.plan(Location::PageableHost, Location::Device(0), 512 * MIB);
@@ -306,8 +366,13 @@ fn plans_follow_the_given_calibration_and_statistics_count_each_transfer() {
         assert_eq!(report.plan.method, TransferMethod::DirectCopy);
         assert!(report.gbps() > 0.0);
     }
-    let stats = manager.stats().get(TransferPath::PAGEABLE_TO_DEVICE, SizeClass::Medium);
-    assert_eq!((stats.count, stats.bytes, stats.failures), (3, 9 * MIB as u64, 0));
+    let stats = manager
+        .stats()
+        .get(TransferPath::PAGEABLE_TO_DEVICE, SizeClass::Medium);
+    assert_eq!(
+        (stats.count, stats.bytes, stats.failures),
+        (3, 9 * MIB as u64, 0)
+    );
     assert!(stats.best_gbps >= stats.mean_gbps() && stats.mean_gbps() > 0.0);
     let mut wrong = vec![0u8; 1];
     let _ = manager.transfer(Source::device(&device, 0, 2), &mut wrong);
@@ -335,7 +400,10 @@ fn calibration_measures_every_candidate_and_round_trips_through_json() {
             entry.gbps
         );
     }
-    for path in [TransferPath::PAGEABLE_TO_DEVICE, TransferPath::DEVICE_TO_PAGEABLE] {
+    for path in [
+        TransferPath::PAGEABLE_TO_DEVICE,
+        TransferPath::DEVICE_TO_PAGEABLE,
+    ] {
         for class in SizeClass::ALL {
             for method in [TransferMethod::DirectCopy, TransferMethod::HostStaged] {
                 let gbps = table.gbps(path, class, method).expect("measured");
@@ -349,7 +417,8 @@ fn calibration_measures_every_candidate_and_round_trips_through_json() {
     let start = std::time::Instant::now();
     assert_eq!(again.calibrate().unwrap(), table);
     assert!(start.elapsed() < took);
-    let file = std::env::temp_dir().join(format!("cuweave-calibration-{}.json", std::process::id()));
+    let file =
+        std::env::temp_dir().join(format!("cuweave-calibration-{}.json", std::process::id()));
     table.save(&file).unwrap();
     assert_eq!(CalibrationTable::load(&file).unwrap(), table);
     std::fs::remove_file(&file).unwrap();
