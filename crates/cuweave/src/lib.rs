@@ -17,6 +17,7 @@
 //! |---|---|---|---|
 //! | driver | `cuweave-driver` | [`driver`] | the loader, `DriverError`, `Device`, `Context`, `Stream`, `Event`, `Module` / `Kernel`, raw memory calls |
 //! | memory | `cuweave-memory` | [`memory`] | typed device, pinned and unified buffers, migration hints, the caching allocator, the pinned pool |
+//! | transfer | `cuweave-transfer` | [`transfer`] | the transfer manager: measured method choice, pipelined staging of pageable copies, peer-to-peer, zero-copy, statistics |
 //!
 //! The stream layer (stream pools, priorities, multi-stream coordination), the event layer
 //! (event pools, dependency-aware coordination, async waiting) and the transfer layer (a transfer
@@ -29,6 +30,7 @@
 //! |---|---|---|
 //! | `driver` | yes | [`driver`]: the CUDA driver layer |
 //! | `memory` | yes | [`memory`]: typed buffers, unified memory, allocators (implies `driver`) |
+//! | `transfer` | yes | [`transfer`]: the transfer manager (implies `event`, `stream`, `memory`) |
 //!
 //! # Example
 //!
@@ -84,6 +86,11 @@ pub mod prelude {
         Buffer, CachedAllocation, CachingAllocator, DeviceBuffer, Element, MemAdvice, MemLocation,
         MemoryError, MemoryStats, MigrationPolicy, PinnedBuffer, PinnedPool, PrefetchPlan,
         UnifiedBuffer,
+    };
+    #[cfg(feature = "transfer")]
+    pub use cuweave_transfer::{
+        CalibrationTable, Destination, Location, Plan, Source, StagingConfig, TransferError,
+        TransferManager, TransferMethod, TransferReport,
     };
 }
 
