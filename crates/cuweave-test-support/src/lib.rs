@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cuweave_driver::{Context, Device, DriverError};
 
+pub mod event_kernels;
 pub mod kernels;
 
 /// Name of the environment variable that turns a missing GPU from a skip into a failure.

@@ -278,7 +278,6 @@ impl Reactor<'_> {
         callback: Option<(WaitId, Callback)>,
         error: EventError,
     ) {
-        self.shared.counters.pending.fetch_sub(1, Ordering::Relaxed);
         let for_callback = callback.as_ref().map(|_| error.clone());
         if cell.fail(error) {
             self.shared.counters.failed.fetch_add(1, Ordering::Relaxed);
@@ -289,6 +288,7 @@ impl Reactor<'_> {
         } else if let Some((id, _)) = callback {
             self.shared.callbacks.lock().remove(&id);
         }
+        self.shared.counters.pending.fetch_sub(1, Ordering::Relaxed);
     }
 
     /// Ends a wait whose cell this reactor decided: runs its callback with `result`.
@@ -297,11 +297,12 @@ impl Reactor<'_> {
             source, callback, ..
         } = entry;
         self.release_source(source, reached);
-        self.shared.counters.pending.fetch_sub(1, Ordering::Relaxed);
         if let Some((id, callback)) = callback {
             self.shared.callbacks.lock().remove(&id);
             run_callback(callback, result);
         }
+        // After the callback, so that `pending() == 0` means every callback has returned.
+        self.shared.counters.pending.fetch_sub(1, Ordering::Relaxed);
     }
 
     /// Ends a wait someone else decided (cancelled): its callback is dropped, never run.
