@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::{DevicePtr, HostAllocFlags, HostAllocation};
 use crate::context::Context;
 use crate::error::{DriverError, Result};
+use crate::stream::{Stream, WriteOrdering};
 
 /// An array of `u64` words in mapped, page-locked host memory: the device writes them through
 /// their device addresses (`cuStreamWriteValue64`, or a kernel's stores) and the host reads and
@@ -83,7 +84,9 @@ impl MappedWords {
     /// Reads word `index` (an acquire load: what the stream wrote before it, with a memory
     /// barrier, is visible after), or `None` past the end.
     pub fn load(&self, index: usize) -> Option<u64> {
-        self.words().get(index).map(|word| word.load(Ordering::Acquire))
+        self.words()
+            .get(index)
+            .map(|word| word.load(Ordering::Acquire))
     }
 
     /// Writes word `index` from the host (a release store); `false` past the end.
@@ -97,6 +100,41 @@ impl MappedWords {
     /// The device address of word `index`, for a stream or kernel to write; `None` past the end.
     pub fn device_address(&self, index: usize) -> Option<DevicePtr> {
         (index < self.len).then(|| self.device_base + (index * size_of::<u64>()) as DevicePtr)
+    }
+}
+
+impl MappedWords {
+    /// Queues on `stream` a write of `value` to word `index` (`cuStreamWriteValue64` with a
+    /// memory barrier): it lands once all earlier work on the stream has finished and its
+    /// memory writes are visible, so a host thread that [`load`](Self::load)s `value` knows the
+    /// stream got there.
+    ///
+    /// Safe because the write can only land in memory this value owns: the address is an
+    /// aligned word inside the allocation, and dropping `MappedWords` frees it with
+    /// `cuMemFreeHost`, which waits for the device's queued work (this write included) first.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when `index` is past the end or `stream` belongs to another context;
+    /// the driver's error when the write cannot be queued (e.g. a device without stream memory
+    /// operations).
+    pub fn enqueue_write(&self, stream: &Stream, index: usize, value: u64) -> Result<()> {
+        let address = self.device_address(index).ok_or_else(|| {
+            DriverError::invalid(
+                "MappedWords::enqueue_write",
+                format!("word {index} is past the end of {} words", self.len),
+            )
+        })?;
+        if stream.context().as_raw() != self.context().as_raw() {
+            return Err(DriverError::invalid(
+                "MappedWords::enqueue_write",
+                "the stream belongs to another context than the words' mapping",
+            ));
+        }
+        // SAFETY: `address` is an 8-byte-aligned word of this mapped allocation, mapped in the
+        // stream's own context; the host touches it only atomically (`load` / `store`); and the
+        // allocation outlives the write, because dropping it calls cuMemFreeHost, which waits
+        // for the device's queued work to finish before freeing.
+        unsafe { stream.write_value_u64(address, value, WriteOrdering::AfterPriorWrites) }
     }
 }
 
