@@ -28,7 +28,9 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cuweave_driver::{Context, Device, DriverError};
 
+pub mod event_kernels;
 pub mod kernels;
+pub mod stream_kernels;
 
 /// Name of the environment variable that turns a missing GPU from a skip into a failure.
 pub const REQUIRE_GPU_VAR: &str = "CUWEAVE_REQUIRE_GPU";

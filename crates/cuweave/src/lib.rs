@@ -17,12 +17,12 @@
 //! |---|---|---|---|
 //! | driver | `cuweave-driver` | [`driver`] | the loader, `DriverError`, `Device`, `Context`, `Stream`, `Event`, `Module` / `Kernel`, raw memory calls |
 //! | memory | `cuweave-memory` | [`memory`] | typed device, pinned and unified buffers, migration hints, the caching allocator, the pinned pool |
-//! | transfer | `cuweave-transfer` | [`transfer`] | the transfer manager: measured method choice, pipelined staging of pageable copies, peer-to-peer, zero-copy, statistics |
+//! | stream | `cuweave-stream` | [`stream`] | priority streams with metrics and callbacks, the stream pool and its strategies, multi-stream coordination, the stream-ordered allocator, the GPU-timed profiler |
+//! | transfer | `cuweave-transfer` | [`transfer`] | the transfer manager: measured method choice, pipelined staging of pageable copies, peer-to-peer, zero-copy, statistics, async transfers |
 //!
-//! The stream layer (stream pools, priorities, multi-stream coordination), the event layer
-//! (event pools, dependency-aware coordination, async waiting) and the transfer layer (a transfer
-//! manager choosing the fastest path between host and devices) arrive with their issues, each as
-//! a crate of its own and a feature of the same name here (`stream`, `event`, `transfer`).
+//! The event layer (event pools, dependency-aware coordination, async waiting) arrives with its
+//! issue, as a crate of its own and a feature of the same name here (`event`); the transfer
+//! layer already depends on it.
 //!
 //! # Features
 //!
@@ -30,6 +30,7 @@
 //! |---|---|---|
 //! | `driver` | yes | [`driver`]: the CUDA driver layer |
 //! | `memory` | yes | [`memory`]: typed buffers, unified memory, allocators (implies `driver`) |
+//! | `stream` | yes | [`stream`]: priority streams, pools, coordination, stream-ordered allocation, profiling (implies `memory`) |
 //! | `transfer` | yes | [`transfer`]: the transfer manager (implies `event`, `stream`, `memory`) |
 //!
 //! # Example
@@ -86,6 +87,12 @@ pub mod prelude {
         Buffer, CachedAllocation, CachingAllocator, DeviceBuffer, Element, MemAdvice, MemLocation,
         MemoryError, MemoryStats, MigrationPolicy, PinnedBuffer, PinnedPool, PrefetchPlan,
         UnifiedBuffer,
+    };
+    #[cfg(feature = "stream")]
+    pub use cuweave_stream::{
+        AllocationStrategy, MultiStreamCoordinator, PriorityStream, StreamError, StreamMetrics,
+        StreamOrderedAllocator, StreamPool, StreamPoolConfig, StreamPriority, StreamProfiler,
+        WorkloadType,
     };
     #[cfg(feature = "transfer")]
     pub use cuweave_transfer::{

@@ -1,0 +1,456 @@
+//! [`StreamOrderedAllocator`]: device memory tied to a stream, from one stream-ordered pool per
+//! device, freed in stream order, usable on other streams only after a recorded dependency.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use cuweave_driver::memory::DevicePtr;
+use cuweave_driver::{Event, EventFlags};
+use cuweave_memory::{AsyncPoolResource, MemoryResource};
+use dashmap::DashMap;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, StreamError, ensure_device};
+use crate::stream::{OperationKind, PriorityStream};
+
+pub mod size_class;
+mod stats;
+
+pub use stats::{AllocatorStats, SizeClassStats};
+
+use size_class::{rounded_size, size_class};
+
+/// Settings of a [`StreamOrderedAllocator`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamOrderedAllocatorConfig {
+    /// Bytes each device's pool keeps cached across synchronisations before the driver releases
+    /// memory back to the OS (`CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`).
+    pub release_threshold: u64,
+}
+
+impl Default for StreamOrderedAllocatorConfig {
+    fn default() -> Self {
+        Self {
+            release_threshold: 256 << 20,
+        }
+    }
+}
+
+/// One allocation of a [`StreamOrderedAllocator`], owned by the stream it was made on.
+///
+/// It is a receipt, not the memory: the device address comes from
+/// [`StreamOrderedAllocator::device_ptr`], which checks the stream that wants it is ordered
+/// after the owner. Freeing goes through the allocator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct StreamAllocation {
+    id: u64,
+    ptr: DevicePtr,
+    bytes: usize,
+    requested: usize,
+    owner: u64,
+    device: usize,
+}
+
+impl StreamAllocation {
+    /// The allocation's id (unique within the process).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Its size after rounding to its size class.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The size asked for.
+    pub fn requested(&self) -> usize {
+        self.requested
+    }
+
+    /// The id of the stream that owns it.
+    pub fn owner(&self) -> u64 {
+        self.owner
+    }
+
+    /// The device it is on.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    allocation: StreamAllocation,
+    class: usize,
+    owner: Arc<PriorityStream>,
+    users: Vec<Arc<PriorityStream>>,
+}
+
+#[derive(Debug)]
+struct Dependency {
+    dependent: u64,
+    event: Event,
+}
+
+static NEXT_ALLOCATION_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Stream-ordered device memory tied to streams (`cuMemAllocFromPoolAsync` / `cuMemFreeAsync`).
+///
+/// - One private memory pool per device (made on first use, release threshold from the config).
+/// - [`allocate_for_stream`](Self::allocate_for_stream) rounds the request to a size class
+///   (powers of two from 512 B to 1 MiB, then multiples of 2 MiB) and allocates on the stream:
+///   work queued on it afterwards may use the memory.
+/// - [`free_for_stream`](Self::free_for_stream) frees everything a stream owns, queued on that
+///   stream, after first making it wait for every other stream that was given the memory; the
+///   pool reuses the memory only for work ordered after the free.
+/// - Another stream gets the memory only after [`add_stream_dependency`](Self::add_stream_dependency):
+///   it then waits on the device for the owner's work so far, and
+///   [`device_ptr`](Self::device_ptr) hands it the address; before that it gets
+///   [`StreamError::NotOrdered`]. [`dependencies_satisfied`](Self::dependencies_satisfied)
+///   tells, without blocking, whether the GPU is past those waits.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use cuweave_driver::{Context, Device};
+/// use cuweave_stream::{PriorityStream, StreamOrderedAllocator, StreamPriority};
+///
+/// # fn main() -> cuweave_stream::Result<()> {
+/// let context = Context::primary(Device::get(0)?)?;
+/// let a = Arc::new(PriorityStream::new(&context, StreamPriority::Normal)?);
+/// let b = Arc::new(PriorityStream::new(&context, StreamPriority::Normal)?);
+/// let allocator = StreamOrderedAllocator::new(Default::default());
+/// let block = allocator.allocate_for_stream(&a, 3000)?; // rounded to 4 KiB
+/// assert!(allocator.device_ptr(&block, &b).is_err()); // b is not ordered after a yet
+/// allocator.add_stream_dependency(&b, &a)?;
+/// let ptr = allocator.device_ptr(&block, &b)?;
+/// # let _ = ptr;
+/// allocator.free_for_stream(&a)?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct StreamOrderedAllocator {
+    config: StreamOrderedAllocatorConfig,
+    pools: DashMap<usize, Arc<AsyncPoolResource>>,
+    entries: Mutex<BTreeMap<u64, Entry>>,
+    dependencies: Mutex<Vec<Dependency>>,
+    stats: Mutex<Option<AllocatorStats>>,
+}
+
+impl Default for StreamOrderedAllocator {
+    fn default() -> Self {
+        Self::new(StreamOrderedAllocatorConfig::default())
+    }
+}
+
+impl StreamOrderedAllocator {
+    /// An allocator; pools are made per device on first use.
+    pub fn new(config: StreamOrderedAllocatorConfig) -> Self {
+        Self {
+            config,
+            pools: DashMap::new(),
+            entries: Mutex::new(BTreeMap::new()),
+            dependencies: Mutex::new(Vec::new()),
+            stats: Mutex::new(None),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> StreamOrderedAllocatorConfig {
+        self.config
+    }
+
+    fn pool_for(&self, stream: &PriorityStream) -> Result<Arc<AsyncPoolResource>> {
+        let device = stream.device().ordinal();
+        if let Some(pool) = self.pools.get(&device) {
+            return Ok(Arc::clone(&pool));
+        }
+        let pool = AsyncPoolResource::new(stream.context())?;
+        pool.pool()
+            .set_release_threshold(self.config.release_threshold)?;
+        tracing::debug!(
+            device,
+            threshold = self.config.release_threshold,
+            "stream-ordered pool made"
+        );
+        Ok(Arc::clone(
+            &self.pools.entry(device).or_insert_with(|| Arc::new(pool)),
+        ))
+    }
+
+    /// Allocates `bytes` (rounded to a size class) for `stream`, in its order.
+    ///
+    /// # Errors
+    /// [`StreamError::InvalidArgument`] for zero or overflowing sizes; the driver's error on a
+    /// device without memory pools or out of memory.
+    pub fn allocate_for_stream(
+        &self,
+        stream: &Arc<PriorityStream>,
+        bytes: usize,
+    ) -> Result<StreamAllocation> {
+        const OPERATION: &str = "StreamOrderedAllocator::allocate_for_stream";
+        if bytes == 0 {
+            return Err(StreamError::invalid(OPERATION, "zero-byte allocation"));
+        }
+        let rounded = rounded_size(bytes).ok_or_else(|| {
+            StreamError::invalid(
+                OPERATION,
+                format!("{bytes} bytes overflows the size classes"),
+            )
+        })?;
+        let pool = self.pool_for(stream)?;
+        let ptr = stream.enqueue(OperationKind::Other, 0, |s| pool.allocate(rounded, s))?;
+        let allocation = StreamAllocation {
+            id: NEXT_ALLOCATION_ID.fetch_add(1, Ordering::Relaxed),
+            ptr,
+            bytes: rounded,
+            requested: bytes,
+            owner: stream.id(),
+            device: stream.device().ordinal(),
+        };
+        let class = size_class(rounded);
+        self.entries.lock().insert(
+            allocation.id,
+            Entry {
+                allocation,
+                class,
+                owner: Arc::clone(stream),
+                users: Vec::new(),
+            },
+        );
+        self.with_stats(|stats| stats.on_allocate(class, rounded as u64, bytes as u64));
+        Ok(allocation)
+    }
+
+    /// The device address of `allocation` for work queued on `stream`.
+    ///
+    /// # Errors
+    /// [`StreamError::NotOrdered`] unless `stream` owns it or was ordered after its owner by
+    /// [`add_stream_dependency`](Self::add_stream_dependency) after it was made;
+    /// [`StreamError::UnknownAllocation`] once it is freed.
+    pub fn device_ptr(
+        &self,
+        allocation: &StreamAllocation,
+        stream: &PriorityStream,
+    ) -> Result<DevicePtr> {
+        const OPERATION: &str = "StreamOrderedAllocator::device_ptr";
+        let entries = self.entries.lock();
+        let entry = entries
+            .get(&allocation.id)
+            .ok_or(StreamError::UnknownAllocation {
+                operation: OPERATION,
+                allocation: allocation.id,
+            })?;
+        let id = stream.id();
+        if entry.owner.id() == id || entry.users.iter().any(|user| user.id() == id) {
+            Ok(entry.allocation.ptr)
+        } else {
+            Err(StreamError::NotOrdered {
+                operation: OPERATION,
+                allocation: allocation.id,
+                owner: entry.owner.id(),
+                user: id,
+            })
+        }
+    }
+
+    /// Makes `dependent` wait on the device for the work queued on `prerequisite` so far, and
+    /// lets it use every allocation `prerequisite` may use now (those it owns and those it was
+    /// given).
+    ///
+    /// # Errors
+    /// [`StreamError::WrongDevice`] for streams of different devices (the memory is one
+    /// device's); [`StreamError::SelfDependency`] for a stream and itself; the driver's error.
+    pub fn add_stream_dependency(
+        &self,
+        dependent: &Arc<PriorityStream>,
+        prerequisite: &Arc<PriorityStream>,
+    ) -> Result<()> {
+        const OPERATION: &str = "StreamOrderedAllocator::add_stream_dependency";
+        ensure_device(
+            OPERATION,
+            prerequisite.device().ordinal(),
+            dependent.device().ordinal(),
+        )?;
+        if dependent.id() == prerequisite.id() {
+            return Err(StreamError::SelfDependency {
+                operation: OPERATION,
+                stream: dependent.id(),
+            });
+        }
+        let event = Event::new(prerequisite.context(), EventFlags::DISABLE_TIMING)?;
+        event.record(prerequisite.stream())?;
+        dependent.stream().wait_event(&event)?;
+        let (pre, dep) = (prerequisite.id(), dependent.id());
+        for entry in self.entries.lock().values_mut() {
+            let usable = entry.owner.id() == pre || entry.users.iter().any(|user| user.id() == pre);
+            if usable && entry.owner.id() != dep && !entry.users.iter().any(|user| user.id() == dep)
+            {
+                entry.users.push(Arc::clone(dependent));
+            }
+        }
+        self.dependencies.lock().push(Dependency {
+            dependent: dep,
+            event,
+        });
+        self.with_stats(|stats| stats.dependencies += 1);
+        Ok(())
+    }
+
+    /// Whether the GPU has passed every wait recorded for `dependent` so far, without blocking.
+    /// Satisfied waits are forgotten.
+    ///
+    /// # Errors
+    /// The driver's error from an event query.
+    pub fn dependencies_satisfied(&self, dependent: &PriorityStream) -> Result<bool> {
+        let mut dependencies = self.dependencies.lock();
+        let mut satisfied = true;
+        let mut kept = Vec::with_capacity(dependencies.len());
+        for dependency in dependencies.drain(..) {
+            if dependency.event.query()? {
+                continue;
+            }
+            if dependency.dependent == dependent.id() {
+                satisfied = false;
+            }
+            kept.push(dependency);
+        }
+        *dependencies = kept;
+        Ok(satisfied)
+    }
+
+    /// Frees `allocation` in its owner's stream order, after the owner has waited for every
+    /// stream it was given to.
+    ///
+    /// # Errors
+    /// [`StreamError::UnknownAllocation`] when it is not held (already freed); the driver's error.
+    pub fn free(&self, allocation: StreamAllocation) -> Result<()> {
+        let entry =
+            self.entries
+                .lock()
+                .remove(&allocation.id)
+                .ok_or(StreamError::UnknownAllocation {
+                    operation: "StreamOrderedAllocator::free",
+                    allocation: allocation.id,
+                })?;
+        self.release_or_restore(entry)
+    }
+
+    /// Frees every allocation `stream` owns, in its stream order; returns how many.
+    ///
+    /// # Errors
+    /// The first driver error; allocations not yet freed then stay held.
+    pub fn free_for_stream(&self, stream: &PriorityStream) -> Result<usize> {
+        let owned: Vec<Entry> = {
+            let mut entries = self.entries.lock();
+            let ids: Vec<u64> = entries
+                .values()
+                .filter(|entry| entry.owner.id() == stream.id())
+                .map(|entry| entry.allocation.id)
+                .collect();
+            ids.iter().filter_map(|id| entries.remove(id)).collect()
+        };
+        let count = owned.len();
+        let mut owned = owned.into_iter();
+        while let Some(entry) = owned.next() {
+            if let Err(error) = self.release_or_restore(entry) {
+                let mut entries = self.entries.lock();
+                for rest in owned {
+                    entries.insert(rest.allocation.id, rest);
+                }
+                return Err(error);
+            }
+        }
+        Ok(count)
+    }
+
+    /// Releases `entry`, or puts it back on the books when that fails (nothing was freed).
+    fn release_or_restore(&self, entry: Entry) -> Result<()> {
+        match self.release(&entry) {
+            Ok(()) => Ok(()),
+            Err(error) => {
+                self.entries.lock().insert(entry.allocation.id, entry);
+                Err(error)
+            }
+        }
+    }
+
+    /// Makes the owner wait for the work queued so far on every stream the memory was given to.
+    fn order_after_users(&self, entry: &Entry) -> Result<()> {
+        for user in &entry.users {
+            entry.owner.wait_for(user)?;
+        }
+        Ok(())
+    }
+
+    fn release(&self, entry: &Entry) -> Result<()> {
+        self.order_after_users(entry)?;
+        let pool = self.pool_for(&entry.owner)?;
+        let allocation = entry.allocation;
+        entry.owner.enqueue(OperationKind::Other, 0, |s| {
+            pool.deallocate(allocation.ptr, allocation.bytes, s)
+        })?;
+        self.with_stats(|stats| {
+            stats.on_free(
+                entry.class,
+                allocation.bytes as u64,
+                allocation.requested as u64,
+            )
+        });
+        Ok(())
+    }
+
+    /// Allocations outstanding.
+    pub fn outstanding(&self) -> usize {
+        self.entries.lock().len()
+    }
+
+    /// A snapshot of the statistics.
+    pub fn stats(&self) -> AllocatorStats {
+        self.stats
+            .lock()
+            .clone()
+            .unwrap_or_else(AllocatorStats::empty)
+    }
+
+    /// Bytes the pool of `device` holds from the driver (in use and cached); 0 before its first
+    /// allocation.
+    ///
+    /// # Errors
+    /// The driver's error from the pool query.
+    pub fn reserved_bytes(&self, device: usize) -> Result<u64> {
+        match self.pools.get(&device) {
+            Some(pool) => Ok(pool.pool().reserved_bytes()?),
+            None => Ok(0),
+        }
+    }
+
+    /// Returns cached memory of every pool to the driver, keeping what is in use.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn trim(&self) -> Result<()> {
+        for pool in self.pools.iter() {
+            pool.pool().trim_to(0)?;
+        }
+        Ok(())
+    }
+
+    fn with_stats(&self, f: impl FnOnce(&mut AllocatorStats)) {
+        let mut stats = self.stats.lock();
+        f(stats.get_or_insert_with(AllocatorStats::empty));
+    }
+}
+
+impl Drop for StreamOrderedAllocator {
+    fn drop(&mut self) {
+        let entries = std::mem::take(&mut *self.entries.lock());
+        for (_, entry) in entries {
+            if let Err(error) = self.release(&entry) {
+                tracing::warn!(%error, "freeing a stream-ordered allocation on drop failed");
+            }
+        }
+    }
+}

@@ -1,0 +1,309 @@
+//! [`MultiStreamCoordinator`]: dependencies between streams as device-side event waits, with
+//! cycles refused; barriers; running a closure on every stream in parallel; completion callbacks.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use cuweave_driver::{Event, EventFlags};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, StreamError, panic_message};
+use crate::stream::PriorityStream;
+
+mod graph;
+
+pub use graph::DependencyGraph;
+
+/// What a [`MultiStreamCoordinator::create_barrier`] queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BarrierInfo {
+    /// Streams in the barrier.
+    pub streams: usize,
+    /// Events recorded (one per stream).
+    pub events: usize,
+    /// Device-side waits queued (each stream on every other).
+    pub waits: usize,
+}
+
+/// Counts of what the coordinator has done.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CoordinatorStats {
+    /// Dependencies queued as event waits.
+    pub dependencies: u64,
+    /// Dependencies refused because they would close a cycle.
+    pub refused_cycles: u64,
+    /// Barriers queued.
+    pub barriers: u64,
+    /// `execute_parallel` runs.
+    pub parallel_runs: u64,
+}
+
+/// Coordinates work across a set of [`PriorityStream`]s.
+///
+/// - [`add_dependency`](Self::add_dependency): the dependent stream waits on the GPU
+///   (`cuStreamWaitEvent`) for the work queued on the prerequisite so far (an event recorded
+///   there now). The declared dependencies form a graph; one that would close a cycle is refused
+///   with [`StreamError::DependencyCycle`] naming it.
+/// - [`create_barrier`](Self::create_barrier): every stream waits for the work queued so far on
+///   every other, on the device; the host does not block.
+/// - [`execute_parallel`](Self::execute_parallel): a closure per stream on its own thread, every
+///   error collected.
+/// - [`on_stream_complete`](Self::on_stream_complete) /
+///   [`on_all_complete`](Self::on_all_complete): callbacks when the GPU has finished the work
+///   queued so far (through [`PriorityStream::add_callback`], so they may call CUDA).
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use cuweave_driver::{Context, Device};
+/// use cuweave_stream::{MultiStreamCoordinator, PriorityStream, StreamError, StreamPriority};
+///
+/// # fn main() -> cuweave_stream::Result<()> {
+/// let context = Context::primary(Device::get(0)?)?;
+/// let [a, b] = [(); 2].map(|_| Arc::new(PriorityStream::new(&context, StreamPriority::Normal).unwrap()));
+/// let coordinator = MultiStreamCoordinator::new();
+/// coordinator.add_dependency(&b, &a)?; // b waits for a
+/// let refused = coordinator.add_dependency(&a, &b);
+/// assert!(matches!(refused, Err(StreamError::DependencyCycle { .. })));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Default)]
+pub struct MultiStreamCoordinator {
+    streams: Mutex<Vec<Arc<PriorityStream>>>,
+    graph: Mutex<DependencyGraph>,
+    dependencies: AtomicU64,
+    refused_cycles: AtomicU64,
+    barriers: AtomicU64,
+    parallel_runs: AtomicU64,
+}
+
+impl MultiStreamCoordinator {
+    /// A coordinator with no streams yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A coordinator over `streams`.
+    pub fn with_streams(streams: impl IntoIterator<Item = Arc<PriorityStream>>) -> Self {
+        let coordinator = Self::new();
+        for stream in streams {
+            coordinator.add_stream(stream);
+        }
+        coordinator
+    }
+
+    /// Adds a stream (again adding one already there does nothing).
+    pub fn add_stream(&self, stream: Arc<PriorityStream>) {
+        let mut streams = self.streams.lock();
+        if !streams.iter().any(|own| own.id() == stream.id()) {
+            streams.push(stream);
+        }
+    }
+
+    /// Removes a stream and the dependencies declared on it (waits already queued stay queued).
+    pub fn remove_stream(&self, stream: &PriorityStream) {
+        self.streams.lock().retain(|own| own.id() != stream.id());
+        self.graph.lock().remove(stream.id());
+    }
+
+    /// The streams coordinated, in the order they were added.
+    pub fn streams(&self) -> Vec<Arc<PriorityStream>> {
+        self.streams.lock().clone()
+    }
+
+    /// Makes `dependent` wait on the device for the work queued on `prerequisite` so far, and
+    /// declares the dependency. Both streams are added to the coordinator.
+    ///
+    /// # Errors
+    /// [`StreamError::SelfDependency`] for a stream and itself; [`StreamError::DependencyCycle`]
+    /// when the declared dependencies would form a cycle (nothing is queued then); the driver's
+    /// error from the event record or wait.
+    pub fn add_dependency(
+        &self,
+        dependent: &Arc<PriorityStream>,
+        prerequisite: &Arc<PriorityStream>,
+    ) -> Result<()> {
+        if dependent.id() == prerequisite.id() {
+            return Err(StreamError::SelfDependency {
+                operation: "MultiStreamCoordinator::add_dependency",
+                stream: dependent.id(),
+            });
+        }
+        if let Err(cycle) = self.graph.lock().try_add(dependent.id(), prerequisite.id()) {
+            self.refused_cycles.fetch_add(1, Ordering::Relaxed);
+            return Err(StreamError::DependencyCycle {
+                dependent: dependent.id(),
+                prerequisite: prerequisite.id(),
+                cycle,
+            });
+        }
+        self.add_stream(Arc::clone(dependent));
+        self.add_stream(Arc::clone(prerequisite));
+        dependent.wait_for(prerequisite)?;
+        self.dependencies.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The declared dependencies, as `(dependent id, prerequisite id)`.
+    pub fn dependencies(&self) -> Vec<(u64, u64)> {
+        self.graph.lock().edges()
+    }
+
+    /// A copy of the dependency graph.
+    pub fn graph(&self) -> DependencyGraph {
+        self.graph.lock().clone()
+    }
+
+    /// Whether the declared dependencies contain a cycle (never, through `add_dependency`; the
+    /// check is there for graphs merged in by hand).
+    pub fn has_cycles(&self) -> bool {
+        self.graph.lock().has_cycles()
+    }
+
+    /// The cycles among the declared dependencies, one per strongly connected part.
+    pub fn cycles(&self) -> Vec<Vec<u64>> {
+        self.graph.lock().cycles()
+    }
+
+    /// Queues a barrier: an event is recorded on every stream, then every stream waits on the
+    /// device for every other stream's event. Work queued after it on any stream starts only
+    /// once the work queued before it on all streams has finished. The host does not block.
+    ///
+    /// # Errors
+    /// The driver's error from an event record or wait.
+    pub fn create_barrier(&self) -> Result<BarrierInfo> {
+        let streams = self.streams();
+        let events = streams
+            .iter()
+            .map(|stream| {
+                let event = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
+                event.record(stream.stream())?;
+                Ok(event)
+            })
+            .collect::<Result<Vec<Event>>>()?;
+        let mut waits = 0;
+        for (i, stream) in streams.iter().enumerate() {
+            for (j, event) in events.iter().enumerate() {
+                if i != j {
+                    stream.stream().wait_event(event)?;
+                    waits += 1;
+                }
+            }
+        }
+        self.barriers.fetch_add(1, Ordering::Relaxed);
+        Ok(BarrierInfo {
+            streams: streams.len(),
+            events: events.len(),
+            waits,
+        })
+    }
+
+    /// Runs `f` on every stream, each on its own thread, and waits for all of them.
+    ///
+    /// # Errors
+    /// [`StreamError::Parallel`] listing every stream whose closure failed or panicked (a panic
+    /// becomes [`StreamError::Panicked`]); `Ok` only when all succeeded.
+    pub fn execute_parallel<F>(&self, f: F) -> Result<()>
+    where
+        F: Fn(&PriorityStream) -> Result<()> + Sync,
+    {
+        let streams = self.streams();
+        self.parallel_runs.fetch_add(1, Ordering::Relaxed);
+        let f = &f;
+        let mut failures: Vec<(u64, StreamError)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = streams
+                .iter()
+                .map(|stream| {
+                    let id = stream.id();
+                    let handle = scope.spawn(move || {
+                        std::panic::catch_unwind(AssertUnwindSafe(|| f(stream))).unwrap_or_else(
+                            |payload| {
+                                Err(StreamError::Panicked {
+                                    operation: "MultiStreamCoordinator::execute_parallel",
+                                    stream: id,
+                                    message: panic_message(&*payload),
+                                })
+                            },
+                        )
+                    });
+                    (id, handle)
+                })
+                .collect();
+            handles
+                .into_iter()
+                .filter_map(|(id, handle)| match handle.join() {
+                    Ok(Ok(())) => None,
+                    Ok(Err(error)) => Some((id, error)),
+                    Err(payload) => Some((
+                        id,
+                        StreamError::Panicked {
+                            operation: "MultiStreamCoordinator::execute_parallel",
+                            stream: id,
+                            message: panic_message(&*payload),
+                        },
+                    )),
+                })
+                .collect()
+        });
+        if failures.is_empty() {
+            Ok(())
+        } else {
+            failures.sort_by_key(|(id, _)| *id);
+            Err(StreamError::Parallel { failures })
+        }
+    }
+
+    /// Runs `callback` on a cuweave worker thread once the GPU has finished the work queued on
+    /// `stream` so far.
+    ///
+    /// # Errors
+    /// As [`PriorityStream::add_callback`].
+    pub fn on_stream_complete(
+        &self,
+        stream: &PriorityStream,
+        callback: impl FnOnce() + Send + 'static,
+    ) -> Result<()> {
+        stream.add_callback(callback)
+    }
+
+    /// Runs `callback` once the GPU has finished the work queued so far on every coordinated
+    /// stream (on the worker of the stream that finished last). With no streams it runs at once,
+    /// on this thread.
+    ///
+    /// # Errors
+    /// As [`PriorityStream::add_callback`]; streams queued before a failure still count down, so
+    /// `callback` does not run then.
+    pub fn on_all_complete(&self, callback: impl FnOnce() + Send + 'static) -> Result<()> {
+        let streams = self.streams();
+        if streams.is_empty() {
+            callback();
+            return Ok(());
+        }
+        let remaining = Arc::new(AtomicUsize::new(streams.len()));
+        let callback = Arc::new(Mutex::new(Some(callback)));
+        for stream in &streams {
+            let remaining = Arc::clone(&remaining);
+            let callback = Arc::clone(&callback);
+            stream.add_callback(move || {
+                if remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    if let Some(callback) = callback.lock().take() {
+                        callback();
+                    }
+                }
+            })?;
+        }
+        Ok(())
+    }
+
+    /// What the coordinator has done so far.
+    pub fn stats(&self) -> CoordinatorStats {
+        CoordinatorStats {
+            dependencies: self.dependencies.load(Ordering::Relaxed),
+            refused_cycles: self.refused_cycles.load(Ordering::Relaxed),
+            barriers: self.barriers.load(Ordering::Relaxed),
+            parallel_runs: self.parallel_runs.load(Ordering::Relaxed),
+        }
+    }
+}

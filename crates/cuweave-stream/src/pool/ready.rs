@@ -1,0 +1,78 @@
+//! Waiting for the first of several streams to finish its work, without spinning a core.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::error::Result;
+use crate::stream::PriorityStream;
+
+/// First sleep between polls.
+pub(crate) const FIRST_BACKOFF: Duration = Duration::from_micros(20);
+/// Longest sleep between polls: bounds how late a finished stream is noticed.
+pub(crate) const MAX_BACKOFF: Duration = Duration::from_micros(500);
+
+/// The first of `streams` whose queued work has all finished (`cuStreamQuery`), or `None` once
+/// `timeout` has passed.
+///
+/// # How it waits
+/// It polls: one `cuStreamQuery` per stream (well under a microsecond each), then a sleep that
+/// starts at 20 µs and doubles up to 500 µs. The thread sleeps in between, so a long wait costs
+/// a few hundred queries a second (well under 1 % of a core) and notices a finished stream at
+/// most 500 µs late. A host function per stream would wake it sooner, but it would add a host
+/// node to every stream's queue on every call (and later work on those streams would wait behind
+/// it); a blocking-sync event wait can watch only one stream per thread. Polling is the only way
+/// that watches any number of streams without changing their queues.
+///
+/// # Errors
+/// The driver's error from a query (e.g. a kernel that faulted).
+pub fn wait_for_any_ready(
+    streams: &[Arc<PriorityStream>],
+    timeout: Duration,
+) -> Result<Option<Arc<PriorityStream>>> {
+    let deadline = Instant::now() + timeout;
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        for stream in streams {
+            if stream.is_ready()? {
+                return Ok(Some(Arc::clone(stream)));
+            }
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(None);
+        }
+        std::thread::sleep(backoff.min(deadline - now));
+        backoff = next_backoff(backoff);
+    }
+}
+
+/// The sleep after `current`: doubled, at most [`MAX_BACKOFF`].
+pub(crate) fn next_backoff(current: Duration) -> Duration {
+    (current * 2).min(MAX_BACKOFF)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_its_cap() {
+        let mut backoff = FIRST_BACKOFF;
+        let mut steps = vec![backoff];
+        for _ in 0..8 {
+            backoff = next_backoff(backoff);
+            steps.push(backoff);
+        }
+        assert_eq!(steps[1], Duration::from_micros(40));
+        assert_eq!(*steps.last().unwrap(), MAX_BACKOFF);
+        assert!(steps.windows(2).all(|w| w[0] <= w[1]));
+    }
+
+    #[test]
+    fn no_streams_times_out_with_none() {
+        let started = Instant::now();
+        let found = wait_for_any_ready(&[], Duration::from_millis(5)).unwrap();
+        assert!(found.is_none());
+        assert!(started.elapsed() >= Duration::from_millis(5));
+    }
+}

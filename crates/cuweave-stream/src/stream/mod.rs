@@ -1,0 +1,278 @@
+//! [`PriorityStream`]: a driver [`Stream`] with a [`StreamPriority`], per-stream metrics,
+//! GPU-timed operations, outstanding-work tracking and host callbacks that may call CUDA.
+
+use std::sync::Arc;
+
+use cuweave_driver::{Context, Device, DriverError, Event, EventFlags, Stream, StreamFlags};
+
+use crate::error::{Result, StreamError};
+use crate::priority::StreamPriority;
+
+mod callback;
+mod metrics;
+mod operations;
+mod outstanding;
+mod timing;
+
+pub use callback::CallbackFailure;
+pub use metrics::{OperationKind, StreamMetrics};
+
+use callback::CallbackWorker;
+use metrics::MetricsCounters;
+use outstanding::OutstandingWork;
+use timing::GpuTimer;
+
+/// A non-blocking CUDA stream of this layer: the driver's [`Stream`] (reached through
+/// [`stream`](Self::stream) or `Deref`) plus what the stream layer keeps about it.
+///
+/// - Its [`StreamPriority`] and the driver priority it got, read back with
+///   `cuStreamGetPriority` when it is made ([`driver_priority`](Self::driver_priority)).
+/// - Typed operations that count themselves in [`metrics`](Self::metrics): async copies and
+///   fills of `cuweave-memory` buffers (ordered with each buffer's other uses by the buffer's own
+///   tracking), unified-memory prefetch, kernel launches ([`launch`](Self::launch)) and any
+///   other work ([`enqueue`](Self::enqueue)). With [`set_timing`](Self::set_timing) on, each is
+///   bracketed by timing events and its GPU time is summed.
+/// - How much of that work the GPU has not finished ([`outstanding_work`](Self::outstanding_work)),
+///   from a disable-timing event recorded behind each operation: what
+///   [`AllocationStrategy::LoadBalanced`](crate::AllocationStrategy::LoadBalanced) compares.
+/// - Host callbacks ([`add_callback`](Self::add_callback)) queued with `cuLaunchHostFunc` that
+///   may themselves call CUDA.
+///
+/// Work queued on the driver stream directly (through `Deref`) runs in the same order but is
+/// not counted; wrap it in [`enqueue`](Self::enqueue) to count it.
+#[derive(Debug)]
+pub struct PriorityStream {
+    inner: Stream,
+    priority: StreamPriority,
+    driver_priority: i32,
+    metrics: MetricsCounters,
+    outstanding: OutstandingWork<Event>,
+    timer: GpuTimer,
+    callbacks: CallbackWorker,
+}
+
+impl PriorityStream {
+    /// Creates a non-blocking stream in `context` at `priority`, mapped onto the device's range.
+    ///
+    /// # Errors
+    /// The driver's error when the stream cannot be made or its priority cannot be read back.
+    pub fn new(context: &Arc<Context>, priority: StreamPriority) -> Result<Self> {
+        let range = context.stream_priority_range()?;
+        let inner = Stream::with_priority(
+            context,
+            StreamFlags::NON_BLOCKING,
+            priority.to_driver(range),
+        )?;
+        Self::wrap(inner, priority)
+    }
+
+    /// Wraps a driver stream made elsewhere; its level is the one nearest its driver priority.
+    ///
+    /// # Errors
+    /// The driver's error when the priority cannot be read.
+    pub fn from_stream(stream: Stream) -> Result<Self> {
+        let range = stream.context().stream_priority_range()?;
+        let level = StreamPriority::from_driver(stream.priority()?, range);
+        Self::wrap(stream, level)
+    }
+
+    fn wrap(inner: Stream, priority: StreamPriority) -> Result<Self> {
+        let driver_priority = inner.priority()?;
+        let id = inner.id();
+        Ok(Self {
+            inner,
+            priority,
+            driver_priority,
+            metrics: MetricsCounters::default(),
+            outstanding: OutstandingWork::default(),
+            timer: GpuTimer::default(),
+            callbacks: CallbackWorker::new(id),
+        })
+    }
+
+    /// The driver stream, for calls of other layers (`Event::record`, buffer methods, kernels).
+    pub fn stream(&self) -> &Stream {
+        &self.inner
+    }
+
+    /// The driver stream's process-unique id ([`Stream::id`]).
+    pub fn id(&self) -> u64 {
+        self.inner.id()
+    }
+
+    /// The context the stream belongs to.
+    pub fn context(&self) -> &Arc<Context> {
+        self.inner.context()
+    }
+
+    /// The device the stream runs on.
+    pub fn device(&self) -> Device {
+        self.inner.device()
+    }
+
+    /// The level it was made at.
+    pub fn priority(&self) -> StreamPriority {
+        self.priority
+    }
+
+    /// The driver priority the stream really has, read back with `cuStreamGetPriority` when it
+    /// was made (lower is more urgent).
+    pub fn driver_priority(&self) -> i32 {
+        self.driver_priority
+    }
+
+    /// A snapshot of the counters, after adding the GPU time of timed operations that finished.
+    ///
+    /// # Errors
+    /// The driver's error when reading a finished timing pair fails.
+    pub fn metrics(&self) -> Result<StreamMetrics> {
+        self.timer.harvest(&self.metrics)?;
+        let mut metrics = self.metrics.snapshot();
+        metrics.callback_panics = self.callbacks.panics();
+        Ok(metrics)
+    }
+
+    /// Turns GPU timing of later operations on or off (off by default: two event records per
+    /// operation are not free).
+    pub fn set_timing(&self, enabled: bool) {
+        self.timer.set_enabled(enabled);
+    }
+
+    /// Whether operations are being timed.
+    pub fn is_timing(&self) -> bool {
+        self.timer.is_enabled()
+    }
+
+    /// Operations queued through this stream that the GPU has not finished, without blocking.
+    ///
+    /// # Errors
+    /// The driver's error from an event query.
+    pub fn outstanding_work(&self) -> Result<u64> {
+        Ok(self.outstanding.outstanding(Event::query)?)
+    }
+
+    /// Whether everything queued on the stream (counted or not) has finished (`cuStreamQuery`).
+    ///
+    /// # Errors
+    /// The driver's error, e.g. from a failed kernel.
+    pub fn is_ready(&self) -> Result<bool> {
+        Ok(self.inner.query()?)
+    }
+
+    /// Blocks until everything queued on the stream has finished.
+    ///
+    /// # Errors
+    /// The driver's error, e.g. from a failed kernel.
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.inner.synchronize()?)
+    }
+
+    /// Makes later work on this stream wait, on the device, for the work queued on `other` so
+    /// far (an event recorded on `other`, then `cuStreamWaitEvent`).
+    ///
+    /// # Errors
+    /// [`StreamError::WrongDevice`] is not raised here: CUDA lets streams wait on events of other
+    /// devices. The driver's error otherwise.
+    pub fn wait_for(&self, other: &PriorityStream) -> Result<()> {
+        let event = Event::new(other.context(), EventFlags::DISABLE_TIMING)?;
+        event.record(other.stream())?;
+        self.inner.wait_event(&event)?;
+        Ok(())
+    }
+
+    /// Queues work through `f` on this stream, counting it as one operation of `kind` moving
+    /// `bytes`, timing it when timing is on, and tracking it as outstanding until the GPU is
+    /// past it.
+    ///
+    /// # Errors
+    /// `f`'s error, or the driver's error from recording the markers.
+    pub fn enqueue<R, E>(
+        &self,
+        kind: OperationKind,
+        bytes: u64,
+        f: impl FnOnce(&Stream) -> std::result::Result<R, E>,
+    ) -> Result<R>
+    where
+        StreamError: From<E>,
+    {
+        let token = self.timer.begin(self.context(), &self.inner)?;
+        let result = f(&self.inner);
+        // The start event is already on the stream; end it even if `f` failed, so the pair stays
+        // well-formed (its time is then that of whatever `f` queued before failing).
+        self.timer.end(token, &self.inner)?;
+        let value = result?;
+        self.metrics.count(kind, bytes);
+        self.outstanding.submitted(
+            1,
+            || Event::new(self.context(), EventFlags::DISABLE_TIMING),
+            |event| event.record(&self.inner),
+        )?;
+        Ok(value)
+    }
+
+    /// Queues a kernel launch: `launch` gets the driver stream and calls
+    /// [`Kernel::launch`](cuweave_driver::Kernel::launch) (whose `unsafe` contract stays the
+    /// caller's); the launch is counted and tracked like any operation.
+    ///
+    /// ```no_run
+    /// # use std::sync::Arc;
+    /// # use cuweave_driver::{Context, Kernel, KernelArgs, LaunchConfig};
+    /// # use cuweave_stream::{PriorityStream, StreamPriority};
+    /// # fn demo(context: &Arc<Context>, kernel: &Kernel) -> cuweave_stream::Result<()> {
+    /// let stream = PriorityStream::new(context, StreamPriority::High)?;
+    /// let ns = 1_000u64;
+    /// stream.launch(|s| {
+    ///     // SAFETY (for the reader): the kernel takes one u64 and touches no memory.
+    ///     unsafe { kernel.launch(s, LaunchConfig::single(), &KernelArgs::new().arg(&ns)) }
+    /// })?;
+    /// assert_eq!(stream.metrics()?.kernel_launches, 1);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// The launch's error.
+    pub fn launch<R>(
+        &self,
+        launch: impl FnOnce(&Stream) -> std::result::Result<R, DriverError>,
+    ) -> Result<R> {
+        self.enqueue(OperationKind::KernelLaunch, 0, launch)
+    }
+
+    /// Queues `callback` to run once the GPU has finished everything queued on this stream
+    /// before it (`cuLaunchHostFunc`), in order with the stream's other callbacks.
+    ///
+    /// The driver's callback thread only hands `callback` to this stream's worker thread (started
+    /// on first use), so `callback` may call CUDA, block, or take locks. Later GPU work on the
+    /// stream does not wait for `callback` to return. A panic in it is caught and reported in
+    /// [`callback_failures`](Self::callback_failures) and the metrics; later callbacks still run.
+    ///
+    /// # Errors
+    /// The driver's error when the host function cannot be queued, or a failure to start the
+    /// worker thread.
+    pub fn add_callback(&self, callback: impl FnOnce() + Send + 'static) -> Result<()> {
+        let relay = self.callbacks.relay(Box::new(callback))?;
+        self.enqueue(OperationKind::Callback, 0, |stream| {
+            stream.launch_host_fn(relay)
+        })
+    }
+
+    /// The callbacks that panicked so far.
+    pub fn callback_failures(&self) -> Vec<CallbackFailure> {
+        self.callbacks.failures()
+    }
+}
+
+impl std::ops::Deref for PriorityStream {
+    type Target = Stream;
+
+    fn deref(&self) -> &Stream {
+        &self.inner
+    }
+}
+
+impl AsRef<Stream> for PriorityStream {
+    fn as_ref(&self) -> &Stream {
+        &self.inner
+    }
+}

@@ -1,0 +1,100 @@
+//! Typed operations on a [`PriorityStream`]: async copies and fills of `cuweave-memory` buffers
+//! and unified-memory prefetch, each checked for the device and counted.
+
+use cuweave_memory::{
+    Buffer, Element, HostSink, HostSource, MemLocation, PendingCopy, UnifiedBuffer,
+};
+
+use super::{OperationKind, PriorityStream};
+use crate::error::{Result, ensure_device};
+
+impl PriorityStream {
+    fn ensure_buffer_device(
+        &self,
+        operation: &'static str,
+        device: cuweave_driver::Device,
+    ) -> Result<()> {
+        ensure_device(operation, self.device().ordinal(), device.ordinal())
+    }
+
+    /// Queues a copy of `host` (exactly `dst.len()` elements) into `dst`; the [`PendingCopy`]
+    /// owns `host` until the GPU is past the copy.
+    ///
+    /// # Errors
+    /// [`StreamError::WrongDevice`](crate::StreamError::WrongDevice) for a buffer of another
+    /// device; the memory layer's errors for mismatched lengths.
+    pub fn copy_from_host<T: Element, B: Buffer<T>, H: HostSource<T>>(
+        &self,
+        dst: &mut B,
+        host: H,
+    ) -> Result<PendingCopy<H>> {
+        self.ensure_buffer_device("PriorityStream::copy_from_host", dst.device())?;
+        let bytes = dst.byte_size() as u64;
+        self.enqueue(OperationKind::Copy, bytes, |stream| {
+            dst.copy_from_host_async(host, stream)
+        })
+    }
+
+    /// Queues a copy of `src` into `host` (exactly `src.len()` elements);
+    /// [`PendingCopy::wait`] gives `host` back holding the data.
+    ///
+    /// # Errors
+    /// As [`copy_from_host`](Self::copy_from_host).
+    pub fn copy_to_host<T: Element, B: Buffer<T>, H: HostSink<T>>(
+        &self,
+        src: &B,
+        host: H,
+    ) -> Result<PendingCopy<H>> {
+        self.ensure_buffer_device("PriorityStream::copy_to_host", src.device())?;
+        let bytes = src.byte_size() as u64;
+        self.enqueue(OperationKind::Copy, bytes, |stream| {
+            src.copy_to_host_async(host, stream)
+        })
+    }
+
+    /// Queues a device-to-device copy of `src` into `dst` (same length, same device).
+    ///
+    /// # Errors
+    /// As [`copy_from_host`](Self::copy_from_host).
+    pub fn copy_buffer<T: Element, D: Buffer<T>, S: Buffer<T> + ?Sized>(
+        &self,
+        dst: &mut D,
+        src: &S,
+    ) -> Result<()> {
+        self.ensure_buffer_device("PriorityStream::copy_buffer", dst.device())?;
+        self.ensure_buffer_device("PriorityStream::copy_buffer", src.device())?;
+        let bytes = dst.byte_size() as u64;
+        self.enqueue(OperationKind::Copy, bytes, |stream| {
+            dst.copy_from_async(src, stream)
+        })
+    }
+
+    /// Queues setting every element of `dst` to `value` (a memset where the value's bytes allow).
+    ///
+    /// # Errors
+    /// [`StreamError::WrongDevice`](crate::StreamError::WrongDevice) for a buffer of another device.
+    pub fn fill<T: Element, B: Buffer<T>>(&self, dst: &mut B, value: T) -> Result<()> {
+        self.ensure_buffer_device("PriorityStream::fill", dst.device())?;
+        let bytes = dst.byte_size() as u64;
+        self.enqueue(OperationKind::Memset, bytes, |stream| {
+            dst.fill_async(value, stream)
+        })
+    }
+
+    /// Queues a migration of a unified buffer to `location` (a device or the host).
+    ///
+    /// # Errors
+    /// [`StreamError::WrongDevice`](crate::StreamError::WrongDevice) for a buffer of another
+    /// device; the memory layer's capability errors on devices without managed memory.
+    pub fn prefetch<T: Element>(
+        &self,
+        buffer: &UnifiedBuffer<T>,
+        location: MemLocation,
+    ) -> Result<()> {
+        self.ensure_buffer_device("PriorityStream::prefetch", buffer.device())?;
+        let bytes = buffer.byte_size() as u64;
+        self.enqueue(OperationKind::Prefetch, bytes, |stream| {
+            buffer.prefetch_to(location, stream)
+        })
+    }
+}

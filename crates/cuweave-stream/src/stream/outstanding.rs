@@ -1,0 +1,156 @@
+//! [`OutstandingWork`]: how many operations queued on a stream the GPU has not finished, known
+//! from markers (events) recorded behind them, not from a count of calls.
+//!
+//! The logic is generic over the marker so that it is tested without a GPU; the stream uses
+//! disable-timing [`Event`](cuweave_driver::Event)s.
+
+use std::collections::VecDeque;
+
+use parking_lot::Mutex;
+
+/// Most markers kept per stream; past this the newest marker is re-recorded to cover the new
+/// work too, so a stream that is fed far ahead of the GPU costs bounded memory.
+pub(crate) const MAX_MARKERS: usize = 256;
+
+/// Markers behind queued work, oldest first, each with the number of operations it covers.
+#[derive(Debug)]
+pub(crate) struct OutstandingWork<M> {
+    inner: Mutex<Inner<M>>,
+}
+
+#[derive(Debug)]
+struct Inner<M> {
+    pending: VecDeque<(M, u64)>,
+    free: Vec<M>,
+}
+
+impl<M> Default for OutstandingWork<M> {
+    fn default() -> Self {
+        Self {
+            inner: Mutex::new(Inner {
+                pending: VecDeque::new(),
+                free: Vec::new(),
+            }),
+        }
+    }
+}
+
+impl<M> OutstandingWork<M> {
+    /// Notes `ops` operations just queued: records a marker behind them with `record`, on a
+    /// recycled marker or one from `make`. Past [`MAX_MARKERS`] the newest marker is re-recorded
+    /// instead (stream order makes it cover everything it covered before as well).
+    pub(crate) fn submitted<E>(
+        &self,
+        ops: u64,
+        make: impl FnOnce() -> Result<M, E>,
+        record: impl Fn(&M) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut inner = self.inner.lock();
+        if inner.pending.len() >= MAX_MARKERS {
+            if let Some((marker, covered)) = inner.pending.back_mut() {
+                record(marker)?;
+                *covered += ops;
+                return Ok(());
+            }
+        }
+        let marker = match inner.free.pop() {
+            Some(marker) => marker,
+            None => make()?,
+        };
+        if let Err(error) = record(&marker) {
+            inner.free.push(marker);
+            return Err(error);
+        }
+        inner.pending.push_back((marker, ops));
+        Ok(())
+    }
+
+    /// Operations whose markers `is_done` does not report finished. Finished markers (a prefix,
+    /// by stream order) are retired for reuse; the first unfinished one ends the scan.
+    pub(crate) fn outstanding<E>(&self, is_done: impl Fn(&M) -> Result<bool, E>) -> Result<u64, E> {
+        let mut inner = self.inner.lock();
+        while let Some((front, _)) = inner.pending.front() {
+            if !is_done(front)? {
+                break;
+            }
+            if let Some((marker, _)) = inner.pending.pop_front() {
+                inner.free.push(marker);
+            }
+        }
+        Ok(inner.pending.iter().map(|(_, ops)| ops).sum())
+    }
+
+    /// Markers currently waiting (for tests and diagnostics).
+    #[cfg(test)]
+    pub(crate) fn markers(&self) -> usize {
+        self.inner.lock().pending.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+    use std::convert::Infallible;
+
+    use super::*;
+
+    /// A marker that is "done" once the simulated GPU clock has passed the value recorded in it.
+    #[derive(Debug, Default)]
+    struct Marker(Cell<u64>);
+
+    #[test]
+    fn outstanding_counts_only_unfinished_work_and_recycles_markers() {
+        let work = OutstandingWork::<Marker>::default();
+        let submitted = Cell::new(0u64);
+        let made = Cell::new(0);
+        let submit = |ops: u64| {
+            submitted.set(submitted.get() + 1);
+            work.submitted::<Infallible>(
+                ops,
+                || {
+                    made.set(made.get() + 1);
+                    Ok(Marker::default())
+                },
+                |marker| {
+                    marker.0.set(submitted.get());
+                    Ok(())
+                },
+            )
+            .unwrap();
+        };
+        submit(1);
+        submit(2);
+        submit(3);
+        // The GPU has finished the work behind the first two markers.
+        let done_up_to = 2;
+        let outstanding = work
+            .outstanding::<Infallible>(|marker| Ok(marker.0.get() <= done_up_to))
+            .unwrap();
+        assert_eq!(outstanding, 3);
+        assert_eq!(work.markers(), 1);
+        submit(4);
+        assert_eq!(made.get(), 3, "a retired marker is reused");
+        let all_done = work.outstanding::<Infallible>(|_| Ok(true)).unwrap();
+        assert_eq!(all_done, 0);
+    }
+
+    #[test]
+    fn markers_stay_bounded_by_rerecording_the_newest() {
+        let work = OutstandingWork::<Marker>::default();
+        for _ in 0..MAX_MARKERS + 10 {
+            work.submitted::<Infallible>(1, || Ok(Marker::default()), |_| Ok(()))
+                .unwrap();
+        }
+        assert_eq!(work.markers(), MAX_MARKERS);
+        let outstanding = work.outstanding::<Infallible>(|_| Ok(false)).unwrap();
+        assert_eq!(outstanding, (MAX_MARKERS + 10) as u64);
+    }
+
+    #[test]
+    fn a_failed_record_keeps_nothing_pending() {
+        let work = OutstandingWork::<Marker>::default();
+        let result = work.submitted(1, || Ok(Marker::default()), |_| Err("record failed"));
+        assert_eq!(result, Err("record failed"));
+        assert_eq!(work.outstanding::<Infallible>(|_| Ok(false)).unwrap(), 0);
+    }
+}
