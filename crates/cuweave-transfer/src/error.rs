@@ -47,6 +47,10 @@ pub enum TransferError {
         /// Why not (missing capability, wrong device, ...).
         reason: String,
     },
+    /// The event layer failed while an async transfer waited (driver error, dead context,
+    /// waiter shut down).
+    #[error(transparent)]
+    Event(#[from] cuweave_event::EventError),
     /// Reading or writing a calibration file failed.
     #[error("calibration file {path}: {message}")]
     CalibrationFile {

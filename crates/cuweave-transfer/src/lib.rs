@@ -50,6 +50,7 @@
 //! Guide and measured figures: `docs/transfer.md` in the repository.
 #![forbid(unsafe_code)]
 
+mod async_transfer;
 pub mod backend;
 mod calibrate;
 pub mod calibration;
@@ -63,6 +64,7 @@ pub mod planner;
 pub mod staging;
 pub mod stats;
 
+pub use async_transfer::AsyncTransfer;
 pub use backend::{BackendKind, CudaBackend, HostBackend, TransferBackend};
 pub use calibration::{CalibrationEntry, CalibrationTable};
 pub use endpoint::{Destination, Source};
