@@ -63,6 +63,9 @@ enum Command {
         /// Also calibrate the transfer manager and save the table as JSON to this file.
         #[arg(long, value_name = "FILE.json")]
         save_calibration: Option<std::path::PathBuf>,
+        /// Measure nothing: show (and --plot) a report saved earlier with --json.
+        #[arg(long, value_name = "FILE.json", conflicts_with_all = ["sizes", "save_calibration"])]
+        from_json: Option<std::path::PathBuf>,
     },
 }
 
@@ -77,7 +80,11 @@ fn main() -> ExitCode {
             sizes,
             iterations,
             save_calibration,
-        } => bench_command(json, plot, sizes, iterations.into(), save_calibration),
+            from_json,
+        } => match from_json {
+            Some(path) => replay(&path, json, plot),
+            None => bench_command(json, plot, sizes, iterations.into(), save_calibration),
+        },
     }
 }
 
@@ -119,12 +126,6 @@ fn bench_command(
             return ExitCode::FAILURE;
         }
     };
-    if let Some(path) = &plot
-        && let Err(error) = std::fs::write(path, bench::plot::svg(&report))
-    {
-        complain(&format!("writing {}: {error}", path.display()));
-        return ExitCode::from(EXIT_OUTPUT_FAILED);
-    }
     if let Some(path) = &save_calibration {
         let saved = cuweave::transfer::TransferManager::new()
             .and_then(|manager| manager.calibrate())
@@ -134,8 +135,37 @@ fn bench_command(
             return ExitCode::FAILURE;
         }
     }
+    show(&report, json, plot)
+}
+
+/// `cuweave bench --from-json FILE`: a saved report shown (and plotted) again.
+fn replay(path: &std::path::Path, json: bool, plot: Option<std::path::PathBuf>) -> ExitCode {
+    let report = std::fs::read_to_string(path)
+        .map_err(|error| error.to_string())
+        .and_then(|text| serde_json::from_str(&text).map_err(|error| error.to_string()));
+    match report {
+        Ok(report) => show(&report, json, plot),
+        Err(error) => {
+            complain(&format!("reading {}: {error}", path.display()));
+            ExitCode::from(EXIT_OUTPUT_FAILED)
+        }
+    }
+}
+
+/// Writes the plot (if asked) and prints the report as a table or JSON.
+fn show(
+    report: &bench::report::BenchReport,
+    json: bool,
+    plot: Option<std::path::PathBuf>,
+) -> ExitCode {
+    if let Some(path) = &plot
+        && let Err(error) = std::fs::write(path, bench::plot::svg(report))
+    {
+        complain(&format!("writing {}: {error}", path.display()));
+        return ExitCode::from(EXIT_OUTPUT_FAILED);
+    }
     let output = if json {
-        serde_json::to_string_pretty(&report)
+        serde_json::to_string_pretty(report)
             .unwrap_or_else(|error| format!("{{\"error\": \"{error}\"}}"))
     } else {
         report.text()

@@ -2,10 +2,10 @@
 
 use std::fmt::Write as _;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Everything one `cuweave bench` run measured; serialised as the `--json` output.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BenchReport {
     /// The device measured (device 0), e.g. `NVIDIA H100 80GB HBM3`.
     pub device: String,
@@ -22,7 +22,7 @@ pub struct BenchReport {
 }
 
 /// The pipelined-copy configuration, as reported.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Staging {
     /// Bytes per chunk.
     pub chunk_bytes: usize,
@@ -33,7 +33,7 @@ pub struct Staging {
 }
 
 /// Bandwidth of one method in one direction across the sizes.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Series {
     /// `H2D`, `D2H`, `D2D` or `P2P 0->1`.
     pub direction: String,
@@ -46,7 +46,7 @@ pub struct Series {
 }
 
 /// One measurement.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Point {
     /// Bytes per copy.
     pub bytes: usize,
@@ -55,7 +55,7 @@ pub struct Point {
 }
 
 /// A latency figure: the median host-observed time of a 4-byte copy.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Latency {
     /// What was copied how.
     pub name: String,
@@ -204,6 +204,13 @@ pub(crate) mod tests {
                 threads: 12,
             },
         }
+    }
+
+    #[test]
+    fn reports_round_trip_through_json_for_from_json() {
+        let report = sample();
+        let json = serde_json::to_string(&report).unwrap();
+        assert_eq!(serde_json::from_str::<BenchReport>(&json).unwrap(), report);
     }
 
     #[test]
