@@ -7,8 +7,8 @@
 //! | `pageable_h2d_{256MiB,1GiB}/raw/cuMemcpyHtoD` | `cuMemcpyHtoD_v2` from pageable `Vec<u8>` memory + `cuStreamSynchronize(legacy)` |
 //! | `pageable_h2d_*/cuweave/transfer` | `TransferManager::transfer` of the same memory (planned: `HostStaged`) |
 //! | `pageable_d2h_*/raw/cuMemcpyDtoH`, `…/cuweave/transfer` | the reverse |
-//! | `small_{h2d,d2h}_{4KiB,64KiB}/raw/…`, `…/cuweave/transfer` | the same pairs at small sizes (planned: `DirectCopy`) |
-//! | `pinned_{h2d,d2h}_64MiB/raw/…`, `…/cuweave/transfer` | `cuMemcpyHtoD`/`DtoH` from/to a pinned buffer vs the manager's planned pinned path |
+//! | `small_{h2d,d2h}_{4KiB,64KiB}/raw/…`, `…/cuweave/transfer` | the same pairs at small sizes (planned per the H100 defaults: `HostStaged`, one chunk on the calling thread) |
+//! | `pinned_{h2d,d2h}_64MiB/raw/…`, `…/cuweave/transfer` | `cuMemcpyHtoD`/`DtoH` from/to a pinned buffer vs the manager's planned pinned path (`ZeroCopy` per the defaults) |
 //! | `d2d_256MiB/raw/cuMemcpyDtoD`, `…/cuweave/transfer` | within device 0, + legacy-stream synchronize |
 //! | `p2p_256MiB/raw/cuMemcpyPeerAsync`, `…/cuweave/transfer` | device 0 to device 1 (only with two devices, peer access enabled for both) + stream synchronize |
 //!

@@ -23,6 +23,10 @@
 //! next one, and the [`Plan`] says so. Every transfer is counted in [`TransferStats`] per path
 //! and size class.
 //!
+//! [`TransferManager::upload_async`] and [`TransferManager::download_async`] return an
+//! [`AsyncTransfer`] future, woken by the event layer, that keeps the host memory borrowed until
+//! it completes.
+//!
 //! [`TransferBackend`] is the seam for other kinds of device; CUDA ([`CudaBackend`]) and plain
 //! host memory ([`HostBackend`]) implement it here.
 //!
