@@ -6,8 +6,15 @@
 //! machine without a usable driver it says so and exits 0; it exits 1 only when the driver
 //! initialised but a query failed. Set `RUST_LOG` (e.g. `RUST_LOG=debug`) to see the driver
 //! layer's log on stderr.
+//!
+//! `cuweave bench` measures host-to-device, device-to-host, device-to-device and (with two
+//! devices) peer-to-peer bandwidth over a sweep of sizes, pinned, pageable and through cuweave's
+//! transfer manager, plus copy latency; it shows a progress bar while it runs, then a table, or
+//! JSON with `--json`, and writes an SVG plot with `--plot FILE.svg`. Sizes that do not fit free
+//! memory are refused (exit 2); without a driver it says so and exits 0.
 #![forbid(unsafe_code)]
 
+mod bench;
 mod info;
 mod render;
 
@@ -39,6 +46,27 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Measure copy bandwidth and latency: raw driver calls beside cuweave's transfer methods.
+    Bench {
+        /// Print machine-readable JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Also write bandwidth against size as an SVG plot to this file.
+        #[arg(long, value_name = "FILE.svg")]
+        plot: Option<std::path::PathBuf>,
+        /// Sizes to measure, comma-separated (e.g. 4K,1M,256M,1G); 4 KiB to 1 GiB by default.
+        #[arg(long, value_delimiter = ',', value_parser = bench::parse_size)]
+        sizes: Vec<usize>,
+        /// Timed copies per point (the median is reported, after one warm-up copy).
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u16).range(1..))]
+        iterations: u16,
+        /// Also calibrate the transfer manager and save the table as JSON to this file.
+        #[arg(long, value_name = "FILE.json")]
+        save_calibration: Option<std::path::PathBuf>,
+        /// Measure nothing: show (and --plot) a report saved earlier with --json.
+        #[arg(long, value_name = "FILE.json", conflicts_with_all = ["sizes", "save_calibration"])]
+        from_json: Option<std::path::PathBuf>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -46,6 +74,110 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Info { json } => info_command(json),
+        Command::Bench {
+            json,
+            plot,
+            sizes,
+            iterations,
+            save_calibration,
+            from_json,
+        } => match from_json {
+            Some(path) => replay(&path, json, plot),
+            None => bench_command(json, plot, sizes, iterations.into(), save_calibration),
+        },
+    }
+}
+
+fn bench_command(
+    json: bool,
+    plot: Option<std::path::PathBuf>,
+    mut sizes: Vec<usize>,
+    iterations: usize,
+    save_calibration: Option<std::path::PathBuf>,
+) -> ExitCode {
+    if sizes.is_empty() {
+        sizes = bench::DEFAULT_SIZES.to_vec();
+    }
+    sizes.sort_unstable();
+    sizes.dedup();
+    let devices = cuweave::driver::Device::count().unwrap_or(0);
+    let bar = indicatif::ProgressBar::new(bench::measure::steps(sizes.len(), devices));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:40.cyan/blue} {pos}/{len} {elapsed} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let outcome = bench::measure::run(&sizes, iterations, |step| {
+        bar.set_message(step);
+        bar.inc(1);
+    });
+    bar.finish_and_clear();
+    let report = match outcome {
+        Ok(report) => report,
+        Err(bench::BenchError::NoGpu(why)) => {
+            println!("cuweave bench: nothing to measure: {why}");
+            return ExitCode::SUCCESS;
+        }
+        Err(bench::BenchError::DoesNotFit(why)) => {
+            complain(&why);
+            return ExitCode::from(EXIT_OUTPUT_FAILED);
+        }
+        Err(bench::BenchError::Failed(why)) => {
+            complain(&format!("bench failed: {why}"));
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(path) = &save_calibration {
+        let saved = cuweave::transfer::TransferManager::new()
+            .and_then(|manager| manager.calibrate())
+            .and_then(|table| table.save(path));
+        if let Err(error) = saved {
+            complain(&format!("calibration: {error}"));
+            return ExitCode::FAILURE;
+        }
+    }
+    show(&report, json, plot)
+}
+
+/// `cuweave bench --from-json FILE`: a saved report shown (and plotted) again.
+fn replay(path: &std::path::Path, json: bool, plot: Option<std::path::PathBuf>) -> ExitCode {
+    let report = std::fs::read_to_string(path)
+        .map_err(|error| error.to_string())
+        .and_then(|text| serde_json::from_str(&text).map_err(|error| error.to_string()));
+    match report {
+        Ok(report) => show(&report, json, plot),
+        Err(error) => {
+            complain(&format!("reading {}: {error}", path.display()));
+            ExitCode::from(EXIT_OUTPUT_FAILED)
+        }
+    }
+}
+
+/// Writes the plot (if asked) and prints the report as a table or JSON.
+fn show(
+    report: &bench::report::BenchReport,
+    json: bool,
+    plot: Option<std::path::PathBuf>,
+) -> ExitCode {
+    if let Some(path) = &plot
+        && let Err(error) = std::fs::write(path, bench::plot::svg(report))
+    {
+        complain(&format!("writing {}: {error}", path.display()));
+        return ExitCode::from(EXIT_OUTPUT_FAILED);
+    }
+    let output = if json {
+        serde_json::to_string_pretty(report)
+            .unwrap_or_else(|error| format!("{{\"error\": \"{error}\"}}"))
+    } else {
+        report.text()
+    };
+    let mut stdout = std::io::stdout().lock();
+    match writeln!(stdout, "{output}").and_then(|()| stdout.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(error) => {
+            complain(&format!("writing the report failed: {error}"));
+            ExitCode::from(EXIT_OUTPUT_FAILED)
+        }
     }
 }
 
@@ -110,5 +242,30 @@ mod tests {
         let cli = Cli::try_parse_from(["cuweave", "info"]).unwrap();
         assert!(matches!(cli.command, Command::Info { json: false }));
         assert!(Cli::try_parse_from(["cuweave"]).is_err());
+    }
+
+    #[test]
+    fn bench_parses_sizes_plot_and_json() {
+        let cli = Cli::try_parse_from([
+            "cuweave", "bench", "--sizes", "4K,1M", "--plot", "out.svg", "--json",
+        ])
+        .unwrap();
+        match cli.command {
+            Command::Bench {
+                json,
+                plot,
+                sizes,
+                iterations,
+                ..
+            } => {
+                assert!(json);
+                assert_eq!(plot.as_deref(), Some(std::path::Path::new("out.svg")));
+                assert_eq!(sizes, vec![4096, 1 << 20]);
+                assert_eq!(iterations, 5);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(Cli::try_parse_from(["cuweave", "bench", "--sizes", "12Q"]).is_err());
+        assert!(Cli::try_parse_from(["cuweave", "bench", "--iterations", "0"]).is_err());
     }
 }

@@ -33,6 +33,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cuweave_driver::{Context, Device, DriverError};
 
+pub mod event_kernels;
 pub mod kernels;
 pub mod memory_kernels;
 pub mod stream_kernels;

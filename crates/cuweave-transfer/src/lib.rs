@@ -1,5 +1,81 @@
-//! Transfers for cuweave: a transfer manager that moves bytes between host and devices by the
-//! fastest real path.
+//! Transfers for cuweave: a transfer manager that moves bytes between host memory and devices by
+//! the fastest real path on this machine.
 //!
-//! Work in progress (issue 8); see `ARCHITECTURE.md`.
+//! # The model
+//!
+//! A transfer reads a [`Source`] (pageable host memory as a slice, or a range of a pinned,
+//! device or unified buffer) and writes a [`Destination`]. The [`TransferManager`] looks at the
+//! [`TransferPath`] (which kinds of memory, one device or two) and the [`SizeClass`], and
+//! [plans](TransferManager::plan) a [`TransferMethod`]:
+//!
+//! | method | used for |
+//! |---|---|
+//! | `DirectCopy` | the plain driver copy: small copies, pinned memory, one device |
+//! | `HostStaged` | large pageable copies, pipelined through pinned blocks by host threads ([`StagingConfig`]); device pairs without peer access |
+//! | `UnifiedMemory` | managed memory: prefetch to where the copy runs, then copy |
+//! | `PeerToPeer` | device pairs with peer access (enabled once per pair) |
+//! | `ZeroCopy` | pinned memory addressed through its device mapping, no staging copy |
+//!
+//! The choice comes from measured bandwidth: [`TransferManager::calibrate`] times each candidate
+//! on this machine (once per process; save the [`CalibrationTable`] as JSON and load it later),
+//! and without it the H100 figures of [`CalibrationTable::h100_defaults`] decide. A method the
+//! devices cannot do (no peer access, no host mapping, no managed prefetch) is skipped for the
+//! next one, and the [`Plan`] says so. Every transfer is counted in [`TransferStats`] per path
+//! and size class.
+//!
+//! [`TransferManager::upload_async`] and [`TransferManager::download_async`] return an
+//! [`AsyncTransfer`] future, woken by the event layer, that keeps the host memory borrowed until
+//! it completes.
+//!
+//! [`TransferBackend`] is the seam for other kinds of device; CUDA ([`CudaBackend`]) and plain
+//! host memory ([`HostBackend`]) implement it here.
+//!
+//! ```no_run
+//! use cuweave_driver::{Context, Device};
+//! use cuweave_memory::DeviceBuffer;
+//! use cuweave_transfer::{Location, TransferManager};
+//!
+//! # fn main() -> Result<(), cuweave_transfer::TransferError> {
+//! let manager = TransferManager::new()?;
+//! manager.calibrate()?; // a few hundred ms, once per process
+//! println!("{}", manager.plan(Location::PageableHost, Location::Device(0), 512 << 20));
+//!
+//! let context = Context::primary(Device::get(0)?)?;
+//! let data: Vec<f32> = (0..1 << 26).map(|i| i as f32).collect();
+//! let mut device = DeviceBuffer::<f32>::new(&context, data.len())?;
+//! manager.transfer(&data, &mut device)?;
+//! let mut back = vec![0.0f32; data.len()];
+//! manager.transfer(&device, &mut back)?;
+//! assert_eq!(back, data);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Guide and measured figures: `docs/transfer.md` in the repository.
 #![forbid(unsafe_code)]
+
+mod async_transfer;
+pub mod backend;
+mod calibrate;
+pub mod calibration;
+pub mod endpoint;
+pub mod error;
+mod execute;
+pub mod location;
+pub mod manager;
+pub mod method;
+pub mod planner;
+pub mod staging;
+pub mod stats;
+
+pub use async_transfer::AsyncTransfer;
+pub use backend::{BackendKind, CudaBackend, HostBackend, TransferBackend};
+pub use calibration::{CalibrationEntry, CalibrationTable};
+pub use endpoint::{Destination, Source};
+pub use error::{Result, TransferError};
+pub use location::{Location, LocationKind, SizeClass, TransferPath};
+pub use manager::{TransferManager, TransferReport};
+pub use method::TransferMethod;
+pub use planner::{PathFacts, Plan, PlanReason, Skipped};
+pub use staging::StagingConfig;
+pub use stats::{PathStats, TransferStats};

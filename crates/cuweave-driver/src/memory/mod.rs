@@ -11,6 +11,7 @@ mod device_alloc;
 mod device_free;
 mod host;
 mod managed;
+mod mapped_words;
 mod pointer;
 mod pool;
 
@@ -26,6 +27,7 @@ pub use managed::{
     prefetch_batch_async, range_accessed_by, range_attribute, range_last_prefetch_location,
     range_preferred_location, range_read_mostly,
 };
+pub use mapped_words::MappedWords;
 pub use pointer::{MemoryType, PointerAttributes, pointer_attributes};
 pub use pool::MemoryPool;
 

@@ -60,12 +60,16 @@ mod device;
 mod fill;
 mod host;
 mod pending;
+// Unsafe is allowed here too: the peer copy calls the driver's raw `cuMemcpyPeerAsync`.
+#[allow(unsafe_code)]
+mod peer;
 mod pinned;
 pub(crate) mod range;
 // Unsafe is allowed here alone in this module: the driver's raw copies and memsets take raw
 // pointers, and managed memory becomes a host slice only through a raw pointer.
 #[allow(unsafe_code)]
 pub(crate) mod raw;
+mod staging;
 pub(crate) mod tracker;
 mod unified;
 mod uses;
@@ -73,6 +77,7 @@ mod uses;
 pub use common::Buffer;
 pub use device::DeviceBuffer;
 pub use host::{HostSink, HostSource};
+pub use peer::copy_peer;
 pub use pending::PendingCopy;
 pub use pinned::PinnedBuffer;
 pub use tracker::Access;

@@ -1,0 +1,461 @@
+//! cuweave-transfer against the raw driver copies it replaces, side by side in one run.
+//!
+//! Timed regions, per iteration (host clock; every call returns once the data is in place):
+//!
+//! | group / id | timed |
+//! |---|---|
+//! | `pageable_h2d_{256MiB,1GiB}/raw/cuMemcpyHtoD` | `cuMemcpyHtoD_v2` from pageable `Vec<u8>` memory + `cuStreamSynchronize(legacy)` |
+//! | `pageable_h2d_*/cuweave/transfer` | `TransferManager::transfer` of the same memory (planned: `HostStaged`) |
+//! | `pageable_d2h_*/raw/cuMemcpyDtoH`, `…/cuweave/transfer` | the reverse |
+//! | `small_{h2d,d2h}_{4KiB,64KiB}/raw/…`, `…/cuweave/transfer` | the same pairs at small sizes (planned per the H100 defaults: `HostStaged`, one chunk on the calling thread) |
+//! | `pinned_{h2d,d2h}_64MiB/raw/…`, `…/cuweave/transfer` | `cuMemcpyHtoD`/`DtoH` from/to a pinned buffer vs the manager's planned pinned path (`ZeroCopy` per the defaults) |
+//! | `d2d_256MiB/raw/cuMemcpyDtoD`, `…/cuweave/transfer` | within device 0, + legacy-stream synchronize |
+//! | `p2p_256MiB/raw/cuMemcpyPeerAsync`, `…/cuweave/transfer` | device 0 to device 1 (only with two devices, peer access enabled for both) + stream synchronize |
+//!
+//! After criterion's report, under `--bench`, a summary re-measures each pair (median of 7
+//! runs, host clock) and prints it against the targets of issue 8.
+//!
+//! Run with `cargo bench -p cuweave-benches --bench transfer`; without a driver it prints
+//! `skipping benches: no CUDA driver` and exits 0.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput};
+use cuweave_benches::{Gpu, MIB, measuring, slow_group};
+use cuweave_driver::memory;
+use cuweave_driver::{Context, Device, Stream, StreamFlags};
+use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer};
+use cuweave_transfer::{Destination, Source, TransferManager, TransferMethod};
+
+fn main() {
+    cuweave_benches::run("transfer", |c, gpu| {
+        let mut fixture = Fixture::new(gpu);
+        pageable(c, &mut fixture);
+        small(c, &mut fixture);
+        pinned(c, &mut fixture);
+        device_to_device(c, &mut fixture);
+        let mut peer = Peer::new(&fixture);
+        if let Some(peer) = &mut peer {
+            peer_to_peer(c, peer);
+        }
+        if measuring() {
+            summary(&mut fixture, peer.as_mut());
+        }
+    });
+}
+
+const GIB: usize = 1 << 30;
+
+struct Fixture {
+    manager: TransferManager,
+    context: Arc<Context>,
+    host: Vec<u8>,
+    device: DeviceBuffer<u8>,
+    device2: DeviceBuffer<u8>,
+    pinned: PinnedBuffer<u8>,
+}
+
+impl Fixture {
+    fn new(gpu: &Gpu) -> Self {
+        let context = Arc::clone(&gpu.context);
+        Self {
+            manager: TransferManager::new().expect("TransferManager::new"),
+            host: vec![3u8; GIB],
+            device: DeviceBuffer::zeroed(&context, GIB).expect("1 GiB device buffer"),
+            device2: DeviceBuffer::zeroed(&context, 256 * MIB).expect("256 MiB device buffer"),
+            pinned: PinnedBuffer::zeroed(&context, 64 * MIB).expect("64 MiB pinned buffer"),
+            context,
+        }
+    }
+
+    fn raw_h2d_pageable(&self, bytes: usize) {
+        // SAFETY: `host` is readable for `bytes`, `device` writable for `bytes` (both >= bytes);
+        // copy_htod returns once the copy has completed.
+        unsafe {
+            memory::copy_htod(
+                &self.context,
+                self.device.device_ptr(),
+                self.host.as_ptr(),
+                bytes,
+            )
+        }
+        .expect("cuMemcpyHtoD");
+    }
+
+    fn raw_d2h_pageable(&mut self, bytes: usize) {
+        // SAFETY: as above, reversed; copy_dtoh returns once the copy has completed.
+        unsafe {
+            memory::copy_dtoh(
+                &self.context,
+                self.host.as_mut_ptr(),
+                self.device.device_ptr(),
+                bytes,
+            )
+        }
+        .expect("cuMemcpyDtoH");
+    }
+
+    fn ours_h2d_pageable(&mut self, bytes: usize) {
+        self.manager
+            .transfer(
+                &self.host[..bytes],
+                Destination::device(&mut self.device, 0),
+            )
+            .expect("transfer");
+    }
+
+    fn ours_d2h_pageable(&mut self, bytes: usize) {
+        self.manager
+            .transfer(
+                Source::device(&self.device, 0, bytes),
+                Destination::Host(&mut self.host[..bytes]),
+            )
+            .expect("transfer");
+    }
+
+    fn raw_h2d_pinned(&self, bytes: usize) {
+        let src = self.pinned.as_slice().expect("pinned slice");
+        // SAFETY: pinned memory readable for `bytes`; device writable; blocking copy.
+        unsafe { memory::copy_htod(&self.context, self.device.device_ptr(), src.as_ptr(), bytes) }
+            .expect("cuMemcpyHtoD (pinned)");
+    }
+
+    fn raw_d2h_pinned(&mut self, bytes: usize) {
+        let ptr = self.device.device_ptr();
+        let dst = self.pinned.as_mut_slice().expect("pinned slice");
+        // SAFETY: pinned memory writable for `bytes`, exclusively borrowed; blocking copy.
+        unsafe { memory::copy_dtoh(&self.context, dst.as_mut_ptr(), ptr, bytes) }
+            .expect("cuMemcpyDtoH (pinned)");
+    }
+
+    fn ours_h2d_pinned(&mut self, bytes: usize) {
+        self.manager
+            .transfer(
+                Source::pinned(&self.pinned, 0, bytes),
+                Destination::device(&mut self.device, 0),
+            )
+            .expect("transfer");
+    }
+
+    fn ours_d2h_pinned(&mut self, bytes: usize) {
+        self.manager
+            .transfer(
+                Source::device(&self.device, 0, bytes),
+                Destination::pinned(&mut self.pinned, 0),
+            )
+            .expect("transfer");
+    }
+
+    fn raw_d2d(&self, bytes: usize) {
+        // SAFETY: both device buffers hold at least `bytes`; copy_dtod waits for completion.
+        unsafe {
+            memory::copy_dtod(
+                &self.context,
+                self.device2.device_ptr(),
+                self.device.device_ptr(),
+                bytes,
+            )
+        }
+        .expect("cuMemcpyDtoD");
+    }
+
+    fn ours_d2d(&mut self, bytes: usize) {
+        self.manager
+            .transfer(
+                Source::device(&self.device, 0, bytes),
+                Destination::device(&mut self.device2, 0),
+            )
+            .expect("transfer");
+    }
+}
+
+/// Two devices with peer access, for the P2P pair.
+struct Peer {
+    manager: TransferManager,
+    src: DeviceBuffer<u8>,
+    dst: DeviceBuffer<u8>,
+    stream: Stream,
+}
+
+const P2P_BYTES: usize = 256 * MIB;
+
+impl Peer {
+    fn new(fixture: &Fixture) -> Option<Self> {
+        if Device::count().ok()? < 2 {
+            println!("p2p: one device, skipped");
+            return None;
+        }
+        let c1 = Context::primary(Device::get(1).ok()?).ok()?;
+        fixture.context.enable_peer_access(&c1).ok()?;
+        c1.enable_peer_access(&fixture.context).ok()?;
+        Some(Self {
+            manager: TransferManager::new().ok()?,
+            src: DeviceBuffer::zeroed(&fixture.context, P2P_BYTES).ok()?,
+            dst: DeviceBuffer::zeroed(&c1, P2P_BYTES).ok()?,
+            stream: Stream::new(&c1, StreamFlags::NON_BLOCKING).ok()?,
+        })
+    }
+
+    fn raw(&self) {
+        // SAFETY: both buffers hold P2P_BYTES and outlive the synchronize below.
+        unsafe {
+            memory::copy_peer_async(
+                self.dst.device_ptr(),
+                self.dst.context(),
+                self.src.device_ptr(),
+                self.src.context(),
+                P2P_BYTES,
+                &self.stream,
+            )
+        }
+        .expect("cuMemcpyPeerAsync");
+        self.stream.synchronize().expect("synchronize");
+    }
+
+    fn ours(&mut self) {
+        self.manager
+            .transfer_with(TransferMethod::PeerToPeer, &self.src, &mut self.dst)
+            .expect("transfer");
+    }
+}
+
+fn label(bytes: usize) -> String {
+    if bytes >= GIB {
+        format!("{}GiB", bytes / GIB)
+    } else if bytes >= MIB {
+        format!("{}MiB", bytes / MIB)
+    } else {
+        format!("{}KiB", bytes >> 10)
+    }
+}
+
+type Op = fn(&mut Fixture, usize);
+
+/// One criterion group: the raw call and the manager on the same memory, `bytes` each.
+fn pair(
+    c: &mut Criterion,
+    f: &mut Fixture,
+    name: &str,
+    bytes: usize,
+    raw: (&str, Op),
+    ours: Op,
+    slow: bool,
+) {
+    let mut group = c.benchmark_group(format!("{name}_{}", label(bytes)));
+    if slow {
+        slow_group(&mut group, Duration::from_secs(3));
+    }
+    group.throughput(Throughput::Bytes(bytes as u64));
+    group.bench_function(format!("raw/{}", raw.0), |b| {
+        b.iter(|| (raw.1)(f, black_box(bytes)))
+    });
+    group.bench_function("cuweave/transfer", |b| b.iter(|| ours(f, black_box(bytes))));
+    group.finish();
+}
+
+fn pageable(c: &mut Criterion, f: &mut Fixture) {
+    for bytes in [256 * MIB, GIB] {
+        pair(
+            c,
+            f,
+            "pageable_h2d",
+            bytes,
+            ("cuMemcpyHtoD", |f, n| f.raw_h2d_pageable(n)),
+            Fixture::ours_h2d_pageable,
+            true,
+        );
+        pair(
+            c,
+            f,
+            "pageable_d2h",
+            bytes,
+            ("cuMemcpyDtoH", Fixture::raw_d2h_pageable),
+            Fixture::ours_d2h_pageable,
+            true,
+        );
+    }
+}
+
+fn small(c: &mut Criterion, f: &mut Fixture) {
+    for bytes in [4 << 10, 64 << 10] {
+        pair(
+            c,
+            f,
+            "small_h2d",
+            bytes,
+            ("cuMemcpyHtoD", |f, n| f.raw_h2d_pageable(n)),
+            Fixture::ours_h2d_pageable,
+            false,
+        );
+        pair(
+            c,
+            f,
+            "small_d2h",
+            bytes,
+            ("cuMemcpyDtoH", Fixture::raw_d2h_pageable),
+            Fixture::ours_d2h_pageable,
+            false,
+        );
+    }
+}
+
+fn pinned(c: &mut Criterion, f: &mut Fixture) {
+    let bytes = 64 * MIB;
+    pair(
+        c,
+        f,
+        "pinned_h2d",
+        bytes,
+        ("cuMemcpyHtoD", |f, n| f.raw_h2d_pinned(n)),
+        Fixture::ours_h2d_pinned,
+        true,
+    );
+    pair(
+        c,
+        f,
+        "pinned_d2h",
+        bytes,
+        ("cuMemcpyDtoH", Fixture::raw_d2h_pinned),
+        Fixture::ours_d2h_pinned,
+        true,
+    );
+}
+
+fn device_to_device(c: &mut Criterion, f: &mut Fixture) {
+    pair(
+        c,
+        f,
+        "d2d",
+        256 * MIB,
+        ("cuMemcpyDtoD", |f, n| f.raw_d2d(n)),
+        Fixture::ours_d2d,
+        true,
+    );
+}
+
+fn peer_to_peer(c: &mut Criterion, p: &mut Peer) {
+    let mut group = c.benchmark_group("p2p_256MiB");
+    slow_group(&mut group, Duration::from_secs(2));
+    group.throughput(Throughput::Bytes(P2P_BYTES as u64));
+    group.bench_function("raw/cuMemcpyPeerAsync", |b| b.iter(|| p.raw()));
+    group.bench_function("cuweave/transfer", |b| b.iter(|| p.ours()));
+    group.finish();
+}
+
+/// Median wall time of `runs` calls (after one untimed call).
+fn median(runs: usize, mut op: impl FnMut()) -> Duration {
+    op();
+    let mut times: Vec<Duration> = (0..runs)
+        .map(|_| {
+            let start = Instant::now();
+            op();
+            start.elapsed()
+        })
+        .collect();
+    times.sort();
+    times[runs / 2]
+}
+
+fn gbps(bytes: usize, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+fn verdict(met: bool) -> &'static str {
+    if met { "met" } else { "MISSED" }
+}
+
+fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
+    println!();
+    println!(
+        "summary: median of 7 runs (small sizes: of 201), host clock, separate from criterion"
+    );
+    for bytes in [256 * MIB, GIB] {
+        for (dir, raw, ours) in [
+            (
+                "h2d",
+                (|f: &mut Fixture, n| f.raw_h2d_pageable(n)) as Op,
+                Fixture::ours_h2d_pageable as Op,
+            ),
+            (
+                "d2h",
+                Fixture::raw_d2h_pageable as Op,
+                Fixture::ours_d2h_pageable as Op,
+            ),
+        ] {
+            let r = gbps(bytes, median(7, || raw(f, bytes)));
+            let o = gbps(bytes, median(7, || ours(f, bytes)));
+            println!(
+                "  pageable {dir} {:>6}: raw {r:6.2} GB/s, cuweave {o:6.2} GB/s ({:.2}x); target >= 28 GB/s and >= 3x: {}",
+                label(bytes),
+                o / r,
+                verdict(o >= 28.0 && o >= 3.0 * r)
+            );
+        }
+    }
+    for bytes in [4 << 10, 64 << 10] {
+        for (dir, raw, ours) in [
+            (
+                "h2d",
+                (|f: &mut Fixture, n| f.raw_h2d_pageable(n)) as Op,
+                Fixture::ours_h2d_pageable as Op,
+            ),
+            (
+                "d2h",
+                Fixture::raw_d2h_pageable as Op,
+                Fixture::ours_d2h_pageable as Op,
+            ),
+        ] {
+            let r = median(201, || raw(f, bytes));
+            let o = median(201, || ours(f, bytes));
+            println!(
+                "  small {dir} {:>6}: raw {:7.2} us, cuweave {:7.2} us ({:.1}% of raw time); target no slower: {}",
+                label(bytes),
+                r.as_secs_f64() * 1e6,
+                o.as_secs_f64() * 1e6,
+                100.0 * o.as_secs_f64() / r.as_secs_f64(),
+                // Within 3% or 0.5 us counts as "no slower": both are host-clock medians.
+                verdict(o.as_secs_f64() <= r.as_secs_f64() * 1.03 + 0.5e-6)
+            );
+        }
+    }
+    let bytes = 64 * MIB;
+    for (dir, raw, ours) in [
+        (
+            "h2d",
+            (|f: &mut Fixture, n| f.raw_h2d_pinned(n)) as Op,
+            Fixture::ours_h2d_pinned as Op,
+        ),
+        (
+            "d2h",
+            Fixture::raw_d2h_pinned as Op,
+            Fixture::ours_d2h_pinned as Op,
+        ),
+    ] {
+        let r = gbps(bytes, median(7, || raw(f, bytes)));
+        let o = gbps(bytes, median(7, || ours(f, bytes)));
+        println!(
+            "  pinned {dir} 64MiB: raw {r:6.2} GB/s, cuweave {o:6.2} GB/s ({:.1}%); target >= 97%: {}",
+            100.0 * o / r,
+            verdict(o >= 0.97 * r)
+        );
+    }
+    let bytes = 256 * MIB;
+    let r = gbps(bytes, median(7, || f.raw_d2d(bytes)));
+    let o = gbps(bytes, median(7, || f.ours_d2d(bytes)));
+    println!(
+        "  d2d 256MiB: raw {r:7.1} GB/s, cuweave {o:7.1} GB/s ({:.1}%); target >= 97%: {}",
+        100.0 * o / r,
+        verdict(o >= 0.97 * r)
+    );
+    if let Some(p) = peer {
+        let r = gbps(P2P_BYTES, median(7, || p.raw()));
+        let o = gbps(P2P_BYTES, median(7, || p.ours()));
+        println!(
+            "  p2p 256MiB: raw {r:7.1} GB/s, cuweave {o:7.1} GB/s ({:.1}%); target >= 95%: {}",
+            100.0 * o / r,
+            verdict(o >= 0.95 * r)
+        );
+    }
+}

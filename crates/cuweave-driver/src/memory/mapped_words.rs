@@ -1,0 +1,157 @@
+//! [`MappedWords`]: 64-bit words of mapped pinned host memory that the GPU writes and the host
+//! reads with atomic loads, e.g. completion words behind stream work.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::{DevicePtr, HostAllocFlags, HostAllocation};
+use crate::context::Context;
+use crate::error::{DriverError, Result};
+use crate::stream::{Stream, WriteOrdering};
+
+/// An array of `u64` words in mapped, page-locked host memory: the device writes them through
+/// their device addresses (`cuStreamWriteValue64`, or a kernel's stores) and the host reads and
+/// writes them only with atomic operations, so a host thread can watch GPU progress with plain
+/// loads and no driver call.
+///
+/// This is the safe face of that sharing: the host side never hands out a reference to the
+/// memory, only atomic loads and stores of whole, 8-byte-aligned words, which a device-side
+/// 64-bit store cannot tear. Device addresses are plain numbers; writing through them is the
+/// `unsafe` part ([`Stream::write_value_u64`](crate::Stream::write_value_u64)) and its caller
+/// must keep this value alive until the stream has passed the write.
+///
+/// Freed on drop with `cuMemFreeHost`, which waits for the device to be idle first.
+#[derive(Debug)]
+pub struct MappedWords {
+    allocation: HostAllocation,
+    device_base: DevicePtr,
+    len: usize,
+}
+
+impl MappedWords {
+    /// Allocates `len` words of portable, mapped pinned memory, all set to zero.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for `len == 0` or a size that overflows; the driver's error when the
+    /// allocation or the mapping fails (e.g. a device that cannot map host memory).
+    pub fn new(context: &Arc<Context>, len: usize) -> Result<Self> {
+        let bytes = len
+            .checked_mul(size_of::<u64>())
+            .filter(|&bytes| bytes > 0)
+            .ok_or_else(|| {
+                DriverError::invalid("MappedWords::new", format!("cannot allocate {len} words"))
+            })?;
+        let allocation = HostAllocation::new(context, bytes, HostAllocFlags::PORTABLE_MAPPED)?;
+        let device_base = allocation.device_ptr()?;
+        let words = Self {
+            allocation,
+            device_base,
+            len,
+        };
+        for word in words.words() {
+            word.store(0, Ordering::Relaxed);
+        }
+        Ok(words)
+    }
+
+    /// The words as atomics.
+    fn words(&self) -> &[AtomicU64] {
+        let ptr = self.allocation.as_ptr().cast::<AtomicU64>();
+        debug_assert!(ptr.is_aligned());
+        // SAFETY: the allocation is `len * 8` bytes long, lives as long as `self`, and is
+        // page-aligned by cuMemHostAlloc, so suitably aligned for AtomicU64 (same size and
+        // alignment as u64 on every platform with 64-bit atomics, which CUDA requires). Every
+        // host access goes through these atomics (no `&[u64]` or `&mut` is ever handed out), and
+        // the device only writes whole aligned words, so there is no non-atomic data race.
+        unsafe { std::slice::from_raw_parts(ptr, self.len) }
+    }
+
+    /// The number of words.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always `false`: the array has at least one word.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The context the memory was allocated (and mapped) in.
+    pub fn context(&self) -> &Arc<Context> {
+        self.allocation.context()
+    }
+
+    /// Reads word `index` (an acquire load: what the stream wrote before it, with a memory
+    /// barrier, is visible after), or `None` past the end.
+    pub fn load(&self, index: usize) -> Option<u64> {
+        self.words()
+            .get(index)
+            .map(|word| word.load(Ordering::Acquire))
+    }
+
+    /// Writes word `index` from the host (a release store); `false` past the end.
+    pub fn store(&self, index: usize, value: u64) -> bool {
+        self.words()
+            .get(index)
+            .map(|word| word.store(value, Ordering::Release))
+            .is_some()
+    }
+
+    /// The device address of word `index`, for a stream or kernel to write; `None` past the end.
+    pub fn device_address(&self, index: usize) -> Option<DevicePtr> {
+        (index < self.len).then(|| self.device_base + (index * size_of::<u64>()) as DevicePtr)
+    }
+}
+
+impl MappedWords {
+    /// Queues on `stream` a write of `value` to word `index` (`cuStreamWriteValue64` with a
+    /// memory barrier): it lands once all earlier work on the stream has finished and its
+    /// memory writes are visible, so a host thread that [`load`](Self::load)s `value` knows the
+    /// stream got there.
+    ///
+    /// Safe because the write can only land in memory this value owns: the address is an
+    /// aligned word inside the allocation, and dropping `MappedWords` frees it with
+    /// `cuMemFreeHost`, which waits for the device's queued work (this write included) first.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when `index` is past the end or `stream` belongs to another context;
+    /// the driver's error when the write cannot be queued (e.g. a device without stream memory
+    /// operations).
+    pub fn enqueue_write(&self, stream: &Stream, index: usize, value: u64) -> Result<()> {
+        let address = self.device_address(index).ok_or_else(|| {
+            DriverError::invalid(
+                "MappedWords::enqueue_write",
+                format!("word {index} is past the end of {} words", self.len),
+            )
+        })?;
+        if stream.context().as_raw() != self.context().as_raw() {
+            return Err(DriverError::invalid(
+                "MappedWords::enqueue_write",
+                "the stream belongs to another context than the words' mapping",
+            ));
+        }
+        // SAFETY: `address` is an 8-byte-aligned word of this mapped allocation, mapped in the
+        // stream's own context; the host touches it only atomically (`load` / `store`); and the
+        // allocation outlives the write, because dropping it calls cuMemFreeHost, which waits
+        // for the device's queued work to finish before freeing.
+        unsafe { stream.write_value_u64(address, value, WriteOrdering::AfterPriorWrites) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn zero_words_are_refused_before_the_driver_is_asked() {
+        // No context is needed to reject the size: build one only if a driver exists.
+        let Ok(device) = crate::Device::get(0) else {
+            return;
+        };
+        let Ok(context) = crate::Context::primary(device) else {
+            return;
+        };
+        assert!(matches!(
+            super::MappedWords::new(&context, 0),
+            Err(crate::DriverError::InvalidArgument { .. })
+        ));
+    }
+}

@@ -1,0 +1,116 @@
+//! [`CrossStreamBarrier`]: every stream waits for every other stream's queued work.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cuweave_driver::Stream;
+
+use crate::error::{EventError, Result};
+use crate::pool::{EventPool, PooledEvent};
+
+/// A barrier across a set of streams of one context.
+///
+/// [`wait_on_device`](Self::wait_on_device) records an event on each stream and makes every
+/// stream wait (on the GPU, `cuStreamWaitEvent`) for all the others' events: work queued on any
+/// of them afterwards starts only once the work queued on all of them before has finished. The
+/// host does not block. [`synchronize`](Self::synchronize) instead blocks the host until all
+/// streams have finished their queued work, and says how long that took.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use cuweave_driver::{Context, Device, Stream, StreamFlags};
+/// use cuweave_event::{CrossStreamBarrier, EventPool};
+///
+/// # fn main() -> Result<(), cuweave_event::EventError> {
+/// let context = Context::primary(Device::get(0)?)?;
+/// let streams: Vec<Arc<Stream>> = (0..4)
+///     .map(|_| Stream::new(&context, StreamFlags::NON_BLOCKING).map(Arc::new))
+///     .collect::<Result<_, _>>()?;
+/// let barrier = CrossStreamBarrier::new(streams, EventPool::new(&context, 8, 0)?)?;
+/// // ... queue work on each stream ...
+/// barrier.wait_on_device()?; // later work on any stream waits for all of it
+/// let waited = barrier.synchronize()?;
+/// println!("host waited {waited:?}");
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct CrossStreamBarrier {
+    streams: Vec<Arc<Stream>>,
+    pool: EventPool,
+}
+
+impl CrossStreamBarrier {
+    /// A barrier over `streams`, taking its events from `pool`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for no streams, or a stream of another context than the pool's.
+    pub fn new(streams: Vec<Arc<Stream>>, pool: EventPool) -> Result<Self> {
+        if streams.is_empty() {
+            return Err(EventError::invalid(
+                "CrossStreamBarrier::new",
+                "a barrier needs at least one stream",
+            ));
+        }
+        if let Some(stream) = streams
+            .iter()
+            .find(|stream| stream.context().as_raw() != pool.context().as_raw())
+        {
+            return Err(EventError::invalid(
+                "CrossStreamBarrier::new",
+                format!(
+                    "stream {} belongs to another context than the event pool",
+                    stream.id()
+                ),
+            ));
+        }
+        Ok(Self { streams, pool })
+    }
+
+    /// The streams the barrier spans.
+    pub fn streams(&self) -> &[Arc<Stream>] {
+        &self.streams
+    }
+
+    fn record_all(&self) -> Result<Vec<PooledEvent>> {
+        self.streams
+            .iter()
+            .map(|stream| {
+                let event = self.pool.acquire_event(false)?;
+                event.record(stream)?;
+                Ok(event)
+            })
+            .collect()
+    }
+
+    /// Makes every stream wait on the device for the work queued so far on every other stream;
+    /// returns at once (host time spent queueing the `n × (n - 1)` waits).
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn wait_on_device(&self) -> Result<Duration> {
+        let started = Instant::now();
+        let events = self.record_all()?;
+        for (i, stream) in self.streams.iter().enumerate() {
+            for (j, event) in events.iter().enumerate() {
+                if i != j {
+                    stream.wait_event(event)?;
+                }
+            }
+        }
+        Ok(started.elapsed())
+    }
+
+    /// Blocks the host until the work queued so far on every stream has finished; returns how
+    /// long it waited.
+    ///
+    /// # Errors
+    /// The driver's error (e.g. a fault in queued work).
+    pub fn synchronize(&self) -> Result<Duration> {
+        let started = Instant::now();
+        for event in self.record_all()? {
+            event.synchronize()?;
+        }
+        Ok(started.elapsed())
+    }
+}

@@ -1,0 +1,88 @@
+//! [`EventError`]: what can go wrong in the event layer.
+
+use std::time::Duration;
+
+use cuweave_driver::DriverError;
+
+use crate::coordinator::OperationId;
+
+/// A result whose error is an [`EventError`].
+pub type Result<T, E = EventError> = std::result::Result<T, E>;
+
+/// Why an event-layer operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EventError {
+    /// The driver failed (or is missing). A context killed by a kernel fault reports here too:
+    /// every wait on it resolves with the driver's sticky error instead of hanging.
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+    /// An operation id the coordinator never registered.
+    #[error("{operation}: unknown operation {id}")]
+    UnknownOperation {
+        /// The coordinator method that was given the id.
+        operation: &'static str,
+        /// The unknown id.
+        id: OperationId,
+    },
+    /// An operation was begun before one of its dependencies was queued (completed on the host
+    /// side with `complete_operation`), so there is no event to wait on yet.
+    #[error("operation {id} cannot begin: its dependency {dependency} has not been queued yet")]
+    DependencyNotQueued {
+        /// The operation that was to begin.
+        id: OperationId,
+        /// The dependency whose event does not exist yet.
+        dependency: OperationId,
+    },
+    /// An operation is not in the state the method needs (begun twice, completed before begun…).
+    #[error("operation {id}: cannot {action} while it is {state}")]
+    InvalidState {
+        /// The operation.
+        id: OperationId,
+        /// What was asked, e.g. `begin`.
+        action: &'static str,
+        /// The state it is in, e.g. `queued`.
+        state: &'static str,
+    },
+    /// Adding a dependency of an operation on itself.
+    #[error("operation {id} cannot depend on itself")]
+    SelfDependency {
+        /// The operation.
+        id: OperationId,
+    },
+    /// An operation waited longer than its timeout for dependencies that were never begun.
+    #[error("operation {id} stalled for {waited:?}: dependencies {blocked_on:?} were never queued")]
+    Stalled {
+        /// The waiting operation.
+        id: OperationId,
+        /// How long it waited.
+        waited: Duration,
+        /// The dependencies still not queued.
+        blocked_on: Vec<OperationId>,
+    },
+    /// A wait ran past its timeout before the GPU reached the event.
+    #[error("the wait timed out after {timeout:?}")]
+    TimedOut {
+        /// The timeout the wait carried.
+        timeout: Duration,
+    },
+    /// The waiter serving a wait was shut down before the GPU reached the event.
+    #[error("the event waiter shut down before the wait completed")]
+    WaiterShutDown,
+    /// A barrier, pool or coordinator was given an empty or mismatched set of streams.
+    #[error("{operation}: {reason}")]
+    InvalidArgument {
+        /// The operation that rejected it.
+        operation: &'static str,
+        /// What was wrong, with the offending value.
+        reason: String,
+    },
+}
+
+impl EventError {
+    pub(crate) fn invalid(operation: &'static str, reason: impl Into<String>) -> Self {
+        Self::InvalidArgument {
+            operation,
+            reason: reason.into(),
+        }
+    }
+}

@@ -1,0 +1,373 @@
+//! [`AsyncEventWaiter`]: one background thread that watches many points in GPU work and wakes
+//! futures or runs callbacks when the GPU reaches them.
+
+mod future;
+mod reactor;
+mod source;
+mod words;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
+use std::thread::{JoinHandle, Thread};
+use std::time::{Duration, Instant};
+
+use cuweave_driver::{Context, Event, EventFlags, Stream};
+use parking_lot::Mutex;
+
+pub use future::WaitFuture;
+pub use reactor::WaitResult;
+pub use source::WatchedEvent;
+
+use crate::error::{EventError, Result};
+use crate::wake::WaitCell;
+use reactor::{Callback, Cell, Registration, Shared, Source};
+use words::WordSlab;
+
+/// Identifies a callback wait, for [`AsyncEventWaiter::cancel_wait`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WaitId(u64);
+
+impl fmt::Display for WaitId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "wait#{}", self.0)
+    }
+}
+
+/// How the host learns that a stream got past its queued work.
+///
+/// Measured on an H100 in `docs/events.md`; [`CompletionWord`](Self::CompletionWord) is the
+/// default because it is the fastest and makes no driver call on the waking path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum WakeMechanism {
+    /// The stream writes a sequence number into mapped pinned host memory behind the work
+    /// (`cuStreamWriteValue64`); the reactor sees it with a plain atomic load. A dead context is
+    /// noticed by a periodic probe (every millisecond while words are unwritten).
+    #[default]
+    CompletionWord,
+    /// An event is recorded behind the work and the reactor polls it with `cuEventQuery`.
+    EventQuery,
+    /// A host function (`cuLaunchHostFunc`) queued behind the work wakes the task from the
+    /// driver's callback thread. No reactor involved, but slower to wake (see the docs), no
+    /// timeouts, and a context that dies never runs it, so the future would hang: use it only
+    /// to compare.
+    HostFunction,
+}
+
+/// Options of one stream wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WaitOptions {
+    /// How the wake-up travels.
+    pub mechanism: WakeMechanism,
+    /// Give up after this long: the future resolves to [`EventError::TimedOut`].
+    pub timeout: Option<Duration>,
+}
+
+/// Counters of an [`AsyncEventWaiter`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WaiterStats {
+    /// Waits registered with the reactor.
+    pub registered: u64,
+    /// Waits the GPU completed.
+    pub completed: u64,
+    /// Waits that failed (driver error, dead context, shutdown).
+    pub failed: u64,
+    /// Waits whose timeout expired first.
+    pub timed_out: u64,
+    /// Waits cancelled (by `cancel_wait` or by dropping the future).
+    pub cancelled: u64,
+    /// Waits the reactor still watches.
+    pub pending: usize,
+}
+
+/// Watches many points in GPU work from one background thread (the reactor), and tells waiters
+/// when the GPU gets there: futures ([`WaitFuture`]) are woken, callbacks run.
+///
+/// - [`stream_idle`](Self::stream_idle): a future for "the work queued on this stream so far
+///   has finished", by default through a completion word (see [`WakeMechanism`]).
+/// - [`event_done`](Self::event_done): a future for an event, polled with `cuEventQuery`.
+/// - [`wait_async`](Self::wait_async): a callback for an event, with an optional timeout that
+///   the callback is told about; [`cancel_wait`](Self::cancel_wait) cancels it, and once that
+///   returns `true` the callback never runs.
+///
+/// The reactor spins while waits are pending (about 200 µs after the last completion, then it
+/// yields, then it naps 100 µs between scans) and parks when none is pending, so an idle waiter
+/// costs no CPU. Callbacks run on the reactor thread: keep them short, and never block in them.
+/// Dropping the waiter stops the thread: pending callbacks are cancelled (never run) and pending
+/// futures resolve to [`EventError::WaiterShutDown`].
+///
+/// [`AsyncEventWaiter::global`] is a process-wide waiter for code that has no waiter of its own.
+///
+/// ```no_run
+/// use cuweave_driver::{Context, Device, Stream, StreamFlags};
+/// use cuweave_event::AsyncEventWaiter;
+///
+/// # async fn run() -> Result<(), cuweave_event::EventError> {
+/// let context = Context::primary(Device::get(0)?)?;
+/// let stream = Stream::new(&context, StreamFlags::NON_BLOCKING)?;
+/// // ... queue kernels and copies on `stream` ...
+/// AsyncEventWaiter::global()?.stream_idle(&stream)?.await?;
+/// # Ok(())
+/// # }
+/// ```
+pub struct AsyncEventWaiter {
+    shared: Arc<Shared>,
+    reactor: Thread,
+    handle: Option<JoinHandle<()>>,
+    slabs: Mutex<HashMap<usize, Arc<WordSlab>>>,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+impl fmt::Debug for AsyncEventWaiter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AsyncEventWaiter")
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl AsyncEventWaiter {
+    /// Starts a waiter and its reactor thread (which parks until there is something to watch).
+    ///
+    /// # Errors
+    /// [`EventError::InvalidArgument`] when the operating system refuses a new thread.
+    pub fn new() -> Result<Self> {
+        let shared = Arc::new(Shared::default());
+        let handle = std::thread::Builder::new()
+            .name("cuweave-event-reactor".into())
+            .spawn({
+                let shared = Arc::clone(&shared);
+                move || reactor::run(&shared)
+            })
+            .map_err(|error| {
+                EventError::invalid(
+                    "AsyncEventWaiter::new",
+                    format!("spawning the reactor: {error}"),
+                )
+            })?;
+        Ok(Self {
+            shared,
+            reactor: handle.thread().clone(),
+            handle: Some(handle),
+            slabs: Mutex::new(HashMap::new()),
+            next_id: std::sync::atomic::AtomicU64::new(1),
+        })
+    }
+
+    /// The process-wide waiter, started on first use and never stopped.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new), on first use.
+    pub fn global() -> Result<&'static Self> {
+        static GLOBAL: OnceLock<Result<AsyncEventWaiter>> = OnceLock::new();
+        GLOBAL.get_or_init(Self::new).as_ref().map_err(Clone::clone)
+    }
+
+    fn register(&self, registration: Registration) {
+        let counters = &self.shared.counters;
+        counters.registered.fetch_add(1, Ordering::Relaxed);
+        counters.pending.fetch_add(1, Ordering::Relaxed);
+        self.shared.inbox.push(registration, &self.reactor);
+    }
+
+    fn slab(&self, context: &Arc<Context>) -> Result<Arc<WordSlab>> {
+        let key = context.as_raw() as usize;
+        let mut slabs = self.slabs.lock();
+        if let Some(slab) = slabs.get(&key) {
+            return Ok(Arc::clone(slab));
+        }
+        let slab = Arc::new(WordSlab::new(context)?);
+        slabs.insert(key, Arc::clone(&slab));
+        Ok(slab)
+    }
+
+    /// A future that resolves once the work queued on `stream` so far has finished on the GPU,
+    /// woken through a completion word.
+    ///
+    /// # Errors
+    /// The driver's error when the completion word cannot be queued (e.g. a device without
+    /// stream memory operations: use [`stream_idle_with`](Self::stream_idle_with) and
+    /// [`WakeMechanism::EventQuery`] there).
+    pub fn stream_idle(&self, stream: &Stream) -> Result<WaitFuture> {
+        self.stream_idle_with(stream, WaitOptions::default())
+    }
+
+    /// [`stream_idle`](Self::stream_idle) with a chosen mechanism and an optional timeout.
+    ///
+    /// # Errors
+    /// The driver's error when queueing the marker fails; `InvalidArgument` for a timeout with
+    /// [`WakeMechanism::HostFunction`], which cannot time out.
+    pub fn stream_idle_with(&self, stream: &Stream, options: WaitOptions) -> Result<WaitFuture> {
+        let cell = Arc::new(WaitCell::new());
+        let source = match options.mechanism {
+            WakeMechanism::CompletionWord => {
+                Source::Word(self.slab(stream.context())?.lease(stream)?)
+            }
+            WakeMechanism::EventQuery => {
+                let event = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
+                event.record(stream)?;
+                Source::Event(Box::new(event))
+            }
+            WakeMechanism::HostFunction => {
+                if options.timeout.is_some() {
+                    return Err(EventError::invalid(
+                        "AsyncEventWaiter::stream_idle_with",
+                        "a host-function wait cannot carry a timeout",
+                    ));
+                }
+                let decided = Arc::clone(&cell);
+                // Only decides the cell and wakes the task: no CUDA call in a host function.
+                stream.launch_host_fn(move || {
+                    decided.complete();
+                })?;
+                return Ok(WaitFuture::new(cell, None));
+            }
+        };
+        self.register(Registration {
+            cell: Arc::clone(&cell),
+            source,
+            deadline: deadline(options.timeout),
+            callback: None,
+        });
+        Ok(WaitFuture::new(cell, options.timeout))
+    }
+
+    /// A future that resolves once `event` has completed on the GPU (polled by the reactor with
+    /// `cuEventQuery`). The waiter owns `event` until then; pass an `Arc` to keep using it.
+    pub fn event_done(&self, event: impl WatchedEvent) -> WaitFuture {
+        self.event_done_with(event, None)
+    }
+
+    /// [`event_done`](Self::event_done) with an optional timeout.
+    pub fn event_done_with(
+        &self,
+        event: impl WatchedEvent,
+        timeout: Option<Duration>,
+    ) -> WaitFuture {
+        let cell = Arc::new(WaitCell::new());
+        self.register(Registration {
+            cell: Arc::clone(&cell),
+            source: Source::Event(Box::new(event)),
+            deadline: deadline(timeout),
+            callback: None,
+        });
+        WaitFuture::new(cell, timeout)
+    }
+
+    /// Runs `callback(Ok(()))` on the reactor thread once `event` has completed, or
+    /// `callback(Err(..))` when watching it fails (a dead context). Returns the id to cancel it.
+    pub fn wait_async<F>(&self, event: impl WatchedEvent, callback: F) -> WaitId
+    where
+        F: FnOnce(WaitResult) + Send + 'static,
+    {
+        self.wait_async_inner(Source::Event(Box::new(event)), None, Box::new(callback))
+    }
+
+    /// [`wait_async`](Self::wait_async) that gives up after `timeout`: the callback then gets
+    /// `Err(EventError::TimedOut { .. })`.
+    pub fn wait_async_timeout<F>(
+        &self,
+        event: impl WatchedEvent,
+        timeout: Duration,
+        callback: F,
+    ) -> WaitId
+    where
+        F: FnOnce(WaitResult) + Send + 'static,
+    {
+        self.wait_async_inner(
+            Source::Event(Box::new(event)),
+            Some(timeout),
+            Box::new(callback),
+        )
+    }
+
+    /// Runs `callback` once the work queued on `stream` so far has finished (through a
+    /// completion word).
+    ///
+    /// # Errors
+    /// The driver's error when the completion word cannot be queued.
+    pub fn wait_stream_async<F>(&self, stream: &Stream, callback: F) -> Result<WaitId>
+    where
+        F: FnOnce(WaitResult) + Send + 'static,
+    {
+        let lease = self.slab(stream.context())?.lease(stream)?;
+        Ok(self.wait_async_inner(Source::Word(lease), None, Box::new(callback)))
+    }
+
+    fn wait_async_inner(
+        &self,
+        source: Source,
+        timeout: Option<Duration>,
+        callback: Callback,
+    ) -> WaitId {
+        let id = WaitId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let cell: Arc<Cell> = Arc::new(WaitCell::new());
+        self.shared.callbacks.lock().insert(id, Arc::clone(&cell));
+        self.register(Registration {
+            cell,
+            source,
+            deadline: deadline(timeout),
+            callback: Some((id, callback)),
+        });
+        id
+    }
+
+    /// Cancels a callback wait: `true` when this call cancelled it, after which its callback
+    /// never runs; `false` when it had already completed, failed, timed out or been cancelled
+    /// (its callback ran, runs now, or never will).
+    pub fn cancel_wait(&self, id: WaitId) -> bool {
+        let cell = self.shared.callbacks.lock().remove(&id);
+        cell.is_some_and(|cell| cell.cancel())
+    }
+
+    /// Waits the reactor still watches.
+    pub fn pending(&self) -> usize {
+        self.shared.counters.pending.load(Ordering::Relaxed)
+    }
+
+    /// The waiter's counters.
+    pub fn stats(&self) -> WaiterStats {
+        let counters = &self.shared.counters;
+        WaiterStats {
+            registered: counters.registered.load(Ordering::Relaxed),
+            completed: counters.completed.load(Ordering::Relaxed),
+            failed: counters.failed.load(Ordering::Relaxed),
+            timed_out: counters.timed_out.load(Ordering::Relaxed),
+            cancelled: counters.cancelled.load(Ordering::Relaxed),
+            pending: counters.pending.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl Drop for AsyncEventWaiter {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        self.shared.inbox.ring(&self.reactor);
+        if let Some(handle) = self.handle.take() {
+            if handle.join().is_err() {
+                tracing::error!("the event reactor thread panicked");
+            }
+        }
+    }
+}
+
+fn deadline(timeout: Option<Duration>) -> Option<(Instant, Duration)> {
+    timeout.map(|timeout| (Instant::now() + timeout, timeout))
+}
+
+/// A future for the work queued on `stream` so far, served by [`AsyncEventWaiter::global`].
+///
+/// # Errors
+/// As [`AsyncEventWaiter::stream_idle`].
+pub fn stream_idle(stream: &Stream) -> Result<WaitFuture> {
+    AsyncEventWaiter::global()?.stream_idle(stream)
+}
+
+/// A future for `event`, served by [`AsyncEventWaiter::global`].
+///
+/// # Errors
+/// When the global waiter could not start.
+pub fn event_done(event: impl WatchedEvent) -> Result<WaitFuture> {
+    Ok(AsyncEventWaiter::global()?.event_done(event))
+}

@@ -1,0 +1,364 @@
+//! The reactor thread: watches completion words (plain loads) and events (queries), decides
+//! wait cells, runs callbacks, and parks when nothing is pending.
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::WaitId;
+use super::source::WatchedEvent;
+use super::words::{Lease, WordSlab};
+use crate::error::EventError;
+use crate::wake::{Inbox, Outcome, WaitCell};
+
+/// What a callback is told: `Ok(())` when the GPU got there, or why it will not be.
+pub type WaitResult = Result<(), EventError>;
+
+pub(crate) type Callback = Box<dyn FnOnce(WaitResult) + Send + 'static>;
+pub(crate) type Cell = WaitCell<EventError>;
+
+/// Spin (re-scanning at full speed) this long after the last progress: GPU work that ends
+/// within it is noticed within a scan.
+const SPIN_FOR: Duration = Duration::from_micros(200);
+/// Then yield the core between scans until this long after the last progress.
+const YIELD_FOR: Duration = Duration::from_millis(2);
+/// Then sleep this long between scans (long GPU work: a wake-up may come this much late).
+const NAP: Duration = Duration::from_micros(100);
+/// How often unwritten completion words make the reactor check their context is alive.
+const PROBE_EVERY: Duration = Duration::from_millis(1);
+
+/// What is being watched.
+pub(crate) enum Source {
+    Event(Box<dyn WatchedEvent>),
+    Word(Lease),
+}
+
+/// One wait handed to the reactor.
+pub(crate) struct Registration {
+    pub(crate) cell: Arc<Cell>,
+    pub(crate) source: Source,
+    pub(crate) deadline: Option<(Instant, Duration)>,
+    pub(crate) callback: Option<(WaitId, Callback)>,
+}
+
+/// Counters the reactor keeps.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) registered: AtomicU64,
+    pub(crate) completed: AtomicU64,
+    pub(crate) failed: AtomicU64,
+    pub(crate) timed_out: AtomicU64,
+    pub(crate) cancelled: AtomicU64,
+    pub(crate) pending: AtomicUsize,
+}
+
+/// State shared by the waiter's handle and its reactor thread.
+#[derive(Default)]
+pub(crate) struct Shared {
+    pub(crate) inbox: Inbox<Registration>,
+    pub(crate) shutdown: AtomicBool,
+    /// Live callback waits, so `cancel_wait` can find their cells.
+    pub(crate) callbacks: Mutex<HashMap<WaitId, Arc<Cell>>>,
+    pub(crate) counters: Counters,
+}
+
+enum Check {
+    NotYet,
+    Reached,
+    Failed(EventError),
+}
+
+impl Registration {
+    fn check(&self) -> Check {
+        match &self.source {
+            Source::Word(lease) if lease.is_reached() => Check::Reached,
+            Source::Word(_) => Check::NotYet,
+            Source::Event(event) => match event.event().query() {
+                Ok(true) => Check::Reached,
+                Ok(false) => Check::NotYet,
+                Err(error) => Check::Failed(error.into()),
+            },
+        }
+    }
+
+    fn slab(&self) -> Option<&Arc<WordSlab>> {
+        match &self.source {
+            Source::Word(lease) => Some(&lease.slab),
+            Source::Event(_) => None,
+        }
+    }
+}
+
+/// The reactor thread's body; returns on shutdown.
+pub(crate) fn run(shared: &Shared) {
+    let mut reactor = Reactor {
+        shared,
+        entries: Vec::new(),
+        zombies: Vec::new(),
+        last_probe: Instant::now(),
+    };
+    let mut last_progress = Instant::now();
+    loop {
+        while let Some(registration) = shared.inbox.pop() {
+            reactor.entries.push(registration);
+        }
+        if shared.shutdown.load(Ordering::Acquire) {
+            reactor.shut_down();
+            return;
+        }
+        let now = Instant::now();
+        let progressed = reactor.scan(now);
+        if reactor.entries.is_empty() && reactor.zombies.is_empty() {
+            shared
+                .inbox
+                .park_until_nonempty(|| shared.shutdown.load(Ordering::Acquire));
+            last_progress = Instant::now();
+            continue;
+        }
+        if progressed {
+            last_progress = now;
+            continue;
+        }
+        let idle = now.saturating_duration_since(last_progress);
+        if idle < SPIN_FOR {
+            std::hint::spin_loop();
+        } else if idle < YIELD_FOR {
+            std::thread::yield_now();
+        } else {
+            let nap = reactor.next_deadline().map_or(NAP, |deadline| {
+                deadline.saturating_duration_since(now).min(NAP)
+            });
+            shared
+                .inbox
+                .park_timeout(nap, || shared.shutdown.load(Ordering::Acquire));
+        }
+    }
+}
+
+struct Reactor<'a> {
+    shared: &'a Shared,
+    entries: Vec<Registration>,
+    /// Words whose wait ended (cancelled, timed out) before the GPU wrote them: kept until it
+    /// does, so a late write never lands in a word lent to someone else.
+    zombies: Vec<Lease>,
+    last_probe: Instant,
+}
+
+impl Reactor<'_> {
+    /// One pass over every wait; whether any ended.
+    fn scan(&mut self, now: Instant) -> bool {
+        let mut progressed = false;
+        let mut index = 0;
+        while index < self.entries.len() {
+            let entry = &self.entries[index];
+            if entry.cell.outcome() == Outcome::Cancelled {
+                let entry = self.entries.swap_remove(index);
+                self.shared
+                    .counters
+                    .cancelled
+                    .fetch_add(1, Ordering::Relaxed);
+                self.retire(entry, false);
+                progressed = true;
+                continue;
+            }
+            match entry.check() {
+                Check::Reached => {
+                    let entry = self.entries.swap_remove(index);
+                    if entry.cell.complete() {
+                        self.shared
+                            .counters
+                            .completed
+                            .fetch_add(1, Ordering::Relaxed);
+                        self.finish(entry, Ok(()), true);
+                    } else {
+                        self.retire(entry, true);
+                    }
+                    progressed = true;
+                }
+                Check::Failed(error) => {
+                    let entry = self.entries.swap_remove(index);
+                    self.fail(entry, error);
+                    progressed = true;
+                }
+                Check::NotYet => match entry.deadline {
+                    Some((deadline, timeout)) if now >= deadline => {
+                        let entry = self.entries.swap_remove(index);
+                        if entry.cell.time_out() {
+                            self.shared
+                                .counters
+                                .timed_out
+                                .fetch_add(1, Ordering::Relaxed);
+                            self.finish(entry, Err(EventError::TimedOut { timeout }), false);
+                        } else {
+                            self.retire(entry, false);
+                        }
+                        progressed = true;
+                    }
+                    _ => index += 1,
+                },
+            }
+        }
+        let zombies_before = self.zombies.len();
+        let mut still = Vec::with_capacity(zombies_before);
+        for lease in self.zombies.drain(..) {
+            if lease.is_reached() {
+                lease.recycle();
+            } else {
+                still.push(lease);
+            }
+        }
+        self.zombies = still;
+        progressed |= self.zombies.len() != zombies_before;
+        if now.saturating_duration_since(self.last_probe) >= PROBE_EVERY {
+            self.last_probe = now;
+            progressed |= self.probe_contexts();
+        }
+        progressed
+    }
+
+    /// Asks each context with unwritten words whether it is still alive; fails the waits of
+    /// dead ones (a kernel fault leaves their words unwritten for ever). Whether any failed.
+    fn probe_contexts(&mut self) -> bool {
+        let mut slabs: Vec<Arc<WordSlab>> = Vec::new();
+        let in_use = self
+            .entries
+            .iter()
+            .filter_map(Registration::slab)
+            .chain(self.zombies.iter().map(|lease| &lease.slab));
+        for slab in in_use {
+            if !slabs.iter().any(|seen| Arc::ptr_eq(seen, slab)) {
+                slabs.push(Arc::clone(slab));
+            }
+        }
+        let mut failed_any = false;
+        for slab in slabs {
+            let Err(error) = slab.probe() else { continue };
+            tracing::error!(%error, "a context with pending GPU waits died; failing its waits");
+            failed_any = true;
+            let (dead, alive): (Vec<_>, Vec<_>) = std::mem::take(&mut self.entries)
+                .into_iter()
+                .partition(|entry| entry.slab().is_some_and(|s| Arc::ptr_eq(s, &slab)));
+            self.entries = alive;
+            for entry in dead {
+                // Its word will never be written: keep it out of the free list (leaked with
+                // the slab, which the dead context can no longer use anyway).
+                let Registration {
+                    cell,
+                    source,
+                    callback,
+                    ..
+                } = entry;
+                drop(source);
+                self.decide_failed(&cell, callback, error.clone().into());
+            }
+            self.zombies
+                .retain(|lease| !Arc::ptr_eq(&lease.slab, &slab));
+        }
+        failed_any
+    }
+
+    fn fail(&mut self, entry: Registration, error: EventError) {
+        let Registration {
+            cell,
+            source,
+            callback,
+            ..
+        } = entry;
+        drop(source);
+        self.decide_failed(&cell, callback, error);
+    }
+
+    fn decide_failed(
+        &mut self,
+        cell: &Arc<Cell>,
+        callback: Option<(WaitId, Callback)>,
+        error: EventError,
+    ) {
+        let for_callback = callback.as_ref().map(|_| error.clone());
+        if cell.fail(error) {
+            self.shared.counters.failed.fetch_add(1, Ordering::Relaxed);
+            if let (Some((id, callback)), Some(error)) = (callback, for_callback) {
+                self.shared.callbacks.lock().remove(&id);
+                run_callback(callback, Err(error));
+            }
+        } else if let Some((id, _)) = callback {
+            self.shared.callbacks.lock().remove(&id);
+        }
+        self.shared.counters.pending.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Ends a wait whose cell this reactor decided: runs its callback with `result`.
+    fn finish(&mut self, entry: Registration, result: WaitResult, reached: bool) {
+        let Registration {
+            source, callback, ..
+        } = entry;
+        self.release_source(source, reached);
+        if let Some((id, callback)) = callback {
+            self.shared.callbacks.lock().remove(&id);
+            run_callback(callback, result);
+        }
+        // After the callback, so that `pending() == 0` means every callback has returned.
+        self.shared.counters.pending.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Ends a wait someone else decided (cancelled): its callback is dropped, never run.
+    fn retire(&mut self, entry: Registration, reached: bool) {
+        let Registration {
+            source, callback, ..
+        } = entry;
+        self.release_source(source, reached);
+        self.shared.counters.pending.fetch_sub(1, Ordering::Relaxed);
+        if let Some((id, callback)) = callback {
+            self.shared.callbacks.lock().remove(&id);
+            drop(callback);
+        }
+    }
+
+    fn release_source(&mut self, source: Source, reached: bool) {
+        if let Source::Word(lease) = source {
+            if reached || lease.is_reached() {
+                lease.recycle();
+            } else {
+                self.zombies.push(lease);
+            }
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        self.entries
+            .iter()
+            .filter_map(|entry| entry.deadline.map(|(deadline, _)| deadline))
+            .min()
+    }
+
+    /// Cancels callback waits (their callbacks never run) and fails futures with
+    /// [`EventError::WaiterShutDown`], so no awaiting task hangs.
+    fn shut_down(&mut self) {
+        for entry in std::mem::take(&mut self.entries) {
+            if entry.callback.is_some() {
+                entry.cell.cancel();
+                self.retire(entry, false);
+            } else {
+                self.fail(entry, EventError::WaiterShutDown);
+            }
+        }
+        while let Some(entry) = self.shared.inbox.pop() {
+            if entry.callback.is_some() {
+                entry.cell.cancel();
+                self.retire(entry, false);
+            } else {
+                self.fail(entry, EventError::WaiterShutDown);
+            }
+        }
+    }
+}
+
+fn run_callback(callback: Callback, result: WaitResult) {
+    if std::panic::catch_unwind(AssertUnwindSafe(|| callback(result))).is_err() {
+        tracing::error!("an event-wait callback panicked; the panic was contained");
+    }
+}

@@ -1,0 +1,32 @@
+//! [`WatchedEvent`]: anything holding an [`Event`] that the reactor can query and keep alive.
+
+use std::sync::Arc;
+
+use cuweave_driver::Event;
+
+use crate::pool::PooledEvent;
+
+/// An event a waiter can own while it watches it: an [`Event`], a [`PooledEvent`], or an
+/// `Arc` of either (to keep using it elsewhere meanwhile).
+pub trait WatchedEvent: Send + Sync + 'static {
+    /// The event to query.
+    fn event(&self) -> &Event;
+}
+
+impl WatchedEvent for Event {
+    fn event(&self) -> &Event {
+        self
+    }
+}
+
+impl WatchedEvent for PooledEvent {
+    fn event(&self) -> &Event {
+        self
+    }
+}
+
+impl<T: WatchedEvent> WatchedEvent for Arc<T> {
+    fn event(&self) -> &Event {
+        (**self).event()
+    }
+}

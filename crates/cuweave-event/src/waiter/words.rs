@@ -1,0 +1,96 @@
+//! Completion words: per-context slabs of mapped pinned words that streams write sequence
+//! numbers into, and the leases the reactor watches.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crossbeam::queue::SegQueue;
+use cuweave_driver::memory::MappedWords;
+use cuweave_driver::{Context, DriverError, Stream, StreamFlags};
+
+/// Words per chunk: one 4 KiB page.
+const CHUNK_WORDS: usize = 512;
+
+/// The completion words of one context: chunks of [`MappedWords`], a free list of words, a
+/// sequence counter, and a private stream whose query reveals a dead context.
+#[derive(Debug)]
+pub(crate) struct WordSlab {
+    context: Arc<Context>,
+    free: SegQueue<(Arc<MappedWords>, usize)>,
+    sequence: AtomicU64,
+    probe: Stream,
+}
+
+/// One word lent to one wait: the stream writes `target` into it behind the awaited work.
+#[derive(Debug)]
+pub(crate) struct Lease {
+    pub(crate) slab: Arc<WordSlab>,
+    words: Arc<MappedWords>,
+    index: usize,
+    target: u64,
+}
+
+impl WordSlab {
+    pub(crate) fn new(context: &Arc<Context>) -> Result<Self, DriverError> {
+        Ok(Self {
+            context: Arc::clone(context),
+            free: SegQueue::new(),
+            sequence: AtomicU64::new(0),
+            probe: Stream::new(context, StreamFlags::NON_BLOCKING)?,
+        })
+    }
+
+    /// Lends a word and queues the write of a fresh sequence number into it on `stream`.
+    pub(crate) fn lease(self: &Arc<Self>, stream: &Stream) -> Result<Lease, DriverError> {
+        let (words, index) = match self.free.pop() {
+            Some(free) => free,
+            None => self.grow()?,
+        };
+        // Sequence numbers only grow, and a word is lent again only after its last target
+        // was seen, so a word never already holds a newer lease's target.
+        let target = self.sequence.fetch_add(1, Ordering::Relaxed) + 1;
+        if let Err(error) = words.enqueue_write(stream, index, target) {
+            self.free.push((words, index));
+            return Err(error);
+        }
+        Ok(Lease {
+            slab: Arc::clone(self),
+            words,
+            index,
+            target,
+        })
+    }
+
+    fn grow(&self) -> Result<(Arc<MappedWords>, usize), DriverError> {
+        tracing::debug!(
+            words = CHUNK_WORDS,
+            "allocating a chunk of completion words"
+        );
+        let words = Arc::new(MappedWords::new(&self.context, CHUNK_WORDS)?);
+        for index in 1..CHUNK_WORDS {
+            self.free.push((Arc::clone(&words), index));
+        }
+        Ok((words, 0))
+    }
+
+    /// `Err` with the driver's sticky error once the context has died (a kernel fault); the
+    /// reactor asks this only now and then, while words stay unwritten.
+    pub(crate) fn probe(&self) -> Result<(), DriverError> {
+        self.probe.query().map(drop)
+    }
+}
+
+impl Lease {
+    /// Whether the stream has written the target (one atomic load; no driver call).
+    pub(crate) fn is_reached(&self) -> bool {
+        self.words
+            .load(self.index)
+            .is_some_and(|value| value >= self.target)
+    }
+
+    /// Gives the word back; only call once [`is_reached`](Self::is_reached), so that the
+    /// stream's write has landed and cannot hit a later lease.
+    pub(crate) fn recycle(self) {
+        self.slab.free.push((self.words, self.index));
+    }
+}

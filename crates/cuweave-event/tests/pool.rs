@@ -1,0 +1,95 @@
+//! GPU tests of the event pool: real events, growth, counters, 16 threads.
+
+mod common;
+
+use std::sync::Arc;
+use std::thread;
+
+use cuweave_event::{EventPool, PoolUtilization};
+use cuweave_test_support::require_gpu;
+
+#[test]
+fn pooled_events_record_and_return_on_drop() {
+    let gpu = require_gpu!();
+    let pool = EventPool::new(&gpu.context, 2, 1).unwrap();
+    assert_eq!(
+        pool.utilization(),
+        PoolUtilization {
+            available_regular: 2,
+            available_timing: 1,
+            in_use: 0
+        }
+    );
+    let stream = common::stream(&gpu.context);
+    let kernels = cuweave_test_support::kernels::TestKernels::load(&gpu.context).unwrap();
+    {
+        let start = pool.acquire_event(true).unwrap();
+        let end = pool.acquire_event(true).unwrap(); // the pool grows: one timing event pre-made
+        let done = pool.acquire_event(false).unwrap();
+        start.record(&stream).unwrap();
+        kernels.spin_ns(&stream, 2 * common::MS).unwrap();
+        end.record(&stream).unwrap();
+        done.record(&stream).unwrap();
+        assert_eq!(pool.utilization().in_use, 3);
+        done.synchronize().unwrap();
+        let ms = start.elapsed_ms(&end).unwrap();
+        assert!(ms >= 1.9, "timing events measured {ms} ms for a 2 ms spin");
+        pool.release_event(done);
+        assert_eq!(pool.utilization().in_use, 2);
+    }
+    let counters = pool.counters();
+    assert_eq!((counters.created_regular, counters.created_timing), (2, 2));
+    assert_eq!((counters.acquired, counters.released), (3, 3));
+    assert_eq!(
+        pool.utilization(),
+        PoolUtilization {
+            available_regular: 2,
+            available_timing: 2,
+            in_use: 0
+        }
+    );
+}
+
+#[test]
+fn sixteen_threads_lose_no_event_and_create_no_more_than_they_hold() {
+    let gpu = require_gpu!();
+    const THREADS: usize = 16;
+    const HELD: usize = 4;
+    let pool = EventPool::new(&gpu.context, 0, 0).unwrap();
+    let workers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let pool = pool.clone();
+            let context = Arc::clone(&gpu.context);
+            thread::spawn(move || {
+                let stream = common::stream(&context);
+                for round in 0..300 {
+                    let held: Vec<_> = (0..HELD)
+                        .map(|i| pool.acquire_event((t + i + round) % 4 == 0).unwrap())
+                        .collect();
+                    held[0].record(&stream).unwrap();
+                    drop(held);
+                }
+                stream.synchronize().unwrap();
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.join().unwrap();
+    }
+    let counters = pool.counters();
+    let created = counters.created_regular + counters.created_timing;
+    assert!(
+        created as usize <= THREADS * HELD,
+        "created {created} events for {} held",
+        THREADS * HELD
+    );
+    let utilization = pool.utilization();
+    assert_eq!(utilization.in_use, 0);
+    assert_eq!(
+        (utilization.available_regular + utilization.available_timing) as u64,
+        created,
+        "an event was lost"
+    );
+    assert_eq!(counters.acquired, (THREADS * HELD * 300) as u64);
+    assert_eq!(counters.acquired, counters.released);
+}

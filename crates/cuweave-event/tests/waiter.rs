@@ -1,0 +1,343 @@
+//! GPU tests of async waiting: futures under three executors and every wake mechanism,
+//! callbacks, cancellation races, timeouts, drop and forget mid-flight.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{Flags, MS, within};
+use cuweave_event::{AsyncEventWaiter, EventError, EventPool, WaitOptions, WakeMechanism};
+use cuweave_test_support::kernels::TestKernels;
+use cuweave_test_support::{require_gpu, serial};
+use rstest::rstest;
+
+const MECHANISMS: [WakeMechanism; 3] = [
+    WakeMechanism::CompletionWord,
+    WakeMechanism::EventQuery,
+    WakeMechanism::HostFunction,
+];
+
+#[derive(Debug, Clone, Copy)]
+enum Executor {
+    BlockOn,
+    Tokio,
+    Smol,
+}
+
+fn run_on<F: std::future::Future + Send + 'static>(executor: Executor, future: F) -> F::Output
+where
+    F::Output: Send + 'static,
+{
+    match executor {
+        Executor::BlockOn => futures::executor::block_on(future),
+        Executor::Tokio => {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .build()
+                .unwrap();
+            runtime.block_on(async move { runtime_spawned(future).await })
+        }
+        Executor::Smol => smol::block_on(smol::spawn(future)),
+    }
+}
+
+async fn runtime_spawned<F: std::future::Future + Send + 'static>(future: F) -> F::Output
+where
+    F::Output: Send + 'static,
+{
+    tokio::spawn(future).await.unwrap()
+}
+
+#[rstest]
+fn a_future_completes_only_after_the_spin_kernel_before_it_ends(
+    #[values(Executor::BlockOn, Executor::Tokio, Executor::Smol)] executor: Executor,
+    #[values(
+        WakeMechanism::CompletionWord,
+        WakeMechanism::EventQuery,
+        WakeMechanism::HostFunction
+    )]
+    mechanism: WakeMechanism,
+) {
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let waiter = AsyncEventWaiter::new().unwrap();
+    let stream = common::stream(&gpu.context);
+    let flags = Arc::new(Flags::new(&gpu.context, 1));
+    // SAFETY: the flag is mapped pinned memory of this context, alive until the stream is done.
+    unsafe {
+        kernels
+            .spin_then_store_u32(&stream, 30 * MS, flags.device(0), 7)
+            .unwrap()
+    };
+    let options = WaitOptions {
+        mechanism,
+        timeout: None,
+    };
+    let future = waiter.stream_idle_with(&stream, options).unwrap();
+    assert_eq!(
+        flags.read(0),
+        0,
+        "the spin ended before the test could check"
+    );
+    let seen = Arc::clone(&flags);
+    let observed = run_on(executor, async move {
+        future.await.unwrap();
+        seen.read(0)
+    });
+    assert_eq!(
+        observed, 7,
+        "the future resolved before the kernel stored its flag"
+    );
+}
+
+#[test]
+fn an_event_future_resolves_when_the_gpu_reaches_the_event() {
+    let gpu = require_gpu!();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let pool = EventPool::new(&gpu.context, 1, 0).unwrap();
+    let stream = common::stream(&gpu.context);
+    let flags = Arc::new(Flags::new(&gpu.context, 1));
+    // SAFETY: as above.
+    unsafe {
+        kernels
+            .spin_then_store_u32(&stream, 20 * MS, flags.device(0), 1)
+            .unwrap()
+    };
+    let event = pool.acquire_event(false).unwrap();
+    event.record(&stream).unwrap();
+    let future = cuweave_event::event_done(event).unwrap();
+    futures::executor::block_on(future).unwrap();
+    assert_eq!(flags.read(0), 1);
+}
+
+#[test]
+fn a_future_polled_before_the_gpu_is_done_stays_pending_then_wakes() {
+    let gpu = require_gpu!();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let waiter = AsyncEventWaiter::new().unwrap();
+    let stream = common::stream(&gpu.context);
+    kernels.spin_ns(&stream, 20 * MS).unwrap();
+    let mut future = waiter.stream_idle(&stream).unwrap();
+    // Spurious polls with a no-op waker, then with a real task: the real one is woken.
+    let noop = futures::task::noop_waker();
+    for _ in 0..3 {
+        let polled =
+            std::pin::Pin::new(&mut future).poll(&mut std::task::Context::from_waker(&noop));
+        assert!(polled.is_pending());
+    }
+    futures::executor::block_on(future).unwrap();
+    assert!(stream.query().unwrap());
+}
+
+use std::future::Future;
+
+#[test]
+fn a_timeout_is_reported_to_the_future_and_to_the_callback() {
+    let gpu = require_gpu!();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let waiter = AsyncEventWaiter::new().unwrap();
+    let pool = EventPool::new(&gpu.context, 1, 0).unwrap();
+    let stream = common::stream(&gpu.context);
+    kernels.spin_ns(&stream, 200 * MS).unwrap();
+    let future = waiter
+        .stream_idle_with(
+            &stream,
+            WaitOptions {
+                mechanism: WakeMechanism::CompletionWord,
+                timeout: Some(Duration::from_millis(20)),
+            },
+        )
+        .unwrap();
+    let event = pool.acquire_event(false).unwrap();
+    event.record(&stream).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    waiter.wait_async_timeout(event, Duration::from_millis(20), move |result| {
+        tx.send(result).unwrap();
+    });
+    let started = Instant::now();
+    let result = futures::executor::block_on(future);
+    assert!(
+        matches!(result, Err(EventError::TimedOut { .. })),
+        "{result:?}"
+    );
+    assert!(started.elapsed() < Duration::from_millis(150));
+    let told = rx.recv_timeout(Duration::from_secs(1)).unwrap();
+    assert!(matches!(told, Err(EventError::TimedOut { .. })), "{told:?}");
+    assert!(!stream.query().unwrap(), "the spin should still be running");
+    stream.synchronize().unwrap();
+    assert_eq!(waiter.stats().timed_out, 2);
+}
+
+#[test]
+fn cancellation_races_never_run_a_cancelled_callback_nor_lose_a_live_one() {
+    let gpu = require_gpu!();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let waiter = AsyncEventWaiter::new().unwrap();
+    let pool = EventPool::new(&gpu.context, 4, 0).unwrap();
+    let stream = common::stream(&gpu.context);
+    let (mut cancelled, mut ran) = (0, 0);
+    for i in 0..3_000u64 {
+        let runs = Arc::new(AtomicUsize::new(0));
+        // A GPU delay of 0-15 µs and a host delay of 0-15 µs, so completion and cancellation
+        // land in either order.
+        kernels.spin_ns(&stream, (i * 7_919) % 15_000).unwrap();
+        let event = pool.acquire_event(false).unwrap();
+        event.record(&stream).unwrap();
+        let counter = Arc::clone(&runs);
+        let id = waiter.wait_async(event, move |result| {
+            result.unwrap();
+            counter.fetch_add(1, Ordering::SeqCst);
+        });
+        let until = Instant::now() + Duration::from_nanos((i * 104_729) % 15_000);
+        while Instant::now() < until {
+            std::hint::spin_loop();
+        }
+        let was_cancelled = waiter.cancel_wait(id);
+        assert!(!waiter.cancel_wait(id), "cancelled twice");
+        stream.synchronize().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while waiter.pending() > 0 && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        assert_eq!(waiter.pending(), 0);
+        let runs = runs.load(Ordering::SeqCst);
+        if was_cancelled {
+            assert_eq!(runs, 0, "iteration {i}: a cancelled callback ran");
+            cancelled += 1;
+        } else {
+            assert_eq!(runs, 1, "iteration {i}: a live callback was lost");
+            ran += 1;
+        }
+    }
+    eprintln!("cancellation race: {cancelled} cancelled, {ran} ran");
+    assert!(cancelled > 0 && ran > 0, "the race never went both ways");
+}
+
+#[test]
+fn ten_thousand_pending_waits_are_all_woken() {
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let waiter = AsyncEventWaiter::new().unwrap();
+    let stream = common::stream(&gpu.context);
+    let gate = Flags::new(&gpu.context, 1);
+    // SAFETY: mapped flag of this context; opened below, with a timeout as a safety net.
+    unsafe {
+        kernels
+            .wait_u32(&stream, gate.device(0), 1, 5_000 * MS)
+            .unwrap()
+    };
+    let futures: Vec<_> = (0..10_000)
+        .map(|_| waiter.stream_idle(&stream).unwrap())
+        .collect();
+    assert_eq!(waiter.pending(), 10_000);
+    assert!(futures.iter().all(|future| !future.is_complete()));
+    gate.write(0, 1);
+    let results = within(Duration::from_secs(10), move || {
+        futures::executor::block_on(futures::future::join_all(futures))
+    });
+    assert!(results.iter().all(Result::is_ok));
+    assert_eq!(waiter.stats().completed, 10_000);
+}
+
+#[rstest]
+fn dropping_or_forgetting_a_future_mid_flight_keeps_the_gpu_write_safe(
+    #[values(false, true)] forget: bool,
+) {
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let stream = common::stream(&gpu.context);
+    let waiter = AsyncEventWaiter::new().unwrap();
+    kernels.spin_ns(&stream, 50 * MS).unwrap();
+    let future = waiter.stream_idle(&stream).unwrap();
+    if forget {
+        std::mem::forget(future);
+    } else {
+        drop(future);
+    }
+    // Stopping the waiter drops its completion words while the stream's write is queued: the
+    // memory must outlive the write (a freed target would fault the context).
+    drop(waiter);
+    stream.synchronize().unwrap();
+    kernels.spin_ns(&stream, 1_000).unwrap();
+    stream.synchronize().unwrap();
+}
+
+#[test]
+fn reused_completion_words_never_complete_a_wait_early() {
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let waiter = AsyncEventWaiter::new().unwrap();
+    let stream = common::stream(&gpu.context);
+    let flags = Flags::new(&gpu.context, 1);
+    for round in 1..=200u32 {
+        // Drop half the futures mid-flight so their words return through the zombie path.
+        let dropped = waiter.stream_idle(&stream).unwrap();
+        // SAFETY: mapped flag of this context, alive for the test.
+        unsafe {
+            kernels
+                .spin_then_store_u32(&stream, 200_000, flags.device(0), round)
+                .unwrap()
+        };
+        let kept = waiter.stream_idle(&stream).unwrap();
+        drop(dropped);
+        futures::executor::block_on(kept).unwrap();
+        assert_eq!(
+            flags.read(0),
+            round,
+            "round {round} completed before its kernel"
+        );
+    }
+}
+
+#[test]
+fn dropping_the_waiter_cancels_callbacks_and_fails_futures() {
+    let gpu = require_gpu!();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let pool = EventPool::new(&gpu.context, 1, 0).unwrap();
+    let stream = common::stream(&gpu.context);
+    let waiter = AsyncEventWaiter::new().unwrap();
+    kernels.spin_ns(&stream, 100 * MS).unwrap();
+    let event = pool.acquire_event(false).unwrap();
+    event.record(&stream).unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&runs);
+    waiter.wait_async(event, move |_| {
+        counter.fetch_add(1, Ordering::SeqCst);
+    });
+    let future = waiter.stream_idle(&stream).unwrap();
+    drop(waiter);
+    let result = futures::executor::block_on(future);
+    assert_eq!(result, Err(EventError::WaiterShutDown));
+    stream.synchronize().unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn every_mechanism_serves_many_sequential_waits() {
+    let gpu = require_gpu!();
+    let kernels = cuweave_test_support::event_kernels::EventKernels::load(&gpu.context).unwrap();
+    let waiter = AsyncEventWaiter::new().unwrap();
+    let stream = common::stream(&gpu.context);
+    for mechanism in MECHANISMS {
+        for _ in 0..200 {
+            kernels.noop(&stream).unwrap();
+            let future = waiter
+                .stream_idle_with(
+                    &stream,
+                    WaitOptions {
+                        mechanism,
+                        timeout: None,
+                    },
+                )
+                .unwrap();
+            futures::executor::block_on(future).unwrap();
+            assert!(stream.query().unwrap());
+        }
+    }
+}

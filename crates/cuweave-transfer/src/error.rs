@@ -1,0 +1,65 @@
+//! [`TransferError`]: what can go wrong moving bytes.
+
+use cuweave_driver::DriverError;
+use cuweave_memory::MemoryError;
+
+use crate::method::TransferMethod;
+
+/// A result whose error is a [`TransferError`].
+pub type Result<T, E = TransferError> = std::result::Result<T, E>;
+
+/// Why a transfer (or planning, calibration, or loading a calibration) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    /// The memory layer failed (bad buffer range, busy buffer, or the driver below it).
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// The driver failed directly (peer access, streams, device queries).
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+    /// An offset and length run past the end of one side of a transfer.
+    #[error("{side}: range {offset}..{offset}+{len} is outside {capacity} elements")]
+    OutOfRange {
+        /// Which side: `"source"` or `"destination"`.
+        side: &'static str,
+        /// Start of the requested range, in elements.
+        offset: usize,
+        /// Length of the requested range, in elements.
+        len: usize,
+        /// Elements on that side.
+        capacity: usize,
+    },
+    /// The two sides of a transfer differ in length.
+    #[error("source has {source_len} elements but destination {destination_len}")]
+    LengthMismatch {
+        /// Elements in the source.
+        source_len: usize,
+        /// Elements in the destination.
+        destination_len: usize,
+    },
+    /// A method was asked for (or forced) on a path it cannot serve on this machine.
+    #[error("{method} cannot move {path}: {reason}")]
+    Unsupported {
+        /// The method asked for.
+        method: TransferMethod,
+        /// The path, as `source -> destination`.
+        path: String,
+        /// Why not (missing capability, wrong device, ...).
+        reason: String,
+    },
+    /// The event layer failed while an async transfer waited (driver error, dead context,
+    /// waiter shut down).
+    #[error(transparent)]
+    Event(#[from] cuweave_event::EventError),
+    /// Reading or writing a calibration file failed.
+    #[error("calibration file {path}: {message}")]
+    CalibrationFile {
+        /// The file.
+        path: String,
+        /// The I/O or JSON error.
+        message: String,
+    },
+    /// A worker thread of a pipelined copy panicked (a bug; the copy did not complete).
+    #[error("a staging worker thread panicked")]
+    WorkerPanicked,
+}

@@ -1,0 +1,165 @@
+//! Running a chosen method on a (source, destination) pair: the real copies behind each
+//! [`TransferMethod`].
+
+use cuweave_memory::buffer::copy_peer;
+use cuweave_memory::{Buffer, Element, MemLocation, UnifiedBuffer};
+
+use crate::endpoint::{Destination, Source};
+use crate::error::{Result, TransferError};
+use crate::manager::TransferManager;
+use crate::method::TransferMethod;
+use crate::staging::bounce;
+
+use Destination as D;
+use Source as S;
+use TransferMethod::{HostStaged, PeerToPeer, UnifiedMemory, ZeroCopy};
+
+/// Runs `method` (already checked against the path and devices by the planner) on a
+/// non-empty, range-checked pair.
+pub(crate) fn execute<T: Element>(
+    manager: &TransferManager,
+    method: TransferMethod,
+    src: Source<'_, T>,
+    dst: Destination<'_, T>,
+) -> Result<()> {
+    let n = src.len();
+    match (src, dst) {
+        // Host-visible pairs: a host memcpy (pinned buffers wait for their device uses first).
+        (S::Host(s), D::Host(d)) => d.copy_from_slice(s),
+        (S::Host(s), D::Pinned(b, o)) => b.copy_range_from_host(o, s)?,
+        (S::Pinned(p, o, _), D::Host(d)) => p.copy_range_to_host(o, d)?,
+        (S::Pinned(p, o, _), D::Pinned(b, o2)) => {
+            b.copy_range_from_host(o2, &p.as_slice()?[o..o + n])?;
+        }
+
+        // Pageable host <-> device: the plain call or the pipeline.
+        (S::Host(s), D::Device(b, o)) => match method {
+            HostStaged => manager.pipeline(b.device().ordinal()).upload(s, b, o)?,
+            _ => b.copy_range_from_host(o, s)?,
+        },
+        (S::Device(b, o, _), D::Host(d)) => match method {
+            HostStaged => manager.pipeline(b.device().ordinal()).download(b, o, d)?,
+            _ => b.copy_range_to_host(o, d)?,
+        },
+
+        // Pinned host <-> device: a DMA from the host address, or through the mapped address.
+        (S::Pinned(p, o, _), D::Device(b, o2)) => match method {
+            ZeroCopy => b.copy_range_from(o2, p, o, n)?,
+            _ => b.copy_range_from_host(o2, &p.as_slice()?[o..o + n])?,
+        },
+        (S::Device(s, o, _), D::Pinned(p, o2)) => match method {
+            ZeroCopy => p.copy_range_from(o2, s, o, n)?,
+            _ => s.copy_range_to_host(o, &mut p.as_mut_slice()?[o2..o2 + n])?,
+        },
+
+        // Device <-> device, one device or two.
+        (S::Device(s, o, _), D::Device(d, o2)) => {
+            let (from, to) = (s.device().ordinal(), d.device().ordinal());
+            match method {
+                _ if from == to => d.copy_range_from(o2, s, o, n)?,
+                PeerToPeer => {
+                    manager.enable_peers(from, to)?;
+                    copy_peer(d, o2, s, o, n, &manager.device(to).streams[0])?;
+                }
+                HostStaged => bounce(
+                    &manager.device(from).pool,
+                    manager.staging(),
+                    s,
+                    o,
+                    &manager.device(from).streams[0],
+                    d,
+                    o2,
+                    &manager.device(to).streams[0],
+                    n,
+                )?,
+                _ => copy_peer(d, o2, s, o, n, &manager.device(to).streams[0])?,
+            }
+        }
+
+        // Unified memory: prefetch to where the copy runs, or let the driver fault pages in.
+        (S::Host(s), D::Unified(u, o)) => match method {
+            UnifiedMemory => {
+                prefetch(manager, u, o, n, MemLocation::Host)?;
+                u.as_mut_slice()?[o..o + n].copy_from_slice(s);
+                let device = u.device().ordinal();
+                prefetch(manager, u, o, n, MemLocation::Device(device))?;
+            }
+            _ => u.copy_range_from_host(o, s)?,
+        },
+        (S::Unified(u, o, _), D::Host(d)) => match method {
+            UnifiedMemory => {
+                prefetch(manager, u, o, n, MemLocation::Host)?;
+                d.copy_from_slice(&u.as_slice()?[o..o + n]);
+            }
+            _ => u.copy_range_to_host(o, d)?,
+        },
+        (S::Unified(u, o, _), D::Device(d, o2)) => {
+            if u.device() != d.device() {
+                copy_peer(
+                    d,
+                    o2,
+                    u,
+                    o,
+                    n,
+                    &manager.device(d.device().ordinal()).streams[0],
+                )?;
+            } else {
+                if method == UnifiedMemory {
+                    prefetch(manager, u, o, n, MemLocation::Device(u.device().ordinal()))?;
+                }
+                d.copy_range_from(o2, u, o, n)?;
+            }
+        }
+        (S::Device(s, o, _), D::Unified(u, o2)) => {
+            if u.device() != s.device() {
+                copy_peer(
+                    u,
+                    o2,
+                    s,
+                    o,
+                    n,
+                    &manager.device(u.device().ordinal()).streams[0],
+                )?;
+            } else {
+                if method == UnifiedMemory {
+                    prefetch(manager, u, o2, n, MemLocation::Device(u.device().ordinal()))?;
+                }
+                u.copy_range_from(o2, s, o, n)?;
+            }
+        }
+        (S::Unified(a, o, _), D::Unified(b, o2)) => {
+            if a.device() == b.device() {
+                b.copy_range_from(o2, a, o, n)?;
+            } else {
+                copy_peer(
+                    b,
+                    o2,
+                    a,
+                    o,
+                    n,
+                    &manager.device(b.device().ordinal()).streams[0],
+                )?;
+            }
+        }
+        (S::Pinned(p, o, _), D::Unified(u, o2)) => {
+            u.copy_range_from_host(o2, &p.as_slice()?[o..o + n])?;
+        }
+        (S::Unified(u, o, _), D::Pinned(p, o2)) => {
+            u.copy_range_to_host(o, &mut p.as_mut_slice()?[o2..o2 + n])?;
+        }
+    }
+    Ok(())
+}
+
+/// Migrates elements `offset..offset + len` of `buffer` to `location` and waits for it.
+fn prefetch<T: Element>(
+    manager: &TransferManager,
+    buffer: &UnifiedBuffer<T>,
+    offset: usize,
+    len: usize,
+    location: MemLocation,
+) -> Result<()> {
+    let stream = &manager.device(buffer.device().ordinal()).streams[0];
+    buffer.prefetch_range(offset, len, location, stream)?;
+    stream.synchronize().map_err(TransferError::from)
+}

@@ -1,0 +1,425 @@
+//! GPU tests of the transfer manager: every (source, destination, method) pair moves bytes
+//! exactly, at awkward sizes and offsets, leaving the bytes around the range untouched; bad
+//! ranges and impossible methods are typed errors; plans, statistics and calibration.
+
+use std::sync::Arc;
+
+use cuweave_driver::{Context, Device};
+use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer, UnifiedBuffer};
+use cuweave_test_support::require_gpu;
+use cuweave_transfer::{
+    CalibrationTable, Destination, Location, LocationKind, PlanReason, SizeClass, Source,
+    StagingConfig, TransferError, TransferManager, TransferMethod, TransferPath,
+};
+
+const MIB: usize = 1 << 20;
+const SENTINEL: u8 = 0xEE;
+const SRC_OFFSET: usize = 3;
+const DST_OFFSET: usize = 5;
+/// Room around each range so bytes outside it can be checked.
+const SLACK: usize = 16;
+
+/// One buffer of every kind, all `len` bytes, on one device.
+struct Side {
+    host: Vec<u8>,
+    pinned: PinnedBuffer<u8>,
+    device: DeviceBuffer<u8>,
+    unified: UnifiedBuffer<u8>,
+}
+
+fn pattern(len: usize, seed: u32) -> Vec<u8> {
+    (0..len)
+        .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8)
+        .collect()
+}
+
+impl Side {
+    fn new(context: &Arc<Context>, len: usize) -> Self {
+        Self {
+            host: vec![0; len],
+            pinned: PinnedBuffer::zeroed(context, len).expect("pinned"),
+            device: DeviceBuffer::zeroed(context, len).expect("device"),
+            unified: UnifiedBuffer::zeroed(context, len).expect("unified"),
+        }
+    }
+
+    fn fill_pattern(&mut self, data: &[u8]) {
+        self.host.copy_from_slice(data);
+        self.pinned.copy_from_host(data).unwrap();
+        self.device.copy_from_host(data).unwrap();
+        self.unified.copy_from_host(data).unwrap();
+    }
+
+    fn reset(&mut self, kind: LocationKind) {
+        match kind {
+            LocationKind::Pageable => self.host.fill(SENTINEL),
+            LocationKind::Pinned => self.pinned.fill(SENTINEL).unwrap(),
+            LocationKind::Device => self.device.fill(SENTINEL).unwrap(),
+            LocationKind::Unified => self.unified.fill(SENTINEL).unwrap(),
+        }
+    }
+
+    fn read(&self, kind: LocationKind) -> Vec<u8> {
+        match kind {
+            LocationKind::Pageable => self.host.clone(),
+            LocationKind::Pinned => self.pinned.as_slice().unwrap().to_vec(),
+            LocationKind::Device => self.device.to_vec().unwrap(),
+            LocationKind::Unified => self.unified.to_vec().unwrap(),
+        }
+    }
+
+    fn location(&self, kind: LocationKind) -> Location {
+        let d = self.device.device().ordinal();
+        match kind {
+            LocationKind::Pageable => Location::PageableHost,
+            LocationKind::Pinned => Location::PinnedHost(d),
+            LocationKind::Device => Location::Device(d),
+            LocationKind::Unified => Location::Unified(d),
+        }
+    }
+
+    fn source(&self, kind: LocationKind, offset: usize, len: usize) -> Source<'_, u8> {
+        match kind {
+            LocationKind::Pageable => Source::Host(&self.host[offset..offset + len]),
+            LocationKind::Pinned => Source::pinned(&self.pinned, offset, len),
+            LocationKind::Device => Source::device(&self.device, offset, len),
+            LocationKind::Unified => Source::unified(&self.unified, offset, len),
+        }
+    }
+
+    fn destination(
+        &mut self,
+        kind: LocationKind,
+        offset: usize,
+        len: usize,
+    ) -> Destination<'_, u8> {
+        match kind {
+            LocationKind::Pageable => Destination::Host(&mut self.host[offset..offset + len]),
+            LocationKind::Pinned => Destination::pinned(&mut self.pinned, offset),
+            LocationKind::Device => Destination::device(&mut self.device, offset),
+            LocationKind::Unified => Destination::unified(&mut self.unified, offset),
+        }
+    }
+}
+
+const KINDS: [LocationKind; 4] = [
+    LocationKind::Pageable,
+    LocationKind::Pinned,
+    LocationKind::Device,
+    LocationKind::Unified,
+];
+
+/// Moves `len` bytes from `src` (at SRC_OFFSET) to `dst` (at DST_OFFSET) for every pair of
+/// kinds and every method the path and devices allow (plus the planned one), and checks every
+/// byte of the destination. Returns how many cases ran.
+fn every_pair(
+    manager: &TransferManager,
+    src: &Side,
+    dst: &mut Side,
+    len: usize,
+    data: &[u8],
+) -> usize {
+    let mut cases = 0;
+    for src_kind in KINDS {
+        for dst_kind in KINDS {
+            // Pageable memory belongs to no device: one pageable side of a cross-device pair is
+            // already covered by the single-device matrix.
+            let (from, to) = (src.location(src_kind), dst.location(dst_kind));
+            let path = TransferPath::between(from, to);
+            let facts = manager.facts(from, to);
+            let methods: Vec<Option<TransferMethod>> = std::iter::once(None)
+                .chain(
+                    TransferMethod::candidates(path)
+                        .iter()
+                        .filter(|m| facts.missing(**m).is_none())
+                        .map(|m| Some(*m)),
+                )
+                .collect();
+            for method in methods {
+                dst.reset(dst_kind);
+                let source = src.source(src_kind, SRC_OFFSET, len);
+                let destination = dst.destination(dst_kind, DST_OFFSET, len);
+                let report = match method {
+                    None => manager.transfer(source, destination),
+                    Some(m) => manager.transfer_with(m, source, destination),
+                }
+                .unwrap_or_else(|e| panic!("{from} -> {to} ({method:?}), {len} bytes: {e}"));
+                assert_eq!(report.bytes, len);
+                let got = dst.read(dst_kind);
+                let what = format!("{from} -> {to} by {}, {len} bytes", report.plan.method);
+                assert!(
+                    got[..DST_OFFSET].iter().all(|&b| b == SENTINEL),
+                    "{what}: bytes before the range changed"
+                );
+                assert!(
+                    got[DST_OFFSET + len..].iter().all(|&b| b == SENTINEL),
+                    "{what}: bytes after the range changed"
+                );
+                if got[DST_OFFSET..DST_OFFSET + len] != data[SRC_OFFSET..SRC_OFFSET + len] {
+                    let first = (0..len)
+                        .find(|&i| got[DST_OFFSET + i] != data[SRC_OFFSET + i])
+                        .unwrap();
+                    panic!("{what}: first wrong byte at {first}");
+                }
+                cases += 1;
+            }
+        }
+    }
+    cases
+}
+
+const SIZES: [usize; 7] = [0, 1, 4095, 4097, MIB + 3, 8 * MIB + 4097, 256 * MIB];
+
+#[test]
+fn every_pair_and_method_round_trips_bytes_exactly_on_one_device() {
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let manager = TransferManager::new().unwrap();
+    for len in SIZES {
+        let total = len + SLACK;
+        let data = pattern(total, len as u32);
+        let mut src = Side::new(&gpu.context, total);
+        src.fill_pattern(&data);
+        let mut dst = Side::new(&gpu.context, total);
+        let cases = every_pair(&manager, &src, &mut dst, len, &data);
+        assert!(cases >= 16 + 8, "{cases} cases at {len} bytes");
+    }
+}
+
+#[test]
+fn every_pair_and_method_round_trips_between_two_devices() {
+    let _gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    if Device::count().unwrap() < 2 {
+        eprintln!("SKIPPED every_pair_and_method_round_trips_between_two_devices: one device");
+        return;
+    }
+    let manager = TransferManager::new().unwrap();
+    let (c0, c1) = (
+        Context::primary(Device::get(0).unwrap()).unwrap(),
+        Context::primary(Device::get(1).unwrap()).unwrap(),
+    );
+    for len in SIZES {
+        let total = len + SLACK;
+        let data = pattern(total, 7 + len as u32);
+        for (a, b) in [(&c0, &c1), (&c1, &c0)] {
+            let mut src = Side::new(a, total);
+            src.fill_pattern(&data);
+            let mut dst = Side::new(b, total);
+            every_pair(&manager, &src, &mut dst, len, &data);
+        }
+    }
+    let plan = manager.plan(Location::Device(0), Location::Device(1), 64 * MIB);
+    if Device::get(1)
+        .unwrap()
+        .can_access_peer(&Device::get(0).unwrap())
+        .unwrap()
+    {
+        assert_eq!(plan.method, TransferMethod::PeerToPeer, "{plan}");
+    } else {
+        assert_eq!(plan.skipped[0].method, TransferMethod::PeerToPeer, "{plan}");
+    }
+}
+
+#[test]
+fn typed_slices_move_through_the_pipeline_with_a_short_last_chunk() {
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    // Small chunks, so a few MiB make many chunks per worker and a short tail.
+    let manager = TransferManager::with_staging(StagingConfig {
+        chunk_bytes: 256 << 10,
+        depth: 3,
+        threads: 4,
+    })
+    .unwrap();
+    let data: Vec<u64> = (0..(3 * MIB + 11) as u64)
+        .map(|i| i * 0x9E37_79B9)
+        .collect();
+    let mut device = DeviceBuffer::<u64>::zeroed(&gpu.context, data.len() + 2).unwrap();
+    let report = manager
+        .transfer_with(
+            TransferMethod::HostStaged,
+            &data,
+            Destination::device(&mut device, 2),
+        )
+        .unwrap();
+    assert_eq!(report.bytes, data.len() * 8);
+    let mut back = vec![0u64; data.len()];
+    manager
+        .transfer_with(
+            TransferMethod::HostStaged,
+            Source::device(&device, 2, data.len()),
+            &mut back,
+        )
+        .unwrap();
+    assert_eq!(back, data);
+    assert_eq!(device.to_vec().unwrap()[..2], [0, 0]);
+    let floats: Vec<f32> = (0..1_000_003).map(|i| i as f32 * 0.5).collect();
+    let mut device = DeviceBuffer::<f32>::zeroed(&gpu.context, floats.len()).unwrap();
+    manager.transfer(&floats, &mut device).unwrap();
+    assert_eq!(device.to_vec().unwrap(), floats);
+}
+
+#[test]
+fn bad_ranges_and_impossible_methods_are_typed_errors() {
+    let gpu = require_gpu!();
+    let manager = TransferManager::new().unwrap();
+    let host = [1u8; 100];
+    let mut device = DeviceBuffer::<u8>::zeroed(&gpu.context, 64).unwrap();
+    let other = DeviceBuffer::<u8>::zeroed(&gpu.context, 64).unwrap();
+    // Destination too small from its offset.
+    assert!(matches!(
+        manager.transfer(&host[..60], Destination::device(&mut device, 10)),
+        Err(TransferError::OutOfRange {
+            side: "destination",
+            offset: 10,
+            len: 60,
+            capacity: 64
+        })
+    ));
+    // Source range past the end, and overflowing.
+    let mut out = vec![0u8; 10];
+    assert!(matches!(
+        manager.transfer(Source::device(&other, 60, 10), &mut out),
+        Err(TransferError::OutOfRange { side: "source", .. })
+    ));
+    assert!(matches!(
+        manager.transfer(Source::device(&other, usize::MAX, 10), &mut out),
+        Err(TransferError::OutOfRange { side: "source", .. })
+    ));
+    // Host destination of the wrong length.
+    let mut short = vec![0u8; 9];
+    assert!(matches!(
+        manager.transfer(Source::device(&other, 0, 10), &mut short),
+        Err(TransferError::LengthMismatch {
+            source_len: 10,
+            destination_len: 9
+        })
+    ));
+    // A zero-length transfer past the end is still an error; at the end it is fine.
+    assert!(
+        manager
+            .transfer(&host[..0], Destination::device(&mut device, 65))
+            .is_err()
+    );
+    assert_eq!(
+        manager
+            .transfer(&host[..0], Destination::device(&mut device, 64))
+            .unwrap()
+            .bytes,
+        0
+    );
+    // Methods that do not serve the path.
+    assert!(matches!(
+        manager.transfer_with(
+            TransferMethod::HostStaged,
+            Source::device(&other, 0, 8),
+            Destination::device(&mut device, 0)
+        ),
+        Err(TransferError::Unsupported {
+            method: TransferMethod::HostStaged,
+            ..
+        })
+    ));
+    assert!(matches!(
+        manager.transfer_with(
+            TransferMethod::ZeroCopy,
+            &host[..8],
+            Destination::device(&mut device, 0)
+        ),
+        Err(TransferError::Unsupported { .. })
+    ));
+    // Nothing was written by the refused calls.
+    assert!(device.to_vec().unwrap().iter().all(|&b| b == 0));
+}
+
+#[test]
+fn plans_follow_the_given_calibration_and_statistics_count_each_transfer() {
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let manager = TransferManager::new().unwrap();
+    let mut table = CalibrationTable::default();
+    for class in SizeClass::ALL {
+        table.record(
+            TransferPath::PAGEABLE_TO_DEVICE,
+            class,
+            TransferMethod::DirectCopy,
+            50.0,
+        );
+        table.record(
+            TransferPath::PAGEABLE_TO_DEVICE,
+            class,
+            TransferMethod::HostStaged,
+            1.0,
+        );
+    }
+    manager.set_calibration(table);
+    let plan = manager.plan(Location::PageableHost, Location::Device(0), 512 * MIB);
+    assert_eq!(plan.method, TransferMethod::DirectCopy);
+    assert!(matches!(plan.reason, PlanReason::Calibrated { gbps, .. } if gbps == 50.0));
+
+    let host = pattern(3 * MIB, 1);
+    let mut device = DeviceBuffer::<u8>::zeroed(&gpu.context, host.len()).unwrap();
+    manager.stats().reset();
+    for _ in 0..3 {
+        let report = manager.transfer(&host, &mut device).unwrap();
+        assert_eq!(report.plan.method, TransferMethod::DirectCopy);
+        assert!(report.gbps() > 0.0);
+    }
+    let stats = manager
+        .stats()
+        .get(TransferPath::PAGEABLE_TO_DEVICE, SizeClass::Medium);
+    assert_eq!(
+        (stats.count, stats.bytes, stats.failures),
+        (3, 9 * MIB as u64, 0)
+    );
+    assert!(stats.best_gbps >= stats.mean_gbps() && stats.mean_gbps() > 0.0);
+    let mut wrong = vec![0u8; 1];
+    let _ = manager.transfer(Source::device(&device, 0, 2), &mut wrong);
+    // A refused range is not a failed transfer: nothing was attempted.
+    assert_eq!(manager.stats().snapshot().len(), 1);
+    manager.clear_cache();
+    assert!(manager.calibration().is_empty());
+}
+
+#[test]
+fn calibration_measures_every_candidate_and_round_trips_through_json() {
+    let _gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let manager = TransferManager::new().unwrap();
+    let start = std::time::Instant::now();
+    let table = manager.calibrate().unwrap();
+    let took = start.elapsed();
+    eprintln!("calibration took {took:?}");
+    for entry in &table.entries {
+        eprintln!(
+            "  {:<40} {:<9} {:<13} {:>7.2} GB/s",
+            entry.path.to_string(),
+            entry.size_class.label(),
+            entry.method.to_string(),
+            entry.gbps
+        );
+    }
+    for path in [
+        TransferPath::PAGEABLE_TO_DEVICE,
+        TransferPath::DEVICE_TO_PAGEABLE,
+    ] {
+        for class in SizeClass::ALL {
+            for method in [TransferMethod::DirectCopy, TransferMethod::HostStaged] {
+                let gbps = table.gbps(path, class, method).expect("measured");
+                assert!(gbps > 0.0);
+            }
+        }
+    }
+    // Cached for the process: a second manager picks it up without measuring.
+    let again = TransferManager::new().unwrap();
+    assert_eq!(again.calibration(), table);
+    let start = std::time::Instant::now();
+    assert_eq!(again.calibrate().unwrap(), table);
+    assert!(start.elapsed() < took);
+    let file =
+        std::env::temp_dir().join(format!("cuweave-calibration-{}.json", std::process::id()));
+    table.save(&file).unwrap();
+    assert_eq!(CalibrationTable::load(&file).unwrap(), table);
+    std::fs::remove_file(&file).unwrap();
+}
