@@ -21,7 +21,7 @@ pub mod wake;
 pub use barrier::CrossStreamBarrier;
 #[cfg(not(loom))]
 pub use coordinator::{
-    CoordinatorMetrics, EventMetadata, EventPriority, OperationCoordinator, OperationId,
+    AsStream, CoordinatorMetrics, EventMetadata, EventPriority, OperationCoordinator, OperationId,
     OperationState, OperationType,
 };
 #[cfg(not(loom))]

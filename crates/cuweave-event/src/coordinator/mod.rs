@@ -11,6 +11,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use cuweave_driver::Stream;
+use cuweave_stream::{PriorityStream, StreamPool, StreamPriority};
 use parking_lot::{Condvar, Mutex};
 
 pub use metrics::CoordinatorMetrics;
@@ -20,6 +21,37 @@ use crate::error::{EventError, Result};
 use crate::pool::{EventPool, PooledEvent};
 use crate::waiter::{AsyncEventWaiter, WaitFuture, WaitResult};
 use metrics::MetricsCell;
+
+/// Anything that is, or wraps, a driver [`Stream`]: operations can begin on a plain stream or
+/// on a [`PriorityStream`] from a [`StreamPool`].
+pub trait AsStream: Send + Sync + 'static {
+    /// The driver stream.
+    fn as_stream(&self) -> &Stream;
+}
+
+impl AsStream for Stream {
+    fn as_stream(&self) -> &Stream {
+        self
+    }
+}
+
+impl AsStream for PriorityStream {
+    fn as_stream(&self) -> &Stream {
+        self.stream()
+    }
+}
+
+impl EventPriority {
+    /// The stream priority an operation of this urgency runs at: `Critical` and `High` on
+    /// high-priority streams, `Normal` on normal ones, `Low` and `Cleanup` on low ones.
+    pub fn stream_priority(self) -> StreamPriority {
+        match self {
+            Self::Critical | Self::High => StreamPriority::High,
+            Self::Normal => StreamPriority::Normal,
+            Self::Low | Self::Cleanup => StreamPriority::Low,
+        }
+    }
+}
 
 /// A completion callback: told the operation and whether the GPU completed it.
 type CompletionCallback = Box<dyn FnOnce(OperationId, WaitResult) + Send + 'static>;
@@ -92,7 +124,7 @@ struct State {
 
 struct Operation {
     metadata: EventMetadata,
-    stream: Option<Arc<Stream>>,
+    stream: Option<Arc<dyn AsStream>>,
     done: Option<Arc<PooledEvent>>,
     start: Option<PooledEvent>,
     end: Option<PooledEvent>,
@@ -244,8 +276,10 @@ impl OperationCoordinator {
     /// [`complete_operation`](Self::complete_operation) yet (its event does not exist);
     /// `InvalidState` when `id` was already begun; the driver's error (the operation then stays
     /// registered).
-    pub fn begin_operation(&self, id: OperationId, stream: &Arc<Stream>) -> Result<()> {
+    pub fn begin_operation<S: AsStream>(&self, id: OperationId, stream: &Arc<S>) -> Result<()> {
         let _timed = self.timed();
+        let handle: Arc<dyn AsStream> = Arc::clone(stream) as Arc<dyn AsStream>;
+        let stream = handle.as_stream();
         let waits = {
             let mut state = self.inner.state.lock();
             let operation = operation_mut(&mut state, id, "begin_operation")?;
@@ -284,7 +318,7 @@ impl OperationCoordinator {
         match queued {
             Ok(start) => {
                 operation.start = Some(start);
-                operation.stream = Some(Arc::clone(stream));
+                operation.stream = Some(Arc::clone(&handle));
                 operation.metadata.stream = Some(stream.id());
                 operation.metadata.begun_at = Some(Instant::now());
                 operation.metadata.cross_stream_waits = waits.len();
@@ -297,6 +331,19 @@ impl OperationCoordinator {
                 Err(error)
             }
         }
+    }
+
+    /// Begins `id` on a stream of `pool` at the operation's priority
+    /// ([`EventPriority::stream_priority`]; the pool falls back to the nearest priority it has),
+    /// and returns that stream for the operation's work.
+    ///
+    /// # Errors
+    /// As [`begin_operation`](Self::begin_operation); the pool's error.
+    pub fn begin_on_pool(&self, id: OperationId, pool: &StreamPool) -> Result<Arc<PriorityStream>> {
+        let priority = self.metadata(id)?.priority.stream_priority();
+        let stream = pool.get_priority_stream(priority)?;
+        self.begin_operation(id, &stream)?;
+        Ok(stream)
     }
 
     /// Marks the end of `id`'s work on its stream: records its completion event (which
@@ -313,11 +360,12 @@ impl OperationCoordinator {
             expect_state(operation, OperationState::Begun, "complete")?;
             Arc::clone(operation.stream.as_ref().expect("begun has a stream"))
         };
+        let stream = stream.as_stream();
         let recorded = (|| -> Result<(PooledEvent, PooledEvent)> {
             let end = self.inner.pool.acquire_event(true)?;
-            end.record(&stream)?;
+            end.record(stream)?;
             let done = self.inner.pool.acquire_event(false)?;
-            done.record(&stream)?;
+            done.record(stream)?;
             Ok((end, done))
         })();
         let (end, done) = recorded?;
