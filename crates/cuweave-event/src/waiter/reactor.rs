@@ -111,19 +111,27 @@ pub(crate) fn run(shared: &Shared) {
             return;
         }
         let now = Instant::now();
-        let progressed = reactor.scan(now);
-        if reactor.entries.is_empty() && reactor.zombies.is_empty() {
-            shared
-                .inbox
-                .park_until_nonempty(|| shared.shutdown.load(Ordering::Acquire));
-            last_progress = Instant::now();
-            continue;
-        }
-        if progressed {
+        if reactor.scan(now) {
             last_progress = now;
             continue;
         }
         let idle = now.saturating_duration_since(last_progress);
+        if reactor.entries.is_empty() && reactor.zombies.is_empty() {
+            // Nothing to watch. Stay awake through the spin and yield windows anyway: a caller
+            // that waits in a loop registers its next wait within microseconds, and a parked
+            // reactor would first have to be woken by the kernel (several microseconds more).
+            if idle < SPIN_FOR {
+                std::hint::spin_loop();
+            } else if idle < YIELD_FOR {
+                std::thread::yield_now();
+            } else {
+                shared
+                    .inbox
+                    .park_until_nonempty(|| shared.shutdown.load(Ordering::Acquire));
+                last_progress = Instant::now();
+            }
+            continue;
+        }
         if idle < SPIN_FOR {
             std::hint::spin_loop();
         } else if idle < YIELD_FOR {
