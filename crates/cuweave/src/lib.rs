@@ -18,11 +18,11 @@
 //! | driver | `cuweave-driver` | [`driver`] | the loader, `DriverError`, `Device`, `Context`, `Stream`, `Event`, `Module` / `Kernel`, raw memory calls |
 //! | memory | `cuweave-memory` | [`memory`] | typed device, pinned and unified buffers, migration hints, the caching allocator, the pinned pool |
 //! | stream | `cuweave-stream` | [`stream`] | priority streams with metrics and callbacks, the stream pool and its strategies, multi-stream coordination, the stream-ordered allocator, the GPU-timed profiler |
+//! | event | `cuweave-event` | [`event`] | the event pool, the operation coordinator (dependencies, priorities, deadlock detection), cross-stream barriers, async waiting (`.await` a stream or an event under any executor) |
 //!
-//! The event layer (event pools, dependency-aware coordination, async waiting) and the transfer
-//! layer (a transfer manager choosing the fastest path between host and devices) arrive with
-//! their issues, each as a crate of its own and a feature of the same name here (`event`,
-//! `transfer`).
+//! The transfer layer (a transfer manager choosing the fastest path between host and devices)
+//! arrives with its issue, as a crate of its own and a feature of the same name here
+//! (`transfer`).
 //!
 //! # Features
 //!
@@ -31,6 +31,7 @@
 //! | `driver` | yes | [`driver`]: the CUDA driver layer |
 //! | `memory` | yes | [`memory`]: typed buffers, unified memory, allocators (implies `driver`) |
 //! | `stream` | yes | [`stream`]: priority streams, pools, coordination, stream-ordered allocation, profiling (implies `memory`) |
+//! | `event` | yes | [`event`]: event pools, operation coordination, barriers, async waiting (implies `stream`) |
 //!
 //! # Example
 //!
@@ -92,6 +93,11 @@ pub mod prelude {
         AllocationStrategy, MultiStreamCoordinator, PriorityStream, StreamError, StreamMetrics,
         StreamOrderedAllocator, StreamPool, StreamPoolConfig, StreamPriority, StreamProfiler,
         WorkloadType,
+    };
+    #[cfg(feature = "event")]
+    pub use cuweave_event::{
+        AsyncEventWaiter, CrossStreamBarrier, EventError, EventPool, EventPriority,
+        OperationCoordinator, OperationType, PooledEvent, WaitFuture, WakeMechanism,
     };
 }
 
