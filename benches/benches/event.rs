@@ -168,32 +168,48 @@ fn wake_round_trip(c: &mut Criterion, gpu: &Gpu) {
 }
 
 fn pending_waits(c: &mut Criterion, gpu: &Gpu) {
-    const WAITS: usize = 10_000;
+    // A stream's queue holds about a thousand operations before the driver blocks the host, so
+    // the completion-word waits are spread over 20 streams; half the waits are futures on one
+    // event.
+    const STREAMS: usize = 20;
+    const PER_STREAM: usize = 250;
+    const ON_EVENT: usize = 5_000;
     let kernels = TestKernels::load(&gpu.context).expect("load kernels");
-    let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).expect("stream");
+    let streams: Vec<Stream> = (0..STREAMS)
+        .map(|_| Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).expect("stream"))
+        .collect();
+    let pool = EventPool::new(&gpu.context, 1, 0).expect("pool");
     let waiter = AsyncEventWaiter::new().expect("waiter");
     let gate = Arc::new(MappedWords::new(&gpu.context, 1).expect("gate word"));
     let gate_address = gate.device_address(0).expect("word 0");
     let mut group = c.benchmark_group("pending_waits_10k");
     slow_group(&mut group, Duration::from_secs(3));
     let mut round = 0u32;
-    group.bench_function("completion_word/open_gate_to_all_woken", |b| {
+    group.bench_function("5k_words_5k_event/open_gate_to_all_woken", |b| {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
                 round += 1;
-                // SAFETY: the gate word is mapped pinned memory of this context that outlives
-                // the stream's work (synchronized below); the kernel's low 32 bits of it are
-                // only written by the host through atomic stores.
-                unsafe {
-                    kernels
-                        .wait_u32(&stream, gate_address, round, 10_000_000_000)
-                        .expect("gate")
-                };
-                let futures: Vec<_> = (0..WAITS)
-                    .map(|_| waiter.stream_idle(&stream).expect("stream_idle"))
-                    .collect();
-                assert_eq!(waiter.pending(), WAITS);
+                let mut futures = Vec::with_capacity(STREAMS * PER_STREAM + ON_EVENT);
+                for stream in &streams {
+                    // SAFETY: the gate word is mapped pinned memory of this context that
+                    // outlives the stream's work (awaited below); the host writes it only
+                    // with atomic stores, and the kernel reads its low 32 bits.
+                    unsafe {
+                        kernels
+                            .wait_u32(stream, gate_address, round, 2_000_000_000)
+                            .expect("gate")
+                    };
+                    for _ in 0..PER_STREAM {
+                        futures.push(waiter.stream_idle(stream).expect("stream_idle"));
+                    }
+                }
+                let event = Arc::new(pool.acquire_event(false).expect("event"));
+                event.record(&streams[0]).expect("record");
+                for _ in 0..ON_EVENT {
+                    futures.push(waiter.event_done(Arc::clone(&event)));
+                }
+                assert_eq!(waiter.pending(), STREAMS * PER_STREAM + ON_EVENT);
                 let started = Instant::now();
                 gate.store(0, u64::from(round));
                 let results = futures::executor::block_on(futures::future::join_all(futures));

@@ -82,6 +82,11 @@ pub mod prelude {
     pub use cuweave_driver::{
         Context, Device, DriverError, Event, EventFlags, Stream, StreamFlags,
     };
+    #[cfg(feature = "event")]
+    pub use cuweave_event::{
+        AsyncEventWaiter, CrossStreamBarrier, EventError, EventPool, EventPriority,
+        OperationCoordinator, OperationType, PooledEvent, WaitFuture, WakeMechanism,
+    };
     #[cfg(feature = "memory")]
     pub use cuweave_memory::{
         Buffer, CachedAllocation, CachingAllocator, DeviceBuffer, Element, MemAdvice, MemLocation,
@@ -93,11 +98,6 @@ pub mod prelude {
         AllocationStrategy, MultiStreamCoordinator, PriorityStream, StreamError, StreamMetrics,
         StreamOrderedAllocator, StreamPool, StreamPoolConfig, StreamPriority, StreamProfiler,
         WorkloadType,
-    };
-    #[cfg(feature = "event")]
-    pub use cuweave_event::{
-        AsyncEventWaiter, CrossStreamBarrier, EventError, EventPool, EventPriority,
-        OperationCoordinator, OperationType, PooledEvent, WaitFuture, WakeMechanism,
     };
 }
 
