@@ -8,6 +8,10 @@
 //! | `alloc_free_1MiB/raw/cuMemAllocFromPoolAsync+cuMemFreeAsync` | the cached stream-ordered pool: both calls on one stream, on a pool with release threshold `u64::MAX`, warm; one `cuStreamSynchronize` per batch of iterations, inside the timing (amortized) |
 //! | `alloc_free_1MiB/cuweave/AsyncPoolResource` | the same pool through `MemoryResource::allocate` + `deallocate`, amortized alike |
 //! | `alloc_free_1MiB/raw/cuMemAlloc+cuMemFree` | `cuMemAlloc_v2` + `cuMemFree_v2` of 1 MiB |
+//! | `caching_threads_1MiB/sharded/{1,4,16}` | each of N threads, on its own stream, does `iters` alloc+free of 1 MiB (warm: every thread's segment is cached before timing) on one shared `CachingAllocator` (32 shards); the time is the slowest thread's, from a common start (a barrier) to its last free, so it reads as *time per alloc+free per thread*; N threads together do N times the iterations |
+//! | `caching_threads_1MiB/one_lock/{1,4,16}` | the same on `CachingAllocator::with_shards(.., 1)`: every stream under one lock and one shared handle, as the allocator was before sharding |
+//! | `fill_4KiB/cuweave/fill_async` | `DeviceBuffer::<u32>::fill_async` of 4 KiB, always on the stream that used the buffer last (the tracked path: no cross-stream wait, the stream's event re-recorded); one `cuStreamSynchronize` per batch, inside the timing |
+//! | `fill_4KiB/raw/cuMemsetD32Async` | the same memset through the driver's function pointer, on the same stream, synchronised alike |
 //! | `pinned_get_return_16MiB/cuweave/PinnedPool` | `PinnedPool::get(16 MiB)` + dropping the block (no recorded stream, so it is ready again at once); warm |
 //! | `pinned_get_return_16MiB/raw/cuMemHostAlloc+cuMemFreeHost` | the same 16 MiB pinned (`PORTABLE`, as the pool pins) and freed |
 //! | `managed_checksum_512MiB/kernel_after_prefetch` | device time (timing events) of one `checksum_u32` kernel over a 512 MiB `UnifiedBuffer<u32>` whose pages a `PrefetchPlan` moved to the device before the start event |
@@ -20,23 +24,29 @@
 //! buffer holds ones), so every case did the same, complete work. Managed memory in this bench is
 //! that one buffer of exactly 512 MiB.
 //!
-//! After criterion's report, under `--bench`, a summary line re-measures (median of five
+//! After criterion's report, under `--bench`, summary lines re-measure (median of five
 //! batches, host clock) the caching allocator against its targets: at most 0.15 µs per
-//! alloc+free, and at least ten times faster than the cached `cuMemAllocAsync` pool.
+//! alloc+free, and at least ten times faster than the cached `cuMemAllocAsync` pool, measured
+//! side by side; with 16 threads on 16 streams at most 150 ns per alloc+free per thread and at
+//! least 8 times one thread's throughput; and tracked `fill_async` within 1.2 times the raw
+//! memset.
 //!
 //! Run with `cargo bench -p cuweave-benches --bench memory`; without a driver it prints
 //! `skipping benches: no CUDA driver` and exits 0.
 
 use std::hint::black_box;
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
 use cuweave_benches::{Gpu, GpuTimer, MIB, measuring, median_per_iteration, slow_group};
 use cuweave_driver::memory::{self, DeviceAllocation, DevicePtr, MemoryPool};
 use cuweave_driver::{Context, DriverApi, Stream, StreamFlags, driver, sys};
+use cuweave_memory::DeviceBuffer;
 use cuweave_memory::buffer::{Buffer, UnifiedBuffer};
 use cuweave_memory::caching::CachingAllocator;
 use cuweave_memory::pinned_pool::PinnedPool;
+use cuweave_memory::resource::DriverResource;
 use cuweave_memory::resource::{AsyncPoolResource, MemoryResource};
 use cuweave_memory::unified::{MemLocation, PrefetchPlan};
 use cuweave_test_support::kernels::TestKernels;
@@ -44,15 +54,30 @@ use cuweave_test_support::kernels::TestKernels;
 /// The caching allocator's targets (issue 3): time per alloc+free, and speed-up over the pool.
 const CACHING_TARGET_US: f64 = 0.15;
 const CACHING_TARGET_SPEEDUP: f64 = 10.0;
+/// The scaling targets (issue 9): per-thread time at 16 threads, and 16 threads' throughput over
+/// one thread's.
+const THREADS_TARGET_NS: f64 = 150.0;
+const THREADS_TARGET_SCALING: f64 = 8.0;
+/// Tracked fill against the raw memset (issue 9).
+const FILL_TARGET_RATIO: f64 = 1.2;
+/// Thread counts of the scaling bench.
+const THREAD_COUNTS: [usize; 3] = [1, 4, 16];
 
 fn main() {
     cuweave_benches::run("memory", |c, gpu| {
         let allocators = Allocators::new(gpu);
         alloc_free(c, &allocators);
+        let sharded = Threaded::new(gpu, 32);
+        let one_lock = Threaded::new(gpu, 1);
+        threads(c, &sharded, &one_lock);
+        let fills = Fills::new(gpu);
+        fill(c, &fills);
         pinned(c, gpu);
         managed(c, gpu);
         if measuring() {
             summary(&allocators);
+            threads_summary(&sharded, &one_lock);
+            fill_summary(&fills);
         }
     });
 }
@@ -332,5 +357,205 @@ fn summary(allocators: &Allocators) {
     println!(
         "  cuMemAlloc + cuMemFree           {raw:>9.3} µs  caching allocator {:.0}x faster",
         raw / caching
+    );
+}
+
+/// One shared caching allocator and 16 streams, one per thread, every stream's 1 MiB block
+/// cached before timing.
+struct Threaded {
+    allocator: CachingAllocator,
+    streams: Vec<Stream>,
+}
+
+impl Threaded {
+    fn new(gpu: &Gpu, shards: usize) -> Self {
+        let context = &gpu.context;
+        let allocator =
+            CachingAllocator::with_shards(Arc::new(DriverResource::new(context)), shards);
+        let streams: Vec<Stream> = (0..16)
+            .map(|_| Stream::new(context, StreamFlags::NON_BLOCKING).expect("Stream::new"))
+            .collect();
+        for stream in &streams {
+            drop(allocator.allocate(MIB, stream).expect("warm a stream"));
+        }
+        assert_eq!(
+            allocator.stats().cache_misses,
+            16,
+            "one segment per stream, before timing"
+        );
+        Self { allocator, streams }
+    }
+
+    /// `threads` threads each do `iters` alloc+free on their own stream; returns the slowest
+    /// thread's time from the common start.
+    fn run(&self, threads: usize, iters: u64) -> Duration {
+        let start = Barrier::new(threads);
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = self.streams[..threads]
+                .iter()
+                .map(|stream| {
+                    let (allocator, start) = (&self.allocator, &start);
+                    scope.spawn(move || {
+                        // Bind the context before the clock starts (the first call would).
+                        drop(allocator.allocate(MIB, stream).expect("allocate"));
+                        start.wait();
+                        let begin = Instant::now();
+                        for _ in 0..iters {
+                            let block = allocator.allocate(MIB, stream).expect("allocate");
+                            drop(black_box(block));
+                        }
+                        begin.elapsed()
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|worker| worker.join().expect("bench thread"))
+                .max()
+                .unwrap_or_default()
+        })
+    }
+}
+
+fn threads(c: &mut Criterion, sharded: &Threaded, one_lock: &Threaded) {
+    let mut group = c.benchmark_group("caching_threads_1MiB");
+    for count in THREAD_COUNTS {
+        group.bench_function(format!("sharded/{count}"), |b| {
+            b.iter_custom(|iters| sharded.run(count, iters));
+        });
+    }
+    for count in THREAD_COUNTS {
+        group.bench_function(format!("one_lock/{count}"), |b| {
+            b.iter_custom(|iters| one_lock.run(count, iters));
+        });
+    }
+    group.finish();
+    let stats = sharded.allocator.stats();
+    assert_eq!(
+        stats.cache_misses, 16,
+        "every timed allocation was a cache hit"
+    );
+}
+
+/// A 4 KiB device buffer and a stream, for the tracked fill against the raw memset.
+struct Fills {
+    buffer: std::cell::RefCell<DeviceBuffer<u32>>,
+    raw: DeviceAllocation,
+    stream: Stream,
+    context: Arc<Context>,
+}
+
+const FILL_WORDS: usize = 1024;
+
+impl Fills {
+    fn new(gpu: &Gpu) -> Self {
+        let context = Arc::clone(&gpu.context);
+        let stream = Stream::new(&context, StreamFlags::NON_BLOCKING).expect("Stream::new");
+        let buffer = DeviceBuffer::<u32>::zeroed(&context, FILL_WORDS).expect("buffer");
+        let raw = DeviceAllocation::new(&context, FILL_WORDS * 4).expect("raw allocation");
+        let this = Self {
+            buffer: std::cell::RefCell::new(buffer),
+            raw,
+            stream,
+            context,
+        };
+        this.tracked(1);
+        this.raw(1);
+        this
+    }
+
+    fn tracked(&self, iters: u64) -> Duration {
+        let mut buffer = self.buffer.borrow_mut();
+        let start = Instant::now();
+        for i in 0..iters {
+            buffer
+                .fill_async(black_box(i as u32), &self.stream)
+                .expect("fill_async");
+        }
+        self.stream.synchronize().expect("synchronize");
+        start.elapsed()
+    }
+
+    fn raw(&self, iters: u64) -> Duration {
+        let memset = api().memset_d32_async.get().expect("cuMemsetD32Async");
+        self.context.bind_to_thread().expect("bind the context");
+        let (ptr, stream) = (self.raw.ptr(), self.stream.as_raw());
+        let start = Instant::now();
+        for i in 0..iters {
+            // SAFETY: `ptr` is a live allocation of FILL_WORDS words, used by nothing else.
+            check(
+                unsafe { memset(ptr, black_box(i as u32), FILL_WORDS, stream) },
+                "cuMemsetD32Async",
+            );
+        }
+        self.stream.synchronize().expect("synchronize");
+        start.elapsed()
+    }
+}
+
+fn fill(c: &mut Criterion, fills: &Fills) {
+    let mut group = c.benchmark_group("fill_4KiB");
+    group.bench_function("cuweave/fill_async", |b| {
+        b.iter_custom(|iters| fills.tracked(iters));
+    });
+    group.bench_function("raw/cuMemsetD32Async", |b| {
+        b.iter_custom(|iters| fills.raw(iters));
+    });
+    group.finish();
+    let buffer = fills.buffer.borrow();
+    assert_eq!(buffer.last_use(), Some(fills.stream.as_raw() as usize));
+}
+
+fn threads_summary(sharded: &Threaded, one_lock: &Threaded) {
+    let nanos = |d: Duration| d.as_secs_f64() * 1e9;
+    let verdict = |met: bool| if met { "met" } else { "MISSED" };
+    println!();
+    println!(
+        "summary: 1 MiB alloc+free per thread, each thread on its own stream, one shared \
+         allocator, median of 5 batches"
+    );
+    let mut per_thread = Vec::new();
+    // The one-lock allocator takes microseconds per operation under contention: fewer iterations.
+    for (name, bench, iters) in [
+        ("sharded (32 shards)", sharded, 200_000),
+        ("one lock", one_lock, 10_000),
+    ] {
+        let times: Vec<f64> = THREAD_COUNTS
+            .iter()
+            .map(|&count| nanos(median_per_iteration(5, iters, |n| bench.run(count, n))))
+            .collect();
+        println!(
+            "  {name:<20} 1 thread {:>8.1} ns   4 threads {:>8.1} ns   16 threads {:>9.1} ns per op per thread",
+            times[0], times[1], times[2]
+        );
+        per_thread.push(times);
+    }
+    let sharded = &per_thread[0];
+    let scaling = 16.0 * sharded[0] / sharded[2];
+    println!(
+        "  sharded: 16 threads {:.1} ns per op per thread, target <= {THREADS_TARGET_NS} ns: {}",
+        sharded[2],
+        verdict(sharded[2] <= THREADS_TARGET_NS)
+    );
+    println!(
+        "  sharded: 16 threads do {scaling:.1}x one thread's alloc+frees per second, target >= {THREADS_TARGET_SCALING}x: {}",
+        verdict(scaling >= THREADS_TARGET_SCALING)
+    );
+}
+
+fn fill_summary(fills: &Fills) {
+    let micros = |d: Duration| d.as_secs_f64() * 1e6;
+    let tracked = micros(median_per_iteration(5, 20_000, |n| fills.tracked(n)));
+    let raw = micros(median_per_iteration(5, 20_000, |n| fills.raw(n)));
+    let ratio = tracked / raw;
+    println!();
+    println!("summary: 4 KiB fill on one stream, median of 5 batches, host clock");
+    println!(
+        "  DeviceBuffer::fill_async {tracked:>7.3} µs   raw cuMemsetD32Async {raw:>7.3} µs   ratio {ratio:.2}, target <= {FILL_TARGET_RATIO}: {}",
+        if ratio <= FILL_TARGET_RATIO {
+            "met"
+        } else {
+            "MISSED"
+        }
     );
 }

@@ -26,7 +26,7 @@ const CLI_BIN: &str = "cuweave";
 /// Workspace members whose tests never touch a GPU and need cargo at run time.
 const EXCLUDED_PACKAGES: &[&str] = &["xtask"];
 
-pub(crate) fn run(bundle: Option<&Path>) -> anyhow::Result<()> {
+pub(crate) fn run(bundle: Option<&Path>, sanitize: bool) -> anyhow::Result<()> {
     let root = workspace_root();
     let dir = match bundle {
         Some(dir) => dir.to_path_buf(),
@@ -34,15 +34,20 @@ pub(crate) fn run(bundle: Option<&Path>) -> anyhow::Result<()> {
     };
     build_bundle(&root, &dir)?;
     if bundle.is_some() {
+        let flag = if sanitize { " --sanitize" } else { "" };
         println!(
-            "carry {} to a GPU machine and run `{}/run` there",
+            "carry {} to a GPU machine and run `{}/run{flag}` there",
             dir.display(),
             dir.display()
         );
         return Ok(());
     }
-    let status = Command::new("bash")
-        .arg(dir.join("run"))
+    let mut command = Command::new("bash");
+    command.arg(dir.join("run"));
+    if sanitize {
+        command.arg("--sanitize");
+    }
+    let status = command
         .status()
         .context("running the bundle's run script with bash")?;
     if !status.success() {

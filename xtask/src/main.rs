@@ -3,6 +3,7 @@
 //! | command | what it does |
 //! |---|---|
 //! | `cargo xtask gpu-test` | runs every workspace test with `CUWEAVE_REQUIRE_GPU=1` on this machine's GPU |
+//! | `cargo xtask gpu-test --sanitize` | the same under `compute-sanitizer --tool memcheck --leak-check full`: memory errors and leaks counted apart from provoked API errors |
 //! | `cargo xtask gpu-test --bundle DIR` | builds the test and bench binaries (release) plus a `run` script into DIR, for a GPU machine with no Rust toolchain |
 //! | `cargo xtask bindgen [CUDA_INCLUDE_DIR]` | regenerates `crates/cuweave-driver/src/sys/bindings.rs` from `cudaTypedefs.h` |
 //! | `cargo xtask ptx` | regenerates the test kernels' PTX from their `.cu` sources with nvcc |
@@ -30,6 +31,10 @@ enum Command {
         /// Build release test and bench binaries and a `run` script into this directory instead of running.
         #[arg(long)]
         bundle: Option<PathBuf>,
+        /// Run every test binary under compute-sanitizer memcheck (with a full leak check);
+        /// tests that need two streams at once skip. With --bundle, use the bundle's `run --sanitize`.
+        #[arg(long)]
+        sanitize: bool,
     },
     /// Regenerate the driver FFI bindings from a CUDA include directory.
     Bindgen {
@@ -47,7 +52,7 @@ enum Command {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::GpuTest { bundle } => gpu_test::run(bundle.as_deref()),
+        Command::GpuTest { bundle, sanitize } => gpu_test::run(bundle.as_deref(), sanitize),
         Command::Bindgen { include_dir } => bindgen_cmd::run(include_dir),
         Command::Ptx { nvcc } => ptx::run(nvcc),
     }

@@ -6,6 +6,7 @@
 //! | item | what it is for |
 //! |---|---|
 //! | [`DeviceBuffer`], [`PinnedBuffer`], [`UnifiedBuffer`] | typed device, page-locked host and managed memory, sharing the [`Buffer`] trait |
+//! | [`Access`], [`TrackedLaunch`] | reads apart from writes: readers on different streams overlap; a kernel launch that orders itself with the buffers it reads and writes |
 //! | [`PendingCopy`] | an async host copy that owns its host side until the GPU is past it |
 //! | [`MemAdvice`], [`MigrationPolicy`], [`ManagedMemoryHints`], [`PrefetchPlan`] | unified-memory placement: advice, policies, checked prefetch, batched prefetch |
 //! | [`CachingAllocator`], [`CachedAllocation`], [`MemoryStats`] | PyTorch-grade caching of device memory: size-rounded blocks, per-stream free lists, `record_stream`, OOM retry |
@@ -54,16 +55,22 @@ pub mod buffer;
 pub mod caching;
 pub mod element;
 pub mod error;
+// Unsafe is allowed here: the launch is the driver's unsafe kernel launch, with its contract.
+#[allow(unsafe_code)]
+pub mod launch;
 pub mod pinned_pool;
+#[cfg(test)]
+mod proptest_config;
 pub mod resource;
 pub mod unified;
 
 pub use buffer::{
-    Buffer, DeviceBuffer, HostSink, HostSource, PendingCopy, PinnedBuffer, UnifiedBuffer,
+    Access, Buffer, DeviceBuffer, HostSink, HostSource, PendingCopy, PinnedBuffer, UnifiedBuffer,
 };
 pub use caching::{CachedAllocation, CachingAllocator, MemoryStats, PoolKind, Stat, StreamKey};
 pub use element::Element;
 pub use error::{MemoryError, Result};
+pub use launch::TrackedLaunch;
 pub use pinned_pool::{
     PinnedBlock, PinnedPool, PinnedPoolConfig, PinnedPoolStats, TypedPinnedBlock,
 };

@@ -7,7 +7,12 @@
 //!
 //! [`kernels::TestKernels`] loads small PTX kernels (fill, add, saxpy, increment, checksum, spin,
 //! watch) that let tests check real outcomes: bytes written by the device, ordering observed by a
-//! kernel, memory that a running kernel still reads not being reused.
+//! kernel, memory that a running kernel still reads not being reused. [`memory_kernels`] adds a
+//! timed reader and a flag-checking writer for cuweave-memory's read/write ordering tests;
+//! [`stream_kernels`] a spin that stamps `%globaltimer` and a flag copy for the stream layer.
+//!
+//! Under compute-sanitizer (`cargo xtask gpu-test --sanitize`, which sets `CUWEAVE_SANITIZE=1`)
+//! tests that need two streams to run at once call [`skip_under_sanitizer`].
 //!
 //! ```no_run
 //! use cuweave_driver::{Stream, StreamFlags};
@@ -30,6 +35,7 @@ use cuweave_driver::{Context, Device, DriverError};
 
 pub mod event_kernels;
 pub mod kernels;
+pub mod memory_kernels;
 pub mod stream_kernels;
 
 /// Name of the environment variable that turns a missing GPU from a skip into a failure.
@@ -89,6 +95,42 @@ pub fn gpu(test: &str) -> Option<Gpu> {
 /// Whether `CUWEAVE_REQUIRE_GPU` is `1`, i.e. a test without a GPU must fail instead of skipping.
 pub fn gpu_required() -> bool {
     std::env::var_os(REQUIRE_GPU_VAR).is_some_and(|value| value == "1")
+}
+
+/// Name of the environment variable the sanitizer run (`cargo xtask gpu-test --sanitize`, a
+/// bundle's `run --sanitize`) sets to `1` for every test binary it runs under compute-sanitizer.
+pub const SANITIZE_VAR: &str = "CUWEAVE_SANITIZE";
+
+/// Whether the tests run under compute-sanitizer (`CUWEAVE_SANITIZE=1`).
+///
+/// Memcheck serialises kernels: work on two streams never runs at the same time there, so a
+/// test that proves two streams overlap (or holds one stream behind a gate that a kernel on
+/// another stream opens) cannot pass under it. Such tests call [`skip_under_sanitizer`].
+pub fn sanitizer_active() -> bool {
+    std::env::var_os(SANITIZE_VAR).is_some_and(|value| value == "1")
+}
+
+/// `true` (after printing `SKIPPED <test>: <why>` to stderr, as a missing GPU does) when the
+/// tests run under compute-sanitizer and `test` needs kernels on different streams to run at
+/// once, which memcheck's serialisation of kernels makes impossible; `false` otherwise.
+///
+/// ```no_run
+/// #[test]
+/// fn readers_overlap() {
+///     let gpu = cuweave_test_support::require_gpu!();
+///     if cuweave_test_support::skip_under_sanitizer("readers_overlap", "needs two streams at once") {
+///         return;
+///     }
+///     let _ = gpu;
+/// }
+/// ```
+pub fn skip_under_sanitizer(test: &str, why: &str) -> bool {
+    if !sanitizer_active() {
+        return false;
+    }
+    let line = format!("SKIPPED {test}: under compute-sanitizer: {why}\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
+    true
 }
 
 /// Holds a process-wide lock so that timing-sensitive GPU tests of one test binary never overlap.

@@ -4,11 +4,18 @@
 #   ./run [--quiet] [ARGS...]   every test binary in tests/ with --test-threads=1 ARGS (ARGS: a test
 #                               name filter, --ignored, ...); --quiet keeps passing output in logs/ only.
 #                               Last line: gpu-test: DEVICE passed=N failed=N skipped=N
+#   ./run --sanitize [ARGS...]  every test binary under compute-sanitizer --tool memcheck
+#                               --leak-check full, with CUWEAVE_SANITIZE=1 (tests that need two streams
+#                               at once skip). Memory errors and leaks are counted apart from the CUDA
+#                               API errors tests provoke on purpose; errors or leaks fail the run.
+#                               Last line: gpu-test --sanitize: DEVICE passed=N failed=N skipped=N
+#                               memory-errors=N leaks=N api-errors=N
 #   ./run --bench [FILTER...]   every criterion binary in benches/ with --bench FILTER
 #   ./run --info [ARGS...]      bin/cuweave info ARGS
 #
 # CUWEAVE_REQUIRE_GPU=1 is exported, so a test that finds no GPU fails instead of skipping.
-# Logs go to logs/ beside this script and, when $OUT is set, into one $OUT/gpu-<mode>.log.
+# Logs go to logs/ beside this script and, when $OUT is set, into one $OUT/gpu-<mode>.log
+# (test, sanitize, bench or info).
 set -u
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export CUWEAVE_REQUIRE_GPU=1
@@ -17,9 +24,11 @@ logs="$here/logs"
 
 mode=test
 quiet=0
+sanitize=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --bench) mode=bench; shift ;;
+    --sanitize) sanitize=1; shift ;;
     --info) mode=info; shift ;;
     --quiet) quiet=1; shift ;;
     --) shift; break ;;
@@ -42,7 +51,7 @@ copy_out() {
     for log in "$logs"/*.log; do
       echo "===== $(basename "$log" .log)"
       cat "$log"
-    done >"$OUT/gpu-$mode.log" 2>/dev/null
+    done >"$OUT/gpu-${logname:-$mode}.log" 2>/dev/null
     if [ "$mode" = bench ] && [ -d "$CRITERION_HOME" ]; then
       tar -czf "$OUT/criterion.tar.gz" -C "$(dirname "$CRITERION_HOME")" \
         "$(basename "$CRITERION_HOME")" 2>/dev/null
@@ -91,6 +100,36 @@ fi
 # The hardware has CUDA_DEVICE_MAX_CONNECTIONS work queues (8 unless set); streams beyond that
 # share one and serialize, which would hide the concurrency that ordering tests must provoke.
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-32}"
+
+# Under --sanitize every binary runs under memcheck. API errors (a test that provokes
+# CUDA_ERROR_INVALID_VALUE on purpose) are reported by the tool but are not memory errors, so the
+# log is split: "Program hit CUDA_ERROR_*" lines are API errors, leak reports are leaks, and every
+# other memcheck error record (invalid reads and writes, misaligned or out-of-range accesses,
+# hardware exceptions, malloc/free errors) is a memory error.
+runner=()
+label="gpu-test"
+if [ "$sanitize" = 1 ]; then
+  tool="$(command -v compute-sanitizer 2>/dev/null)"
+  for candidate in "${CUDA_HOME:-}/bin/compute-sanitizer" /usr/local/cuda/bin/compute-sanitizer \
+      /usr/local/cuda/compute-sanitizer/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer; do
+    [ -n "$tool" ] && break
+    [ -x "$candidate" ] && tool="$candidate"
+  done
+  if [ -z "$tool" ]; then
+    echo "run: --sanitize needs compute-sanitizer (on PATH, in \$CUDA_HOME/bin or /usr/local/cuda/bin)" >&2
+    exit 1
+  fi
+  export CUWEAVE_SANITIZE=1
+  runner=("$tool" --tool memcheck --leak-check full --report-api-errors all --print-limit 10000)
+  label="gpu-test --sanitize"
+  logname=sanitize
+  mem_total=0; leak_total=0; api_total=0
+  memcheck_issues=()
+fi
+mem_re='^========= (Invalid |Misaligned |Out-of-range |Hardware [Ee]xception|Malloc/Free [Ee]rror|Uninitialized|Barrier error|Race|Device-side assert|Illegal )'
+leak_re='^========= Leaked [0-9]+ bytes'
+api_re='^========= Program hit '
+
 tests=("$here"/tests/*)
 passed=0
 failed=0
@@ -104,10 +143,10 @@ for bin in ${tests[@]+"${tests[@]}"}; do
   echo "== $name"
   start=$(now_ms)
   if [ "$quiet" = 1 ]; then
-    "$bin" --test-threads=1 "$@" >"$log" 2>&1
+    ${runner[@]+"${runner[@]}"} "$bin" --test-threads=1 "$@" >"$log" 2>&1
     code=$?
   else
-    "$bin" --test-threads=1 "$@" 2>&1 | tee "$log"
+    ${runner[@]+"${runner[@]}"} "$bin" --test-threads=1 "$@" 2>&1 | tee "$log"
     code=${PIPESTATUS[0]}
     # A binary that died mid-line (after "test NAME ... ") would glue our verdict onto that line.
     [ -z "$(tail -c 1 "$log")" ] || echo
@@ -164,6 +203,30 @@ for bin in ${tests[@]+"${tests[@]}"}; do
     cat "$log"
   fi
 
+  if [ "$sanitize" = 1 ]; then
+    # A binary that never calls CUDA (pure unit tests) makes the tool exit non-zero with this
+    # note; its own result is what libtest printed.
+    if [ "$code" -ne 0 ] && [ "$f" -le 1 ] && [ "$results" -gt 0 ] \
+        && grep -q 'Target application terminated before first instrumented API call' "$log" \
+        && grep -q '^test result: ok\.' "$log"; then
+      f=0; verdict=ok
+      failures=("${failures[@]:0:${#failures[@]}-1}")
+      note=" (no CUDA calls; nothing for memcheck to check)"
+    fi
+    m=$(grep -E -c "$mem_re" "$log")
+    l=$(grep -E -c "$leak_re" "$log")
+    a=$(grep -E -c "$api_re" "$log")
+    mem_total=$(( mem_total + m )); leak_total=$(( leak_total + l )); api_total=$(( api_total + a ))
+    note="$note memcheck: memory-errors=$m leaks=$l api-errors=$a"
+    if [ "$m" -ne 0 ] || [ "$l" -ne 0 ]; then
+      verdict=FAIL
+      memcheck_issues+=("$name: $m memory errors, $l leaks")
+      grep -E -A6 "$mem_re|$leak_re" "$log" | head -40
+    fi
+    # The API errors, by name and count: expected from tests that check typed errors.
+    grep -E -o "$api_re[^ ]+( \([^)]*\))?" "$log" | sed 's/^========= Program hit //' \
+      | sort | uniq -c | sed 's/^/    api: /'
+  fi
   summary=$(printf '%-4s %-48s passed=%d failed=%d skipped=%d %d.%03ds%s' \
     "$verdict" "$name" "$p" "$f" "$i" $(( ms / 1000 )) $(( ms % 1000 )) "$note")
   echo "$summary"
@@ -189,5 +252,16 @@ if [ ${#summaries[@]} -eq 0 ]; then
   failed=$(( failed + 1 ))
 fi
 copy_out
-echo "gpu-test: $device passed=$passed failed=$failed skipped=$skipped"
+if [ "$sanitize" = 1 ]; then
+  if [ ${#memcheck_issues[@]} -gt 0 ]; then
+    echo "memcheck:"
+    for line in "${memcheck_issues[@]}"; do
+      echo "  $line"
+    done
+  fi
+  echo "$label: $device passed=$passed failed=$failed skipped=$skipped memory-errors=$mem_total leaks=$leak_total api-errors=$api_total"
+  [ "$failed" -eq 0 ] && [ "$mem_total" -eq 0 ] && [ "$leak_total" -eq 0 ]
+  exit
+fi
+echo "$label: $device passed=$passed failed=$failed skipped=$skipped"
 [ "$failed" -eq 0 ]

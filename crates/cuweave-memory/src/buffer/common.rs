@@ -10,7 +10,7 @@ use super::host::{HostSink, HostSource};
 use super::pending::PendingCopy;
 use super::range::{DeviceSpan, check_same_len};
 use super::raw;
-use super::tracker::StreamTracker;
+use super::tracker::{Access, StreamTracker};
 use crate::element::Element;
 use crate::error::{MemoryError, Result};
 
@@ -49,6 +49,11 @@ impl BufferCore {
     /// The device address of element 0.
     pub(crate) fn ptr(&self) -> DevicePtr {
         self.ptr
+    }
+
+    /// The device address of element 0, by reference (a kernel argument borrows it).
+    pub(crate) fn ptr_ref(&self) -> &DevicePtr {
+        &self.ptr
     }
 
     /// Length in elements.
@@ -129,9 +134,11 @@ fn enqueue_fill(span: DeviceSpan, value: &[u8], stream: &Stream) -> Result<()> {
 /// ending in `_async` queue the work on a stream and return at once; copies with host memory
 /// take the host side by value and give it back from [`PendingCopy::wait`].
 ///
-/// Every use is ordered after the buffer's previous use, whatever stream that was on (see
-/// [`prepare_use`](Self::prepare_use)): no sequence of calls on this trait races with itself on
-/// the GPU, and a buffer is never freed under queued work.
+/// Every use is ordered after the earlier uses it conflicts with, whatever stream they were on: a
+/// read after the last write, a write after every use since the last write (see
+/// [`prepare_read`](Self::prepare_read) and [`prepare_write`](Self::prepare_write)). No sequence
+/// of calls on this trait races with itself on the GPU, reads on different streams overlap, and a
+/// buffer is never freed under queued work.
 ///
 /// ```no_run
 /// use cuweave_driver::{Context, Device, Stream, StreamFlags};
@@ -187,7 +194,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         raw::run_blocking(
             "Buffer::fill",
             core.context(),
-            &[core.tracker()],
+            &[(core.tracker(), Access::Write)],
             |stream| enqueue_fill(span, bytemuck::bytes_of(&value), stream),
         )
     }
@@ -218,7 +225,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
             core.context(),
             span,
             bytemuck::cast_slice(src),
-            &[core.tracker()],
+            core.tracker(),
         )
     }
 
@@ -238,7 +245,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
             core.context(),
             bytemuck::cast_slice_mut(dst),
             span,
-            &[core.tracker()],
+            core.tracker(),
         )
     }
 
@@ -274,7 +281,10 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         raw::run_blocking(
             OP,
             dst.context(),
-            &[dst.tracker(), src.tracker()],
+            &[
+                (dst.tracker(), Access::Write),
+                (src.tracker(), Access::Read),
+            ],
             |stream| raw::copy_dtod(dst_span, src_span, stream),
         )
     }
@@ -298,7 +308,11 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         let (dst, src) = (self.core(), src.core());
         ensure_same_device(OP, dst, src)?;
         let (dst_span, src_span) = (dst.span(OP, offset, len)?, src.span(OP, src_offset, len)?);
-        super::tracker::run(OP, stream, &[dst.tracker(), src.tracker()], || {
+        let uses = [
+            (dst.tracker(), Access::Write),
+            (src.tracker(), Access::Read),
+        ];
+        super::tracker::run_uses(OP, stream, &uses, || {
             raw::copy_dtod(dst_span, src_span, stream)
         })?;
         Ok(())
@@ -354,7 +368,9 @@ pub trait Buffer<T: Element>: sealed::Sealed {
 
     /// Makes `stream` wait (device-side) for every use of the buffer so far. Call it before
     /// launching your own kernel on [`device_ptr`](Self::device_ptr), and
-    /// [`record_use`](Self::record_use) after.
+    /// [`record_use`](Self::record_use) after. The use counts as a write; for a kernel that only
+    /// reads, [`prepare_read`](Self::prepare_read) lets it overlap other readers, and
+    /// [`TrackedLaunch`](crate::TrackedLaunch) does both steps for every buffer of a launch.
     fn prepare_use(&self, stream: &Stream) -> Result<()> {
         self.core()
             .tracker()
@@ -367,6 +383,44 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         self.core()
             .tracker()
             .record_use("Buffer::record_use", stream)
+    }
+
+    /// Makes `stream` wait (device-side) for the uses a kernel that only *reads* the buffer
+    /// conflicts with: the last write. Reads on different streams then run together. Call
+    /// [`record_read`](Self::record_read) after queueing the read.
+    fn prepare_read(&self, stream: &Stream) -> Result<()> {
+        self.core()
+            .tracker()
+            .prepare("Buffer::prepare_read", stream, Access::Read)
+    }
+
+    /// Records that work just queued on `stream` reads the buffer: the next write (on any
+    /// stream) waits for it, host access and drop wait for it, other reads do not.
+    fn record_read(&self, stream: &Stream) -> Result<()> {
+        self.core()
+            .tracker()
+            .record("Buffer::record_read", stream, Access::Read)
+    }
+
+    /// Makes `stream` wait for every use so far, as a write must (the same as
+    /// [`prepare_use`](Self::prepare_use)).
+    fn prepare_write(&self, stream: &Stream) -> Result<()> {
+        self.core()
+            .tracker()
+            .prepare("Buffer::prepare_write", stream, Access::Write)
+    }
+
+    /// Records that work just queued on `stream` writes the buffer (the same as
+    /// [`record_use`](Self::record_use)): every later use waits for it.
+    fn record_write(&self, stream: &Stream) -> Result<()> {
+        self.core()
+            .tracker()
+            .record("Buffer::record_write", stream, Access::Write)
+    }
+
+    /// How many streams read the buffer since its last write; their reads may run at once.
+    fn concurrent_readers(&self) -> usize {
+        self.core().tracker().concurrent_readers()
     }
 
     /// The raw handle (as an integer) of the stream that last used the buffer; 0 is the legacy

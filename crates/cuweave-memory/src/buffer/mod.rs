@@ -4,16 +4,21 @@
 //! # The model
 //!
 //! Elements are plain data ([`Element`](crate::Element)): any bytes the GPU writes are a valid
-//! value. Every buffer remembers the last stream that used it, as an event recorded after that
-//! use. Each operation on a buffer, on any stream, first makes its stream wait for that event
-//! (device-side, `cuStreamWaitEvent`), then queues its work, then records the event again. So:
+//! value. Every buffer remembers its uses on streams, reads apart from writes ([`Access`]), as
+//! events recorded after them: the last write, and one event per stream that read it since. Each
+//! operation on a buffer, on any stream, first makes its stream wait (device-side,
+//! `cuStreamWaitEvent`) for the uses it conflicts with (a read for the last write; a write for
+//! the last write and every read since), then queues its work, then records its access. So:
 //!
-//! - two uses of one buffer never race on the GPU, whatever streams they are on;
+//! - two uses of one buffer never race on the GPU, whatever streams they are on, and reads on
+//!   different streams run at the same time;
 //! - host access to pinned and unified buffers waits for (or refuses while) queued device work;
-//! - a buffer is never freed under queued work: `Drop` waits for the last use first.
+//! - a buffer is never freed under queued work: `Drop` waits for every use first.
 //!
 //! Kernels you launch yourself on [`Buffer::device_ptr`] join the same order through
-//! [`Buffer::prepare_use`] (before the launch) and [`Buffer::record_use`] (after).
+//! [`Buffer::prepare_read`] / [`Buffer::record_read`] or [`Buffer::prepare_write`] /
+//! [`Buffer::record_write`] (`prepare_use` / `record_use` mean a write), or all at once through
+//! [`TrackedLaunch`](crate::TrackedLaunch).
 //!
 //! # Asynchronous copies own their host side
 //!
@@ -63,12 +68,14 @@ pub(crate) mod range;
 pub(crate) mod raw;
 pub(crate) mod tracker;
 mod unified;
+mod uses;
 
 pub use common::Buffer;
 pub use device::DeviceBuffer;
 pub use host::{HostSink, HostSource};
 pub use pending::PendingCopy;
 pub use pinned::PinnedBuffer;
+pub use tracker::Access;
 pub use unified::UnifiedBuffer;
 
 pub(crate) use common::sealed::Sealed;

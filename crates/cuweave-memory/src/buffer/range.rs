@@ -199,4 +199,112 @@ mod tests {
         assert_eq!(span.sub(4, 8), DeviceSpan::checked(0x100c, 8));
         assert!(DeviceSpan::of_elements("s", 0x1000, 16, 4, 15, 2).is_err());
     }
+
+    mod props {
+        //! Argument checking fuzzed with proptest: offsets, lengths and capacities anywhere in
+        //! `usize`, near its end most of all. Every call returns a range inside the buffer or a
+        //! typed error, never panics, and never a span shorter than asked for.
+
+        use proptest::prelude::*;
+
+        use super::*;
+        use crate::caching::size_class::{round_size, segment_size};
+        use crate::pinned_pool::block_size;
+        use crate::proptest_config::config;
+
+        /// Mostly values near the ends of `usize`, where overflow hides.
+        fn edgy() -> impl Strategy<Value = usize> {
+            prop_oneof![
+                2 => 0usize..=64,
+                2 => (usize::MAX - 64)..=usize::MAX,
+                1 => (isize::MAX as usize - 64)..=(isize::MAX as usize + 64),
+                1 => any::<usize>(),
+            ]
+        }
+
+        proptest! {
+            #![proptest_config(config(2000))]
+
+            #[test]
+            fn ranges_are_inside_or_typed_errors(offset in edgy(), len in edgy(), capacity in edgy()) {
+                match check_range("fuzz", offset, len, capacity) {
+                    Ok(range) => {
+                        prop_assert_eq!(range.start, offset);
+                        prop_assert_eq!(range.len(), len);
+                        prop_assert!(len > 0 && range.end <= capacity);
+                    }
+                    Err(MemoryError::ZeroLength { .. }) => prop_assert_eq!(len, 0),
+                    Err(MemoryError::OutOfRange { .. }) => {
+                        prop_assert!(offset.checked_add(len).is_none_or(|end| end > capacity));
+                    }
+                    Err(error) => prop_assert!(false, "unexpected {error}"),
+                }
+            }
+
+            #[test]
+            fn spans_cover_exactly_the_elements_asked_for(
+                offset in edgy(),
+                len in edgy(),
+                capacity in edgy(),
+                element_size in prop::sample::select(vec![1usize, 2, 4, 8, 16, 1024]),
+            ) {
+                // A buffer exists only when its byte size is at most isize::MAX
+                // (allocation_bytes), and the driver placed it where it fits the address space.
+                let fits = capacity
+                    .checked_mul(element_size)
+                    .is_some_and(|bytes| bytes <= isize::MAX as usize);
+                if !fits {
+                    return Ok(());
+                }
+                let base = 0x1000u64;
+                match DeviceSpan::of_elements("fuzz", base, capacity, element_size, offset, len) {
+                    Ok(span) => {
+                        prop_assert_eq!(span.bytes(), len * element_size);
+                        prop_assert_eq!(span.ptr(), base + (offset * element_size) as u64);
+                        prop_assert!((offset + len) * element_size <= capacity * element_size);
+                    }
+                    Err(MemoryError::ZeroLength { .. } | MemoryError::OutOfRange { .. }) => {}
+                    Err(error) => prop_assert!(false, "unexpected {error}"),
+                }
+            }
+
+            #[test]
+            fn allocation_sizes_never_overflow(len in edgy()) {
+                for (size, bytes) in [
+                    (1usize, allocation_bytes::<u8>("fuzz", len)),
+                    (4, allocation_bytes::<u32>("fuzz", len)),
+                    (8, allocation_bytes::<u64>("fuzz", len)),
+                    (16, allocation_bytes::<[u64; 2]>("fuzz", len)),
+                ] {
+                    match bytes {
+                        Ok(bytes) => prop_assert_eq!(Some(bytes), len.checked_mul(size)),
+                        Err(MemoryError::ZeroLength { .. }) => prop_assert_eq!(len, 0),
+                        Err(MemoryError::Misaligned { .. }) => {
+                            prop_assert!(len.checked_mul(size).is_none_or(|b| b > isize::MAX as usize));
+                        }
+                        Err(error) => prop_assert!(false, "unexpected {error}"),
+                    }
+                }
+            }
+
+            #[test]
+            fn size_classes_never_round_down(bytes in edgy()) {
+                match round_size(bytes) {
+                    Ok(rounded) => {
+                        prop_assert!(rounded >= bytes && rounded % 512 == 0);
+                        if let Some(segment) = segment_size(rounded) {
+                            prop_assert!(segment >= rounded);
+                        }
+                    }
+                    Err(MemoryError::ZeroLength { .. }) => prop_assert_eq!(bytes, 0),
+                    Err(MemoryError::OutOfMemory { requested, .. }) => prop_assert_eq!(requested, bytes),
+                    Err(error) => prop_assert!(false, "unexpected {error}"),
+                }
+                match block_size(bytes) {
+                    Some(block) => prop_assert!(block >= bytes && block <= isize::MAX as usize),
+                    None => prop_assert!(bytes == 0 || bytes > isize::MAX as usize - (2 << 20)),
+                }
+            }
+        }
+    }
 }

@@ -24,7 +24,7 @@ use super::fill::{doubling_steps, pattern_chunk_len};
 use super::host::{HostSink, HostSource};
 use super::pending::PendingCopy;
 use super::range::DeviceSpan;
-use super::tracker::{self, StreamTracker};
+use super::tracker::{self, Access, StreamTracker};
 use crate::element::Element;
 use crate::error::{MemoryError, Result};
 
@@ -40,12 +40,13 @@ pub(crate) fn legacy_stream(context: &Arc<Context>) -> Stream {
 pub(crate) fn run_blocking<R>(
     operation: &'static str,
     context: &Arc<Context>,
-    trackers: &[&StreamTracker],
+    uses: &[(&StreamTracker, Access)],
     op: impl FnOnce(&Stream) -> Result<R>,
 ) -> Result<R> {
     let legacy = legacy_stream(context);
-    let value = tracker::run(operation, &legacy, trackers, || op(&legacy))?;
-    trackers[0].synchronize()?;
+    let value = tracker::run_uses(operation, &legacy, uses, || op(&legacy))?;
+    // The operation itself is done once the stream that ran it is.
+    legacy.synchronize()?;
     Ok(value)
 }
 
@@ -55,10 +56,10 @@ pub(crate) fn write_blocking(
     context: &Arc<Context>,
     dst: DeviceSpan,
     src: &[u8],
-    trackers: &[&StreamTracker],
+    buffer: &StreamTracker,
 ) -> Result<()> {
     debug_assert_eq!(src.len(), dst.bytes());
-    run_blocking(operation, context, trackers, |_| {
+    run_blocking(operation, context, &[(buffer, Access::Write)], |_| {
         // SAFETY: `src` is readable for `dst.bytes()` bytes and `cuMemcpyHtoD` is done with it
         // (read, or staged from pageable memory) when it returns; `dst` is a live span
         // (crate invariant). The legacy stream it runs on was ordered after the buffer's uses.
@@ -73,10 +74,10 @@ pub(crate) fn read_blocking(
     context: &Arc<Context>,
     dst: &mut [u8],
     src: DeviceSpan,
-    trackers: &[&StreamTracker],
+    buffer: &StreamTracker,
 ) -> Result<()> {
     debug_assert_eq!(dst.len(), src.bytes());
-    run_blocking(operation, context, trackers, |_| {
+    run_blocking(operation, context, &[(buffer, Access::Read)], |_| {
         // SAFETY: `dst` is writable for `src.bytes()` bytes and exclusively borrowed;
         // `cuMemcpyDtoH` returns only once the copy has completed. `src` is a live span.
         unsafe { memory::copy_dtoh(context, dst.as_mut_ptr(), src.ptr(), src.bytes()) }?;
@@ -97,11 +98,14 @@ pub(crate) fn write_async<T: Element, H: HostSource<T>>(
     tracker::ensure_same_device(operation, buffer.context(), stream)?;
     let done = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
     let src = host.host_ptr();
-    let trackers: Vec<&StreamTracker> = [Some(buffer), host.host_tracker()]
-        .into_iter()
-        .flatten()
-        .collect();
-    let outcome = tracker::run(operation, stream, &trackers, || {
+    let uses: Vec<(&StreamTracker, Access)> = [
+        Some((buffer, Access::Write)),
+        host.host_tracker().map(|host| (host, Access::Read)),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let outcome = tracker::run_uses(operation, stream, &uses, || {
         // SAFETY: `src` is `host`'s memory, valid for `dst.bytes()` bytes; `host` is moved into
         // the returned PendingCopy (its memory does not move with it: HostSide's contract),
         // which frees it only after `done`, recorded behind this copy, has completed. A pinned
@@ -126,11 +130,14 @@ pub(crate) fn read_async<T: Element, H: HostSink<T>>(
     tracker::ensure_same_device(operation, buffer.context(), stream)?;
     let done = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
     let dst = host.host_mut_ptr();
-    let trackers: Vec<&StreamTracker> = [Some(buffer), host.host_tracker()]
-        .into_iter()
-        .flatten()
-        .collect();
-    let outcome = tracker::run(operation, stream, &trackers, || {
+    let uses: Vec<(&StreamTracker, Access)> = [
+        Some((buffer, Access::Read)),
+        host.host_tracker().map(|host| (host, Access::Write)),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let outcome = tracker::run_uses(operation, stream, &uses, || {
         // SAFETY: `dst` is `host`'s memory, writable for `src.bytes()` bytes and reachable only
         // through `host`, which moves (without its memory moving) into the returned
         // PendingCopy; that frees or returns it only after `done`, recorded behind this copy,

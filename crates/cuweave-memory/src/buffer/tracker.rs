@@ -1,69 +1,63 @@
-//! [`StreamTracker`]: the last use of a buffer on a stream, and ordering every later use after it.
+//! [`StreamTracker`]: a buffer's uses on streams, reads apart from writes, and ordering every
+//! later use after the ones it conflicts with.
 //!
-//! The protocol, which every operation on a buffer follows through [`run`]:
+//! The protocol, which every operation on a buffer follows through [`run`] / [`run_uses`]:
 //!
 //! 1. the stream about to use the buffer waits (device-side, `cuStreamWaitEvent`) for the
-//!    event recorded after the buffer's previous use;
+//!    events of the uses it conflicts with: a **read** waits for the last write; a **write**
+//!    waits for the last write and for every read since it;
 //! 2. the operation is queued;
-//! 3. the event is recorded again on this stream.
+//! 3. an event is recorded on this stream behind it: a write re-records the write event and
+//!    forgets the reads (they are behind it now); a read re-records its stream's read event.
 //!
-//! So the event, whenever it completes, proves that *every* earlier use of the buffer has
-//! finished (each recording waited for the one before). Later uses on other streams are ordered
-//! after it, host access synchronizes it, and the buffer's `Drop` synchronizes it before the
-//! memory is freed. The three steps run under the tracker's lock so that two threads using one
-//! buffer through `&self` cannot interleave them; the lock covers only the queueing calls
-//! (which do not wait for the GPU, except a device-to-pageable-host copy, which the driver
-//! performs synchronously), never a wait on an event.
+//! So readers on different streams run together, each ordered only after the last writer, and
+//! the next writer waits for all of them (one event per reading stream, which a single "read
+//! event" per buffer could not do). Host access and the buffer's `Drop` wait for every event.
+//!
+//! A use on the stream that already holds the event it would wait for skips the wait (stream
+//! order already covers it) and re-records that stream's event instead of taking a new one.
+//! Streams are compared by their process-unique [`Stream::id`]; the legacy and per-thread default
+//! streams, whose one handle may name different streams, never skip.
+//!
+//! The three steps run under the tracker's lock so that two threads using one buffer through
+//! `&self` cannot interleave them; the lock covers only the queueing calls, never a wait on an
+//! event by the host.
 
 use std::sync::Arc;
 
 use cuweave_driver::{Context, Event, EventFlags, Stream};
 use parking_lot::{Mutex, MutexGuard};
 
+use super::uses::UseState;
 use crate::error::{MemoryError, Result};
 
-/// Remembers the last stream that used a buffer, as an event recorded after that use.
+/// A fresh event for tracking uses in `context`.
+fn new_event(context: &Arc<Context>) -> Result<Arc<Event>> {
+    Ok(Arc::new(Event::new(context, EventFlags::DISABLE_TIMING)?))
+}
+
+/// How an operation uses a buffer: whether it only reads the memory or may write it.
 ///
-/// Part of every buffer; reached through the [`Buffer`](super::Buffer) methods `prepare_use`,
-/// `record_use`, `last_use`, `is_idle` and `synchronize`.
+/// Reads on different streams overlap; a write is ordered after every earlier use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// The operation only reads the buffer.
+    Read,
+    /// The operation may write the buffer (also the meaning of the untyped `prepare_use` /
+    /// `record_use`).
+    Write,
+}
+
+/// Remembers a buffer's last write and the reads since, as events recorded behind them.
+///
+/// Part of every buffer; reached through the [`Buffer`](super::Buffer) methods `prepare_read`,
+/// `prepare_write`, `record_read`, `record_write` (and `prepare_use` / `record_use`, which mean
+/// a write), `last_use`, `is_idle` and `synchronize`, and through
+/// [`TrackedLaunch`](crate::TrackedLaunch).
 #[derive(Debug)]
 pub struct StreamTracker {
     context: Arc<Context>,
-    state: Mutex<TrackerState>,
-}
-
-#[derive(Debug, Default)]
-struct TrackerState {
-    /// Created on first use; recorded after every use since.
-    event: Option<Arc<Event>>,
-    /// Raw handle of the stream the event was last recorded on (`None`: never recorded).
-    last_stream: Option<usize>,
-}
-
-impl TrackerState {
-    fn ensure_event(&mut self, context: &Arc<Context>) -> Result<()> {
-        if self.event.is_none() {
-            self.event = Some(Arc::new(Event::new(context, EventFlags::DISABLE_TIMING)?));
-        }
-        Ok(())
-    }
-
-    fn wait_on(&self, stream: &Stream) -> Result<()> {
-        if let (Some(event), Some(_)) = (&self.event, self.last_stream) {
-            stream.wait_event(event)?;
-        }
-        Ok(())
-    }
-
-    fn record(&mut self, stream: &Stream) -> Result<()> {
-        let event = self
-            .event
-            .as_ref()
-            .expect("run creates the event before queueing work");
-        event.record(stream)?;
-        self.last_stream = Some(stream.as_raw() as usize);
-        Ok(())
-    }
+    state: Mutex<UseState<Event>>,
 }
 
 impl StreamTracker {
@@ -71,7 +65,7 @@ impl StreamTracker {
     pub(crate) fn new(context: &Arc<Context>) -> Self {
         Self {
             context: Arc::clone(context),
-            state: Mutex::new(TrackerState::default()),
+            state: Mutex::new(UseState::default()),
         }
     }
 
@@ -86,15 +80,16 @@ impl StreamTracker {
         self.state.lock().last_stream
     }
 
-    fn event(&self) -> Option<Arc<Event>> {
-        let state = self.state.lock();
-        state.last_stream.and(state.event.clone())
+    /// How many streams read the buffer since its last write (their reads may overlap).
+    pub(crate) fn concurrent_readers(&self) -> usize {
+        self.state.lock().readers()
     }
 
-    /// Blocks until the last use (and so every use) has finished on the device.
+    /// Blocks until every use has finished on the device.
     pub(crate) fn synchronize(&self) -> Result<()> {
-        // The event is cloned out so that no lock is held while the host waits for the GPU.
-        if let Some(event) = self.event() {
+        // The events are cloned out so that no lock is held while the host waits for the GPU.
+        let events = self.state.lock().all_events();
+        for event in events {
             event.synchronize()?;
         }
         Ok(())
@@ -102,10 +97,13 @@ impl StreamTracker {
 
     /// Whether every use has finished, without blocking.
     pub(crate) fn is_idle(&self) -> Result<bool> {
-        match self.event() {
-            Some(event) => Ok(event.query()?),
-            None => Ok(true),
+        let events = self.state.lock().all_events();
+        for event in events {
+            if !event.query()? {
+                return Ok(false);
+            }
         }
+        Ok(true)
     }
 
     /// `Err(DeviceBusy)` unless every use has finished.
@@ -120,18 +118,40 @@ impl StreamTracker {
         }
     }
 
+    /// Makes `stream` wait (device-side) for the uses an `access` conflicts with, without
+    /// recording a new one.
+    pub(crate) fn prepare(
+        &self,
+        operation: &'static str,
+        stream: &Stream,
+        access: Access,
+    ) -> Result<()> {
+        ensure_same_device(operation, &self.context, stream)?;
+        self.state.lock().wait_on(stream, access)
+    }
+
     /// Makes `stream` wait (device-side) for every use so far, without recording a new one.
     pub(crate) fn prepare_use(&self, operation: &'static str, stream: &Stream) -> Result<()> {
-        ensure_same_device(operation, &self.context, stream)?;
-        self.state.lock().wait_on(stream)
+        self.prepare(operation, stream, Access::Write)
     }
 
-    /// Records `stream` as the last user, after making it wait for the previous one.
+    /// Records an `access` by the work just queued on `stream`, after making `stream` wait for
+    /// the uses it conflicts with.
+    pub(crate) fn record(
+        &self,
+        operation: &'static str,
+        stream: &Stream,
+        access: Access,
+    ) -> Result<()> {
+        run_uses(operation, stream, &[(self, access)], || Ok(())).map_err(|failure| failure.error)
+    }
+
+    /// Records `stream` as the last user (a write), after making it wait for every earlier use.
     pub(crate) fn record_use(&self, operation: &'static str, stream: &Stream) -> Result<()> {
-        run(operation, stream, &[self], || Ok(())).map_err(|failure| failure.error)
+        self.record(operation, stream, Access::Write)
     }
 
-    /// Waits for the last use, logging instead of failing: for `Drop`.
+    /// Waits for every use, logging instead of failing: for `Drop`.
     pub(crate) fn synchronize_for_drop(&self, what: &'static str) {
         if let Err(error) = self.synchronize() {
             tracing::error!(%error, what, "waiting for a buffer's last use before freeing it failed");
@@ -174,53 +194,78 @@ impl From<OpFailure> for MemoryError {
     }
 }
 
-/// Runs `op` (which queues work on `stream` touching the buffers of `trackers`) under the
-/// ordering protocol: `stream` first waits for each buffer's last use, and afterwards is
-/// recorded as each buffer's last user.
-///
-/// If `op` or a recording fails after work may have been queued, the stream is synchronized
-/// before returning, so no untracked work is left running.
+/// Runs `op` (which queues work on `stream` writing the buffers of `trackers`) under the
+/// ordering protocol; see [`run_uses`].
 pub(crate) fn run<R>(
     operation: &'static str,
     stream: &Stream,
     trackers: &[&StreamTracker],
     op: impl FnOnce() -> Result<R>,
 ) -> Result<R, OpFailure> {
+    match trackers {
+        [tracker] => run_uses(operation, stream, &[(*tracker, Access::Write)], op),
+        _ => {
+            let uses: Vec<_> = trackers
+                .iter()
+                .map(|tracker| (*tracker, Access::Write))
+                .collect();
+            run_uses(operation, stream, &uses, op)
+        }
+    }
+}
+
+/// Runs `op` (which queues work on `stream` using the buffers of `uses`, each as its
+/// [`Access`] says) under the ordering protocol: `stream` first waits for the uses each access
+/// conflicts with, and afterwards each access is recorded.
+///
+/// A buffer listed twice counts as written if either entry writes it. If `op` or a recording
+/// fails after work may have been queued, the stream is synchronized before returning, so no
+/// untracked work is left running.
+pub(crate) fn run_uses<R>(
+    operation: &'static str,
+    stream: &Stream,
+    uses: &[(&StreamTracker, Access)],
+    op: impl FnOnce() -> Result<R>,
+) -> Result<R, OpFailure> {
     let unqueued = |error: MemoryError| OpFailure {
         error,
         settled: true,
     };
-    for tracker in trackers {
+    for (tracker, _) in uses {
         ensure_same_device(operation, &tracker.context, stream).map_err(unqueued)?;
     }
-    let mut guards = lock_in_address_order(trackers);
-    for (tracker, state) in &mut guards {
-        state.ensure_event(&tracker.context).map_err(unqueued)?;
+    if let [(tracker, access)] = uses {
+        // One buffer: no sorting, no allocation.
+        let mut state = tracker.state.lock();
+        state.wait_on(stream, *access).map_err(unqueued)?;
+        let outcome = op();
+        let recorded = state.record(stream, *access, || new_event(&tracker.context));
+        drop(state);
+        return finish(outcome, recorded, stream);
     }
-    for (_, state) in &guards {
+    let mut guards = lock_in_address_order(uses);
+    for (_, access, state) in &guards {
         // Waits touch no memory: a failure here leaves nothing unsafe queued.
-        state.wait_on(stream).map_err(unqueued)?;
+        state.wait_on(stream, *access).map_err(unqueued)?;
     }
     let outcome = op();
     let mut recorded = Ok(());
-    for (_, state) in &mut guards {
-        if let Err(error) = state.record(stream) {
+    for (tracker, access, state) in &mut guards {
+        if let Err(error) = state.record(stream, *access, || new_event(&tracker.context)) {
             recorded = recorded.and(Err(error));
         }
     }
     drop(guards);
+    finish(outcome, recorded, stream)
+}
+
+fn finish<R>(outcome: Result<R>, recorded: Result<()>, stream: &Stream) -> Result<R, OpFailure> {
     match (outcome, recorded) {
         (Ok(value), Ok(())) => Ok(value),
-        (outcome, recorded) => {
-            let error = match (outcome, recorded) {
-                (Err(error), _) | (Ok(_), Err(error)) => error,
-                (Ok(_), Ok(())) => unreachable!("handled above"),
-            };
-            Err(OpFailure {
-                error,
-                settled: settle(stream),
-            })
-        }
+        (Err(error), _) | (Ok(_), Err(error)) => Err(OpFailure {
+            error,
+            settled: settle(stream),
+        }),
     }
 }
 
@@ -236,15 +281,25 @@ pub(crate) fn settle(stream: &Stream) -> bool {
 }
 
 /// Locks each distinct tracker once, in address order, so that two operations locking the same
-/// trackers cannot deadlock.
+/// trackers cannot deadlock; a tracker listed twice keeps the stronger access.
 fn lock_in_address_order<'a>(
-    trackers: &[&'a StreamTracker],
-) -> Vec<(&'a StreamTracker, MutexGuard<'a, TrackerState>)> {
-    let mut sorted = trackers.to_vec();
-    sorted.sort_by_key(|tracker| std::ptr::from_ref(*tracker) as usize);
-    sorted.dedup_by_key(|tracker| std::ptr::from_ref(*tracker) as usize);
-    sorted
+    uses: &[(&'a StreamTracker, Access)],
+) -> Vec<(&'a StreamTracker, Access, MutexGuard<'a, UseState<Event>>)> {
+    let mut sorted = uses.to_vec();
+    sorted.sort_by_key(|(tracker, _)| std::ptr::from_ref(*tracker) as usize);
+    let mut merged: Vec<(&StreamTracker, Access)> = Vec::with_capacity(sorted.len());
+    for (tracker, access) in sorted {
+        match merged.last_mut() {
+            Some((last, last_access)) if std::ptr::eq(*last, tracker) => {
+                if access == Access::Write {
+                    *last_access = Access::Write;
+                }
+            }
+            _ => merged.push((tracker, access)),
+        }
+    }
+    merged
         .into_iter()
-        .map(|tracker| (tracker, tracker.state.lock()))
+        .map(|(tracker, access)| (tracker, access, tracker.state.lock()))
         .collect()
 }

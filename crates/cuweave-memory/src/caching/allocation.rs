@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cuweave_driver::memory::DevicePtr;
 use cuweave_driver::{Device, Stream};
 
-use super::allocator::Shared;
+use super::allocator::ShardHandle;
 use super::block::BlockId;
 use super::pool::Grant;
 use super::stream_uses::{StreamKey, record_uses};
@@ -27,7 +27,7 @@ use crate::resource::check_stream;
 /// while such work is queued on the allocating stream, or on recorded streams, is fine.
 #[must_use = "dropping the allocation frees it at once"]
 pub struct CachedAllocation {
-    shared: Arc<Shared>,
+    shard: Arc<ShardHandle>,
     id: BlockId,
     ptr: DevicePtr,
     size: usize,
@@ -40,9 +40,14 @@ pub struct CachedAllocation {
 
 impl CachedAllocation {
     #[inline]
-    pub(super) fn new(shared: Arc<Shared>, grant: Grant, size: usize, stream: StreamKey) -> Self {
+    pub(super) fn new(
+        shard: Arc<ShardHandle>,
+        grant: Grant,
+        size: usize,
+        stream: StreamKey,
+    ) -> Self {
         Self {
-            shared,
+            shard,
             id: grant.id,
             ptr: grant.ptr,
             size,
@@ -83,7 +88,7 @@ impl CachedAllocation {
 
     /// The device the memory is on.
     pub fn device(&self) -> Device {
-        self.shared.device
+        self.shard.shared.device
     }
 
     /// The other streams recorded with [`record_stream`](Self::record_stream).
@@ -125,7 +130,7 @@ impl CachedAllocation {
     /// ```
     pub fn record_stream(&mut self, stream: &Arc<Stream>) -> Result<()> {
         check_stream(
-            self.shared.device,
+            self.shard.shared.device,
             stream,
             "CachedAllocation::record_stream",
         )?;
@@ -149,7 +154,11 @@ impl CachedAllocation {
     fn release(&mut self) -> Result<()> {
         self.freed = true;
         if self.uses.is_empty() {
-            return self.shared.engine.free(self.id, self.ptr);
+            return self
+                .shard
+                .shared
+                .engine
+                .free(self.stream, self.id, self.ptr);
         }
         self.release_recorded()
     }
@@ -157,15 +166,15 @@ impl CachedAllocation {
     /// The slow path of a free: record events on the other streams the memory was used on.
     #[cold]
     fn release_recorded(&mut self) -> Result<()> {
-        let engine = &self.shared.engine;
+        let engine = &self.shard.shared.engine;
         let uses = std::mem::take(&mut self.uses);
         let mut spare = engine.take_spare(uses.len());
         let recorded = record_uses(&uses, &mut spare);
         engine.recycle(spare);
         match recorded {
-            Ok(events) => engine.free_after(self.id, self.ptr, events),
+            Ok(events) => engine.free_after(self.stream, self.id, self.ptr, events),
             Err(error) => {
-                engine.free_never_reuse(self.id, self.ptr)?;
+                engine.free_never_reuse(self.stream, self.id, self.ptr)?;
                 Err(error)
             }
         }

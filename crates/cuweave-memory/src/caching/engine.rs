@@ -8,12 +8,12 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 
 use super::block::BlockId;
 use super::pool::{Grant, Pools, Segment};
 use super::size_class::{round_size, segment_size};
-use super::stats::MemoryStats;
+use super::stats::{MemoryStats, Stat};
 use super::stream_uses::{Marker, Pending, StreamKey};
 use crate::error::{MemoryError, Result};
 
@@ -30,26 +30,79 @@ pub(crate) trait Upstream: Release {
     fn allocate_segment(&self, bytes: usize) -> Result<u64>;
 }
 
-/// The allocator's shared state: the pools under one short lock, and the pending blocks.
+/// How many shards the free lists are split into by default. A stream's blocks live in shard
+/// `stream id % shards`; stream ids are handed out in sequence, so up to this many streams made
+/// one after another never share a shard (and so never a lock).
+pub(crate) const SHARDS: usize = 32;
+
+/// One shard: the pools of the streams that map to it, under their own lock, and the blocks of
+/// those streams that wait for other streams' recorded uses.
+///
+/// Aligned to two cache lines so that two shards' locks never share a line (adjacent-line
+/// prefetch pairs lines on x86), which would make threads on different shards contend anyway.
 #[derive(Debug)]
-pub(crate) struct Engine<E> {
+#[repr(align(128))]
+struct Shard<E> {
     pools: Mutex<Pools>,
     /// Blocks freed while recorded on other streams, with the markers they wait for.
     pending: Mutex<Vec<Pending<E>>>,
     /// `pending.len()`, readable without the lock: the hot path skips all polling while it is 0.
     pending_count: AtomicUsize,
+}
+
+impl<E> Default for Shard<E> {
+    fn default() -> Self {
+        Self {
+            pools: Mutex::default(),
+            pending: Mutex::new(Vec::new()),
+            pending_count: AtomicUsize::new(0),
+        }
+    }
+}
+
+/// Reserved bytes and segments of all shards together, kept exactly (peaks included): they
+/// change only when a segment comes from or goes back to the upstream, never on the hot path.
+#[derive(Debug, Default)]
+struct Totals {
+    reserved_bytes: Stat,
+    segments: Stat,
+}
+
+/// The allocator's shared state: per-stream shards of the pools, each under its own short lock,
+/// and the totals that span them.
+///
+/// Lock order: shards by index, then `totals`; `spare` alone. A hit (allocate or free of a
+/// block of the caller's stream) takes one shard's lock and touches nothing another shard's
+/// thread writes.
+#[derive(Debug)]
+pub(crate) struct Engine<E> {
+    shards: Box<[Shard<E>]>,
+    totals: Mutex<Totals>,
     /// Completed markers, for reuse.
     spare: Mutex<Vec<E>>,
 }
 
 impl<E> Default for Engine<E> {
     fn default() -> Self {
+        Self::with_shards(SHARDS)
+    }
+}
+
+impl<E> Engine<E> {
+    /// An engine with `shards` shards (a power of two, at least 1).
+    pub fn with_shards(shards: usize) -> Self {
+        debug_assert!(shards.is_power_of_two());
         Self {
-            pools: Mutex::default(),
-            pending: Mutex::new(Vec::new()),
-            pending_count: AtomicUsize::new(0),
+            shards: (0..shards).map(|_| Shard::default()).collect(),
+            totals: Mutex::default(),
             spare: Mutex::new(Vec::new()),
         }
+    }
+
+    /// The index of the shard that holds `stream`'s blocks.
+    #[inline]
+    pub fn shard_index(&self, stream: StreamKey) -> usize {
+        stream.as_usize() & (self.shards.len() - 1)
     }
 }
 
@@ -62,9 +115,15 @@ fn limit_of(error: &MemoryError) -> Option<usize> {
 }
 
 impl<E: Marker> Engine<E> {
+    #[inline]
+    fn shard(&self, stream: StreamKey) -> &Shard<E> {
+        &self.shards[self.shard_index(stream)]
+    }
+
     /// Hands out a block of at least `bytes` for `stream`: from the cache when a free block of
-    /// that stream fits, else from a new upstream segment; on out-of-memory the cache is emptied
-    /// and the upstream asked once more before failing with [`MemoryError::OutOfMemory`].
+    /// that stream fits, else from a new upstream segment; on out-of-memory the cache of every
+    /// shard is emptied and the upstream asked once more before failing with
+    /// [`MemoryError::OutOfMemory`].
     #[inline]
     pub fn allocate(
         &self,
@@ -73,13 +132,14 @@ impl<E: Marker> Engine<E> {
         upstream: &impl Upstream,
     ) -> Result<Grant> {
         let rounded = round_size(bytes).map_err(|error| match error {
-            MemoryError::OutOfMemory { .. } => self.out_of_memory(bytes, None),
+            MemoryError::OutOfMemory { .. } => self.out_of_memory(stream, bytes, None),
             other => other,
         })?;
-        if self.pending_count.load(Ordering::Acquire) != 0 {
-            self.process_pending();
+        let shard = self.shard(stream);
+        if shard.pending_count.load(Ordering::Acquire) != 0 {
+            self.process_pending_of(shard);
         }
-        if let Some(grant) = self.pools.lock().take_free(stream, rounded, bytes) {
+        if let Some(grant) = shard.pools.lock().take_free(stream, rounded, bytes) {
             return Ok(grant);
         }
         self.allocate_from_upstream(stream, rounded, bytes, upstream)
@@ -96,7 +156,7 @@ impl<E: Marker> Engine<E> {
         upstream: &impl Upstream,
     ) -> Result<Grant> {
         let Some(segment) = segment_size(rounded) else {
-            return Err(self.out_of_memory(rounded, None));
+            return Err(self.out_of_memory(stream, rounded, None));
         };
         let first = match upstream.allocate_segment(segment) {
             Ok(ptr) => return Ok(self.add_segment(stream, ptr, segment, rounded, bytes)),
@@ -109,16 +169,21 @@ impl<E: Marker> Engine<E> {
             error = %first,
             "caching allocator: upstream out of memory; releasing cached blocks and retrying"
         );
-        self.pools.lock().stats_mut().oom_retries += 1;
+        self.shard(stream).pools.lock().stats_mut().oom_retries += 1;
         self.release_cached(upstream)?;
-        if let Some(grant) = self.pools.lock().take_free(stream, rounded, bytes) {
+        if let Some(grant) = self
+            .shard(stream)
+            .pools
+            .lock()
+            .take_free(stream, rounded, bytes)
+        {
             return Ok(grant);
         }
         match upstream.allocate_segment(segment) {
             Ok(ptr) => Ok(self.add_segment(stream, ptr, segment, rounded, bytes)),
             Err(error) if error.is_out_of_memory() => {
                 let limit = limit_of(&error).or(limit_of(&first));
-                let error = self.out_of_memory(rounded, limit);
+                let error = self.out_of_memory(stream, rounded, limit);
                 tracing::warn!(%error, "caching allocator: out of memory after retry");
                 Err(error)
             }
@@ -139,17 +204,24 @@ impl<E: Marker> Engine<E> {
             requested = bytes,
             "caching allocator: new segment from upstream"
         );
-        self.pools
-            .lock()
-            .add_segment(stream, ptr, segment, rounded, bytes)
+        let mut pools = self.shard(stream).pools.lock();
+        let grant = pools.add_segment(stream, ptr, segment, rounded, bytes);
+        let mut totals = self.totals.lock();
+        totals.reserved_bytes.add(segment);
+        totals.segments.add(1);
+        grant
     }
 
     /// Counts an out-of-memory failure and describes it with the current totals.
     #[cold]
-    fn out_of_memory(&self, requested: usize, limit: Option<usize>) -> MemoryError {
-        let mut pools = self.pools.lock();
-        let stats = pools.stats_mut();
-        stats.ooms += 1;
+    fn out_of_memory(
+        &self,
+        stream: StreamKey,
+        requested: usize,
+        limit: Option<usize>,
+    ) -> MemoryError {
+        self.shard(stream).pools.lock().stats_mut().ooms += 1;
+        let stats = self.stats();
         MemoryError::OutOfMemory {
             requested,
             allocated: stats.allocated_bytes.current,
@@ -158,38 +230,57 @@ impl<E: Marker> Engine<E> {
         }
     }
 
-    /// Returns an allocated block, not used on any other stream, to its stream's free list.
+    /// Returns an allocated block of `stream`, not used on any other stream, to that stream's
+    /// free list.
     #[inline]
-    pub fn free(&self, id: BlockId, ptr: u64) -> Result<()> {
-        self.pools.lock().free(id, ptr)
+    pub fn free(&self, stream: StreamKey, id: BlockId, ptr: u64) -> Result<()> {
+        self.shard(stream).pools.lock().free(id, ptr)
     }
 
-    /// Frees an allocated block that waits for `markers` (recorded on the other streams it was
-    /// used on) before it can be handed out again.
-    pub fn free_after(&self, id: BlockId, ptr: u64, markers: Vec<E>) -> Result<()> {
-        let mut pools = self.pools.lock();
+    /// Frees an allocated block of `stream` that waits for `markers` (recorded on the other
+    /// streams it was used on) before it can be handed out again.
+    pub fn free_after(
+        &self,
+        stream: StreamKey,
+        id: BlockId,
+        ptr: u64,
+        markers: Vec<E>,
+    ) -> Result<()> {
+        let shard = self.shard(stream);
+        let mut pools = shard.pools.lock();
         pools.free_to_pending(id, ptr)?;
         if markers.is_empty() {
             pools.release_pending(id);
             return Ok(());
         }
         drop(pools);
-        let mut pending = self.pending.lock();
+        let mut pending = shard.pending.lock();
         pending.push(Pending { block: id, markers });
-        self.pending_count.store(pending.len(), Ordering::Release);
+        shard.pending_count.store(pending.len(), Ordering::Release);
         Ok(())
     }
 
     /// Frees an allocated block that must never be handed out again (its other-stream uses could
     /// not be tracked): it stays pending, and its segment is never released.
-    pub fn free_never_reuse(&self, id: BlockId, ptr: u64) -> Result<()> {
-        self.pools.lock().free_to_pending(id, ptr)
+    pub fn free_never_reuse(&self, stream: StreamKey, id: BlockId, ptr: u64) -> Result<()> {
+        self.shard(stream).pools.lock().free_to_pending(id, ptr)
     }
 
-    /// Returns to their free lists the pending blocks whose markers have all completed, without
-    /// blocking; skipped when another thread is already doing it.
+    #[cfg_attr(not(test), allow(dead_code))]
+    /// Returns to their free lists the pending blocks, of every shard, whose markers have all
+    /// completed, without blocking.
     pub fn process_pending(&self) {
-        let Some(mut pending) = self.pending.try_lock() else {
+        for shard in self.shards.iter() {
+            if shard.pending_count.load(Ordering::Acquire) != 0 {
+                self.process_pending_of(shard);
+            }
+        }
+    }
+
+    /// Returns `shard`'s completed pending blocks to its free lists, without blocking; skipped
+    /// when another thread is already doing it.
+    fn process_pending_of(&self, shard: &Shard<E>) {
+        let Some(mut pending) = shard.pending.try_lock() else {
             return;
         };
         let mut spare = Vec::new();
@@ -202,57 +293,75 @@ impl<E: Marker> Engine<E> {
                 index += 1;
             }
         }
-        self.pending_count.store(pending.len(), Ordering::Release);
+        shard.pending_count.store(pending.len(), Ordering::Release);
         drop(pending);
         self.recycle(spare);
         if !ready.is_empty() {
-            let mut pools = self.pools.lock();
+            let mut pools = shard.pools.lock();
             for id in ready {
                 pools.release_pending(id);
             }
         }
     }
 
-    /// Waits for every pending block's markers and returns the blocks to their free lists.
+    /// Waits for every pending block's markers, in every shard, and returns the blocks to their
+    /// free lists.
     ///
     /// A block whose marker cannot be waited for stays pending for good (never reused).
     fn wait_pending(&self) -> Result<()> {
-        let taken = {
-            let mut pending = self.pending.lock();
-            self.pending_count.store(0, Ordering::Release);
-            std::mem::take(&mut *pending)
-        };
-        if taken.is_empty() {
-            return Ok(());
-        }
         let mut first_error = None;
-        let mut spare = Vec::new();
-        let mut ready = Vec::new();
-        for entry in taken {
-            match entry.markers.iter().try_for_each(Marker::wait) {
-                Ok(()) => {
-                    spare.extend(entry.markers);
-                    ready.push(entry.block);
-                }
-                Err(error) => {
-                    tracing::error!(%error, "waiting for a block's stream use failed; the block is never reused");
-                    first_error.get_or_insert(error);
+        for shard in self.shards.iter() {
+            let taken = {
+                let mut pending = shard.pending.lock();
+                shard.pending_count.store(0, Ordering::Release);
+                std::mem::take(&mut *pending)
+            };
+            if taken.is_empty() {
+                continue;
+            }
+            let mut spare = Vec::new();
+            let mut ready = Vec::new();
+            for entry in taken {
+                match entry.markers.iter().try_for_each(Marker::wait) {
+                    Ok(()) => {
+                        spare.extend(entry.markers);
+                        ready.push(entry.block);
+                    }
+                    Err(error) => {
+                        tracing::error!(%error, "waiting for a block's stream use failed; the block is never reused");
+                        first_error.get_or_insert(error);
+                    }
                 }
             }
-        }
-        self.recycle(spare);
-        let mut pools = self.pools.lock();
-        for id in ready {
-            pools.release_pending(id);
+            self.recycle(spare);
+            let mut pools = shard.pools.lock();
+            for id in ready {
+                pools.release_pending(id);
+            }
         }
         first_error.map_or(Ok(()), Err)
     }
 
-    /// Waits for pending blocks, then gives every free whole segment back through `release`;
-    /// returns the bytes given back.
+    /// Waits for pending blocks, then gives every free whole segment of every shard back through
+    /// `release`; returns the bytes given back.
     pub fn release_cached(&self, release: &impl Release) -> Result<usize> {
         let waited = self.wait_pending();
-        let segments = self.pools.lock().take_free_segments();
+        let mut segments = Vec::new();
+        for shard in self.shards.iter() {
+            let mut pools = shard.pools.lock();
+            let taken = pools.take_free_segments();
+            if taken.is_empty() {
+                continue;
+            }
+            let mut totals = self.totals.lock();
+            for segment in &taken {
+                totals.reserved_bytes.sub(segment.size);
+                totals.segments.sub(1);
+            }
+            drop(totals);
+            drop(pools);
+            segments.extend(taken);
+        }
         let bytes = segments.iter().map(|segment| segment.size).sum();
         let released = if segments.is_empty() {
             Ok(())
@@ -281,27 +390,68 @@ impl<E: Marker> Engine<E> {
         }
     }
 
-    /// A snapshot of the statistics.
+    /// Runs `f` with every shard's pools and the totals locked (in lock order), so that what it
+    /// reads is one consistent state.
+    fn with_all_locked<R>(
+        &self,
+        f: impl FnOnce(&mut [MutexGuard<'_, Pools>], &mut Totals) -> R,
+    ) -> R {
+        let mut guards: Vec<_> = self.shards.iter().map(|shard| shard.pools.lock()).collect();
+        let mut totals = self.totals.lock();
+        f(&mut guards, &mut totals)
+    }
+
+    /// A snapshot of the statistics, exact at one instant: every shard is locked while it is
+    /// read. Counters and current values are the shards' sums; the reserved-bytes and segment
+    /// peaks are exact; the peaks of allocated, requested and active bytes are the sums of the
+    /// shards' peaks (exact for one stream; across streams an upper bound of the peak reached
+    /// at once, since the shards do not share a counter on the hot path).
     pub fn stats(&self) -> MemoryStats {
-        *self.pools.lock().stats()
+        self.with_all_locked(|shards, totals| {
+            let mut sum = MemoryStats::default();
+            for pools in shards.iter() {
+                sum.accumulate(pools.stats());
+            }
+            debug_assert_eq!(sum.reserved_bytes.current, totals.reserved_bytes.current);
+            debug_assert_eq!(sum.segments.current, totals.segments.current);
+            sum.reserved_bytes = totals.reserved_bytes;
+            sum.segments = totals.segments;
+            sum
+        })
     }
 
     /// Sets every peak statistic to its current value.
     pub fn reset_peak(&self) {
-        self.pools.lock().stats_mut().reset_peak();
+        self.with_all_locked(|shards, totals| {
+            for pools in shards.iter_mut() {
+                pools.stats_mut().reset_peak();
+            }
+            totals.reserved_bytes.reset_peak();
+            totals.segments.reset_peak();
+        });
     }
 
     /// Blocks that were freed but wait for other streams.
     pub fn pending_blocks(&self) -> usize {
-        self.pending_count.load(Ordering::Acquire)
+        self.shards
+            .iter()
+            .map(|shard| shard.pending_count.load(Ordering::Acquire))
+            .sum()
     }
 
+    /// Panics unless every shard's structural invariants hold.
     #[cfg(test)]
     pub fn check_invariants(&self) {
-        self.pools.lock().check_invariants();
+        for shard in self.shards.iter() {
+            shard.pools.lock().check_invariants();
+        }
     }
 }
 
 #[cfg(test)]
 #[path = "engine_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "engine_props.rs"]
+mod props;

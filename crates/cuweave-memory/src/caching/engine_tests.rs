@@ -99,7 +99,7 @@ fn a_freed_block_comes_back_without_an_upstream_allocation() {
     let engine = Engine::<Flag>::default();
     let upstream = FakeUpstream::unlimited();
     let a = engine.allocate(key(1), MIB, &upstream).unwrap();
-    engine.free(a.id, a.ptr).unwrap();
+    engine.free(a.stream, a.id, a.ptr).unwrap();
     let b = engine.allocate(key(1), MIB, &upstream).unwrap();
     assert_eq!(b.ptr, a.ptr);
     assert_eq!(upstream.allocations.load(Ordering::SeqCst), 1);
@@ -116,7 +116,7 @@ fn out_of_memory_releases_the_cache_and_retries() {
     // Fill the cap with cached segments of two streams, then ask on a third.
     for stream in [1, 2] {
         let grant = engine.allocate(key(stream), 4096, &upstream).unwrap();
-        engine.free(grant.id, grant.ptr).unwrap();
+        engine.free(grant.stream, grant.id, grant.ptr).unwrap();
     }
     assert_eq!(upstream.outstanding_bytes(), 2 * SMALL_SEGMENT);
     let grant = engine.allocate(key(3), 4096, &upstream).unwrap();
@@ -126,7 +126,7 @@ fn out_of_memory_releases_the_cache_and_retries() {
     assert_eq!(stats.segments_released, 2);
     assert_eq!(stats.reserved_bytes.current, SMALL_SEGMENT);
     assert_eq!(upstream.outstanding_bytes(), SMALL_SEGMENT);
-    engine.free(grant.id, grant.ptr).unwrap();
+    engine.free(grant.stream, grant.id, grant.ptr).unwrap();
     engine.check_invariants();
 }
 
@@ -136,7 +136,7 @@ fn out_of_memory_after_the_retry_is_a_typed_error_with_the_totals() {
     let upstream = FakeUpstream::with_cap(8 * MIB);
     let held = engine.allocate(key(1), 4096, &upstream).unwrap();
     let cached = engine.allocate(key(2), 4096, &upstream).unwrap();
-    engine.free(cached.id, cached.ptr).unwrap();
+    engine.free(cached.stream, cached.id, cached.ptr).unwrap();
     // 3 MiB is a large request: it needs a 20 MiB segment, past the 8 MiB cap.
     let error = engine.allocate(key(1), 3 * MIB, &upstream).unwrap_err();
     assert_eq!(
@@ -156,7 +156,7 @@ fn out_of_memory_after_the_retry_is_a_typed_error_with_the_totals() {
         "the cached segment was released before the retry"
     );
     assert_eq!(upstream.outstanding_bytes(), SMALL_SEGMENT);
-    engine.free(held.id, held.ptr).unwrap();
+    engine.free(held.stream, held.id, held.ptr).unwrap();
     engine.check_invariants();
 }
 
@@ -194,7 +194,7 @@ fn a_pending_block_is_reused_only_after_its_markers_complete() {
     let a = engine.allocate(key(1), 64 * 1024, &upstream).unwrap();
     let (first, second) = (Flag::default(), Flag::default());
     engine
-        .free_after(a.id, a.ptr, vec![first.clone(), second.clone()])
+        .free_after(a.stream, a.id, a.ptr, vec![first.clone(), second.clone()])
         .unwrap();
     assert_eq!(engine.pending_blocks(), 1);
     let stats = engine.stats();
@@ -220,7 +220,7 @@ fn a_pending_block_is_reused_only_after_its_markers_complete() {
         "completed markers are kept for reuse"
     );
     for grant in [b, c, d] {
-        engine.free(grant.id, grant.ptr).unwrap();
+        engine.free(grant.stream, grant.id, grant.ptr).unwrap();
     }
     engine.check_invariants();
     assert_eq!(engine.stats().active_bytes.current, 0);
@@ -233,7 +233,7 @@ fn releasing_the_cache_waits_for_pending_blocks() {
     let a = engine.allocate(key(1), 4096, &upstream).unwrap();
     let marker = Flag::default();
     engine
-        .free_after(a.id, a.ptr, vec![marker.clone()])
+        .free_after(a.stream, a.id, a.ptr, vec![marker.clone()])
         .unwrap();
     let released = engine.release_cached(&upstream).unwrap();
     assert!(marker.is_complete().unwrap(), "the marker was waited for");
@@ -252,12 +252,12 @@ fn blocks_that_are_never_to_be_reused_keep_their_segment() {
     let engine = Engine::<Flag>::default();
     let upstream = FakeUpstream::unlimited();
     let a = engine.allocate(key(1), 4096, &upstream).unwrap();
-    engine.free_never_reuse(a.id, a.ptr).unwrap();
+    engine.free_never_reuse(a.stream, a.id, a.ptr).unwrap();
     assert_eq!(engine.release_cached(&upstream).unwrap(), 0);
     let b = engine.allocate(key(1), 4096, &upstream).unwrap();
     assert_ne!(b.ptr, a.ptr);
     assert!(matches!(
-        engine.free(a.id, a.ptr),
+        engine.free(a.stream, a.id, a.ptr),
         Err(MemoryError::UnknownAllocation { .. })
     ));
 }
@@ -274,7 +274,7 @@ fn large_requests_share_twenty_mib_segments() {
     assert_eq!(engine.stats().reserved_bytes.current, 2 * LARGE_SEGMENT);
     assert_eq!(grants[1].ptr, grants[0].ptr + 7 * MIB as u64);
     for grant in grants {
-        engine.free(grant.id, grant.ptr).unwrap();
+        engine.free(grant.stream, grant.id, grant.ptr).unwrap();
     }
     assert_eq!(engine.release_cached(&upstream).unwrap(), 2 * LARGE_SEGMENT);
 }
@@ -305,15 +305,15 @@ fn eight_threads_lose_nothing() {
                             let marker = Flag::default();
                             marker.complete();
                             engine
-                                .free_after(grant.id, grant.ptr, vec![marker])
+                                .free_after(grant.stream, grant.id, grant.ptr, vec![marker])
                                 .unwrap();
                         } else {
-                            engine.free(grant.id, grant.ptr).unwrap();
+                            engine.free(grant.stream, grant.id, grant.ptr).unwrap();
                         }
                     }
                 }
                 for grant in live {
-                    engine.free(grant.id, grant.ptr).unwrap();
+                    engine.free(grant.stream, grant.id, grant.ptr).unwrap();
                 }
             })
         })

@@ -38,9 +38,16 @@
 //!   segments (current and peak), allocation and free counts, cache hits and misses, released
 //!   segments, OOM retries and failures.
 //!
-//! The allocator is `Send + Sync`. Its state sits under one short `parking_lot` mutex that is
-//! never held across a driver call; upstream allocations, event recording and waiting, and the
-//! release of segments all happen outside it.
+//! The allocator is `Send + Sync` and scales across threads on different streams: its state is
+//! sharded by stream (32 shards by default, see [`CachingAllocator::with_shards`]), each shard
+//! under its own short `parking_lot` mutex, cache-line aligned, and allocations hold a handle of
+//! their shard rather than one shared `Arc`; a thread on its own stream writes nothing another
+//! thread touches. No lock is held across a driver call; upstream allocations, event recording
+//! and waiting, and the release of segments all happen outside them. The out-of-memory retry and
+//! [`CachingAllocator::empty_cache`] cover every shard; [`CachingAllocator::stats`] locks every
+//! shard and sums them (peaks of allocated, requested and active bytes are the shards' peaks
+//! summed: exact for one stream, an upper bound across streams; reserved bytes and segments are
+//! exact, peaks included).
 //!
 //! A stream key is the [`Stream`](cuweave_driver::Stream) handle's process-unique id, not the raw
 //! `CUstream` value: the driver recycles raw handles after a stream is destroyed, and the

@@ -21,6 +21,8 @@ pub(crate) struct Grant {
     pub ptr: u64,
     /// Its size in bytes (at least the rounded request).
     pub size: usize,
+    /// The stream it was allocated for (which also names its shard).
+    pub stream: StreamKey,
 }
 
 /// A whole segment taken out of the pools, to be returned to the upstream.
@@ -157,6 +159,7 @@ impl Pools {
             id,
             ptr: block.ptr,
             size: block.size,
+            stream: block.stream,
         };
         self.stats.allocations += 1;
         self.stats.allocated_bytes.add(grant.size);

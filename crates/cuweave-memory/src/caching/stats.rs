@@ -21,7 +21,7 @@ impl Stat {
         self.current = self.current.saturating_sub(amount);
     }
 
-    fn reset_peak(&mut self) {
+    pub(crate) fn reset_peak(&mut self) {
         self.peak = self.current;
     }
 }
@@ -61,6 +61,27 @@ pub struct MemoryStats {
 }
 
 impl MemoryStats {
+    /// Adds another shard's counters, current values and peaks to these.
+    pub(crate) fn accumulate(&mut self, other: &Self) {
+        for (stat, add) in [
+            (&mut self.allocated_bytes, other.allocated_bytes),
+            (&mut self.requested_bytes, other.requested_bytes),
+            (&mut self.reserved_bytes, other.reserved_bytes),
+            (&mut self.active_bytes, other.active_bytes),
+            (&mut self.segments, other.segments),
+        ] {
+            stat.current += add.current;
+            stat.peak += add.peak;
+        }
+        self.allocations += other.allocations;
+        self.frees += other.frees;
+        self.cache_hits += other.cache_hits;
+        self.cache_misses += other.cache_misses;
+        self.segments_released += other.segments_released;
+        self.oom_retries += other.oom_retries;
+        self.ooms += other.ooms;
+    }
+
     /// Sets every peak to its current value.
     pub fn reset_peak(&mut self) {
         for stat in [

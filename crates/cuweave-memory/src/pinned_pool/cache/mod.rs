@@ -273,3 +273,6 @@ fn drain_passed<F: Fence>(fences: &mut Vec<F>, passed: &mut Vec<F>) -> bool {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod props;

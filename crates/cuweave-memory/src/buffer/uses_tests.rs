@@ -1,0 +1,296 @@
+//! The read/write rules with fake streams and events: who waits for what, which event is
+//! recorded, when a wait is skipped, and when finished reads are dropped.
+
+use std::cell::{Cell, RefCell};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::*;
+use crate::error::MemoryError;
+
+/// An event with a number, completed by hand.
+#[derive(Debug)]
+struct FakeEvent {
+    number: usize,
+    complete: AtomicBool,
+}
+
+impl UseEvent for FakeEvent {
+    fn is_complete(&self) -> Result<bool> {
+        Ok(self.complete.load(Ordering::SeqCst))
+    }
+}
+
+/// A stream that logs the events it waits for and records.
+#[derive(Debug)]
+struct FakeStream {
+    raw: usize,
+    id: u64,
+    waited: RefCell<Vec<usize>>,
+    recorded: RefCell<Vec<usize>>,
+    fail_records: Cell<bool>,
+}
+
+impl FakeStream {
+    fn new(raw: usize, id: u64) -> Self {
+        Self {
+            raw,
+            id,
+            waited: RefCell::default(),
+            recorded: RefCell::default(),
+            fail_records: Cell::new(false),
+        }
+    }
+
+    /// A stream of its own (raw handle and id both unique).
+    fn own(id: u64) -> Self {
+        Self::new(0x1000 + id as usize, id)
+    }
+
+    fn take_waits(&self) -> Vec<usize> {
+        let mut waits = std::mem::take(&mut *self.waited.borrow_mut());
+        waits.sort_unstable();
+        waits
+    }
+}
+
+impl UseStream for FakeStream {
+    type Event = FakeEvent;
+
+    fn raw(&self) -> usize {
+        self.raw
+    }
+
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn wait_for(&self, event: &FakeEvent) -> Result<()> {
+        self.waited.borrow_mut().push(event.number);
+        Ok(())
+    }
+
+    fn record(&self, event: &FakeEvent) -> Result<()> {
+        if self.fail_records.get() {
+            return Err(MemoryError::ZeroLength {
+                operation: "fake record failure",
+            });
+        }
+        event.complete.store(false, Ordering::SeqCst);
+        self.recorded.borrow_mut().push(event.number);
+        Ok(())
+    }
+}
+
+/// Makes numbered events and counts them.
+#[derive(Default)]
+struct Events {
+    made: Cell<usize>,
+}
+
+impl Events {
+    fn make(&self) -> impl FnOnce() -> Result<Arc<FakeEvent>> + '_ {
+        || {
+            let number = self.made.get() + 1;
+            self.made.set(number);
+            Ok(Arc::new(FakeEvent {
+                number,
+                complete: AtomicBool::new(false),
+            }))
+        }
+    }
+}
+
+/// Waits as a tracked operation would, then records.
+fn use_on(
+    state: &mut UseState<FakeEvent>,
+    events: &Events,
+    stream: &FakeStream,
+    access: Access,
+) -> Vec<usize> {
+    state.wait_on(stream, access).unwrap();
+    state.record(stream, access, events.make()).unwrap();
+    stream.take_waits()
+}
+
+fn last_recorded(stream: &FakeStream) -> usize {
+    *stream.recorded.borrow().last().expect("recorded something")
+}
+
+#[test]
+fn readers_on_two_streams_wait_for_the_writer_only() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (w, a, b) = (FakeStream::own(1), FakeStream::own(2), FakeStream::own(3));
+    assert!(
+        use_on(&mut state, &events, &w, Access::Write).is_empty(),
+        "first use waits for nothing"
+    );
+    let write_event = last_recorded(&w);
+    assert_eq!(use_on(&mut state, &events, &a, Access::Read), [write_event]);
+    assert_eq!(
+        use_on(&mut state, &events, &b, Access::Read),
+        [write_event],
+        "the second reader does not wait for the first"
+    );
+    assert_eq!(state.readers(), 2);
+    assert_ne!(
+        last_recorded(&a),
+        last_recorded(&b),
+        "one event per reading stream"
+    );
+}
+
+#[test]
+fn a_writer_waits_for_every_reader_since_the_last_write() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (w, a, b, c) = (
+        FakeStream::own(1),
+        FakeStream::own(2),
+        FakeStream::own(3),
+        FakeStream::own(4),
+    );
+    use_on(&mut state, &events, &w, Access::Write);
+    use_on(&mut state, &events, &a, Access::Read);
+    use_on(&mut state, &events, &b, Access::Read);
+    let mut expected = vec![last_recorded(&w), last_recorded(&a), last_recorded(&b)];
+    expected.sort_unstable();
+    assert_eq!(use_on(&mut state, &events, &c, Access::Write), expected);
+    assert_eq!(state.readers(), 0, "the reads are behind the new write");
+    // The next reader waits for the new write only.
+    assert_eq!(
+        use_on(&mut state, &events, &a, Access::Read),
+        [last_recorded(&c)]
+    );
+    // Host access waits for the write and the read.
+    assert_eq!(state.all_events().len(), 2);
+}
+
+#[test]
+fn a_writer_on_a_reading_stream_skips_that_streams_read() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (w, a) = (FakeStream::own(1), FakeStream::own(2));
+    use_on(&mut state, &events, &w, Access::Write);
+    use_on(&mut state, &events, &a, Access::Read);
+    assert_eq!(
+        use_on(&mut state, &events, &a, Access::Write),
+        [last_recorded(&w)],
+        "its own read is ordered by the stream"
+    );
+}
+
+#[test]
+fn repeated_uses_on_the_last_stream_skip_the_wait_and_reuse_the_event() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let a = FakeStream::own(7);
+    for _ in 0..5 {
+        assert!(use_on(&mut state, &events, &a, Access::Write).is_empty());
+    }
+    assert_eq!(events.made.get(), 1, "one event, re-recorded");
+    assert_eq!(*a.recorded.borrow(), [1; 5]);
+    for _ in 0..5 {
+        assert!(use_on(&mut state, &events, &a, Access::Read).is_empty());
+    }
+    assert_eq!(state.readers(), 1, "a stream's reads share one entry");
+    assert_eq!(events.made.get(), 2);
+}
+
+#[test]
+fn events_of_finished_reads_are_reused_after_a_write() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (a, b, c) = (FakeStream::own(1), FakeStream::own(2), FakeStream::own(3));
+    use_on(&mut state, &events, &a, Access::Read);
+    use_on(&mut state, &events, &b, Access::Read);
+    use_on(&mut state, &events, &c, Access::Write);
+    use_on(&mut state, &events, &a, Access::Read);
+    use_on(&mut state, &events, &b, Access::Read);
+    assert_eq!(
+        events.made.get(),
+        3,
+        "the two read events came back as spares"
+    );
+}
+
+#[test]
+fn default_streams_never_skip_a_wait() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    // Blocking operations make a fresh handle of the legacy stream each time.
+    let (legacy_1, legacy_2) = (FakeStream::new(0, 100), FakeStream::new(0, 101));
+    let per_thread = FakeStream::new(2, 102);
+    use_on(&mut state, &events, &legacy_1, Access::Write);
+    let write_event = last_recorded(&legacy_1);
+    assert_eq!(
+        use_on(&mut state, &events, &legacy_1, Access::Write),
+        [write_event]
+    );
+    assert_eq!(
+        use_on(&mut state, &events, &per_thread, Access::Write),
+        [write_event]
+    );
+    let write_event = last_recorded(&per_thread);
+    assert_eq!(
+        use_on(&mut state, &events, &per_thread, Access::Read),
+        [write_event]
+    );
+    assert_eq!(
+        use_on(&mut state, &events, &legacy_2, Access::Read),
+        [write_event]
+    );
+}
+
+#[test]
+fn legacy_reads_share_one_entry_and_per_thread_reads_are_pruned_once_finished() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    for id in 0..20 {
+        use_on(
+            &mut state,
+            &events,
+            &FakeStream::new(0, 100 + id),
+            Access::Read,
+        );
+    }
+    assert_eq!(state.readers(), 1, "the legacy stream is one stream");
+    let per_thread: Vec<FakeStream> = (0..20).map(|id| FakeStream::new(2, 200 + id)).collect();
+    for stream in &per_thread[..PRUNE_READS_AT] {
+        use_on(&mut state, &events, stream, Access::Read);
+    }
+    assert_eq!(state.readers(), PRUNE_READS_AT + 1);
+    // Nothing has finished: nothing is pruned.
+    use_on(
+        &mut state,
+        &events,
+        &per_thread[PRUNE_READS_AT],
+        Access::Read,
+    );
+    assert_eq!(state.readers(), PRUNE_READS_AT + 2);
+    for event in state.all_events() {
+        event.complete.store(true, Ordering::SeqCst);
+    }
+    use_on(
+        &mut state,
+        &events,
+        &per_thread[PRUNE_READS_AT + 1],
+        Access::Read,
+    );
+    assert_eq!(state.readers(), 1, "finished reads were dropped");
+}
+
+#[test]
+fn a_failed_write_record_keeps_the_earlier_uses() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (w, a, c) = (FakeStream::own(1), FakeStream::own(2), FakeStream::own(3));
+    use_on(&mut state, &events, &w, Access::Write);
+    use_on(&mut state, &events, &a, Access::Read);
+    c.fail_records.set(true);
+    state.wait_on(&c, Access::Write).unwrap();
+    assert!(state.record(&c, Access::Write, events.make()).is_err());
+    assert_eq!(state.readers(), 1);
+    assert_eq!(
+        state.all_events().len(),
+        2,
+        "the write and the read are still tracked"
+    );
+    let next = FakeStream::own(4);
+    let mut expected = vec![last_recorded(&w), last_recorded(&a)];
+    expected.sort_unstable();
+    assert_eq!(use_on(&mut state, &events, &next, Access::Write), expected);
+}
