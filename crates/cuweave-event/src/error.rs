@@ -10,12 +10,15 @@ use crate::coordinator::OperationId;
 pub type Result<T, E = EventError> = std::result::Result<T, E>;
 
 /// Why an event-layer operation failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum EventError {
     /// The driver failed (or is missing). A context killed by a kernel fault reports here too:
     /// every wait on it resolves with the driver's sticky error instead of hanging.
     #[error(transparent)]
     Driver(#[from] DriverError),
+    /// The stream layer failed (e.g. a stream pool with no stream to hand out).
+    #[error(transparent)]
+    Stream(#[from] cuweave_stream::StreamError),
     /// An operation id the coordinator never registered.
     #[error("{operation}: unknown operation {id}")]
     UnknownOperation {

@@ -1,5 +1,37 @@
 //! Events for cuweave: an event pool, dependency-aware operation coordination, cross-stream
 //! barriers and runtime-agnostic async waiting.
+//!
+//! # The model
+//!
+//! Everything this crate reports as complete, the GPU completed: it observes real events, or
+//! words the GPU writes into mapped pinned memory behind the work, never the host's say-so.
+//! Ordering between streams happens on the device (`cuStreamWaitEvent`); the host blocks only
+//! where a method says so.
+//!
+//! | item | what it is for |
+//! |---|---|
+//! | [`EventPool`], [`PooledEvent`] | reusable timing and non-timing events, lock-free, returned on drop |
+//! | [`OperationCoordinator`] | operations with types, priorities and dependencies, begun and completed on streams; deadlock (cycle) detection, stall reports, completion callbacks, metrics with GPU time per type |
+//! | [`CrossStreamBarrier`] | every stream waits for every other (on the device), or the host waits for all |
+//! | [`AsyncEventWaiter`], [`WaitFuture`] | one reactor thread that wakes futures and runs callbacks when the GPU reaches a point; cancellation, timeouts |
+//! | [`wake`] | the CUDA-free, loom-checked core of the waiter |
+//!
+//! A [`WaitFuture`] needs no async runtime: `.await` it under tokio, smol or
+//! `futures::executor::block_on`. `docs/events.md` has the measurements behind the default wake
+//! mechanism ([`WakeMechanism::CompletionWord`]).
+//!
+//! ```no_run
+//! use cuweave_driver::{Context, Device, Stream, StreamFlags};
+//! use cuweave_event::AsyncEventWaiter;
+//!
+//! # async fn run() -> Result<(), cuweave_event::EventError> {
+//! let context = Context::primary(Device::get(0)?)?;
+//! let stream = Stream::new(&context, StreamFlags::NON_BLOCKING)?;
+//! // ... queue kernels and copies on `stream` ...
+//! AsyncEventWaiter::global()?.stream_idle(&stream)?.await?;
+//! # Ok(())
+//! # }
+//! ```
 #![forbid(unsafe_code)]
 
 // Under `--cfg loom` only the CUDA-free core is built: it is what the loom models check, and
@@ -21,7 +53,7 @@ pub mod wake;
 pub use barrier::CrossStreamBarrier;
 #[cfg(not(loom))]
 pub use coordinator::{
-    CoordinatorMetrics, EventMetadata, EventPriority, OperationCoordinator, OperationId,
+    AsStream, CoordinatorMetrics, EventMetadata, EventPriority, OperationCoordinator, OperationId,
     OperationState, OperationType,
 };
 #[cfg(not(loom))]

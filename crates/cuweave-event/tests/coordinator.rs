@@ -224,14 +224,15 @@ fn beginning_before_a_dependency_is_queued_is_a_typed_error() {
         (1, 0)
     );
     let other = OperationCoordinator::new(EventPool::new(&gpu.context, 0, 0).unwrap()).unwrap();
-    let foreign = (0..5)
-        .map(|_| {
+    let mut foreign = None;
+    for _ in 0..5 {
+        foreign = Some(
             other
                 .register_operation(OperationType::Kernel, EventPriority::Normal, None, &[], "x")
-                .unwrap()
-        })
-        .last()
-        .unwrap();
+                .unwrap(),
+        );
+    }
+    let foreign = foreign.unwrap();
     assert!(matches!(
         coordinator.register_operation(
             OperationType::Kernel,
@@ -416,4 +417,45 @@ fn an_operation_waiting_on_one_never_begun_is_reported_stalled() {
     releaser.join().unwrap();
     assert!(coordinator.stalled_operations(Duration::ZERO).is_empty());
     stream.synchronize().unwrap();
+}
+
+#[test]
+fn given_a_stream_pool_an_operation_begins_on_a_stream_of_its_priority() {
+    use cuweave_stream::{StreamPool, StreamPoolConfig, StreamPriority};
+    let gpu = require_gpu!();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let pool = StreamPool::new(&gpu.context, StreamPoolConfig::default()).unwrap();
+    let coordinator =
+        OperationCoordinator::new(EventPool::new(&gpu.context, 4, 4).unwrap()).unwrap();
+    let urgent = coordinator
+        .register_operation(
+            OperationType::Kernel,
+            EventPriority::Critical,
+            None,
+            &[],
+            "urgent",
+        )
+        .unwrap();
+    let cleanup = coordinator
+        .register_operation(
+            OperationType::Kernel,
+            EventPriority::Cleanup,
+            None,
+            &[urgent],
+            "tidy",
+        )
+        .unwrap();
+    let high = coordinator.begin_on_pool(urgent, &pool).unwrap();
+    assert_eq!(high.priority(), StreamPriority::High);
+    kernels.spin_ns(high.stream(), MS).unwrap();
+    coordinator.complete_operation(urgent).unwrap();
+    let low = coordinator.begin_on_pool(cleanup, &pool).unwrap();
+    assert_eq!(low.priority(), StreamPriority::Low);
+    coordinator.complete_operation(cleanup).unwrap();
+    assert_eq!(coordinator.metadata(cleanup).unwrap().cross_stream_waits, 1);
+    coordinator.synchronize(cleanup).unwrap();
+    assert!(
+        high.stream().query().unwrap(),
+        "the low stream finished before the high one it waits on"
+    );
 }

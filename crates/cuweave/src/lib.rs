@@ -18,11 +18,8 @@
 //! | driver | `cuweave-driver` | [`driver`] | the loader, `DriverError`, `Device`, `Context`, `Stream`, `Event`, `Module` / `Kernel`, raw memory calls |
 //! | memory | `cuweave-memory` | [`memory`] | typed device, pinned and unified buffers, migration hints, the caching allocator, the pinned pool |
 //! | stream | `cuweave-stream` | [`stream`] | priority streams with metrics and callbacks, the stream pool and its strategies, multi-stream coordination, the stream-ordered allocator, the GPU-timed profiler |
+//! | event | `cuweave-event` | [`event`] | the event pool, the operation coordinator (dependencies, priorities, deadlock detection), cross-stream barriers, async waiting (`.await` a stream or an event under any executor) |
 //! | transfer | `cuweave-transfer` | [`transfer`] | the transfer manager: measured method choice, pipelined staging of pageable copies, peer-to-peer, zero-copy, statistics, async transfers |
-//!
-//! The event layer (event pools, dependency-aware coordination, async waiting) arrives with its
-//! issue, as a crate of its own and a feature of the same name here (`event`); the transfer
-//! layer already depends on it.
 //!
 //! # Features
 //!
@@ -31,6 +28,7 @@
 //! | `driver` | yes | [`driver`]: the CUDA driver layer |
 //! | `memory` | yes | [`memory`]: typed buffers, unified memory, allocators (implies `driver`) |
 //! | `stream` | yes | [`stream`]: priority streams, pools, coordination, stream-ordered allocation, profiling (implies `memory`) |
+//! | `event` | yes | [`event`]: event pools, operation coordination, barriers, async waiting (implies `stream`) |
 //! | `transfer` | yes | [`transfer`]: the transfer manager (implies `event`, `stream`, `memory`) |
 //!
 //! # Example
@@ -81,6 +79,11 @@ pub mod prelude {
     #[cfg(feature = "driver")]
     pub use cuweave_driver::{
         Context, Device, DriverError, Event, EventFlags, Stream, StreamFlags,
+    };
+    #[cfg(feature = "event")]
+    pub use cuweave_event::{
+        AsyncEventWaiter, CrossStreamBarrier, EventError, EventPool, EventPriority,
+        OperationCoordinator, OperationType, PooledEvent, WaitFuture, WakeMechanism,
     };
     #[cfg(feature = "memory")]
     pub use cuweave_memory::{

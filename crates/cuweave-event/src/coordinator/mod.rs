@@ -3,6 +3,7 @@
 
 mod graph;
 mod metrics;
+mod queries;
 mod types;
 
 use std::collections::HashMap;
@@ -11,6 +12,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use cuweave_driver::Stream;
+use cuweave_stream::{PriorityStream, StreamPool, StreamPriority};
 use parking_lot::{Condvar, Mutex};
 
 pub use metrics::CoordinatorMetrics;
@@ -20,6 +22,37 @@ use crate::error::{EventError, Result};
 use crate::pool::{EventPool, PooledEvent};
 use crate::waiter::{AsyncEventWaiter, WaitFuture, WaitResult};
 use metrics::MetricsCell;
+
+/// Anything that is, or wraps, a driver [`Stream`]: operations can begin on a plain stream or
+/// on a [`PriorityStream`] from a [`StreamPool`].
+pub trait AsStream: Send + Sync + 'static {
+    /// The driver stream.
+    fn as_stream(&self) -> &Stream;
+}
+
+impl AsStream for Stream {
+    fn as_stream(&self) -> &Stream {
+        self
+    }
+}
+
+impl AsStream for PriorityStream {
+    fn as_stream(&self) -> &Stream {
+        self.stream()
+    }
+}
+
+impl EventPriority {
+    /// The stream priority an operation of this urgency runs at: `Critical` and `High` on
+    /// high-priority streams, `Normal` on normal ones, `Low` and `Cleanup` on low ones.
+    pub fn stream_priority(self) -> StreamPriority {
+        match self {
+            Self::Critical | Self::High => StreamPriority::High,
+            Self::Normal => StreamPriority::Normal,
+            Self::Low | Self::Cleanup => StreamPriority::Low,
+        }
+    }
+}
 
 /// A completion callback: told the operation and whether the GPU completed it.
 type CompletionCallback = Box<dyn FnOnce(OperationId, WaitResult) + Send + 'static>;
@@ -92,7 +125,7 @@ struct State {
 
 struct Operation {
     metadata: EventMetadata,
-    stream: Option<Arc<Stream>>,
+    stream: Option<Arc<dyn AsStream>>,
     done: Option<Arc<PooledEvent>>,
     start: Option<PooledEvent>,
     end: Option<PooledEvent>,
@@ -244,8 +277,10 @@ impl OperationCoordinator {
     /// [`complete_operation`](Self::complete_operation) yet (its event does not exist);
     /// `InvalidState` when `id` was already begun; the driver's error (the operation then stays
     /// registered).
-    pub fn begin_operation(&self, id: OperationId, stream: &Arc<Stream>) -> Result<()> {
+    pub fn begin_operation<S: AsStream>(&self, id: OperationId, stream: &Arc<S>) -> Result<()> {
         let _timed = self.timed();
+        let handle: Arc<dyn AsStream> = Arc::clone(stream) as Arc<dyn AsStream>;
+        let stream = handle.as_stream();
         let waits = {
             let mut state = self.inner.state.lock();
             let operation = operation_mut(&mut state, id, "begin_operation")?;
@@ -284,7 +319,7 @@ impl OperationCoordinator {
         match queued {
             Ok(start) => {
                 operation.start = Some(start);
-                operation.stream = Some(Arc::clone(stream));
+                operation.stream = Some(Arc::clone(&handle));
                 operation.metadata.stream = Some(stream.id());
                 operation.metadata.begun_at = Some(Instant::now());
                 operation.metadata.cross_stream_waits = waits.len();
@@ -297,6 +332,19 @@ impl OperationCoordinator {
                 Err(error)
             }
         }
+    }
+
+    /// Begins `id` on a stream of `pool` at the operation's priority
+    /// ([`EventPriority::stream_priority`]; the pool falls back to the nearest priority it has),
+    /// and returns that stream for the operation's work.
+    ///
+    /// # Errors
+    /// As [`begin_operation`](Self::begin_operation); the pool's error.
+    pub fn begin_on_pool(&self, id: OperationId, pool: &StreamPool) -> Result<Arc<PriorityStream>> {
+        let priority = self.metadata(id)?.priority.stream_priority();
+        let stream = pool.get_priority_stream(priority)?;
+        self.begin_operation(id, &stream)?;
+        Ok(stream)
     }
 
     /// Marks the end of `id`'s work on its stream: records its completion event (which
@@ -313,11 +361,12 @@ impl OperationCoordinator {
             expect_state(operation, OperationState::Begun, "complete")?;
             Arc::clone(operation.stream.as_ref().expect("begun has a stream"))
         };
+        let stream = stream.as_stream();
         let recorded = (|| -> Result<(PooledEvent, PooledEvent)> {
             let end = self.inner.pool.acquire_event(true)?;
-            end.record(&stream)?;
+            end.record(stream)?;
             let done = self.inner.pool.acquire_event(false)?;
-            done.record(&stream)?;
+            done.record(stream)?;
             Ok((end, done))
         })();
         let (end, done) = recorded?;
@@ -404,130 +453,6 @@ impl OperationCoordinator {
             })?
         };
         Ok(done.synchronize()?)
-    }
-
-    /// Registered operations whose dependencies are all queued, most urgent first (ties in
-    /// registration order).
-    pub fn ready_operations(&self) -> Vec<OperationId> {
-        let _timed = self.timed();
-        let state = self.inner.state.lock();
-        let mut ready: Vec<(EventPriority, OperationId)> = state
-            .operations
-            .values()
-            .filter(|op| op.metadata.state == OperationState::Registered)
-            .filter(|op| {
-                op.metadata
-                    .dependencies
-                    .iter()
-                    .all(|dep| state.operations[dep].metadata.state.is_queued())
-            })
-            .map(|op| (op.metadata.priority, op.metadata.id))
-            .collect();
-        ready.sort_unstable();
-        ready.into_iter().map(|(_, id)| id).collect()
-    }
-
-    /// Every cycle among operations not yet begun (they can never begin), each listed once,
-    /// starting at its lowest id and following dependencies (`[a, b]`: `a` waits for `b`, which
-    /// waits for `a`).
-    pub fn detect_deadlocks(&self) -> Vec<Vec<OperationId>> {
-        let _timed = self.timed();
-        let cycles = {
-            let state = self.inner.state.lock();
-            let mut ids: Vec<OperationId> = state.operations.keys().copied().collect();
-            ids.sort_unstable();
-            let index: HashMap<OperationId, usize> =
-                ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
-            let edges: Vec<Vec<usize>> = ids
-                .iter()
-                .map(|id| {
-                    let op = &state.operations[id];
-                    op.metadata
-                        .dependencies
-                        .iter()
-                        .map(|dep| index[dep])
-                        .collect()
-                })
-                .collect();
-            graph::elementary_cycles(&edges)
-                .into_iter()
-                .map(|cycle| cycle.into_iter().map(|i| ids[i]).collect::<Vec<_>>())
-                .collect::<Vec<_>>()
-        };
-        if !cycles.is_empty() {
-            tracing::warn!(cycles = cycles.len(), "dependency cycles found");
-            MetricsCell::add(&self.inner.metrics.deadlock_detections, 1);
-            MetricsCell::add(&self.inner.metrics.cycles_found, cycles.len() as u64);
-        }
-        cycles
-    }
-
-    /// The dependencies of `id` that are not queued yet.
-    fn blocked_on(state: &State, id: OperationId) -> Vec<OperationId> {
-        state.operations[&id]
-            .metadata
-            .dependencies
-            .iter()
-            .copied()
-            .filter(|dep| !state.operations[dep].metadata.state.is_queued())
-            .collect()
-    }
-
-    /// Operations registered at least `older_than` ago that still wait for dependencies that
-    /// are not queued, with those dependencies.
-    pub fn stalled_operations(&self, older_than: Duration) -> Vec<(OperationId, Vec<OperationId>)> {
-        let state = self.inner.state.lock();
-        let mut stalled: Vec<_> = state
-            .operations
-            .values()
-            .filter(|op| op.metadata.state == OperationState::Registered)
-            .filter(|op| op.metadata.registered_at.elapsed() >= older_than)
-            .map(|op| (op.metadata.id, Self::blocked_on(&state, op.metadata.id)))
-            .filter(|(_, blocked)| !blocked.is_empty())
-            .collect();
-        stalled.sort_unstable();
-        stalled
-    }
-
-    /// Blocks until every dependency of `id` is queued (so it can begin), for at most
-    /// `timeout`.
-    ///
-    /// # Errors
-    /// [`EventError::Stalled`] with the dependencies still not queued when the time is up;
-    /// `UnknownOperation`.
-    pub fn wait_until_ready(&self, id: OperationId, timeout: Duration) -> Result<()> {
-        let started = Instant::now();
-        let deadline = started + timeout;
-        let mut state = self.inner.state.lock();
-        if !state.operations.contains_key(&id) {
-            return Err(EventError::UnknownOperation {
-                operation: "wait_until_ready",
-                id,
-            });
-        }
-        loop {
-            let blocked_on = Self::blocked_on(&state, id);
-            if blocked_on.is_empty() {
-                return Ok(());
-            }
-            if self
-                .inner
-                .changed
-                .wait_until(&mut state, deadline)
-                .timed_out()
-            {
-                let blocked_on = Self::blocked_on(&state, id);
-                if blocked_on.is_empty() {
-                    return Ok(());
-                }
-                tracing::warn!(%id, ?blocked_on, "operation stalled");
-                return Err(EventError::Stalled {
-                    id,
-                    waited: started.elapsed(),
-                    blocked_on,
-                });
-            }
-        }
     }
 
     /// Where `id` is now.

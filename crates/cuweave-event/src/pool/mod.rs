@@ -15,9 +15,9 @@ use recycler::Recycler;
 /// timestamps, for [`Event::elapsed_ms`]) and non-timing events (cheaper to record and wait on,
 /// for ordering and completion).
 ///
-/// `cuEventCreate` + `cuEventDestroy` cost about half a microsecond; taking an event from the
-/// pool and giving it back costs a lock-free queue pop and push (tens of nanoseconds; see
-/// `docs/events.md`). The pool grows on demand: when a list is empty, [`acquire_event`]
+/// `cuEventCreate` + `cuEventDestroy` cost a few hundred nanoseconds; taking an event from the
+/// pool and giving it back costs a lock-free queue pop and push and a reference count (tens of
+/// nanoseconds; see `docs/events.md`). The pool grows on demand: when a list is empty, [`acquire_event`]
 /// creates a new event, which joins the pool when released. Events are destroyed when the pool
 /// and every handle are gone.
 ///
@@ -80,10 +80,8 @@ pub struct PoolCounters {
     pub created_regular: u64,
     /// Timing events created.
     pub created_timing: u64,
-    /// Events handed out by [`EventPool::acquire_event`].
-    pub acquired: u64,
-    /// Events returned.
-    pub released: u64,
+    /// Events created because the pool was empty when one was asked for.
+    pub grown: u64,
 }
 
 impl EventPool {
@@ -149,26 +147,27 @@ impl EventPool {
         drop(event);
     }
 
-    /// What is free and what is held right now.
+    /// What is free and what is held right now (a snapshot: other threads may be taking and
+    /// returning events meanwhile).
     pub fn utilization(&self) -> PoolUtilization {
         let shared = &self.shared;
-        let taken = shared.regular.taken() + shared.timing.taken();
-        let given = shared.regular.given() + shared.timing.given();
+        let available_regular = shared.regular.available();
+        let available_timing = shared.timing.available();
+        let created = shared.regular.created() + shared.timing.created();
         PoolUtilization {
-            available_regular: shared.regular.available(),
-            available_timing: shared.timing.available(),
-            in_use: taken.saturating_sub(given) as usize,
+            available_regular,
+            available_timing,
+            in_use: (created as usize).saturating_sub(available_regular + available_timing),
         }
     }
 
-    /// Running totals: events created of each kind, handed out and returned.
+    /// Running totals: events created of each kind, and how many the pool had to grow by.
     pub fn counters(&self) -> PoolCounters {
         let shared = &self.shared;
         PoolCounters {
             created_regular: shared.regular.created(),
             created_timing: shared.timing.created(),
-            acquired: shared.regular.taken() + shared.timing.taken(),
-            released: shared.regular.given() + shared.timing.given(),
+            grown: shared.regular.grown() + shared.timing.grown(),
         }
     }
 }

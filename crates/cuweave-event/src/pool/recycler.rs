@@ -1,73 +1,86 @@
-//! [`Recycler`]: the CUDA-free core of the event pool, a lock-free free list with counters.
+//! [`Recycler`]: the CUDA-free core of the event pool, a lock-free free list.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crossbeam::queue::SegQueue;
+use crossbeam::queue::{ArrayQueue, SegQueue};
+
+/// Items the bounded fast list holds before the rest spill into the unbounded one.
+const FAST_CAPACITY: usize = 1024;
 
 /// A free list of reusable `T`s: `take` pops one or makes one, `give` pushes it back.
 ///
-/// One `SegQueue` (lock-free) and relaxed counters: no lock anywhere, so threads that take and
-/// give concurrently never convoy. An item is always either in the queue or held by exactly one
-/// caller, so a miss (the queue was empty) means every item made so far is held: the number made
-/// never exceeds the most ever held at once.
+/// Lock-free throughout, and cheap on the path that matters: a bounded `ArrayQueue` (one
+/// compare-and-swap and one store per push or pop, no allocation) holds the first
+/// [`FAST_CAPACITY`] free items, an unbounded `SegQueue` the rest, so the list grows without
+/// limit. Nothing is counted per take or give (a shared counter would be two more contended
+/// read-modify-writes per round trip); what is in use is what was made minus what is free.
+///
+/// An item is always either in a list or held by exactly one caller, so a miss (both lists were
+/// empty when looked at) means every item made so far was held at that moment.
 #[derive(Debug)]
 pub(crate) struct Recycler<T> {
-    free: SegQueue<T>,
+    fast: ArrayQueue<T>,
+    overflow: SegQueue<T>,
     created: AtomicU64,
-    taken: AtomicU64,
-    given: AtomicU64,
+    grown: AtomicU64,
 }
 
 impl<T> Recycler<T> {
     pub(crate) fn new() -> Self {
         Self {
-            free: SegQueue::new(),
+            fast: ArrayQueue::new(FAST_CAPACITY),
+            overflow: SegQueue::new(),
             created: AtomicU64::new(0),
-            taken: AtomicU64::new(0),
-            given: AtomicU64::new(0),
+            grown: AtomicU64::new(0),
         }
     }
 
     /// Adds a freshly made item to the free list (pre-creation).
     pub(crate) fn stock(&self, item: T) {
         self.created.fetch_add(1, Ordering::Relaxed);
-        self.free.push(item);
+        self.push(item);
+    }
+
+    fn push(&self, item: T) {
+        if let Err(item) = self.fast.push(item) {
+            self.overflow.push(item);
+        }
     }
 
     /// A free item, or a new one from `make` when none is free.
     pub(crate) fn take<E>(&self, make: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
-        let item = match self.free.pop() {
-            Some(item) => item,
-            None => {
-                let item = make()?;
-                self.created.fetch_add(1, Ordering::Relaxed);
-                item
-            }
-        };
-        self.taken.fetch_add(1, Ordering::Relaxed);
+        if let Some(item) = self.fast.pop().or_else(|| self.overflow.pop()) {
+            return Ok(item);
+        }
+        let item = make()?;
+        self.created.fetch_add(1, Ordering::Relaxed);
+        self.grown.fetch_add(1, Ordering::Relaxed);
         Ok(item)
     }
 
     /// Returns an item to the free list.
     pub(crate) fn give(&self, item: T) {
-        self.given.fetch_add(1, Ordering::Relaxed);
-        self.free.push(item);
+        self.push(item);
     }
 
+    /// Items free right now.
     pub(crate) fn available(&self) -> usize {
-        self.free.len()
+        self.fast.len() + self.overflow.len()
     }
 
+    /// Items made (pre-created and grown).
     pub(crate) fn created(&self) -> u64 {
         self.created.load(Ordering::Relaxed)
     }
 
-    pub(crate) fn taken(&self) -> u64 {
-        self.taken.load(Ordering::Relaxed)
+    /// Items made because the list was empty.
+    pub(crate) fn grown(&self) -> u64 {
+        self.grown.load(Ordering::Relaxed)
     }
 
-    pub(crate) fn given(&self) -> u64 {
-        self.given.load(Ordering::Relaxed)
+    #[cfg(test)]
+    fn drain(&self) -> Vec<T> {
+        std::iter::from_fn(|| self.fast.pop().or_else(|| self.overflow.pop())).collect()
     }
 }
 
@@ -114,20 +127,36 @@ mod tests {
             THREADS * HELD
         );
         assert_eq!(recycler.available(), created, "an item was lost");
-        let mut ids: Vec<usize> = std::iter::from_fn(|| recycler.free.pop()).collect();
+        let mut ids = recycler.drain();
         ids.sort_unstable();
         ids.dedup();
         assert_eq!(ids.len(), created, "an item was returned twice");
-        assert_eq!(recycler.taken(), recycler.given());
+    }
+
+    #[test]
+    fn the_list_grows_past_its_fast_capacity_and_loses_nothing() {
+        let recycler = Recycler::<usize>::new();
+        let n = FAST_CAPACITY + 100;
+        let held: Vec<usize> = (0..n)
+            .map(|i| recycler.take(|| Ok::<_, ()>(i)).unwrap())
+            .collect();
+        assert_eq!((recycler.created(), recycler.grown()), (n as u64, n as u64));
+        for item in held {
+            recycler.give(item);
+        }
+        assert_eq!(recycler.available(), n);
+        let mut ids = recycler.drain();
+        ids.sort_unstable();
+        assert_eq!(ids, (0..n).collect::<Vec<_>>());
     }
 
     #[test]
     fn a_failed_make_counts_nothing() {
         let recycler = Recycler::<u8>::new();
         assert_eq!(recycler.take(|| Err::<u8, _>("driver")), Err("driver"));
-        assert_eq!((recycler.created(), recycler.taken()), (0, 0));
+        assert_eq!(recycler.created(), 0);
         recycler.stock(1);
         assert_eq!(recycler.take(|| Err::<u8, _>("unused")), Ok(1));
-        assert_eq!((recycler.created(), recycler.taken()), (1, 1));
+        assert_eq!((recycler.created(), recycler.grown()), (1, 0));
     }
 }

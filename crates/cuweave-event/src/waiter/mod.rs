@@ -92,8 +92,8 @@ pub struct WaiterStats {
 ///   returns `true` the callback never runs.
 ///
 /// The reactor spins while waits are pending (about 200 µs after the last completion, then it
-/// yields, then it naps 100 µs between scans) and parks when none is pending, so an idle waiter
-/// costs no CPU. Callbacks run on the reactor thread: keep them short, and never block in them.
+/// yields, then it naps 100 µs between scans) and parks once nothing has been pending for 2 ms,
+/// so an idle waiter costs no CPU. Callbacks run on the reactor thread: keep them short, and never block in them.
 /// Dropping the waiter stops the thread: pending callbacks are cancelled (never run) and pending
 /// futures resolve to [`EventError::WaiterShutDown`].
 ///

@@ -111,19 +111,27 @@ pub(crate) fn run(shared: &Shared) {
             return;
         }
         let now = Instant::now();
-        let progressed = reactor.scan(now);
-        if reactor.entries.is_empty() && reactor.zombies.is_empty() {
-            shared
-                .inbox
-                .park_until_nonempty(|| shared.shutdown.load(Ordering::Acquire));
-            last_progress = Instant::now();
-            continue;
-        }
-        if progressed {
+        if reactor.scan(now) {
             last_progress = now;
             continue;
         }
         let idle = now.saturating_duration_since(last_progress);
+        if reactor.entries.is_empty() && reactor.zombies.is_empty() {
+            // Nothing to watch. Stay awake through the spin and yield windows anyway: a caller
+            // that waits in a loop registers its next wait within microseconds, and a parked
+            // reactor would first have to be woken by the kernel (several microseconds more).
+            if idle < SPIN_FOR {
+                std::hint::spin_loop();
+            } else if idle < YIELD_FOR {
+                std::thread::yield_now();
+            } else {
+                shared
+                    .inbox
+                    .park_until_nonempty(|| shared.shutdown.load(Ordering::Acquire));
+                last_progress = Instant::now();
+            }
+            continue;
+        }
         if idle < SPIN_FOR {
             std::hint::spin_loop();
         } else if idle < YIELD_FOR {
@@ -244,19 +252,22 @@ impl Reactor<'_> {
                 .partition(|entry| entry.slab().is_some_and(|s| Arc::ptr_eq(s, &slab)));
             self.entries = alive;
             for entry in dead {
-                // Its word will never be written: keep it out of the free list (leaked with
-                // the slab, which the dead context can no longer use anyway).
+                // Its word will never be written: keep it out of the free list, and its chunk
+                // mapped for good.
                 let Registration {
                     cell,
                     source,
                     callback,
                     ..
                 } = entry;
-                drop(source);
+                abandon(source);
                 self.decide_failed(&cell, callback, error.clone().into());
             }
-            self.zombies
-                .retain(|lease| !Arc::ptr_eq(&lease.slab, &slab));
+            let (dead, alive): (Vec<_>, Vec<_>) = std::mem::take(&mut self.zombies)
+                .into_iter()
+                .partition(|lease| Arc::ptr_eq(&lease.slab, &slab));
+            self.zombies = alive;
+            dead.into_iter().for_each(Lease::abandon);
         }
         failed_any
     }
@@ -268,7 +279,7 @@ impl Reactor<'_> {
             callback,
             ..
         } = entry;
-        drop(source);
+        abandon(source);
         self.decide_failed(&cell, callback, error);
     }
 
@@ -354,6 +365,19 @@ impl Reactor<'_> {
                 self.fail(entry, EventError::WaiterShutDown);
             }
         }
+        // Words still unwritten stay mapped for good: the stream may write them after we go.
+        std::mem::take(&mut self.zombies)
+            .into_iter()
+            .for_each(Lease::abandon);
+    }
+}
+
+/// Drops a source, abandoning (never recycling) a completion word the GPU may still write.
+fn abandon(source: Source) {
+    match source {
+        Source::Word(lease) if lease.is_reached() => lease.recycle(),
+        Source::Word(lease) => lease.abandon(),
+        Source::Event(event) => drop(event),
     }
 }
 

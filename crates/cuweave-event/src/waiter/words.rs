@@ -88,6 +88,13 @@ impl Lease {
             .is_some_and(|value| value >= self.target)
     }
 
+    /// Gives up on the word without waiting for the stream's write (a dead context, or a waiter
+    /// shutting down): its chunk is leaked, so the write can still land, whenever it does,
+    /// in memory that stays mapped for the life of the process (4 KiB per chunk at most once).
+    pub(crate) fn abandon(self) {
+        std::mem::forget(self.words);
+    }
+
     /// Gives the word back; only call once [`is_reached`](Self::is_reached), so that the
     /// stream's write has landed and cannot hit a later lease.
     pub(crate) fn recycle(self) {

@@ -129,6 +129,25 @@ fn loom_a_failure_is_seen_with_its_error() {
 }
 
 #[test]
+fn loom_a_ring_after_a_flag_is_never_missed_by_a_parking_consumer() {
+    loom::model(|| {
+        let inbox = Arc::new(Inbox::<u32>::new());
+        let stop = Arc::new(loom::sync::atomic::AtomicBool::new(false));
+        let consumer = {
+            let (inbox, stop) = (inbox.clone(), stop.clone());
+            thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    inbox.park_until_nonempty(|| stop.load(Ordering::SeqCst));
+                }
+            })
+        };
+        stop.store(true, Ordering::SeqCst);
+        inbox.ring(consumer.thread());
+        consumer.join().unwrap();
+    });
+}
+
+#[test]
 fn loom_the_inbox_never_leaves_an_item_with_a_parked_consumer() {
     loom::model(|| {
         let inbox = Arc::new(Inbox::<u32>::new());
