@@ -59,13 +59,22 @@ pub(crate) fn write_blocking(
     buffer: &StreamTracker,
 ) -> Result<()> {
     debug_assert_eq!(src.len(), dst.bytes());
-    run_blocking(operation, context, &[(buffer, Access::Write)], |_| {
-        // SAFETY: `src` is readable for `dst.bytes()` bytes and `cuMemcpyHtoD` is done with it
-        // (read, or staged from pageable memory) when it returns; `dst` is a live span
-        // (crate invariant). The legacy stream it runs on was ordered after the buffer's uses.
-        unsafe { memory::copy_htod(context, dst.ptr(), src.as_ptr(), dst.bytes()) }?;
-        Ok(())
-    })
+    let legacy = legacy_stream(context);
+    // One buffer, one blocking call: the tracker forgets the finished uses rather than
+    // recording an event behind a copy that is already done (no event record per call).
+    Ok(tracker::run_completed(
+        operation,
+        &legacy,
+        buffer,
+        Access::Write,
+        || {
+            // SAFETY: `src` is readable for `dst.bytes()` bytes and `cuMemcpyHtoD` is done with it
+            // (read, or staged from pageable memory) when it returns; `dst` is a live span
+            // (crate invariant). The legacy stream it runs on was ordered after the buffer's uses.
+            unsafe { memory::copy_htod(context, dst.ptr(), src.as_ptr(), dst.bytes()) }?;
+            Ok(())
+        },
+    )?)
 }
 
 /// Copies `src` into `dst` and returns once the copy has completed.
@@ -77,12 +86,19 @@ pub(crate) fn read_blocking(
     buffer: &StreamTracker,
 ) -> Result<()> {
     debug_assert_eq!(dst.len(), src.bytes());
-    run_blocking(operation, context, &[(buffer, Access::Read)], |_| {
-        // SAFETY: `dst` is writable for `src.bytes()` bytes and exclusively borrowed;
-        // `cuMemcpyDtoH` returns only once the copy has completed. `src` is a live span.
-        unsafe { memory::copy_dtoh(context, dst.as_mut_ptr(), src.ptr(), src.bytes()) }?;
-        Ok(())
-    })
+    let legacy = legacy_stream(context);
+    Ok(tracker::run_completed(
+        operation,
+        &legacy,
+        buffer,
+        Access::Read,
+        || {
+            // SAFETY: `dst` is writable for `src.bytes()` bytes and exclusively borrowed;
+            // `cuMemcpyDtoH` returns only once the copy has completed. `src` is a live span.
+            unsafe { memory::copy_dtoh(context, dst.as_mut_ptr(), src.ptr(), src.bytes()) }?;
+            Ok(())
+        },
+    )?)
 }
 
 /// Queues a copy from the host side `host` into `dst` on `stream`; the returned

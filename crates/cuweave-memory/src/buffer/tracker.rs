@@ -259,6 +259,41 @@ pub(crate) fn run_uses<R>(
     finish(outcome, recorded, stream)
 }
 
+/// Runs a *blocking* `op` that uses one buffer on `stream`: the stream waits for the uses the
+/// access conflicts with, `op` does the work on `stream` and returns only once it, and so
+/// everything queued on `stream` before it, has completed (the driver's blocking copies on the
+/// legacy stream do), and the tracker then forgets what is now known to be finished
+/// ([`UseState::settle_completed`]) instead of recording an event behind work that is done.
+///
+/// The lock is held until the state is settled, so no other thread's use can slip between the
+/// completed work and the settling. On failure the stream is drained and the state is left as
+/// it was (still tracking every earlier use).
+pub(crate) fn run_completed<R>(
+    operation: &'static str,
+    stream: &Stream,
+    tracker: &StreamTracker,
+    access: Access,
+    op: impl FnOnce() -> Result<R>,
+) -> Result<R, OpFailure> {
+    let unqueued = |error: MemoryError| OpFailure {
+        error,
+        settled: true,
+    };
+    ensure_same_device(operation, &tracker.context, stream).map_err(unqueued)?;
+    let mut state = tracker.state.lock();
+    state.wait_on(stream, access).map_err(unqueued)?;
+    match op() {
+        Ok(value) => {
+            state.settle_completed(stream, access);
+            Ok(value)
+        }
+        Err(error) => Err(OpFailure {
+            error,
+            settled: settle(stream),
+        }),
+    }
+}
+
 fn finish<R>(outcome: Result<R>, recorded: Result<()>, stream: &Stream) -> Result<R, OpFailure> {
     match (outcome, recorded) {
         (Ok(value), Ok(())) => Ok(value),

@@ -240,6 +240,23 @@ impl<E: UseEvent> UseState<E> {
         self.spare.extend(done.into_iter().map(|read| read.event));
     }
 
+    /// Forgets what a *completed* `access` made unnecessary to track: called after the access
+    /// ran on a stream that first [waited](Self::wait_on) for its conflicts and was then
+    /// synchronized by the host. A write waited for the last write and every read, so all of
+    /// them are finished and nothing is left to track; a read waited for the last write, so
+    /// that is finished (the reads of other streams may still run and stay tracked). The
+    /// completed access itself needs no event: nothing can run before it any more.
+    pub(crate) fn settle_completed<S: UseStream<Event = E>>(&mut self, stream: &S, access: Access) {
+        if let Some(write) = self.write.take() {
+            self.spare.push(write.event);
+        }
+        if access == Access::Write {
+            self.spare
+                .extend(self.reads.drain(..).map(|read| read.event));
+        }
+        self.last_stream = Some(stream.raw());
+    }
+
     /// Every event a host access must wait for.
     pub(crate) fn all_events(&self) -> Vec<Arc<E>> {
         self.write

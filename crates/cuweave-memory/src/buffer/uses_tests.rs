@@ -294,3 +294,55 @@ fn a_failed_write_record_keeps_the_earlier_uses() {
     expected.sort_unstable();
     assert_eq!(use_on(&mut state, &events, &next, Access::Write), expected);
 }
+
+#[test]
+fn a_completed_blocking_write_leaves_nothing_to_wait_for() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (w, a, legacy) = (
+        FakeStream::own(1),
+        FakeStream::own(2),
+        FakeStream::new(0, 99),
+    );
+    use_on(&mut state, &events, &w, Access::Write);
+    use_on(&mut state, &events, &a, Access::Read);
+    let mut expected = vec![last_recorded(&w), last_recorded(&a)];
+    expected.sort_unstable();
+    // A blocking write: the legacy stream waits for both, runs, is synchronized, settles.
+    state.wait_on(&legacy, Access::Write).unwrap();
+    assert_eq!(legacy.take_waits(), expected);
+    state.settle_completed(&legacy, Access::Write);
+    assert!(
+        state.all_events().is_empty(),
+        "everything before it has finished"
+    );
+    assert!(
+        legacy.recorded.borrow().is_empty(),
+        "a finished use records nothing"
+    );
+    // The next use on any stream waits for nothing, and reuses a spare event.
+    assert!(use_on(&mut state, &events, &a, Access::Read).is_empty());
+    assert_eq!(events.made.get(), 2, "no new event: a spare one was reused");
+}
+
+#[test]
+fn a_completed_blocking_read_forgets_the_write_but_keeps_other_readers() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (w, a, legacy) = (
+        FakeStream::own(1),
+        FakeStream::own(2),
+        FakeStream::new(0, 99),
+    );
+    use_on(&mut state, &events, &w, Access::Write);
+    use_on(&mut state, &events, &a, Access::Read);
+    let read_event = last_recorded(&a);
+    state.wait_on(&legacy, Access::Read).unwrap();
+    assert_eq!(
+        legacy.take_waits(),
+        [last_recorded(&w)],
+        "a read waits for the write only"
+    );
+    state.settle_completed(&legacy, Access::Read);
+    assert_eq!(state.readers(), 1, "the other stream's read may still run");
+    // A later writer still waits for that read, and for nothing else.
+    assert_eq!(use_on(&mut state, &events, &w, Access::Write), [read_event]);
+}
