@@ -19,6 +19,11 @@
 //! Streams are compared by their process-unique [`Stream::id`]; the legacy and per-thread default
 //! streams, whose one handle may name different streams, never skip.
 //!
+//! A blocking host copy ([`run_completed`]) skips step 3: it returns only once the legacy
+//! stream, which waited for the copy's conflicts, has finished, so instead of recording an
+//! event the tracker forgets the uses now known to be done (a write: all of them; a read: the
+//! last write). Blocking copies in a loop thus cost the driver call and nothing more.
+//!
 //! The three steps run under the tracker's lock so that two threads using one buffer through
 //! `&self` cannot interleave them; the lock covers only the queueing calls, never a wait on an
 //! event by the host.
