@@ -2,9 +2,11 @@
 //!
 //! | group | timed, per iteration |
 //! |---|---|
-//! | `event_pool` | `EventPool::acquire_event` + drop (regular, timing) beside raw `cuEventCreate` + `cuEventDestroy_v2` (`DISABLE_TIMING`) |
+//! | `event_pool` | `EventPool::acquire_event` + drop (regular, timing) and `acquire_scoped` + drop beside raw `cuEventCreate` + `cuEventDestroy_v2` (`DISABLE_TIMING`) |
 //! | `wake_round_trip` | launch an empty kernel, then wait until the waiting code runs: `spin_sync` (`cuStreamSynchronize`), `blocking_sync_event` (`cuEventRecord` + `cuEventSynchronize` on a `BLOCKING_SYNC` event), and a `WaitFuture` awaited with `futures::executor::block_on` for each `WakeMechanism` (`host_func`, `event_query`, `completion_word`), plus `completion_word_busy_poll` (the same future polled in a loop: the reactor's latency without the executor's park/unpark) |
 //! | `pending_waits_10k` | 10 000 `stream_idle` futures behind a GPU gate, the gate opened, all awaited (one reactor thread serves them) |
+//!
+//! `completion_word_spin_20us` is the same `block_on` with `WaitFuture::spin_before_park(20 µs)`.
 //!
 //! `wake_round_trip` also prints p50 / p99 per case over every iteration it timed, and the run
 //! ends with the CPU time an idle waiter used over one second. Run with
@@ -43,6 +45,9 @@ fn pool(c: &mut Criterion, gpu: &Gpu) {
             b.iter(|| drop(black_box(pool.acquire_event(timing).expect("acquire"))));
         });
     }
+    group.bench_function("cuweave/acquire_scoped_regular", |b| {
+        b.iter(|| drop(black_box(pool.acquire_scoped(false).expect("acquire"))));
+    });
     group.bench_function("raw/cuEventCreate+cuEventDestroy", |b| {
         gpu.context.bind_to_thread().expect("bind the context");
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
@@ -129,6 +134,15 @@ fn wake_round_trip(c: &mut Criterion, gpu: &Gpu) {
         (
             "completion_word",
             future_case(WakeMechanism::CompletionWord),
+        ),
+        (
+            "completion_word_spin_20us",
+            Box::new(|| {
+                kernels.noop(&stream).expect("launch");
+                let future = waiter.stream_idle(&stream).expect("stream_idle");
+                futures::executor::block_on(future.spin_before_park(Duration::from_micros(20)))
+                    .expect("wait");
+            }),
         ),
         (
             "completion_word_busy_poll",

@@ -10,7 +10,7 @@
 //!
 //! | item | what it is for |
 //! |---|---|
-//! | [`EventPool`], [`PooledEvent`] | reusable timing and non-timing events, lock-free, returned on drop |
+//! | [`EventPool`], [`PooledEvent`], [`ScopedEvent`] | reusable timing and non-timing events, lock-free, returned on drop (owned or borrowed from the pool for a scope) |
 //! | [`OperationCoordinator`] | operations with types, priorities and dependencies, begun and completed on streams; deadlock (cycle) detection, stall reports, completion callbacks, metrics with GPU time per type |
 //! | [`CrossStreamBarrier`] | every stream waits for every other (on the device), or the host waits for all |
 //! | [`AsyncEventWaiter`], [`WaitFuture`] | one reactor thread that wakes futures and runs callbacks when the GPU reaches a point; cancellation, timeouts |
@@ -59,7 +59,7 @@ pub use coordinator::{
 #[cfg(not(loom))]
 pub use error::{EventError, Result};
 #[cfg(not(loom))]
-pub use pool::{EventPool, PoolCounters, PoolUtilization, PooledEvent};
+pub use pool::{EventPool, PoolCounters, PoolUtilization, PooledEvent, ScopedEvent};
 #[cfg(not(loom))]
 pub use waiter::{
     AsyncEventWaiter, WaitFuture, WaitId, WaitOptions, WaitResult, WaiterStats, WakeMechanism,

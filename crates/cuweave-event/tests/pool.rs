@@ -51,6 +51,41 @@ fn pooled_events_record_and_return_on_drop() {
 }
 
 #[test]
+fn scoped_events_time_real_work_and_return_to_the_same_lists() {
+    let gpu = require_gpu!();
+    let pool = EventPool::new(&gpu.context, 1, 2).unwrap();
+    let stream = common::stream(&gpu.context);
+    let kernels = cuweave_test_support::kernels::TestKernels::load(&gpu.context).unwrap();
+    {
+        let start = pool.acquire_scoped(true).unwrap();
+        let end = pool.acquire_scoped(true).unwrap();
+        let done = pool.acquire_scoped(false).unwrap();
+        assert!(start.is_timing() && !done.is_timing());
+        start.record(&stream).unwrap();
+        kernels.spin_ns(&stream, 2 * common::MS).unwrap();
+        end.record(&stream).unwrap();
+        done.record(&stream).unwrap();
+        assert_eq!(pool.utilization().in_use, 3);
+        done.synchronize().unwrap();
+        let ms = start.elapsed_ms(&end).unwrap();
+        assert!(
+            ms >= 1.9,
+            "scoped timing events measured {ms} ms for a 2 ms spin"
+        );
+    }
+    assert_eq!(
+        pool.utilization(),
+        PoolUtilization {
+            available_regular: 1,
+            available_timing: 2,
+            in_use: 0
+        },
+        "each event went back to the list of its kind"
+    );
+    assert_eq!(pool.counters().grown, 0);
+}
+
+#[test]
 fn sixteen_threads_lose_no_event_and_create_no_more_than_they_hold() {
     let gpu = require_gpu!();
     const THREADS: usize = 16;

@@ -53,6 +53,12 @@ struct PoolShared {
     timing: Recycler<Event>,
 }
 
+impl PoolShared {
+    fn recycler(&self, timing: bool) -> &Recycler<Event> {
+        if timing { &self.timing } else { &self.regular }
+    }
+}
+
 impl fmt::Debug for EventPool {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("EventPool")
@@ -142,6 +148,31 @@ impl EventPool {
         })
     }
 
+    /// Takes an event for use within the caller's scope: like [`acquire_event`](Self::acquire_event),
+    /// but the handle borrows the pool instead of sharing ownership of it, so taking and
+    /// returning it touches no reference count (one queue pop and one push: the fastest way
+    /// through the pool, for events recorded and waited on within one function).
+    ///
+    /// # Errors
+    /// The driver's error when the pool had to grow and creating the event failed.
+    pub fn acquire_scoped(&self, timing: bool) -> Result<ScopedEvent<'_>> {
+        let shared = &*self.shared;
+        let flags = if timing {
+            EventFlags::TIMING
+        } else {
+            EventFlags::DISABLE_TIMING
+        };
+        let event = shared.recycler(timing).take(|| {
+            tracing::debug!(timing, "event pool empty: creating an event");
+            Event::new(&shared.context, flags)
+        })?;
+        Ok(ScopedEvent {
+            event: Some(event),
+            timing,
+            pool: shared,
+        })
+    }
+
     /// Returns `event` to the pool now (what dropping it does).
     pub fn release_event(&self, event: PooledEvent) {
         drop(event);
@@ -226,6 +257,49 @@ impl Drop for PooledEvent {
                 &self.pool.regular
             };
             recycler.give(event);
+        }
+    }
+}
+
+/// An event from [`EventPool::acquire_scoped`], borrowed from the pool for a scope and returned
+/// to it when dropped. Dereferences to [`Event`].
+#[must_use = "dropping the handle returns the event to the pool at once"]
+pub struct ScopedEvent<'pool> {
+    event: Option<Event>,
+    timing: bool,
+    pool: &'pool PoolShared,
+}
+
+impl ScopedEvent<'_> {
+    /// Whether this is a timing event.
+    pub fn is_timing(&self) -> bool {
+        self.timing
+    }
+}
+
+impl fmt::Debug for ScopedEvent<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ScopedEvent")
+            .field("event", &self.event)
+            .field("timing", &self.timing)
+            .finish()
+    }
+}
+
+impl Deref for ScopedEvent<'_> {
+    type Target = Event;
+
+    fn deref(&self) -> &Event {
+        self.event
+            .as_ref()
+            .expect("a scoped event is present until dropped")
+    }
+}
+
+impl Drop for ScopedEvent<'_> {
+    fn drop(&mut self) {
+        if let Some(event) = self.event.take() {
+            self.pool.recycler(self.timing).give(event);
         }
     }
 }
