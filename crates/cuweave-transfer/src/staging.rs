@@ -13,6 +13,9 @@
 //! thread). Downloads run the same pipeline backwards: queue copies into blocks, then `memcpy`
 //! each finished block out to the destination.
 //!
+//! A transfer of at most one chunk takes a shortcut: one pinned block and the memory layer's
+//! blocking copy from it, no worker thread and no stream of its own.
+//!
 //! Blocks travel inside the memory layer's `PendingCopy`, which gives a block back only once
 //! the stream has passed its copy, so no block is refilled, and no user memory read or written,
 //! while the copy engine still uses it. If any step fails, every queued copy is waited for
@@ -88,6 +91,9 @@ impl Pipeline<'_> {
         B: Buffer<T> + Send + ?Sized,
     {
         let chunk = self.config.chunk_elements::<T>();
+        if src.len() <= chunk {
+            return upload_one(self.pool, src, dst, dst_offset);
+        }
         let pieces: Vec<(usize, &[T])> = src
             .chunks(chunk)
             .enumerate()
@@ -109,6 +115,9 @@ impl Pipeline<'_> {
         B: Buffer<T> + Sync + ?Sized,
     {
         let chunk = self.config.chunk_elements::<T>();
+        if dst.len() <= chunk {
+            return download_one(self.pool, src, src_offset, dst);
+        }
         let workers = self.workers(dst.len().div_ceil(chunk));
         let mut shares: Vec<Vec<(usize, &mut [T])>> = (0..workers).map(|_| Vec::new()).collect();
         for (i, piece) in dst.chunks_mut(chunk).enumerate() {
@@ -121,6 +130,34 @@ impl Pipeline<'_> {
             download_worker(self.pool, &self.streams[w], depth, mine, src)
         })
     }
+}
+
+/// A transfer of one chunk: nothing to overlap, so no worker and no stream. The bytes go
+/// through one pinned block with the memory layer's blocking copy, which from pinned memory is
+/// a direct DMA that returns once it has landed (and settles the buffer's tracking without
+/// recording an event): for small copies this beats the driver's own pageable path, which
+/// stages through a bounce buffer and synchronises before it starts.
+fn upload_one<T, B>(pool: &PinnedPool, src: &[T], dst: &mut B, dst_offset: usize) -> Result<()>
+where
+    T: Element,
+    B: Buffer<T> + ?Sized,
+{
+    let mut block = pool.get_typed::<T>(src.len())?;
+    block.as_mut_slice().copy_from_slice(src);
+    dst.copy_range_from_host(dst_offset, block.as_slice())?;
+    Ok(())
+}
+
+/// The download counterpart of [`upload_one`].
+fn download_one<T, B>(pool: &PinnedPool, src: &B, src_offset: usize, dst: &mut [T]) -> Result<()>
+where
+    T: Element,
+    B: Buffer<T> + ?Sized,
+{
+    let mut block = pool.get_typed::<T>(dst.len())?;
+    src.copy_range_to_host(src_offset, block.as_mut_slice())?;
+    dst.copy_from_slice(block.as_slice());
+    Ok(())
 }
 
 /// One download worker's chunks: (element offset in the source, destination piece).
