@@ -13,8 +13,8 @@
 //! thread). Downloads run the same pipeline backwards: queue copies into blocks, then `memcpy`
 //! each finished block out to the destination.
 //!
-//! A transfer of at most one chunk takes a shortcut: one pinned block and the memory layer's
-//! blocking copy from it, no worker thread and no stream of its own.
+//! A download of at most one chunk takes a shortcut: one pinned block and the memory layer's
+//! blocking copy into it, no worker thread and no stream of its own.
 //!
 //! Blocks travel inside the memory layer's `PendingCopy`, which gives a block back only once
 //! the stream has passed its copy, so no block is refilled, and no user memory read or written,
@@ -91,9 +91,6 @@ impl Pipeline<'_> {
         B: Buffer<T> + Send + ?Sized,
     {
         let chunk = self.config.chunk_elements::<T>();
-        if src.len() <= chunk {
-            return upload_one(self.pool, src, dst, dst_offset);
-        }
         let pieces: Vec<(usize, &[T])> = src
             .chunks(chunk)
             .enumerate()
@@ -132,23 +129,13 @@ impl Pipeline<'_> {
     }
 }
 
-/// A transfer of one chunk: nothing to overlap, so no worker and no stream. The bytes go
-/// through one pinned block with the memory layer's blocking copy, which from pinned memory is
-/// a direct DMA that returns once it has landed (and settles the buffer's tracking without
-/// recording an event): for small copies this beats the driver's own pageable path, which
-/// stages through a bounce buffer and synchronises before it starts.
-fn upload_one<T, B>(pool: &PinnedPool, src: &[T], dst: &mut B, dst_offset: usize) -> Result<()>
-where
-    T: Element,
-    B: Buffer<T> + ?Sized,
-{
-    let mut block = pool.get_typed::<T>(src.len())?;
-    block.as_mut_slice().copy_from_slice(src);
-    dst.copy_range_from_host(dst_offset, block.as_slice())?;
-    Ok(())
-}
-
-/// The download counterpart of [`upload_one`].
+/// A download of one chunk: nothing to overlap, so no worker and no stream. The bytes come
+/// through one pinned block with the memory layer's blocking copy, a direct DMA that returns once
+/// it has landed (and settles the buffer's tracking without recording an event), then one host
+/// copy out: for small downloads this beats the driver's own pageable path (measured on the
+/// H100: 4 KiB in 84% of a plain `cuMemcpyDtoH`'s time, 64 KiB in 77%). Uploads keep the
+/// pipeline even for one chunk: there a blocking DMA from pinned memory measured slower than
+/// the queued copy.
 fn download_one<T, B>(pool: &PinnedPool, src: &B, src_offset: usize, dst: &mut [T]) -> Result<()>
 where
     T: Element,
