@@ -3,15 +3,7 @@
 // `cargo xtask ptx` compiles this file to `event_kernels.ptx` beside it; the PTX is committed
 // and embedded by `cuweave_test_support::event_kernels::PTX`.
 
-#include <stddef.h>
-
-__device__ __forceinline__ size_t grid_start() {
-    return (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-}
-
-__device__ __forceinline__ size_t grid_stride() {
-    return (size_t)gridDim.x * blockDim.x;
-}
+#include "kernel_helpers.cuh"
 
 extern "C" {
 

@@ -4,21 +4,7 @@
 // `cargo xtask ptx` compiles this file to `memory_kernels.ptx` beside it; the
 // PTX is committed and embedded by `cuweave_test_support::memory_kernels::PTX`.
 
-#include <stddef.h>
-
-__device__ __forceinline__ unsigned long long global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-__device__ __forceinline__ size_t grid_start() {
-    return (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-}
-
-__device__ __forceinline__ size_t grid_stride() {
-    return (size_t)gridDim.x * blockDim.x;
-}
+#include "kernel_helpers.cuh"
 
 extern "C" {
 

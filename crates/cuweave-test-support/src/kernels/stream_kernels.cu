@@ -4,13 +4,7 @@
 // `cargo xtask ptx` compiles this file to `stream_kernels.ptx` beside it; the
 // PTX is committed and embedded by `cuweave_test_support::stream_kernels::PTX`.
 
-#include <stddef.h>
-
-__device__ __forceinline__ unsigned long long stream_global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
+#include "kernel_helpers.cuh"
 
 extern "C" {
 
@@ -22,10 +16,10 @@ extern "C" {
 // blocks drained.
 __global__ void spin_stamped(unsigned long long ns, unsigned long long* stamps) {
     if (threadIdx.x == 0) {
-        unsigned long long start = stream_global_ns();
-        while (stream_global_ns() - start < ns) {
+        unsigned long long start = global_ns();
+        while (global_ns() - start < ns) {
         }
-        unsigned long long end = stream_global_ns();
+        unsigned long long end = global_ns();
         atomicMin(&stamps[0], start);
         atomicMax(&stamps[1], end);
     }

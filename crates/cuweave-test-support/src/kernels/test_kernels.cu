@@ -6,22 +6,7 @@
 // Rust side can look kernels up by their plain names. Array kernels use
 // grid-stride loops, so any grid size covers any `n`.
 
-#include <stddef.h>
-
-// The GPU's global nanosecond clock; unlike clock64() it is shared by all SMs.
-__device__ __forceinline__ unsigned long long global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-__device__ __forceinline__ size_t grid_start() {
-    return (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-}
-
-__device__ __forceinline__ size_t grid_stride() {
-    return (size_t)gridDim.x * blockDim.x;
-}
+#include "kernel_helpers.cuh"
 
 __device__ __forceinline__ void spin_for(unsigned long long ns) {
     unsigned long long start = global_ns();
