@@ -57,6 +57,19 @@ impl PoolShared {
     fn recycler(&self, timing: bool) -> &Recycler<Event> {
         if timing { &self.timing } else { &self.regular }
     }
+
+    /// A free event of the kind, or a new one when that list is empty (the pool grows).
+    fn take(&self, timing: bool) -> Result<Event> {
+        let flags = if timing {
+            EventFlags::TIMING
+        } else {
+            EventFlags::DISABLE_TIMING
+        };
+        Ok(self.recycler(timing).take(|| {
+            tracing::debug!(timing, "event pool empty: creating an event");
+            Event::new(&self.context, flags)
+        })?)
+    }
 }
 
 impl fmt::Debug for EventPool {
@@ -131,20 +144,10 @@ impl EventPool {
     /// # Errors
     /// The driver's error when the pool had to grow and creating the event failed.
     pub fn acquire_event(&self, timing: bool) -> Result<PooledEvent> {
-        let shared = &self.shared;
-        let (recycler, flags) = if timing {
-            (&shared.timing, EventFlags::TIMING)
-        } else {
-            (&shared.regular, EventFlags::DISABLE_TIMING)
-        };
-        let event = recycler.take(|| {
-            tracing::debug!(timing, "event pool empty: creating an event");
-            Event::new(&shared.context, flags)
-        })?;
         Ok(PooledEvent {
-            event: Some(event),
+            event: Some(self.shared.take(timing)?),
             timing,
-            pool: Arc::clone(shared),
+            pool: Arc::clone(&self.shared),
         })
     }
 
@@ -156,20 +159,10 @@ impl EventPool {
     /// # Errors
     /// The driver's error when the pool had to grow and creating the event failed.
     pub fn acquire_scoped(&self, timing: bool) -> Result<ScopedEvent<'_>> {
-        let shared = &*self.shared;
-        let flags = if timing {
-            EventFlags::TIMING
-        } else {
-            EventFlags::DISABLE_TIMING
-        };
-        let event = shared.recycler(timing).take(|| {
-            tracing::debug!(timing, "event pool empty: creating an event");
-            Event::new(&shared.context, flags)
-        })?;
         Ok(ScopedEvent {
-            event: Some(event),
+            event: Some(self.shared.take(timing)?),
             timing,
-            pool: shared,
+            pool: &self.shared,
         })
     }
 
@@ -251,12 +244,7 @@ impl AsRef<Event> for PooledEvent {
 impl Drop for PooledEvent {
     fn drop(&mut self) {
         if let Some(event) = self.event.take() {
-            let recycler = if self.timing {
-                &self.pool.timing
-            } else {
-                &self.pool.regular
-            };
-            recycler.give(event);
+            self.pool.recycler(self.timing).give(event);
         }
     }
 }

@@ -252,16 +252,9 @@ impl Reactor<'_> {
                 .partition(|entry| entry.slab().is_some_and(|s| Arc::ptr_eq(s, &slab)));
             self.entries = alive;
             for entry in dead {
-                // Its word will never be written: keep it out of the free list, and its chunk
-                // mapped for good.
-                let Registration {
-                    cell,
-                    source,
-                    callback,
-                    ..
-                } = entry;
-                abandon(source);
-                self.decide_failed(&cell, callback, error.clone().into());
+                // Its word will never be written: `fail` keeps it out of the free list, and its
+                // chunk mapped for good.
+                self.fail(entry, error.clone().into());
             }
             let (dead, alive): (Vec<_>, Vec<_>) = std::mem::take(&mut self.zombies)
                 .into_iter()
