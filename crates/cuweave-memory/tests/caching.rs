@@ -7,11 +7,14 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use cuweave_driver::memory::{self, DeviceAllocation};
+use cuweave_driver::memory;
 use cuweave_driver::{Context, Event, EventFlags, Stream, StreamFlags};
 use cuweave_memory::MemoryError;
 use cuweave_memory::caching::{CachedAllocation, CachingAllocator};
 use cuweave_memory::resource::{DriverResource, LimitAdaptor, StatisticsAdaptor};
+mod common;
+
+use common::{counter, read_u32};
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::require_gpu;
 
@@ -28,22 +31,6 @@ fn exclusive() -> MutexGuard<'static, ()> {
 
 fn stream(context: &Arc<Context>) -> Stream {
     Stream::new(context, StreamFlags::NON_BLOCKING).expect("create stream")
-}
-
-/// One zeroed `u32` on the device, for the watch kernel's mismatch count.
-fn counter(context: &Arc<Context>) -> DeviceAllocation {
-    let counter = DeviceAllocation::new(context, 4).expect("allocate counter");
-    // SAFETY: the allocation is 4 bytes and nothing else uses it yet.
-    unsafe { memory::memset_d32(context, counter.ptr(), 0, 1) }.expect("zero counter");
-    counter
-}
-
-/// Reads one `u32` (the caller has synchronised whatever wrote it).
-fn read_u32(context: &Context, ptr: u64) -> u32 {
-    let mut value = 0u32;
-    // SAFETY: `value` is writable for 4 bytes and `ptr` is live device memory of at least 4.
-    unsafe { memory::copy_dtoh(context, (&raw mut value).cast(), ptr, 4) }.expect("read u32");
-    value
 }
 
 /// Fills the requested bytes of `block` with `tag` on `stream` and reads back its first and last

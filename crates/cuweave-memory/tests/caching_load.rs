@@ -5,9 +5,12 @@
 
 use std::sync::{Arc, Barrier};
 
-use cuweave_driver::memory::{self, DeviceAllocation};
+use cuweave_driver::memory::DeviceAllocation;
 use cuweave_driver::{Context, Event, EventFlags, Stream, StreamFlags};
 use cuweave_memory::caching::CachingAllocator;
+mod common;
+
+use common::{counter, read_u32};
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{require_gpu, serial};
 
@@ -19,21 +22,6 @@ const WATCH_NS: u64 = 20_000_000;
 
 fn stream(context: &Arc<Context>) -> Arc<Stream> {
     Arc::new(Stream::new(context, StreamFlags::NON_BLOCKING).expect("create stream"))
-}
-
-/// One zeroed `u32` on the device, for a watch kernel's mismatch count.
-fn counter(context: &Arc<Context>) -> DeviceAllocation {
-    let counter = DeviceAllocation::new(context, 4).expect("allocate counter");
-    // SAFETY: the allocation is 4 bytes and nothing else uses it yet.
-    unsafe { memory::memset_d32(context, counter.ptr(), 0, 1) }.expect("zero counter");
-    counter
-}
-
-fn read_u32(context: &Context, ptr: u64) -> u32 {
-    let mut value = 0u32;
-    // SAFETY: `value` is writable for 4 bytes and `ptr` is live device memory of at least 4.
-    unsafe { memory::copy_dtoh(context, (&raw mut value).cast(), ptr, 4) }.expect("read u32");
-    value
 }
 
 #[test]
