@@ -371,19 +371,21 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
     println!(
         "summary: median of 7 runs (small sizes: of 201), host clock, separate from criterion"
     );
+    // (direction, raw call, cuweave) for pageable host memory, at large and small sizes.
+    let pageable: [(&str, Op, Op); 2] = [
+        (
+            "h2d",
+            (|f: &mut Fixture, n| f.raw_h2d_pageable(n)) as Op,
+            Fixture::ours_h2d_pageable as Op,
+        ),
+        (
+            "d2h",
+            Fixture::raw_d2h_pageable as Op,
+            Fixture::ours_d2h_pageable as Op,
+        ),
+    ];
     for bytes in [256 * MIB, GIB] {
-        for (dir, raw, ours) in [
-            (
-                "h2d",
-                (|f: &mut Fixture, n| f.raw_h2d_pageable(n)) as Op,
-                Fixture::ours_h2d_pageable as Op,
-            ),
-            (
-                "d2h",
-                Fixture::raw_d2h_pageable as Op,
-                Fixture::ours_d2h_pageable as Op,
-            ),
-        ] {
+        for &(dir, raw, ours) in &pageable {
             let r = gbps(bytes, median(7, || raw(f, bytes)));
             let o = gbps(bytes, median(7, || ours(f, bytes)));
             println!(
@@ -395,18 +397,7 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
         }
     }
     for bytes in [4 << 10, 64 << 10] {
-        for (dir, raw, ours) in [
-            (
-                "h2d",
-                (|f: &mut Fixture, n| f.raw_h2d_pageable(n)) as Op,
-                Fixture::ours_h2d_pageable as Op,
-            ),
-            (
-                "d2h",
-                Fixture::raw_d2h_pageable as Op,
-                Fixture::ours_d2h_pageable as Op,
-            ),
-        ] {
+        for &(dir, raw, ours) in &pageable {
             let r = median(201, || raw(f, bytes));
             let o = median(201, || ours(f, bytes));
             println!(
