@@ -11,6 +11,7 @@ use std::rc::Rc;
 use cuweave_driver::DriverError;
 use proptest::prelude::*;
 
+use super::tests::fault;
 use super::*;
 use crate::proptest_config::config;
 
@@ -31,15 +32,6 @@ enum Work {
     Running,
     Done,
     Faulted,
-}
-
-fn fault() -> DriverError {
-    DriverError::Cuda {
-        code: 700,
-        name: "CUDA_ERROR_ILLEGAL_ADDRESS".into(),
-        description: "an illegal memory access was encountered".into(),
-        operation: "cuEventQuery",
-    }
 }
 
 #[derive(Debug, Clone)]

@@ -65,7 +65,8 @@ impl Fence for FakeFence {
     }
 }
 
-fn fault() -> DriverError {
+/// The error a fence reports for work that faulted (also used by the property tests).
+pub(super) fn fault() -> DriverError {
     DriverError::Cuda {
         code: 700,
         name: "CUDA_ERROR_ILLEGAL_ADDRESS".into(),
