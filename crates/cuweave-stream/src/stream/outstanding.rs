@@ -94,7 +94,8 @@ mod tests {
 
     use super::*;
 
-    /// A marker that is "done" once the simulated GPU clock has passed the value recorded in it.
+    /// A fake marker: "done" once the test's clock (a counter it advances) has passed the value
+    /// recorded in it.
     #[derive(Debug, Default)]
     struct Marker(Cell<u64>);
 
