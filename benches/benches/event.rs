@@ -2,7 +2,7 @@
 //!
 //! | group | timed, per iteration |
 //! |---|---|
-//! | `event_pool` | `EventPool::acquire_event` + drop (regular, timing) and `acquire_scoped` + drop beside raw `cuEventCreate` + `cuEventDestroy_v2` (`DISABLE_TIMING`) |
+//! | `event_pool` | `EventPool::acquire_event` + drop (borrowed handle; regular, timing) and `acquire_owned` + drop beside raw `cuEventCreate` + `cuEventDestroy_v2` (`DISABLE_TIMING`) |
 //! | `wake_round_trip` | launch an empty kernel, then wait until the waiting code runs: `spin_sync` (`cuStreamSynchronize`), `blocking_sync_event` (`cuEventRecord` + `cuEventSynchronize` on a `BLOCKING_SYNC` event), and a `WaitFuture` awaited with `futures::executor::block_on` for each `WakeMechanism` (`host_func`, `event_query`, `completion_word`), plus `completion_word_busy_poll` (the same future polled in a loop: the reactor's latency without the executor's park/unpark) |
 //! | `pending_waits_10k` | 10 000 `stream_idle` futures behind a GPU gate, the gate opened, all awaited (one reactor thread serves them) |
 //!
@@ -45,8 +45,8 @@ fn pool(c: &mut Criterion, gpu: &Gpu) {
             b.iter(|| drop(black_box(pool.acquire_event(timing).expect("acquire"))));
         });
     }
-    group.bench_function("cuweave/acquire_scoped_regular", |b| {
-        b.iter(|| drop(black_box(pool.acquire_scoped(false).expect("acquire"))));
+    group.bench_function("cuweave/acquire_owned_regular", |b| {
+        b.iter(|| drop(black_box(pool.acquire_owned(false).expect("acquire"))));
     });
     group.bench_function("raw/cuEventCreate+cuEventDestroy", |b| {
         gpu.context.bind_to_thread().expect("bind the context");
@@ -218,7 +218,7 @@ fn pending_waits(c: &mut Criterion, gpu: &Gpu) {
                         futures.push(waiter.stream_idle(stream).expect("stream_idle"));
                     }
                 }
-                let event = Arc::new(pool.acquire_event(false).expect("event"));
+                let event = Arc::new(pool.acquire_owned(false).expect("event"));
                 event.record(&streams[0]).expect("record");
                 for _ in 0..ON_EVENT {
                     futures.push(waiter.event_done(Arc::clone(&event)));

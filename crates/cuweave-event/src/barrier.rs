@@ -72,7 +72,7 @@ impl CrossStreamBarrier {
         &self.streams
     }
 
-    fn record_all(&self) -> Result<Vec<PooledEvent>> {
+    fn record_all(&self) -> Result<Vec<PooledEvent<'_>>> {
         self.streams
             .iter()
             .map(|stream| {

@@ -68,6 +68,12 @@ pub enum EventError {
         /// The timeout the wait carried.
         timeout: Duration,
     },
+    /// An [`EventPool`](crate::EventPool) already holds the most events it can index.
+    #[error("the event pool holds {limit} events, the most it can index")]
+    PoolFull {
+        /// The limit.
+        limit: u32,
+    },
     /// The waiter serving a wait was shut down before the GPU reached the event.
     #[error("the event waiter shut down before the wait completed")]
     WaiterShutDown,

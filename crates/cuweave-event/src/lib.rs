@@ -10,7 +10,7 @@
 //!
 //! | item | what it is for |
 //! |---|---|
-//! | [`EventPool`], [`PooledEvent`], [`ScopedEvent`] | reusable timing and non-timing events, lock-free, returned on drop (owned or borrowed from the pool for a scope) |
+//! | [`EventPool`], [`PooledEvent`], [`OwnedPooledEvent`] | reusable timing and non-timing events, returned on drop (borrowing the pool, or sharing ownership of it); one atomic swap per round trip on a thread's fast path |
 //! | [`OperationCoordinator`] | operations with types, priorities and dependencies, begun and completed on streams; deadlock (cycle) detection, stall reports, completion callbacks, metrics with GPU time per type |
 //! | [`CrossStreamBarrier`] | every stream waits for every other (on the device), or the host waits for all |
 //! | [`AsyncEventWaiter`], [`WaitFuture`] | one reactor thread that wakes futures and runs callbacks when the GPU reaches a point; cancellation, timeouts |
@@ -42,7 +42,6 @@ pub mod barrier;
 pub mod coordinator;
 #[cfg(not(loom))]
 pub mod error;
-#[cfg(not(loom))]
 pub mod pool;
 mod sync;
 #[cfg(not(loom))]
@@ -59,7 +58,7 @@ pub use coordinator::{
 #[cfg(not(loom))]
 pub use error::{EventError, Result};
 #[cfg(not(loom))]
-pub use pool::{EventPool, PoolCounters, PoolUtilization, PooledEvent, ScopedEvent};
+pub use pool::{EventPool, OwnedPooledEvent, PoolCounters, PoolUtilization, PooledEvent};
 #[cfg(not(loom))]
 pub use waiter::{
     AsyncEventWaiter, WaitFuture, WaitId, WaitOptions, WaitResult, WaiterStats, WakeMechanism,

@@ -32,7 +32,7 @@ fn futures_on_a_context_killed_by_a_trap_resolve_with_an_error() {
             },
         )
         .unwrap();
-    let event = pool.acquire_event(false).unwrap();
+    let event = pool.acquire_owned(false).unwrap();
     event.record(&stream).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     waiter.wait_async(event, move |result| tx.send(result).unwrap());

@@ -51,15 +51,16 @@ fn pooled_events_record_and_return_on_drop() {
 }
 
 #[test]
-fn scoped_events_time_real_work_and_return_to_the_same_lists() {
+fn owned_events_time_real_work_outlive_the_pool_value_and_return_to_the_same_lists() {
     let gpu = require_gpu!();
     let pool = EventPool::new(&gpu.context, 1, 2).unwrap();
     let stream = common::stream(&gpu.context);
     let kernels = cuweave_test_support::kernels::TestKernels::load(&gpu.context).unwrap();
     {
-        let start = pool.acquire_scoped(true).unwrap();
-        let end = pool.acquire_scoped(true).unwrap();
-        let done = pool.acquire_scoped(false).unwrap();
+        let start = pool.acquire_owned(true).unwrap();
+        let end = pool.acquire_owned(true).unwrap();
+        // A borrowed handle turned into an owned one is the same event, still counted in use.
+        let done = pool.acquire_event(false).unwrap().into_owned();
         assert!(start.is_timing() && !done.is_timing());
         start.record(&stream).unwrap();
         kernels.spin_ns(&stream, 2 * common::MS).unwrap();
@@ -70,8 +71,18 @@ fn scoped_events_time_real_work_and_return_to_the_same_lists() {
         let ms = start.elapsed_ms(&end).unwrap();
         assert!(
             ms >= 1.9,
-            "scoped timing events measured {ms} ms for a 2 ms spin"
+            "owned timing events measured {ms} ms for a 2 ms spin"
         );
+        // Owned handles keep the pool alive: they may outlive every `EventPool` value.
+        let clone = pool.clone();
+        let survivors = std::thread::spawn(move || {
+            drop(clone);
+            (start, end, done)
+        })
+        .join()
+        .unwrap();
+        assert!(survivors.0.belongs_to(&pool) && survivors.2.belongs_to(&pool));
+        drop(survivors); // returned from this thread, after travelling through another
     }
     assert_eq!(
         pool.utilization(),
@@ -126,4 +137,48 @@ fn sixteen_threads_lose_no_event_and_create_no_more_than_they_hold() {
         "an event was lost"
     );
     assert_eq!(counters.grown, created);
+}
+
+#[test]
+fn an_event_released_on_one_thread_is_taken_by_another_before_the_pool_grows() {
+    let gpu = require_gpu!();
+    let pool = EventPool::new(&gpu.context, 0, 0).unwrap();
+    let stream = common::stream(&gpu.context);
+    // A worker takes an event, records it, releases it (into its thread's slot) and then
+    // idles while this thread asks for one: it must get that event, not a new one.
+    let (released_tx, released_rx) = std::sync::mpsc::channel();
+    let (finish_tx, finish_rx) = std::sync::mpsc::channel::<()>();
+    let worker = {
+        let (pool, context) = (pool.clone(), Arc::clone(&gpu.context));
+        thread::spawn(move || {
+            let stream = common::stream(&context);
+            let event = pool.acquire_event(false).unwrap();
+            event.record(&stream).unwrap();
+            event.synchronize().unwrap();
+            drop(event);
+            released_tx.send(()).unwrap();
+            finish_rx.recv().unwrap();
+        })
+    };
+    released_rx.recv().unwrap();
+    assert_eq!(pool.utilization().available_regular, 1);
+    let event = pool.acquire_event(false).unwrap();
+    event.record(&stream).unwrap();
+    event.synchronize().unwrap();
+    assert_eq!(
+        pool.counters().created_regular,
+        1,
+        "the pool grew instead of reusing"
+    );
+    drop(event);
+    finish_tx.send(()).unwrap();
+    worker.join().unwrap();
+    assert_eq!(
+        pool.utilization(),
+        PoolUtilization {
+            available_regular: 1,
+            available_timing: 0,
+            in_use: 0
+        }
+    );
 }

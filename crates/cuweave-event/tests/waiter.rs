@@ -106,7 +106,7 @@ fn an_event_future_resolves_when_the_gpu_reaches_the_event() {
             .spin_then_store_u32(&stream, 20 * MS, flags.device(0), 1)
             .unwrap()
     };
-    let event = pool.acquire_event(false).unwrap();
+    let event = pool.acquire_owned(false).unwrap();
     event.record(&stream).unwrap();
     let future = cuweave_event::event_done(event).unwrap();
     futures::executor::block_on(future).unwrap();
@@ -151,7 +151,7 @@ fn a_timeout_is_reported_to_the_future_and_to_the_callback() {
             },
         )
         .unwrap();
-    let event = pool.acquire_event(false).unwrap();
+    let event = pool.acquire_owned(false).unwrap();
     event.record(&stream).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     waiter.wait_async_timeout(event, Duration::from_millis(20), move |result| {
@@ -184,7 +184,7 @@ fn cancellation_races_never_run_a_cancelled_callback_nor_lose_a_live_one() {
         // A GPU delay of 0-15 µs and a host delay of 0-15 µs, so completion and cancellation
         // land in either order.
         kernels.spin_ns(&stream, (i * 7_919) % 15_000).unwrap();
-        let event = pool.acquire_event(false).unwrap();
+        let event = pool.acquire_owned(false).unwrap();
         event.record(&stream).unwrap();
         let counter = Arc::clone(&runs);
         let id = waiter.wait_async(event, move |result| {
@@ -245,7 +245,7 @@ fn ten_thousand_pending_waits_are_all_woken() {
             futures.push(waiter.stream_idle(stream).unwrap());
         }
     }
-    let event = Arc::new(pool.acquire_event(false).unwrap());
+    let event = Arc::new(pool.acquire_owned(false).unwrap());
     event.record(&streams[0]).unwrap();
     for _ in 0..ON_EVENT {
         futures.push(waiter.event_done(Arc::clone(&event)));
@@ -326,7 +326,7 @@ fn dropping_the_waiter_cancels_callbacks_and_fails_futures() {
     let stream = common::stream(&gpu.context);
     let waiter = AsyncEventWaiter::new().unwrap();
     kernels.spin_ns(&stream, 100 * MS).unwrap();
-    let event = pool.acquire_event(false).unwrap();
+    let event = pool.acquire_owned(false).unwrap();
     event.record(&stream).unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
     let counter = Arc::clone(&runs);

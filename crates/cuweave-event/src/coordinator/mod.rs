@@ -19,7 +19,7 @@ pub use metrics::CoordinatorMetrics;
 pub use types::{EventMetadata, EventPriority, OperationId, OperationState, OperationType};
 
 use crate::error::{EventError, Result};
-use crate::pool::{EventPool, PooledEvent};
+use crate::pool::{EventPool, OwnedPooledEvent};
 use crate::waiter::{AsyncEventWaiter, WaitFuture, WaitResult};
 use metrics::MetricsCell;
 
@@ -126,9 +126,9 @@ struct State {
 struct Operation {
     metadata: EventMetadata,
     stream: Option<Arc<dyn AsStream>>,
-    done: Option<Arc<PooledEvent>>,
-    start: Option<PooledEvent>,
-    end: Option<PooledEvent>,
+    done: Option<Arc<OwnedPooledEvent>>,
+    start: Option<OwnedPooledEvent>,
+    end: Option<OwnedPooledEvent>,
     callbacks: Vec<CompletionCallback>,
     failure: Option<EventError>,
 }
@@ -306,11 +306,11 @@ impl OperationCoordinator {
             operation.metadata.state = OperationState::Begun;
             waits
         };
-        let queued = (|| -> Result<PooledEvent> {
+        let queued = (|| -> Result<OwnedPooledEvent> {
             for event in &waits {
                 stream.wait_event(event)?;
             }
-            let start = self.inner.pool.acquire_event(true)?;
+            let start = self.inner.pool.acquire_owned(true)?;
             start.record(stream)?;
             Ok(start)
         })();
@@ -362,10 +362,10 @@ impl OperationCoordinator {
             Arc::clone(operation.stream.as_ref().expect("begun has a stream"))
         };
         let stream = stream.as_stream();
-        let recorded = (|| -> Result<(PooledEvent, PooledEvent)> {
-            let end = self.inner.pool.acquire_event(true)?;
+        let recorded = (|| -> Result<(OwnedPooledEvent, OwnedPooledEvent)> {
+            let end = self.inner.pool.acquire_owned(true)?;
             end.record(stream)?;
-            let done = self.inner.pool.acquire_event(false)?;
+            let done = self.inner.pool.acquire_owned(false)?;
             done.record(stream)?;
             Ok((end, done))
         })();

@@ -4,9 +4,9 @@ use std::sync::Arc;
 
 use cuweave_driver::Event;
 
-use crate::pool::PooledEvent;
+use crate::pool::OwnedPooledEvent;
 
-/// An event a waiter can own while it watches it: an [`Event`], a [`PooledEvent`], or an
+/// An event a waiter can own while it watches it: an [`Event`], an [`OwnedPooledEvent`], or an
 /// `Arc` of either (to keep using it elsewhere meanwhile).
 pub trait WatchedEvent: Send + Sync + 'static {
     /// The event to query.
@@ -19,7 +19,7 @@ impl WatchedEvent for Event {
     }
 }
 
-impl WatchedEvent for PooledEvent {
+impl WatchedEvent for OwnedPooledEvent {
     fn event(&self) -> &Event {
         self
     }

@@ -1,0 +1,346 @@
+//! The pool itself and its two handles: [`PooledEvent`] borrows the pool, [`OwnedPooledEvent`]
+//! shares ownership of it.
+
+use std::fmt;
+use std::ops::Deref;
+use std::sync::Arc;
+
+use cuweave_driver::{Context, Event, EventFlags};
+
+use super::arena::Arena;
+use super::recycler::{Recycler, TakeError};
+use crate::error::{EventError, Result};
+
+/// A pool of CUDA events of one context, kept in two free lists: timing events (which record
+/// timestamps, for [`Event::elapsed_ms`]) and non-timing events (cheaper to record and wait on,
+/// for ordering and completion).
+///
+/// `cuEventCreate` + `cuEventDestroy` cost a few hundred nanoseconds. Taking an event from the
+/// pool and giving it back on the same thread costs one atomic swap: each thread caches the
+/// last event it released in a slot of its own, and takes it back from there (see
+/// `docs/events.md` for the figures). Other events wait in shared lock-free queues. When
+/// nothing is free anywhere, not even in another thread's slot, [`acquire_event`] creates a new
+/// event, which joins the pool when released: the pool never holds more events than were in
+/// use at once. Events are destroyed when the pool and every owned handle are gone.
+///
+/// Two handles: [`acquire_event`] returns a [`PooledEvent`] that borrows the pool (the fast
+/// path, for events recorded and waited on while the pool is in reach), and [`acquire_owned`]
+/// an [`OwnedPooledEvent`] that keeps the pool alive by reference count (to store an event in
+/// a struct, send it to another thread or hand it to an [`AsyncEventWaiter`]), like tokio's
+/// `Semaphore::acquire` and `acquire_owned`.
+///
+/// The pool is a cheap `Clone` (an `Arc`).
+///
+/// [`acquire_event`]: Self::acquire_event
+/// [`acquire_owned`]: Self::acquire_owned
+/// [`AsyncEventWaiter`]: crate::AsyncEventWaiter
+///
+/// ```no_run
+/// use cuweave_driver::{Context, Device, Stream, StreamFlags};
+/// use cuweave_event::EventPool;
+///
+/// # fn main() -> Result<(), cuweave_event::EventError> {
+/// let context = Context::primary(Device::get(0)?)?;
+/// let pool = EventPool::new(&context, 32, 4)?;
+/// let stream = Stream::new(&context, StreamFlags::NON_BLOCKING)?;
+/// {
+///     let done = pool.acquire_event(false)?;
+///     done.record(&stream)?;
+///     done.synchronize()?;
+/// } // `done` goes back to the pool here
+/// assert_eq!(pool.utilization().in_use, 0);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct EventPool {
+    shared: Arc<PoolShared>,
+}
+
+struct PoolShared {
+    context: Arc<Context>,
+    regular: Recycler<Event>,
+    timing: Recycler<Event>,
+}
+
+impl PoolShared {
+    #[inline]
+    fn recycler(&self, timing: bool) -> &Recycler<Event> {
+        if timing { &self.timing } else { &self.regular }
+    }
+
+    /// The index of a free event of the kind, or of a new one when none is free (the pool
+    /// grows).
+    #[inline]
+    fn take(&self, timing: bool) -> Result<u32> {
+        self.recycler(timing)
+            .take(|| self.create(timing))
+            .map_err(Self::take_error)
+    }
+
+    #[cold]
+    fn create(&self, timing: bool) -> std::result::Result<Event, cuweave_driver::DriverError> {
+        tracing::debug!(timing, "event pool empty: creating an event");
+        let flags = if timing {
+            EventFlags::TIMING
+        } else {
+            EventFlags::DISABLE_TIMING
+        };
+        Event::new(&self.context, flags)
+    }
+
+    #[cold]
+    fn take_error(error: TakeError<cuweave_driver::DriverError>) -> EventError {
+        match error {
+            TakeError::Make(error) => EventError::from(error),
+            TakeError::Full => EventError::PoolFull {
+                limit: Arena::<Event>::MAX_LEN,
+            },
+        }
+    }
+}
+
+impl fmt::Debug for EventPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EventPool")
+            .field("device", &self.shared.context.device().ordinal())
+            .field("utilization", &self.utilization())
+            .finish()
+    }
+}
+
+/// How much of an [`EventPool`] is free and how much is held, at one moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PoolUtilization {
+    /// Non-timing events free in the pool (shared lists and threads' slots).
+    pub available_regular: usize,
+    /// Timing events free in the pool.
+    pub available_timing: usize,
+    /// Events handed out and not yet returned.
+    pub in_use: usize,
+}
+
+/// Running totals of an [`EventPool`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PoolCounters {
+    /// Non-timing events created (pre-created and grown).
+    pub created_regular: u64,
+    /// Timing events created.
+    pub created_timing: u64,
+    /// Events created because the pool was empty when one was asked for.
+    pub grown: u64,
+}
+
+impl EventPool {
+    /// Creates a pool of `context`'s events with `regular` non-timing and `timing` timing events
+    /// made up front.
+    ///
+    /// # Errors
+    /// The driver's error when creating an event fails.
+    pub fn new(context: &Arc<Context>, regular: usize, timing: usize) -> Result<Self> {
+        let shared = PoolShared {
+            context: Arc::clone(context),
+            regular: Recycler::new(),
+            timing: Recycler::new(),
+        };
+        for (recycler, count, flags) in [
+            (&shared.regular, regular, EventFlags::DISABLE_TIMING),
+            (&shared.timing, timing, EventFlags::TIMING),
+        ] {
+            for _ in 0..count {
+                recycler
+                    .stock(Event::new(context, flags)?)
+                    .map_err(|_| EventError::PoolFull {
+                        limit: Arena::<Event>::MAX_LEN,
+                    })?;
+            }
+        }
+        Ok(Self {
+            shared: Arc::new(shared),
+        })
+    }
+
+    /// The context whose events this pool holds.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.shared.context
+    }
+
+    /// Takes an event from the pool, creating one when none is free: a timing event when
+    /// `timing`, otherwise one without timestamps. The handle borrows the pool and returns the
+    /// event to it when dropped; [`acquire_owned`](Self::acquire_owned) gives a handle that
+    /// does not borrow.
+    ///
+    /// A released event may still be pending on the GPU; recording it again is how CUDA reuses
+    /// events, and waits already queued on its earlier recording are unaffected.
+    ///
+    /// # Errors
+    /// The driver's error when the pool had to grow and creating the event failed;
+    /// [`EventError::PoolFull`] when it cannot grow further.
+    #[inline]
+    pub fn acquire_event(&self, timing: bool) -> Result<PooledEvent<'_>> {
+        Ok(PooledEvent {
+            index: self.shared.take(timing)?,
+            timing,
+            pool: self,
+        })
+    }
+
+    /// Takes an event like [`acquire_event`](Self::acquire_event), in a handle that shares
+    /// ownership of the pool (one reference-count increment and decrement more per round
+    /// trip), so it may outlive this borrow: stored, sent to another thread, or watched by an
+    /// [`AsyncEventWaiter`](crate::AsyncEventWaiter).
+    ///
+    /// # Errors
+    /// As [`acquire_event`](Self::acquire_event).
+    #[inline]
+    pub fn acquire_owned(&self, timing: bool) -> Result<OwnedPooledEvent> {
+        Ok(OwnedPooledEvent {
+            index: self.shared.take(timing)?,
+            timing,
+            pool: Arc::clone(&self.shared),
+        })
+    }
+
+    /// Returns `event` to the pool now (what dropping it does).
+    #[inline]
+    pub fn release_event(&self, event: PooledEvent<'_>) {
+        drop(event);
+    }
+
+    /// What is free and what is held right now (a snapshot: other threads may be taking and
+    /// returning events meanwhile).
+    pub fn utilization(&self) -> PoolUtilization {
+        let shared = &self.shared;
+        let available_regular = shared.regular.available();
+        let available_timing = shared.timing.available();
+        let created = shared.regular.created() + shared.timing.created();
+        PoolUtilization {
+            available_regular,
+            available_timing,
+            in_use: (created as usize).saturating_sub(available_regular + available_timing),
+        }
+    }
+
+    /// Running totals: events created of each kind, and how many the pool had to grow by.
+    pub fn counters(&self) -> PoolCounters {
+        let shared = &self.shared;
+        PoolCounters {
+            created_regular: shared.regular.created(),
+            created_timing: shared.timing.created(),
+            grown: shared.regular.grown() + shared.timing.grown(),
+        }
+    }
+}
+
+/// An event taken from an [`EventPool`] by [`acquire_event`](EventPool::acquire_event):
+/// borrows the pool, dereferences to the [`Event`], and goes back to the pool when dropped.
+#[must_use = "dropping the handle returns the event to the pool at once"]
+pub struct PooledEvent<'pool> {
+    index: u32,
+    timing: bool,
+    pool: &'pool EventPool,
+}
+
+impl PooledEvent<'_> {
+    /// Whether this is a timing event.
+    pub fn is_timing(&self) -> bool {
+        self.timing
+    }
+
+    /// Whether this handle came from `pool`.
+    pub fn belongs_to(&self, pool: &EventPool) -> bool {
+        Arc::ptr_eq(&self.pool.shared, &pool.shared)
+    }
+
+    /// Turns this handle into one that shares ownership of the pool (the same event).
+    pub fn into_owned(self) -> OwnedPooledEvent {
+        let this = std::mem::ManuallyDrop::new(self);
+        OwnedPooledEvent {
+            index: this.index,
+            timing: this.timing,
+            pool: Arc::clone(&this.pool.shared),
+        }
+    }
+}
+
+impl fmt::Debug for PooledEvent<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PooledEvent")
+            .field("event", &**self)
+            .field("timing", &self.timing)
+            .finish()
+    }
+}
+
+impl Deref for PooledEvent<'_> {
+    type Target = Event;
+
+    #[inline]
+    fn deref(&self) -> &Event {
+        self.pool.shared.recycler(self.timing).get(self.index)
+    }
+}
+
+impl AsRef<Event> for PooledEvent<'_> {
+    fn as_ref(&self) -> &Event {
+        self
+    }
+}
+
+impl Drop for PooledEvent<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        self.pool.shared.recycler(self.timing).give(self.index);
+    }
+}
+
+/// An event taken from an [`EventPool`] by [`acquire_owned`](EventPool::acquire_owned): keeps
+/// the pool alive, dereferences to the [`Event`], and goes back to the pool when dropped.
+pub struct OwnedPooledEvent {
+    index: u32,
+    timing: bool,
+    pool: Arc<PoolShared>,
+}
+
+impl OwnedPooledEvent {
+    /// Whether this is a timing event.
+    pub fn is_timing(&self) -> bool {
+        self.timing
+    }
+
+    /// Whether this handle came from `pool`.
+    pub fn belongs_to(&self, pool: &EventPool) -> bool {
+        Arc::ptr_eq(&self.pool, &pool.shared)
+    }
+}
+
+impl fmt::Debug for OwnedPooledEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OwnedPooledEvent")
+            .field("event", &**self)
+            .field("timing", &self.timing)
+            .finish()
+    }
+}
+
+impl Deref for OwnedPooledEvent {
+    type Target = Event;
+
+    #[inline]
+    fn deref(&self) -> &Event {
+        self.pool.recycler(self.timing).get(self.index)
+    }
+}
+
+impl AsRef<Event> for OwnedPooledEvent {
+    fn as_ref(&self) -> &Event {
+        self
+    }
+}
+
+impl Drop for OwnedPooledEvent {
+    #[inline]
+    fn drop(&mut self) {
+        self.pool.recycler(self.timing).give(self.index);
+    }
+}
