@@ -9,11 +9,16 @@
 //! | `pageable_d2h_*/raw/cuMemcpyDtoH`, `…/cuweave/transfer` | the reverse |
 //! | `small_{h2d,d2h}_{4KiB,64KiB}/raw/…`, `…/cuweave/transfer` | the same pairs at small sizes (planned per the H100 defaults: `HostStaged`, one chunk on the calling thread) |
 //! | `pinned_{h2d,d2h}_64MiB/raw/…`, `…/cuweave/transfer` | `cuMemcpyHtoD`/`DtoH` from/to a pinned buffer vs the manager's planned pinned path (`ZeroCopy` per the defaults) |
+//! | `register_64MiB/raw/cuMemHostRegister+Unregister`, `…/cuweave/register_host+unregister` | the one-off cost: page-locking a 64 MiB pageable `Vec<u8>` in place and releasing it (`memory::HostRegistration` vs `TransferManager::register_host` + `RegisteredHost::unregister`) |
+//! | `registered_{h2d,d2h}_64MiB/raw/cuMemcpy…_pageable`, `…/raw/cuMemcpy…_registered`, `…/cuweave/staged_pageable`, `…/cuweave/registered` | repeated 64 MiB copies: the plain call from pageable memory, the plain call from the same memory registered, the manager's `HostStaged` pipeline from pageable memory, the manager's transfer from a `RegisteredHost` (`DirectCopy`) |
 //! | `d2d_256MiB/raw/cuMemcpyDtoD`, `…/cuweave/transfer` | within device 0, + legacy-stream synchronize |
 //! | `p2p_256MiB/raw/cuMemcpyPeerAsync`, `…/cuweave/transfer` | device 0 to device 1 (only with two devices, peer access enabled for both) + stream synchronize |
 //!
 //! After criterion's report, under `--bench`, a summary re-measures each pair (median of 7
-//! runs, host clock) and prints it against the targets of issue 8.
+//! runs, host clock) and prints it against the targets of issue 8, then the registration
+//! figures: its one-off cost, the registered and pageable speeds, and from how many transfers
+//! registering pays (measured here, and as `TransferManager::registration_advice` says after
+//! calibrating).
 //!
 //! Run with `cargo bench -p cuweave-benches --bench transfer`; without a driver it prints
 //! `skipping benches: no CUDA driver` and exits 0.
@@ -27,7 +32,9 @@ use cuweave_benches::{Gpu, MIB, measuring, slow_group};
 use cuweave_driver::memory;
 use cuweave_driver::{Context, Device, Stream, StreamFlags};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer};
-use cuweave_transfer::{Destination, Source, TransferManager, TransferMethod};
+use cuweave_transfer::{
+    Destination, RegisteredHost, Source, TransferDirection, TransferManager, TransferMethod,
+};
 
 fn main() {
     cuweave_benches::run("transfer", |c, gpu| {
@@ -35,6 +42,7 @@ fn main() {
         pageable(c, &mut fixture);
         small(c, &mut fixture);
         pinned(c, &mut fixture);
+        registered(c, &mut fixture);
         device_to_device(c, &mut fixture);
         let mut peer = Peer::new(&fixture);
         if let Some(peer) = &mut peer {
@@ -42,6 +50,7 @@ fn main() {
         }
         if measuring() {
             summary(&mut fixture, peer.as_mut());
+            registered_summary(&mut fixture);
         }
     });
 }
@@ -144,6 +153,66 @@ impl Fixture {
             .transfer(
                 Source::device(&self.device, 0, bytes),
                 Destination::pinned(&mut self.pinned, 0),
+            )
+            .expect("transfer");
+    }
+
+    fn staged_h2d_pageable(&mut self, bytes: usize) {
+        self.manager
+            .transfer_with(
+                TransferMethod::HostStaged,
+                &self.host[..bytes],
+                Destination::device(&mut self.device, 0),
+            )
+            .expect("transfer");
+    }
+
+    fn staged_d2h_pageable(&mut self, bytes: usize) {
+        self.manager
+            .transfer_with(
+                TransferMethod::HostStaged,
+                Source::device(&self.device, 0, bytes),
+                Destination::Host(&mut self.host[..bytes]),
+            )
+            .expect("transfer");
+    }
+
+    fn raw_h2d_registered(&self, registered: &RegisteredHost<'_, u8>, bytes: usize) {
+        let src = registered.as_slice();
+        // SAFETY: the registered memory is readable for `bytes`; device writable; blocking copy.
+        unsafe { memory::copy_htod(&self.context, self.device.device_ptr(), src.as_ptr(), bytes) }
+            .expect("cuMemcpyHtoD (registered)");
+    }
+
+    fn raw_d2h_registered(&self, registered: &mut RegisteredHost<'_, u8>, bytes: usize) {
+        let dst = registered.as_mut_slice();
+        // SAFETY: the registered memory is writable for `bytes`, exclusively borrowed; blocking
+        // copy.
+        unsafe {
+            memory::copy_dtoh(
+                &self.context,
+                dst.as_mut_ptr(),
+                self.device.device_ptr(),
+                bytes,
+            )
+        }
+        .expect("cuMemcpyDtoH (registered)");
+    }
+
+    fn ours_h2d_registered(&mut self, registered: &RegisteredHost<'_, u8>, bytes: usize) {
+        self.manager
+            .transfer(
+                Source::registered(registered, 0, bytes),
+                Destination::device(&mut self.device, 0),
+            )
+            .expect("transfer");
+    }
+
+    fn ours_d2h_registered(&mut self, registered: &mut RegisteredHost<'_, u8>, bytes: usize) {
+        self.manager
+            .transfer(
+                Source::device(&self.device, 0, bytes),
+                Destination::registered(registered, 0),
             )
             .expect("transfer");
     }
@@ -323,6 +392,80 @@ fn pinned(c: &mut Criterion, f: &mut Fixture) {
     );
 }
 
+/// The size of the registered-buffer cases.
+const REGISTERED_BYTES: usize = 64 * MIB;
+
+/// Page-locks `buffer` in place and releases it, through the driver layer.
+fn raw_register(context: &Arc<Context>, buffer: &mut [u8]) {
+    memory::HostRegistration::new(context, buffer)
+        .expect("cuMemHostRegister")
+        .unregister()
+        .expect("cuMemHostUnregister");
+}
+
+/// The same through the manager.
+fn ours_register(manager: &TransferManager, buffer: &mut [u8]) {
+    manager
+        .register_host(0, buffer)
+        .expect("register_host")
+        .unregister()
+        .expect("unregister");
+}
+
+/// The one-off cost of registering a 64 MiB buffer, then repeated 64 MiB copies from and to it
+/// beside the same copies from pageable memory (raw and staged).
+fn registered(c: &mut Criterion, f: &mut Fixture) {
+    let bytes = REGISTERED_BYTES;
+    let mut buffer = vec![5u8; bytes];
+    let mut group = c.benchmark_group(format!("register_{}", label(bytes)));
+    slow_group(&mut group, Duration::from_secs(1));
+    group.bench_function("raw/cuMemHostRegister+Unregister", |b| {
+        b.iter(|| raw_register(&f.context, black_box(&mut buffer)))
+    });
+    group.bench_function("cuweave/register_host+unregister", |b| {
+        b.iter(|| ours_register(&f.manager, black_box(&mut buffer)))
+    });
+    group.finish();
+
+    let mut registered = f
+        .manager
+        .register_host(0, &mut buffer)
+        .expect("register 64 MiB");
+    let mut group = c.benchmark_group(format!("registered_h2d_{}", label(bytes)));
+    slow_group(&mut group, Duration::from_millis(500));
+    group.throughput(Throughput::Bytes(bytes as u64));
+    group.bench_function("raw/cuMemcpyHtoD_pageable", |b| {
+        b.iter(|| f.raw_h2d_pageable(black_box(bytes)))
+    });
+    group.bench_function("raw/cuMemcpyHtoD_registered", |b| {
+        b.iter(|| f.raw_h2d_registered(&registered, black_box(bytes)))
+    });
+    group.bench_function("cuweave/staged_pageable", |b| {
+        b.iter(|| f.staged_h2d_pageable(black_box(bytes)))
+    });
+    group.bench_function("cuweave/registered", |b| {
+        b.iter(|| f.ours_h2d_registered(&registered, black_box(bytes)))
+    });
+    group.finish();
+    let mut group = c.benchmark_group(format!("registered_d2h_{}", label(bytes)));
+    slow_group(&mut group, Duration::from_millis(500));
+    group.throughput(Throughput::Bytes(bytes as u64));
+    group.bench_function("raw/cuMemcpyDtoH_pageable", |b| {
+        b.iter(|| f.raw_d2h_pageable(black_box(bytes)))
+    });
+    group.bench_function("raw/cuMemcpyDtoH_registered", |b| {
+        b.iter(|| f.raw_d2h_registered(&mut registered, black_box(bytes)))
+    });
+    group.bench_function("cuweave/staged_pageable", |b| {
+        b.iter(|| f.staged_d2h_pageable(black_box(bytes)))
+    });
+    group.bench_function("cuweave/registered", |b| {
+        b.iter(|| f.ours_d2h_registered(&mut registered, black_box(bytes)))
+    });
+    group.finish();
+    registered.unregister().expect("unregister");
+}
+
 fn device_to_device(c: &mut Criterion, f: &mut Fixture) {
     pair(
         c,
@@ -449,4 +592,68 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
             verdict(o >= 0.95 * r)
         );
     }
+}
+
+/// The registration figures for `docs/transfer.md`: the one-off cost (median of 5), the speeds
+/// of repeated 64 MiB copies (median of 7), and from how many copies registering pays, as
+/// measured here and as the manager's advice (after calibrating) says.
+fn registered_summary(f: &mut Fixture) {
+    let bytes = REGISTERED_BYTES;
+    let mut buffer = vec![5u8; bytes];
+    let raw_cost = median(5, || raw_register(&f.context, &mut buffer));
+    let cost = median(5, || ours_register(&f.manager, &mut buffer));
+    println!(
+        "  register+unregister 64MiB: raw {:.2} ms, cuweave {:.2} ms",
+        raw_cost.as_secs_f64() * 1e3,
+        cost.as_secs_f64() * 1e3
+    );
+    f.manager.calibrate().expect("calibrate");
+    if let Some(measured) = f.manager.calibration().registration {
+        println!(
+            "  calibrated registration cost: {:.3} ms + {:.4} ms/MiB",
+            measured.fixed_ms, measured.ms_per_mib
+        );
+    }
+    let mut registered = f.manager.register_host(0, &mut buffer).expect("register");
+    for direction in [
+        TransferDirection::HostToDevice,
+        TransferDirection::DeviceToHost,
+    ] {
+        let h2d = direction == TransferDirection::HostToDevice;
+        let (raw_pageable, staged, raw_registered, ours) = if h2d {
+            (
+                median(7, || f.raw_h2d_pageable(bytes)),
+                median(7, || f.staged_h2d_pageable(bytes)),
+                median(7, || f.raw_h2d_registered(&registered, bytes)),
+                median(7, || f.ours_h2d_registered(&registered, bytes)),
+            )
+        } else {
+            (
+                median(7, || f.raw_d2h_pageable(bytes)),
+                median(7, || f.staged_d2h_pageable(bytes)),
+                median(7, || f.raw_d2h_registered(&mut registered, bytes)),
+                median(7, || f.ours_d2h_registered(&mut registered, bytes)),
+            )
+        };
+        // Registering pays from the first count whose saving exceeds its cost.
+        let saving = staged.as_secs_f64() - ours.as_secs_f64();
+        let break_even = if saving > 0.0 {
+            format!("{}", (cost.as_secs_f64() / saving).floor() as u64 + 1)
+        } else {
+            "never".to_owned()
+        };
+        let advice = f.manager.registration_advice(direction, bytes, 1);
+        println!(
+            "  registered {} 64MiB: raw pageable {:6.2}, cuweave staged {:6.2}, raw registered {:6.2}, cuweave registered {:6.2} GB/s; pays from {break_even} transfers against staged here, advice says {}",
+            if h2d { "h2d" } else { "d2h" },
+            gbps(bytes, raw_pageable),
+            gbps(bytes, staged),
+            gbps(bytes, raw_registered),
+            gbps(bytes, ours),
+            advice
+                .break_even_transfers
+                .map_or("never".to_owned(), |k| k.to_string()),
+        );
+    }
+    registered.unregister().expect("unregister");
 }

@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 use cuweave_memory::{DeviceBuffer, PinnedBuffer};
 use parking_lot::Mutex;
 
-use crate::calibration::CalibrationTable;
+use crate::calibration::{CalibrationTable, RegistrationCost};
 use crate::endpoint::{Destination, Source};
-use crate::error::Result;
+use crate::error::{Result, TransferError};
 use crate::location::{SizeClass, TransferPath};
 use crate::manager::TransferManager;
 use crate::method::TransferMethod;
@@ -24,6 +24,11 @@ pub(crate) fn process_calibration() -> Option<CalibrationTable> {
 fn remember(table: &CalibrationTable) {
     *PROCESS.get_or_init(|| Mutex::new(None)).lock() = Some(table.clone());
 }
+
+/// The two sizes registration is timed at, to fit its fixed part and its part per MiB.
+const REGISTRATION_SIZES: [usize; 2] = [4 << 20, 64 << 20];
+/// Registrations timed per size; the fastest counts.
+const REGISTRATION_RUNS: usize = 2;
 
 /// Repetitions per measurement: the best of these is kept (after one untimed warm-up run).
 fn repetitions(bytes: usize) -> usize {
@@ -43,9 +48,14 @@ fn best_gbps(bytes: usize, mut run: impl FnMut() -> Result<()>) -> Result<f64> {
 
 impl TransferManager {
     /// The calibration for this machine: measured once per process (each candidate method of
-    /// the pageable, pinned and peer paths of device 0 — and of every device pair — at each
-    /// size class's [`SizeClass::calibration_bytes`]; a few hundred milliseconds on an H100),
-    /// then reused by this and every later manager. The result is also in use by this manager.
+    /// the pageable, pinned, registered and peer paths of device 0 — and of every device pair —
+    /// at each size class's [`SizeClass::calibration_bytes`], and the cost of registering host
+    /// memory, from `cuMemHostRegister` + `cuMemHostUnregister` of a 4 MiB and a 64 MiB
+    /// pageable buffer; a few hundred milliseconds on an H100), then reused by this and every
+    /// later manager. The result is also in use by this manager.
+    ///
+    /// Where the driver cannot register host memory, the registration figures are left out
+    /// (with a `tracing` warning) and the rest is measured as usual.
     ///
     /// # Errors
     /// The driver's or memory layer's error when a measurement fails (nothing is cached then).
@@ -64,7 +74,7 @@ impl TransferManager {
     pub fn recalibrate(&self) -> Result<CalibrationTable> {
         let mut table = CalibrationTable {
             device: Some(cuweave_driver::Device::get(0)?.name()?),
-            entries: Vec::new(),
+            ..CalibrationTable::default()
         };
         if self.device_count() > 0 {
             self.measure_host_paths(&mut table)?;
@@ -146,8 +156,73 @@ impl TransferManager {
                 }
             }
         }
+        match self.measure_registration(&mut host, &mut device, table) {
+            Ok(()) => {}
+            // The driver refused to register (or unregister) host memory: leave the
+            // registration figures out rather than the whole calibration.
+            Err(TransferError::Driver(error)) => {
+                tracing::warn!(%error, "host registration not calibrated");
+            }
+            Err(error) => return Err(error),
+        }
         // Calibration does not count as traffic.
         self.stats().reset();
+        Ok(())
+    }
+
+    /// The cost of registering (fitted through [`REGISTRATION_SIZES`]) and the registered
+    /// paths' `DirectCopy` per size class, with `host` (pageable, every page touched)
+    /// page-locked in place.
+    fn measure_registration(
+        &self,
+        host: &mut [u8],
+        device: &mut DeviceBuffer<u8>,
+        table: &mut CalibrationTable,
+    ) -> Result<()> {
+        let [small, large] = REGISTRATION_SIZES;
+        let mut time = |bytes: usize| -> Result<Duration> {
+            let mut best = Duration::MAX;
+            for _ in 0..REGISTRATION_RUNS {
+                let start = Instant::now();
+                self.register_host(0, &mut host[..bytes])?.unregister()?;
+                best = best.min(start.elapsed());
+            }
+            Ok(best)
+        };
+        let (small_time, large_time) = (time(small)?, time(large)?);
+        let cost = RegistrationCost::fit((small, small_time), (large, large_time));
+        tracing::debug!(
+            ?cost,
+            ?small_time,
+            ?large_time,
+            "host registration measured"
+        );
+        table.registration = Some(cost);
+
+        let method = TransferMethod::DirectCopy;
+        let mut registered = self.register_host(0, host)?;
+        for class in SizeClass::ALL {
+            let bytes = class.calibration_bytes();
+            let up = best_gbps(bytes, || {
+                self.transfer_with(
+                    method,
+                    Source::registered(&registered, 0, bytes),
+                    Destination::Device(&mut *device, 0),
+                )
+                .map(drop)
+            })?;
+            table.record(TransferPath::REGISTERED_TO_DEVICE, class, method, up);
+            let down = best_gbps(bytes, || {
+                self.transfer_with(
+                    method,
+                    Source::device(device, 0, bytes),
+                    Destination::registered(&mut registered, 0),
+                )
+                .map(drop)
+            })?;
+            table.record(TransferPath::DEVICE_TO_REGISTERED, class, method, down);
+        }
+        registered.unregister()?;
         Ok(())
     }
 

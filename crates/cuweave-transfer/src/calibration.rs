@@ -1,8 +1,9 @@
 //! [`CalibrationTable`]: measured bandwidth per (path, size class, method), the input of the
-//! method choice; saved and loaded as JSON; [`CalibrationTable::h100_defaults`] when nothing was
-//! measured.
+//! method choice, and what registering host memory costs ([`RegistrationCost`]); saved and
+//! loaded as JSON; [`CalibrationTable::h100_defaults`] when nothing was measured.
 
 use std::path::Path;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -46,6 +47,78 @@ pub struct CalibrationTable {
     pub device: Option<String>,
     /// The measurements.
     pub entries: Vec<CalibrationEntry>,
+    /// What registering and unregistering host memory costs here, if measured (files written
+    /// before it was measured have none, and load as `None`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub registration: Option<RegistrationCost>,
+}
+
+/// What page-locking a host buffer in place costs: `cuMemHostRegister` plus the matching
+/// `cuMemHostUnregister`, as a fixed part and a part per MiB, fitted by
+/// [`calibrate`](crate::TransferManager::calibrate) through two measured sizes.
+///
+/// ```
+/// use std::time::Duration;
+/// use cuweave_transfer::RegistrationCost;
+///
+/// let cost = RegistrationCost::fit(
+///     (4 << 20, Duration::from_millis(11)),
+///     (64 << 20, Duration::from_millis(20)),
+/// );
+/// assert_eq!((cost.fixed_ms, cost.ms_per_mib), (10.4, 0.15));
+/// assert!((cost.millis(128 << 20) - 29.6).abs() < 1e-9); // 10.4 + 128 * 0.15
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RegistrationCost {
+    /// Milliseconds paid whatever the size.
+    pub fixed_ms: f64,
+    /// Milliseconds per MiB (2^20 bytes) registered.
+    pub ms_per_mib: f64,
+}
+
+impl RegistrationCost {
+    /// The cost assumed on the H100 host until [`calibrate`](crate::TransferManager::calibrate)
+    /// measures it: an estimate, not a measurement, to be replaced by calibration (and by the
+    /// figures of the next GPU run in `docs/transfer.md`). Roughly 10 ms fixed plus 0.15 ms per
+    /// MiB (0.1-0.2 ms per MiB observed for pinning on that host). For scale, allocating and
+    /// freeing pinned memory (`cuMemHostAlloc` + `cuMemFreeHost`, which also has the OS find
+    /// and zero the pages) measured 10.6 ms for 16 MiB and 42.3 ms for 64 MiB there
+    /// (`docs/benchmarks.md`).
+    pub const H100_ESTIMATE: Self = Self {
+        fixed_ms: 10.0,
+        ms_per_mib: 0.15,
+    };
+
+    /// The line through two measurements `(bytes, time)` (in any order), with neither part
+    /// negative (measurement noise can tilt the line), rounded to 0.001 ms.
+    pub fn fit(a: (usize, Duration), b: (usize, Duration)) -> Self {
+        let (small, large) = if a.0 <= b.0 { (a, b) } else { (b, a) };
+        let mib = |bytes: usize| bytes as f64 / (1u64 << 20) as f64;
+        let ms = |time: Duration| time.as_secs_f64() * 1e3;
+        let span = mib(large.0) - mib(small.0);
+        let ms_per_mib = if span > 0.0 {
+            ((ms(large.1) - ms(small.1)) / span).max(0.0)
+        } else {
+            0.0
+        };
+        let fixed_ms = (ms(small.1) - ms_per_mib * mib(small.0)).max(0.0);
+        let round = |x: f64| (x * 1e3).round() / 1e3;
+        Self {
+            fixed_ms: round(fixed_ms),
+            ms_per_mib: round(ms_per_mib),
+        }
+    }
+
+    /// Milliseconds to register and unregister `bytes`.
+    pub fn millis(&self, bytes: usize) -> f64 {
+        self.fixed_ms + self.ms_per_mib * bytes as f64 / (1u64 << 20) as f64
+    }
+
+    /// The time to register and unregister `bytes`.
+    pub fn duration(&self, bytes: usize) -> Duration {
+        // `max` also turns a NaN (from a hand-edited file) into zero; no panic either way.
+        Duration::try_from_secs_f64((self.millis(bytes) / 1e3).max(0.0)).unwrap_or(Duration::MAX)
+    }
 }
 
 impl CalibrationTable {
@@ -107,9 +180,9 @@ impl CalibrationTable {
         best
     }
 
-    /// Whether nothing was measured.
+    /// Whether nothing was measured (no bandwidth and no registration cost).
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.entries.is_empty() && self.registration.is_none()
     }
 
     /// The table as pretty JSON.
@@ -161,12 +234,15 @@ impl CalibrationTable {
     /// H100 80GB HBM3 (PCIe Gen5 host link, driver 580) with the default staging configuration,
     /// as listed in `docs/transfer.md`.
     ///
-    /// Only paths with a real choice are listed; the others have one candidate.
+    /// Only paths with a real choice are listed; the others have one candidate (registered
+    /// host memory moves at the pinned figures). The registration cost is
+    /// [`RegistrationCost::H100_ESTIMATE`], an estimate until a GPU run measures it.
     pub fn h100_defaults() -> Self {
         use TransferMethod::{DirectCopy, HostStaged, PeerToPeer, ZeroCopy};
         let mut table = Self {
             device: Some("NVIDIA H100 80GB HBM3 (defaults)".to_owned()),
             entries: Vec::new(),
+            registration: Some(RegistrationCost::H100_ESTIMATE),
         };
         let rows: &[DefaultRow] = &[
             (
@@ -252,3 +328,63 @@ const DEFAULT_PEER: [(SizeClass, f64, f64); 5] = [
     (SizeClass::Large, 25.0, 390.0),
     (SizeClass::Huge, 25.0, 390.0),
 ];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registration_costs_fit_two_points_and_never_go_negative() {
+        let ms = Duration::from_millis;
+        let cost = RegistrationCost::fit((64 << 20, ms(20)), (4 << 20, ms(11)));
+        assert_eq!(
+            cost,
+            RegistrationCost {
+                fixed_ms: 10.4,
+                ms_per_mib: 0.15
+            }
+        );
+        assert!((cost.millis(64 << 20) - 20.0).abs() < 1e-9);
+        // Noise: the larger buffer registered faster. No negative slope, no negative fixed part.
+        let cost = RegistrationCost::fit((4 << 20, ms(12)), (64 << 20, ms(11)));
+        assert_eq!((cost.fixed_ms, cost.ms_per_mib), (12.0, 0.0));
+        let cost = RegistrationCost::fit((4 << 20, ms(1)), (64 << 20, ms(31)));
+        assert_eq!((cost.fixed_ms, cost.ms_per_mib), (0.0, 0.5));
+        // One size twice: all of it is fixed.
+        let cost = RegistrationCost::fit((8 << 20, ms(3)), (8 << 20, ms(5)));
+        assert_eq!((cost.fixed_ms, cost.ms_per_mib), (3.0, 0.0));
+    }
+
+    #[test]
+    fn tables_without_a_registration_cost_still_load_and_round_trip_with_one() {
+        // A file written before registration was measured.
+        let old = r#"{ "device": "NVIDIA H100 80GB HBM3",
+            "entries": [ { "path": { "src": "pageable", "dst": "device", "cross_device": false },
+                           "size_class": "large", "method": "host_staged", "gbps": 29.9 } ] }"#;
+        let table = CalibrationTable::from_json(old).unwrap();
+        assert_eq!(table.registration, None);
+        assert_eq!(table.entries.len(), 1);
+        assert!(!table.to_json().contains("registration"));
+        let mut table = table;
+        table.registration = Some(RegistrationCost {
+            fixed_ms: 0.25,
+            ms_per_mib: 0.125,
+        });
+        table.record(
+            TransferPath::REGISTERED_TO_DEVICE,
+            SizeClass::Large,
+            TransferMethod::DirectCopy,
+            53.1,
+        );
+        let json = table.to_json();
+        assert!(
+            json.contains("\"registration\"") && json.contains("\"registered\""),
+            "{json}"
+        );
+        assert_eq!(CalibrationTable::from_json(&json).unwrap(), table);
+        assert_eq!(
+            CalibrationTable::h100_defaults().registration,
+            Some(RegistrationCost::H100_ESTIMATE)
+        );
+    }
+}

@@ -1,13 +1,15 @@
 //! The two sides of a transfer: [`Source`] (read) and [`Destination`] (written).
 //!
 //! Host memory is a slice (pageable: `&[T]` / `&mut [T]`, any `Vec` or array); device, pinned
-//! and unified memory are the memory layer's buffers with an element offset. Lengths come from
-//! the source; the destination must hold that many elements from its offset.
+//! and unified memory are the memory layer's buffers with an element offset, and registered
+//! host memory a [`RegisteredHost`] with an element offset. Lengths come from the source; the
+//! destination must hold that many elements from its offset.
 
 use cuweave_memory::{Buffer, DeviceBuffer, Element, PinnedBuffer, UnifiedBuffer};
 
 use crate::error::{Result, TransferError};
 use crate::location::Location;
+use crate::registered::{RegisteredHost, RegisteredSlice, RegisteredSliceMut};
 
 /// Where a transfer reads from: `len` elements of host memory or of a buffer.
 #[derive(Debug)]
@@ -20,6 +22,9 @@ pub enum Source<'a, T: Element> {
     Device(&'a DeviceBuffer<T>, usize, usize),
     /// Elements `offset..offset + len` of unified memory.
     Unified(&'a UnifiedBuffer<T>, usize, usize),
+    /// Elements `offset..offset + len` of registered host memory
+    /// ([`Source::registered`] makes it).
+    Registered(RegisteredSlice<'a, T>, usize, usize),
 }
 
 /// Where a transfer writes to: host memory (as long as the source), or a buffer from an
@@ -34,6 +39,8 @@ pub enum Destination<'a, T: Element> {
     Device(&'a mut DeviceBuffer<T>, usize),
     /// Unified memory, from this element offset.
     Unified(&'a mut UnifiedBuffer<T>, usize),
+    /// Registered host memory, from this element offset ([`Destination::registered`] makes it).
+    Registered(RegisteredSliceMut<'a, T>, usize),
 }
 
 impl<'a, T: Element> Source<'a, T> {
@@ -41,7 +48,10 @@ impl<'a, T: Element> Source<'a, T> {
     pub fn len(&self) -> usize {
         match self {
             Self::Host(slice) => slice.len(),
-            Self::Pinned(_, _, len) | Self::Device(_, _, len) | Self::Unified(_, _, len) => *len,
+            Self::Pinned(_, _, len)
+            | Self::Device(_, _, len)
+            | Self::Unified(_, _, len)
+            | Self::Registered(_, _, len) => *len,
         }
     }
 
@@ -62,6 +72,7 @@ impl<'a, T: Element> Source<'a, T> {
             Self::Pinned(b, ..) => Location::PinnedHost(b.device().ordinal()),
             Self::Device(b, ..) => Location::Device(b.device().ordinal()),
             Self::Unified(b, ..) => Location::Unified(b.device().ordinal()),
+            Self::Registered(r, ..) => Location::RegisteredHost(r.device()),
         }
     }
 
@@ -80,6 +91,11 @@ impl<'a, T: Element> Source<'a, T> {
         Self::Unified(buffer, offset, len)
     }
 
+    /// Elements `offset..offset + len` of registered host memory.
+    pub fn registered(memory: &'a RegisteredHost<'_, T>, offset: usize, len: usize) -> Self {
+        Self::Registered(memory.view(), offset, len)
+    }
+
     /// `Err(OutOfRange)` unless the range lies inside the buffer.
     pub(crate) fn check(&self) -> Result<()> {
         let (offset, len, capacity) = match self {
@@ -87,6 +103,7 @@ impl<'a, T: Element> Source<'a, T> {
             Self::Pinned(b, o, l) => (*o, *l, b.len()),
             Self::Device(b, o, l) => (*o, *l, b.len()),
             Self::Unified(b, o, l) => (*o, *l, b.len()),
+            Self::Registered(r, o, l) => (*o, *l, r.len()),
         };
         check_range("source", offset, len, capacity)
     }
@@ -100,6 +117,7 @@ impl<'a, T: Element> Destination<'a, T> {
             Self::Pinned(b, _) => Location::PinnedHost(b.device().ordinal()),
             Self::Device(b, _) => Location::Device(b.device().ordinal()),
             Self::Unified(b, _) => Location::Unified(b.device().ordinal()),
+            Self::Registered(r, _) => Location::RegisteredHost(r.device()),
         }
     }
 
@@ -118,6 +136,11 @@ impl<'a, T: Element> Destination<'a, T> {
         Self::Unified(buffer, offset)
     }
 
+    /// Registered host memory from element `offset`.
+    pub fn registered(memory: &'a mut RegisteredHost<'_, T>, offset: usize) -> Self {
+        Self::Registered(memory.view_mut(), offset)
+    }
+
     /// `Err(OutOfRange)` / `Err(LengthMismatch)` unless `len` elements fit from the offset.
     pub(crate) fn check(&self, len: usize) -> Result<()> {
         let (offset, capacity) = match self {
@@ -131,6 +154,7 @@ impl<'a, T: Element> Destination<'a, T> {
             Self::Pinned(b, o) => (*o, b.len()),
             Self::Device(b, o) => (*o, b.len()),
             Self::Unified(b, o) => (*o, b.len()),
+            Self::Registered(r, o) => (*o, r.len()),
         };
         check_range("destination", offset, len, capacity)
     }
@@ -179,6 +203,12 @@ impl<'a, T: Element> From<&'a UnifiedBuffer<T>> for Source<'a, T> {
     }
 }
 
+impl<'a, T: Element> From<&'a RegisteredHost<'_, T>> for Source<'a, T> {
+    fn from(memory: &'a RegisteredHost<'_, T>) -> Self {
+        Self::Registered(memory.view(), 0, memory.len())
+    }
+}
+
 impl<'a, T: Element> From<&'a mut [T]> for Destination<'a, T> {
     fn from(slice: &'a mut [T]) -> Self {
         Self::Host(slice)
@@ -206,6 +236,12 @@ impl<'a, T: Element> From<&'a mut DeviceBuffer<T>> for Destination<'a, T> {
 impl<'a, T: Element> From<&'a mut UnifiedBuffer<T>> for Destination<'a, T> {
     fn from(buffer: &'a mut UnifiedBuffer<T>) -> Self {
         Self::Unified(buffer, 0)
+    }
+}
+
+impl<'a, T: Element> From<&'a mut RegisteredHost<'_, T>> for Destination<'a, T> {
+    fn from(memory: &'a mut RegisteredHost<'_, T>) -> Self {
+        Self::Registered(memory.view_mut(), 0)
     }
 }
 

@@ -59,6 +59,22 @@ pub enum TransferError {
         /// The I/O or JSON error.
         message: String,
     },
+    /// A device ordinal the manager does not serve.
+    #[error("device {device} does not exist (the manager serves {count} devices)")]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        device: usize,
+        /// How many devices the manager serves.
+        count: usize,
+    },
+    /// Host registration was asked for a slice with no bytes in it.
+    #[error("cannot register an empty host slice ({len} elements of {element_bytes} bytes)")]
+    EmptyRegistration {
+        /// Elements in the slice.
+        len: usize,
+        /// Bytes per element.
+        element_bytes: usize,
+    },
     /// A worker thread of a pipelined copy panicked (a bug; the copy did not complete).
     #[error("a staging worker thread panicked")]
     WorkerPanicked,

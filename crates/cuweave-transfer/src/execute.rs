@@ -147,6 +147,31 @@ pub(crate) fn execute<T: Element>(
         (S::Unified(u, o, _), D::Pinned(p, o2)) => {
             u.copy_range_to_host(o, &mut p.as_mut_slice()?[o2..o2 + n])?;
         }
+
+        // Registered host memory: page-locked, so the driver DMAs it directly to and from any
+        // device (the registration is portable); with other host-visible memory a `memcpy`
+        // (pinned and unified buffers wait for their device uses first).
+        (S::Registered(r, o, _), dst) => {
+            let s = &r.as_slice()[o..o + n];
+            match dst {
+                D::Host(d) => d.copy_from_slice(s),
+                D::Registered(mut d, o2) => d.as_mut_slice()[o2..o2 + n].copy_from_slice(s),
+                D::Pinned(b, o2) => b.copy_range_from_host(o2, s)?,
+                D::Device(b, o2) => b.copy_range_from_host(o2, s)?,
+                D::Unified(u, o2) => u.copy_range_from_host(o2, s)?,
+            }
+        }
+        (src, D::Registered(mut r, o2)) => {
+            let d = &mut r.as_mut_slice()[o2..o2 + n];
+            match src {
+                S::Host(s) => d.copy_from_slice(s),
+                S::Pinned(p, o, _) => p.copy_range_to_host(o, d)?,
+                S::Device(b, o, _) => b.copy_range_to_host(o, d)?,
+                S::Unified(u, o, _) => u.copy_range_to_host(o, d)?,
+                // Matched by the arm above.
+                S::Registered(s, o, _) => d.copy_from_slice(&s.as_slice()[o..o + n]),
+            }
+        }
     }
     Ok(())
 }

@@ -4,7 +4,8 @@
 //! # The model
 //!
 //! A transfer reads a [`Source`] (pageable host memory as a slice, or a range of a pinned,
-//! device or unified buffer) and writes a [`Destination`]. The [`TransferManager`] looks at the
+//! device or unified buffer, or of host memory registered in place) and writes a
+//! [`Destination`]. The [`TransferManager`] looks at the
 //! [`TransferPath`] (which kinds of memory, one device or two) and the [`SizeClass`], and
 //! [plans](TransferManager::plan) a [`TransferMethod`]:
 //!
@@ -22,6 +23,13 @@
 //! devices cannot do (no peer access, no host mapping, no managed prefetch) is skipped for the
 //! next one, and the [`Plan`] says so. Every transfer is counted in [`TransferStats`] per path
 //! and size class.
+//!
+//! A host buffer transferred again and again can be page-locked in place once:
+//! [`TransferManager::register_host`] returns a [`RegisteredHost`] that borrows the caller's
+//! slice, moves at pinned speed with no staging copy, and unregisters when asked
+//! ([`RegisteredHost::unregister`]) or on drop. Registering costs milliseconds;
+//! [`TransferManager::registration_advice`] says from how many transfers it pays, from the
+//! calibrated bandwidths and registration cost ([`RegistrationCost`]).
 //!
 //! [`TransferManager::upload_async`] and [`TransferManager::download_async`] return an
 //! [`AsyncTransfer`] future, woken by the event layer, that keeps the host memory borrowed until
@@ -54,6 +62,7 @@
 //! Guide and measured figures: `docs/transfer.md` in the repository.
 #![forbid(unsafe_code)]
 
+pub mod advice;
 mod async_transfer;
 pub mod backend;
 mod calibrate;
@@ -65,17 +74,20 @@ pub mod location;
 pub mod manager;
 pub mod method;
 pub mod planner;
+pub mod registered;
 pub mod staging;
 pub mod stats;
 
+pub use advice::{RegistrationAdvice, TransferDirection};
 pub use async_transfer::AsyncTransfer;
 pub use backend::{BackendKind, CudaBackend, HostBackend, TransferBackend};
-pub use calibration::{CalibrationEntry, CalibrationTable};
+pub use calibration::{CalibrationEntry, CalibrationTable, RegistrationCost};
 pub use endpoint::{Destination, Source};
 pub use error::{Result, TransferError};
 pub use location::{Location, LocationKind, SizeClass, TransferPath};
 pub use manager::{TransferManager, TransferReport};
 pub use method::TransferMethod;
 pub use planner::{PathFacts, Plan, PlanReason, Skipped};
+pub use registered::{RegisteredHost, RegisteredSlice, RegisteredSliceMut};
 pub use staging::StagingConfig;
 pub use stats::{PathStats, TransferStats};

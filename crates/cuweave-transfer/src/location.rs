@@ -15,6 +15,10 @@ pub enum Location {
     PinnedHost(usize),
     /// Memory of one device ([`DeviceBuffer`](cuweave_memory::DeviceBuffer)).
     Device(usize),
+    /// The caller's own host memory page-locked in place
+    /// ([`RegisteredHost`](crate::RegisteredHost)), registered in the context of the device with
+    /// this ordinal (portable: every device DMAs it directly).
+    RegisteredHost(usize),
     /// Managed memory ([`UnifiedBuffer`](cuweave_memory::UnifiedBuffer)) allocated in the
     /// context of the device with this ordinal.
     Unified(usize),
@@ -28,6 +32,7 @@ impl Location {
             Self::PinnedHost(_) => LocationKind::Pinned,
             Self::Device(_) => LocationKind::Device,
             Self::Unified(_) => LocationKind::Unified,
+            Self::RegisteredHost(_) => LocationKind::Registered,
         }
     }
 
@@ -35,7 +40,9 @@ impl Location {
     pub fn device(self) -> Option<usize> {
         match self {
             Self::PageableHost => None,
-            Self::PinnedHost(d) | Self::Device(d) | Self::Unified(d) => Some(d),
+            Self::PinnedHost(d) | Self::Device(d) | Self::Unified(d) | Self::RegisteredHost(d) => {
+                Some(d)
+            }
         }
     }
 }
@@ -47,6 +54,7 @@ impl fmt::Display for Location {
             Self::PinnedHost(d) => write!(f, "pinned host (device {d})"),
             Self::Device(d) => write!(f, "device {d}"),
             Self::Unified(d) => write!(f, "unified (device {d})"),
+            Self::RegisteredHost(d) => write!(f, "registered host (device {d})"),
         }
     }
 }
@@ -63,16 +71,20 @@ pub enum LocationKind {
     Device,
     /// Managed (unified) memory.
     Unified,
+    /// Host memory registered in place (`cuMemHostRegister`).
+    Registered,
 }
 
 impl LocationKind {
-    /// The lower-case name used in paths and JSON (`pageable`, `pinned`, `device`, `unified`).
+    /// The lower-case name used in paths and JSON (`pageable`, `pinned`, `device`, `unified`,
+    /// `registered`).
     pub fn name(self) -> &'static str {
         match self {
             Self::Pageable => "pageable",
             Self::Pinned => "pinned",
             Self::Device => "device",
             Self::Unified => "unified",
+            Self::Registered => "registered",
         }
     }
 }
@@ -110,6 +122,11 @@ impl TransferPath {
         }
     }
 
+    /// Whether either side is memory of `kind`.
+    pub fn involves(self, kind: LocationKind) -> bool {
+        self.src == kind || self.dst == kind
+    }
+
     /// Pageable host to device: the path pipelined staging serves.
     pub const PAGEABLE_TO_DEVICE: Self = Self::local(LocationKind::Pageable, LocationKind::Device);
     /// Device to pageable host.
@@ -118,6 +135,12 @@ impl TransferPath {
     pub const PINNED_TO_DEVICE: Self = Self::local(LocationKind::Pinned, LocationKind::Device);
     /// Device to pinned host.
     pub const DEVICE_TO_PINNED: Self = Self::local(LocationKind::Device, LocationKind::Pinned);
+    /// Registered host to device: a direct DMA from the caller's page-locked memory.
+    pub const REGISTERED_TO_DEVICE: Self =
+        Self::local(LocationKind::Registered, LocationKind::Device);
+    /// Device to registered host.
+    pub const DEVICE_TO_REGISTERED: Self =
+        Self::local(LocationKind::Device, LocationKind::Registered);
     /// Within one device.
     pub const DEVICE_TO_DEVICE: Self = Self::local(LocationKind::Device, LocationKind::Device);
     /// Between two devices.
@@ -238,5 +261,10 @@ mod tests {
             TransferPath::between(Location::Unified(2), Location::Unified(2)).to_string(),
             "unified -> unified"
         );
+        let p = TransferPath::between(Location::RegisteredHost(0), Location::Device(0));
+        assert_eq!(p, TransferPath::REGISTERED_TO_DEVICE);
+        assert!(p.involves(LocationKind::Registered) && !p.involves(LocationKind::Pinned));
+        assert_eq!(p.to_string(), "registered -> device");
+        assert_eq!(Location::RegisteredHost(1).device(), Some(1));
     }
 }

@@ -10,12 +10,14 @@ use cuweave_memory::{Element, PinnedPool};
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 
+use crate::advice::{self, RegistrationAdvice, TransferDirection};
 use crate::calibration::CalibrationTable;
 use crate::endpoint::{Destination, Source};
 use crate::error::{Result, TransferError};
 use crate::location::{Location, LocationKind, TransferPath};
 use crate::method::TransferMethod;
 use crate::planner::{self, PathFacts, Plan};
+use crate::registered::RegisteredHost;
 use crate::staging::{Pipeline, StagingConfig};
 use crate::stats::TransferStats;
 
@@ -53,8 +55,9 @@ pub(crate) struct DeviceState {
     pub(crate) can_access_peer: Vec<bool>,
 }
 
-/// Moves elements between pageable host memory, pinned host memory, device memory on any
-/// device and unified memory, choosing a [`TransferMethod`] per path and size from measured
+/// Moves elements between pageable host memory, pinned host memory, host memory registered in
+/// place ([`register_host`](Self::register_host)), device memory on any device and unified
+/// memory, choosing a [`TransferMethod`] per path and size from measured
 /// bandwidth ([`calibrate`](Self::calibrate)) or the H100 defaults.
 ///
 /// Every transfer is blocking: it returns once the data is in place. [`plan`](Self::plan)
@@ -213,6 +216,68 @@ impl TransferManager {
         let path = TransferPath::between(src, dst);
         let facts = self.facts(src, dst);
         planner::choose(path, bytes, &facts, &self.measured.read(), &self.defaults)
+    }
+
+    /// Page-locks the caller's `memory` in place (`cuMemHostRegister`, in device `device`'s
+    /// context; portable, so every device's copies DMA it directly) until the returned
+    /// [`RegisteredHost`] is dropped or [`unregister`](RegisteredHost::unregister)ed.
+    ///
+    /// Registering costs milliseconds; it pays for a buffer transferred many times, which
+    /// [`registration_advice`](Self::registration_advice) works out from the calibration.
+    ///
+    /// # Errors
+    /// `NoSuchDevice` for an ordinal the manager does not serve, `EmptyRegistration` for a slice
+    /// without bytes (both before any driver call); the driver's error otherwise (memory that
+    /// is already registered, or that cannot be locked).
+    pub fn register_host<'a, T: Element>(
+        &self,
+        device: usize,
+        memory: &'a mut [T],
+    ) -> Result<RegisteredHost<'a, T>> {
+        let state = self
+            .devices
+            .get(device)
+            .ok_or(TransferError::NoSuchDevice {
+                device,
+                count: self.devices.len(),
+            })?;
+        RegisteredHost::new(&state.context, device, memory)
+    }
+
+    /// Whether registering a host buffer of `bytes` pays for `expected_transfers` transfers
+    /// in `direction`: the one-off cost of registering and unregistering plus the transfers at
+    /// registered (pinned) speed, against the same transfers from pageable memory by the best
+    /// pageable method, all from this machine's calibration where measured (else the H100
+    /// defaults and the registration estimate of
+    /// [`RegistrationCost::H100_ESTIMATE`](crate::RegistrationCost::H100_ESTIMATE)).
+    ///
+    /// ```no_run
+    /// use cuweave_transfer::{TransferDirection, TransferManager};
+    ///
+    /// # fn main() -> Result<(), cuweave_transfer::TransferError> {
+    /// let manager = TransferManager::new()?;
+    /// manager.calibrate()?;
+    /// let advice = manager.registration_advice(TransferDirection::HostToDevice, 64 << 20, 100);
+    /// println!("{}", advice.reason);
+    /// if advice.pays {
+    ///     // manager.register_host(0, &mut buffer)? ...
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn registration_advice(
+        &self,
+        direction: TransferDirection,
+        bytes: usize,
+        expected_transfers: u64,
+    ) -> RegistrationAdvice {
+        advice::advise(
+            direction,
+            bytes,
+            expected_transfers,
+            &self.measured.read(),
+            &self.defaults,
+        )
     }
 
     /// Moves `src`'s elements into `dst` by the planned method; returns once they are there.

@@ -11,7 +11,7 @@ use crate::location::{LocationKind, TransferPath};
 ///
 /// | method | what runs |
 /// |---|---|
-/// | `DirectCopy` | the plain driver copy for the pair: `cuMemcpyHtoD` / `cuMemcpyDtoH` (pageable or pinned host), `cuMemcpyDtoD` (one device, unified addressing), `cuMemcpyPeerAsync` without enabling peer access (the driver stages it), or a host `memcpy` between host-visible memory |
+/// | `DirectCopy` | the plain driver copy for the pair: `cuMemcpyHtoD` / `cuMemcpyDtoH` (pageable, pinned or registered host), `cuMemcpyDtoD` (one device, unified addressing), `cuMemcpyPeerAsync` without enabling peer access (the driver stages it), or a host `memcpy` between host-visible memory |
 /// | `HostStaged` | the pipeline: host threads copy chunks of pageable memory into pinned blocks of the `PinnedPool` while the copy engine moves earlier chunks (both directions); between devices, chunks bounce through pinned blocks, download and upload overlapped |
 /// | `UnifiedMemory` | managed memory is prefetched (`cuMemPrefetchAsync`) to the side that does the copy, then copied there: to the device for device copies, to the host for host copies |
 /// | `PeerToPeer` | peer access enabled once per device pair (cached), then `cuMemcpyPeerAsync` over NVLink / PCIe |
@@ -54,8 +54,10 @@ impl TransferMethod {
 
     /// The methods that can serve `path`, in order of preference when nothing was measured.
     pub fn candidates(path: TransferPath) -> &'static [Self] {
-        use LocationKind::{Device, Pageable, Pinned, Unified};
+        use LocationKind::{Device, Pageable, Pinned, Registered, Unified};
         match (path.src, path.dst, path.cross_device) {
+            // Already page-locked: the driver DMAs it directly; see `not_served_because`.
+            (Registered, _, _) | (_, Registered, _) => &[Self::DirectCopy],
             (Pageable, Device, _) | (Device, Pageable, _) => &[Self::HostStaged, Self::DirectCopy],
             (Pinned, Device, false) | (Device, Pinned, false) => {
                 &[Self::DirectCopy, Self::ZeroCopy]
@@ -68,6 +70,26 @@ impl TransferMethod {
                 &[Self::UnifiedMemory, Self::DirectCopy]
             }
             _ => &[Self::DirectCopy],
+        }
+    }
+
+    /// Why `self` is not among `path`'s [`candidates`](Self::candidates), where that is not
+    /// plain from the method's description: the methods registered host memory does without.
+    pub fn not_served_because(self, path: TransferPath) -> Option<&'static str> {
+        if !path.involves(LocationKind::Registered) || Self::candidates(path).contains(&self) {
+            return None;
+        }
+        match self {
+            Self::ZeroCopy => Some(
+                "registered host memory is page-locked but not mapped into the device's address \
+                 space (registered without CU_MEMHOSTREGISTER_DEVICEMAP); use a PinnedBuffer for \
+                 ZeroCopy",
+            ),
+            Self::HostStaged => Some(
+                "registered host memory is already page-locked: the copy engine reads and writes \
+                 it directly, and staging would only add a host copy",
+            ),
+            _ => None,
         }
     }
 }
@@ -91,8 +113,8 @@ mod tests {
     #[test]
     fn every_path_has_direct_copy_as_a_last_resort() {
         use LocationKind::*;
-        for src in [Pageable, Pinned, Device, Unified] {
-            for dst in [Pageable, Pinned, Device, Unified] {
+        for src in [Pageable, Pinned, Device, Unified, Registered] {
+            for dst in [Pageable, Pinned, Device, Unified, Registered] {
                 for cross_device in [false, true] {
                     let path = TransferPath {
                         src,
@@ -104,6 +126,32 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn registered_paths_copy_directly_and_say_why_not_otherwise() {
+        for path in [
+            TransferPath::REGISTERED_TO_DEVICE,
+            TransferPath::DEVICE_TO_REGISTERED,
+        ] {
+            assert_eq!(
+                TransferMethod::candidates(path),
+                &[TransferMethod::DirectCopy]
+            );
+            let why = TransferMethod::ZeroCopy.not_served_because(path).unwrap();
+            assert!(why.contains("not mapped"), "{why}");
+            assert!(
+                TransferMethod::HostStaged
+                    .not_served_because(path)
+                    .is_some()
+            );
+            assert_eq!(TransferMethod::DirectCopy.not_served_because(path), None);
+        }
+        // Other paths give no extra reason.
+        assert_eq!(
+            TransferMethod::HostStaged.not_served_because(TransferPath::DEVICE_TO_DEVICE),
+            None
+        );
     }
 
     #[test]

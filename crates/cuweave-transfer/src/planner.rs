@@ -8,7 +8,7 @@ use std::fmt;
 use serde::Serialize;
 
 use crate::calibration::CalibrationTable;
-use crate::location::{SizeClass, TransferPath};
+use crate::location::{LocationKind, SizeClass, TransferPath};
 use crate::method::TransferMethod;
 
 /// What the devices on a path can do, as far as the method choice cares.
@@ -107,7 +107,15 @@ impl fmt::Display for Plan {
                 }
             }
             PlanReason::Default { gbps } => write!(f, "H100 default {gbps:.1} GB/s")?,
-            PlanReason::OnlyChoice => f.write_str("the only method for this path")?,
+            PlanReason::OnlyChoice => {
+                f.write_str("the only method for this path")?;
+                if self.path.involves(LocationKind::Registered) {
+                    f.write_str(
+                        " (registered host memory is page-locked: the copy engine moves it \
+                         directly at pinned speed; it is not mapped, so no ZeroCopy)",
+                    )?;
+                }
+            }
             PlanReason::Preference => f.write_str("first available method (nothing measured)")?,
             PlanReason::Requested => f.write_str("requested")?,
         }
@@ -182,6 +190,9 @@ pub fn require(
     facts: &PathFacts,
     method: TransferMethod,
 ) -> Result<Plan, String> {
+    if let Some(why) = method.not_served_because(path) {
+        return Err(why.to_owned());
+    }
     if !TransferMethod::candidates(path).contains(&method) {
         return Err(format!(
             "{method} does not serve this path (its methods: {})",
@@ -209,7 +220,6 @@ mod tests {
     use rstest::rstest;
 
     use super::*;
-    use crate::location::LocationKind;
     use TransferMethod::*;
 
     const ALL_FACTS: PathFacts = PathFacts {
@@ -422,6 +432,61 @@ mod tests {
         assert!(error.contains("cuDeviceCanAccessPeer"), "{error}");
         let plan = require(TransferPath::PEER, 1, &ALL_FACTS, PeerToPeer).unwrap();
         assert_eq!(plan.reason, PlanReason::Requested);
+    }
+
+    #[test]
+    fn registered_paths_copy_directly_and_the_plan_says_why() {
+        for path in [
+            TransferPath::REGISTERED_TO_DEVICE,
+            TransferPath::DEVICE_TO_REGISTERED,
+            TransferPath::local(LocationKind::Registered, LocationKind::Pageable),
+            TransferPath {
+                src: LocationKind::Registered,
+                dst: LocationKind::Device,
+                cross_device: true,
+            },
+        ] {
+            let plan = choose(
+                path,
+                64 * MIB,
+                &ALL_FACTS,
+                &CalibrationTable::default(),
+                &CalibrationTable::h100_defaults(),
+            );
+            assert_eq!(
+                (plan.method, plan.reason),
+                (DirectCopy, PlanReason::OnlyChoice)
+            );
+            assert!(plan.to_string().contains("page-locked"), "{plan}");
+        }
+        let error =
+            require(TransferPath::REGISTERED_TO_DEVICE, 1, &ALL_FACTS, ZeroCopy).unwrap_err();
+        assert!(error.contains("CU_MEMHOSTREGISTER_DEVICEMAP"), "{error}");
+        let error = require(
+            TransferPath::DEVICE_TO_REGISTERED,
+            1,
+            &ALL_FACTS,
+            HostStaged,
+        )
+        .unwrap_err();
+        assert!(error.contains("already page-locked"), "{error}");
+        let error = require(
+            TransferPath::DEVICE_TO_REGISTERED,
+            1,
+            &ALL_FACTS,
+            PeerToPeer,
+        )
+        .unwrap_err();
+        assert!(error.contains("does not serve this path"), "{error}");
+        assert!(
+            require(
+                TransferPath::REGISTERED_TO_DEVICE,
+                1,
+                &ALL_FACTS,
+                DirectCopy
+            )
+            .is_ok()
+        );
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! GPU tests of the transfer manager: every (source, destination, method) pair moves bytes
-//! exactly, at awkward sizes and offsets, leaving the bytes around the range untouched; bad
+//! GPU tests of the transfer manager: every (source, destination, method) pair (registered host
+//! memory included) moves bytes exactly, at awkward sizes and offsets, leaving the bytes around the range untouched; bad
 //! ranges and impossible methods are typed errors; plans, statistics and calibration.
 
 use std::sync::Arc;
@@ -8,8 +8,8 @@ use cuweave_driver::{Context, Device};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer, UnifiedBuffer};
 use cuweave_test_support::require_gpu;
 use cuweave_transfer::{
-    CalibrationTable, Destination, Location, LocationKind, PlanReason, SizeClass, Source,
-    StagingConfig, TransferError, TransferManager, TransferMethod, TransferPath,
+    CalibrationTable, Destination, Location, LocationKind, PlanReason, RegisteredHost, SizeClass,
+    Source, StagingConfig, TransferError, TransferManager, TransferMethod, TransferPath,
 };
 
 const MIB: usize = 1 << 20;
@@ -19,12 +19,14 @@ const DST_OFFSET: usize = 5;
 /// Room around each range so bytes outside it can be checked.
 const SLACK: usize = 16;
 
-/// One buffer of every kind, all `len` bytes, on one device.
-struct Side {
+/// One buffer of every kind, all `len` bytes, on one device; the registered one is host memory
+/// the caller owns, page-locked in place for the side's life.
+struct Side<'r> {
     host: Vec<u8>,
     pinned: PinnedBuffer<u8>,
     device: DeviceBuffer<u8>,
     unified: UnifiedBuffer<u8>,
+    registered: RegisteredHost<'r, u8>,
 }
 
 fn pattern(len: usize, seed: u32) -> Vec<u8> {
@@ -33,18 +35,23 @@ fn pattern(len: usize, seed: u32) -> Vec<u8> {
         .collect()
 }
 
-impl Side {
-    fn new(context: &Arc<Context>, len: usize) -> Self {
+impl<'r> Side<'r> {
+    /// Buffers as long as `backing`, which is registered in `context`'s device.
+    fn new(manager: &TransferManager, context: &Arc<Context>, backing: &'r mut [u8]) -> Self {
+        let len = backing.len();
+        let ordinal = context.device().ordinal();
         Self {
             host: vec![0; len],
             pinned: PinnedBuffer::zeroed(context, len).expect("pinned"),
             device: DeviceBuffer::zeroed(context, len).expect("device"),
             unified: UnifiedBuffer::zeroed(context, len).expect("unified"),
+            registered: manager.register_host(ordinal, backing).expect("registered"),
         }
     }
 
     fn fill_pattern(&mut self, data: &[u8]) {
         self.host.copy_from_slice(data);
+        self.registered.as_mut_slice().copy_from_slice(data);
         self.pinned.copy_from_host(data).unwrap();
         self.device.copy_from_host(data).unwrap();
         self.unified.copy_from_host(data).unwrap();
@@ -56,6 +63,7 @@ impl Side {
             LocationKind::Pinned => self.pinned.fill(SENTINEL).unwrap(),
             LocationKind::Device => self.device.fill(SENTINEL).unwrap(),
             LocationKind::Unified => self.unified.fill(SENTINEL).unwrap(),
+            LocationKind::Registered => self.registered.as_mut_slice().fill(SENTINEL),
         }
     }
 
@@ -65,6 +73,7 @@ impl Side {
             LocationKind::Pinned => self.pinned.as_slice().unwrap().to_vec(),
             LocationKind::Device => self.device.to_vec().unwrap(),
             LocationKind::Unified => self.unified.to_vec().unwrap(),
+            LocationKind::Registered => self.registered.as_slice().to_vec(),
         }
     }
 
@@ -75,6 +84,7 @@ impl Side {
             LocationKind::Pinned => Location::PinnedHost(d),
             LocationKind::Device => Location::Device(d),
             LocationKind::Unified => Location::Unified(d),
+            LocationKind::Registered => Location::RegisteredHost(d),
         }
     }
 
@@ -84,6 +94,7 @@ impl Side {
             LocationKind::Pinned => Source::pinned(&self.pinned, offset, len),
             LocationKind::Device => Source::device(&self.device, offset, len),
             LocationKind::Unified => Source::unified(&self.unified, offset, len),
+            LocationKind::Registered => Source::registered(&self.registered, offset, len),
         }
     }
 
@@ -98,15 +109,17 @@ impl Side {
             LocationKind::Pinned => Destination::pinned(&mut self.pinned, offset),
             LocationKind::Device => Destination::device(&mut self.device, offset),
             LocationKind::Unified => Destination::unified(&mut self.unified, offset),
+            LocationKind::Registered => Destination::registered(&mut self.registered, offset),
         }
     }
 }
 
-const KINDS: [LocationKind; 4] = [
+const KINDS: [LocationKind; 5] = [
     LocationKind::Pageable,
     LocationKind::Pinned,
     LocationKind::Device,
     LocationKind::Unified,
+    LocationKind::Registered,
 ];
 
 /// Moves `len` bytes from `src` (at SRC_OFFSET) to `dst` (at DST_OFFSET) for every pair of
@@ -114,8 +127,8 @@ const KINDS: [LocationKind; 4] = [
 /// byte of the destination. Returns how many cases ran.
 fn every_pair(
     manager: &TransferManager,
-    src: &Side,
-    dst: &mut Side,
+    src: &Side<'_>,
+    dst: &mut Side<'_>,
     len: usize,
     data: &[u8],
 ) -> usize {
@@ -178,11 +191,12 @@ fn every_pair_and_method_round_trips_bytes_exactly_on_one_device() {
     for len in SIZES {
         let total = len + SLACK;
         let data = pattern(total, len as u32);
-        let mut src = Side::new(&gpu.context, total);
+        let (mut src_backing, mut dst_backing) = (vec![0u8; total], vec![0u8; total]);
+        let mut src = Side::new(&manager, &gpu.context, &mut src_backing);
         src.fill_pattern(&data);
-        let mut dst = Side::new(&gpu.context, total);
+        let mut dst = Side::new(&manager, &gpu.context, &mut dst_backing);
         let cases = every_pair(&manager, &src, &mut dst, len, &data);
-        assert!(cases >= 16 + 8, "{cases} cases at {len} bytes");
+        assert!(cases >= 25 + 8, "{cases} cases at {len} bytes");
     }
 }
 
@@ -207,9 +221,10 @@ fn every_pair_and_method_round_trips_between_two_devices() {
         let total = len + SLACK;
         let data = pattern(total, 7 + len as u32);
         for (a, b) in [(&c0, &c1), (&c1, &c0)] {
-            let mut src = Side::new(a, total);
+            let (mut src_backing, mut dst_backing) = (vec![0u8; total], vec![0u8; total]);
+            let mut src = Side::new(&manager, a, &mut src_backing);
             src.fill_pattern(&data);
-            let mut dst = Side::new(b, total);
+            let mut dst = Side::new(&manager, b, &mut dst_backing);
             every_pair(&manager, &src, &mut dst, len, &data);
         }
     }

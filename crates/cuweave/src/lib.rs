@@ -19,7 +19,7 @@
 //! | memory | `cuweave-memory` | [`memory`] | typed device, pinned and unified buffers, migration hints, the caching allocator, the pinned pool |
 //! | stream | `cuweave-stream` | [`stream`] | priority streams with metrics and callbacks, the stream pool and its strategies, multi-stream coordination, the stream-ordered allocator, the GPU-timed profiler |
 //! | event | `cuweave-event` | [`event`] | the event pool, the operation coordinator (dependencies, priorities, deadlock detection), cross-stream barriers, async waiting (`.await` a stream or an event under any executor) |
-//! | transfer | `cuweave-transfer` | [`transfer`] | the transfer manager: measured method choice, pipelined staging of pageable copies, peer-to-peer, zero-copy, statistics, async transfers |
+//! | transfer | `cuweave-transfer` | [`transfer`] | the transfer manager: measured method choice, pipelined staging of pageable copies, peer-to-peer, zero-copy, host registration, statistics, async transfers |
 //!
 //! # Features
 //!
@@ -83,7 +83,8 @@ pub mod prelude {
     #[cfg(feature = "event")]
     pub use cuweave_event::{
         AsyncEventWaiter, CrossStreamBarrier, EventError, EventPool, EventPriority,
-        OperationCoordinator, OperationType, PooledEvent, WaitFuture, WakeMechanism,
+        OperationCoordinator, OperationType, OwnedPooledEvent, PooledEvent, WaitFuture,
+        WakeMechanism,
     };
     #[cfg(feature = "memory")]
     pub use cuweave_memory::{
@@ -99,8 +100,9 @@ pub mod prelude {
     };
     #[cfg(feature = "transfer")]
     pub use cuweave_transfer::{
-        CalibrationTable, Destination, Location, Plan, Source, StagingConfig, TransferError,
-        TransferManager, TransferMethod, TransferReport,
+        CalibrationTable, Destination, Location, Plan, RegisteredHost, RegistrationAdvice, Source,
+        StagingConfig, TransferDirection, TransferError, TransferManager, TransferMethod,
+        TransferReport,
     };
 }
 

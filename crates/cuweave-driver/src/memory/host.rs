@@ -1,6 +1,5 @@
 //! Page-locked host memory: allocated ([`HostAllocation`]) or registered ([`HostRegistration`]).
 
-use std::marker::PhantomData;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -160,22 +159,17 @@ impl Drop for HostAllocation {
     }
 }
 
-/// Existing host memory page-locked in place with `cuMemHostRegister`, unregistered on drop.
+/// Existing host memory page-locked in place with `cuMemHostRegister`, unregistered on drop
+/// (or by [`unregister`](Self::unregister), which hands the memory back).
 ///
 /// Holds the exclusive borrow of the slice for as long as it is registered, so nothing else can
-/// free or move it meanwhile.
-#[derive(Debug)]
+/// free or move it meanwhile; the memory stays readable and writable through
+/// [`as_bytes`](Self::as_bytes) and [`as_bytes_mut`](Self::as_bytes_mut).
 pub struct HostRegistration<'a> {
     context: Arc<Context>,
-    ptr: NonNull<u8>,
-    bytes: usize,
-    _slice: PhantomData<&'a mut [u8]>,
+    /// The registered memory; empty only after `unregister` took it back.
+    memory: &'a mut [u8],
 }
-
-// SAFETY: the registration only holds an exclusive borrow of plain host memory.
-unsafe impl Send for HostRegistration<'_> {}
-// SAFETY: shared access hands out only reads.
-unsafe impl Sync for HostRegistration<'_> {}
 
 impl<'a> HostRegistration<'a> {
     /// Page-locks `memory` for the life of the returned value (portable to all contexts).
@@ -183,54 +177,95 @@ impl<'a> HostRegistration<'a> {
         nonzero(memory.len(), "HostRegistration::new")?;
         context.bind_to_thread()?;
         let api = driver()?;
-        let ptr = NonNull::new(memory.as_mut_ptr()).expect("slices are non-null");
         // SAFETY: the slice is valid for its length and exclusively borrowed for `'a`.
         unsafe {
             cu!(api.mem_host_register(
-                ptr.as_ptr().cast(),
+                memory.as_mut_ptr().cast(),
                 memory.len(),
                 sys::CU_MEMHOSTREGISTER_PORTABLE,
             ))
         }?;
         Ok(Self {
             context: Arc::clone(context),
-            ptr,
-            bytes: memory.len(),
-            _slice: PhantomData,
+            memory,
         })
     }
 
     /// The start of the registered range.
     pub fn as_ptr(&self) -> *const u8 {
-        self.ptr.as_ptr()
+        self.memory.as_ptr()
     }
 
     /// The start of the registered range, writable.
     pub fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.ptr.as_ptr()
+        self.memory.as_mut_ptr()
     }
 
     /// The registered length in bytes.
     pub fn len(&self) -> usize {
-        self.bytes
+        self.memory.len()
     }
 
     /// Always `false`.
     pub fn is_empty(&self) -> bool {
         false
     }
+
+    /// The registered memory.
+    pub fn as_bytes(&self) -> &[u8] {
+        self.memory
+    }
+
+    /// The registered memory, writable.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        self.memory
+    }
+
+    /// The context it was registered in.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.context
+    }
+
+    /// Unregisters now (`cuMemHostUnregister`) and hands the memory back.
+    ///
+    /// # Errors
+    /// The driver's error; the borrow of the memory ends either way.
+    pub fn unregister(mut self) -> Result<&'a mut [u8]> {
+        // Taking the memory leaves an empty slice, which `Drop` skips.
+        let memory = std::mem::take(&mut self.memory);
+        unregister(&self.context, memory)?;
+        Ok(memory)
+    }
+}
+
+// By hand: a derived `Debug` would print every registered byte.
+impl std::fmt::Debug for HostRegistration<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostRegistration")
+            .field("context", &self.context)
+            .field("ptr", &self.memory.as_ptr())
+            .field("bytes", &self.memory.len())
+            .finish()
+    }
+}
+
+/// `cuMemHostUnregister` of memory registered by [`HostRegistration::new`].
+fn unregister(context: &Context, memory: &mut [u8]) -> Result<()> {
+    context.bind_to_thread()?;
+    let api = driver()?;
+    // SAFETY: `memory` is exactly the range a `HostRegistration` registered; its owner gives it
+    // up here, so it is unregistered once.
+    unsafe { cu!(api.mem_host_unregister(memory.as_mut_ptr().cast())) }?;
+    Ok(())
 }
 
 impl Drop for HostRegistration<'_> {
     fn drop(&mut self) {
-        let Ok(api) = driver() else { return };
-        if let Err(error) = self.context.bind_to_thread() {
-            tracing::warn!(%error, "binding context to unregister host memory failed");
+        if self.memory.is_empty() || driver().is_err() {
             return;
         }
-        // SAFETY: we registered exactly this range and unregister it once.
-        if let Err(error) = unsafe { cu!(api.mem_host_unregister(self.ptr.as_ptr().cast())) } {
-            tracing::warn!(%error, "cuMemHostUnregister failed");
+        if let Err(error) = unregister(&self.context, self.memory) {
+            tracing::warn!(%error, bytes = self.memory.len(), "cuMemHostUnregister failed");
         }
     }
 }
