@@ -286,6 +286,57 @@ fn dropping_a_pending_copy_waits_and_forgetting_one_is_safe() {
 }
 
 #[test]
+fn a_blocking_upload_on_a_stream_lands_after_the_uses_it_conflicts_with() {
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let ctx = &gpu.context;
+    let kernels = TestKernels::load(ctx).unwrap();
+    let (a, b) = (stream(ctx), stream(ctx));
+    let len = 1 << 20;
+    let mut device = DeviceBuffer::<u32>::zeroed(ctx, len).unwrap();
+    device.fill(5).unwrap();
+
+    // A read on A behind a 20 ms spin; the upload on B must neither overtake it nor return
+    // before it has itself landed.
+    kernels.spin_ns(&a, 20 * MS).unwrap();
+    let read = device
+        .copy_to_host_async(PinnedBuffer::<u32>::new(ctx, len).unwrap(), &a)
+        .unwrap();
+    let data = pattern(4097);
+    let back = device.copy_range_from_host_on(3, data.clone(), &b).unwrap();
+    assert_eq!(back, data, "the host side comes back unchanged");
+    assert!(
+        read.is_complete().unwrap(),
+        "the upload returned before the read it had to wait for finished"
+    );
+    assert!(
+        read.wait()
+            .unwrap()
+            .as_slice()
+            .unwrap()
+            .iter()
+            .all(|&x| x == 5),
+        "the upload overtook the earlier read"
+    );
+    let now = device.to_vec().unwrap();
+    assert!(now[..3].iter().all(|&x| x == 5));
+    assert_eq!(&now[3..3 + data.len()], &data[..]);
+    assert!(now[3 + data.len()..].iter().all(|&x| x == 5));
+
+    // A pinned source (with a tracker of its own) and a bad range.
+    let pinned = PinnedBuffer::from_slice(ctx, &vec![9u32; 16]).unwrap();
+    let pinned = device
+        .copy_range_from_host_on(len - 16, pinned, &b)
+        .unwrap();
+    assert_eq!(pinned.as_slice().unwrap(), &[9u32; 16]);
+    assert_eq!(device.to_vec().unwrap()[len - 16..], [9u32; 16]);
+    assert!(matches!(
+        device.copy_range_from_host_on(len - 1, vec![1u32; 2], &b),
+        Err(MemoryError::OutOfRange { .. })
+    ));
+}
+
+#[test]
 fn a_use_on_another_stream_waits_for_the_previous_use() {
     let gpu = require_gpu!();
     let _serial = serial();

@@ -133,6 +133,43 @@ pub(crate) fn write_async<T: Element, H: HostSource<T>>(
     finish(outcome, host, done, dst.bytes())
 }
 
+/// Copies the host side `host` into `dst` on `stream` and returns it once the copy has landed:
+/// the stream waits for the buffer's conflicting uses, `cuMemcpyHtoDAsync` is queued there and
+/// the stream is synchronised. No event is recorded: like the legacy-stream blocking copies, the
+/// tracker then forgets the uses now known to be finished. A host side with a tracker of its own
+/// (a [`PinnedBuffer`](crate::PinnedBuffer)) goes the queued way and is waited for.
+pub(crate) fn write_completed<T: Element, H: HostSource<T>>(
+    operation: &'static str,
+    dst: DeviceSpan,
+    host: H,
+    stream: &Stream,
+    buffer: &StreamTracker,
+) -> Result<H> {
+    debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
+    if host.host_tracker().is_some() {
+        return write_async(operation, dst, host, stream, buffer)?.wait();
+    }
+    let src = host.host_ptr();
+    let outcome = tracker::run_completed(operation, stream, buffer, Access::Write, || {
+        // SAFETY: `src` is `host`'s memory, valid for `dst.bytes()` bytes, and `host` is held
+        // here until the stream, and so this copy, has finished (or is leaked below if that
+        // cannot be known); `dst` is a live span (crate invariant).
+        unsafe { memory::copy_htod_async(dst.ptr(), src, dst.bytes(), stream) }?;
+        stream.synchronize()?;
+        Ok(())
+    });
+    match outcome {
+        Ok(()) => Ok(host),
+        Err(failure) => {
+            if !failure.settled {
+                // The copy may still be running: its host memory must never be freed.
+                std::mem::forget(host);
+            }
+            Err(failure.error)
+        }
+    }
+}
+
 /// Queues a copy from `src` into the host side `host` on `stream`; the returned
 /// [`PendingCopy`] owns `host` until the copy has finished.
 pub(crate) fn read_async<T: Element, H: HostSink<T>>(
