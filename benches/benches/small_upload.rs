@@ -11,7 +11,8 @@
 //! | `pinned_async/word_spin` | the same, then `cuStreamWriteValue64` of a sequence number into mapped pinned memory, and the host spins on it |
 //! | `pageable_async/stream_sync` | `cuMemcpyHtoDAsync` straight from pageable memory (the driver stages), `cuStreamSynchronize` |
 //! | `cuweave/copy_range_from_host_on` | the memory layer's tracked form of `pinned_async/stream_sync` (a block from a `PinnedPool`) |
-//! | `cuweave/transfer` | `TransferManager::transfer` as planned (`HostStaged`: one pinned block, the same path) |
+//! | `cuweave/copy_range_from_host_watched` | the same with a `CompletionWords` word instead of `cuStreamSynchronize` (the tracked form of `pinned_async/word_spin`) |
+//! | `cuweave/transfer` | `TransferManager::transfer` as planned (`HostStaged`: one pinned block and the completion word, the path above) |
 //!
 //! Run with `cargo bench -p cuweave-benches --bench small_upload`.
 
@@ -19,7 +20,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::Criterion;
-use cuweave_driver::memory::{self, MappedWords};
+use cuweave_driver::memory::{self, CompletionWords, MappedWords};
 use cuweave_driver::{Context, Event, EventFlags, Stream, StreamFlags, driver};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer, PinnedPool};
 use cuweave_transfer::{Destination, TransferManager};
@@ -45,6 +46,7 @@ struct Fixture {
     words: MappedWords,
     sequence: u64,
     pool: PinnedPool,
+    completion: CompletionWords,
 }
 
 impl Fixture {
@@ -60,6 +62,7 @@ impl Fixture {
             words: MappedWords::new(context, 1).expect("mapped words"),
             sequence: 0,
             pool: PinnedPool::new(context),
+            completion: CompletionWords::new(context).expect("completion words"),
         }
     }
 
@@ -154,6 +157,16 @@ impl Fixture {
         drop(block);
     }
 
+    fn ours_watched(&mut self, bytes: usize) {
+        let mut block = self.pool.get_typed::<u8>(bytes).expect("pinned block");
+        block.as_mut_slice().copy_from_slice(&self.host[..bytes]);
+        let block = self
+            .device
+            .copy_range_from_host_watched(0, block, &self.stream, &self.completion)
+            .expect("copy_range_from_host_watched");
+        drop(block);
+    }
+
     fn ours(&mut self, bytes: usize) {
         self.manager
             .transfer(
@@ -167,7 +180,7 @@ impl Fixture {
 type Case = (&'static str, fn(&mut Fixture, usize));
 
 fn cases(c: &mut Criterion, f: &mut Fixture, bytes: usize) {
-    let cases: [Case; 8] = [
+    let cases: [Case; 9] = [
         ("raw/cuMemcpyHtoD", |f, n| f.plain(n)),
         ("raw/cuMemcpyHtoD+sync_legacy", |f, n| f.plain_then_sync(n)),
         ("pinned_async/stream_sync", Fixture::pinned_stream_sync),
@@ -175,6 +188,10 @@ fn cases(c: &mut Criterion, f: &mut Fixture, bytes: usize) {
         ("pinned_async/word_spin", Fixture::pinned_word_spin),
         ("pageable_async/stream_sync", Fixture::pageable_async),
         ("cuweave/copy_range_from_host_on", Fixture::ours_on_stream),
+        (
+            "cuweave/copy_range_from_host_watched",
+            Fixture::ours_watched,
+        ),
         ("cuweave/transfer", Fixture::ours),
     ];
     let mut group = c.benchmark_group(format!("small_upload_{}KiB", bytes >> 10));

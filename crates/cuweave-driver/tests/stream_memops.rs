@@ -163,3 +163,60 @@ fn peer_attributes_agree_with_peer_access_and_refuse_a_device_paired_with_itself
         }
     }
 }
+
+/// Reads the `u32` at `ptr` (device memory) with a blocking copy.
+fn read_flag(context: &std::sync::Arc<cuweave_driver::Context>, ptr: memory::DevicePtr) -> u32 {
+    let mut value = [0u8; 4];
+    // SAFETY: `ptr` is a live 4-byte device allocation; `value` is writable for 4 bytes.
+    unsafe { memory::copy_dtoh(context, value.as_mut_ptr(), ptr, 4) }.unwrap();
+    u32::from_ne_bytes(value)
+}
+
+#[test]
+fn completion_words_return_only_after_the_work_before_them_by_word_or_by_fallback() {
+    use cuweave_driver::memory::CompletionWords;
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    // A budget long enough that the word answers, and none at all (straight to the fallback).
+    for spin in [Duration::from_secs(2), Duration::ZERO] {
+        let words = CompletionWords::with_spin(&gpu.context, spin).unwrap();
+        let streams: Vec<Stream> = (0..4)
+            .map(|_| Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap())
+            .collect();
+        let flags = DeviceAllocation::new(&gpu.context, 4 * 4).unwrap();
+        // SAFETY: `flags` is a live, aligned 16-byte allocation.
+        unsafe { memory::memset_d32(&gpu.context, flags.ptr(), 0, 4) }.unwrap();
+        // Four threads share the page (and so, at times, a word), each waiting on its own
+        // stream behind a spin of a different length that ends by setting its flag.
+        std::thread::scope(|scope| {
+            for (i, stream) in streams.iter().enumerate() {
+                let (kernels, words, flag) = (&kernels, &words, flags.ptr() + 4 * i as u64);
+                let context = &gpu.context;
+                scope.spawn(move || {
+                    for round in 1..=3u32 {
+                        let started = Instant::now();
+                        // SAFETY: `flag` is a live 4-byte word of `flags`, which outlives the
+                        // stream's work (waited for below).
+                        unsafe {
+                            kernels
+                                .spin_then_store_u32(stream, (5 + 5 * i as u64) * MS, flag, round)
+                                .unwrap()
+                        };
+                        words.synchronize(stream).unwrap();
+                        assert_eq!(
+                            read_flag(context, flag),
+                            round,
+                            "returned before the spin kernel on stream {i} ended (spin budget {spin:?})"
+                        );
+                        assert!(started.elapsed() >= Duration::from_millis(4));
+                    }
+                });
+            }
+        });
+        // Back-to-back short waits: each returns after its own write.
+        for _ in 0..100 {
+            words.synchronize(&streams[0]).unwrap();
+        }
+    }
+}

@@ -323,8 +323,27 @@ fn a_blocking_upload_on_a_stream_lands_after_the_uses_it_conflicts_with() {
     assert_eq!(&now[3..3 + data.len()], &data[..]);
     assert!(now[3 + data.len()..].iter().all(|&x| x == 5));
 
+    // The same through a completion word, behind a read on A again.
+    let words = cuweave_driver::memory::CompletionWords::new(ctx).unwrap();
+    kernels.spin_ns(&a, 20 * MS).unwrap();
+    let read = device
+        .copy_to_host_async(PinnedBuffer::<u32>::new(ctx, len).unwrap(), &a)
+        .unwrap();
+    let reversed: Vec<u32> = data.iter().rev().copied().collect();
+    let back = device
+        .copy_range_from_host_watched(3, reversed.clone(), &b, &words)
+        .unwrap();
+    assert_eq!(back, reversed);
+    assert!(
+        read.is_complete().unwrap(),
+        "the watched upload returned early"
+    );
+    let before = read.wait().unwrap();
+    assert_eq!(&before.as_slice().unwrap()[3..3 + data.len()], &data[..]);
+    assert_eq!(&device.to_vec().unwrap()[3..3 + data.len()], &reversed[..]);
+
     // A pinned source (with a tracker of its own) and a bad range.
-    let pinned = PinnedBuffer::from_slice(ctx, &vec![9u32; 16]).unwrap();
+    let pinned = PinnedBuffer::from_slice(ctx, &[9u32; 16]).unwrap();
     let pinned = device
         .copy_range_from_host_on(len - 16, pinned, &b)
         .unwrap();

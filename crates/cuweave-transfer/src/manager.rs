@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cuweave_driver::memory::CompletionWords;
 use cuweave_driver::{Context, Device, DeviceCapabilities, Stream, StreamFlags};
 use cuweave_memory::{Element, PinnedPool};
 use parking_lot::{Mutex, RwLock};
@@ -51,6 +52,9 @@ pub(crate) struct DeviceState {
     pub(crate) capabilities: DeviceCapabilities,
     pub(crate) pool: PinnedPool,
     pub(crate) streams: Vec<Stream>,
+    /// Words for learning that a small upload landed without a driver call (`None` when the
+    /// device cannot map host memory).
+    pub(crate) completion: Option<CompletionWords>,
     /// `can_access_peer[j]`: this device can access device `j`'s memory.
     pub(crate) can_access_peer: Vec<bool>,
 }
@@ -129,8 +133,15 @@ impl TransferManager {
                 .iter()
                 .map(|peer| device.can_access_peer(peer))
                 .collect::<cuweave_driver::Result<Vec<_>>>()?;
+            // Without mapped host memory the small uploads synchronise their stream instead.
+            let completion = CompletionWords::new(&context)
+                .inspect_err(|error| {
+                    tracing::debug!(%error, "no completion words: small uploads use cuStreamSynchronize");
+                })
+                .ok();
             devices.push(DeviceState {
                 capabilities: device.capabilities()?,
+                completion,
                 pool: PinnedPool::new(&context),
                 context,
                 streams,
@@ -368,6 +379,7 @@ impl TransferManager {
         Pipeline {
             pool: &state.pool,
             streams: &state.streams,
+            completion: state.completion.as_ref(),
             config: self.staging,
         }
     }

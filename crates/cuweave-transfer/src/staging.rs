@@ -14,7 +14,8 @@
 //! each finished block out to the destination.
 //!
 //! A transfer of at most one chunk takes a shortcut: one pinned block, no worker thread; an
-//! upload copies it on the pipeline's first stream and synchronises that stream, a download
+//! upload copies it on the pipeline's first stream and watches that stream's completion word, a
+//! download
 //! uses the memory layer's blocking copy into it.
 //!
 //! Blocks travel inside the memory layer's `PendingCopy`, which gives a block back only once
@@ -25,6 +26,7 @@
 use std::collections::VecDeque;
 
 use cuweave_driver::Stream;
+use cuweave_driver::memory::CompletionWords;
 use cuweave_memory::buffer::PendingCopy;
 use cuweave_memory::{Buffer, Element, PinnedPool, TypedPinnedBlock};
 use parking_lot::Mutex;
@@ -77,6 +79,8 @@ impl Default for StagingConfig {
 pub(crate) struct Pipeline<'a> {
     pub(crate) pool: &'a PinnedPool,
     pub(crate) streams: &'a [Stream],
+    /// Completion words for one-chunk uploads (else they synchronise the stream).
+    pub(crate) completion: Option<&'a CompletionWords>,
     pub(crate) config: StagingConfig,
 }
 
@@ -93,7 +97,14 @@ impl Pipeline<'_> {
     {
         let chunk = self.config.chunk_elements::<T>();
         if src.len() <= chunk {
-            return upload_one(self.pool, &self.streams[0], src, dst, dst_offset);
+            return upload_one(
+                self.pool,
+                &self.streams[0],
+                self.completion,
+                src,
+                dst,
+                dst_offset,
+            );
         }
         let pieces: Vec<(usize, &[T])> = src
             .chunks(chunk)
@@ -152,14 +163,17 @@ where
 }
 
 /// An upload of one chunk: nothing to overlap, so no worker. The bytes go into one pinned
-/// block, are copied on the pipeline's first stream, and the stream is synchronised (the memory
-/// layer's `copy_range_from_host_on`, which records no event): the quickest way found to land
-/// a small upload (`benches/benches/small_upload.rs`; on the H100 4 KiB in 7.4 µs and 64 KiB in
-/// 15.8 µs of raw calls, against 7.7 and 17.9 µs for `cuMemcpyHtoD` followed by the legacy
-/// stream's synchronisation, and 7.7 and 16.3 µs for an event record and wait).
+/// block and are copied on the pipeline's first stream, and the stream's completion word says
+/// when they have landed (the memory layer's `copy_range_from_host_watched`, which records no
+/// event; `cuStreamSynchronize` without words). The quickest way found to land a small upload
+/// (`benches/benches/small_upload.rs`, H100, 4 KiB / 64 KiB of raw calls: pinned block and
+/// completion word 7.0 / 14.8 µs, with `cuStreamSynchronize` 7.4–8.0 / 15.6–16.1 µs, with an
+/// event 7.7–7.8 / 15.7–15.9 µs, `cuMemcpyHtoD` and the legacy stream's synchronisation
+/// 7.6–8.5 / 17.7–19.1 µs).
 fn upload_one<T, B>(
     pool: &PinnedPool,
     stream: &Stream,
+    completion: Option<&CompletionWords>,
     src: &[T],
     dst: &mut B,
     dst_offset: usize,
@@ -170,7 +184,11 @@ where
 {
     let mut block = pool.get_typed::<T>(src.len())?;
     block.as_mut_slice().copy_from_slice(src);
-    drop(dst.copy_range_from_host_on(dst_offset, block, stream)?);
+    let block = match completion {
+        Some(words) => dst.copy_range_from_host_watched(dst_offset, block, stream, words)?,
+        None => dst.copy_range_from_host_on(dst_offset, block, stream)?,
+    };
+    drop(block);
     Ok(())
 }
 

@@ -6,6 +6,7 @@
 //! `cuweave-memory` builds the typed, safe buffers on top of them.
 
 mod address_range;
+mod completion_words;
 mod copy;
 mod device_alloc;
 mod device_free;
@@ -16,6 +17,7 @@ mod pointer;
 mod pool;
 
 pub use address_range::address_range;
+pub use completion_words::CompletionWords;
 pub use copy::{
     copy, copy_async, copy_dtod, copy_dtod_async, copy_dtoh, copy_dtoh_async, copy_htod,
     copy_htod_async, copy_peer_async, memset_d8, memset_d8_async, memset_d32, memset_d32_async,

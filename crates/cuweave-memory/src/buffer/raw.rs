@@ -17,7 +17,7 @@
 
 use std::sync::Arc;
 
-use cuweave_driver::memory::{self, ManagedAllocation};
+use cuweave_driver::memory::{self, CompletionWords, ManagedAllocation};
 use cuweave_driver::{Context, Event, EventFlags, Stream};
 
 use super::fill::{doubling_steps, pattern_chunk_len};
@@ -135,7 +135,8 @@ pub(crate) fn write_async<T: Element, H: HostSource<T>>(
 
 /// Copies the host side `host` into `dst` on `stream` and returns it once the copy has landed:
 /// the stream waits for the buffer's conflicting uses, `cuMemcpyHtoDAsync` is queued there and
-/// the stream is synchronised. No event is recorded: like the legacy-stream blocking copies, the
+/// the stream is synchronised (through `words` when given: a completion word, else
+/// `cuStreamSynchronize`). No event is recorded: like the legacy-stream blocking copies, the
 /// tracker then forgets the uses now known to be finished. A host side with a tracker of its own
 /// (a [`PinnedBuffer`](crate::PinnedBuffer)) goes the queued way and is waited for.
 pub(crate) fn write_completed<T: Element, H: HostSource<T>>(
@@ -143,6 +144,7 @@ pub(crate) fn write_completed<T: Element, H: HostSource<T>>(
     dst: DeviceSpan,
     host: H,
     stream: &Stream,
+    words: Option<&CompletionWords>,
     buffer: &StreamTracker,
 ) -> Result<H> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
@@ -155,7 +157,10 @@ pub(crate) fn write_completed<T: Element, H: HostSource<T>>(
         // here until the stream, and so this copy, has finished (or is leaked below if that
         // cannot be known); `dst` is a live span (crate invariant).
         unsafe { memory::copy_htod_async(dst.ptr(), src, dst.bytes(), stream) }?;
-        stream.synchronize()?;
+        match words {
+            Some(words) => words.synchronize(stream)?,
+            None => stream.synchronize()?,
+        }
         Ok(())
     });
     match outcome {
