@@ -77,16 +77,14 @@ pub struct RegistrationCost {
 }
 
 impl RegistrationCost {
-    /// The cost assumed on the H100 host until [`calibrate`](crate::TransferManager::calibrate)
-    /// measures it: an estimate, not a measurement, to be replaced by calibration (and by the
-    /// figures of the next GPU run in `docs/transfer.md`). Roughly 10 ms fixed plus 0.15 ms per
-    /// MiB (0.1-0.2 ms per MiB observed for pinning on that host). For scale, allocating and
-    /// freeing pinned memory (`cuMemHostAlloc` + `cuMemFreeHost`, which also has the OS find
-    /// and zero the pages) measured 10.6 ms for 16 MiB and 42.3 ms for 64 MiB there
-    /// (`docs/benchmarks.md`).
-    pub const H100_ESTIMATE: Self = Self {
-        fixed_ms: 10.0,
-        ms_per_mib: 0.15,
+    /// The cost assumed until [`calibrate`](crate::TransferManager::calibrate) measures it on
+    /// this machine: the H100 host's, as its calibration measured it (0.247 ms + 0.0720 ms per
+    /// MiB; registering and unregistering 64 MiB took 4.57 ms raw and 4.65 ms through
+    /// [`register_host`](crate::TransferManager::register_host) in the same run; see
+    /// `docs/transfer.md`).
+    pub const H100_DEFAULT: Self = Self {
+        fixed_ms: 0.25,
+        ms_per_mib: 0.072,
     };
 
     /// The line through two measurements `(bytes, time)` (in any order), with neither part
@@ -236,13 +234,13 @@ impl CalibrationTable {
     ///
     /// Only paths with a real choice are listed; the others have one candidate (registered
     /// host memory moves at the pinned figures). The registration cost is
-    /// [`RegistrationCost::H100_ESTIMATE`], an estimate until a GPU run measures it.
+    /// [`RegistrationCost::H100_DEFAULT`], measured on the H100 host.
     pub fn h100_defaults() -> Self {
         use TransferMethod::{DirectCopy, HostStaged, PeerToPeer, ZeroCopy};
         let mut table = Self {
             device: Some("NVIDIA H100 80GB HBM3 (defaults)".to_owned()),
             entries: Vec::new(),
-            registration: Some(RegistrationCost::H100_ESTIMATE),
+            registration: Some(RegistrationCost::H100_DEFAULT),
         };
         let rows: &[DefaultRow] = &[
             (
@@ -384,7 +382,7 @@ mod tests {
         assert_eq!(CalibrationTable::from_json(&json).unwrap(), table);
         assert_eq!(
             CalibrationTable::h100_defaults().registration,
-            Some(RegistrationCost::H100_ESTIMATE)
+            Some(RegistrationCost::H100_DEFAULT)
         );
     }
 }

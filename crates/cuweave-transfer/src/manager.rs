@@ -259,8 +259,8 @@ impl TransferManager {
     /// in `direction`: the one-off cost of registering and unregistering plus the transfers at
     /// registered (pinned) speed, against the same transfers from pageable memory by the best
     /// pageable method, all from this machine's calibration where measured (else the H100
-    /// defaults and the registration estimate of
-    /// [`RegistrationCost::H100_ESTIMATE`](crate::RegistrationCost::H100_ESTIMATE)).
+    /// defaults and the registration cost of
+    /// [`RegistrationCost::H100_DEFAULT`](crate::RegistrationCost::H100_DEFAULT)).
     ///
     /// ```no_run
     /// use cuweave_transfer::{TransferDirection, TransferManager};
