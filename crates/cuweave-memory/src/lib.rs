@@ -55,6 +55,7 @@ pub mod buffer;
 pub mod caching;
 pub mod element;
 pub mod error;
+pub mod host_copy;
 // Unsafe is allowed here: the launch is the driver's unsafe kernel launch, with its contract.
 #[allow(unsafe_code)]
 pub mod launch;
@@ -70,6 +71,7 @@ pub use buffer::{
 pub use caching::{CachedAllocation, CachingAllocator, MemoryStats, PoolKind, Stat, StreamKey};
 pub use element::Element;
 pub use error::{MemoryError, Result};
+pub use host_copy::copy_streaming;
 pub use launch::TrackedLaunch;
 pub use pinned_pool::{
     PinnedBlock, PinnedPool, PinnedPoolConfig, PinnedPoolStats, TypedPinnedBlock,

@@ -10,8 +10,11 @@
 //! engine moves earlier chunks the workers fill the next ones: the transfer runs at the slower
 //! of the host's aggregate `memcpy` bandwidth and the bus, instead of at the driver's own
 //! staging speed (a pageable `cuMemcpyHtoD` copies through one small bounce buffer on one
-//! thread). Downloads run the same pipeline backwards: queue copies into blocks, then `memcpy`
-//! each finished block out to the destination.
+//! thread). Downloads run the same pipeline backwards: queue copies into blocks, then copy each
+//! finished block out to the destination with streaming (non-temporal) stores
+//! ([`copy_streaming`]), which write the caller's memory without first reading every line of it:
+//! on the H100 host ordinary copies capped downloads near 46 GB/s, streaming ones reach 114 GB/s
+//! over 12 threads, above the copy engine's 54.
 //!
 //! A transfer of at most one chunk takes a shortcut: one pinned block, no worker thread; an
 //! upload copies it on the pipeline's first stream and watches that stream's completion word, a
@@ -28,7 +31,7 @@ use std::collections::VecDeque;
 use cuweave_driver::Stream;
 use cuweave_driver::memory::CompletionWords;
 use cuweave_memory::buffer::PendingCopy;
-use cuweave_memory::{Buffer, Element, PinnedPool, TypedPinnedBlock};
+use cuweave_memory::{Buffer, Element, PinnedPool, TypedPinnedBlock, copy_streaming};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
@@ -283,7 +286,7 @@ where
             && let Some((pending, out)) = in_flight.pop_front()
         {
             let block = pending.wait()?;
-            out.copy_from_slice(block.as_slice());
+            copy_streaming(out, block.as_slice())?;
             spare = Some(block);
         }
         let block = block_of(pool, spare.take(), piece.len())?;
@@ -292,7 +295,7 @@ where
     }
     for (pending, out) in in_flight {
         let block = pending.wait()?;
-        out.copy_from_slice(block.as_slice());
+        copy_streaming(out, block.as_slice())?;
     }
     Ok(())
 }
