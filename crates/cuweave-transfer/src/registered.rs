@@ -237,6 +237,14 @@ pub struct RegisteredSliceMut<'a, T: Element> {
 }
 
 impl<T: Element> RegisteredSliceMut<'_, T> {
+    /// The same elements, borrowed for reading.
+    pub fn as_view(&self) -> RegisteredSlice<'_, T> {
+        RegisteredSlice {
+            slice: self.slice,
+            device: self.device,
+        }
+    }
+
     /// The registered elements (all of them; the transfer's offset is beside the view).
     pub fn as_slice(&self) -> &[T] {
         self.slice
@@ -249,12 +257,12 @@ impl<T: Element> RegisteredSliceMut<'_, T> {
 
     /// The number of registered elements.
     pub fn len(&self) -> usize {
-        self.slice.len()
+        self.as_view().len()
     }
 
     /// Always `false`: registrations are never empty.
     pub fn is_empty(&self) -> bool {
-        self.slice.is_empty()
+        self.as_view().is_empty()
     }
 
     /// The ordinal of the device whose context registered the memory.
@@ -265,9 +273,10 @@ impl<T: Element> RegisteredSliceMut<'_, T> {
 
 impl<T: Element> fmt::Debug for RegisteredSliceMut<'_, T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let view = self.as_view();
         f.debug_struct("RegisteredSliceMut")
-            .field("device", &self.device)
-            .field("len", &self.slice.len())
+            .field("device", &view.device())
+            .field("len", &view.len())
             .finish()
     }
 }
