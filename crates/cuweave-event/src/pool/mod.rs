@@ -1,8 +1,8 @@
 //! [`EventPool`]: reusable CUDA events, timing and non-timing, handed out as RAII handles.
 //!
-//! The pool's lock-free core is CUDA-free: an append-only [`arena`] of items addressed by
-//! index, a free list of indices with a per-thread fast path ([`recycler`]), and the per-thread
-//! slot protocol it rests on ([`owner_slot`], model-checked with loom).
+//! The pool's lock-free core is CUDA-free: an append-only `arena` of items addressed by
+//! index, a free list of indices with a per-thread fast path (`recycler`), and the per-thread
+//! slot protocol it rests on (`owner_slot`, model-checked with loom).
 
 #[cfg(not(loom))]
 mod arena;
