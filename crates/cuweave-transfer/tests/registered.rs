@@ -3,6 +3,9 @@
 //! `unregister` hands the data back, bad input is a typed error, and the registration advice
 //! follows the calibrated figures.
 
+mod common;
+
+use common::{SENTINEL, assert_range, pattern};
 use cuweave_memory::{Buffer, DeviceBuffer};
 use cuweave_test_support::require_gpu;
 use cuweave_transfer::{
@@ -12,29 +15,11 @@ use cuweave_transfer::{
 use rstest::rstest;
 
 const MIB: usize = 1 << 20;
-const SENTINEL: u8 = 0xEE;
 const SRC_OFFSET: usize = 3;
 const DEVICE_OFFSET: usize = 5;
 const BACK_OFFSET: usize = 7;
 /// Room around each range so bytes outside it can be checked.
 const SLACK: usize = 16;
-
-fn pattern(len: usize, seed: u32) -> Vec<u8> {
-    (0..len)
-        .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8)
-        .collect()
-}
-
-/// Compares without printing megabytes when they differ.
-fn assert_same(actual: &[u8], expected: &[u8], what: &str) {
-    assert_eq!(actual.len(), expected.len(), "{what}: length");
-    if let Some(first) = (0..actual.len()).find(|&i| actual[i] != expected[i]) {
-        panic!(
-            "{what}: first wrong byte at {first} ({:#04x}, expected {:#04x})",
-            actual[first], expected[first]
-        );
-    }
-}
 
 #[rstest]
 fn registered_bytes_round_trip_through_a_device_at_awkward_sizes_and_offsets(
@@ -68,19 +53,11 @@ fn registered_bytes_round_trip_through_a_device_at_awkward_sizes_and_offsets(
         (report.plan.method, report.plan.reason),
         (TransferMethod::DirectCopy, PlanReason::OnlyChoice)
     );
-    let on_device = device.to_vec().unwrap();
-    let what = format!("registered -> device, {len} bytes");
-    assert!(
-        on_device[..DEVICE_OFFSET]
-            .iter()
-            .chain(&on_device[DEVICE_OFFSET + len..])
-            .all(|&b| b == SENTINEL),
-        "{what}: bytes outside the range changed"
-    );
-    assert_same(
-        &on_device[DEVICE_OFFSET..DEVICE_OFFSET + len],
+    assert_range(
+        &device.to_vec().unwrap(),
+        DEVICE_OFFSET,
         &data[SRC_OFFSET..SRC_OFFSET + len],
-        &what,
+        &format!("registered -> device, {len} bytes"),
     );
 
     // Down, into other bytes of the same registration.
@@ -92,19 +69,11 @@ fn registered_bytes_round_trip_through_a_device_at_awkward_sizes_and_offsets(
         )
         .unwrap();
     assert_eq!(report.plan.path, TransferPath::DEVICE_TO_REGISTERED);
-    let back = registered.as_slice();
-    let what = format!("device -> registered, {len} bytes");
-    assert!(
-        back[..BACK_OFFSET]
-            .iter()
-            .chain(&back[BACK_OFFSET + len..])
-            .all(|&b| b == SENTINEL),
-        "{what}: bytes outside the range changed"
-    );
-    assert_same(
-        &back[BACK_OFFSET..BACK_OFFSET + len],
+    assert_range(
+        registered.as_slice(),
+        BACK_OFFSET,
         &data[SRC_OFFSET..SRC_OFFSET + len],
-        &what,
+        &format!("device -> registered, {len} bytes"),
     );
 }
 

@@ -2,8 +2,11 @@
 //! memory included) moves bytes exactly, at awkward sizes and offsets, leaving the bytes around the range untouched; bad
 //! ranges and impossible methods are typed errors; plans, statistics and calibration.
 
+mod common;
+
 use std::sync::Arc;
 
+use common::{SENTINEL, assert_range, pattern};
 use cuweave_driver::{Context, Device};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer, UnifiedBuffer};
 use cuweave_test_support::require_gpu;
@@ -13,7 +16,6 @@ use cuweave_transfer::{
 };
 
 const MIB: usize = 1 << 20;
-const SENTINEL: u8 = 0xEE;
 const SRC_OFFSET: usize = 3;
 const DST_OFFSET: usize = 5;
 /// Room around each range so bytes outside it can be checked.
@@ -27,12 +29,6 @@ struct Side<'r> {
     device: DeviceBuffer<u8>,
     unified: UnifiedBuffer<u8>,
     registered: RegisteredHost<'r, u8>,
-}
-
-fn pattern(len: usize, seed: u32) -> Vec<u8> {
-    (0..len)
-        .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8)
-        .collect()
 }
 
 impl<'r> Side<'r> {
@@ -158,22 +154,12 @@ fn every_pair(
                 }
                 .unwrap_or_else(|e| panic!("{from} -> {to} ({method:?}), {len} bytes: {e}"));
                 assert_eq!(report.bytes, len);
-                let got = dst.read(dst_kind);
-                let what = format!("{from} -> {to} by {}, {len} bytes", report.plan.method);
-                assert!(
-                    got[..DST_OFFSET].iter().all(|&b| b == SENTINEL),
-                    "{what}: bytes before the range changed"
+                assert_range(
+                    &dst.read(dst_kind),
+                    DST_OFFSET,
+                    &data[SRC_OFFSET..SRC_OFFSET + len],
+                    &format!("{from} -> {to} by {}, {len} bytes", report.plan.method),
                 );
-                assert!(
-                    got[DST_OFFSET + len..].iter().all(|&b| b == SENTINEL),
-                    "{what}: bytes after the range changed"
-                );
-                if got[DST_OFFSET..DST_OFFSET + len] != data[SRC_OFFSET..SRC_OFFSET + len] {
-                    let first = (0..len)
-                        .find(|&i| got[DST_OFFSET + i] != data[SRC_OFFSET + i])
-                        .unwrap();
-                    panic!("{what}: first wrong byte at {first}");
-                }
                 cases += 1;
             }
         }
