@@ -10,8 +10,9 @@
 //! for small ones that are read at once, so the staging pipeline uses this only for multi-chunk
 //! downloads.
 
+use crate::buffer::range::check_same_len;
 use crate::element::Element;
-use crate::error::{MemoryError, Result};
+use crate::error::Result;
 
 /// Copies `src` into `dst` (the same length), writing `dst` with non-temporal stores where the
 /// CPU has them (SSE2 on x86-64; elsewhere an ordinary copy), and fences before returning so the
@@ -20,13 +21,7 @@ use crate::error::{MemoryError, Result};
 /// # Errors
 /// `MemoryError::SizeMismatch` when the lengths differ (nothing is copied).
 pub fn copy_streaming<T: Element>(dst: &mut [T], src: &[T]) -> Result<()> {
-    if dst.len() != src.len() {
-        return Err(MemoryError::SizeMismatch {
-            operation: "copy_streaming",
-            expected: dst.len(),
-            actual: src.len(),
-        });
-    }
+    check_same_len("copy_streaming", dst.len(), src.len())?;
     copy_bytes(bytemuck::cast_slice_mut(dst), bytemuck::cast_slice(src));
     Ok(())
 }
@@ -76,6 +71,7 @@ fn copy_bytes(dst: &mut [u8], src: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::MemoryError;
 
     fn pattern(len: usize) -> Vec<u8> {
         (0..len).map(|i| (i * 7 + i / 251) as u8).collect()

@@ -165,13 +165,7 @@ pub(crate) fn write_completed<T: Element, H: HostSource<T>>(
     });
     match outcome {
         Ok(()) => Ok(host),
-        Err(failure) => {
-            if !failure.settled {
-                // The copy may still be running: its host memory must never be freed.
-                std::mem::forget(host);
-            }
-            Err(failure.error)
-        }
+        Err(failure) => Err(give_up_host(failure, host)),
     }
 }
 
@@ -215,14 +209,18 @@ fn finish<H>(
 ) -> Result<PendingCopy<H>> {
     match outcome {
         Ok(()) => Ok(PendingCopy::new(host, done, bytes)),
-        Err(failure) => {
-            if !failure.settled {
-                // The copy may still be running: its host memory must never be freed.
-                std::mem::forget(host);
-            }
-            Err(failure.error)
-        }
+        Err(failure) => Err(give_up_host(failure, host)),
     }
+}
+
+/// The error of a failed copy with a host side: `host` is dropped if the stream was settled,
+/// leaked if the copy may still be running (its memory must never be freed under the copy
+/// engine).
+fn give_up_host<H>(failure: tracker::OpFailure, host: H) -> MemoryError {
+    if !failure.settled {
+        std::mem::forget(host);
+    }
+    failure.error
 }
 
 /// Queues a device-to-device copy of `src` into `dst` (same length) on `stream`.
