@@ -18,8 +18,7 @@
 //!
 //! A transfer of at most one chunk takes a shortcut: one pinned block, no worker thread; an
 //! upload copies it on the pipeline's first stream and watches that stream's completion word, a
-//! download
-//! uses the memory layer's blocking copy into it.
+//! download uses the memory layer's blocking copy into it.
 //!
 //! Blocks travel inside the memory layer's `PendingCopy`, which gives a block back only once
 //! the stream has passed its copy, so no block is refilled, and no user memory read or written,

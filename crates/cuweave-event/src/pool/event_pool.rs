@@ -150,9 +150,7 @@ impl EventPool {
             for _ in 0..count {
                 recycler
                     .stock(Event::new(context, flags)?)
-                    .map_err(|_| EventError::PoolFull {
-                        limit: Arena::<Event>::MAX_LEN,
-                    })?;
+                    .map_err(|_| PoolShared::take_error(TakeError::Full))?;
             }
         }
         Ok(Self {
