@@ -16,12 +16,14 @@
 //!
 //! Run with `cargo bench -p cuweave-benches --bench small_upload`.
 
+mod common;
+
 use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::Criterion;
 use cuweave_driver::memory::{self, CompletionWords, MappedWords};
-use cuweave_driver::{Context, Event, EventFlags, Stream, StreamFlags, driver};
+use cuweave_driver::{Context, Event, EventFlags, Stream, StreamFlags};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer, PinnedPool};
 use cuweave_transfer::{Destination, TransferManager};
 
@@ -67,17 +69,7 @@ impl Fixture {
     }
 
     fn plain(&self, bytes: usize) {
-        let api = driver().expect("driver");
-        self.context.bind_to_thread().expect("bind");
-        // SAFETY: `host` is readable and `device` writable for `bytes`.
-        let code = unsafe {
-            (api.memcpy_htod.get().expect("cuMemcpyHtoD"))(
-                self.device.device_ptr(),
-                self.host.as_ptr().cast(),
-                bytes,
-            )
-        };
-        assert_eq!(code, cuweave_driver::sys::CUresult::CUDA_SUCCESS);
+        common::bare_copy_htod(&self.context, &self.device, &self.host[..bytes]);
     }
 
     fn plain_then_sync(&self, bytes: usize) {

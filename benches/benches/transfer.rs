@@ -23,6 +23,8 @@
 //! Run with `cargo bench -p cuweave-benches --bench transfer`; without a driver it prints
 //! `skipping benches: no CUDA driver` and exits 0.
 
+mod common;
+
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -96,17 +98,7 @@ impl Fixture {
     /// `cuMemcpyHtoD` alone: from pageable memory it returns once the driver has staged the
     /// bytes, before they have landed (the other raw uploads here wait for the legacy stream).
     fn raw_h2d_pageable_bare(&self, bytes: usize) {
-        let api = cuweave_driver::driver().expect("driver");
-        self.context.bind_to_thread().expect("bind the context");
-        // SAFETY: `host` is readable for `bytes`, `device` writable for `bytes`.
-        let code = unsafe {
-            (api.memcpy_htod.get().expect("cuMemcpyHtoD"))(
-                self.device.device_ptr(),
-                self.host.as_ptr().cast(),
-                bytes,
-            )
-        };
-        assert_eq!(code, cuweave_driver::sys::CUresult::CUDA_SUCCESS);
+        common::bare_copy_htod(&self.context, &self.device, &self.host[..bytes]);
     }
 
     fn raw_d2h_pageable(&mut self, bytes: usize) {
