@@ -119,7 +119,14 @@ fn a_future_polled_before_the_gpu_is_done_stays_pending_then_wakes() {
     let kernels = TestKernels::load(&gpu.context).unwrap();
     let waiter = AsyncEventWaiter::new().unwrap();
     let stream = common::stream(&gpu.context);
-    kernels.spin_ns(&stream, 20 * MS).unwrap();
+    let flags = Flags::new(&gpu.context, 1);
+    // SAFETY: `flags` is mapped pinned memory of this context, alive until the stream is idle
+    // (the test waits for that below), and read on the host with volatile reads.
+    unsafe {
+        kernels
+            .spin_then_store_u32(&stream, 20 * MS, flags.device(0), 1)
+            .unwrap()
+    };
     let mut future = waiter.stream_idle(&stream).unwrap();
     // Spurious polls with a no-op waker, then with a real task: the real one is woken.
     let noop = futures::task::noop_waker();
@@ -129,7 +136,9 @@ fn a_future_polled_before_the_gpu_is_done_stays_pending_then_wakes() {
         assert!(polled.is_pending());
     }
     futures::executor::block_on(future).unwrap();
-    assert!(stream.query().unwrap());
+    // The work queued before the wait has finished. (Not `stream.query()`: the marker behind it,
+    // a word write or a host function, may still be retiring when the future resolves.)
+    assert_eq!(flags.read(0), 1);
 }
 
 use std::future::Future;
@@ -344,12 +353,21 @@ fn dropping_the_waiter_cancels_callbacks_and_fails_futures() {
 #[test]
 fn every_mechanism_serves_many_sequential_waits() {
     let gpu = require_gpu!();
-    let kernels = cuweave_test_support::event_kernels::EventKernels::load(&gpu.context).unwrap();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
     let waiter = AsyncEventWaiter::new().unwrap();
     let stream = common::stream(&gpu.context);
+    let flags = Flags::new(&gpu.context, 1);
+    let mut round = 0u32;
     for mechanism in MECHANISMS {
         for _ in 0..200 {
-            kernels.noop(&stream).unwrap();
+            round += 1;
+            // SAFETY: `flags` is mapped pinned memory of this context, alive past the stream's
+            // last use (the loop waits for each store), and read on the host with volatile reads.
+            unsafe {
+                kernels
+                    .spin_then_store_u32(&stream, 0, flags.device(0), round)
+                    .unwrap()
+            };
             let future = waiter
                 .stream_idle_with(
                     &stream,
@@ -360,7 +378,10 @@ fn every_mechanism_serves_many_sequential_waits() {
                 )
                 .unwrap();
             futures::executor::block_on(future).unwrap();
-            assert!(stream.query().unwrap());
+            // The store queued before the wait has landed. (Not `stream.query()`: the marker
+            // behind it, a word write or a host function, may still be retiring; a host
+            // function wakes the task from inside itself.)
+            assert_eq!(flags.read(0), round, "{mechanism:?}, wait {round}");
         }
     }
 }
