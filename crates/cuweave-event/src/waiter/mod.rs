@@ -185,6 +185,11 @@ impl AsyncEventWaiter {
     /// A future that resolves once the work queued on `stream` so far has finished on the GPU,
     /// woken through a completion word.
     ///
+    /// Its results are then visible to the host. The marker queued behind that work (the word
+    /// write, or with [`WakeMechanism::HostFunction`] the host function, which wakes the task
+    /// from inside itself) may still be retiring, so `stream.query()` can report the stream busy
+    /// for a moment after the future resolves.
+    ///
     /// # Errors
     /// The driver's error when the completion word cannot be queued (e.g. a device without
     /// stream memory operations: use [`stream_idle_with`](Self::stream_idle_with) and
