@@ -299,16 +299,14 @@ mod tests {
     fn a_driver_that_fails_to_initialise_is_no_gpu_too() {
         let report = Report::unavailable(&DriverError::Cuda {
             code: 100,
-            name: "CUDA_ERROR_NO_DEVICE".to_owned(),
-            description: "no CUDA-capable device is detected".to_owned(),
             operation: "cuInit",
         });
-        assert_eq!(
-            report.error.as_deref(),
-            Some(
-                "CUDA driver found but not usable: cuInit failed: CUDA_ERROR_NO_DEVICE (100): \
-                 no CUDA-capable device is detected"
-            )
+        // The code's name and text come from the driver when one is loaded.
+        let error = report.error.as_deref().unwrap();
+        assert!(
+            error.starts_with("CUDA driver found but not usable: cuInit failed: ")
+                && error.contains("(100)"),
+            "{error}"
         );
         assert_eq!(report.status.exit_code(), 0);
     }

@@ -1,5 +1,6 @@
 //! [`Context`]: a device's primary context, retained while any handle needs it.
 
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use crate::device::Device;
@@ -12,6 +13,19 @@ use crate::sys;
 /// Created retained with [`Context::primary`] and released on drop. Every safe handle holds an
 /// `Arc<Context>` and makes it current on the calling thread before a driver call
 /// ([`Context::bind_to_thread`]), so handles can be used from any thread.
+///
+/// # The thread's current context
+/// `cuCtxSetCurrent` state is per thread and shared with every other CUDA user in the process
+/// (a library linking the CUDA runtime reads it as "the current device"). What cuweave does to
+/// it:
+/// - [`bind_to_thread`](Self::bind_to_thread), and so every method of a safe handle that calls
+///   it (allocation, copies, launches, recording, synchronising, …), leaves the handle's context
+///   current on the calling thread after it returns, and does not restore the previous one.
+/// - [`Event::query`](crate::Event::query) and [`Stream::query`](crate::Stream::query) on a
+///   stream it created leave the current context alone on their fast path.
+/// - [`make_current_scoped`](Self::make_current_scoped) makes the context current and gives a
+///   guard that puts the previous current context (or none) back when dropped: wrap cuweave
+///   calls in it where code on the same thread relies on its own current context.
 #[derive(Debug)]
 pub struct Context {
     device: Device,
@@ -92,7 +106,42 @@ impl Context {
         self.raw
     }
 
-    /// Makes this context current on the calling thread; cheap when it already is.
+    /// The calling thread's current context (`cuCtxGetCurrent`): null when none is current.
+    pub fn current_raw() -> Result<sys::CUcontext> {
+        let api = driver()?;
+        let mut current = std::ptr::null_mut();
+        // SAFETY: `current` is a valid out-pointer.
+        unsafe { cu!(api.ctx_get_current(&mut current)) }?;
+        Ok(current)
+    }
+
+    /// Makes this context current on the calling thread and returns a guard that makes the
+    /// previously current context (or none) current again when dropped, on this thread.
+    ///
+    /// Calls made while the guard lives may bind other contexts (each cuweave handle binds its
+    /// own); the guard restores the context that was current when it was made, whatever
+    /// happened in between. Guards nest: drop them in reverse order of creation (the normal
+    /// scope order). The previous context must still be alive when the guard drops (the guard
+    /// does not retain it); a failure to restore goes to `tracing`.
+    ///
+    /// # Errors
+    /// The driver's error from `cuCtxGetCurrent` or `cuCtxSetCurrent`; the thread's current
+    /// context is unchanged then.
+    pub fn make_current_scoped(&self) -> Result<CurrentContextGuard<'_>> {
+        let previous = Self::current_raw()?;
+        self.bind_to_thread()?;
+        Ok(CurrentContextGuard {
+            previous,
+            _context: PhantomData,
+        })
+    }
+
+    /// Makes this context current on the calling thread; cheap when it already is
+    /// (`cuCtxGetCurrent`, then `cuCtxSetCurrent` only if another context, or none, was
+    /// current).
+    ///
+    /// The context stays current after this returns: the previous current context is not
+    /// restored. Use [`make_current_scoped`](Self::make_current_scoped) for that.
     pub fn bind_to_thread(&self) -> Result<()> {
         let api = driver()?;
         let mut current = std::ptr::null_mut();
@@ -164,6 +213,36 @@ impl Context {
                 );
                 Ok(())
             }
+        }
+    }
+}
+
+/// Restores the thread's previous current context when dropped; made by
+/// [`Context::make_current_scoped`]. Not `Send`: it must drop on the thread that made it.
+#[must_use = "dropping the guard at once restores the previous context immediately"]
+#[derive(Debug)]
+pub struct CurrentContextGuard<'a> {
+    previous: sys::CUcontext,
+    // Borrows the context made current, and ties the guard to its thread (`*const` is !Send).
+    _context: PhantomData<(&'a Context, *const ())>,
+}
+
+impl CurrentContextGuard<'_> {
+    /// The context that was current when the guard was made, and will be again after it
+    /// (null: none).
+    pub fn previous_raw(&self) -> sys::CUcontext {
+        self.previous
+    }
+}
+
+impl Drop for CurrentContextGuard<'_> {
+    fn drop(&mut self) {
+        let Ok(api) = driver() else { return };
+        // SAFETY: `previous` was current on this thread when the guard was made (null means
+        // none, which cuCtxSetCurrent accepts); that it is still alive is the documented
+        // contract of `make_current_scoped` (whoever made it current owns it).
+        if let Err(error) = unsafe { cu!(api.ctx_set_current(self.previous)) } {
+            tracing::warn!(%error, "restoring the previous current context failed");
         }
     }
 }

@@ -1,4 +1,11 @@
 //! [`DriverError`]: every way a driver call can fail, with the driver's own words for it.
+//!
+//! A failed driver call is stored as its code and operation only (no allocation, no further
+//! driver call), so polling calls that answer `CUDA_ERROR_NOT_READY` stay as cheap as the raw
+//! call. The driver's name and description of the code are looked up when asked for
+//! ([`DriverError::name`], [`DriverError::description`]) or when the error is displayed.
+
+use std::borrow::Cow;
 
 use crate::sys;
 
@@ -22,15 +29,16 @@ pub enum DriverError {
         /// The missing symbol.
         symbol: &'static str,
     },
-    /// A driver call returned an error code.
-    #[error("{operation} failed: {name} ({code}): {description}")]
+    /// A driver call returned an error code. The driver's name and description of the code
+    /// ([`name`](Self::name), [`description`](Self::description)) are looked up lazily.
+    #[error(
+        "{operation} failed: {} ({code}): {}",
+        cuda_name(*code),
+        cuda_description(*code)
+    )]
     Cuda {
         /// The raw `CUresult` value.
         code: u32,
-        /// The driver's name for the code, e.g. `CUDA_ERROR_OUT_OF_MEMORY`.
-        name: String,
-        /// The driver's description of the code.
-        description: String,
         /// The driver entry point that failed.
         operation: &'static str,
     },
@@ -63,6 +71,37 @@ impl DriverError {
         }
     }
 
+    /// The driver's name for the code of a [`Cuda`](Self::Cuda) error, e.g.
+    /// `CUDA_ERROR_OUT_OF_MEMORY` (`cuGetErrorName`, asked now; `CUresult N` when no driver is
+    /// loaded or it does not know the code); `None` for the other variants.
+    pub fn name(&self) -> Option<Cow<'static, str>> {
+        match self {
+            Self::Cuda { code, .. } => Some(cuda_name(*code)),
+            _ => None,
+        }
+    }
+
+    /// The driver's description of the code of a [`Cuda`](Self::Cuda) error
+    /// (`cuGetErrorString`, asked now; `unknown error` when no driver is loaded or it does not
+    /// know the code); `None` for the other variants.
+    pub fn description(&self) -> Option<&'static str> {
+        match self {
+            Self::Cuda { code, .. } => Some(cuda_description(*code)),
+            _ => None,
+        }
+    }
+
+    /// The operation (driver entry point or cuweave function) that failed; `None` for
+    /// [`NotFound`](Self::NotFound) and [`Unsupported`](Self::Unsupported).
+    pub fn operation(&self) -> Option<&'static str> {
+        match self {
+            Self::Cuda { operation, .. }
+            | Self::CapabilityMissing { operation, .. }
+            | Self::InvalidArgument { operation, .. } => Some(operation),
+            Self::NotFound { .. } | Self::Unsupported { .. } => None,
+        }
+    }
+
     /// Whether the driver reported `CUDA_ERROR_OUT_OF_MEMORY`.
     pub fn is_out_of_memory(&self) -> bool {
         self.code() == Some(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)
@@ -84,4 +123,18 @@ impl DriverError {
             reason: reason.into(),
         }
     }
+}
+
+/// The driver's name for `code`, asked of the loaded driver (never loading one).
+fn cuda_name(code: u32) -> Cow<'static, str> {
+    crate::loader::loaded_driver()
+        .and_then(|api| api.error_name(sys::CUresult(code)))
+        .map_or_else(|| Cow::Owned(format!("CUresult {code}")), Cow::Borrowed)
+}
+
+/// The driver's description of `code`, asked of the loaded driver (never loading one).
+fn cuda_description(code: u32) -> &'static str {
+    crate::loader::loaded_driver()
+        .and_then(|api| api.error_description(sys::CUresult(code)))
+        .unwrap_or("unknown error")
 }

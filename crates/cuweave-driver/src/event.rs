@@ -146,10 +146,22 @@ impl Event {
     }
 
     /// Whether the captured work has finished (`true` also for a never-recorded event).
+    ///
+    /// One driver call (`cuEventQuery`) and no allocation, whether the work has finished or
+    /// not: the event names its own context, so the query does not make the context current
+    /// first (the calling thread's current context is left as it is). Only when the driver
+    /// answers with another error does it make the context current and ask again, and that
+    /// answer stands.
     pub fn query(&self) -> Result<bool> {
-        self.context.bind_to_thread()?;
         let api = driver()?;
         // SAFETY: live event.
+        match unsafe { cu!(api.event_query(self.raw)) } {
+            Ok(()) => return Ok(true),
+            Err(error) if error.is_not_ready() => return Ok(false),
+            Err(_) => {}
+        }
+        self.context.bind_to_thread()?;
+        // SAFETY: live event; its context is current.
         match unsafe { cu!(api.event_query(self.raw)) } {
             Ok(()) => Ok(true),
             Err(error) if error.is_not_ready() => Ok(false),

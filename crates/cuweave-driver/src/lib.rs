@@ -44,7 +44,7 @@ pub mod module;
 pub mod stream;
 pub mod sys;
 
-pub use context::{Context, MemoryInfo, StreamPriorityRange};
+pub use context::{Context, CurrentContextGuard, MemoryInfo, StreamPriorityRange};
 pub use device::{ComputeCapability, Device, DeviceCapabilities, ManagedSupport, PeerLink};
 pub use error::{DriverError, Result};
 pub use event::{Event, EventFlags};

@@ -373,29 +373,40 @@ impl DriverApi {
         })
     }
 
-    /// Turns a `CUresult` into `Ok(())` or a [`DriverError::Cuda`] carrying the driver's name and
-    /// description of the code and the failing `operation`.
+    /// Turns a `CUresult` into `Ok(())` or a [`DriverError::Cuda`] carrying the code and the
+    /// failing `operation`.
+    ///
+    /// No other driver call and no allocation: the driver's name and description of the code
+    /// are looked up only when the error is displayed ([`DriverError::name`],
+    /// [`DriverError::description`]), so a poll that returns `CUDA_ERROR_NOT_READY` costs the
+    /// polling call alone.
+    #[inline]
     pub fn check(&self, code: sys::CUresult, operation: &'static str) -> Result<()> {
         if code == sys::CUresult::CUDA_SUCCESS {
             return Ok(());
         }
         Err(DriverError::Cuda {
             code: code.0,
-            name: self
-                .error_text(code, self.get_error_name)
-                .unwrap_or_else(|| format!("CUresult {}", code.0)),
-            description: self
-                .error_text(code, self.get_error_string)
-                .unwrap_or_else(|| "unknown error".to_owned()),
             operation,
         })
     }
 
+    /// The driver's name (`cuGetErrorName`) for `code`, or `None` when the driver does not
+    /// know it.
+    pub fn error_name(&self, code: sys::CUresult) -> Option<&'static str> {
+        Self::error_text(code, self.get_error_name)
+    }
+
+    /// The driver's description (`cuGetErrorString`) of `code`, or `None` when the driver does
+    /// not know it.
+    pub fn error_description(&self, code: sys::CUresult) -> Option<&'static str> {
+        Self::error_text(code, self.get_error_string)
+    }
+
     fn error_text(
-        &self,
         code: sys::CUresult,
         entry: Entry<<sys::PFN_cuGetErrorName_v6000 as OptionalFn>::Fn>,
-    ) -> Option<String> {
+    ) -> Option<&'static str> {
         let function = entry.get().ok()?;
         let mut text = std::ptr::null();
         // SAFETY: `text` is a valid out-pointer; the driver stores a pointer to a static string.
@@ -403,12 +414,9 @@ impl DriverApi {
         if status != sys::CUresult::CUDA_SUCCESS || text.is_null() {
             return None;
         }
-        // SAFETY: on success the driver returns a NUL-terminated string with static lifetime.
-        Some(
-            unsafe { CStr::from_ptr(text) }
-                .to_string_lossy()
-                .into_owned(),
-        )
+        // SAFETY: on success the driver returns a NUL-terminated string with static lifetime
+        // (the library stays mapped for the life of the process).
+        unsafe { CStr::from_ptr(text) }.to_str().ok()
     }
 }
 
@@ -430,6 +438,14 @@ struct LoadedDriver {
 }
 
 static DRIVER: OnceLock<Result<LoadedDriver>> = OnceLock::new();
+
+/// The driver table if it is already loaded, without loading it (for displaying errors).
+pub(crate) fn loaded_driver() -> Option<&'static DriverApi> {
+    match DRIVER.get() {
+        Some(Ok(loaded)) => Some(&loaded.api),
+        _ => None,
+    }
+}
 
 /// The process-wide driver table, loading the library and calling `cuInit(0)` on first use.
 ///

@@ -10,6 +10,8 @@ use crate::loader::{cu, driver};
 use crate::stream::Stream;
 use crate::sys;
 
+mod image;
+
 /// A loaded module (PTX, cubin or fatbin) of one context. Unloaded when the last kernel taken
 /// from it and the module handle itself are gone.
 #[derive(Debug)]
@@ -40,16 +42,23 @@ impl Module {
         unsafe { Self::load(context, text.as_ptr().cast()) }
     }
 
-    /// Loads a cubin or fatbin image.
+    /// Loads a cubin (ELF), fatbin or PTX image.
+    ///
+    /// `cuModuleLoadData` takes only a pointer and trusts the lengths the image declares, so
+    /// they are checked against the slice first, with no driver call: an ELF image's header,
+    /// section and program header tables, sections and segments; a fatbin's (magic
+    /// `0xBA55ED50`) header size plus fat size, and each entry inside it. PTX text is read up to
+    /// its first NUL inside the slice, or copied into a NUL-terminated buffer when it has none.
     ///
     /// # Errors
-    /// `InvalidArgument` for an empty image; the driver's error for a malformed one.
+    /// `InvalidArgument` for an empty, truncated or unrecognised image (before any driver
+    /// call); the driver's error for an image whose contents it rejects.
     pub fn from_cubin(context: &Arc<Context>, image: &[u8]) -> Result<Arc<Self>> {
-        if image.is_empty() {
-            return Err(DriverError::invalid("Module::from_cubin", "empty image"));
-        }
-        // SAFETY: the driver reads the ELF image in place; cubins carry their own length.
-        unsafe { Self::load(context, image.as_ptr().cast()) }
+        let image = image::check(image)?;
+        // SAFETY: `check` proved that every extent the ELF or fatbin image declares lies inside
+        // the slice, or that the PTX text ends with a NUL inside its buffer, so the driver's
+        // reads stay inside memory that lives until this call returns.
+        unsafe { Self::load(context, image.as_ptr()) }
     }
 
     /// # Safety
@@ -138,21 +147,50 @@ pub struct LaunchConfig {
 }
 
 impl LaunchConfig {
-    /// Most blocks `for_elements` asks for; grid-stride kernels cover the rest.
-    pub const MAX_ELEMENT_BLOCKS: u32 = 65_535;
+    /// Most blocks a grid may have in x (2^31 - 1, on every device of compute capability 3.0
+    /// and later).
+    pub const MAX_GRID_X: u32 = i32::MAX as u32;
+
+    /// Most threads a block may have (1024 on every supported device).
+    pub const MAX_BLOCK_THREADS: u32 = 1024;
 
     /// A 1-D launch of `block` threads per block with enough blocks to give each of `n` elements
-    /// a thread (at most [`Self::MAX_ELEMENT_BLOCKS`]; kernels must loop grid-stride beyond that).
-    pub fn for_elements(n: usize, block: u32) -> Self {
-        let block = block.max(1);
-        let blocks = n
-            .div_ceil(block as usize)
-            .clamp(1, Self::MAX_ELEMENT_BLOCKS as usize);
-        Self {
-            grid: (blocks as u32, 1, 1),
+    /// a thread (one block for `n == 0`). The grid is never capped: every element gets its own
+    /// thread, so kernels need not loop grid-stride.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a `block` of 0 or more than [`Self::MAX_BLOCK_THREADS`], and for
+    /// an `n` that needs more than [`Self::MAX_GRID_X`] blocks of `block` threads (launch a
+    /// grid-stride kernel with a smaller grid instead).
+    pub fn for_elements(n: usize, block: u32) -> Result<Self> {
+        if block == 0 || block > Self::MAX_BLOCK_THREADS {
+            return Err(DriverError::invalid(
+                "LaunchConfig::for_elements",
+                format!(
+                    "a block of {block} threads (1..={} allowed)",
+                    Self::MAX_BLOCK_THREADS
+                ),
+            ));
+        }
+        let blocks = n.div_ceil(block as usize).max(1);
+        let blocks = u32::try_from(blocks)
+            .ok()
+            .filter(|&blocks| blocks <= Self::MAX_GRID_X)
+            .ok_or_else(|| {
+                DriverError::invalid(
+                    "LaunchConfig::for_elements",
+                    format!(
+                        "{n} elements need {blocks} blocks of {block} threads, more than the \
+                         grid's {} in x",
+                        Self::MAX_GRID_X
+                    ),
+                )
+            })?;
+        Ok(Self {
+            grid: (blocks, 1, 1),
             block: (block, 1, 1),
             shared_mem_bytes: 0,
-        }
+        })
     }
 
     /// A single thread (one block of one).
@@ -307,13 +345,38 @@ mod tests {
     use super::*;
 
     #[test]
-    fn for_elements_covers_every_element_within_the_block_cap() {
-        let c = LaunchConfig::for_elements(1000, 256);
+    fn for_elements_gives_every_element_a_thread() {
+        let c = LaunchConfig::for_elements(1000, 256).unwrap();
         assert_eq!(c.grid, (4, 1, 1));
         assert_eq!(c.block, (256, 1, 1));
-        let big = LaunchConfig::for_elements(usize::MAX / 2, 256);
-        assert_eq!(big.grid.0, LaunchConfig::MAX_ELEMENT_BLOCKS);
-        assert_eq!(LaunchConfig::for_elements(0, 128).grid.0, 1);
+        assert_eq!(LaunchConfig::for_elements(0, 128).unwrap().grid.0, 1);
+        // Past the old 65 535-block cap: no silent truncation.
+        let big = LaunchConfig::for_elements(65_536 * 256 + 1, 256).unwrap();
+        assert_eq!(big.grid.0, 65_537);
+        // The exact x limit, and one element past it.
+        let limit = LaunchConfig::MAX_GRID_X as usize;
+        assert_eq!(
+            LaunchConfig::for_elements(limit * 1024, 1024).unwrap().grid.0,
+            LaunchConfig::MAX_GRID_X
+        );
+        assert!(matches!(
+            LaunchConfig::for_elements(limit * 1024 + 1, 1024),
+            Err(DriverError::InvalidArgument { .. })
+        ));
+        assert!(matches!(
+            LaunchConfig::for_elements(usize::MAX, 1),
+            Err(DriverError::InvalidArgument { .. })
+        ));
+    }
+
+    #[test]
+    fn impossible_blocks_are_refused() {
+        for block in [0, 1025, u32::MAX] {
+            assert!(matches!(
+                LaunchConfig::for_elements(10, block),
+                Err(DriverError::InvalidArgument { .. })
+            ));
+        }
     }
 
     #[test]

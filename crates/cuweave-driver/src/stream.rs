@@ -231,15 +231,35 @@ impl Stream {
     }
 
     /// Whether all work queued so far has finished (`false` while some is pending).
+    ///
+    /// One driver call (`cuStreamQuery`) and no allocation for a stream this crate created: it
+    /// names its own context, so the query leaves the calling thread's current context as it is.
+    /// The special handles (null, `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`) mean "the current
+    /// context's stream", so for them the context is made current first. When the driver
+    /// answers with another error, the context is made current and the query asked again; that
+    /// answer stands.
     pub fn query(&self) -> Result<bool> {
-        self.context.bind_to_thread()?;
         let api = driver()?;
-        // SAFETY: live stream.
+        if !self.is_special_handle() {
+            // SAFETY: live stream.
+            match unsafe { cu!(api.stream_query(self.raw)) } {
+                Ok(()) => return Ok(true),
+                Err(error) if error.is_not_ready() => return Ok(false),
+                Err(_) => {}
+            }
+        }
+        self.context.bind_to_thread()?;
+        // SAFETY: live stream; its context is current.
         match unsafe { cu!(api.stream_query(self.raw)) } {
             Ok(()) => Ok(true),
             Err(error) if error.is_not_ready() => Ok(false),
             Err(error) => Err(error),
         }
+    }
+
+    /// Whether the handle is one of the driver's context-relative stream names.
+    fn is_special_handle(&self) -> bool {
+        (self.raw as usize) <= 2
     }
 
     /// Blocks until all work queued so far has finished.

@@ -101,14 +101,14 @@ fn a_kernel_keeps_its_module_loaded() {
     // SAFETY: fill_u32(unsigned*, unsigned, size_t) matches the three arguments, and `buffer`
     // holds `n` u32s until the synchronize; `host` is read only after it.
     unsafe {
-        fill.launch(&stream, LaunchConfig::for_elements(n as usize, 256), &args)
+        fill.launch(&stream, LaunchConfig::for_elements(n as usize, 256).unwrap(), &args)
             .unwrap();
         memory::copy_dtoh_async(host.as_mut_ptr().cast(), dst, n as usize * 4, &stream).unwrap();
     }
     stream.synchronize().unwrap();
     assert!(host.iter().all(|&word| word == value));
 
-    let mut empty = LaunchConfig::for_elements(n as usize, 256);
+    let mut empty = LaunchConfig::for_elements(n as usize, 256).unwrap();
     empty.grid.0 = 0;
     // SAFETY: refused before the launch reaches the driver.
     match unsafe { fill.launch(&stream, empty, &args) } {
@@ -125,12 +125,8 @@ fn garbage_ptx_is_a_driver_error_and_the_context_survives_it() {
     let context = &gpu.context;
     let garbage = ".version what\nthis is not PTX { at all";
     match Module::from_ptx(context, garbage) {
-        Err(DriverError::Cuda {
-            name,
-            operation,
-            description,
-            ..
-        }) => {
+        Err(error @ DriverError::Cuda { operation, .. }) => {
+            let (name, description) = (error.name().unwrap(), error.description().unwrap());
             eprintln!("garbage PTX: {name}: {description}");
             assert_eq!(operation, "cuModuleLoadData");
             assert!(name.starts_with("CUDA_ERROR_"), "{name}");
@@ -155,7 +151,8 @@ fn a_missing_function_is_not_found() {
         "{error}"
     );
     assert!(
-        matches!(&error, DriverError::Cuda { name, operation: "cuModuleGetFunction", .. } if name == "CUDA_ERROR_NOT_FOUND"),
+        matches!(&error, DriverError::Cuda { operation: "cuModuleGetFunction", .. })
+            && error.name().unwrap() == "CUDA_ERROR_NOT_FOUND",
         "{error:?}"
     );
     // A name the driver could never be given is refused before it is asked.
@@ -182,5 +179,61 @@ fn images_that_cannot_be_passed_on_are_refused_up_front() {
             assert_eq!(operation, "Module::from_cubin");
         }
         other => panic!("an empty cubin gave {other:?}"),
+    }
+}
+
+/// A cubin and a fatbin of `fill(unsigned* p, unsigned v, unsigned long long n)`, a kernel that
+/// is not grid-stride: one thread per element (`tests/images/README.md`).
+const CUBIN: &[u8] = include_bytes!("images/fill_sm90.cubin");
+const FATBIN: &[u8] = include_bytes!("images/fill_sm90.fatbin");
+
+/// Launches `fill` from `module` over `n` words with `LaunchConfig::for_elements` and checks that
+/// every word, the last included, was written.
+fn fill_every_element(context: &Arc<Context>, module: &Arc<Module>, n: u64) {
+    let fill = module.function("fill").unwrap();
+    let stream = Stream::new(context, StreamFlags::NON_BLOCKING).unwrap();
+    let buffer = DeviceAllocation::new(context, n as usize * 4).unwrap();
+    let (dst, value) = (buffer.ptr(), 0xF111_u32);
+    let args = KernelArgs::new().arg(&dst).arg(&value).arg(&n);
+    let config = LaunchConfig::for_elements(n as usize, 256).unwrap();
+    let mut host = vec![0u32; n as usize];
+    // SAFETY: fill(unsigned*, unsigned, unsigned long long) matches the arguments; `buffer`
+    // holds `n` u32s until the synchronize, and `host` is read only after it.
+    unsafe {
+        fill.launch(&stream, config, &args).unwrap();
+        memory::copy_dtoh_async(host.as_mut_ptr().cast(), dst, n as usize * 4, &stream).unwrap();
+    }
+    stream.synchronize().unwrap();
+    let missed = host.iter().rposition(|&word| word != value);
+    assert_eq!(missed, None, "grid {:?} for {n} elements", config.grid);
+}
+
+#[test]
+fn cubin_fatbin_and_unterminated_ptx_load_and_a_grid_past_65535_blocks_covers_everything() {
+    let gpu = require_gpu!();
+    let context = &gpu.context;
+    // 65 536 blocks of 256 and one more element: the old 65 535-block cap left the tail unwritten.
+    let n = 65_536 * 256 + 1;
+    let major = gpu.device.compute_capability().unwrap().major;
+    if major == 9 {
+        for image in [CUBIN, FATBIN] {
+            let module = Module::from_cubin(context, image).unwrap();
+            fill_every_element(context, &module, n);
+        }
+    } else {
+        eprintln!("the sm_90 images do not run on compute capability {major}.x; PTX only");
+    }
+    // PTX bytes without a NUL are copied into a terminated buffer.
+    let module = Module::from_cubin(context, PTX.as_bytes()).unwrap();
+    let fill = module.function("fill_u32").unwrap();
+    assert_eq!(fill.name(), "fill_u32");
+    // A truncated cubin is refused before the driver reads it, and the context still works.
+    for image in [&CUBIN[..CUBIN.len() - 1], &FATBIN[..100], b"\x7fELF garbage".as_slice()] {
+        match Module::from_cubin(context, image) {
+            Err(DriverError::InvalidArgument { operation, .. }) => {
+                assert_eq!(operation, "Module::from_cubin");
+            }
+            other => panic!("a broken image gave {other:?}"),
+        }
     }
 }

@@ -72,19 +72,33 @@ fn a_missing_driver_is_not_found_and_nothing_else() {
     }
 }
 
-fn cuda(code: u32, name: &str, description: &str, operation: &'static str) -> DriverError {
-    DriverError::Cuda {
-        code,
-        name: name.to_owned(),
-        description: description.to_owned(),
-        operation,
+fn cuda(code: u32, operation: &'static str) -> DriverError {
+    DriverError::Cuda { code, operation }
+}
+
+#[test]
+fn names_and_descriptions_come_from_the_driver_when_asked() {
+    let error = cuda(2, "cuMemAlloc_v2");
+    assert_eq!(error.operation(), Some("cuMemAlloc_v2"));
+    let (name, description) = (error.name().unwrap(), error.description().unwrap());
+    if driver().is_ok() {
+        assert_eq!(name, "CUDA_ERROR_OUT_OF_MEMORY");
+        assert_eq!(description, "out of memory");
+        assert!(error.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY (2): out of memory"));
+    } else {
+        assert_eq!(name, "CUresult 2");
+        assert_eq!(description, "unknown error");
     }
+    let unsupported = DriverError::Unsupported { symbol: "cuX" };
+    assert_eq!(unsupported.name(), None);
+    assert_eq!(unsupported.description(), None);
+    assert_eq!(unsupported.operation(), None);
 }
 
 #[rstest]
 #[case::cuda(
-    cuda(2, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory", "cuMemAlloc_v2"),
-    &["cuMemAlloc_v2", "CUDA_ERROR_OUT_OF_MEMORY", "(2)", "out of memory"],
+    cuda(2, "cuMemAlloc_v2"),
+    &["cuMemAlloc_v2 failed", "(2)"],
 )]
 #[case::not_found(
     DriverError::NotFound {
@@ -121,24 +135,19 @@ fn display_names_what_failed_and_why(#[case] error: DriverError, #[case] expecte
 
 #[rstest]
 #[case::out_of_memory(
-    cuda(2, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory", "cuMemAlloc_v2"),
+    cuda(2, "cuMemAlloc_v2"),
     Some(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY),
     true,
     false
 )]
 #[case::not_ready(
-    cuda(600, "CUDA_ERROR_NOT_READY", "device not ready", "cuStreamQuery"),
+    cuda(600, "cuStreamQuery"),
     Some(sys::CUresult::CUDA_ERROR_NOT_READY),
     false,
     true
 )]
 #[case::other_cuda(
-    cuda(
-        500,
-        "CUDA_ERROR_NOT_FOUND",
-        "named symbol not found",
-        "cuModuleGetFunction"
-    ),
+    cuda(500, "cuModuleGetFunction"),
     Some(sys::CUresult::CUDA_ERROR_NOT_FOUND),
     false,
     false

@@ -119,22 +119,38 @@ fn no_location_decodes_to_none() {
 #[case::one_past(1025, 256, 5)]
 #[case::single_element(1, 256, 1)]
 #[case::nothing_still_launches_one_block(0, 256, 1)]
-#[case::capped(usize::MAX / 2, 256, LaunchConfig::MAX_ELEMENT_BLOCKS)]
-#[case::zero_block_is_one_thread(3, 0, 3)]
+#[case::past_the_old_cap(65_535 * 256 + 1, 256, 65_536)]
+#[case::a_billion(1 << 30, 1024, 1 << 20)]
+#[case::at_the_x_limit(LaunchConfig::MAX_GRID_X as usize, 1, LaunchConfig::MAX_GRID_X)]
 fn launch_shapes_cover_every_element(
     #[case] elements: usize,
     #[case] block: u32,
     #[case] blocks: u32,
 ) {
-    let config = LaunchConfig::for_elements(elements, block);
+    let config = LaunchConfig::for_elements(elements, block).unwrap();
     assert_eq!(config.grid, (blocks, 1, 1));
-    assert_eq!(config.block, (block.max(1), 1, 1));
+    assert_eq!(config.block, (block, 1, 1));
     assert_eq!(config.shared_mem_bytes, 0);
-    let threads = u64::from(blocks) * u64::from(block.max(1));
+    let threads = u64::from(blocks) * u64::from(block);
     assert!(
-        threads >= elements as u64 || blocks == LaunchConfig::MAX_ELEMENT_BLOCKS,
+        threads >= elements as u64,
         "{threads} threads for {elements} elements"
     );
+}
+
+#[rstest]
+#[case::zero_block(3, 0)]
+#[case::block_too_big(3, 2048)]
+#[case::grid_too_big(LaunchConfig::MAX_GRID_X as usize + 1, 1)]
+#[case::everything(usize::MAX, 1024)]
+fn impossible_launch_shapes_are_typed_errors(#[case] elements: usize, #[case] block: u32) {
+    assert!(matches!(
+        LaunchConfig::for_elements(elements, block),
+        Err(DriverError::InvalidArgument {
+            operation: "LaunchConfig::for_elements",
+            ..
+        })
+    ));
 }
 
 #[test]

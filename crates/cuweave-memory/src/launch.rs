@@ -44,7 +44,7 @@ use crate::error::Result;
 /// let weights = DeviceBuffer::<f32>::from_slice(&context, &[1.0; 1024])?;
 /// let (out_a, out_b) = (DeviceBuffer::<f32>::new(&context, 1024)?, DeviceBuffer::<f32>::new(&context, 1024)?);
 /// let n = 1024u32;
-/// let config = LaunchConfig::for_elements(1024, 256);
+/// let config = LaunchConfig::for_elements(1024, 256)?;
 /// // Both launches read `weights`: they run at once on `a` and `b`.
 /// // SAFETY: `scale(const float* in, float* out, unsigned n)` reads and writes n elements.
 /// unsafe {

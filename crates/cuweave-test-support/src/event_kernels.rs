@@ -106,7 +106,7 @@ impl EventKernels {
             .arg(&add)
             .arg(&sentinel)
             .arg(&unfinished);
-        let config = LaunchConfig::for_elements(usize::try_from(n).unwrap_or(usize::MAX), 256);
+        let config = LaunchConfig::for_elements(usize::try_from(n).unwrap_or(usize::MAX), 256)?;
         // SAFETY: the signature matches; the caller guarantees the ranges.
         unsafe { self.transform_checked_u32.launch(stream, config, &args) }
     }

@@ -310,9 +310,18 @@ impl TestKernels {
     }
 }
 
-/// A 1-D launch giving each of `n` elements a thread, up to the driver crate's block cap.
+/// Most blocks an element-wise launch uses: the kernels loop grid-stride over the rest, so
+/// tests with more elements exercise those loops.
+const ELEMENT_MAX_BLOCKS: u32 = 65_535;
+
+/// A 1-D launch giving each of `n` elements a thread, up to [`ELEMENT_MAX_BLOCKS`] blocks.
 fn elements(n: u64) -> LaunchConfig {
-    LaunchConfig::for_elements(usize::try_from(n).unwrap_or(usize::MAX), BLOCK)
+    let blocks = n.div_ceil(u64::from(BLOCK)).clamp(1, u64::from(ELEMENT_MAX_BLOCKS));
+    LaunchConfig {
+        grid: (u32::try_from(blocks).unwrap_or(ELEMENT_MAX_BLOCKS), 1, 1),
+        block: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// `config` with at most `max_blocks` blocks (the kernel loops grid-stride over the rest).
@@ -351,6 +360,7 @@ mod tests {
     fn launch_shapes_cover_the_elements_within_their_caps() {
         assert_eq!(elements(1000).grid.0, 4);
         assert_eq!(elements(0).grid.0, 1);
+        assert_eq!(elements(u64::MAX).grid.0, ELEMENT_MAX_BLOCKS);
         assert_eq!(
             capped(elements(1 << 30), WATCH_MAX_BLOCKS).grid.0,
             WATCH_MAX_BLOCKS

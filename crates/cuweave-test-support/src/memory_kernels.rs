@@ -61,8 +61,10 @@ impl MemoryKernels {
     /// A launch shape for `n` elements: small enough that a long-running reader leaves most
     /// of the GPU to another stream's reader.
     pub fn config(n: usize) -> LaunchConfig {
-        let mut config = LaunchConfig::for_elements(n, 256);
-        config.grid.0 = config.grid.0.min(16);
-        config
+        LaunchConfig {
+            grid: (n.div_ceil(256).clamp(1, 16) as u32, 1, 1),
+            block: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
     }
 }

@@ -69,8 +69,6 @@ impl Fence for FakeFence {
 pub(super) fn fault() -> DriverError {
     DriverError::Cuda {
         code: 700,
-        name: "CUDA_ERROR_ILLEGAL_ADDRESS".into(),
-        description: "an illegal memory access was encountered".into(),
         operation: "cuEventQuery",
     }
 }
