@@ -122,3 +122,82 @@ fn copy_between(from: &Arc<Context>, to: &Arc<Context>) {
     }
     assert!(host.iter().all(|&word| word == pattern));
 }
+
+/// Sets the calling thread's current context straight through the driver.
+fn set_current(context: sys::CUcontext) {
+    let api = driver().unwrap();
+    let set_current = api.ctx_set_current.get().unwrap();
+    // SAFETY: `context` is null (none) or a live context retained by the test.
+    let status = unsafe { set_current(context) };
+    assert_eq!(status, sys::CUresult::CUDA_SUCCESS);
+}
+
+#[test]
+fn a_scoped_current_context_restores_the_previous_one_including_none() {
+    let gpu = require_gpu!();
+    let context = Arc::clone(&gpu.context);
+    // A fresh thread: no context is current before, inside the guard it is ours, and after it
+    // none is current again, even though cuweave calls inside bound it again.
+    std::thread::spawn(move || {
+        assert!(current_context().is_null());
+        {
+            let guard = context.make_current_scoped().unwrap();
+            assert!(guard.previous_raw().is_null());
+            assert_eq!(current_context(), context.as_raw());
+            let buffer = DeviceAllocation::new(&context, 4096).unwrap();
+            drop(buffer);
+        }
+        assert!(current_context().is_null());
+        // bind_to_thread, by contrast, leaves the context current.
+        context.bind_to_thread().unwrap();
+        assert_eq!(current_context(), context.as_raw());
+        // Nested guards restore in scope order; the outer one puts "none" back.
+        set_current(std::ptr::null_mut());
+        {
+            let _outer = context.make_current_scoped().unwrap();
+            set_current(std::ptr::null_mut());
+            {
+                let inner = context.make_current_scoped().unwrap();
+                assert!(inner.previous_raw().is_null());
+                assert_eq!(current_context(), context.as_raw());
+            }
+            assert!(current_context().is_null());
+        }
+        assert!(current_context().is_null());
+    })
+    .join()
+    .unwrap();
+    // With a second device, a guard for it restores the first device's context.
+    let Ok(other) = Device::get(1) else { return };
+    let other = Context::primary(other).unwrap();
+    gpu.context.bind_to_thread().unwrap();
+    {
+        let guard = other.make_current_scoped().unwrap();
+        assert_eq!(guard.previous_raw(), gpu.context.as_raw());
+        assert_eq!(current_context(), other.as_raw());
+    }
+    assert_eq!(current_context(), gpu.context.as_raw());
+}
+
+#[test]
+fn queries_poll_without_changing_the_threads_current_context() {
+    let gpu = require_gpu!();
+    let context = Arc::clone(&gpu.context);
+    let stream = Stream::new(&context, StreamFlags::NON_BLOCKING).unwrap();
+    let event = cuweave_driver::Event::new(&context, cuweave_driver::EventFlags::DISABLE_TIMING)
+        .unwrap();
+    event.record(&stream).unwrap();
+    stream.synchronize().unwrap();
+    // A thread with no current context: the fast path answers without binding one.
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            assert!(current_context().is_null());
+            assert_eq!(event.query(), Ok(true));
+            assert_eq!(stream.query(), Ok(true));
+            eprintln!(
+                "current context after polling with none current: {:?}",
+                current_context()
+            );
+        });
+    });
+}

@@ -220,3 +220,31 @@ fn completion_words_return_only_after_the_work_before_them_by_word_or_by_fallbac
         }
     }
 }
+
+#[test]
+fn dropping_mapped_words_waits_for_the_writes_queued_into_them() {
+    use cuweave_driver::memory::MappedWords;
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    for round in 0..3u64 {
+        let words = MappedWords::new(&gpu.context, 512).unwrap();
+        // The write lands only after a 50 ms spin; the words are dropped long before that.
+        kernels.spin_ns(&stream, 50 * MS).unwrap();
+        words.enqueue_write(&stream, 511, round + 1).unwrap();
+        assert_ne!(words.load(511), Some(round + 1));
+        drop(words);
+        // Drop returned only once the stream had passed the write: the memory was never freed
+        // under a queued device write.
+        assert_eq!(stream.query(), Ok(true), "round {round}");
+    }
+    // Many written and dropped words: each drop waits for its one write, and nothing is leaked
+    // on a live context (the allocation count stays bounded by the loop's one live value).
+    for value in 1..=200u64 {
+        let words = MappedWords::new(&gpu.context, 1).unwrap();
+        words.enqueue_write(&stream, 0, value).unwrap();
+        drop(words);
+        assert_eq!(stream.query(), Ok(true));
+    }
+}

@@ -1,8 +1,9 @@
 //! [`MappedWords`]: 64-bit words of mapped pinned host memory that the GPU writes and the host
 //! reads with atomic loads, e.g. completion words behind stream work.
 
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use super::{DevicePtr, HostAllocFlags, HostAllocation};
 use crate::context::Context;
@@ -20,12 +21,25 @@ use crate::stream::{Stream, WriteOrdering};
 /// `unsafe` part ([`Stream::write_value_u64`](crate::Stream::write_value_u64)) and its caller
 /// must keep this value alive until the stream has passed the write.
 ///
-/// Freed on drop with `cuMemFreeHost`, which waits for the device to be idle first.
+/// # Freeing
+/// NVIDIA does not document that `cuMemFreeHost` waits for device writes still queued into the
+/// memory, so dropping never relies on it. Once any [`enqueue_write`](Self::enqueue_write) was
+/// queued, drop first waits for the words' context (`cuCtxSynchronize`: every stream that can
+/// write here belongs to that context, which `enqueue_write` checks) and only then frees; if
+/// that wait fails (a dead context), the memory is leaked instead of freed, so a write that
+/// still lands finds it mapped. Words that were never written are freed at once. This costs no
+/// driver call per write (an event recorded behind each write would add a `cuEventRecord` to
+/// every wait, and one event cannot cover writes from several streams). So holders such as
+/// [`CompletionWords`](super::CompletionWords) and the event crate's word slabs may drop words
+/// at any time; no caller needs to leak them by hand. Drop leaves the words' context current
+/// on the calling thread when it waited.
 #[derive(Debug)]
 pub struct MappedWords {
-    allocation: HostAllocation,
+    allocation: ManuallyDrop<HostAllocation>,
     device_base: DevicePtr,
     len: usize,
+    /// Whether `enqueue_write` ever queued a write (set before queuing it).
+    written: AtomicBool,
 }
 
 impl MappedWords {
@@ -44,9 +58,10 @@ impl MappedWords {
         let allocation = HostAllocation::new(context, bytes, HostAllocFlags::PORTABLE_MAPPED)?;
         let device_base = allocation.device_ptr()?;
         let words = Self {
-            allocation,
+            allocation: ManuallyDrop::new(allocation),
             device_base,
             len,
+            written: AtomicBool::new(false),
         };
         for word in words.words() {
             word.store(0, Ordering::Relaxed);
@@ -110,8 +125,9 @@ impl MappedWords {
     /// stream got there.
     ///
     /// Safe because the write can only land in memory this value owns: the address is an
-    /// aligned word inside the allocation, and dropping `MappedWords` frees it with
-    /// `cuMemFreeHost`, which waits for the device's queued work (this write included) first.
+    /// aligned word inside the allocation, and dropping `MappedWords` waits for the context's
+    /// queued work (this write included) before it frees the memory, or leaks it (see
+    /// [Freeing](Self#freeing)).
     ///
     /// # Errors
     /// `InvalidArgument` when `index` is past the end or `stream` belongs to another context;
@@ -130,11 +146,31 @@ impl MappedWords {
                 "the stream belongs to another context than the words' mapping",
             ));
         }
+        // Set before queuing, so that a drop racing nothing (we hold `&self`) always sees it.
+        self.written.store(true, Ordering::Relaxed);
         // SAFETY: `address` is an 8-byte-aligned word of this mapped allocation, mapped in the
         // stream's own context; the host touches it only atomically (`load` / `store`); and the
-        // allocation outlives the write, because dropping it calls cuMemFreeHost, which waits
-        // for the device's queued work to finish before freeing.
+        // allocation outlives the write: `written` is set, so drop synchronises the stream's
+        // context (which runs this write) before freeing, or leaks the memory.
         unsafe { stream.write_value_u64(address, value, WriteOrdering::AfterPriorWrites) }
+    }
+}
+
+impl Drop for MappedWords {
+    fn drop(&mut self) {
+        if *self.written.get_mut()
+            && let Err(error) = self.allocation.context().synchronize()
+        {
+            tracing::warn!(
+                %error,
+                words = self.len,
+                "cannot wait for queued writes into mapped words; leaking them instead of freeing"
+            );
+            return;
+        }
+        // SAFETY: dropped once, here, and never used again; no write is still queued into it
+        // (none was ever queued, or the context's synchronize returned after all of them).
+        unsafe { ManuallyDrop::drop(&mut self.allocation) }
     }
 }
 
