@@ -11,6 +11,7 @@
 //! | `device_alloc_free_1MiB` | `cuMemAlloc_v2` + `cuMemFree_v2` of 1 MiB |
 //! | `pool_async_alloc_free_1MiB` | `cuMemAllocFromPoolAsync` + `cuMemFreeAsync` of 1 MiB on a warm pool (release threshold `u64::MAX`), one stream; `amortized_sync`: one `cuStreamSynchronize` per batch of iterations, inside the timing; `sync_each`: one per iteration |
 //! | `pinned_alloc_free_64MiB` | `cuMemHostAlloc(flags 0)` + `cuMemFreeHost` of 64 MiB |
+//! | `poll_not_ready` | one `Event::query` / `Stream::query` that answers "pending" (the stream waits on a mapped word the host opens only after the group), beside the bare `cuEventQuery` / `cuStreamQuery` returning `CUDA_ERROR_NOT_READY`; target: the safe query within 1.2x of raw `cuEventQuery` |
 //! | `memcpy_256MiB` | one synchronous `cuMemcpyHtoD_v2` / `cuMemcpyDtoH_v2` of 256 MiB, pinned or pageable host side, then `cuCtxSynchronize` (so the tail of a staged pageable copy is inside the timing); reported in GB/s (decimal, `Throughput::BytesDecimal`) |
 //!
 //! Host wall time (criterion's clock) throughout; nothing else runs on the device meanwhile.
@@ -23,14 +24,17 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, Throughput};
 use cuweave_benches::{Gpu, MIB, slow_group};
 use cuweave_driver::memory::{
-    self, DeviceAllocation, DevicePtr, HostAllocFlags, HostAllocation, MemoryPool,
+    self, DeviceAllocation, DevicePtr, HostAllocFlags, HostAllocation, MappedWords, MemoryPool,
 };
-use cuweave_driver::{DriverApi, Event, EventFlags, Stream, StreamFlags, driver, sys};
+use cuweave_driver::{
+    DriverApi, Event, EventFlags, Stream, StreamFlags, WaitCondition, driver, sys,
+};
 
 fn main() {
     cuweave_benches::run("driver", |c, gpu| {
         events(c, gpu);
         streams(c, gpu);
+        poll_not_ready(c, gpu);
         device_alloc(c, gpu);
         pool_alloc(c, gpu);
         pinned_alloc(c, gpu);
@@ -116,6 +120,47 @@ fn streams(c: &mut Criterion, gpu: &Gpu) {
         });
     });
     group.finish();
+}
+
+fn poll_not_ready(c: &mut Criterion, gpu: &Gpu) {
+    let api = api();
+    let event_query = api.event_query.get().expect("cuEventQuery");
+    let stream_query = api.stream_query.get().expect("cuStreamQuery");
+    let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).expect("Stream::new");
+    let event = Event::new(&gpu.context, EventFlags::DISABLE_TIMING).expect("Event::new");
+    let gate = MappedWords::new(&gpu.context, 1).expect("MappedWords::new");
+    let address = gate.device_address(0).expect("word 0");
+    // SAFETY: `gate` is an aligned mapped word that outlives the wait: it is opened and the
+    // stream synchronized below, before `gate` drops.
+    unsafe { stream.wait_value_u64(address, 1, WaitCondition::AtLeast) }
+        .expect("cuStreamWaitValue64");
+    event.record(&stream).expect("Event::record");
+    assert_eq!(event.query(), Ok(false), "the gate did not hold the stream");
+    let not_ready = sys::CUresult::CUDA_ERROR_NOT_READY;
+    let mut group = c.benchmark_group("poll_not_ready");
+    group.bench_function("cuweave/Event::query", |b| {
+        b.iter(|| assert!(!black_box(&event).query().expect("Event::query")));
+    });
+    group.bench_function("raw/cuEventQuery", |b| {
+        b.iter(|| {
+            // SAFETY: a live event.
+            let code = unsafe { event_query(black_box(event.as_raw())) };
+            assert_eq!(code, not_ready);
+        });
+    });
+    group.bench_function("cuweave/Stream::query", |b| {
+        b.iter(|| assert!(!black_box(&stream).query().expect("Stream::query")));
+    });
+    group.bench_function("raw/cuStreamQuery", |b| {
+        b.iter(|| {
+            // SAFETY: a live stream.
+            let code = unsafe { stream_query(black_box(stream.as_raw())) };
+            assert_eq!(code, not_ready);
+        });
+    });
+    group.finish();
+    gate.store(0, 1);
+    stream.synchronize().expect("open the gate");
 }
 
 fn device_alloc(c: &mut Criterion, gpu: &Gpu) {
