@@ -356,7 +356,10 @@ mod tests {
         // The exact x limit, and one element past it.
         let limit = LaunchConfig::MAX_GRID_X as usize;
         assert_eq!(
-            LaunchConfig::for_elements(limit * 1024, 1024).unwrap().grid.0,
+            LaunchConfig::for_elements(limit * 1024, 1024)
+                .unwrap()
+                .grid
+                .0,
             LaunchConfig::MAX_GRID_X
         );
         assert!(matches!(

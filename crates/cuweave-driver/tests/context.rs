@@ -184,8 +184,8 @@ fn queries_poll_without_changing_the_threads_current_context() {
     let gpu = require_gpu!();
     let context = Arc::clone(&gpu.context);
     let stream = Stream::new(&context, StreamFlags::NON_BLOCKING).unwrap();
-    let event = cuweave_driver::Event::new(&context, cuweave_driver::EventFlags::DISABLE_TIMING)
-        .unwrap();
+    let event =
+        cuweave_driver::Event::new(&context, cuweave_driver::EventFlags::DISABLE_TIMING).unwrap();
     event.record(&stream).unwrap();
     stream.synchronize().unwrap();
     // A thread with no current context: the fast path answers without binding one.

@@ -101,8 +101,12 @@ fn a_kernel_keeps_its_module_loaded() {
     // SAFETY: fill_u32(unsigned*, unsigned, size_t) matches the three arguments, and `buffer`
     // holds `n` u32s until the synchronize; `host` is read only after it.
     unsafe {
-        fill.launch(&stream, LaunchConfig::for_elements(n as usize, 256).unwrap(), &args)
-            .unwrap();
+        fill.launch(
+            &stream,
+            LaunchConfig::for_elements(n as usize, 256).unwrap(),
+            &args,
+        )
+        .unwrap();
         memory::copy_dtoh_async(host.as_mut_ptr().cast(), dst, n as usize * 4, &stream).unwrap();
     }
     stream.synchronize().unwrap();
@@ -151,8 +155,13 @@ fn a_missing_function_is_not_found() {
         "{error}"
     );
     assert!(
-        matches!(&error, DriverError::Cuda { operation: "cuModuleGetFunction", .. })
-            && error.name().unwrap() == "CUDA_ERROR_NOT_FOUND",
+        matches!(
+            &error,
+            DriverError::Cuda {
+                operation: "cuModuleGetFunction",
+                ..
+            }
+        ) && error.name().unwrap() == "CUDA_ERROR_NOT_FOUND",
         "{error:?}"
     );
     // A name the driver could never be given is refused before it is asked.
@@ -228,7 +237,11 @@ fn cubin_fatbin_and_unterminated_ptx_load_and_a_grid_past_65535_blocks_covers_ev
     let fill = module.function("fill_u32").unwrap();
     assert_eq!(fill.name(), "fill_u32");
     // A truncated cubin is refused before the driver reads it, and the context still works.
-    for image in [&CUBIN[..CUBIN.len() - 1], &FATBIN[..100], b"\x7fELF garbage".as_slice()] {
+    for image in [
+        &CUBIN[..CUBIN.len() - 1],
+        &FATBIN[..100],
+        b"\x7fELF garbage".as_slice(),
+    ] {
         match Module::from_cubin(context, image) {
             Err(DriverError::InvalidArgument { operation, .. }) => {
                 assert_eq!(operation, "Module::from_cubin");

@@ -84,7 +84,11 @@ fn names_and_descriptions_come_from_the_driver_when_asked() {
     if driver().is_ok() {
         assert_eq!(name, "CUDA_ERROR_OUT_OF_MEMORY");
         assert_eq!(description, "out of memory");
-        assert!(error.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY (2): out of memory"));
+        assert!(
+            error
+                .to_string()
+                .contains("CUDA_ERROR_OUT_OF_MEMORY (2): out of memory")
+        );
     } else {
         assert_eq!(name, "CUresult 2");
         assert_eq!(description, "unknown error");

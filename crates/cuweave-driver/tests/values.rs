@@ -3,7 +3,8 @@
 
 use cuweave_driver::memory::{HostAllocFlags, MemLocation};
 use cuweave_driver::{
-    ComputeCapability, DriverError, EventFlags, KernelArgs, LaunchConfig, StreamFlags, StreamPriorityRange, sys,
+    ComputeCapability, DriverError, EventFlags, KernelArgs, LaunchConfig, StreamFlags,
+    StreamPriorityRange, sys,
 };
 use rstest::rstest;
 

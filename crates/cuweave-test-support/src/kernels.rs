@@ -316,7 +316,9 @@ const ELEMENT_MAX_BLOCKS: u32 = 65_535;
 
 /// A 1-D launch giving each of `n` elements a thread, up to [`ELEMENT_MAX_BLOCKS`] blocks.
 fn elements(n: u64) -> LaunchConfig {
-    let blocks = n.div_ceil(u64::from(BLOCK)).clamp(1, u64::from(ELEMENT_MAX_BLOCKS));
+    let blocks = n
+        .div_ceil(u64::from(BLOCK))
+        .clamp(1, u64::from(ELEMENT_MAX_BLOCKS));
     LaunchConfig {
         grid: (u32::try_from(blocks).unwrap_or(ELEMENT_MAX_BLOCKS), 1, 1),
         block: (BLOCK, 1, 1),

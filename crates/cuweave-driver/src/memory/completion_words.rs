@@ -106,7 +106,7 @@ impl CompletionWords {
                 return Ok(());
             }
             polls = polls.wrapping_add(1);
-            if polls % 64 == 0 && Instant::now() >= deadline {
+            if polls.is_multiple_of(64) && Instant::now() >= deadline {
                 return stream.synchronize();
             }
             std::hint::spin_loop();

@@ -88,7 +88,9 @@ fn check_elf(image: &[u8]) -> Result<()> {
     }
     // e_ident[EI_CLASS] = ELFCLASS64, e_ident[EI_DATA] = ELFDATA2LSB: what every cubin is.
     if image[4] != 2 || image[5] != 1 {
-        return Err(refuse("not a 64-bit little-endian ELF image (a cubin is both)"));
+        return Err(refuse(
+            "not a 64-bit little-endian ELF image (a cubin is both)",
+        ));
     }
     let field = |at| u64_at(image, at).unwrap_or(u64::MAX);
     let half = |at| u16_at(image, at).unwrap_or(u16::MAX);
