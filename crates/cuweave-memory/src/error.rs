@@ -84,6 +84,25 @@ pub enum MemoryError {
         /// The device it was used with.
         actual: usize,
     },
+    /// An object of one context was used with another context of the same device (the
+    /// default caching allocator serves the device's primary context; give a buffer of another
+    /// context its own [`MemoryResource`](crate::MemoryResource)).
+    #[error("{operation}: belongs to another context of device {device}")]
+    WrongContext {
+        /// The operation.
+        operation: &'static str,
+        /// The device both contexts are on.
+        device: usize,
+    },
+    /// A stream handle that cannot key stream-ordered memory: `CU_STREAM_PER_THREAD`, whose one
+    /// handle names a different stream on each thread.
+    #[error("{operation}: {reason}")]
+    InvalidStream {
+        /// The operation.
+        operation: &'static str,
+        /// Why the stream was refused.
+        reason: &'static str,
+    },
     /// A pointer handed back to an allocator or pool is not one it gave out.
     #[error("{operation}: {ptr:#x} was not allocated here (or was already freed)")]
     UnknownAllocation {

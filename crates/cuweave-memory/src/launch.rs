@@ -42,14 +42,14 @@ use crate::error::Result;
 ///     Stream::new(&context, StreamFlags::NON_BLOCKING)?,
 /// );
 /// let weights = DeviceBuffer::<f32>::from_slice(&context, &[1.0; 1024])?;
-/// let (out_a, out_b) = (DeviceBuffer::<f32>::new(&context, 1024)?, DeviceBuffer::<f32>::new(&context, 1024)?);
+/// let (mut out_a, mut out_b) = (DeviceBuffer::<f32>::new_on(&a, 1024)?, DeviceBuffer::<f32>::new_on(&b, 1024)?);
 /// let n = 1024u32;
 /// let config = LaunchConfig::for_elements(1024, 256)?;
 /// // Both launches read `weights`: they run at once on `a` and `b`.
 /// // SAFETY: `scale(const float* in, float* out, unsigned n)` reads and writes n elements.
 /// unsafe {
-///     TrackedLaunch::new(&kernel, &a, config).read(&weights).write(&out_a).arg(&n).launch()?;
-///     TrackedLaunch::new(&kernel, &b, config).read(&weights).write(&out_b).arg(&n).launch()?;
+///     TrackedLaunch::new(&kernel, &a, config).read(&weights).write(&mut out_a).arg(&n).launch()?;
+///     TrackedLaunch::new(&kernel, &b, config).read(&weights).write(&mut out_b).arg(&n).launch()?;
 /// }
 /// assert_eq!(weights.concurrent_readers(), 2);
 /// # Ok(())
@@ -86,21 +86,34 @@ impl<'a> TrackedLaunch<'a> {
 
     /// Passes `buffer`'s device address as the next argument, declared written (or read and
     /// written).
-    pub fn write<T: Element, B: Buffer<T> + ?Sized>(mut self, buffer: &'a B) -> Self {
+    ///
+    /// Takes the buffer mutably (as cudarc's launch builder does for outputs): no host slice
+    /// of it, nor any other borrow, can live while the launch is being built.
+    pub fn write<T: Element, B: Buffer<T> + ?Sized>(mut self, buffer: &'a mut B) -> Self {
+        let buffer: &'a B = buffer;
         let core = buffer.core();
         self.args = self.args.arg(core.ptr_ref());
         self.uses.push((core.tracker(), Access::Write));
         self
     }
 
+    /// Orders the launch after `buffer`'s conflicting uses as a read, and records it, without
+    /// passing the buffer as an argument (for a kernel that reaches it another way, e.g.
+    /// through a pointer table).
+    pub fn reads<T: Element, B: Buffer<T> + ?Sized>(mut self, buffer: &'a B) -> Self {
+        self.uses.push((buffer.core().tracker(), Access::Read));
+        self
+    }
+
     /// Orders the launch after `buffer`'s conflicting uses as `access` says, and records it,
-    /// without passing the buffer as an argument (for a kernel that reaches it another way,
-    /// e.g. through a pointer table).
+    /// without passing the buffer as an argument. Takes the buffer mutably, as
+    /// [`write`](Self::write) does, whatever the access.
     pub fn uses<T: Element, B: Buffer<T> + ?Sized>(
         mut self,
-        buffer: &'a B,
+        buffer: &'a mut B,
         access: Access,
     ) -> Self {
+        let buffer: &'a B = buffer;
         self.uses.push((buffer.core().tracker(), access));
         self
     }

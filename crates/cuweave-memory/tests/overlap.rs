@@ -44,11 +44,11 @@ struct Observed {
 fn run_scenario(context: &Arc<Context>) -> Observed {
     let kernels = MemoryKernels::load(context).expect("load memory kernels");
     let (a, b, w) = (stream(context), stream(context), stream(context));
-    let data = DeviceBuffer::<u32>::from_slice(context, &vec![FIRST; N]).expect("data");
-    let stamps: Vec<DeviceBuffer<u64>> = (0..3)
+    let mut data = DeviceBuffer::<u32>::from_slice(context, &vec![FIRST; N]).expect("data");
+    let mut stamps: Vec<DeviceBuffer<u64>> = (0..3)
         .map(|_| DeviceBuffer::zeroed(context, 2).expect("stamps"))
         .collect();
-    let sums: Vec<DeviceBuffer<u64>> = (0..3)
+    let mut sums: Vec<DeviceBuffer<u64>> = (0..3)
         .map(|_| DeviceBuffer::zeroed(context, 1).expect("sum"))
         .collect();
     // One flag per first reader, written by that reader alone; passed as plain addresses (not
@@ -56,8 +56,8 @@ fn run_scenario(context: &Arc<Context>) -> Observed {
     let flags = DeviceBuffer::<u32>::zeroed(context, 2).expect("flags");
     let flag_ptrs = [flags.device_ptr(), flags.device_ptr() + 4];
     let unused_flag = DeviceBuffer::<u32>::zeroed(context, 1).expect("flag");
-    let seen = DeviceBuffer::<u32>::zeroed(context, 1).expect("seen");
-    let started = DeviceBuffer::<u64>::zeroed(context, 1).expect("started");
+    let mut seen = DeviceBuffer::<u32>::zeroed(context, 1).expect("seen");
+    let mut started = DeviceBuffer::<u64>::zeroed(context, 1).expect("started");
     let (n, ns, nflags, second) = (N as u64, READ_NS, 2u32, SECOND);
     let config = MemoryKernels::config(N);
 
@@ -71,9 +71,9 @@ fn run_scenario(context: &Arc<Context>) -> Observed {
                 .read(&data)
                 .arg(&n)
                 .arg(&ns)
-                .write(&stamps[index])
+                .write(&mut stamps[index])
                 .arg(&flag_ptrs[index])
-                .write(&sums[index])
+                .write(&mut sums[index])
                 .launch()
         }
         .expect("launch a reader");
@@ -85,13 +85,13 @@ fn run_scenario(context: &Arc<Context>) -> Observed {
     // `seen` and `started` hold one element each.
     unsafe {
         TrackedLaunch::new(kernels.checked_write_u32(), &w, config)
-            .write(&data)
+            .write(&mut data)
             .arg(&n)
             .arg(&second)
             .arg(&flags_ptr)
             .arg(&nflags)
-            .write(&seen)
-            .write(&started)
+            .write(&mut seen)
+            .write(&mut started)
             .launch()
     }
     .expect("launch the writer");
@@ -103,9 +103,9 @@ fn run_scenario(context: &Arc<Context>) -> Observed {
             .read(&data)
             .arg(&n)
             .arg(&zero)
-            .write(&stamps[2])
+            .write(&mut stamps[2])
             .arg(&unused_ptr)
-            .write(&sums[2])
+            .write(&mut sums[2])
             .launch()
     }
     .expect("launch the reader after the writer");
@@ -195,11 +195,11 @@ fn host_access_waits_for_every_reader() {
     let kernels = MemoryKernels::load(&gpu.context).expect("load memory kernels");
     let (a, b) = (stream(&gpu.context), stream(&gpu.context));
     let data = DeviceBuffer::<u32>::from_slice(&gpu.context, &[1u32; 1024]).expect("data");
-    let stamps = [
+    let mut stamps = [
         DeviceBuffer::<u64>::zeroed(&gpu.context, 2).expect("stamps"),
         DeviceBuffer::<u64>::zeroed(&gpu.context, 2).expect("stamps"),
     ];
-    let sums = [
+    let mut sums = [
         DeviceBuffer::<u64>::zeroed(&gpu.context, 1).expect("sum"),
         DeviceBuffer::<u64>::zeroed(&gpu.context, 1).expect("sum"),
     ];
@@ -217,9 +217,9 @@ fn host_access_waits_for_every_reader() {
             .read(&data)
             .arg(&n)
             .arg(ns)
-            .write(&stamps[index])
+            .write(&mut stamps[index])
             .arg(&flag_ptrs[index])
-            .write(&sums[index])
+            .write(&mut sums[index])
             .launch()
         }
         .expect("launch a reader");
@@ -239,10 +239,11 @@ fn declared_accesses_are_listed_in_order() {
     let gpu = require_gpu!();
     let kernels = MemoryKernels::load(&gpu.context).expect("load memory kernels");
     let s = stream(&gpu.context);
-    let buffer = DeviceBuffer::<u32>::zeroed(&gpu.context, 4).expect("buffer");
+    let mut buffer = DeviceBuffer::<u32>::zeroed(&gpu.context, 4).expect("buffer");
+    let other = DeviceBuffer::<u32>::zeroed(&gpu.context, 4).expect("buffer");
     let launch = TrackedLaunch::new(kernels.timed_read_u32(), &s, MemoryKernels::config(4))
-        .read(&buffer)
-        .uses(&buffer, Access::Write);
+        .read(&other)
+        .uses(&mut buffer, Access::Write);
     assert_eq!(
         launch.declared().collect::<Vec<_>>(),
         [Access::Read, Access::Write]

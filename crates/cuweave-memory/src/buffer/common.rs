@@ -17,7 +17,6 @@ use crate::error::{MemoryError, Result};
 /// The untyped part every buffer holds: where its memory is, and its last use.
 #[derive(Debug)]
 pub struct BufferCore {
-    context: Arc<Context>,
     ptr: DevicePtr,
     len: usize,
     element_size: usize,
@@ -32,18 +31,29 @@ impl BufferCore {
         len: usize,
         element_size: usize,
     ) -> Self {
+        Self::with_tracker(StreamTracker::new(context), ptr, len, element_size)
+    }
+
+    /// A core whose uses `tracker` records.
+    #[inline]
+    pub(crate) fn with_tracker(
+        tracker: StreamTracker,
+        ptr: DevicePtr,
+        len: usize,
+        element_size: usize,
+    ) -> Self {
         Self {
-            context: Arc::clone(context),
             ptr,
             len,
             element_size,
-            tracker: StreamTracker::new(context),
+            tracker,
         }
     }
 
     /// The context the memory belongs to.
+    #[inline]
     pub(crate) fn context(&self) -> &Arc<Context> {
-        &self.context
+        self.tracker.context()
     }
 
     /// The device address of element 0.
@@ -104,16 +114,21 @@ pub(crate) mod sealed {
 }
 
 fn ensure_same_device(operation: &'static str, dst: &BufferCore, src: &BufferCore) -> Result<()> {
-    let (expected, actual) = (dst.context.device(), src.context.device());
-    if expected == actual {
-        Ok(())
-    } else {
-        Err(MemoryError::WrongDevice {
+    let (expected, actual) = (dst.context().device(), src.context().device());
+    if expected != actual {
+        return Err(MemoryError::WrongDevice {
             operation,
             expected: expected.ordinal(),
             actual: actual.ordinal(),
-        })
+        });
     }
+    if dst.context().as_raw() != src.context().as_raw() {
+        return Err(MemoryError::WrongContext {
+            operation,
+            device: expected.ordinal(),
+        });
+    }
+    Ok(())
 }
 
 /// Queues the cheapest fill of `span` with `value` on `stream` (see [`FillPlan`]).

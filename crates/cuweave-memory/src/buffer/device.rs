@@ -1,27 +1,96 @@
-//! [`DeviceBuffer`]: typed device memory from `cuMemAlloc`.
+//! [`DeviceBuffer`]: typed device memory from a memory resource, by default the caching
+//! allocator of its device.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use cuweave_driver::Context;
-use cuweave_driver::memory::DeviceAllocation;
+use cuweave_driver::memory::DevicePtr;
+use cuweave_driver::{Context, Event, Stream};
 
 use super::common::{Buffer, BufferCore, sealed::Sealed};
 use super::range::allocation_bytes;
+use super::raw::legacy_stream;
+use super::tracker::{Owner, StreamTracker};
+use crate::caching::default::{check_context, with_default};
+use crate::caching::{CachedAllocation, CachingAllocator};
 use crate::element::Element;
 use crate::error::Result;
+use crate::resource::{MemoryResource, check_stream};
 
-/// `len` elements of `T` in device memory, freed when dropped (after every queued use of it
-/// has finished).
+/// Where a buffer's memory came from, and where it goes back.
+enum Memory {
+    /// A block of a caching allocator (the default).
+    Cached(CachedAllocation),
+    /// An allocation of any other memory resource.
+    Resource {
+        resource: Arc<dyn MemoryResource>,
+        ptr: DevicePtr,
+        bytes: usize,
+    },
+    /// Given back (only while dropping).
+    Freed,
+}
+
+impl std::fmt::Debug for Memory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cached(allocation) => allocation.fmt(f),
+            Self::Resource {
+                resource,
+                ptr,
+                bytes,
+            } => f
+                .debug_struct("Resource")
+                .field("resource", &resource.name())
+                .field("ptr", &format_args!("{ptr:#x}"))
+                .field("bytes", bytes)
+                .finish(),
+            Self::Freed => f.write_str("Freed"),
+        }
+    }
+}
+
+/// `len` elements of `T` in device memory, given back in stream order when dropped.
 ///
-/// All operations come from the [`Buffer`] trait.
+/// # Where the memory comes from
+///
+/// By default from the process-wide [`CachingAllocator`] of the device
+/// ([`CachingAllocator::for_device`]): a warm allocation is a lock-protected lookup with no
+/// driver call. [`with_allocator`](Self::with_allocator) (or [`CachingAllocator::buffer`]) names
+/// another caching allocator, [`with_resource`](Self::with_resource) any
+/// [`MemoryResource`] (the async pool, a limit or statistics adaptor, or
+/// [`DriverResource`](crate::DriverResource) for plain `cuMemAlloc`).
+///
+/// - [`new_on(&stream, len)`](Self::new_on) allocates for `stream`, the stream the buffer is
+///   first used on: the block comes from that stream's free list. This is the fast path.
+/// - [`new(&context, len)`](Self::new) allocates for the context's legacy default stream (one
+///   stream per context, which the blocking methods use); the buffer may be used on any stream
+///   just the same.
+///
+/// # Dropping
+///
+/// Dropping never blocks on the GPU and never calls `cuMemFree`: the block goes back to its
+/// allocator, which hands it out again only once every use the buffer recorded (on any stream)
+/// has finished: the events the tracker recorded behind them travel with the block, as
+/// `record_stream` does for raw blocks. A buffer nothing was queued on goes straight back to
+/// its stream's free list (no event, no allocation). Memory of another resource is deallocated
+/// in stream order: the legacy default stream waits for the buffer's uses, then the resource's
+/// `deallocate` runs there (for `DriverResource` that is `cuMemFree`, which blocks).
+///
+/// Work queued on [`device_ptr`](Buffer::device_ptr) by hand must be recorded
+/// ([`Buffer::record_write`] or [`TrackedLaunch`](crate::TrackedLaunch)), or be on the stream
+/// the buffer was allocated for, to be covered.
 ///
 /// ```no_run
-/// use cuweave_driver::{Context, Device};
+/// use cuweave_driver::{Context, Device, Stream, StreamFlags};
 /// use cuweave_memory::buffer::{Buffer, DeviceBuffer};
 ///
 /// # fn main() -> cuweave_memory::Result<()> {
 /// let context = Context::primary(Device::get(0)?)?;
+/// let stream = Stream::new(&context, StreamFlags::NON_BLOCKING)?;
+/// let mut scratch = DeviceBuffer::<f32>::new_on(&stream, 1 << 20)?; // from the cache
+/// scratch.fill_async(1.0, &stream)?;
+/// drop(scratch); // back to the cache; reused once the fill has run
 /// let buffer = DeviceBuffer::from_slice(&context, &[1.0f32, 2.0, 3.0])?;
 /// assert_eq!(buffer.to_vec()?, [1.0, 2.0, 3.0]);
 /// # Ok(())
@@ -30,12 +99,13 @@ use crate::error::Result;
 #[derive(Debug)]
 pub struct DeviceBuffer<T: Element> {
     core: BufferCore,
-    allocation: DeviceAllocation,
+    memory: Memory,
     _element: PhantomData<T>,
 }
 
 impl<T: Element> DeviceBuffer<T> {
-    /// Allocates `len` elements without initializing them.
+    /// Allocates `len` elements for use on `stream`, from the default caching allocator of the
+    /// stream's device, without initializing them.
     ///
     /// The contents are whatever the memory last held. That is sound because `T` is plain data
     /// (every bit pattern is a valid value) and device memory reaches the host only through
@@ -43,25 +113,115 @@ impl<T: Element> DeviceBuffer<T> {
     ///
     /// # Errors
     /// `ZeroLength` for `len == 0` (or a zero-sized `T`), `Misaligned` when the byte size
-    /// overflows, the driver's out-of-memory error when the device is full.
-    pub fn new(context: &Arc<Context>, len: usize) -> Result<Self> {
-        let bytes = allocation_bytes::<T>("DeviceBuffer::new", len)?;
-        let allocation = DeviceAllocation::new(context, bytes)?;
-        Ok(Self {
-            core: BufferCore::new(context, allocation.ptr(), len, size_of::<T>()),
-            allocation,
-            _element: PhantomData,
+    /// overflows, `InvalidStream` for the per-thread default stream, `WrongContext` for a stream
+    /// of a context other than the device's primary one (give those
+    /// [`with_allocator`](Self::with_allocator)), `OutOfMemory` when the device is full.
+    #[inline]
+    pub fn new_on(stream: &Stream, len: usize) -> Result<Self> {
+        const OPERATION: &str = "DeviceBuffer::new_on";
+        let bytes = allocation_bytes::<T>(OPERATION, len)?;
+        with_default(stream.device(), |allocator| {
+            check_context(allocator, stream.context(), OPERATION)?;
+            Ok(Self::from_cached(allocator.allocate(bytes, stream)?, len))
         })
     }
 
-    /// Allocates `len` elements set to zero.
+    /// Allocates `len` elements from the default caching allocator of `context`'s device, for
+    /// the context's legacy default stream (which the blocking methods use); the buffer may be
+    /// used on any stream. See [`new_on`](Self::new_on) for the contents.
+    ///
+    /// # Errors
+    /// As [`new_on`](Self::new_on); `WrongContext` for a context other than the device's
+    /// primary one.
+    pub fn new(context: &Arc<Context>, len: usize) -> Result<Self> {
+        const OPERATION: &str = "DeviceBuffer::new";
+        let bytes = allocation_bytes::<T>(OPERATION, len)?;
+        let legacy = legacy_stream(context);
+        with_default(context.device(), |allocator| {
+            check_context(allocator, context, OPERATION)?;
+            Ok(Self::from_cached(allocator.allocate(bytes, &legacy)?, len))
+        })
+    }
+
+    /// Allocates `len` elements from `allocator` for use on `stream` (what
+    /// [`CachingAllocator::buffer`] does).
+    ///
+    /// # Errors
+    /// As [`new_on`](Self::new_on); `WrongDevice` / `WrongContext` for a stream that is not of
+    /// the allocator's context.
+    #[inline]
+    pub fn with_allocator(
+        allocator: &CachingAllocator,
+        len: usize,
+        stream: &Stream,
+    ) -> Result<Self> {
+        const OPERATION: &str = "DeviceBuffer::with_allocator";
+        let bytes = allocation_bytes::<T>(OPERATION, len)?;
+        check_stream(allocator.device(), stream, OPERATION)?;
+        check_context(allocator, stream.context(), OPERATION)?;
+        Ok(Self::from_cached(allocator.allocate(bytes, stream)?, len))
+    }
+
+    /// Allocates `len` elements from any memory `resource` on `stream` (RMM's
+    /// `device_buffer(size, stream, mr)`). The buffer is usable on `stream` at once; other
+    /// streams are ordered after the allocation (an event is recorded on `stream` for them,
+    /// since a stream-ordered resource's memory exists there only from that point).
+    ///
+    /// # Errors
+    /// `ZeroLength`, `Misaligned` as for [`new_on`](Self::new_on); `WrongDevice` /
+    /// `WrongContext` for a stream that is not of the resource's context; the resource's error.
+    pub fn with_resource(
+        resource: Arc<dyn MemoryResource>,
+        len: usize,
+        stream: &Stream,
+    ) -> Result<Self> {
+        const OPERATION: &str = "DeviceBuffer::with_resource";
+        let bytes = allocation_bytes::<T>(OPERATION, len)?;
+        check_stream(resource.device(), stream, OPERATION)?;
+        if resource.context().as_raw() != stream.context().as_raw() {
+            return Err(crate::MemoryError::WrongContext {
+                operation: OPERATION,
+                device: stream.device().ordinal(),
+            });
+        }
+        let ptr = resource.allocate(bytes, stream)?;
+        let tracker = StreamTracker::new(resource.context());
+        let buffer = Self {
+            core: BufferCore::with_tracker(tracker, ptr, len, size_of::<T>()),
+            memory: Memory::Resource {
+                resource,
+                ptr,
+                bytes,
+            },
+            _element: PhantomData,
+        };
+        // Other streams must not touch the memory before `stream` reaches the allocation.
+        buffer
+            .core
+            .tracker()
+            .record(OPERATION, stream, super::Access::Write)?;
+        Ok(buffer)
+    }
+
+    #[inline]
+    fn from_cached(allocation: CachedAllocation, len: usize) -> Self {
+        let tracker =
+            StreamTracker::with_owner(Owner::Cache(Arc::clone(allocation.shard_handle())));
+        Self {
+            core: BufferCore::with_tracker(tracker, allocation.ptr(), len, size_of::<T>()),
+            memory: Memory::Cached(allocation),
+            _element: PhantomData,
+        }
+    }
+
+    /// Allocates `len` elements set to zero (see [`new`](Self::new)).
     pub fn zeroed(context: &Arc<Context>, len: usize) -> Result<Self> {
         let mut buffer = Self::new(context, len)?;
         buffer.fill(T::zeroed())?;
         Ok(buffer)
     }
 
-    /// Allocates a buffer holding a copy of `data`.
+    /// Allocates a buffer holding a copy of `data` (see [`new`](Self::new)).
     ///
     /// # Errors
     /// `ZeroLength` for an empty slice.
@@ -71,13 +231,26 @@ impl<T: Element> DeviceBuffer<T> {
         Ok(buffer)
     }
 
-    /// The driver allocation, for interop.
-    pub fn allocation(&self) -> &DeviceAllocation {
-        &self.allocation
+    /// The caching-allocator block behind the buffer, for interop (`None` for memory of another
+    /// resource).
+    pub fn cached_allocation(&self) -> Option<&CachedAllocation> {
+        match &self.memory {
+            Memory::Cached(allocation) => Some(allocation),
+            _ => None,
+        }
+    }
+
+    /// The name of the resource the memory came from (`"caching"` for a caching allocator).
+    pub fn resource_name(&self) -> &str {
+        match &self.memory {
+            Memory::Resource { resource, .. } => resource.name(),
+            _ => "caching",
+        }
     }
 }
 
 impl<T: Element> Sealed for DeviceBuffer<T> {
+    #[inline]
     fn core(&self) -> &BufferCore {
         &self.core
     }
@@ -85,9 +258,46 @@ impl<T: Element> Sealed for DeviceBuffer<T> {
 
 impl<T: Element> Buffer<T> for DeviceBuffer<T> {}
 
+/// Deallocates a resource's memory on the legacy default stream once it has waited for every
+/// event; if a wait cannot be queued, the event is waited for on the host instead.
+fn deallocate_after(
+    resource: &dyn MemoryResource,
+    ptr: DevicePtr,
+    bytes: usize,
+    events: &[Event],
+) -> Result<()> {
+    let legacy = legacy_stream(resource.context());
+    for event in events {
+        if legacy.wait_event(event).is_err() {
+            event.synchronize()?;
+        }
+    }
+    resource.deallocate(ptr, bytes, &legacy)
+}
+
 impl<T: Element> Drop for DeviceBuffer<T> {
+    #[inline]
     fn drop(&mut self) {
-        // The allocation field is freed after this returns, once queued uses have finished.
-        self.core.tracker().synchronize_for_drop("DeviceBuffer");
+        let (markers, spare) = self.core.tracker().take_for_free();
+        match std::mem::replace(&mut self.memory, Memory::Freed) {
+            Memory::Cached(allocation) => {
+                if !spare.is_empty() {
+                    allocation.recycle_events(spare);
+                }
+                if let Err(error) = allocation.free_after_events(markers) {
+                    tracing::error!(%error, "returning a DeviceBuffer's block to its allocator failed");
+                }
+            }
+            Memory::Resource {
+                resource,
+                ptr,
+                bytes,
+            } => {
+                if let Err(error) = deallocate_after(&*resource, ptr, bytes, &markers) {
+                    tracing::error!(%error, ptr, bytes, "deallocating a DeviceBuffer failed; the memory is leaked");
+                }
+            }
+            Memory::Freed => {}
+        }
     }
 }

@@ -106,9 +106,13 @@ impl<T: Element> PinnedBuffer<T> {
         self.slice_mut()
     }
 
-    /// The driver allocation, for interop.
-    pub fn allocation(&self) -> &HostAllocation {
-        &self.allocation
+    /// The host address of element 0, for interop. Safe reads and writes go through
+    /// [`as_slice`](Self::as_slice) and [`as_mut_slice`](Self::as_mut_slice), which wait for
+    /// queued device work first; dereferencing this pointer is `unsafe` and leaves that to the
+    /// caller. (There is no way to the raw `HostAllocation`: its safe `as_bytes` would read the
+    /// memory under a queued copy.)
+    pub fn as_host_ptr(&self) -> *const T {
+        self.allocation.as_ptr().cast()
     }
 
     // Callers have made sure no device work can write the memory meanwhile.

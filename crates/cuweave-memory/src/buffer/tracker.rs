@@ -34,11 +34,38 @@ use cuweave_driver::{Context, Event, EventFlags, Stream};
 use parking_lot::{Mutex, MutexGuard};
 
 use super::uses::UseState;
+use crate::caching::ShardHandle;
 use crate::error::{MemoryError, Result};
 
-/// A fresh event for tracking uses in `context`.
-fn new_event(context: &Arc<Context>) -> Result<Arc<Event>> {
-    Ok(Arc::new(Event::new(context, EventFlags::DISABLE_TIMING)?))
+/// Where a tracked buffer's context comes from: its own `Arc`, or the caching allocator's shard
+/// handle its memory came from (so that making a cached buffer writes no reference count that
+/// other threads share: every thread on its own stream has its own shard).
+#[derive(Clone)]
+pub(crate) enum Owner {
+    /// A context of its own.
+    Context(Arc<Context>),
+    /// The context of the caching allocator the memory came from, whose spare events the
+    /// tracker also uses.
+    Cache(Arc<ShardHandle>),
+}
+
+impl Owner {
+    #[inline]
+    fn context(&self) -> &Arc<Context> {
+        match self {
+            Self::Context(context) => context,
+            Self::Cache(shard) => shard.shared.context(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Context(_) => f.write_str("Context"),
+            Self::Cache(_) => f.write_str("CachingAllocator"),
+        }
+    }
 }
 
 /// How an operation uses a buffer: whether it only reads the memory or may write it.
@@ -61,22 +88,69 @@ pub enum Access {
 /// [`TrackedLaunch`](crate::TrackedLaunch).
 #[derive(Debug)]
 pub struct StreamTracker {
-    context: Arc<Context>,
+    owner: Owner,
     state: Mutex<UseState<Event>>,
 }
 
 impl StreamTracker {
     /// A tracker for a buffer of `context` that has not been used yet.
     pub(crate) fn new(context: &Arc<Context>) -> Self {
+        Self::with_owner(Owner::Context(Arc::clone(context)))
+    }
+
+    /// A tracker for a buffer whose context comes from `owner`.
+    #[inline]
+    pub(crate) fn with_owner(owner: Owner) -> Self {
         Self {
-            context: Arc::clone(context),
+            owner,
             state: Mutex::new(UseState::default()),
         }
     }
 
     /// The context of the buffer this tracker belongs to.
+    #[inline]
     pub(crate) fn context(&self) -> &Arc<Context> {
-        &self.context
+        self.owner.context()
+    }
+
+    /// An event for a new use: a spare one of the caching allocator the memory came from, else
+    /// a new one.
+    fn new_event(&self) -> Result<Arc<Event>> {
+        if let Owner::Cache(shard) = &self.owner
+            && let Some(event) = shard.shared.engine.take_one_spare()
+        {
+            return Ok(Arc::new(event));
+        }
+        Ok(Arc::new(Event::new(
+            self.context(),
+            EventFlags::DISABLE_TIMING,
+        )?))
+    }
+
+    /// Takes every event out of the tracker when its buffer is freed: the events recorded
+    /// behind uses (the memory may be reused only once they have all completed) and the spare
+    /// ones. The tracker is left as new.
+    ///
+    /// A recorded event that is still shared (only a host wait on this tracker clones one, and
+    /// a buffer being freed has no borrower left) is waited for here instead.
+    pub(crate) fn take_for_free(&self) -> (Vec<Event>, Vec<Event>) {
+        let (recorded, spare) = self.state.lock().take_all();
+        let mut markers = Vec::with_capacity(recorded.len());
+        for event in recorded {
+            match Arc::try_unwrap(event) {
+                Ok(event) => markers.push(event),
+                Err(shared) => {
+                    if let Err(error) = shared.synchronize() {
+                        tracing::error!(%error, "waiting for a shared use event of a freed buffer failed");
+                    }
+                }
+            }
+        }
+        let spare = spare
+            .into_iter()
+            .filter_map(|event| Arc::try_unwrap(event).ok())
+            .collect();
+        (markers, spare)
     }
 
     /// The raw handle of the stream that last used the buffer (0 is the legacy default stream,
@@ -131,7 +205,7 @@ impl StreamTracker {
         stream: &Stream,
         access: Access,
     ) -> Result<()> {
-        ensure_same_device(operation, &self.context, stream)?;
+        ensure_same_device(operation, self.context(), stream)?;
         self.state.lock().wait_on(stream, access)
     }
 
@@ -237,14 +311,14 @@ pub(crate) fn run_uses<R>(
         settled: true,
     };
     for (tracker, _) in uses {
-        ensure_same_device(operation, &tracker.context, stream).map_err(unqueued)?;
+        ensure_same_device(operation, tracker.context(), stream).map_err(unqueued)?;
     }
     if let [(tracker, access)] = uses {
         // One buffer: no sorting, no allocation.
         let mut state = tracker.state.lock();
         state.wait_on(stream, *access).map_err(unqueued)?;
         let outcome = op();
-        let recorded = state.record(stream, *access, || new_event(&tracker.context));
+        let recorded = state.record(stream, *access, || tracker.new_event());
         drop(state);
         return finish(outcome, recorded, stream);
     }
@@ -256,7 +330,7 @@ pub(crate) fn run_uses<R>(
     let outcome = op();
     let mut recorded = Ok(());
     for (tracker, access, state) in &mut guards {
-        if let Err(error) = state.record(stream, *access, || new_event(&tracker.context)) {
+        if let Err(error) = state.record(stream, *access, || tracker.new_event()) {
             recorded = recorded.and(Err(error));
         }
     }
@@ -284,7 +358,7 @@ pub(crate) fn run_completed<R>(
         error,
         settled: true,
     };
-    ensure_same_device(operation, &tracker.context, stream).map_err(unqueued)?;
+    ensure_same_device(operation, tracker.context(), stream).map_err(unqueued)?;
     let mut state = tracker.state.lock();
     state.wait_on(stream, access).map_err(unqueued)?;
     match op() {

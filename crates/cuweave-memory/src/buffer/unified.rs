@@ -25,6 +25,9 @@ use crate::unified::ManagedCapabilities;
 /// [`MemoryError::DeviceBusy`](crate::MemoryError::DeviceBusy). Migration hints and prefetches
 /// are in [`crate::unified`] ([`hints`](Self::hints), [`prefetch_to`](Self::prefetch_to), …).
 ///
+/// Host slices need a device with concurrent managed access (every recent data-centre GPU on
+/// Linux); elsewhere they are refused with a typed error and the [`Buffer`] copies remain.
+///
 /// Keep managed allocations within the device's free memory: oversubscribing managed memory
 /// can stall the whole GPU.
 ///
@@ -98,17 +101,20 @@ impl<T: Element> UnifiedBuffer<T> {
 
     /// The elements, after waiting for every queued device use of the buffer (blocks).
     ///
-    /// On devices without concurrent managed access (where the host may touch managed memory
-    /// only while the whole device is idle) it also synchronizes the context.
+    /// # Errors
+    /// `CapabilityMissing` on devices without concurrent managed access: there any GPU work
+    /// queued later in the context (by any thread) would fault the host's reads, which a slice
+    /// cannot prevent; use the [`Buffer`] copies there.
     pub fn as_slice(&self) -> Result<&[T]> {
-        self.wait_for_host()?;
+        self.wait_for_host("UnifiedBuffer::as_slice")?;
         raw::managed_slice(&self.allocation, self.core.len())
     }
 
     /// The elements, or `DeviceBusy` while queued device work may still use the buffer.
     ///
-    /// On devices without concurrent managed access it synchronizes the context after the
-    /// check, as [`as_slice`](Self::as_slice) does.
+    /// # Errors
+    /// `CapabilityMissing` on devices without concurrent managed access, as for
+    /// [`as_slice`](Self::as_slice).
     pub fn try_as_slice(&self) -> Result<&[T]> {
         self.ensure_host_ready("UnifiedBuffer::try_as_slice")?;
         raw::managed_slice(&self.allocation, self.core.len())
@@ -116,7 +122,7 @@ impl<T: Element> UnifiedBuffer<T> {
 
     /// The elements, writable, after waiting for every queued device use (blocks).
     pub fn as_mut_slice(&mut self) -> Result<&mut [T]> {
-        self.wait_for_host()?;
+        self.wait_for_host("UnifiedBuffer::as_mut_slice")?;
         raw::managed_slice_mut(&mut self.allocation, self.core.len())
     }
 
@@ -131,22 +137,30 @@ impl<T: Element> UnifiedBuffer<T> {
         &self.allocation
     }
 
-    fn wait_for_host(&self) -> Result<()> {
-        self.core.tracker().synchronize()?;
-        self.wait_for_device_if_exclusive()
+    fn wait_for_host(&self, operation: &'static str) -> Result<()> {
+        self.require_concurrent_access(operation)?;
+        self.core.tracker().synchronize()
     }
 
     fn ensure_host_ready(&self, operation: &'static str) -> Result<()> {
-        self.core.tracker().ensure_idle(operation)?;
-        self.wait_for_device_if_exclusive()
+        self.require_concurrent_access(operation)?;
+        self.core.tracker().ensure_idle(operation)
     }
 
-    fn wait_for_device_if_exclusive(&self) -> Result<()> {
-        if !self.concurrent_managed_access {
-            // Without concurrent managed access, any running kernel makes host access fault.
-            self.core.context().synchronize()?;
+    /// Host slices need concurrent managed access: without it, any GPU work queued later in the
+    /// context, by any thread, makes the host's access to managed memory fault, and a slice
+    /// cannot stop that. Such devices reach the memory through copies instead.
+    fn require_concurrent_access(&self, operation: &'static str) -> Result<()> {
+        if self.concurrent_managed_access {
+            Ok(())
+        } else {
+            Err(cuweave_driver::DriverError::CapabilityMissing {
+                capability: "concurrent managed access",
+                device: self.core.context().device().ordinal(),
+                operation,
+            }
+            .into())
         }
-        Ok(())
     }
 
     /// The buffer's last-use tracker.

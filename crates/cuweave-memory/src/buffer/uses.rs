@@ -257,6 +257,20 @@ impl<E: UseEvent> UseState<E> {
         self.last_stream = Some(stream.raw());
     }
 
+    /// Takes every event out, leaving the state as new: those recorded behind uses, and the
+    /// spare ones.
+    pub(crate) fn take_all(&mut self) -> (Vec<Arc<E>>, Vec<Arc<E>>) {
+        let recorded = self
+            .write
+            .take()
+            .into_iter()
+            .chain(self.reads.drain(..))
+            .map(|used| used.event)
+            .collect();
+        self.last_stream = None;
+        (recorded, std::mem::take(&mut self.spare))
+    }
+
     /// Every event a host access must wait for.
     pub(crate) fn all_events(&self) -> Vec<Arc<E>> {
         self.write

@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use cuweave_driver::memory::DevicePtr;
-use cuweave_driver::{Device, Stream};
+use cuweave_driver::{Device, Event, Stream};
 
 use super::allocator::ShardHandle;
 use super::block::BlockId;
@@ -129,16 +129,55 @@ impl CachedAllocation {
     /// # }
     /// ```
     pub fn record_stream(&mut self, stream: &Arc<Stream>) -> Result<()> {
-        check_stream(
-            self.shard.shared.device,
-            stream,
-            "CachedAllocation::record_stream",
-        )?;
-        let key = StreamKey::of(stream);
+        const OPERATION: &str = "CachedAllocation::record_stream";
+        check_stream(self.shard.shared.device, stream, OPERATION)?;
+        let key = StreamKey::checked(stream, OPERATION)?;
         if key != self.stream && !self.uses.iter().any(|used| StreamKey::of(used) == key) {
             self.uses.push(Arc::clone(stream));
         }
         Ok(())
+    }
+
+    /// The shard handle this allocation holds (a typed buffer borrows its context from it rather
+    /// than cloning the context's shared `Arc`).
+    #[inline]
+    pub(crate) fn shard_handle(&self) -> &Arc<ShardHandle> {
+        &self.shard
+    }
+
+    /// Gives spare (unrecorded or completed) events to the allocator for later uses.
+    #[cold]
+    pub(crate) fn recycle_events(&self, events: Vec<Event>) {
+        self.shard.shared.engine.recycle(events);
+    }
+
+    /// Returns the memory to the cache, to be handed out again only once every one of `events`
+    /// (recorded behind the uses a typed buffer's tracker saw, on any stream) has completed.
+    /// With no events, and no [`record_stream`](Self::record_stream)ed streams, this is the
+    /// plain lock-protected free.
+    #[inline]
+    pub(crate) fn free_after_events(mut self, events: Vec<Event>) -> Result<()> {
+        if events.is_empty() {
+            return self.release();
+        }
+        self.freed = true;
+        let engine = &self.shard.shared.engine;
+        let mut events = events;
+        if !self.uses.is_empty() {
+            let uses = std::mem::take(&mut self.uses);
+            let mut spare = engine.take_spare(uses.len());
+            let recorded = record_uses(&uses, &mut spare);
+            engine.recycle(spare);
+            match recorded {
+                Ok(more) => events.extend(more),
+                Err(error) => {
+                    engine.recycle(events);
+                    engine.free_never_reuse(self.stream, self.id, self.ptr)?;
+                    return Err(error);
+                }
+            }
+        }
+        engine.free_after(self.stream, self.id, self.ptr, events)
     }
 
     /// Returns the memory to the cache now, reporting what dropping would only log.

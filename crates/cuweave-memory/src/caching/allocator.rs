@@ -23,6 +23,11 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The context the memory belongs to.
+    pub(crate) fn context(&self) -> &Arc<Context> {
+        self.upstream.context()
+    }
+
     fn release_stream(&self) -> Result<&Stream> {
         if let Some(stream) = self.release_stream.get() {
             return Ok(stream);
@@ -177,6 +182,47 @@ impl CachingAllocator {
         }
     }
 
+    /// The process-wide caching allocator of `device`, over `cuMemAlloc` in its primary context
+    /// unless replaced with [`set_default_for_device`](Self::set_default_for_device): what
+    /// [`DeviceBuffer::new_on`](crate::DeviceBuffer::new_on) and
+    /// [`DeviceBuffer::new`](crate::DeviceBuffer::new) allocate from (PyTorch's
+    /// `CUDACachingAllocator`). Made on first use (retaining the primary context); cheap after.
+    ///
+    /// # Errors
+    /// The driver's error when the primary context cannot be retained.
+    pub fn for_device(device: Device) -> Result<Self> {
+        super::default::for_device(device)
+    }
+
+    /// Makes `allocator` the default of its device (for example one over a
+    /// [`LimitAdaptor`](crate::LimitAdaptor)), returning the one it replaces.
+    ///
+    /// Buffers already allocated keep their allocator; new ones come from `allocator`. The
+    /// replaced allocator gives its cached memory back once its last buffer, and the last
+    /// thread's clone of it (dropped at that thread's next default allocation), is gone.
+    pub fn set_default_for_device(allocator: Self) -> Option<Self> {
+        super::default::set_for_device(allocator)
+    }
+
+    /// A typed buffer of `len` elements of `T` from this allocator, for use on `stream` (RMM's
+    /// `device_buffer(size, stream, mr)`); see [`DeviceBuffer::new_on`](crate::DeviceBuffer::new_on).
+    ///
+    /// # Errors
+    /// As [`DeviceBuffer::with_allocator`](crate::DeviceBuffer::with_allocator).
+    #[inline]
+    pub fn buffer<T: crate::Element>(
+        &self,
+        len: usize,
+        stream: &Stream,
+    ) -> Result<crate::DeviceBuffer<T>> {
+        crate::DeviceBuffer::with_allocator(self, len, stream)
+    }
+
+    /// The context the memory is allocated in.
+    pub fn context(&self) -> &Arc<Context> {
+        self.handles.shared.context()
+    }
+
     /// A caching allocator over `cuMemAlloc` in `context` (a [`DriverResource`]).
     pub fn with_driver(context: &Arc<Context>) -> Self {
         Self::new(Arc::new(DriverResource::new(context)))
@@ -198,9 +244,10 @@ impl CachingAllocator {
     #[must_use = "dropping the allocation frees it at once"]
     #[inline]
     pub fn allocate(&self, bytes: usize, stream: &Stream) -> Result<CachedAllocation> {
+        const OPERATION: &str = "CachingAllocator::allocate";
         let shared = &self.handles.shared;
-        check_stream(shared.device, stream, "CachingAllocator::allocate")?;
-        let key = StreamKey::of(stream);
+        check_stream(shared.device, stream, OPERATION)?;
+        let key = StreamKey::checked(stream, OPERATION)?;
         let upstream = RequestUpstream { shared, stream };
         let grant = shared.engine.allocate(key, bytes, &upstream)?;
         let shard = &self.handles.shards[shared.engine.shard_index(key)];

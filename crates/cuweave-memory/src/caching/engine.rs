@@ -383,6 +383,12 @@ impl<E: Marker> Engine<E> {
         spare.split_off(keep)
     }
 
+    /// One spare marker, if there is one (a typed buffer's tracker takes its events here, and
+    /// gives them back through the pending list when the buffer is freed).
+    pub fn take_one_spare(&self) -> Option<E> {
+        self.spare.lock().pop()
+    }
+
     /// Keeps `markers` (completed, or not used) for reuse.
     pub fn recycle(&self, markers: Vec<E>) {
         if !markers.is_empty() {

@@ -90,6 +90,7 @@
 mod allocation;
 mod allocator;
 mod block;
+pub(crate) mod default;
 mod engine;
 mod free_list;
 mod pool;
@@ -100,6 +101,7 @@ mod stream_uses;
 
 pub use allocation::CachedAllocation;
 pub use allocator::CachingAllocator;
+pub(crate) use allocator::ShardHandle;
 pub use size_class::PoolKind;
 pub use stats::{MemoryStats, Stat};
 pub use stream_uses::StreamKey;

@@ -6,7 +6,10 @@ use std::sync::Arc;
 use cuweave_driver::{Context, Event, EventFlags, Stream};
 
 use super::block::BlockId;
-use crate::error::Result;
+use crate::error::{MemoryError, Result};
+
+/// The raw value of `CU_STREAM_PER_THREAD`.
+pub(crate) const PER_THREAD_STREAM: usize = 2;
 
 /// The identity of a stream for the caching allocator: the handle's process-unique
 /// [`Stream::id`], not its raw `CUstream` value, which the driver recycles after a stream is
@@ -15,13 +18,40 @@ use crate::error::Result;
 ///
 /// Each stream has its own free lists; a block freed on a stream is handed out again only on that
 /// stream, where the work queued after the reuse is ordered after the work that used it before.
+///
+/// The legacy default stream (`NULL` or `CU_STREAM_LEGACY`), one stream per context whatever the
+/// handle, has one key, [`StreamKey::LEGACY`]. The per-thread default stream
+/// (`CU_STREAM_PER_THREAD`) is refused by the allocator
+/// ([`MemoryError::InvalidStream`](crate::MemoryError::InvalidStream)): its one handle names a
+/// different stream on each thread, so a free list keyed by it would hand a block to a thread
+/// whose stream is not ordered after the last user.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct StreamKey(usize);
 
 impl StreamKey {
+    /// The key of the context's legacy default stream (stream ids start at 1).
+    pub const LEGACY: Self = Self(0);
+
     /// The key of `stream`.
+    #[inline]
     pub fn of(stream: &Stream) -> Self {
-        Self(stream.id() as usize)
+        match stream.as_raw() as usize {
+            0 | 1 => Self::LEGACY,
+            _ => Self(stream.id() as usize),
+        }
+    }
+
+    /// `Err(InvalidStream)` for the per-thread default stream, which cannot key a free list.
+    #[inline]
+    pub(crate) fn checked(stream: &Stream, operation: &'static str) -> Result<Self> {
+        if stream.as_raw() as usize == PER_THREAD_STREAM {
+            return Err(MemoryError::InvalidStream {
+                operation,
+                reason: "the per-thread default stream (CU_STREAM_PER_THREAD) names a different \
+                         stream on each thread; use a created stream",
+            });
+        }
+        Ok(Self::of(stream))
     }
 
     /// The key as an integer (the stream's [`Stream::id`]).
