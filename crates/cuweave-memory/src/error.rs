@@ -94,6 +94,13 @@ pub enum MemoryError {
         /// The device both contexts are on.
         device: usize,
     },
+    /// A write through a shared view ([`Buffer::slice`](crate::Buffer::slice)); writes need
+    /// [`Buffer::slice_mut`](crate::Buffer::slice_mut) or the buffer itself.
+    #[error("{operation}: a shared view is read-only")]
+    ReadOnlyView {
+        /// The operation.
+        operation: &'static str,
+    },
     /// A stream handle that cannot key stream-ordered memory: `CU_STREAM_PER_THREAD`, whose one
     /// handle names a different stream on each thread.
     #[error("{operation}: {reason}")]

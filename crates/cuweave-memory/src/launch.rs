@@ -18,7 +18,7 @@
 use cuweave_driver::{Kernel, KernelArgs, LaunchConfig, Stream};
 
 use crate::buffer::Buffer;
-use crate::buffer::tracker::{self, Access, StreamTracker};
+use crate::buffer::tracker::{self, Access, Part};
 use crate::element::Element;
 use crate::error::Result;
 
@@ -61,7 +61,7 @@ pub struct TrackedLaunch<'a> {
     stream: &'a Stream,
     config: LaunchConfig,
     args: KernelArgs<'a>,
-    uses: Vec<(&'a StreamTracker, Access)>,
+    uses: Vec<(Part<'a>, Access)>,
 }
 
 impl<'a> TrackedLaunch<'a> {
@@ -80,7 +80,7 @@ impl<'a> TrackedLaunch<'a> {
     pub fn read<T: Element, B: Buffer<T> + ?Sized>(mut self, buffer: &'a B) -> Self {
         let core = buffer.core();
         self.args = self.args.arg(core.ptr_ref());
-        self.uses.push((core.tracker(), Access::Read));
+        self.uses.push((core.part(), Access::Read));
         self
     }
 
@@ -93,7 +93,7 @@ impl<'a> TrackedLaunch<'a> {
         let buffer: &'a B = buffer;
         let core = buffer.core();
         self.args = self.args.arg(core.ptr_ref());
-        self.uses.push((core.tracker(), Access::Write));
+        self.uses.push((core.part(), Access::Write));
         self
     }
 
@@ -101,7 +101,7 @@ impl<'a> TrackedLaunch<'a> {
     /// passing the buffer as an argument (for a kernel that reaches it another way, e.g.
     /// through a pointer table).
     pub fn reads<T: Element, B: Buffer<T> + ?Sized>(mut self, buffer: &'a B) -> Self {
-        self.uses.push((buffer.core().tracker(), Access::Read));
+        self.uses.push((buffer.core().part(), Access::Read));
         self
     }
 
@@ -114,7 +114,7 @@ impl<'a> TrackedLaunch<'a> {
         access: Access,
     ) -> Self {
         let buffer: &'a B = buffer;
-        self.uses.push((buffer.core().tracker(), access));
+        self.uses.push((buffer.core().part(), access));
         self
     }
 

@@ -66,7 +66,8 @@ pub mod resource;
 pub mod unified;
 
 pub use buffer::{
-    Access, Buffer, DeviceBuffer, HostSink, HostSource, PendingCopy, PinnedBuffer, UnifiedBuffer,
+    Access, Buffer, BufferSlice, BufferSliceMut, DeviceBuffer, HostSink, HostSource, PendingCopy,
+    PinnedBuffer, UnifiedBuffer,
 };
 pub use caching::{CachedAllocation, CachingAllocator, MemoryStats, PoolKind, Stat, StreamKey};
 pub use element::Element;

@@ -249,3 +249,154 @@ fn declared_accesses_are_listed_in_order() {
         [Access::Read, Access::Write]
     );
 }
+
+/// Launches a 50 ms `timed_read_u32` on `stream` declared as *writing* `part` (a kernel that
+/// reads what it is declared to write stays within its contract), stamping into `stamps`.
+fn long_writer(
+    kernels: &MemoryKernels,
+    stream: &Stream,
+    part: &mut cuweave_memory::BufferSliceMut<'_, u32>,
+    stamps: &mut DeviceBuffer<u64>,
+    sum: &mut DeviceBuffer<u64>,
+    flag: u64,
+) {
+    let (n, ns) = (part.len() as u64, READ_NS);
+    // SAFETY: timed_read_u32(const unsigned*, size_t, u64, u64*, unsigned*, u64*): `part` holds
+    // n u32s; stamps 2 u64s; sum one; `flag` is one u32 of a buffer alive until the end.
+    unsafe {
+        TrackedLaunch::new(kernels.timed_read_u32(), stream, MemoryKernels::config(N))
+            .write(part)
+            .arg(&n)
+            .arg(&ns)
+            .write(stamps)
+            .arg(&flag)
+            .write(sum)
+            .launch()
+    }
+    .expect("launch a long writer");
+}
+
+/// Two 50 ms writers of `first` and `second` (element ranges of one buffer) on two streams;
+/// returns their `[start, end]` GPU stamps.
+fn two_writers(
+    context: &Arc<Context>,
+    first: std::ops::Range<usize>,
+    second: std::ops::Range<usize>,
+) -> [[u64; 2]; 2] {
+    let kernels = MemoryKernels::load(context).expect("load memory kernels");
+    let (a, b) = (stream(context), stream(context));
+    let mut data = DeviceBuffer::<u32>::from_slice(context, &vec![FIRST; N]).expect("data");
+    let mut stamps: Vec<DeviceBuffer<u64>> = (0..2)
+        .map(|_| DeviceBuffer::zeroed(context, 2).expect("stamps"))
+        .collect();
+    let mut sums: Vec<DeviceBuffer<u64>> = (0..2)
+        .map(|_| DeviceBuffer::zeroed(context, 1).expect("sum"))
+        .collect();
+    let flags = DeviceBuffer::<u32>::zeroed(context, 2).expect("flags");
+    let (s0, s1) = stamps.split_at_mut(1);
+    let (m0, m1) = sums.split_at_mut(1);
+    long_writer(
+        &kernels,
+        &a,
+        &mut data.slice_mut(first).expect("first part"),
+        &mut s0[0],
+        &mut m0[0],
+        flags.device_ptr(),
+    );
+    long_writer(
+        &kernels,
+        &b,
+        &mut data.slice_mut(second).expect("second part"),
+        &mut s1[0],
+        &mut m1[0],
+        flags.device_ptr() + 4,
+    );
+    for s in [&a, &b] {
+        s.synchronize().expect("sync");
+    }
+    let stamp = |buffer: &DeviceBuffer<u64>| {
+        let v = buffer.to_vec().expect("stamps");
+        [v[0], v[1]]
+    };
+    [stamp(&stamps[0]), stamp(&stamps[1])]
+}
+
+#[test]
+fn writers_of_disjoint_halves_on_two_streams_run_at_once() {
+    let gpu = require_gpu!();
+    if skip_under_sanitizer(
+        "overlap::writers_of_disjoint_halves_on_two_streams_run_at_once",
+        "memcheck serialises kernels",
+    ) {
+        return;
+    }
+    let _serial = serial();
+    let [[a0, a1], [b0, b1]] = two_writers(&gpu.context, 0..N / 2, N / 2..N);
+    let span_ms = (a1.max(b1) - a0.min(b0)) as f64 / 1e6;
+    eprintln!("two 50 ms writers of disjoint halves: {span_ms:.1} ms on the GPU clock");
+    assert!(
+        a0.max(b0) < a1.min(b1),
+        "the writers overlap: a {a0}..{a1}, b {b0}..{b1}"
+    );
+    assert!(span_ms < 80.0, "two 50 ms writers took {span_ms:.1} ms");
+}
+
+#[test]
+fn writers_of_overlapping_ranges_are_serialised() {
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let [[a0, a1], [b0, b1]] = two_writers(&gpu.context, 0..3 * N / 4, N / 4..N);
+    eprintln!(
+        "two 50 ms writers of overlapping ranges: {:.1} ms on the GPU clock",
+        (b1 - a0) as f64 / 1e6
+    );
+    assert!(
+        b0 >= a1,
+        "the second writer started at {b0}, before the first ended at {a1}"
+    );
+}
+
+#[test]
+fn views_copy_and_fill_their_elements_and_shared_views_are_read_only() {
+    let gpu = require_gpu!();
+    let context = &gpu.context;
+    let s = stream(context);
+    let mut data = DeviceBuffer::<u32>::from_slice(context, &[1, 2, 3, 4, 5, 6]).expect("data");
+    data.slice_mut(1..3)
+        .expect("view")
+        .fill(9)
+        .expect("fill a view");
+    let mut out = DeviceBuffer::<u32>::new_on(&s, 2).expect("out");
+    out.copy_from(&data.slice(4..).expect("tail"))
+        .expect("copy a view");
+    assert_eq!(out.to_vec().expect("out"), [5, 6]);
+    let mut tail = data.slice_mut(4..).expect("tail");
+    tail.copy_from_host_async(vec![7u32, 8], &s)
+        .expect("upload into a view")
+        .wait()
+        .expect("wait");
+    assert_eq!(data.to_vec().expect("data"), [1, 9, 9, 4, 7, 8]);
+    let mut shared = data.slice(..2).expect("shared view");
+    assert!(matches!(
+        shared.fill(0),
+        Err(cuweave_memory::MemoryError::ReadOnlyView { .. })
+    ));
+    assert!(matches!(
+        data.slice(3..10),
+        Err(cuweave_memory::MemoryError::OutOfRange { .. })
+    ));
+    assert!(matches!(
+        data.slice(2..2),
+        Err(cuweave_memory::MemoryError::ZeroLength { .. })
+    ));
+    // A buffer written in many ranges keeps its tracker bounded.
+    for index in 0..10_000usize {
+        let at = index % 6;
+        data.slice_mut(at..=at)
+            .expect("one element")
+            .fill_async(index as u32, &s)
+            .expect("fill");
+        assert!(data.tracked_uses() <= 32);
+    }
+    s.synchronize().expect("sync");
+}

@@ -10,9 +10,12 @@ use super::host::{HostSink, HostSource};
 use super::pending::PendingCopy;
 use super::range::{DeviceSpan, check_same_len};
 use super::raw;
-use super::tracker::{Access, StreamTracker};
+use super::tracker::{Access, Part, StreamTracker};
+use super::uses::ByteRange;
+use super::view::{BufferSlice, BufferSliceMut};
 use crate::element::Element;
 use crate::error::{MemoryError, Result};
+use std::ops::RangeBounds;
 
 /// The untyped part every buffer holds: where its memory is, and its last use.
 #[derive(Debug)]
@@ -56,16 +59,6 @@ impl BufferCore {
         self.tracker.context()
     }
 
-    /// The device address of element 0.
-    pub(crate) fn ptr(&self) -> DevicePtr {
-        self.ptr
-    }
-
-    /// The device address of element 0, by reference (a kernel argument borrows it).
-    pub(crate) fn ptr_ref(&self) -> &DevicePtr {
-        &self.ptr
-    }
-
     /// Length in elements.
     pub(crate) fn len(&self) -> usize {
         self.len
@@ -81,21 +74,123 @@ impl BufferCore {
         &self.tracker
     }
 
-    /// The whole buffer as a span.
-    pub(crate) fn whole(&self) -> DeviceSpan {
-        DeviceSpan::checked(self.ptr, self.bytes())
+    /// A borrowed view of the whole buffer, writable.
+    #[inline]
+    pub(crate) fn as_ref(&self) -> CoreRef<'_> {
+        CoreRef {
+            tracker: &self.tracker,
+            ptr: &self.ptr,
+            len: self.len,
+            element_size: self.element_size,
+            offset: 0,
+            writable: true,
+        }
+    }
+}
+
+/// What the shared implementation sees of a buffer or of a view of one: where the elements
+/// are, the tracker of the buffer they belong to, and which bytes of it they are.
+#[derive(Debug, Clone, Copy)]
+pub struct CoreRef<'a> {
+    tracker: &'a StreamTracker,
+    ptr: &'a DevicePtr,
+    len: usize,
+    element_size: usize,
+    /// Bytes from the buffer's first byte to this part's.
+    offset: usize,
+    writable: bool,
+}
+
+impl<'a> CoreRef<'a> {
+    /// A view of `len` elements at element `start` of this part (already range-checked).
+    pub(crate) fn sub(self, ptr: &'a DevicePtr, start: usize, len: usize, writable: bool) -> Self {
+        Self {
+            ptr,
+            len,
+            offset: self.offset + start * self.element_size,
+            writable: writable && self.writable,
+            ..self
+        }
+    }
+
+    /// The context the memory belongs to.
+    #[inline]
+    pub(crate) fn context(self) -> &'a Arc<Context> {
+        self.tracker.context()
+    }
+
+    /// The device address of element 0.
+    #[inline]
+    pub(crate) fn ptr(self) -> DevicePtr {
+        *self.ptr
+    }
+
+    /// The device address of element 0, by reference (a kernel argument borrows it).
+    pub(crate) fn ptr_ref(self) -> &'a DevicePtr {
+        self.ptr
+    }
+
+    /// Length in elements.
+    #[inline]
+    pub(crate) fn len(self) -> usize {
+        self.len
+    }
+
+    /// Size of one element in bytes.
+    pub(crate) fn element_size(self) -> usize {
+        self.element_size
+    }
+
+    /// Size in bytes.
+    #[inline]
+    pub(crate) fn bytes(self) -> usize {
+        self.len * self.element_size
+    }
+
+    /// The buffer's tracker (for whole-buffer host waits).
+    #[inline]
+    pub(crate) fn tracker(self) -> &'a StreamTracker {
+        self.tracker
+    }
+
+    /// This part's bytes, for tracking.
+    #[inline]
+    pub(crate) fn part(self) -> Part<'a> {
+        Part {
+            tracker: self.tracker,
+            range: ByteRange::new(self.offset, self.bytes()),
+            writable: self.writable,
+        }
+    }
+
+    /// Elements `offset..offset + len` of this part, for tracking (the caller checked them).
+    #[inline]
+    pub(crate) fn part_of(self, span: DeviceSpan) -> Part<'a> {
+        let skip = (span.ptr() - *self.ptr) as usize;
+        Part {
+            tracker: self.tracker,
+            range: ByteRange::new(self.offset + skip, span.bytes()),
+            writable: self.writable,
+        }
+    }
+
+    /// The whole part as a span.
+    #[inline]
+    pub(crate) fn whole(self) -> DeviceSpan {
+        DeviceSpan::checked(*self.ptr, self.bytes())
     }
 
     /// Elements `offset..offset + len`, checked.
+    #[inline]
     pub(crate) fn span(
-        &self,
+        self,
         operation: &'static str,
         offset: usize,
         len: usize,
     ) -> Result<DeviceSpan> {
         DeviceSpan::of_elements(
             operation,
-            self.ptr,
+            *self.ptr,
             self.len,
             self.element_size,
             offset,
@@ -108,12 +203,12 @@ pub(crate) mod sealed {
     /// Gives the shared implementation access to a buffer's core. Sealed: only this crate's
     /// buffers implement [`Buffer`](super::Buffer).
     pub trait Sealed {
-        /// The buffer's untyped core.
-        fn core(&self) -> &super::BufferCore;
+        /// The buffer's (or view's) untyped core.
+        fn core(&self) -> super::CoreRef<'_>;
     }
 }
 
-fn ensure_same_device(operation: &'static str, dst: &BufferCore, src: &BufferCore) -> Result<()> {
+fn ensure_same_device(operation: &'static str, dst: CoreRef<'_>, src: CoreRef<'_>) -> Result<()> {
     let (expected, actual) = (dst.context().device(), src.context().device());
     if expected != actual {
         return Err(MemoryError::WrongDevice {
@@ -196,6 +291,30 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         self.core().context()
     }
 
+    /// A read-only view of the elements in `range` (no driver call, no allocation): every
+    /// operation that reads a buffer accepts it, and its uses are tracked for those elements
+    /// alone. Writing through it is [`MemoryError::ReadOnlyView`].
+    ///
+    /// # Errors
+    /// `ZeroLength` for an empty range, `OutOfRange` for one past the end.
+    fn slice(&self, range: impl RangeBounds<usize>) -> Result<BufferSlice<'_, T>> {
+        let core = self.core();
+        let (start, len) = super::view::resolve("Buffer::slice", range, core.len())?;
+        Ok(BufferSlice::new(core, start, len))
+    }
+
+    /// A writable view of the elements in `range`, borrowing the buffer exclusively: copies,
+    /// fills and [`TrackedLaunch::write`](crate::TrackedLaunch::write) accept it, and work on
+    /// disjoint views runs at once on different streams.
+    ///
+    /// # Errors
+    /// `ZeroLength` for an empty range, `OutOfRange` for one past the end.
+    fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> Result<BufferSliceMut<'_, T>> {
+        let core = self.core();
+        let (start, len) = super::view::resolve("Buffer::slice_mut", range, core.len())?;
+        Ok(BufferSliceMut::new(core, start, len))
+    }
+
     /// The device the memory belongs to.
     fn device(&self) -> Device {
         self.core().context().device()
@@ -209,7 +328,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         raw::run_blocking(
             "Buffer::fill",
             core.context(),
-            &[(core.tracker(), Access::Write)],
+            &[(core.part(), Access::Write)],
             |stream| enqueue_fill(span, bytemuck::bytes_of(&value), stream),
         )
     }
@@ -218,7 +337,8 @@ pub trait Buffer<T: Element>: sealed::Sealed {
     fn fill_async(&mut self, value: T, stream: &Stream) -> Result<()> {
         let core = self.core();
         let span = core.whole();
-        super::tracker::run("Buffer::fill_async", stream, &[core.tracker()], || {
+        let uses = [(core.part(), Access::Write)];
+        super::tracker::run_uses("Buffer::fill_async", stream, &uses, || {
             enqueue_fill(span, bytemuck::bytes_of(&value), stream)
         })?;
         Ok(())
@@ -240,7 +360,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
             core.context(),
             span,
             bytemuck::cast_slice(src),
-            core.tracker(),
+            core.part_of(span),
         )
     }
 
@@ -260,7 +380,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
             core.context(),
             bytemuck::cast_slice_mut(dst),
             span,
-            core.tracker(),
+            core.part_of(span),
         )
     }
 
@@ -297,8 +417,8 @@ pub trait Buffer<T: Element>: sealed::Sealed {
             OP,
             dst.context(),
             &[
-                (dst.tracker(), Access::Write),
-                (src.tracker(), Access::Read),
+                (dst.part_of(dst_span), Access::Write),
+                (src.part_of(src_span), Access::Read),
             ],
             |stream| raw::copy_dtod(dst_span, src_span, stream),
         )
@@ -324,8 +444,8 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         ensure_same_device(OP, dst, src)?;
         let (dst_span, src_span) = (dst.span(OP, offset, len)?, src.span(OP, src_offset, len)?);
         let uses = [
-            (dst.tracker(), Access::Write),
-            (src.tracker(), Access::Read),
+            (dst.part_of(dst_span), Access::Write),
+            (src.part_of(src_span), Access::Read),
         ];
         super::tracker::run_uses(OP, stream, &uses, || {
             raw::copy_dtod(dst_span, src_span, stream)
@@ -354,7 +474,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         const OP: &str = "Buffer::copy_range_from_host_async";
         let core = self.core();
         let span = core.span(OP, offset, host.host_len())?;
-        raw::write_async::<T, H>(OP, span, host, stream, core.tracker())
+        raw::write_async::<T, H>(OP, span, host, stream, core.part_of(span))
     }
 
     /// Copies the host side `host` into elements `offset..offset + host_len` on `stream` and
@@ -377,7 +497,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         const OP: &str = "Buffer::copy_range_from_host_on";
         let core = self.core();
         let span = core.span(OP, offset, host.host_len())?;
-        raw::write_completed::<T, H>(OP, span, host, stream, None, core.tracker())
+        raw::write_completed::<T, H>(OP, span, host, stream, None, core.part_of(span))
     }
 
     /// [`copy_range_from_host_on`](Self::copy_range_from_host_on), learning that the copy has
@@ -403,7 +523,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         const OP: &str = "Buffer::copy_range_from_host_watched";
         let core = self.core();
         let span = core.span(OP, offset, host.host_len())?;
-        raw::write_completed::<T, H>(OP, span, host, stream, Some(words), core.tracker())
+        raw::write_completed::<T, H>(OP, span, host, stream, Some(words), core.part_of(span))
     }
 
     /// Queues a copy of the buffer into `host` (exactly [`len`](Self::len) elements) on
@@ -427,7 +547,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         const OP: &str = "Buffer::copy_range_to_host_async";
         let core = self.core();
         let span = core.span(OP, offset, host.host_len())?;
-        raw::read_async::<T, H>(OP, span, host, stream, core.tracker())
+        raw::read_async::<T, H>(OP, span, host, stream, core.part_of(span))
     }
 
     /// Makes `stream` wait (device-side) for every use of the buffer so far. Call it before
@@ -437,16 +557,16 @@ pub trait Buffer<T: Element>: sealed::Sealed {
     /// [`TrackedLaunch`](crate::TrackedLaunch) does both steps for every buffer of a launch.
     fn prepare_use(&self, stream: &Stream) -> Result<()> {
         self.core()
-            .tracker()
-            .prepare_use("Buffer::prepare_use", stream)
+            .part()
+            .prepare("Buffer::prepare_use", stream, Access::Write)
     }
 
     /// Records that work just queued on `stream` uses the buffer: later uses on other streams
     /// wait for it, host access waits for it, and the buffer is not freed before it finishes.
     fn record_use(&self, stream: &Stream) -> Result<()> {
         self.core()
-            .tracker()
-            .record_use("Buffer::record_use", stream)
+            .part()
+            .record("Buffer::record_use", stream, Access::Write)
     }
 
     /// Makes `stream` wait (device-side) for the uses a kernel that only *reads* the buffer
@@ -454,7 +574,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
     /// [`record_read`](Self::record_read) after queueing the read.
     fn prepare_read(&self, stream: &Stream) -> Result<()> {
         self.core()
-            .tracker()
+            .part()
             .prepare("Buffer::prepare_read", stream, Access::Read)
     }
 
@@ -462,7 +582,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
     /// stream) waits for it, host access and drop wait for it, other reads do not.
     fn record_read(&self, stream: &Stream) -> Result<()> {
         self.core()
-            .tracker()
+            .part()
             .record("Buffer::record_read", stream, Access::Read)
     }
 
@@ -470,7 +590,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
     /// [`prepare_use`](Self::prepare_use)).
     fn prepare_write(&self, stream: &Stream) -> Result<()> {
         self.core()
-            .tracker()
+            .part()
             .prepare("Buffer::prepare_write", stream, Access::Write)
     }
 
@@ -478,8 +598,15 @@ pub trait Buffer<T: Element>: sealed::Sealed {
     /// [`record_use`](Self::record_use)): every later use waits for it.
     fn record_write(&self, stream: &Stream) -> Result<()> {
         self.core()
-            .tracker()
+            .part()
             .record("Buffer::record_write", stream, Access::Write)
+    }
+
+    /// How many uses of the buffer (writes and reads of distinct ranges, on any stream) its
+    /// tracker holds: at most a small fixed number, however many ranges are used (finished uses
+    /// are dropped and the rest merged past it).
+    fn tracked_uses(&self) -> usize {
+        self.core().tracker().tracked_uses()
     }
 
     /// How many streams read the buffer since its last write; their reads may run at once.

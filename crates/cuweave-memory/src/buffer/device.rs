@@ -7,10 +7,10 @@ use std::sync::Arc;
 use cuweave_driver::memory::DevicePtr;
 use cuweave_driver::{Context, Event, Stream};
 
-use super::common::{Buffer, BufferCore, sealed::Sealed};
+use super::common::{Buffer, BufferCore, CoreRef, sealed::Sealed};
 use super::range::allocation_bytes;
 use super::raw::legacy_stream;
-use super::tracker::{Owner, StreamTracker};
+use super::tracker::{Owner, Part, StreamTracker};
 use crate::caching::default::{check_context, with_default};
 use crate::caching::{CachedAllocation, CachingAllocator};
 use crate::element::Element;
@@ -196,10 +196,7 @@ impl<T: Element> DeviceBuffer<T> {
             _element: PhantomData,
         };
         // Other streams must not touch the memory before `stream` reaches the allocation.
-        buffer
-            .core
-            .tracker()
-            .record(OPERATION, stream, super::Access::Write)?;
+        Part::whole(buffer.core.tracker()).record(OPERATION, stream, super::Access::Write)?;
         Ok(buffer)
     }
 
@@ -251,8 +248,8 @@ impl<T: Element> DeviceBuffer<T> {
 
 impl<T: Element> Sealed for DeviceBuffer<T> {
     #[inline]
-    fn core(&self) -> &BufferCore {
-        &self.core
+    fn core(&self) -> CoreRef<'_> {
+        self.core.as_ref()
     }
 }
 

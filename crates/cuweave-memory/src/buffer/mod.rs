@@ -73,6 +73,7 @@ mod staging;
 pub(crate) mod tracker;
 mod unified;
 mod uses;
+mod view;
 
 pub use common::Buffer;
 pub use device::DeviceBuffer;
@@ -82,6 +83,7 @@ pub use pending::PendingCopy;
 pub use pinned::PinnedBuffer;
 pub use tracker::Access;
 pub use unified::UnifiedBuffer;
+pub use view::{BufferSlice, BufferSliceMut};
 
 pub(crate) use common::sealed::Sealed;
 

@@ -43,7 +43,8 @@ where
         src.span(OP, src_offset, len)?,
     );
     src.tracker().synchronize()?;
-    tracker::run(OP, stream, &[dst.tracker()], || {
+    let uses = [(dst.part_of(dst_span), tracker::Access::Write)];
+    tracker::run_uses(OP, stream, &uses, || {
         // SAFETY: both spans come from live, range-checked buffers that the caller borrows until
         // this function returns; `src` has no queued work left (synchronized above) and `dst`'s
         // earlier uses are ordered before the copy by `run`. The function returns only after

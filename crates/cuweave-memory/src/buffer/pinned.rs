@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cuweave_driver::Context;
 use cuweave_driver::memory::{HostAllocFlags, HostAllocation};
 
-use super::common::{Buffer, BufferCore, sealed::Sealed};
+use super::common::{Buffer, BufferCore, CoreRef, sealed::Sealed};
 use super::range::{allocation_bytes, check_range};
 use super::tracker::StreamTracker;
 use crate::element::Element;
@@ -154,8 +154,8 @@ impl<T: Element> PinnedBuffer<T> {
 }
 
 impl<T: Element> Sealed for PinnedBuffer<T> {
-    fn core(&self) -> &BufferCore {
-        &self.core
+    fn core(&self) -> CoreRef<'_> {
+        self.core.as_ref()
     }
 }
 

@@ -24,7 +24,7 @@ use super::fill::{doubling_steps, pattern_chunk_len};
 use super::host::{HostSink, HostSource};
 use super::pending::PendingCopy;
 use super::range::DeviceSpan;
-use super::tracker::{self, Access, StreamTracker};
+use super::tracker::{self, Access, Part};
 use crate::element::Element;
 use crate::error::{MemoryError, Result};
 
@@ -40,7 +40,7 @@ pub(crate) fn legacy_stream(context: &Arc<Context>) -> Stream {
 pub(crate) fn run_blocking<R>(
     operation: &'static str,
     context: &Arc<Context>,
-    uses: &[(&StreamTracker, Access)],
+    uses: &[(Part<'_>, Access)],
     op: impl FnOnce(&Stream) -> Result<R>,
 ) -> Result<R> {
     let legacy = legacy_stream(context);
@@ -56,7 +56,7 @@ pub(crate) fn write_blocking(
     context: &Arc<Context>,
     dst: DeviceSpan,
     src: &[u8],
-    buffer: &StreamTracker,
+    buffer: Part<'_>,
 ) -> Result<()> {
     debug_assert_eq!(src.len(), dst.bytes());
     let legacy = legacy_stream(context);
@@ -83,7 +83,7 @@ pub(crate) fn read_blocking(
     context: &Arc<Context>,
     dst: &mut [u8],
     src: DeviceSpan,
-    buffer: &StreamTracker,
+    buffer: Part<'_>,
 ) -> Result<()> {
     debug_assert_eq!(dst.len(), src.bytes());
     let legacy = legacy_stream(context);
@@ -108,15 +108,16 @@ pub(crate) fn write_async<T: Element, H: HostSource<T>>(
     dst: DeviceSpan,
     host: H,
     stream: &Stream,
-    buffer: &StreamTracker,
+    buffer: Part<'_>,
 ) -> Result<PendingCopy<H>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
-    tracker::ensure_same_device(operation, buffer.context(), stream)?;
+    tracker::ensure_same_device(operation, buffer.tracker.context(), stream)?;
     let done = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
     let src = host.host_ptr();
-    let uses: Vec<(&StreamTracker, Access)> = [
+    let uses: Vec<(Part<'_>, Access)> = [
         Some((buffer, Access::Write)),
-        host.host_tracker().map(|host| (host, Access::Read)),
+        host.host_tracker()
+            .map(|host| (Part::whole(host), Access::Read)),
     ]
     .into_iter()
     .flatten()
@@ -145,7 +146,7 @@ pub(crate) fn write_completed<T: Element, H: HostSource<T>>(
     host: H,
     stream: &Stream,
     words: Option<&CompletionWords>,
-    buffer: &StreamTracker,
+    buffer: Part<'_>,
 ) -> Result<H> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
     if host.host_tracker().is_some() {
@@ -176,15 +177,16 @@ pub(crate) fn read_async<T: Element, H: HostSink<T>>(
     src: DeviceSpan,
     mut host: H,
     stream: &Stream,
-    buffer: &StreamTracker,
+    buffer: Part<'_>,
 ) -> Result<PendingCopy<H>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), src.bytes());
-    tracker::ensure_same_device(operation, buffer.context(), stream)?;
+    tracker::ensure_same_device(operation, buffer.tracker.context(), stream)?;
     let done = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
     let dst = host.host_mut_ptr();
-    let uses: Vec<(&StreamTracker, Access)> = [
+    let uses: Vec<(Part<'_>, Access)> = [
         Some((buffer, Access::Read)),
-        host.host_tracker().map(|host| (host, Access::Write)),
+        host.host_tracker()
+            .map(|host| (Part::whole(host), Access::Write)),
     ]
     .into_iter()
     .flatten()

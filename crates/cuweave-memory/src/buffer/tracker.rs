@@ -33,7 +33,7 @@ use std::sync::Arc;
 use cuweave_driver::{Context, Event, EventFlags, Stream};
 use parking_lot::{Mutex, MutexGuard};
 
-use super::uses::UseState;
+use super::uses::{ByteRange, UseState};
 use crate::caching::ShardHandle;
 use crate::error::{MemoryError, Result};
 
@@ -197,44 +197,75 @@ impl StreamTracker {
         }
     }
 
-    /// Makes `stream` wait (device-side) for the uses an `access` conflicts with, without
-    /// recording a new one.
+    /// Waits for every use, logging instead of failing: for `Drop`.
+    pub(crate) fn synchronize_for_drop(&self, what: &'static str) {
+        if let Err(error) = self.synchronize() {
+            tracing::error!(%error, what, "waiting for a buffer's last use before freeing it failed");
+        }
+    }
+
+    /// How many uses are tracked (bounded by the merge rule of [`UseState::record_range`]).
+    pub(crate) fn tracked_uses(&self) -> usize {
+        self.state.lock().tracked()
+    }
+}
+
+/// Part of a tracked buffer: its tracker, the bytes a use touches, and whether the borrow it
+/// came from allows writing them (a shared view does not).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Part<'a> {
+    /// The buffer's tracker.
+    pub(crate) tracker: &'a StreamTracker,
+    /// The bytes, relative to the buffer's first byte.
+    pub(crate) range: ByteRange,
+    /// `false` for a shared view: a write through it is refused.
+    pub(crate) writable: bool,
+}
+
+impl<'a> Part<'a> {
+    /// The whole buffer of `tracker`, writable.
+    pub(crate) fn whole(tracker: &'a StreamTracker) -> Self {
+        Self {
+            tracker,
+            range: ByteRange::WHOLE,
+            writable: true,
+        }
+    }
+
+    /// `Err(ReadOnlyView)` for a write through a shared view.
+    fn check(&self, operation: &'static str, access: Access) -> Result<()> {
+        if access == Access::Write && !self.writable {
+            Err(MemoryError::ReadOnlyView { operation })
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Makes `stream` wait (device-side) for the uses an `access` of this part conflicts with,
+    /// without recording a new one.
     pub(crate) fn prepare(
         &self,
         operation: &'static str,
         stream: &Stream,
         access: Access,
     ) -> Result<()> {
-        ensure_same_device(operation, self.context(), stream)?;
-        self.state.lock().wait_on(stream, access)
+        self.check(operation, access)?;
+        ensure_same_device(operation, self.tracker.context(), stream)?;
+        self.tracker
+            .state
+            .lock()
+            .wait_on_range(stream, self.range, access)
     }
 
-    /// Makes `stream` wait (device-side) for every use so far, without recording a new one.
-    pub(crate) fn prepare_use(&self, operation: &'static str, stream: &Stream) -> Result<()> {
-        self.prepare(operation, stream, Access::Write)
-    }
-
-    /// Records an `access` by the work just queued on `stream`, after making `stream` wait for
-    /// the uses it conflicts with.
+    /// Records an `access` of this part by the work just queued on `stream`, after making
+    /// `stream` wait for the uses it conflicts with.
     pub(crate) fn record(
         &self,
         operation: &'static str,
         stream: &Stream,
         access: Access,
     ) -> Result<()> {
-        run_uses(operation, stream, &[(self, access)], || Ok(())).map_err(|failure| failure.error)
-    }
-
-    /// Records `stream` as the last user (a write), after making it wait for every earlier use.
-    pub(crate) fn record_use(&self, operation: &'static str, stream: &Stream) -> Result<()> {
-        self.record(operation, stream, Access::Write)
-    }
-
-    /// Waits for every use, logging instead of failing: for `Drop`.
-    pub(crate) fn synchronize_for_drop(&self, what: &'static str) {
-        if let Err(error) = self.synchronize() {
-            tracing::error!(%error, what, "waiting for a buffer's last use before freeing it failed");
-        }
+        run_uses(operation, stream, &[(*self, access)], || Ok(())).map_err(|failure| failure.error)
     }
 }
 
@@ -282,11 +313,16 @@ pub(crate) fn run<R>(
     op: impl FnOnce() -> Result<R>,
 ) -> Result<R, OpFailure> {
     match trackers {
-        [tracker] => run_uses(operation, stream, &[(*tracker, Access::Write)], op),
+        [tracker] => run_uses(
+            operation,
+            stream,
+            &[(Part::whole(tracker), Access::Write)],
+            op,
+        ),
         _ => {
             let uses: Vec<_> = trackers
                 .iter()
-                .map(|tracker| (*tracker, Access::Write))
+                .map(|tracker| (Part::whole(tracker), Access::Write))
                 .collect();
             run_uses(operation, stream, &uses, op)
         }
@@ -303,34 +339,42 @@ pub(crate) fn run<R>(
 pub(crate) fn run_uses<R>(
     operation: &'static str,
     stream: &Stream,
-    uses: &[(&StreamTracker, Access)],
+    uses: &[(Part<'_>, Access)],
     op: impl FnOnce() -> Result<R>,
 ) -> Result<R, OpFailure> {
     let unqueued = |error: MemoryError| OpFailure {
         error,
         settled: true,
     };
-    for (tracker, _) in uses {
-        ensure_same_device(operation, tracker.context(), stream).map_err(unqueued)?;
+    for (part, access) in uses {
+        part.check(operation, *access).map_err(unqueued)?;
+        ensure_same_device(operation, part.tracker.context(), stream).map_err(unqueued)?;
     }
-    if let [(tracker, access)] = uses {
+    if let [(part, access)] = uses {
         // One buffer: no sorting, no allocation.
+        let tracker = part.tracker;
         let mut state = tracker.state.lock();
-        state.wait_on(stream, *access).map_err(unqueued)?;
+        state
+            .wait_on_range(stream, part.range, *access)
+            .map_err(unqueued)?;
         let outcome = op();
-        let recorded = state.record(stream, *access, || tracker.new_event());
+        let recorded = state.record_range(stream, part.range, *access, || tracker.new_event());
         drop(state);
         return finish(outcome, recorded, stream);
     }
-    let mut guards = lock_in_address_order(uses);
-    for (_, access, state) in &guards {
+    let (mut guards, order) = lock_in_address_order(uses);
+    for &(guard, range, access) in &order {
         // Waits touch no memory: a failure here leaves nothing unsafe queued.
-        state.wait_on(stream, *access).map_err(unqueued)?;
+        guards[guard]
+            .1
+            .wait_on_range(stream, range, access)
+            .map_err(unqueued)?;
     }
     let outcome = op();
     let mut recorded = Ok(());
-    for (tracker, access, state) in &mut guards {
-        if let Err(error) = state.record(stream, *access, || tracker.new_event()) {
+    for &(guard, range, access) in &order {
+        let (tracker, state) = &mut guards[guard];
+        if let Err(error) = state.record_range(stream, range, access, || tracker.new_event()) {
             recorded = recorded.and(Err(error));
         }
     }
@@ -350,7 +394,7 @@ pub(crate) fn run_uses<R>(
 pub(crate) fn run_completed<R>(
     operation: &'static str,
     stream: &Stream,
-    tracker: &StreamTracker,
+    part: Part<'_>,
     access: Access,
     op: impl FnOnce() -> Result<R>,
 ) -> Result<R, OpFailure> {
@@ -358,12 +402,15 @@ pub(crate) fn run_completed<R>(
         error,
         settled: true,
     };
-    ensure_same_device(operation, tracker.context(), stream).map_err(unqueued)?;
-    let mut state = tracker.state.lock();
-    state.wait_on(stream, access).map_err(unqueued)?;
+    part.check(operation, access).map_err(unqueued)?;
+    ensure_same_device(operation, part.tracker.context(), stream).map_err(unqueued)?;
+    let mut state = part.tracker.state.lock();
+    state
+        .wait_on_range(stream, part.range, access)
+        .map_err(unqueued)?;
     match op() {
         Ok(value) => {
-            state.settle_completed(stream, access);
+            state.settle_range(stream, part.range, access);
             Ok(value)
         }
         Err(error) => Err(OpFailure {
@@ -394,26 +441,30 @@ pub(crate) fn settle(stream: &Stream) -> bool {
     }
 }
 
+/// The locked state of one tracker.
+type Locked<'a> = (&'a StreamTracker, MutexGuard<'a, UseState<Event>>);
+
 /// Locks each distinct tracker once, in address order, so that two operations locking the same
-/// trackers cannot deadlock; a tracker listed twice keeps the stronger access.
+/// trackers cannot deadlock; returns the guards and, for each use, its guard's index, range and
+/// access (a tracker listed twice, say for a copy between two parts of one buffer, is locked
+/// once and keeps both uses).
 fn lock_in_address_order<'a>(
-    uses: &[(&'a StreamTracker, Access)],
-) -> Vec<(&'a StreamTracker, Access, MutexGuard<'a, UseState<Event>>)> {
+    uses: &[(Part<'a>, Access)],
+) -> (Vec<Locked<'a>>, Vec<(usize, ByteRange, Access)>) {
     let mut sorted = uses.to_vec();
-    sorted.sort_by_key(|(tracker, _)| std::ptr::from_ref(*tracker) as usize);
-    let mut merged: Vec<(&StreamTracker, Access)> = Vec::with_capacity(sorted.len());
-    for (tracker, access) in sorted {
-        match merged.last_mut() {
-            Some((last, last_access)) if std::ptr::eq(*last, tracker) => {
-                if access == Access::Write {
-                    *last_access = Access::Write;
-                }
-            }
-            _ => merged.push((tracker, access)),
+    sorted.sort_by_key(|(part, _)| std::ptr::from_ref(part.tracker) as usize);
+    let mut guards: Vec<Locked<'a>> = Vec::with_capacity(sorted.len());
+    let mut order = Vec::with_capacity(sorted.len());
+    for (part, access) in sorted {
+        if !guards
+            .last()
+            .is_some_and(|(tracker, _)| std::ptr::eq(*tracker, part.tracker))
+        {
+            guards.push((part.tracker, part.tracker.state.lock()));
         }
+        order.push((guards.len() - 1, part.range, access));
     }
-    merged
-        .into_iter()
-        .map(|(tracker, access)| (tracker, access, tracker.state.lock()))
-        .collect()
+    // Reads first: a write of the same tracker recorded after them retires what it covers.
+    order.sort_by_key(|&(_, _, access)| access == Access::Write);
+    (guards, order)
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cuweave_driver::Context;
 use cuweave_driver::memory::ManagedAllocation;
 
-use super::common::{Buffer, BufferCore, sealed::Sealed};
+use super::common::{Buffer, BufferCore, CoreRef, sealed::Sealed};
 use super::range::allocation_bytes;
 use super::raw;
 use super::tracker::StreamTracker;
@@ -170,8 +170,8 @@ impl<T: Element> UnifiedBuffer<T> {
 }
 
 impl<T: Element> Sealed for UnifiedBuffer<T> {
-    fn core(&self) -> &BufferCore {
-        &self.core
+    fn core(&self) -> CoreRef<'_> {
+        self.core.as_ref()
     }
 }
 

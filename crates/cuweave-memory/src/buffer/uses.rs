@@ -90,7 +90,55 @@ fn read_slot(stream: &impl UseStream) -> Option<ReadSlot> {
 /// or of the per-thread default stream, would otherwise pile up until the next write).
 pub(crate) const PRUNE_READS_AT: usize = 8;
 
-/// An event recorded on a stream behind a use of the buffer.
+/// Uses (writes and reads of distinct ranges) tracked at once at most: past it, finished ones
+/// are dropped, then the rest merged into one (see [`UseState::record_range`]).
+pub(crate) const MAX_USES: usize = 32;
+
+/// A byte range of a buffer, `start..end` (never empty).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ByteRange {
+    /// First byte.
+    pub(crate) start: usize,
+    /// One past the last byte.
+    pub(crate) end: usize,
+}
+
+impl ByteRange {
+    /// Every byte of any buffer.
+    pub(crate) const WHOLE: Self = Self {
+        start: 0,
+        end: usize::MAX,
+    };
+
+    /// `start..start + len`.
+    #[inline]
+    pub(crate) fn new(start: usize, len: usize) -> Self {
+        Self {
+            start,
+            end: start.saturating_add(len),
+        }
+    }
+
+    #[inline]
+    fn overlaps(self, other: Self) -> bool {
+        self.start < other.end && other.start < self.end
+    }
+
+    #[inline]
+    fn contains(self, other: Self) -> bool {
+        self.start <= other.start && other.end <= self.end
+    }
+
+    #[inline]
+    fn hull(self, other: Self) -> Self {
+        Self {
+            start: self.start.min(other.start),
+            end: self.end.max(other.end),
+        }
+    }
+}
+
+/// An event recorded on a stream behind a use of a range of the buffer.
 #[derive(Debug)]
 struct Use<E> {
     event: Arc<E>,
@@ -98,6 +146,8 @@ struct Use<E> {
     stream: Option<u64>,
     /// For reads: the entry a later read of the same stream re-records.
     slot: Option<ReadSlot>,
+    /// The bytes used.
+    range: ByteRange,
 }
 
 impl<E> Use<E> {
@@ -107,12 +157,17 @@ impl<E> Use<E> {
     }
 }
 
-/// A buffer's conflicting uses: the last write and the reads since it.
+/// A buffer's conflicting uses, per byte range: the writes not yet overwritten and the reads
+/// since them.
+///
+/// A write of a range retires the uses inside it (the writing stream waited for them); uses
+/// that only overlap it stay, so a later use of their other bytes still waits for them. Uses of
+/// disjoint ranges never wait for each other.
 #[derive(Debug)]
 pub(crate) struct UseState<E> {
-    /// The event recorded behind the last write (`None`: never written on a stream).
-    write: Option<Use<E>>,
-    /// One event per stream that read the buffer since the last write.
+    /// The events recorded behind writes, by range.
+    writes: Vec<Use<E>>,
+    /// One event per stream and range that read the buffer since the writes of that range.
     reads: Vec<Use<E>>,
     /// Events no longer needed, for reuse.
     spare: Vec<Arc<E>>,
@@ -123,7 +178,7 @@ pub(crate) struct UseState<E> {
 impl<E> Default for UseState<E> {
     fn default() -> Self {
         Self {
-            write: None,
+            writes: Vec::new(),
             reads: Vec::new(),
             spare: Vec::new(),
             last_stream: None,
@@ -132,9 +187,14 @@ impl<E> Default for UseState<E> {
 }
 
 impl<E: UseEvent> UseState<E> {
-    /// How many streams' reads since the last write are tracked (they may overlap).
+    /// How many streams' reads since the last writes are tracked (they may overlap).
     pub(crate) fn readers(&self) -> usize {
         self.reads.len()
+    }
+
+    /// How many uses are tracked (writes and reads).
+    pub(crate) fn tracked(&self) -> usize {
+        self.writes.len() + self.reads.len()
     }
 
     fn take_event(&mut self, make: impl FnOnce() -> Result<Arc<E>>) -> Result<Arc<E>> {
@@ -144,74 +204,111 @@ impl<E: UseEvent> UseState<E> {
         }
     }
 
-    /// Makes `stream` wait for the uses an `access` conflicts with (a read: the last write; a
-    /// write: the last write and every read since), skipping those it is already ordered after.
+    /// [`wait_on_range`](Self::wait_on_range) for the whole buffer.
+    #[cfg(test)]
     pub(crate) fn wait_on<S: UseStream<Event = E>>(
         &self,
         stream: &S,
         access: Access,
     ) -> Result<()> {
-        let identity = stream_identity(stream);
-        if let Some(write) = &self.write
-            && !write.covers(identity)
-        {
-            stream.wait_for(&write.event)?;
-        }
-        if access == Access::Write {
-            for read in &self.reads {
-                if !read.covers(identity) {
-                    stream.wait_for(&read.event)?;
-                }
-            }
-        }
-        Ok(())
+        self.wait_on_range(stream, ByteRange::WHOLE, access)
     }
 
-    /// Records an `access` by `stream`, behind the work just queued there (which waited, by
-    /// [`wait_on`](Self::wait_on), for what it conflicts with). New events come from the spare
-    /// ones, else from `make`.
+    /// [`record_range`](Self::record_range) for the whole buffer.
+    #[cfg(test)]
     pub(crate) fn record<S: UseStream<Event = E>>(
         &mut self,
         stream: &S,
         access: Access,
         make: impl FnOnce() -> Result<Arc<E>>,
     ) -> Result<()> {
+        self.record_range(stream, ByteRange::WHOLE, access, make)
+    }
+
+    /// [`settle_range`](Self::settle_range) for the whole buffer.
+    #[cfg(test)]
+    pub(crate) fn settle_completed<S: UseStream<Event = E>>(&mut self, stream: &S, access: Access) {
+        self.settle_range(stream, ByteRange::WHOLE, access);
+    }
+
+    /// Makes `stream` wait for the uses of `range` an `access` conflicts with (a read: the
+    /// writes; a write: the writes and every read since), skipping those it is already ordered
+    /// after.
+    pub(crate) fn wait_on_range<S: UseStream<Event = E>>(
+        &self,
+        stream: &S,
+        range: ByteRange,
+        access: Access,
+    ) -> Result<()> {
+        let identity = stream_identity(stream);
+        let conflicting = |used: &&Use<E>| used.range.overlaps(range) && !used.covers(identity);
+        for write in self.writes.iter().filter(conflicting) {
+            stream.wait_for(&write.event)?;
+        }
+        if access == Access::Write {
+            for read in self.reads.iter().filter(conflicting) {
+                stream.wait_for(&read.event)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records an `access` of `range` by `stream`, behind the work just queued there (which
+    /// waited, by [`wait_on_range`](Self::wait_on_range), for what it conflicts with). New
+    /// events come from the spare ones, else from `make`.
+    ///
+    /// Bounded: past [`MAX_USES`] uses, the finished ones are dropped; if that is not enough,
+    /// `stream` waits for every remaining use and one event recorded on it then stands for all
+    /// of them (a write of their combined range), so a buffer used in ever new ranges keeps a
+    /// fixed number of events.
+    pub(crate) fn record_range<S: UseStream<Event = E>>(
+        &mut self,
+        stream: &S,
+        range: ByteRange,
+        access: Access,
+        make: impl FnOnce() -> Result<Arc<E>>,
+    ) -> Result<()> {
         let identity = stream_identity(stream);
         match access {
             Access::Write => {
-                let event = match &self.write {
-                    Some(previous) => Arc::clone(&previous.event),
-                    None => self.take_event(make)?,
-                };
-                if let Err(error) = stream.record(&event) {
-                    // Nothing changed: the earlier uses stay tracked (and the caller drains the
-                    // stream, which waited for them).
-                    if self.write.is_none() {
+                // Re-record a write this one overwrites, else take an event.
+                if let Some(index) = self.writes.iter().position(|w| range.contains(w.range)) {
+                    stream.record(&self.writes[index].event)?;
+                    let mut write = self.writes.swap_remove(index);
+                    write.stream = identity;
+                    write.range = range;
+                    self.retire_inside(range);
+                    self.writes.push(write);
+                } else {
+                    let event = self.take_event(make)?;
+                    if let Err(error) = stream.record(&event) {
+                        // Nothing changed: the earlier uses stay tracked (and the caller drains
+                        // the stream, which waited for them).
                         self.spare.push(event);
+                        return Err(error);
                     }
-                    return Err(error);
+                    self.retire_inside(range);
+                    self.writes.push(Use {
+                        event,
+                        stream: identity,
+                        slot: None,
+                        range,
+                    });
                 }
-                // The stream waited for every read: they are behind the new write.
-                self.spare
-                    .extend(self.reads.drain(..).map(|read| read.event));
-                self.write = Some(Use {
-                    event,
-                    stream: identity,
-                    slot: None,
-                });
             }
             Access::Read => {
                 let slot = read_slot(stream);
-                if let Some(read) = self
-                    .reads
-                    .iter()
-                    .find(|read| slot.is_some() && read.slot == slot)
-                {
+                if let Some(read) = self.reads.iter_mut().find(|read| {
+                    slot.is_some()
+                        && read.slot == slot
+                        && (read.range.contains(range) || range.contains(read.range))
+                }) {
                     // Stream order: the event recorded now also covers the earlier read there.
                     stream.record(&read.event)?;
+                    read.range = read.range.hull(range);
                 } else {
                     if self.reads.len() >= PRUNE_READS_AT {
-                        self.prune_finished_reads();
+                        self.prune_finished();
                     }
                     let event = self.take_event(make)?;
                     if let Err(error) = stream.record(&event) {
@@ -222,37 +319,122 @@ impl<E: UseEvent> UseState<E> {
                         event,
                         stream: identity,
                         slot,
+                        range,
                     });
                 }
             }
         }
         self.last_stream = Some(stream.raw());
+        if self.tracked() > MAX_USES {
+            self.prune_finished();
+            if self.tracked() > MAX_USES {
+                self.merge_on(stream, identity);
+            }
+        }
         Ok(())
     }
 
-    /// Drops the reads whose events have completed (a later write need not wait for them); a
-    /// read whose event cannot be queried is kept.
-    fn prune_finished_reads(&mut self) {
-        let (done, running): (Vec<_>, Vec<_>) = std::mem::take(&mut self.reads)
-            .into_iter()
-            .partition(|read| matches!(read.event.is_complete(), Ok(true)));
-        self.reads = running;
-        self.spare.extend(done.into_iter().map(|read| read.event));
+    /// Retires every use inside `range` (the writer waited for them).
+    fn retire_inside(&mut self, range: ByteRange) {
+        let spare = &mut self.spare;
+        let mut outside = |used: &Use<E>| {
+            let inside = range.contains(used.range);
+            if inside {
+                spare.push(Arc::clone(&used.event));
+            }
+            !inside
+        };
+        self.writes.retain(&mut outside);
+        self.reads.retain(&mut outside);
     }
 
-    /// Forgets what a *completed* `access` made unnecessary to track: called after the access
-    /// ran on a stream that first [waited](Self::wait_on) for its conflicts and was then
-    /// synchronized by the host. A write waited for the last write and every read, so all of
-    /// them are finished and nothing is left to track; a read waited for the last write, so
-    /// that is finished (the reads of other streams may still run and stay tracked). The
-    /// completed access itself needs no event: nothing can run before it any more.
-    pub(crate) fn settle_completed<S: UseStream<Event = E>>(&mut self, stream: &S, access: Access) {
-        if let Some(write) = self.write.take() {
-            self.spare.push(write.event);
+    /// Makes `stream` wait for every use it is not ordered after, then records one event there
+    /// that stands for all of them, as a write of their combined range.
+    fn merge_on<S: UseStream<Event = E>>(&mut self, stream: &S, identity: Option<u64>) {
+        let all: Vec<Use<E>> = self.writes.drain(..).chain(self.reads.drain(..)).collect();
+        let mut hull: Option<ByteRange> = None;
+        let mut waited = Ok(());
+        for used in &all {
+            hull = Some(hull.map_or(used.range, |h| h.hull(used.range)));
+            if waited.is_ok() && !used.covers(identity) {
+                waited = stream.wait_for(&used.event);
+            }
         }
+        let Some(range) = hull else { return };
+        let mut uses = all.into_iter();
+        let merged = uses.next().map(|first| first.event);
+        let recorded = match (&waited, &merged) {
+            (Ok(()), Some(event)) => stream.record(event),
+            (Err(_), _) | (_, None) => Err(crate::MemoryError::ZeroLength {
+                operation: "merge of tracked uses",
+            }),
+        };
+        match (recorded, merged) {
+            (Ok(()), Some(event)) => {
+                self.spare.extend(uses.map(|used| used.event));
+                self.writes.push(Use {
+                    event,
+                    stream: identity,
+                    slot: None,
+                    range,
+                });
+            }
+            (_, merged) => {
+                // Could not merge: keep every use as it was (the bound is exceeded until the
+                // next record succeeds, never a use forgotten).
+                tracing::warn!("merging a buffer's tracked uses failed; keeping them all");
+                let mut rest: Vec<Use<E>> = uses.collect();
+                if let Some(event) = merged {
+                    rest.push(Use {
+                        event,
+                        stream: None,
+                        slot: None,
+                        range,
+                    });
+                }
+                self.writes.extend(rest);
+            }
+        }
+    }
+
+    /// Drops the uses whose events have completed (nothing need wait for them); a use whose
+    /// event cannot be queried is kept.
+    fn prune_finished(&mut self) {
+        let spare = &mut self.spare;
+        let mut keep = |used: &Use<E>| {
+            if matches!(used.event.is_complete(), Ok(true)) {
+                spare.push(Arc::clone(&used.event));
+                false
+            } else {
+                true
+            }
+        };
+        self.reads.retain(&mut keep);
+        self.writes.retain(&mut keep);
+    }
+
+    /// Forgets what a *completed* `access` of `range` made unnecessary to track: called after
+    /// the access ran on a stream that first [waited](Self::wait_on_range) for its conflicts
+    /// and was then synchronized by the host. A write waited for every overlapping use, a read
+    /// for the overlapping writes: those have finished, whole. The completed access itself needs
+    /// no event: nothing can run before it any more.
+    pub(crate) fn settle_range<S: UseStream<Event = E>>(
+        &mut self,
+        stream: &S,
+        range: ByteRange,
+        access: Access,
+    ) {
+        let spare = &mut self.spare;
+        let mut finished = |used: &Use<E>| {
+            let done = used.range.overlaps(range);
+            if done {
+                spare.push(Arc::clone(&used.event));
+            }
+            !done
+        };
+        self.writes.retain(&mut finished);
         if access == Access::Write {
-            self.spare
-                .extend(self.reads.drain(..).map(|read| read.event));
+            self.reads.retain(&mut finished);
         }
         self.last_stream = Some(stream.raw());
     }
@@ -261,9 +443,8 @@ impl<E: UseEvent> UseState<E> {
     /// spare ones.
     pub(crate) fn take_all(&mut self) -> (Vec<Arc<E>>, Vec<Arc<E>>) {
         let recorded = self
-            .write
-            .take()
-            .into_iter()
+            .writes
+            .drain(..)
             .chain(self.reads.drain(..))
             .map(|used| used.event)
             .collect();
@@ -273,7 +454,7 @@ impl<E: UseEvent> UseState<E> {
 
     /// Every event a host access must wait for.
     pub(crate) fn all_events(&self) -> Vec<Arc<E>> {
-        self.write
+        self.writes
             .iter()
             .chain(&self.reads)
             .map(|used| Arc::clone(&used.event))

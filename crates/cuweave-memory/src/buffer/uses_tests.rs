@@ -346,3 +346,91 @@ fn a_completed_blocking_read_forgets_the_write_but_keeps_other_readers() {
     // A later writer still waits for that read, and for nothing else.
     assert_eq!(use_on(&mut state, &events, &w, Access::Write), [read_event]);
 }
+
+/// Waits as a tracked operation on `range` would, then records.
+fn use_range(
+    state: &mut UseState<FakeEvent>,
+    events: &Events,
+    stream: &FakeStream,
+    range: (usize, usize),
+    access: Access,
+) -> Vec<usize> {
+    let range = ByteRange::new(range.0, range.1 - range.0);
+    state.wait_on_range(stream, range, access).unwrap();
+    state
+        .record_range(stream, range, access, events.make())
+        .unwrap();
+    stream.take_waits()
+}
+
+#[test]
+fn writers_of_disjoint_ranges_do_not_wait_for_each_other() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (a, b, c) = (FakeStream::own(1), FakeStream::own(2), FakeStream::own(3));
+    assert!(use_range(&mut state, &events, &a, (0, 512), Access::Write).is_empty());
+    assert!(
+        use_range(&mut state, &events, &b, (512, 1024), Access::Write).is_empty(),
+        "the other half is not ordered after the first"
+    );
+    let (first, second) = (last_recorded(&a), last_recorded(&b));
+    // Overlapping both halves: waits for both writers.
+    assert_eq!(
+        use_range(&mut state, &events, &c, (256, 768), Access::Read),
+        [first, second]
+    );
+    // A read of the first half only waits for its writer.
+    assert_eq!(
+        use_range(&mut state, &events, &b, (0, 100), Access::Read),
+        [first]
+    );
+    // A writer of the whole buffer waits for everything and retires it all.
+    let all = [first, second, last_recorded(&c)];
+    let d = FakeStream::own(4);
+    let waits = use_range(&mut state, &events, &d, (0, 1024), Access::Write);
+    assert!(all.iter().all(|event| waits.contains(event)), "{waits:?}");
+    assert_eq!(state.tracked(), 1, "one write stands for the whole buffer");
+}
+
+#[test]
+fn a_partly_overwritten_range_stays_tracked_for_its_other_bytes() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (a, b, c) = (FakeStream::own(1), FakeStream::own(2), FakeStream::own(3));
+    use_range(&mut state, &events, &a, (0, 1000), Access::Write);
+    let old = last_recorded(&a);
+    use_range(&mut state, &events, &b, (0, 500), Access::Write);
+    assert_eq!(
+        use_range(&mut state, &events, &c, (600, 700), Access::Read),
+        [old],
+        "bytes the second write did not cover still wait for the first"
+    );
+}
+
+#[test]
+fn a_buffer_written_in_ever_new_ranges_keeps_a_bounded_number_of_uses() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let streams: Vec<FakeStream> = (0..7).map(|id| FakeStream::own(id + 1)).collect();
+    for index in 0..100_000usize {
+        let stream = &streams[index % streams.len()];
+        let start = (index * 64) % (1 << 30);
+        let access = if index % 3 == 0 {
+            Access::Read
+        } else {
+            Access::Write
+        };
+        use_range(&mut state, &events, stream, (start, start + 64), access);
+        assert!(
+            state.tracked() <= MAX_USES,
+            "{} uses at {index}",
+            state.tracked()
+        );
+    }
+    assert!(
+        events.made.get() <= 2 * MAX_USES + 2,
+        "events are reused: {} made",
+        events.made.get()
+    );
+    // Nothing was forgotten: a writer of everything waits for what is left.
+    let last = FakeStream::own(99);
+    let waits = use_range(&mut state, &events, &last, (0, 1 << 31), Access::Write);
+    assert!(!waits.is_empty());
+}
