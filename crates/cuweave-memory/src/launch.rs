@@ -88,7 +88,24 @@ impl<'a> TrackedLaunch<'a> {
     /// written).
     ///
     /// Takes the buffer mutably (as cudarc's launch builder does for outputs): no host slice
-    /// of it, nor any other borrow, can live while the launch is being built.
+    /// of it, nor any other borrow, can live while the launch is being built. This does not
+    /// compile (a regression test of the hole `&B` left open):
+    ///
+    /// ```compile_fail
+    /// use std::sync::Arc;
+    /// use cuweave_driver::{Context, Kernel, LaunchConfig, Stream};
+    /// use cuweave_memory::{PinnedBuffer, TrackedLaunch};
+    ///
+    /// fn race(kernel: &Kernel, stream: &Stream, config: LaunchConfig, context: &Arc<Context>)
+    ///     -> cuweave_memory::Result<()> {
+    ///     let mut pinned = PinnedBuffer::<u32>::new(context, 4)?;
+    ///     let host = pinned.as_slice()?; // a live host slice...
+    ///     let launch = TrackedLaunch::new(kernel, stream, config).write(&mut pinned); // ...refused
+    ///     assert_eq!(host[0], 0);
+    ///     drop(launch);
+    ///     Ok(())
+    /// }
+    /// ```
     pub fn write<T: Element, B: Buffer<T> + ?Sized>(mut self, buffer: &'a mut B) -> Self {
         let buffer: &'a B = buffer;
         let core = buffer.core();

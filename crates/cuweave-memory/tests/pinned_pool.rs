@@ -548,3 +548,40 @@ fn eight_threads_share_the_pool_without_losing_or_sharing_a_block() {
         "every pinned block was unpinned exactly once"
     );
 }
+
+#[test]
+fn typed_buffers_from_the_pool_stage_copies_and_go_back_behind_them() {
+    use cuweave_memory::{Buffer, DeviceBuffer};
+    let _serial = serial();
+    let gpu = require_gpu!();
+    let (kernels, s) = warmed_up(&gpu.context);
+    let pool = PinnedPool::new(&gpu.context);
+    let mut staging = pool.buffer::<u32>(1024).expect("pool buffer");
+    staging.as_mut_slice().expect("host slice").fill(5);
+    let mut device = DeviceBuffer::<u32>::new_on(&s, 1024).expect("device");
+    // The stream is busy: the upload queues behind a 100 ms kernel.
+    kernels.spin_ns(&s, 100_000_000).expect("spin");
+    device
+        .copy_from_host_async(&staging, &s)
+        .expect("upload from a pool buffer")
+        .wait()
+        .expect("wait");
+    assert_eq!(device.to_vec().expect("read back"), vec![5; 1024]);
+    drop(staging);
+    // Dropping a pool buffer with queued device work does not wait; its block stays pending.
+    kernels.spin_ns(&s, 100_000_000).expect("spin");
+    let mut second = pool.buffer::<u32>(1024).expect("second");
+    second
+        .fill_async(6, &s)
+        .expect("a fill queued behind the spin");
+    let began = std::time::Instant::now();
+    drop(second);
+    let took = began.elapsed();
+    assert!(
+        took < std::time::Duration::from_millis(50),
+        "drop took {took:?}"
+    );
+    assert!(!s.query().expect("query"), "the fill is still queued");
+    assert!(pool.stats().pending_blocks >= 1, "{:?}", pool.stats());
+    s.synchronize().expect("sync");
+}

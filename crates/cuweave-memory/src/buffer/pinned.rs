@@ -11,6 +11,7 @@ use super::range::{allocation_bytes, check_range};
 use super::tracker::StreamTracker;
 use crate::element::Element;
 use crate::error::{MemoryError, Result};
+use crate::pinned_pool::{PinnedBlock, PinnedPool};
 
 /// `len` elements of `T` in page-locked (pinned) host memory, mapped into the device's address
 /// space, freed when dropped (after every queued use of it has finished).
@@ -40,8 +41,45 @@ use crate::error::{MemoryError, Result};
 #[derive(Debug)]
 pub struct PinnedBuffer<T: Element> {
     core: BufferCore,
-    allocation: HostAllocation,
+    allocation: HostMemory,
     _element: PhantomData<T>,
+}
+
+/// Where a pinned buffer's memory came from.
+#[derive(Debug)]
+enum HostMemory {
+    /// Its own `cuMemHostAlloc`, freed when the buffer drops.
+    Own(HostAllocation),
+    /// A block of a [`PinnedPool`], returned to it when the buffer drops.
+    Pool(PinnedBlock),
+    /// Given back (only while dropping).
+    Gone,
+}
+
+impl HostMemory {
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            Self::Own(allocation) => allocation.as_bytes(),
+            Self::Pool(block) => block.as_slice(),
+            Self::Gone => &[],
+        }
+    }
+
+    fn as_bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Self::Own(allocation) => allocation.as_bytes_mut(),
+            Self::Pool(block) => block.as_mut_slice(),
+            Self::Gone => &mut [],
+        }
+    }
+
+    fn as_ptr(&self) -> *const u8 {
+        self.as_bytes().as_ptr()
+    }
+
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.as_bytes_mut().as_mut_ptr()
+    }
 }
 
 impl<T: Element> PinnedBuffer<T> {
@@ -58,7 +96,38 @@ impl<T: Element> PinnedBuffer<T> {
         let device_ptr = allocation.device_ptr()?;
         Ok(Self {
             core: BufferCore::new(context, device_ptr, len, size_of::<T>()),
-            allocation,
+            allocation: HostMemory::Own(allocation),
+            _element: PhantomData,
+        })
+    }
+
+    /// `len` elements in a block of `pool` (no pinning when the pool has one cached): the typed
+    /// way to stage copies through the pool. The block goes back to the pool when the buffer
+    /// drops, without waiting: the pool hands it out again only once every use the buffer
+    /// recorded has finished.
+    ///
+    /// The contents are whatever the block last held (plain data: any bytes are valid values);
+    /// write them before reading.
+    ///
+    /// # Errors
+    /// `ZeroLength` for `len == 0`, `Misaligned` on overflow or when `T` needs more than page
+    /// alignment; as [`PinnedPool::get`] otherwise, and the driver's error when the pool's
+    /// blocks are not mapped into the device's address space.
+    pub fn from_pool(pool: &PinnedPool, len: usize) -> Result<Self> {
+        const OPERATION: &str = "PinnedBuffer::from_pool";
+        let bytes = allocation_bytes::<T>(OPERATION, len)?;
+        let block = pool.get(bytes)?;
+        if block.as_slice().as_ptr() as usize % align_of::<T>() != 0 {
+            return Err(MemoryError::Misaligned {
+                operation: OPERATION,
+                bytes,
+                element_size: size_of::<T>(),
+            });
+        }
+        let device_ptr = block.device_ptr()?;
+        Ok(Self {
+            core: BufferCore::new(pool.context(), device_ptr, len, size_of::<T>()),
+            allocation: HostMemory::Pool(block),
             _element: PhantomData,
         })
     }
@@ -74,14 +143,14 @@ impl<T: Element> PinnedBuffer<T> {
     /// `ZeroLength` for an empty slice.
     pub fn from_slice(context: &Arc<Context>, data: &[T]) -> Result<Self> {
         let mut buffer = Self::new(context, data.len())?;
-        buffer.slice_mut()?.copy_from_slice(data);
+        buffer.host_slice_mut()?.copy_from_slice(data);
         Ok(buffer)
     }
 
     /// The elements, after waiting for every queued device use of the buffer (blocks).
     pub fn as_slice(&self) -> Result<&[T]> {
         self.core.tracker().synchronize()?;
-        self.slice()
+        self.host_slice()
     }
 
     /// The elements, or `DeviceBusy` while queued device work may still use the buffer.
@@ -89,13 +158,13 @@ impl<T: Element> PinnedBuffer<T> {
         self.core
             .tracker()
             .ensure_idle("PinnedBuffer::try_as_slice")?;
-        self.slice()
+        self.host_slice()
     }
 
     /// The elements, writable, after waiting for every queued device use (blocks).
     pub fn as_mut_slice(&mut self) -> Result<&mut [T]> {
         self.core.tracker().synchronize()?;
-        self.slice_mut()
+        self.host_slice_mut()
     }
 
     /// The elements, writable, or `DeviceBusy` while queued device work may use the buffer.
@@ -103,26 +172,32 @@ impl<T: Element> PinnedBuffer<T> {
         self.core
             .tracker()
             .ensure_idle("PinnedBuffer::try_as_mut_slice")?;
-        self.slice_mut()
+        self.host_slice_mut()
     }
 
     /// The host address of element 0, for interop. Safe reads and writes go through
     /// [`as_slice`](Self::as_slice) and [`as_mut_slice`](Self::as_mut_slice), which wait for
     /// queued device work first; dereferencing this pointer is `unsafe` and leaves that to the
-    /// caller. (There is no way to the raw `HostAllocation`: its safe `as_bytes` would read the
-    /// memory under a queued copy.)
+    /// caller. There is no way to the raw `HostAllocation`, whose safe `as_bytes` would read the
+    /// memory under a queued copy (a regression test):
+    ///
+    /// ```compile_fail
+    /// fn read_under_a_copy(pinned: &cuweave_memory::PinnedBuffer<u8>) -> u8 {
+    ///     pinned.allocation().as_bytes()[0]
+    /// }
+    /// ```
     pub fn as_host_ptr(&self) -> *const T {
         self.allocation.as_ptr().cast()
     }
 
     // Callers have made sure no device work can write the memory meanwhile.
-    fn slice(&self) -> Result<&[T]> {
+    fn host_slice(&self) -> Result<&[T]> {
         let bytes = &self.allocation.as_bytes()[..self.core.bytes()];
         bytemuck::try_cast_slice(bytes).map_err(|_| self.misaligned())
     }
 
     // Callers have made sure no device work can use the memory meanwhile.
-    fn slice_mut(&mut self) -> Result<&mut [T]> {
+    fn host_slice_mut(&mut self) -> Result<&mut [T]> {
         let bytes = self.core.bytes();
         let error = self.misaligned();
         bytemuck::try_cast_slice_mut(&mut self.allocation.as_bytes_mut()[..bytes])
@@ -192,6 +267,16 @@ impl<T: Element> Buffer<T> for PinnedBuffer<T> {
 
 impl<T: Element> Drop for PinnedBuffer<T> {
     fn drop(&mut self) {
-        self.core.tracker().synchronize_for_drop("PinnedBuffer");
+        match std::mem::replace(&mut self.allocation, HostMemory::Gone) {
+            HostMemory::Pool(mut block) => {
+                // The pool gates the block's reuse on the tracker's events: no wait here.
+                let (markers, _spare) = self.core.tracker().take_for_free();
+                block.add_events(markers);
+            }
+            own => {
+                self.core.tracker().synchronize_for_drop("PinnedBuffer");
+                drop(own);
+            }
+        }
     }
 }

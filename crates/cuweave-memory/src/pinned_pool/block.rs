@@ -130,6 +130,12 @@ impl PinnedBlock {
         Ok(())
     }
 
+    /// Adds events recorded behind uses of the block (a typed buffer's tracked uses): it goes
+    /// back to the pool's ready list only once they have completed.
+    pub(crate) fn add_events(&mut self, events: Vec<Event>) {
+        self.events.extend(events);
+    }
+
     /// How many stream uses have been recorded on this block since it was handed out.
     pub fn recorded_uses(&self) -> usize {
         self.events.len()

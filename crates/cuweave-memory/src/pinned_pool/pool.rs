@@ -141,6 +141,16 @@ impl PinnedPool {
         Ok(PinnedBlock::new(allocation, bytes, Arc::clone(&self.inner)))
     }
 
+    /// A typed pinned buffer of `len` elements in a block of this pool (see
+    /// [`PinnedBuffer::from_pool`](crate::PinnedBuffer::from_pool)): host slices wait for its
+    /// queued copies, and the block returns to the pool behind them.
+    ///
+    /// # Errors
+    /// As [`PinnedBuffer::from_pool`](crate::PinnedBuffer::from_pool).
+    pub fn buffer<T: Element>(&self, len: usize) -> Result<crate::PinnedBuffer<T>> {
+        crate::PinnedBuffer::from_pool(self, len)
+    }
+
     /// A block holding `len` elements of `T`, viewable as `&[T]` / `&mut [T]` (see [`get`](Self::get)).
     ///
     /// # Errors
