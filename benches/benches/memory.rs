@@ -8,6 +8,9 @@
 //! | `alloc_free_1MiB/raw/cuMemAllocFromPoolAsync+cuMemFreeAsync` | the cached stream-ordered pool: both calls on one stream, on a pool with release threshold `u64::MAX`, warm; one `cuStreamSynchronize` per batch of iterations, inside the timing (amortized) |
 //! | `alloc_free_1MiB/cuweave/AsyncPoolResource` | the same pool through `MemoryResource::allocate` + `deallocate`, amortized alike |
 //! | `alloc_free_1MiB/raw/cuMemAlloc+cuMemFree` | `cuMemAlloc_v2` + `cuMemFree_v2` of 1 MiB |
+//! | `alloc_free_1MiB/cuweave/DeviceBuffer::new_on` | the safe typed path: `DeviceBuffer::<u8>::new_on(&stream, 1 MiB)` + drop, from the device's default caching allocator (warm), nothing queued on it |
+//! | `drop_during_kernel_1MiB/cuweave/DeviceBuffer` | dropping a 1 MiB `DeviceBuffer` (from `new_on(&b)`) right after a `fill_async` of it on stream `b`, while a 300 ms kernel runs on stream `a`; only the drop is timed (the allocation and the fill are not); a new 300 ms kernel is launched whenever the last one finished |
+//! | `typed_threads_1MiB/{1,16}` | as `caching_threads_1MiB/sharded`, each thread making and dropping `DeviceBuffer::<u8>::new_on(&its_stream, 1 MiB)` on the default allocator |
 //! | `caching_threads_1MiB/sharded/{1,4,16}` | each of N threads, on its own stream, does `iters` alloc+free of 1 MiB (warm: every thread's segment is cached before timing) on one shared `CachingAllocator` (32 shards); the time is the slowest thread's, from a common start (a barrier) to its last free, so it reads as *time per alloc+free per thread*; N threads together do N times the iterations |
 //! | `caching_threads_1MiB/one_lock/{1,4,16}` | the same on `CachingAllocator::with_shards(.., 1)`: every stream under one lock and one shared handle, as the allocator was before sharding |
 //! | `fill_4KiB/cuweave/fill_async` | `DeviceBuffer::<u32>::fill_async` of 4 KiB, always on the stream that used the buffer last (the tracked path: no cross-stream wait, the stream's event re-recorded); one `cuStreamSynchronize` per batch, inside the timing |
@@ -29,7 +32,10 @@
 //! alloc+free, and at least ten times faster than the cached `cuMemAllocAsync` pool, measured
 //! side by side; with 16 threads on 16 streams at most 150 ns per alloc+free per thread and at
 //! least 8 times one thread's throughput; and tracked `fill_async` within 1.2 times the raw
-//! memset.
+//! memset; the safe typed buffer at most 0.15 µs, within 1.5 times the raw allocator path and at
+//! least 400 times `cuMemAlloc` + `cuMemFree`; its drop under a 300 ms kernel of another stream
+//! at most 50 µs (`cuMemAlloc` + memset + `cuMemFree` measured the same way, once); 16 threads of
+//! typed buffers at most 200 ns per op per thread.
 //!
 //! Run with `cargo bench -p cuweave-benches --bench memory`; without a driver it prints
 //! `skipping benches: no CUDA driver` and exits 0.
@@ -60,6 +66,15 @@ const THREADS_TARGET_NS: f64 = 150.0;
 const THREADS_TARGET_SCALING: f64 = 8.0;
 /// Tracked fill against the raw memset (issue 9).
 const FILL_TARGET_RATIO: f64 = 1.2;
+/// The typed buffer's targets (issue 14): time per new_on+drop, ratio to the raw caching path,
+/// speed-up over cuMemAlloc+cuMemFree, drop under another stream's kernel, 16 threads.
+const TYPED_TARGET_US: f64 = 0.15;
+const TYPED_TARGET_RATIO: f64 = 1.5;
+const TYPED_TARGET_SPEEDUP: f64 = 400.0;
+const DROP_TARGET_US: f64 = 50.0;
+const TYPED_THREADS_TARGET_NS: f64 = 200.0;
+/// The unrelated kernel a drop must not wait for.
+const LONG_KERNEL_NS: u64 = 300_000_000;
 /// Thread counts of the scaling bench.
 const THREAD_COUNTS: [usize; 3] = [1, 4, 16];
 
@@ -72,10 +87,15 @@ fn main() {
         threads(c, &sharded, &one_lock);
         let fills = Fills::new(gpu);
         fill(c, &fills);
+        let typed_threads = TypedThreads::new(gpu);
+        typed(c, &allocators, &typed_threads);
+        let drops = Drops::new(gpu);
+        drop_during_kernel(c, &drops);
         pinned(c, gpu);
         managed(c, gpu);
         if measuring() {
             summary(&allocators);
+            typed_summary(&allocators, &typed_threads, &drops);
             threads_summary(&sharded, &one_lock);
             fill_summary(&fills);
         }
@@ -124,6 +144,7 @@ impl Allocators {
         this.caching(1);
         this.raw_pool(1);
         this.resource(1);
+        this.typed(1);
         assert_eq!(
             this.caching.stats().cache_misses,
             1,
@@ -140,6 +161,16 @@ impl Allocators {
                 .allocate(MIB, &self.stream)
                 .expect("CachingAllocator::allocate");
             drop(black_box(allocation));
+        }
+        start.elapsed()
+    }
+
+    fn typed(&self, iters: u64) -> Duration {
+        let start = Instant::now();
+        for _ in 0..iters {
+            let buffer =
+                DeviceBuffer::<u8>::new_on(&self.stream, MIB).expect("DeviceBuffer::new_on");
+            drop(black_box(buffer));
         }
         start.elapsed()
     }
@@ -557,5 +588,174 @@ fn fill_summary(fills: &Fills) {
         } else {
             "MISSED"
         }
+    );
+}
+
+fn typed(c: &mut Criterion, allocators: &Allocators, threads: &TypedThreads) {
+    let mut group = c.benchmark_group("alloc_free_1MiB");
+    group.bench_function("cuweave/DeviceBuffer::new_on", |b| {
+        b.iter_custom(|iters| allocators.typed(iters));
+    });
+    group.finish();
+    let mut group = c.benchmark_group("typed_threads_1MiB");
+    for count in [1, 16] {
+        group.bench_function(format!("{count}"), |b| {
+            b.iter_custom(|iters| threads.run(count, iters));
+        });
+    }
+    group.finish();
+}
+
+/// 16 streams, one per thread, each making and dropping typed buffers on the default allocator.
+struct TypedThreads {
+    streams: Vec<Stream>,
+}
+
+impl TypedThreads {
+    fn new(gpu: &Gpu) -> Self {
+        let streams: Vec<Stream> = (0..16)
+            .map(|_| Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).expect("Stream::new"))
+            .collect();
+        for stream in &streams {
+            drop(DeviceBuffer::<u8>::new_on(stream, MIB).expect("warm a stream"));
+        }
+        Self { streams }
+    }
+
+    /// `threads` threads each make and drop `iters` buffers on their own stream; returns the
+    /// slowest thread's time from the common start.
+    fn run(&self, threads: usize, iters: u64) -> Duration {
+        let start = Barrier::new(threads);
+        std::thread::scope(|scope| {
+            let workers: Vec<_> = self.streams[..threads]
+                .iter()
+                .map(|stream| {
+                    let start = &start;
+                    scope.spawn(move || {
+                        // Bind the context and fetch the default allocator before the clock.
+                        drop(DeviceBuffer::<u8>::new_on(stream, MIB).expect("new_on"));
+                        start.wait();
+                        let begin = Instant::now();
+                        for _ in 0..iters {
+                            let buffer = DeviceBuffer::<u8>::new_on(stream, MIB).expect("new_on");
+                            drop(black_box(buffer));
+                        }
+                        begin.elapsed()
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|worker| worker.join().expect("bench thread"))
+                .max()
+                .unwrap_or_default()
+        })
+    }
+}
+
+/// Two streams and the spin kernel: drops on `b` while `a` runs a long kernel.
+struct Drops {
+    kernels: TestKernels,
+    a: Stream,
+    b: Stream,
+    context: Arc<Context>,
+}
+
+impl Drops {
+    fn new(gpu: &Gpu) -> Self {
+        let context = Arc::clone(&gpu.context);
+        let new_stream = || Stream::new(&context, StreamFlags::NON_BLOCKING).expect("Stream::new");
+        let (a, b) = (new_stream(), new_stream());
+        Self {
+            kernels: TestKernels::load(&context).expect("load the test kernels"),
+            a,
+            b,
+            context,
+        }
+    }
+
+    /// Keeps a 300 ms kernel running on `a`.
+    fn keep_busy(&self) {
+        if self.a.query().expect("query a") {
+            self.kernels
+                .spin_ns(&self.a, LONG_KERNEL_NS)
+                .expect("launch the long kernel");
+        }
+    }
+
+    /// `iters` times: a buffer on `b`, filled there, dropped; only the drops are timed.
+    fn typed(&self, iters: u64) -> Duration {
+        let mut timed = Duration::ZERO;
+        for _ in 0..iters {
+            self.keep_busy();
+            let mut buffer = DeviceBuffer::<u8>::new_on(&self.b, MIB).expect("new_on");
+            buffer.fill_async(7, &self.b).expect("fill_async");
+            let start = Instant::now();
+            drop(black_box(buffer));
+            timed += start.elapsed();
+        }
+        timed
+    }
+
+    /// The raw path measured the same way: `cuMemAlloc`, a memset on `b`, then `cuMemFree`
+    /// (timed), which waits for the whole device.
+    fn raw(&self) -> Duration {
+        self.keep_busy();
+        let allocation = DeviceAllocation::new(&self.context, MIB).expect("cuMemAlloc");
+        // SAFETY: a live allocation of MIB bytes, freed below after the memset (cuMemFree waits
+        // for the device).
+        unsafe { memory::memset_d8_async(allocation.ptr(), 7, MIB, &self.b) }.expect("memset");
+        let start = Instant::now();
+        allocation.free().expect("cuMemFree");
+        start.elapsed()
+    }
+}
+
+fn drop_during_kernel(c: &mut Criterion, drops: &Drops) {
+    let mut group = c.benchmark_group("drop_during_kernel_1MiB");
+    group.bench_function("cuweave/DeviceBuffer", |b| {
+        b.iter_custom(|iters| drops.typed(iters));
+    });
+    group.finish();
+    drops.a.synchronize().expect("synchronize a");
+}
+
+fn typed_summary(allocators: &Allocators, threads: &TypedThreads, drops: &Drops) {
+    let nanos = |d: Duration| d.as_secs_f64() * 1e9;
+    let verdict = |met: bool| if met { "met" } else { "MISSED" };
+    let typed = nanos(median_per_iteration(5, 200_000, |n| allocators.typed(n)));
+    let caching = nanos(median_per_iteration(5, 200_000, |n| allocators.caching(n)));
+    let raw = nanos(median_per_iteration(5, 100, |n| allocators.raw_alloc(n)));
+    let (ratio, speedup) = (typed / caching, raw / typed);
+    println!();
+    println!("summary: safe 1 MiB DeviceBuffer::new_on + drop, median of 5 batches, host clock");
+    println!(
+        "  DeviceBuffer::new_on + drop      {typed:>9.1} ns  target <= {} ns: {}",
+        TYPED_TARGET_US * 1e3,
+        verdict(typed <= TYPED_TARGET_US * 1e3)
+    );
+    println!(
+        "  raw CachingAllocator             {caching:>9.1} ns  ratio {ratio:.2}, target <= {TYPED_TARGET_RATIO}: {}",
+        verdict(ratio <= TYPED_TARGET_RATIO)
+    );
+    println!(
+        "  cuMemAlloc + cuMemFree           {raw:>9.1} ns  typed buffer {speedup:.0}x faster, target >= {TYPED_TARGET_SPEEDUP}x: {}",
+        verdict(speedup >= TYPED_TARGET_SPEEDUP)
+    );
+    let per_thread =
+        [1, 16].map(|count| nanos(median_per_iteration(5, 200_000, |n| threads.run(count, n))));
+    println!(
+        "  typed buffers, 1 thread {:.1} ns, 16 threads {:.1} ns per op per thread, target <= {TYPED_THREADS_TARGET_NS} ns: {}",
+        per_thread[0],
+        per_thread[1],
+        verdict(per_thread[1] <= TYPED_THREADS_TARGET_NS)
+    );
+    drops.a.synchronize().expect("synchronize a");
+    let drop_us = median_per_iteration(5, 1_000, |n| drops.typed(n)).as_secs_f64() * 1e6;
+    let raw_drop_ms = drops.raw().as_secs_f64() * 1e3;
+    drops.a.synchronize().expect("synchronize a");
+    println!(
+        "  drop during a 300 ms kernel on another stream: DeviceBuffer {drop_us:.2} µs, target <= {DROP_TARGET_US} µs: {}; cuMemFree {raw_drop_ms:.1} ms",
+        verdict(drop_us <= DROP_TARGET_US)
     );
 }

@@ -5,7 +5,8 @@
 //!
 //! | item | what it is for |
 //! |---|---|
-//! | [`DeviceBuffer`], [`PinnedBuffer`], [`UnifiedBuffer`] | typed device, page-locked host and managed memory, sharing the [`Buffer`] trait |
+//! | [`DeviceBuffer`], [`PinnedBuffer`], [`UnifiedBuffer`] | typed device (from the caching allocator or any resource), page-locked host (own or from the pool) and managed memory, sharing the [`Buffer`] trait |
+//! | [`BufferSlice`], [`BufferSliceMut`] | typed views of part of a buffer, tracked per range |
 //! | [`Access`], [`TrackedLaunch`] | reads apart from writes: readers on different streams overlap; a kernel launch that orders itself with the buffers it reads and writes |
 //! | [`PendingCopy`] | an async host copy that owns its host side until the GPU is past it |
 //! | [`MemAdvice`], [`MigrationPolicy`], [`ManagedMemoryHints`], [`PrefetchPlan`] | unified-memory placement: advice, policies, checked prefetch, batched prefetch |
@@ -15,9 +16,9 @@
 //!
 //! # The rules it keeps
 //! - Memory is never freed or reused while queued GPU work can still touch it: buffers remember
-//!   the event of their last use and order every later use (and their drop) after it; the
-//!   allocator and the pinned pool hand a block out again only once events on every stream that
-//!   used it have passed.
+//!   the events of their uses (per byte range) and order every later use after them; dropping a
+//!   device buffer hands those events to its allocator, which (like the pinned pool) hands the
+//!   block out again only once they have all passed. A drop never blocks on the GPU.
 //! - Async copies own (or exclusively borrow) their host side until the stream has passed them.
 //! - Host views of pinned and unified memory wait for the device first, or refuse with
 //!   [`MemoryError::DeviceBusy`].
@@ -26,23 +27,27 @@
 //!
 //! Guides: `docs/unified-memory.md` and `docs/allocators.md` in the repository.
 //!
+//! The first thing to write allocates from the cache: [`DeviceBuffer::new_on`] takes a block of
+//! the device's default [`CachingAllocator`] for a stream (no driver call when warm), and dropping
+//! the buffer gives it back in stream order, never waiting for the GPU. Views
+//! ([`Buffer::slice`], [`Buffer::slice_mut`]) are tracked per range.
+//!
 //! ```no_run
-//! use std::sync::Arc;
 //! use cuweave_driver::{Context, Device, Stream, StreamFlags};
 //! use cuweave_memory::{Buffer, CachingAllocator, DeviceBuffer};
 //!
 //! # fn main() -> Result<(), cuweave_memory::MemoryError> {
 //! let context = Context::primary(Device::get(0)?)?;
-//! let mut buffer = DeviceBuffer::<f32>::from_slice(&context, &[1.0, 2.0, 3.0])?;
-//! buffer.fill(7.0)?;
-//! assert_eq!(buffer.to_vec()?, vec![7.0; 3]);
-//!
 //! let stream = Stream::new(&context, StreamFlags::NON_BLOCKING)?;
-//! let allocator = CachingAllocator::with_driver(&context);
-//! let block = allocator.allocate(1 << 20, &stream)?; // a driver allocation (cache miss)
-//! drop(block);
-//! let again = allocator.allocate(1 << 20, &stream)?; // served from the cache
-//! assert_eq!(allocator.stats().cache_hits, 1);
+//! let mut buffer = DeviceBuffer::<f32>::new_on(&stream, 3)?; // from the cache
+//! buffer.copy_from_host(&[1.0, 2.0, 3.0])?;
+//! buffer.slice_mut(1..)?.fill_async(7.0, &stream)?;
+//! assert_eq!(buffer.to_vec()?, vec![1.0, 7.0, 7.0]);
+//! drop(buffer); // back to the cache once the fill has run; no cuMemFree, no wait
+//!
+//! let again = DeviceBuffer::<f32>::new_on(&stream, 3)?; // the same block, no driver call
+//! let allocator = CachingAllocator::for_device(context.device())?;
+//! assert!(allocator.stats().cache_hits >= 1);
 //! # drop(again);
 //! # Ok(())
 //! # }

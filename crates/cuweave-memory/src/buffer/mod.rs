@@ -13,7 +13,9 @@
 //! - two uses of one buffer never race on the GPU, whatever streams they are on, and reads on
 //!   different streams run at the same time;
 //! - host access to pinned and unified buffers waits for (or refuses while) queued device work;
-//! - a buffer is never freed under queued work: `Drop` waits for every use first.
+//! - a buffer's memory is never reused or freed under queued work: a [`DeviceBuffer`] hands its
+//!   use events to its allocator on drop (which reuses the block only once they have passed, and
+//!   never blocks), pinned and unified buffers wait for them.
 //!
 //! Kernels you launch yourself on [`Buffer::device_ptr`] join the same order through
 //! [`Buffer::prepare_read`] / [`Buffer::record_read`] or [`Buffer::prepare_write`] /
@@ -45,7 +47,7 @@
 //!     Stream::new(&context, StreamFlags::NON_BLOCKING)?,
 //!     Stream::new(&context, StreamFlags::NON_BLOCKING)?,
 //! );
-//! let mut device = DeviceBuffer::<u64>::new(&context, 1024)?;
+//! let mut device = DeviceBuffer::<u64>::new_on(&a, 1024)?;
 //! let upload = device.copy_from_host_async(PinnedBuffer::from_slice(&context, &[5u64; 1024])?, &a)?;
 //! // Stream `b` waits for the upload on `a` before reading.
 //! let download = device.copy_to_host_async(vec![0u64; 1024], &b)?;

@@ -69,8 +69,9 @@ pub(crate) fn allocation_bytes<T>(operation: &'static str, len: usize) -> Result
 /// Crate invariant: a span is made only by [`DeviceSpan::of_elements`] (or by the unified
 /// module from a checked managed range) from a buffer that the caller borrows, and work on it
 /// is queued only inside [`crate::buffer::tracker::run`], which records the stream on the
-/// buffer's tracker; every buffer synchronizes its tracker before it frees its memory. So the
-/// memory a span names outlives every queued operation on it.
+/// buffer's tracker; every buffer either synchronizes its tracker before it frees its memory or
+/// (a device buffer) hands the tracker's events to its allocator, which reuses or frees the block
+/// only once they have completed. So the memory a span names outlives every queued operation on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct DeviceSpan {
     ptr: DevicePtr,
