@@ -420,32 +420,39 @@ impl Threaded {
     /// `threads` threads each do `iters` alloc+free on their own stream; returns the slowest
     /// thread's time from the common start.
     fn run(&self, threads: usize, iters: u64) -> Duration {
-        let start = Barrier::new(threads);
-        std::thread::scope(|scope| {
-            let workers: Vec<_> = self.streams[..threads]
-                .iter()
-                .map(|stream| {
-                    let (allocator, start) = (&self.allocator, &start);
-                    scope.spawn(move || {
-                        // Bind the context before the clock starts (the first call would).
-                        drop(allocator.allocate(MIB, stream).expect("allocate"));
-                        start.wait();
-                        let begin = Instant::now();
-                        for _ in 0..iters {
-                            let block = allocator.allocate(MIB, stream).expect("allocate");
-                            drop(black_box(block));
-                        }
-                        begin.elapsed()
-                    })
-                })
-                .collect();
-            workers
-                .into_iter()
-                .map(|worker| worker.join().expect("bench thread"))
-                .max()
-                .unwrap_or_default()
+        on_threads(&self.streams[..threads], iters, |stream| {
+            let block = self.allocator.allocate(MIB, stream).expect("allocate");
+            drop(black_box(block));
         })
     }
+}
+
+/// One thread per stream, each running `op` on its stream `iters` times (once before the clock,
+/// which binds the context); returns the slowest thread's time from a common start (a barrier).
+fn on_threads(streams: &[Stream], iters: u64, op: impl Fn(&Stream) + Sync) -> Duration {
+    let start = Barrier::new(streams.len());
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = streams
+            .iter()
+            .map(|stream| {
+                let (start, op) = (&start, &op);
+                scope.spawn(move || {
+                    op(stream);
+                    start.wait();
+                    let begin = Instant::now();
+                    for _ in 0..iters {
+                        op(stream);
+                    }
+                    begin.elapsed()
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|worker| worker.join().expect("bench thread"))
+            .max()
+            .unwrap_or_default()
+    })
 }
 
 fn threads(c: &mut Criterion, sharded: &Threaded, one_lock: &Threaded) {
@@ -625,30 +632,9 @@ impl TypedThreads {
     /// `threads` threads each make and drop `iters` buffers on their own stream; returns the
     /// slowest thread's time from the common start.
     fn run(&self, threads: usize, iters: u64) -> Duration {
-        let start = Barrier::new(threads);
-        std::thread::scope(|scope| {
-            let workers: Vec<_> = self.streams[..threads]
-                .iter()
-                .map(|stream| {
-                    let start = &start;
-                    scope.spawn(move || {
-                        // Bind the context and fetch the default allocator before the clock.
-                        drop(DeviceBuffer::<u8>::new_on(stream, MIB).expect("new_on"));
-                        start.wait();
-                        let begin = Instant::now();
-                        for _ in 0..iters {
-                            let buffer = DeviceBuffer::<u8>::new_on(stream, MIB).expect("new_on");
-                            drop(black_box(buffer));
-                        }
-                        begin.elapsed()
-                    })
-                })
-                .collect();
-            workers
-                .into_iter()
-                .map(|worker| worker.join().expect("bench thread"))
-                .max()
-                .unwrap_or_default()
+        on_threads(&self.streams[..threads], iters, |stream| {
+            let buffer = DeviceBuffer::<u8>::new_on(stream, MIB).expect("new_on");
+            drop(black_box(buffer));
         })
     }
 }

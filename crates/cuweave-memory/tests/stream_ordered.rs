@@ -130,6 +130,8 @@ fn without_the_recorded_read_the_watch_kernel_sees_the_reuse() {
 #[test]
 fn a_buffer_reuses_the_cache_and_round_trips() {
     let gpu = require_gpu!();
+    // The default allocator's counters are shared with the other tests here.
+    let _serial = serial();
     let s = stream(&gpu.context);
     let allocator = CachingAllocator::with_driver(&gpu.context);
     let mut first = allocator.buffer::<u32>(1000, &s).expect("first");

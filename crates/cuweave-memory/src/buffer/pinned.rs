@@ -4,7 +4,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cuweave_driver::Context;
-use cuweave_driver::memory::{HostAllocFlags, HostAllocation};
+use cuweave_driver::memory::{DevicePtr, HostAllocFlags, HostAllocation};
 
 use super::common::{Buffer, BufferCore, CoreRef, sealed::Sealed};
 use super::range::{allocation_bytes, check_range};
@@ -111,8 +111,9 @@ impl<T: Element> PinnedBuffer<T> {
     ///
     /// # Errors
     /// `ZeroLength` for `len == 0`, `Misaligned` on overflow or when `T` needs more than page
-    /// alignment; as [`PinnedPool::get`] otherwise, and the driver's error when the pool's
-    /// blocks are not mapped into the device's address space.
+    /// alignment; as [`PinnedPool::get`] otherwise; `CapabilityMissing` when the pool's blocks
+    /// are not mapped and the device lacks unified addressing (then its device-side operations
+    /// would have no address).
     pub fn from_pool(pool: &PinnedPool, len: usize) -> Result<Self> {
         const OPERATION: &str = "PinnedBuffer::from_pool";
         let bytes = allocation_bytes::<T>(OPERATION, len)?;
@@ -124,7 +125,20 @@ impl<T: Element> PinnedBuffer<T> {
                 element_size: size_of::<T>(),
             });
         }
-        let device_ptr = block.device_ptr()?;
+        let device_ptr = if block.is_mapped() {
+            block.device_ptr()?
+        } else if pool.context().device().supports_unified_addressing()? {
+            // Under unified addressing every pinned host allocation is device-accessible at its
+            // host address (the CUDA driver API's "Unified Addressing" section), mapped or not.
+            block.as_slice().as_ptr() as usize as DevicePtr
+        } else {
+            return Err(cuweave_driver::DriverError::CapabilityMissing {
+                capability: "unified addressing (or a pool of mapped blocks)",
+                device: pool.context().device().ordinal(),
+                operation: OPERATION,
+            }
+            .into());
+        };
         Ok(Self {
             core: BufferCore::new(pool.context(), device_ptr, len, size_of::<T>()),
             allocation: HostMemory::Pool(block),
