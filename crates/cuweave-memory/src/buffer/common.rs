@@ -69,6 +69,12 @@ impl BufferCore {
         self.len * self.element_size
     }
 
+    /// The buffer's tracker, exclusively (while dropping).
+    #[inline]
+    pub(crate) fn tracker_mut(&mut self) -> &mut StreamTracker {
+        &mut self.tracker
+    }
+
     /// The buffer's last-use tracker.
     pub(crate) fn tracker(&self) -> &StreamTracker {
         &self.tracker

@@ -12,15 +12,15 @@ use super::range::allocation_bytes;
 use super::raw::legacy_stream;
 use super::tracker::{Owner, Part, StreamTracker};
 use crate::caching::default::{check_context, with_default};
-use crate::caching::{CachedAllocation, CachingAllocator};
+use crate::caching::{CachedBlock, CachingAllocator, Grant, ShardHandle, StreamKey};
 use crate::element::Element;
 use crate::error::Result;
 use crate::resource::{MemoryResource, check_stream};
 
 /// Where a buffer's memory came from, and where it goes back.
 enum Memory {
-    /// A block of a caching allocator (the default).
-    Cached(CachedAllocation),
+    /// A block of a caching allocator (the default); the tracker holds its shard.
+    Cached(CachedBlock),
     /// An allocation of any other memory resource.
     Resource {
         resource: Arc<dyn MemoryResource>,
@@ -34,7 +34,7 @@ enum Memory {
 impl std::fmt::Debug for Memory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Cached(allocation) => allocation.fmt(f),
+            Self::Cached(block) => block.fmt(f),
             Self::Resource {
                 resource,
                 ptr,
@@ -122,7 +122,10 @@ impl<T: Element> DeviceBuffer<T> {
         let bytes = allocation_bytes::<T>(OPERATION, len)?;
         with_default(stream.device(), |allocator| {
             check_context(allocator, stream.context(), OPERATION)?;
-            Ok(Self::from_cached(allocator.allocate(bytes, stream)?, len))
+            Ok(Self::from_cached(
+                allocator.allocate_grant(bytes, stream, OPERATION)?,
+                len,
+            ))
         })
     }
 
@@ -139,7 +142,10 @@ impl<T: Element> DeviceBuffer<T> {
         let legacy = legacy_stream(context);
         with_default(context.device(), |allocator| {
             check_context(allocator, context, OPERATION)?;
-            Ok(Self::from_cached(allocator.allocate(bytes, &legacy)?, len))
+            Ok(Self::from_cached(
+                allocator.allocate_grant(bytes, &legacy, OPERATION)?,
+                len,
+            ))
         })
     }
 
@@ -159,7 +165,10 @@ impl<T: Element> DeviceBuffer<T> {
         let bytes = allocation_bytes::<T>(OPERATION, len)?;
         check_stream(allocator.device(), stream, OPERATION)?;
         check_context(allocator, stream.context(), OPERATION)?;
-        Ok(Self::from_cached(allocator.allocate(bytes, stream)?, len))
+        Ok(Self::from_cached(
+            allocator.allocate_grant(bytes, stream, OPERATION)?,
+            len,
+        ))
     }
 
     /// Allocates `len` elements from any memory `resource` on `stream` (RMM's
@@ -201,12 +210,12 @@ impl<T: Element> DeviceBuffer<T> {
     }
 
     #[inline]
-    fn from_cached(allocation: CachedAllocation, len: usize) -> Self {
-        let tracker =
-            StreamTracker::with_owner(Owner::Cache(Arc::clone(allocation.shard_handle())));
+    fn from_cached((grant, shard): (Grant, Arc<ShardHandle>), len: usize) -> Self {
+        let block = CachedBlock::new(grant);
+        let tracker = StreamTracker::with_owner(Owner::Cache(shard));
         Self {
-            core: BufferCore::with_tracker(tracker, allocation.ptr(), len, size_of::<T>()),
-            memory: Memory::Cached(allocation),
+            core: BufferCore::with_tracker(tracker, block.ptr(), len, size_of::<T>()),
+            memory: Memory::Cached(block),
             _element: PhantomData,
         }
     }
@@ -228,12 +237,22 @@ impl<T: Element> DeviceBuffer<T> {
         Ok(buffer)
     }
 
-    /// The caching-allocator block behind the buffer, for interop (`None` for memory of another
-    /// resource).
-    pub fn cached_allocation(&self) -> Option<&CachedAllocation> {
+    /// The stream the memory was allocated for, when it came from a caching allocator (its
+    /// block returns to that stream's free list).
+    pub fn allocated_for(&self) -> Option<StreamKey> {
         match &self.memory {
-            Memory::Cached(allocation) => Some(allocation),
+            Memory::Cached(block) => Some(block.stream()),
             _ => None,
+        }
+    }
+
+    /// The bytes behind the buffer: the caching allocator's block (the request rounded up), or
+    /// the resource's allocation.
+    pub fn allocated_bytes(&self) -> usize {
+        match &self.memory {
+            Memory::Cached(block) => block.block_size(),
+            Memory::Resource { bytes, .. } => *bytes,
+            Memory::Freed => 0,
         }
     }
 
@@ -275,16 +294,18 @@ fn deallocate_after(
 impl<T: Element> Drop for DeviceBuffer<T> {
     #[inline]
     fn drop(&mut self) {
-        let (markers, spare) = self.core.tracker().take_for_free();
+        let (markers, spare) = self.core.tracker_mut().take_for_free();
         match std::mem::replace(&mut self.memory, Memory::Freed) {
-            Memory::Cached(allocation) => {
-                if !spare.is_empty() {
-                    allocation.recycle_events(spare);
+            Memory::Cached(block) => match self.core.tracker().shard() {
+                Some(shard) => {
+                    if let Err(error) = block.free(shard, markers, spare) {
+                        tracing::error!(%error, "returning a DeviceBuffer's block to its allocator failed");
+                    }
                 }
-                if let Err(error) = allocation.free_after_events(markers) {
-                    tracing::error!(%error, "returning a DeviceBuffer's block to its allocator failed");
+                None => {
+                    tracing::error!("a cached DeviceBuffer lost its allocator; its block is leaked")
                 }
-            }
+            },
             Memory::Resource {
                 resource,
                 ptr,

@@ -284,7 +284,7 @@ impl<T: Element> Drop for PinnedBuffer<T> {
         match std::mem::replace(&mut self.allocation, HostMemory::Gone) {
             HostMemory::Pool(mut block) => {
                 // The pool gates the block's reuse on the tracker's events: no wait here.
-                let (markers, _spare) = self.core.tracker().take_for_free();
+                let (markers, _spare) = self.core.tracker_mut().take_for_free();
                 block.add_events(markers);
             }
             own => {

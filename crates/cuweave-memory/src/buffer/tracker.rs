@@ -127,14 +127,29 @@ impl StreamTracker {
         )?))
     }
 
+    /// The caching allocator shard the buffer's memory came from, if it did.
+    #[inline]
+    pub(crate) fn shard(&self) -> Option<&ShardHandle> {
+        match &self.owner {
+            Owner::Cache(shard) => Some(shard),
+            Owner::Context(_) => None,
+        }
+    }
+
     /// Takes every event out of the tracker when its buffer is freed: the events recorded
     /// behind uses (the memory may be reused only once they have all completed) and the spare
-    /// ones. The tracker is left as new.
+    /// ones. Empty vectors (no allocation, no lock: the buffer is being dropped) when nothing
+    /// was ever tracked.
     ///
     /// A recorded event that is still shared (only a host wait on this tracker clones one, and
     /// a buffer being freed has no borrower left) is waited for here instead.
-    pub(crate) fn take_for_free(&self) -> (Vec<Event>, Vec<Event>) {
-        let (recorded, spare) = self.state.lock().take_all();
+    #[inline]
+    pub(crate) fn take_for_free(&mut self) -> (Vec<Event>, Vec<Event>) {
+        let state = self.state.get_mut();
+        if state.is_empty() {
+            return (Vec::new(), Vec::new());
+        }
+        let (recorded, spare) = state.take_all();
         let mut markers = Vec::with_capacity(recorded.len());
         for event in recorded {
             match Arc::try_unwrap(event) {

@@ -192,6 +192,12 @@ impl<E: UseEvent> UseState<E> {
         self.reads.len()
     }
 
+    /// Whether nothing is tracked and no event is held.
+    #[inline]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.writes.is_empty() && self.reads.is_empty() && self.spare.is_empty()
+    }
+
     /// How many uses are tracked (writes and reads).
     pub(crate) fn tracked(&self) -> usize {
         self.writes.len() + self.reads.len()

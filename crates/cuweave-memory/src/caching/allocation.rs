@@ -138,48 +138,6 @@ impl CachedAllocation {
         Ok(())
     }
 
-    /// The shard handle this allocation holds (a typed buffer borrows its context from it rather
-    /// than cloning the context's shared `Arc`).
-    #[inline]
-    pub(crate) fn shard_handle(&self) -> &Arc<ShardHandle> {
-        &self.shard
-    }
-
-    /// Gives spare (unrecorded or completed) events to the allocator for later uses.
-    #[cold]
-    pub(crate) fn recycle_events(&self, events: Vec<Event>) {
-        self.shard.shared.engine.recycle(events);
-    }
-
-    /// Returns the memory to the cache, to be handed out again only once every one of `events`
-    /// (recorded behind the uses a typed buffer's tracker saw, on any stream) has completed.
-    /// With no events, and no [`record_stream`](Self::record_stream)ed streams, this is the
-    /// plain lock-protected free.
-    #[inline]
-    pub(crate) fn free_after_events(mut self, events: Vec<Event>) -> Result<()> {
-        if events.is_empty() {
-            return self.release();
-        }
-        self.freed = true;
-        let engine = &self.shard.shared.engine;
-        let mut events = events;
-        if !self.uses.is_empty() {
-            let uses = std::mem::take(&mut self.uses);
-            let mut spare = engine.take_spare(uses.len());
-            let recorded = record_uses(&uses, &mut spare);
-            engine.recycle(spare);
-            match recorded {
-                Ok(more) => events.extend(more),
-                Err(error) => {
-                    engine.recycle(events);
-                    engine.free_never_reuse(self.stream, self.id, self.ptr)?;
-                    return Err(error);
-                }
-            }
-        }
-        engine.free_after(self.stream, self.id, self.ptr, events)
-    }
-
     /// Returns the memory to the cache now, reporting what dropping would only log.
     ///
     /// # Errors
@@ -241,5 +199,62 @@ impl fmt::Debug for CachedAllocation {
             .field("stream", &self.stream)
             .field("recorded_streams", &self.uses.len())
             .finish()
+    }
+}
+
+/// A block of a caching allocator held by a typed buffer, whose tracker holds the shard handle
+/// (one reference count per buffer instead of two).
+#[derive(Debug)]
+pub(crate) struct CachedBlock {
+    id: BlockId,
+    ptr: DevicePtr,
+    block_size: usize,
+    stream: StreamKey,
+}
+
+impl CachedBlock {
+    #[inline]
+    pub(crate) fn new(grant: Grant) -> Self {
+        Self {
+            id: grant.id,
+            ptr: grant.ptr,
+            block_size: grant.size,
+            stream: grant.stream,
+        }
+    }
+
+    /// The device address of the first byte.
+    #[inline]
+    pub(crate) fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// The bytes of the block (the request rounded up).
+    pub(crate) fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The stream it was allocated for.
+    pub(crate) fn stream(&self) -> StreamKey {
+        self.stream
+    }
+
+    /// Returns the block to `shard`'s cache, to be handed out again only once every one of
+    /// `events` (recorded behind the uses a typed buffer's tracker saw, on any stream) has
+    /// completed; `spare` events go to the allocator's spares. With no events this is the plain
+    /// lock-protected free.
+    #[inline]
+    pub(crate) fn free(
+        self,
+        shard: &ShardHandle,
+        events: Vec<Event>,
+        spare: Vec<Event>,
+    ) -> Result<()> {
+        let engine = &shard.shared.engine;
+        if events.is_empty() && spare.is_empty() {
+            return engine.free(self.stream, self.id, self.ptr);
+        }
+        engine.recycle(spare);
+        engine.free_after(self.stream, self.id, self.ptr, events)
     }
 }

@@ -7,7 +7,7 @@ use cuweave_driver::{Context, Device, Event, Stream, StreamFlags};
 
 use super::allocation::CachedAllocation;
 use super::engine::{Engine, Release, SHARDS, Upstream};
-use super::pool::Segment;
+use super::pool::{Grant, Segment};
 use super::stats::MemoryStats;
 use super::stream_uses::StreamKey;
 use crate::error::Result;
@@ -244,14 +244,28 @@ impl CachingAllocator {
     #[must_use = "dropping the allocation frees it at once"]
     #[inline]
     pub fn allocate(&self, bytes: usize, stream: &Stream) -> Result<CachedAllocation> {
-        const OPERATION: &str = "CachingAllocator::allocate";
+        let (grant, shard) = self.allocate_grant(bytes, stream, "CachingAllocator::allocate")?;
+        let key = grant.stream;
+        Ok(CachedAllocation::new(shard, grant, bytes, key))
+    }
+
+    /// The block behind [`allocate`](Self::allocate), with one handle of its shard (what a
+    /// typed buffer holds instead of a [`CachedAllocation`], so that it touches one reference
+    /// count, not two).
+    #[inline]
+    pub(crate) fn allocate_grant(
+        &self,
+        bytes: usize,
+        stream: &Stream,
+        operation: &'static str,
+    ) -> Result<(Grant, Arc<ShardHandle>)> {
         let shared = &self.handles.shared;
-        check_stream(shared.device, stream, OPERATION)?;
-        let key = StreamKey::checked(stream, OPERATION)?;
+        check_stream(shared.device, stream, operation)?;
+        let key = StreamKey::checked(stream, operation)?;
         let upstream = RequestUpstream { shared, stream };
         let grant = shared.engine.allocate(key, bytes, &upstream)?;
         let shard = &self.handles.shards[shared.engine.shard_index(key)];
-        Ok(CachedAllocation::new(Arc::clone(shard), grant, bytes, key))
+        Ok((grant, Arc::clone(shard)))
     }
 
     /// Returns every cached segment that is wholly free to the upstream, and reports how many

@@ -100,8 +100,10 @@ mod stats;
 mod stream_uses;
 
 pub use allocation::CachedAllocation;
+pub(crate) use allocation::CachedBlock;
 pub use allocator::CachingAllocator;
 pub(crate) use allocator::ShardHandle;
+pub(crate) use pool::Grant;
 pub use size_class::PoolKind;
 pub use stats::{MemoryStats, Stat};
 pub use stream_uses::StreamKey;
