@@ -194,3 +194,40 @@ fn a_buffer_of_another_resource_frees_in_stream_order() {
         "deallocated through the resource"
     );
 }
+
+#[test]
+fn the_default_allocator_can_be_replaced() {
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let s = stream(&gpu.context);
+    let device = gpu.context.device();
+    let limited = CachingAllocator::new(Arc::new(cuweave_memory::LimitAdaptor::new(
+        DriverResource::new(&gpu.context),
+        64 * MIB,
+    )));
+    let previous = CachingAllocator::set_default_for_device(limited.clone());
+    let buffer = DeviceBuffer::<u8>::new_on(&s, MIB).expect("from the new default");
+    assert_eq!(limited.stats().allocations, 1, "served by the replacement");
+    assert!(
+        DeviceBuffer::<u8>::new_on(&s, 128 * MIB)
+            .expect_err("past the limit")
+            .is_out_of_memory()
+    );
+    drop(buffer);
+    if let Some(previous) = previous {
+        CachingAllocator::set_default_for_device(previous);
+    }
+    let back = CachingAllocator::for_device(device).expect("default");
+    let before = back.stats().allocations;
+    drop(DeviceBuffer::<u8>::new_on(&s, MIB).expect("from the restored default"));
+    assert_eq!(
+        back.stats().allocations,
+        before + 1,
+        "served by the restored default"
+    );
+    assert_eq!(
+        limited.stats().allocations,
+        1,
+        "the replacement is no longer used"
+    );
+}
