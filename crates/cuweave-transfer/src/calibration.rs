@@ -10,19 +10,110 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Result, TransferError};
 use crate::location::{SizeClass, TransferPath};
 use crate::method::TransferMethod;
+use crate::staging::StagingConfig;
+
+/// The machine [`CalibrationTable::h100_defaults`] was measured on.
+pub const DEFAULT_MACHINE: &str = "NVIDIA H100 80GB HBM3";
 
 /// One measurement: `method` moved `path`'s bytes at `gbps` (10^9 bytes per second) for
-/// transfers of `size_class`.
+/// transfers of `bytes` (in `size_class`), between the given devices.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct CalibrationEntry {
     /// The path measured.
     pub path: TransferPath,
-    /// The size class measured (at [`SizeClass::calibration_bytes`]).
+    /// The size class measured.
     pub size_class: SizeClass,
     /// The method measured.
     pub method: TransferMethod,
     /// Best bandwidth seen, GB/s.
     pub gbps: f64,
+    /// The transfer size measured (0 in files written before sizes were recorded: then the
+    /// class's [`SizeClass::calibration_bytes`]).
+    #[serde(default)]
+    pub bytes: usize,
+    /// The source's device (`None`: host memory, or a figure for any device).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub src_device: Option<usize>,
+    /// The destination's device (`None`: host memory, or a figure for any device).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dst_device: Option<usize>,
+}
+
+impl CalibrationEntry {
+    /// The size measured (the class's calibration size for old files).
+    pub fn measured_bytes(&self) -> usize {
+        if self.bytes == 0 {
+            self.size_class.calibration_bytes()
+        } else {
+            self.bytes
+        }
+    }
+}
+
+/// What one transfer is, as far as the calibration is concerned: its path, the devices on
+/// each side and its size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Measure {
+    /// The path.
+    pub path: TransferPath,
+    /// The source's device, if it has one.
+    pub src_device: Option<usize>,
+    /// The destination's device, if it has one.
+    pub dst_device: Option<usize>,
+    /// Bytes moved.
+    pub bytes: usize,
+}
+
+/// The staging configuration calibration found fastest for one path, device and size.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct StagingChoice {
+    /// The path (pageable to device, or device to pageable).
+    pub path: TransferPath,
+    /// The device.
+    pub device: usize,
+    /// The size measured.
+    pub bytes: usize,
+    /// The fastest configuration there.
+    pub config: StagingConfig,
+    /// Its bandwidth, GB/s.
+    pub gbps: f64,
+}
+
+/// A calibration table whose devices are not this machine's (see
+/// [`TransferManager::set_calibration`](crate::TransferManager::set_calibration)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MachineMismatch {
+    /// The devices the table was measured on (empty: not recorded).
+    pub table: Vec<String>,
+    /// This machine's devices.
+    pub machine: Vec<String>,
+}
+
+impl MachineMismatch {
+    /// The table's machine, as plans name it.
+    pub fn measured_on(&self) -> String {
+        if self.table.is_empty() {
+            "an unrecorded machine".to_owned()
+        } else {
+            self.table.join(" + ")
+        }
+    }
+}
+
+impl std::fmt::Display for MachineMismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "calibration measured on {}, this machine has {}; TransferManager::recalibrate() \
+             measures this machine",
+            self.measured_on(),
+            if self.machine.is_empty() {
+                "no devices".to_owned()
+            } else {
+                self.machine.join(" + ")
+            }
+        )
+    }
 }
 
 /// Bandwidth figures the method choice reads: from [`calibrate`](crate::TransferManager::calibrate)
@@ -43,8 +134,14 @@ pub struct CalibrationEntry {
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct CalibrationTable {
-    /// What the figures were measured on (device name), if known.
+    /// What the figures were measured on (device 0's name, or a label), if known.
     pub device: Option<String>,
+    /// Every device of the machine measured, by ordinal (empty in older files).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<String>,
+    /// The fastest staging configuration per path, device and size.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub staging: Vec<StagingChoice>,
     /// The measurements.
     pub entries: Vec<CalibrationEntry>,
     /// What registering and unregistering host memory costs here, if measured (files written
@@ -128,22 +225,130 @@ impl CalibrationTable {
         method: TransferMethod,
         gbps: f64,
     ) {
+        let at = Measure {
+            path,
+            src_device: None,
+            dst_device: None,
+            bytes: size_class.calibration_bytes(),
+        };
+        self.record_at(at, method, gbps);
+    }
+
+    /// Records (or replaces) the figure for `method` on one measured transfer `at`, rounded
+    /// to 0.01 GB/s.
+    pub fn record_at(&mut self, at: Measure, method: TransferMethod, gbps: f64) {
         // Two decimals are all a measurement carries, and they survive JSON exactly.
         let gbps = (gbps * 100.0).round() / 100.0;
         let entry = CalibrationEntry {
-            path,
-            size_class,
+            path: at.path,
+            size_class: SizeClass::of(at.bytes),
             method,
             gbps,
+            bytes: at.bytes,
+            src_device: at.src_device,
+            dst_device: at.dst_device,
         };
-        match self
-            .entries
-            .iter_mut()
-            .find(|e| e.path == path && e.size_class == size_class && e.method == method)
-        {
+        match self.entries.iter_mut().find(|e| {
+            e.path == at.path
+                && e.measured_bytes() == at.bytes
+                && e.method == method
+                && e.src_device == at.src_device
+                && e.dst_device == at.dst_device
+        }) {
             Some(existing) => *existing = entry,
             None => self.entries.push(entry),
         }
+    }
+
+    /// The fastest of `allowed` for a transfer like `at`, with its figure and the size it was
+    /// measured at: among the entries for `at`'s devices (else those for any device), at the
+    /// measured size nearest `at.bytes` (on a log scale) where one of `allowed` was measured,
+    /// so that methods are compared at one size, never one method's 16 MiB figure against
+    /// another's 1 MiB. Ties go to the method listed first in `allowed`.
+    pub fn best_at(
+        &self,
+        at: Measure,
+        allowed: &[TransferMethod],
+    ) -> Option<(TransferMethod, f64, usize)> {
+        let matching = |exact: bool| {
+            self.entries
+                .iter()
+                .filter(move |e| e.path == at.path && allowed.contains(&e.method))
+                .filter(move |e| {
+                    if exact {
+                        e.src_device == at.src_device && e.dst_device == at.dst_device
+                    } else {
+                        e.src_device.is_none() && e.dst_device.is_none()
+                    }
+                })
+        };
+        let exact = matching(true).next().is_some();
+        let distance = |bytes: usize| {
+            ((bytes.max(1) as f64).log2() - (at.bytes.max(1) as f64).log2()).abs()
+        };
+        let size = matching(exact)
+            .map(CalibrationEntry::measured_bytes)
+            .min_by(|a, b| distance(*a).total_cmp(&distance(*b)).then(a.cmp(b)))?;
+        let mut best: Option<(TransferMethod, f64, usize)> = None;
+        for &method in allowed {
+            if let Some(e) = matching(exact)
+                .find(|e| e.method == method && e.measured_bytes() == size)
+                && best.is_none_or(|(_, b, _)| e.gbps > b)
+            {
+                best = Some((method, e.gbps, size));
+            }
+        }
+        best
+    }
+
+    /// The figure for `method` at the entry [`best_at`](Self::best_at) would compare for `at`.
+    pub fn gbps_at(&self, at: Measure, method: TransferMethod) -> Option<f64> {
+        self.best_at(at, &[method]).map(|(_, gbps, _)| gbps)
+    }
+
+    /// Records the fastest staging configuration measured for `path` on `device` at `bytes`.
+    pub fn record_staging(&mut self, choice: StagingChoice) {
+        self.staging.retain(|c| {
+            (c.path, c.device, c.bytes) != (choice.path, choice.device, choice.bytes)
+        });
+        self.staging.push(choice);
+    }
+
+    /// The staging configuration measured fastest for `path` on `device` at the size nearest
+    /// `bytes` (log scale), if any was measured.
+    pub fn staging_for(
+        &self,
+        path: TransferPath,
+        device: usize,
+        bytes: usize,
+    ) -> Option<StagingConfig> {
+        let distance =
+            |b: usize| ((b.max(1) as f64).log2() - (bytes.max(1) as f64).log2()).abs();
+        self.staging
+            .iter()
+            .filter(|c| c.path == path && c.device == device)
+            .min_by(|a, b| distance(a.bytes).total_cmp(&distance(b.bytes)))
+            .map(|c| c.config)
+    }
+
+    /// `None` when the table was measured on a machine with exactly the devices `machine`
+    /// (names by ordinal), else what differs. Tables without a device list compare their
+    /// `device` label with device 0.
+    pub fn check_machine(&self, machine: &[String]) -> Option<MachineMismatch> {
+        let table = if self.devices.is_empty() {
+            self.device.iter().cloned().collect::<Vec<_>>()
+        } else {
+            self.devices.clone()
+        };
+        let same = if self.devices.is_empty() {
+            table.len() == 1 && machine.first() == table.first()
+        } else {
+            table == machine
+        };
+        (!same).then(|| MachineMismatch {
+            table,
+            machine: machine.to_vec(),
+        })
     }
 
     /// The figure for one method, if measured.
@@ -155,7 +360,13 @@ impl CalibrationTable {
     ) -> Option<f64> {
         self.entries
             .iter()
-            .find(|e| e.path == path && e.size_class == size_class && e.method == method)
+            .find(|e| {
+                e.path == path
+                    && e.size_class == size_class
+                    && e.method == method
+                    && e.src_device.is_none()
+                    && e.dst_device.is_none()
+            })
             .map(|e| e.gbps)
     }
 
@@ -180,7 +391,7 @@ impl CalibrationTable {
 
     /// Whether nothing was measured (no bandwidth and no registration cost).
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty() && self.registration.is_none()
+        self.entries.is_empty() && self.registration.is_none() && self.staging.is_empty()
     }
 
     /// The table as pretty JSON.
@@ -228,104 +439,84 @@ impl CalibrationTable {
         })
     }
 
-    /// The figures used when nothing was measured: `TransferManager::calibrate` on an NVIDIA
-    /// H100 80GB HBM3 (PCIe Gen5 host link, driver 580) with the default staging configuration,
-    /// as listed in `docs/transfer.md`.
+    /// The figures used when nothing was measured: [`TransferManager::calibrate`] on an NVIDIA
+    /// H100 80GB HBM3 host (PCIe Gen5, 16 host threads, driver 580), per size, as listed in
+    /// `docs/transfer.md`. Plans that use them say so and name that machine
+    /// ([`DEFAULT_MACHINE`]).
     ///
-    /// Only paths with a real choice are listed; the others have one candidate (registered
-    /// host memory moves at the pinned figures). The registration cost is
-    /// [`RegistrationCost::H100_DEFAULT`], measured on the H100 host.
+    /// Only host paths with a real choice are listed; device pairs have no default (no pair was
+    /// measured), so until calibration they go by preference (peer access where the devices
+    /// allow it). The registration cost is [`RegistrationCost::H100_DEFAULT`].
+    ///
+    /// [`TransferManager::calibrate`]: crate::TransferManager::calibrate
     pub fn h100_defaults() -> Self {
-        use TransferMethod::{DirectCopy, HostStaged, PeerToPeer, ZeroCopy};
         let mut table = Self {
-            device: Some("NVIDIA H100 80GB HBM3 (defaults)".to_owned()),
-            entries: Vec::new(),
+            device: Some(format!("{DEFAULT_MACHINE} (defaults)")),
+            devices: vec![DEFAULT_MACHINE.to_owned()],
             registration: Some(RegistrationCost::H100_DEFAULT),
+            ..Self::default()
         };
-        let rows: &[DefaultRow] = &[
-            (
-                TransferPath::PAGEABLE_TO_DEVICE,
-                DEFAULT_PAGEABLE_H2D,
-                DirectCopy,
-                HostStaged,
-            ),
-            (
-                TransferPath::DEVICE_TO_PAGEABLE,
-                DEFAULT_PAGEABLE_D2H,
-                DirectCopy,
-                HostStaged,
-            ),
-            (
-                TransferPath::PINNED_TO_DEVICE,
-                DEFAULT_PINNED_H2D,
-                DirectCopy,
-                ZeroCopy,
-            ),
-            (
-                TransferPath::DEVICE_TO_PINNED,
-                DEFAULT_PINNED_D2H,
-                DirectCopy,
-                ZeroCopy,
-            ),
-            (TransferPath::PEER, DEFAULT_PEER, HostStaged, PeerToPeer),
-        ];
-        for &(path, figures, first, second) in rows {
-            for (class, a, b) in figures {
-                table.record(path, class, first, a);
-                table.record(path, class, second, b);
-            }
+        for &(path, bytes, method, gbps) in DEFAULTS {
+            let at = Measure {
+                path,
+                src_device: None,
+                dst_device: None,
+                bytes,
+            };
+            table.record_at(at, method, gbps);
         }
         table
     }
 }
 
-/// A path's default figures and the two methods they are for.
-type DefaultRow = (
-    TransferPath,
-    [(SizeClass, f64, f64); 5],
-    TransferMethod,
-    TransferMethod,
-);
+/// One default figure: path, size measured, method, GB/s.
+type DefaultRow = (TransferPath, usize, TransferMethod, f64);
 
-// Measured figures (GB/s) per size class: (class, first method, second method) in the order of
-// the rows in `h100_defaults`. From `TransferManager::calibrate` on the H100 (run 1 of issue 8,
-// staging 4 MiB x 2 x 6 threads; Large and Huge are both measured at 64 MiB), rounded; the peer
-// row is the H200 pair's expected NVLink figure until measured. See docs/transfer.md.
-const DEFAULT_PAGEABLE_H2D: [(SizeClass, f64, f64); 5] = [
-    (SizeClass::Tiny, 2.02, 3.66),
-    (SizeClass::Small, 10.34, 8.57),
-    (SizeClass::Medium, 10.89, 15.94),
-    (SizeClass::Large, 8.04, 29.9),
-    (SizeClass::Huge, 7.46, 23.95),
-];
-const DEFAULT_PAGEABLE_D2H: [(SizeClass, f64, f64); 5] = [
-    (SizeClass::Tiny, 3.03, 3.88),
-    (SizeClass::Small, 7.82, 9.24),
-    (SizeClass::Medium, 9.89, 19.79),
-    (SizeClass::Large, 10.47, 23.67),
-    (SizeClass::Huge, 10.34, 30.0),
-];
-const DEFAULT_PINNED_H2D: [(SizeClass, f64, f64); 5] = [
-    (SizeClass::Tiny, 4.1, 5.23),
-    (SizeClass::Small, 29.55, 34.13),
-    (SizeClass::Medium, 52.36, 53.16),
-    (SizeClass::Large, 54.26, 54.54),
-    (SizeClass::Huge, 54.23, 54.6),
-];
-const DEFAULT_PINNED_D2H: [(SizeClass, f64, f64); 5] = [
-    (SizeClass::Tiny, 4.54, 5.87),
-    (SizeClass::Small, 31.54, 34.28),
-    (SizeClass::Medium, 52.76, 53.28),
-    (SizeClass::Large, 54.47, 54.69),
-    (SizeClass::Huge, 54.29, 54.69),
-];
-const DEFAULT_PEER: [(SizeClass, f64, f64); 5] = [
-    (SizeClass::Tiny, 1.0, 20.0),
-    (SizeClass::Small, 8.0, 150.0),
-    (SizeClass::Medium, 20.0, 350.0),
-    (SizeClass::Large, 25.0, 390.0),
-    (SizeClass::Huge, 25.0, 390.0),
-];
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+
+// From `TransferManager::calibrate` on the H100 host (issue 15, run 1), rounded.
+const DEFAULTS: &[DefaultRow] = {
+    use TransferMethod::{DirectCopy as D, HostStaged as S, ZeroCopy as Z};
+    const H2D: TransferPath = TransferPath::PAGEABLE_TO_DEVICE;
+    const D2H: TransferPath = TransferPath::DEVICE_TO_PAGEABLE;
+    const PH2D: TransferPath = TransferPath::PINNED_TO_DEVICE;
+    const PD2H: TransferPath = TransferPath::DEVICE_TO_PINNED;
+    &[
+        (H2D, 64 * KIB, D, 2.02),
+        (H2D, 64 * KIB, S, 3.66),
+        (H2D, MIB, D, 10.34),
+        (H2D, MIB, S, 8.57),
+        (H2D, 16 * MIB, D, 10.89),
+        (H2D, 16 * MIB, S, 15.94),
+        (H2D, 64 * MIB, D, 8.04),
+        (H2D, 64 * MIB, S, 29.9),
+        (D2H, 64 * KIB, D, 3.03),
+        (D2H, 64 * KIB, S, 3.88),
+        (D2H, MIB, D, 7.82),
+        (D2H, MIB, S, 9.24),
+        (D2H, 16 * MIB, D, 9.89),
+        (D2H, 16 * MIB, S, 19.79),
+        (D2H, 64 * MIB, D, 10.47),
+        (D2H, 64 * MIB, S, 23.67),
+        (PH2D, 64 * KIB, D, 4.1),
+        (PH2D, 64 * KIB, Z, 5.23),
+        (PH2D, MIB, D, 29.55),
+        (PH2D, MIB, Z, 34.13),
+        (PH2D, 16 * MIB, D, 52.36),
+        (PH2D, 16 * MIB, Z, 53.16),
+        (PH2D, 64 * MIB, D, 54.26),
+        (PH2D, 64 * MIB, Z, 54.54),
+        (PD2H, 64 * KIB, D, 4.54),
+        (PD2H, 64 * KIB, Z, 5.87),
+        (PD2H, MIB, D, 31.54),
+        (PD2H, MIB, Z, 34.28),
+        (PD2H, 16 * MIB, D, 52.76),
+        (PD2H, 16 * MIB, Z, 53.28),
+        (PD2H, 64 * MIB, D, 54.47),
+        (PD2H, 64 * MIB, Z, 54.69),
+    ]
+};
 
 #[cfg(test)]
 mod tests {
@@ -384,5 +575,82 @@ mod tests {
             CalibrationTable::h100_defaults().registration,
             Some(RegistrationCost::H100_DEFAULT)
         );
+    }
+}
+
+#[cfg(test)]
+mod machine_tests {
+    use super::*;
+
+    #[test]
+    fn tables_from_other_machines_are_found_out() {
+        let here = vec!["NVIDIA H100 80GB HBM3".to_owned()];
+        let defaults = CalibrationTable::h100_defaults();
+        assert_eq!(defaults.check_machine(&here), None);
+        let two = vec![here[0].clone(), here[0].clone()];
+        let mismatch = defaults.check_machine(&two).unwrap();
+        assert!(mismatch.to_string().contains("recalibrate"), "{mismatch}");
+        // An old file with only a device label, and one with nothing at all.
+        let old = CalibrationTable {
+            device: Some("NVIDIA A100-SXM4-40GB".to_owned()),
+            ..CalibrationTable::default()
+        };
+        assert_eq!(
+            old.check_machine(&here).unwrap().measured_on(),
+            "NVIDIA A100-SXM4-40GB"
+        );
+        assert_eq!(
+            CalibrationTable::default()
+                .check_machine(&here)
+                .unwrap()
+                .measured_on(),
+            "an unrecorded machine"
+        );
+    }
+
+    #[test]
+    fn staging_choices_are_per_path_device_and_nearest_size() {
+        let mut table = CalibrationTable::default();
+        let config = |chunk_bytes| StagingConfig {
+            chunk_bytes,
+            depth: 2,
+            threads: 8,
+        };
+        let h2d = TransferPath::PAGEABLE_TO_DEVICE;
+        for (bytes, chunk) in [(4 << 20, 256 << 10), (256 << 20, 4 << 20)] {
+            table.record_staging(StagingChoice {
+                path: h2d,
+                device: 0,
+                bytes,
+                config: config(chunk),
+                gbps: 30.0,
+            });
+        }
+        // Replacing keeps one choice per key (the table stays bounded over recalibrations).
+        for _ in 0..1000 {
+            table.record_staging(StagingChoice {
+                path: h2d,
+                device: 0,
+                bytes: 4 << 20,
+                config: config(512 << 10),
+                gbps: 31.0,
+            });
+        }
+        assert_eq!(table.staging.len(), 2);
+        assert_eq!(
+            table.staging_for(h2d, 0, 3 << 20).unwrap().chunk_bytes,
+            512 << 10
+        );
+        assert_eq!(
+            table.staging_for(h2d, 0, 1 << 30).unwrap().chunk_bytes,
+            4 << 20
+        );
+        assert_eq!(table.staging_for(h2d, 1, 4 << 20), None);
+        assert_eq!(
+            table.staging_for(TransferPath::DEVICE_TO_PAGEABLE, 0, 4 << 20),
+            None
+        );
+        let back = CalibrationTable::from_json(&table.to_json()).unwrap();
+        assert_eq!(back, table);
     }
 }

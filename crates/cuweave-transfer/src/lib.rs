@@ -67,6 +67,7 @@ mod async_transfer;
 pub mod backend;
 mod calibrate;
 pub mod calibration;
+mod device_state;
 pub mod endpoint;
 pub mod error;
 mod execute;
@@ -77,17 +78,24 @@ pub mod planner;
 pub mod registered;
 pub mod staging;
 pub mod stats;
+mod workers;
 
 pub use advice::{RegistrationAdvice, TransferDirection};
-pub use async_transfer::AsyncTransfer;
+pub use async_transfer::{AsyncTransfer, Owned, OwnedTransfer, POLL_BYTES};
 pub use backend::{BackendKind, CudaBackend, HostBackend, TransferBackend};
-pub use calibration::{CalibrationEntry, CalibrationTable, RegistrationCost};
+pub use calibrate::{CALIBRATION_SIZES, staging_candidates};
+pub use calibration::{
+    CalibrationEntry, CalibrationTable, DEFAULT_MACHINE, MachineMismatch, Measure, RegistrationCost,
+    StagingChoice,
+};
+pub use device_state::MAX_IDLE_LANES;
 pub use endpoint::{Destination, Source};
 pub use error::{Result, TransferError};
 pub use location::{Location, LocationKind, SizeClass, TransferPath};
 pub use manager::{TransferManager, TransferReport};
 pub use method::TransferMethod;
-pub use planner::{PathFacts, Plan, PlanReason, Skipped};
+pub use planner::{PathFacts, Plan, PlanReason, Query, Skipped};
 pub use registered::{RegisteredHost, RegisteredSlice, RegisteredSliceMut};
-pub use staging::StagingConfig;
+pub use staging::{StagingConfig, host_threads};
+pub use workers::MAX_WORKERS;
 pub use stats::{PathStats, TransferStats};
