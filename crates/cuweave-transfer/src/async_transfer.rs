@@ -73,7 +73,7 @@ use crate::workers;
 
 /// The most host bytes one poll of an [`AsyncTransfer`] copies (a few tens of microseconds of
 /// `memcpy` on one core) before it yields to the executor.
-pub const POLL_BYTES: usize = 256 << 10;
+pub const POLL_BYTES: usize = 128 << 10;
 
 /// The chunk an [`AsyncTransfer`] moves per copy: large enough that queueing a copy is cheap
 /// beside moving it, small enough that a few in flight cost little pinned memory.
@@ -661,4 +661,3 @@ fn spawn_owned<T: Element>(
         finished: false,
     }
 }
-

@@ -68,19 +68,21 @@ fn best_gbps(bytes: usize, mut run: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(bytes as f64 / best.as_secs_f64().max(1e-9) / 1e9)
 }
 
-/// The staging configurations tried at `bytes`: the size's default, and half and double its
-/// chunk, each with every participant and with half of them.
+/// The staging configurations tried at `bytes`: the size's default
+/// ([`StagingConfig::for_size`]) with half, the same and double its chunk, each with half, the
+/// same and double its participants (at most this machine's host threads).
 pub fn staging_candidates(bytes: usize) -> Vec<StagingConfig> {
     let base = StagingConfig::for_size(bytes);
+    let most = crate::staging::host_threads();
     let mut out = Vec::new();
     for chunk in [base.chunk_bytes / 2, base.chunk_bytes, base.chunk_bytes * 2] {
-        if chunk == 0 || chunk >= bytes {
+        if chunk < (256 << 10) || chunk >= bytes {
             continue;
         }
-        for threads in [base.threads, base.threads.div_ceil(2)] {
+        for threads in [base.threads.div_ceil(2), base.threads, base.threads * 2] {
             let config = StagingConfig {
                 chunk_bytes: chunk,
-                threads,
+                threads: threads.clamp(1, most),
                 ..base
             };
             if !out.contains(&config) {
@@ -148,7 +150,11 @@ impl TransferManager {
         self.set_measured(table.clone());
         tracing::info!(
             entries = table.entries.len(),
-            transfers = stats.snapshot().iter().map(|(_, _, s)| s.count).sum::<u64>(),
+            transfers = stats
+                .snapshot()
+                .iter()
+                .map(|(_, _, s)| s.count)
+                .sum::<u64>(),
             "transfer calibration measured"
         );
         Ok(table)

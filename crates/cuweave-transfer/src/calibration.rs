@@ -270,32 +270,56 @@ impl CalibrationTable {
         at: Measure,
         allowed: &[TransferMethod],
     ) -> Option<(TransferMethod, f64, usize)> {
-        let matching = |exact: bool| {
-            self.entries
-                .iter()
-                .filter(move |e| e.path == at.path && allowed.contains(&e.method))
-                .filter(move |e| {
-                    if exact {
-                        e.src_device == at.src_device && e.dst_device == at.dst_device
-                    } else {
-                        e.src_device.is_none() && e.dst_device.is_none()
-                    }
-                })
+        // One pass picks the entries that apply (for these devices if any were measured, else
+        // those for any device) and the measured size nearest the transfer's: this runs on
+        // every transfer, so it must stay cheap (no allocation, no logarithms).
+        let relevant = |e: &&CalibrationEntry| e.path == at.path && allowed.contains(&e.method);
+        let exact =
+            |e: &CalibrationEntry| e.src_device == at.src_device && e.dst_device == at.dst_device;
+        let any = |e: &CalibrationEntry| e.src_device.is_none() && e.dst_device.is_none();
+        // The ratio between two sizes, as a distance on a log scale.
+        let ratio = |bytes: usize| {
+            let (a, b) = (bytes.max(1) as f64, at.bytes.max(1) as f64);
+            if a > b { a / b } else { b / a }
         };
-        let exact = matching(true).next().is_some();
-        let distance = |bytes: usize| {
-            ((bytes.max(1) as f64).log2() - (at.bytes.max(1) as f64).log2()).abs()
-        };
-        let size = matching(exact)
-            .map(CalibrationEntry::measured_bytes)
-            .min_by(|a, b| distance(*a).total_cmp(&distance(*b)).then(a.cmp(b)))?;
+        let mut have_exact = false;
+        let mut size: Option<(bool, f64, usize)> = None;
+        for e in self.entries.iter().filter(relevant) {
+            let is_exact = exact(e);
+            if !is_exact && !any(e) {
+                continue;
+            }
+            let bytes = e.measured_bytes();
+            let candidate = (is_exact, ratio(bytes), bytes);
+            have_exact |= is_exact;
+            size = match size {
+                None => Some(candidate),
+                Some(best)
+                    if (candidate.0, -candidate.1, std::cmp::Reverse(candidate.2))
+                        > (best.0, -best.1, std::cmp::Reverse(best.2)) =>
+                {
+                    Some(candidate)
+                }
+                keep => keep,
+            };
+        }
+        let (_, _, size) = size?;
         let mut best: Option<(TransferMethod, f64, usize)> = None;
         for &method in allowed {
-            if let Some(e) = matching(exact)
-                .find(|e| e.method == method && e.measured_bytes() == size)
-                && best.is_none_or(|(_, b, _)| e.gbps > b)
+            let figure = self
+                .entries
+                .iter()
+                .filter(relevant)
+                .find(|e| {
+                    e.method == method
+                        && e.measured_bytes() == size
+                        && if have_exact { exact(e) } else { any(e) }
+                })
+                .map(|e| e.gbps);
+            if let Some(gbps) = figure
+                && best.is_none_or(|(_, b, _)| gbps > b)
             {
-                best = Some((method, e.gbps, size));
+                best = Some((method, gbps, size));
             }
         }
         best
@@ -308,9 +332,8 @@ impl CalibrationTable {
 
     /// Records the fastest staging configuration measured for `path` on `device` at `bytes`.
     pub fn record_staging(&mut self, choice: StagingChoice) {
-        self.staging.retain(|c| {
-            (c.path, c.device, c.bytes) != (choice.path, choice.device, choice.bytes)
-        });
+        self.staging
+            .retain(|c| (c.path, c.device, c.bytes) != (choice.path, choice.device, choice.bytes));
         self.staging.push(choice);
     }
 
@@ -322,8 +345,7 @@ impl CalibrationTable {
         device: usize,
         bytes: usize,
     ) -> Option<StagingConfig> {
-        let distance =
-            |b: usize| ((b.max(1) as f64).log2() - (bytes.max(1) as f64).log2()).abs();
+        let distance = |b: usize| ((b.max(1) as f64).log2() - (bytes.max(1) as f64).log2()).abs();
         self.staging
             .iter()
             .filter(|c| c.path == path && c.device == device)
@@ -351,7 +373,10 @@ impl CalibrationTable {
         })
     }
 
-    /// The figure for one method, if measured.
+    /// The figure for one method in one size class, if measured: the figure for any device
+    /// where one was recorded, else the lowest device's (pair's), at the class's
+    /// [`SizeClass::calibration_bytes`] where measured there, else at the largest size
+    /// measured in the class.
     pub fn gbps(
         &self,
         path: TransferPath,
@@ -360,12 +385,16 @@ impl CalibrationTable {
     ) -> Option<f64> {
         self.entries
             .iter()
-            .find(|e| {
-                e.path == path
-                    && e.size_class == size_class
-                    && e.method == method
-                    && e.src_device.is_none()
-                    && e.dst_device.is_none()
+            .filter(|e| e.path == path && e.size_class == size_class && e.method == method)
+            .min_by_key(|e| {
+                let bytes = e.measured_bytes();
+                (
+                    e.src_device.is_some() || e.dst_device.is_some(),
+                    e.src_device,
+                    e.dst_device,
+                    bytes != size_class.calibration_bytes(),
+                    std::cmp::Reverse(bytes),
+                )
             })
             .map(|e| e.gbps)
     }

@@ -126,7 +126,6 @@ impl DeviceState {
     }
 
     /// Idle lanes kept for reuse (at most [`MAX_IDLE_LANES`]).
-    #[cfg(test)]
     pub(crate) fn idle_lanes(&self) -> usize {
         self.lanes.lock().len()
     }

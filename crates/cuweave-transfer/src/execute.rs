@@ -112,14 +112,7 @@ pub(crate) fn execute<T: Element>(
         },
         (S::Unified(u, o, _), D::Device(d, o2)) => {
             if u.device() != d.device() {
-                copy_peer(
-                    d,
-                    o2,
-                    u,
-                    o,
-                    n,
-                    manager.lane(d.device().ordinal())?.stream(),
-                )?;
+                copy_peer(d, o2, u, o, n, manager.lane(d.device().ordinal())?.stream())?;
             } else {
                 if method == UnifiedMemory {
                     prefetch(manager, u, o, n, MemLocation::Device(u.device().ordinal()))?;
@@ -129,14 +122,7 @@ pub(crate) fn execute<T: Element>(
         }
         (S::Device(s, o, _), D::Unified(u, o2)) => {
             if u.device() != s.device() {
-                copy_peer(
-                    u,
-                    o2,
-                    s,
-                    o,
-                    n,
-                    manager.lane(u.device().ordinal())?.stream(),
-                )?;
+                copy_peer(u, o2, s, o, n, manager.lane(u.device().ordinal())?.stream())?;
             } else {
                 if method == UnifiedMemory {
                     prefetch(manager, u, o2, n, MemLocation::Device(u.device().ordinal()))?;
@@ -148,14 +134,7 @@ pub(crate) fn execute<T: Element>(
             if a.device() == b.device() {
                 b.copy_range_from(o2, a, o, n)?;
             } else {
-                copy_peer(
-                    b,
-                    o2,
-                    a,
-                    o,
-                    n,
-                    manager.lane(b.device().ordinal())?.stream(),
-                )?;
+                copy_peer(b, o2, a, o, n, manager.lane(b.device().ordinal())?.stream())?;
             }
         }
         (S::Pinned(p, o, _), D::Unified(u, o2)) => {

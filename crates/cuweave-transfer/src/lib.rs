@@ -85,8 +85,8 @@ pub use async_transfer::{AsyncTransfer, Owned, OwnedTransfer, POLL_BYTES};
 pub use backend::{BackendKind, CudaBackend, HostBackend, TransferBackend};
 pub use calibrate::{CALIBRATION_SIZES, staging_candidates};
 pub use calibration::{
-    CalibrationEntry, CalibrationTable, DEFAULT_MACHINE, MachineMismatch, Measure, RegistrationCost,
-    StagingChoice,
+    CalibrationEntry, CalibrationTable, DEFAULT_MACHINE, MachineMismatch, Measure,
+    RegistrationCost, StagingChoice,
 };
 pub use device_state::MAX_IDLE_LANES;
 pub use endpoint::{Destination, Source};
@@ -97,5 +97,5 @@ pub use method::TransferMethod;
 pub use planner::{PathFacts, Plan, PlanReason, Query, Skipped};
 pub use registered::{RegisteredHost, RegisteredSlice, RegisteredSliceMut};
 pub use staging::{StagingConfig, host_threads};
-pub use workers::MAX_WORKERS;
 pub use stats::{PathStats, TransferStats};
+pub use workers::MAX_WORKERS;

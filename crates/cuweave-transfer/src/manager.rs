@@ -147,7 +147,10 @@ impl TransferManager {
         let slots = (0..count)
             .map(|ordinal| {
                 let served = only.is_none_or(|o| o.contains(&ordinal));
-                Ok(served.then(|| Device::get(ordinal)).transpose()?.map(DeviceSlot::new))
+                Ok(served
+                    .then(|| Device::get(ordinal))
+                    .transpose()?
+                    .map(DeviceSlot::new))
             })
             .collect::<Result<Vec<_>>>()?;
         let manager = Self {
@@ -182,6 +185,18 @@ impl TransferManager {
     /// only a transfer, registration or calibration touching it does.
     pub fn is_open(&self, device: usize) -> bool {
         self.slot(device).is_ok_and(DeviceSlot::is_open)
+    }
+
+    /// How many idle lanes (sets of streams, one per staging participant) `device` keeps for
+    /// the next transfers: each concurrent transfer holds one lane alone; at most
+    /// [`MAX_IDLE_LANES`](crate::MAX_IDLE_LANES) are kept once the burst is over. 0 for a device
+    /// not opened.
+    pub fn idle_lanes(&self, device: usize) -> usize {
+        self.slot(device)
+            .ok()
+            .filter(|slot| slot.is_open())
+            .and_then(|slot| slot.state().ok())
+            .map_or(0, |state| state.idle_lanes())
     }
 
     /// The staging configuration fixed by [`with_staging`](Self::with_staging), if any.

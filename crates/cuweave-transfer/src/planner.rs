@@ -218,7 +218,13 @@ pub fn choose(
     measured: &CalibrationTable,
     defaults: &CalibrationTable,
 ) -> Plan {
-    choose_for(Query::any_device(path, bytes), facts, measured, None, defaults)
+    choose_for(
+        Query::any_device(path, bytes),
+        facts,
+        measured,
+        None,
+        defaults,
+    )
 }
 
 /// Chooses the method for `query`: among the path's candidates that `facts` allow, the

@@ -62,12 +62,6 @@ pub struct StagingConfig {
     pub threads: usize,
 }
 
-/// The smallest chunk [`StagingConfig::for_size`] cuts: below it the per-copy cost (queueing the
-/// copy and its event, a few microseconds) outweighs the overlap.
-pub const MIN_CHUNK_BYTES: usize = 256 << 10;
-/// The largest chunk [`StagingConfig::for_size`] cuts.
-pub const MAX_CHUNK_BYTES: usize = 4 << 20;
-
 impl StagingConfig {
     /// The chunk length in elements of `T`.
     pub fn chunk_elements<T>(&self) -> usize {
@@ -84,28 +78,39 @@ impl StagingConfig {
         self.threads.max(1) * self.depth.max(1) * self.chunk_bytes
     }
 
-    /// The configuration used for a transfer of `bytes` until calibration measured one: as many
-    /// participants as this machine has host threads (see [`host_threads`]), and chunks that
-    /// give each of them about [`CHUNKS_PER_THREAD`] chunks, between [`MIN_CHUNK_BYTES`] and
-    /// [`MAX_CHUNK_BYTES`] (a power of two).
+    /// The configuration used for a transfer of `bytes` until calibration measured one: the
+    /// fastest uploads of the staging sweep on the H100 host (16 host threads; see
+    /// `docs/transfer.md`) at the nearest swept size, with no more participants than this
+    /// machine has host threads.
     pub fn for_size(bytes: usize) -> Self {
-        let threads = host_threads().min(workers::MAX_WORKERS + 1);
-        let ideal = bytes / (threads * CHUNKS_PER_THREAD).max(1);
-        let chunk_bytes = ideal
-            .checked_next_power_of_two()
-            .map_or(MAX_CHUNK_BYTES, |p| if p > ideal { p / 2 } else { p })
-            .clamp(MIN_CHUNK_BYTES, MAX_CHUNK_BYTES);
+        let ratio = |at: usize| {
+            let (a, b) = (at as f64, bytes.max(1) as f64);
+            if a > b { a / b } else { b / a }
+        };
+        let &(_, chunk_bytes, threads) = SWEPT
+            .iter()
+            .min_by(|a, b| ratio(a.0).total_cmp(&ratio(b.0)))
+            .expect("the sweep has rows");
         Self {
             chunk_bytes,
             depth: 2,
-            threads,
+            threads: threads.min(host_threads()).max(1),
         }
     }
 }
 
-/// Chunks per participant [`StagingConfig::for_size`] aims at: two keep a participant's copy
-/// engine work overlapped with its next host copy.
-pub const CHUNKS_PER_THREAD: usize = 2;
+/// (size, chunk bytes, participants): the fastest pageable uploads of the staging sweep on the
+/// H100 host (`examples/staging_sweep.rs`, issue 15). Each copy costs the memory layer a few
+/// microseconds to queue and track, so chunks under 512 KiB lose, and a participant wants about
+/// two chunks.
+const SWEPT: [(usize, usize, usize); 6] = [
+    (1 << 20, 512 << 10, 2),
+    (4 << 20, 512 << 10, 4),
+    (16 << 20, 1 << 20, 6),
+    (64 << 20, 2 << 20, 6),
+    (256 << 20, 2 << 20, 12),
+    (1 << 30, 4 << 20, 12),
+];
 
 /// Logical host threads this process may run on: what the staging pool is sized from.
 pub fn host_threads() -> usize {
@@ -176,11 +181,9 @@ impl Pipeline<'_> {
                     let mut block = block_of(self.pool, reuse, piece.len())?;
                     copy_streaming(block.as_mut_slice(), piece)?;
                     // The lock covers only queueing the copy (microseconds), never a wait.
-                    let pending = dst.lock().copy_range_from_host_async(
-                        dst_offset + start,
-                        block,
-                        stream,
-                    )?;
+                    let pending =
+                        dst.lock()
+                            .copy_range_from_host_async(dst_offset + start, block, stream)?;
                     in_flight.push_back(pending);
                 }
                 for pending in in_flight.drain(..) {
@@ -228,7 +231,8 @@ impl Pipeline<'_> {
                     let start = i * chunk;
                     let len = chunk.min(total - start);
                     let block = block_of(self.pool, spare.take(), len)?;
-                    let pending = src.copy_range_to_host_async(src_offset + start, block, stream)?;
+                    let pending =
+                        src.copy_range_to_host_async(src_offset + start, block, stream)?;
                     in_flight.push_back((pending, i));
                 }
                 for (pending, j) in in_flight.drain(..) {
@@ -400,20 +404,22 @@ mod tests {
     }
 
     #[test]
-    fn sizes_get_chunks_that_keep_every_thread_busy_within_bounds() {
-        let threads = host_threads().min(workers::MAX_WORKERS + 1);
-        for shift in 10..=32 {
-            let bytes = 1usize << shift;
-            let config = StagingConfig::for_size(bytes);
-            assert!(config.chunk_bytes.is_power_of_two(), "{bytes}: {config:?}");
-            assert!((MIN_CHUNK_BYTES..=MAX_CHUNK_BYTES).contains(&config.chunk_bytes));
-            assert_eq!(config.threads, threads);
-            let per_thread = bytes / config.chunk_bytes / threads;
-            if config.chunk_bytes > MIN_CHUNK_BYTES && config.chunk_bytes < MAX_CHUNK_BYTES {
-                assert!(per_thread >= CHUNKS_PER_THREAD, "{bytes}: {config:?}");
+    fn sizes_get_the_swept_configuration_capped_by_the_machine() {
+        for &(bytes, chunk, threads) in &SWEPT {
+            for probe in [bytes, bytes + bytes / 4, bytes - bytes / 4] {
+                let config = StagingConfig::for_size(probe);
+                assert_eq!(config.chunk_bytes, chunk, "{probe}");
+                assert_eq!(config.threads, threads.min(host_threads()));
             }
         }
+        assert_eq!(StagingConfig::for_size(0).chunk_bytes, 512 << 10);
+        assert_eq!(StagingConfig::for_size(64 << 30).chunk_bytes, 4 << 20);
         // Larger transfers never get smaller chunks.
-        assert!(StagingConfig::for_size(1 << 30).chunk_bytes >= StagingConfig::for_size(4 << 20).chunk_bytes);
+        let mut last = 0;
+        for shift in 10..=34 {
+            let chunk = StagingConfig::for_size(1 << shift).chunk_bytes;
+            assert!(chunk >= last);
+            last = chunk;
+        }
     }
 }
