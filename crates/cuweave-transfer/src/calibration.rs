@@ -12,6 +12,13 @@ use crate::location::{SizeClass, TransferPath};
 use crate::method::TransferMethod;
 use crate::staging::StagingConfig;
 
+/// How far apart two transfer sizes are, on a log scale: the larger over the smaller (1 for
+/// equal sizes). Cheap enough for every transfer's planning (no logarithm).
+pub(crate) fn size_distance(a: usize, b: usize) -> f64 {
+    let (a, b) = (a.max(1) as f64, b.max(1) as f64);
+    if a > b { a / b } else { b / a }
+}
+
 /// The machine [`CalibrationTable::h100_defaults`] was measured on.
 pub const DEFAULT_MACHINE: &str = "NVIDIA H100 80GB HBM3";
 
@@ -277,11 +284,7 @@ impl CalibrationTable {
         let exact =
             |e: &CalibrationEntry| e.src_device == at.src_device && e.dst_device == at.dst_device;
         let any = |e: &CalibrationEntry| e.src_device.is_none() && e.dst_device.is_none();
-        // The ratio between two sizes, as a distance on a log scale.
-        let ratio = |bytes: usize| {
-            let (a, b) = (bytes.max(1) as f64, at.bytes.max(1) as f64);
-            if a > b { a / b } else { b / a }
-        };
+        let ratio = |bytes: usize| size_distance(bytes, at.bytes);
         let mut have_exact = false;
         let mut size: Option<(bool, f64, usize)> = None;
         for e in self.entries.iter().filter(relevant) {
@@ -345,7 +348,7 @@ impl CalibrationTable {
         device: usize,
         bytes: usize,
     ) -> Option<StagingConfig> {
-        let distance = |b: usize| ((b.max(1) as f64).log2() - (bytes.max(1) as f64).log2()).abs();
+        let distance = |b: usize| size_distance(b, bytes);
         self.staging
             .iter()
             .filter(|c| c.path == path && c.device == device)

@@ -83,10 +83,7 @@ impl StagingConfig {
     /// `docs/transfer.md`) at the nearest swept size, with no more participants than this
     /// machine has host threads.
     pub fn for_size(bytes: usize) -> Self {
-        let ratio = |at: usize| {
-            let (a, b) = (at as f64, bytes.max(1) as f64);
-            if a > b { a / b } else { b / a }
-        };
+        let ratio = |at: usize| crate::calibration::size_distance(at, bytes);
         let &(_, chunk_bytes, threads) = SWEPT
             .iter()
             .min_by(|a, b| ratio(a.0).total_cmp(&ratio(b.0)))
