@@ -41,9 +41,12 @@ pub(crate) struct Workers {
 
 static WORKERS: OnceLock<Workers> = OnceLock::new();
 
-/// Host threads the machine offers (logical CPUs this process may run on).
+/// Host threads the machine offers (logical CPUs this process may run on), read once:
+/// `available_parallelism` reads the scheduler affinity and cgroup quota files on Linux, tens of
+/// microseconds that a small transfer must not pay.
 pub fn host_threads() -> usize {
-    std::thread::available_parallelism().map_or(4, usize::from)
+    static THREADS: OnceLock<usize> = OnceLock::new();
+    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(4, usize::from))
 }
 
 /// The shared pool, started on first use with one worker per host thread but one (the caller
