@@ -472,8 +472,8 @@ impl CalibrationTable {
     }
 
     /// The figures used when nothing was measured: [`TransferManager::calibrate`] on an NVIDIA
-    /// H100 80GB HBM3 host (PCIe Gen5, 16 host threads, driver 580), per size, as listed in
-    /// `docs/transfer.md`. Plans that use them say so and name that machine
+    /// H100 80GB HBM3 host (PCIe Gen5, 16 host threads, driver 580), at each of
+    /// [`CALIBRATION_SIZES`](crate::CALIBRATION_SIZES), as listed in `docs/transfer.md`. Plans that use them say so and name that machine
     /// ([`DEFAULT_MACHINE`]).
     ///
     /// Only host paths with a real choice are listed; device pairs have no default (no pair was
@@ -506,8 +506,10 @@ type DefaultRow = (TransferPath, usize, TransferMethod, f64);
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
 
-// From `TransferManager::calibrate` on the H100 host (issue 15, run 1), rounded.
+// From `TransferManager::calibrate` on the H100 host, device 0 (issue 15, GPU run 1: the
+// staging sweep example with SWEEP_CALIBRATE=1), GB/s at each calibration size.
 const DEFAULTS: &[DefaultRow] = {
     use TransferMethod::{DirectCopy as D, HostStaged as S, ZeroCopy as Z};
     const H2D: TransferPath = TransferPath::PAGEABLE_TO_DEVICE;
@@ -515,38 +517,70 @@ const DEFAULTS: &[DefaultRow] = {
     const PH2D: TransferPath = TransferPath::PINNED_TO_DEVICE;
     const PD2H: TransferPath = TransferPath::DEVICE_TO_PINNED;
     &[
-        (H2D, 64 * KIB, D, 2.02),
-        (H2D, 64 * KIB, S, 3.66),
-        (H2D, MIB, D, 10.34),
-        (H2D, MIB, S, 8.57),
-        (H2D, 16 * MIB, D, 10.89),
-        (H2D, 16 * MIB, S, 15.94),
+        (H2D, 64 * KIB, D, 2.45),
+        (H2D, 64 * KIB, S, 4.79),
+        (H2D, 256 * KIB, D, 8.36),
+        (H2D, 256 * KIB, S, 6.86),
+        (H2D, MIB, D, 11.08),
+        (H2D, MIB, S, 15.63),
+        (H2D, 4 * MIB, D, 12.59),
+        (H2D, 4 * MIB, S, 21.17),
+        (H2D, 16 * MIB, D, 13.97),
+        (H2D, 16 * MIB, S, 34.56),
         (H2D, 64 * MIB, D, 8.04),
-        (H2D, 64 * MIB, S, 29.9),
-        (D2H, 64 * KIB, D, 3.03),
-        (D2H, 64 * KIB, S, 3.88),
-        (D2H, MIB, D, 7.82),
-        (D2H, MIB, S, 9.24),
-        (D2H, 16 * MIB, D, 9.89),
-        (D2H, 16 * MIB, S, 19.79),
-        (D2H, 64 * MIB, D, 10.47),
-        (D2H, 64 * MIB, S, 23.67),
-        (PH2D, 64 * KIB, D, 4.1),
-        (PH2D, 64 * KIB, Z, 5.23),
-        (PH2D, MIB, D, 29.55),
-        (PH2D, MIB, Z, 34.13),
-        (PH2D, 16 * MIB, D, 52.36),
-        (PH2D, 16 * MIB, Z, 53.16),
-        (PH2D, 64 * MIB, D, 54.26),
-        (PH2D, 64 * MIB, Z, 54.54),
-        (PD2H, 64 * KIB, D, 4.54),
-        (PD2H, 64 * KIB, Z, 5.87),
-        (PD2H, MIB, D, 31.54),
-        (PD2H, MIB, Z, 34.28),
-        (PD2H, 16 * MIB, D, 52.76),
-        (PD2H, 16 * MIB, Z, 53.28),
-        (PD2H, 64 * MIB, D, 54.47),
-        (PD2H, 64 * MIB, Z, 54.69),
+        (H2D, 64 * MIB, S, 39.48),
+        (H2D, 256 * MIB, D, 7.71),
+        (H2D, 256 * MIB, S, 40.02),
+        (H2D, GIB, D, 8.46),
+        (H2D, GIB, S, 43.9),
+        (D2H, 64 * KIB, D, 3.49),
+        (D2H, 64 * KIB, S, 5.03),
+        (D2H, 256 * KIB, D, 6.73),
+        (D2H, 256 * KIB, S, 6.77),
+        (D2H, MIB, D, 8.65),
+        (D2H, MIB, S, 11.33),
+        (D2H, 4 * MIB, D, 9.94),
+        (D2H, 4 * MIB, S, 15.82),
+        (D2H, 16 * MIB, D, 9.72),
+        (D2H, 16 * MIB, S, 26.26),
+        (D2H, 64 * MIB, D, 13.65),
+        (D2H, 64 * MIB, S, 41.47),
+        (D2H, 256 * MIB, D, 11.14),
+        (D2H, 256 * MIB, S, 48.28),
+        (D2H, GIB, D, 8.79),
+        (D2H, GIB, S, 51.89),
+        (PH2D, 64 * KIB, D, 6.09),
+        (PH2D, 64 * KIB, Z, 5.98),
+        (PH2D, 256 * KIB, D, 18.24),
+        (PH2D, 256 * KIB, Z, 17.89),
+        (PH2D, MIB, D, 35.27),
+        (PH2D, MIB, Z, 35.57),
+        (PH2D, 4 * MIB, D, 48.55),
+        (PH2D, 4 * MIB, Z, 48.64),
+        (PH2D, 16 * MIB, D, 52.85),
+        (PH2D, 16 * MIB, Z, 52.8),
+        (PH2D, 64 * MIB, D, 54.65),
+        (PH2D, 64 * MIB, Z, 54.83),
+        (PH2D, 256 * MIB, D, 48.41),
+        (PH2D, 256 * MIB, Z, 51.08),
+        (PH2D, GIB, D, 49.33),
+        (PH2D, GIB, Z, 54.53),
+        (PD2H, 64 * KIB, D, 6.98),
+        (PD2H, 64 * KIB, Z, 6.82),
+        (PD2H, 256 * KIB, D, 19.24),
+        (PD2H, 256 * KIB, Z, 19.79),
+        (PD2H, MIB, D, 37.0),
+        (PD2H, MIB, Z, 37.34),
+        (PD2H, 4 * MIB, D, 49.19),
+        (PD2H, 4 * MIB, Z, 49.38),
+        (PD2H, 16 * MIB, D, 52.97),
+        (PD2H, 16 * MIB, Z, 53.16),
+        (PD2H, 64 * MIB, D, 54.89),
+        (PD2H, 64 * MIB, Z, 54.76),
+        (PD2H, 256 * MIB, D, 53.56),
+        (PD2H, 256 * MIB, Z, 54.94),
+        (PD2H, GIB, D, 54.75),
+        (PD2H, GIB, Z, 55.02),
     ]
 };
 
