@@ -140,14 +140,12 @@ impl TransferManager {
     }
 
     fn build(only: Option<&[usize]>, staging: Option<StagingConfig>) -> Result<Self> {
-        let count = Device::count()?;
-        if let Some(&device) = only.and_then(|o| o.iter().find(|&&d| d >= count)) {
-            return Err(TransferError::NoSuchDevice { device, count });
-        }
-        let slots = (0..count)
-            .map(|ordinal| {
-                let served = only.is_none_or(|o| o.contains(&ordinal));
-                Ok(served
+        let served = served(only, Device::count()?)?;
+        let slots = served
+            .iter()
+            .enumerate()
+            .map(|(ordinal, &serve)| {
+                Ok(serve
                     .then(|| Device::get(ordinal))
                     .transpose()?
                     .map(DeviceSlot::new))
@@ -491,6 +489,16 @@ impl TransferManager {
     }
 }
 
+/// Which of `count` device ordinals a manager limited to `only` (all when `None`) serves.
+fn served(only: Option<&[usize]>, count: usize) -> Result<Vec<bool>> {
+    if let Some(&device) = only.and_then(|o| o.iter().find(|&&d| d >= count)) {
+        return Err(TransferError::NoSuchDevice { device, count });
+    }
+    Ok((0..count)
+        .map(|ordinal| only.is_none_or(|o| o.contains(&ordinal)))
+        .collect())
+}
+
 /// Runs a pipelined transfer on a lane of `state` with `config`.
 pub(crate) fn pipeline<'a>(lane: &'a Lane, config: StagingConfig) -> Pipeline<'a> {
     Pipeline {
@@ -498,5 +506,27 @@ pub(crate) fn pipeline<'a>(lane: &'a Lane, config: StagingConfig) -> Pipeline<'a
         streams: &lane.streams,
         completion: lane.state.completion.as_ref(),
         config,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_manager_serves_the_devices_it_was_limited_to() {
+        // Two GPUs, as on the two-H200 machine.
+        assert_eq!(served(None, 2).unwrap(), vec![true, true]);
+        assert_eq!(served(Some(&[1]), 2).unwrap(), vec![false, true]);
+        assert_eq!(served(Some(&[0, 1, 1]), 2).unwrap(), vec![true, true]);
+        assert_eq!(served(Some(&[]), 2).unwrap(), vec![false, false]);
+        assert!(matches!(
+            served(Some(&[0, 2]), 2),
+            Err(TransferError::NoSuchDevice {
+                device: 2,
+                count: 2
+            })
+        ));
+        assert_eq!(served(None, 0).unwrap(), Vec::<bool>::new());
     }
 }
