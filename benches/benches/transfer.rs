@@ -14,8 +14,14 @@
 //! | `d2d_256MiB/raw/cuMemcpyDtoD`, `…/cuweave/transfer` | within device 0, + legacy-stream synchronize |
 //! | `p2p_256MiB/raw/cuMemcpyPeerAsync`, `…/cuweave/transfer` | device 0 to device 1 (only with two devices, peer access enabled for both) + stream synchronize |
 //!
-//! After criterion's report, under `--bench`, a summary re-measures each pair (median of 7
-//! runs, host clock) and prints it against the targets of issue 8, then the registration
+//! | `pageable_{h2d,d2h}_{4MiB,16MiB,64MiB}/…` | mid sizes: the raw pageable call vs the manager (planned from its calibration) |
+//! | `both_directions_1GiB/raw/pinned_two_threads`, `…/cuweave/pageable_two_threads` | a 1 GiB upload and a 1 GiB download at once on two host threads: raw pinned `cuMemcpyHtoDAsync` / `cuMemcpyDtoHAsync`, each on its own stream and synchronised, and the manager from pageable memory |
+//! | `four_uploads_256MiB/raw/pageable_four_threads`, `…/cuweave/pageable_four_threads` | four threads each uploading 256 MiB of pageable memory to one device |
+//!
+//! After criterion's report, under `--bench`, the manager calibrates this machine and a summary
+//! re-measures each case (median of several runs, host clock) and prints it against the
+//! targets of issue 15 (every size from 64 KiB, with the pinned copy, the bus limit, beside it;
+//! both directions at once; four threads; the longest poll of a 1 GiB async transfer), then the registration
 //! figures: its one-off cost, the registered and pageable speeds, and from how many transfers
 //! registering pays (measured here, and as `TransferManager::registration_advice` says after
 //! calibrating).
@@ -35,13 +41,15 @@ use cuweave_driver::memory;
 use cuweave_driver::{Context, Device, Stream, StreamFlags};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer};
 use cuweave_transfer::{
-    Destination, RegisteredHost, Source, TransferDirection, TransferManager, TransferMethod,
+    Destination, Location, RegisteredHost, Source, TransferDirection, TransferManager,
+    TransferMethod,
 };
 
 fn main() {
     cuweave_benches::run("transfer", |c, gpu| {
         let mut fixture = Fixture::new(gpu);
         pageable(c, &mut fixture);
+        concurrent(c, &mut fixture);
         small(c, &mut fixture);
         pinned(c, &mut fixture);
         registered(c, &mut fixture);
@@ -66,6 +74,13 @@ struct Fixture {
     device: DeviceBuffer<u8>,
     device2: DeviceBuffer<u8>,
     pinned: PinnedBuffer<u8>,
+    /// For the both-directions and four-thread cases.
+    host2: Vec<u8>,
+    device3: DeviceBuffer<u8>,
+    pinned2: PinnedBuffer<u8>,
+    quarters: Vec<DeviceBuffer<u8>>,
+    /// Two non-blocking streams for the raw both-directions case.
+    streams: [Stream; 2],
 }
 
 impl Fixture {
@@ -76,7 +91,15 @@ impl Fixture {
             host: vec![3u8; GIB],
             device: DeviceBuffer::zeroed(&context, GIB).expect("1 GiB device buffer"),
             device2: DeviceBuffer::zeroed(&context, 256 * MIB).expect("256 MiB device buffer"),
-            pinned: PinnedBuffer::zeroed(&context, 64 * MIB).expect("64 MiB pinned buffer"),
+            pinned: PinnedBuffer::zeroed(&context, GIB).expect("1 GiB pinned buffer"),
+            host2: vec![5u8; GIB],
+            device3: DeviceBuffer::zeroed(&context, GIB).expect("1 GiB device buffer"),
+            pinned2: PinnedBuffer::zeroed(&context, GIB).expect("1 GiB pinned buffer"),
+            quarters: (0..4)
+                .map(|_| DeviceBuffer::zeroed(&context, GIB / 4).expect("256 MiB device buffer"))
+                .collect(),
+            streams: [0, 1]
+                .map(|_| Stream::new(&context, StreamFlags::NON_BLOCKING).expect("stream")),
             context,
         }
     }
@@ -225,6 +248,60 @@ impl Fixture {
             .expect("transfer");
     }
 
+    /// A 1 GiB upload (pinned buffer 1 to device 1) and a 1 GiB download (device 3 to pinned
+    /// buffer 2) at once: raw async copies on two threads, each on its own non-blocking stream
+    /// (on the legacy stream the two would serialise), then each stream synchronised.
+    fn raw_both_directions(&mut self) {
+        let (up_dst, down_src) = (self.device.device_ptr(), self.device3.device_ptr());
+        let up_src = self.pinned.as_slice().expect("pinned slice");
+        let down_dst = self.pinned2.as_mut_slice().expect("pinned slice");
+        let (up_stream, down_stream) = (&self.streams[0], &self.streams[1]);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // SAFETY: 1 GiB of pinned memory readable, of device memory writable; both
+                // outlive the synchronize below.
+                unsafe { memory::copy_htod_async(up_dst, up_src.as_ptr(), GIB, up_stream) }
+                    .expect("cuMemcpyHtoDAsync (pinned)");
+                up_stream.synchronize().expect("synchronize");
+            });
+            // SAFETY: 1 GiB of pinned memory writable (exclusively borrowed), of device memory
+            // readable; both outlive the synchronize below.
+            unsafe { memory::copy_dtoh_async(down_dst.as_mut_ptr(), down_src, GIB, down_stream) }
+                .expect("cuMemcpyDtoHAsync (pinned)");
+            down_stream.synchronize().expect("synchronize");
+        });
+    }
+
+    /// The same through the manager, from and to pageable memory.
+    fn ours_both_directions(&mut self) {
+        let manager = &self.manager;
+        let (host, device) = (&self.host, &mut self.device);
+        let (host2, device3) = (&mut self.host2, &self.device3);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                manager
+                    .transfer(&host[..], Destination::device(device, 0))
+                    .expect("upload")
+            });
+            manager
+                .transfer(Source::device(device3, 0, GIB), Destination::Host(host2))
+                .expect("download");
+        });
+    }
+
+    /// Four threads each uploading a quarter of `host` (256 MiB) to its own buffer, with `op`.
+    fn four_uploads(
+        &mut self,
+        op: fn(&TransferManager, &Arc<Context>, &[u8], &mut DeviceBuffer<u8>),
+    ) {
+        let (manager, context) = (&self.manager, &self.context);
+        std::thread::scope(|s| {
+            for (src, dst) in self.host.chunks(GIB / 4).zip(self.quarters.iter_mut()) {
+                s.spawn(move || op(manager, context, src, dst));
+            }
+        });
+    }
+
     fn raw_d2d(&self, bytes: usize) {
         // SAFETY: both device buffers hold at least `bytes`; copy_dtod waits for completion.
         unsafe {
@@ -333,7 +410,7 @@ fn pair(
 }
 
 fn pageable(c: &mut Criterion, f: &mut Fixture) {
-    for bytes in [256 * MIB, GIB] {
+    for bytes in [4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB, GIB] {
         pair(
             c,
             f,
@@ -341,7 +418,7 @@ fn pageable(c: &mut Criterion, f: &mut Fixture) {
             bytes,
             ("cuMemcpyHtoD", |f, n| f.raw_h2d_pageable(n)),
             Fixture::ours_h2d_pageable,
-            true,
+            bytes >= 256 * MIB,
         );
         pair(
             c,
@@ -350,9 +427,54 @@ fn pageable(c: &mut Criterion, f: &mut Fixture) {
             bytes,
             ("cuMemcpyDtoH", Fixture::raw_d2h_pageable),
             Fixture::ours_d2h_pageable,
-            true,
+            bytes >= 256 * MIB,
         );
     }
+}
+
+fn raw_quarter(
+    _: &TransferManager,
+    context: &Arc<Context>,
+    src: &[u8],
+    dst: &mut DeviceBuffer<u8>,
+) {
+    // SAFETY: `src` readable and `dst` writable for `src.len()` bytes; blocking copy.
+    unsafe { memory::copy_htod(context, dst.device_ptr(), src.as_ptr(), src.len()) }
+        .expect("cuMemcpyHtoD");
+}
+
+fn ours_quarter(
+    manager: &TransferManager,
+    _: &Arc<Context>,
+    src: &[u8],
+    dst: &mut DeviceBuffer<u8>,
+) {
+    manager
+        .transfer(src, Destination::device(dst, 0))
+        .expect("transfer");
+}
+
+fn concurrent(c: &mut Criterion, f: &mut Fixture) {
+    let mut group = c.benchmark_group("both_directions_1GiB");
+    slow_group(&mut group, Duration::from_secs(3));
+    group.throughput(Throughput::Bytes(2 * GIB as u64));
+    group.bench_function("raw/pinned_two_threads", |b| {
+        b.iter(|| f.raw_both_directions())
+    });
+    group.bench_function("cuweave/pageable_two_threads", |b| {
+        b.iter(|| f.ours_both_directions())
+    });
+    group.finish();
+    let mut group = c.benchmark_group("four_uploads_256MiB");
+    slow_group(&mut group, Duration::from_secs(3));
+    group.throughput(Throughput::Bytes(GIB as u64));
+    group.bench_function("raw/pageable_four_threads", |b| {
+        b.iter(|| f.four_uploads(raw_quarter))
+    });
+    group.bench_function("cuweave/pageable_four_threads", |b| {
+        b.iter(|| f.four_uploads(ours_quarter))
+    });
+    group.finish();
 }
 
 fn small(c: &mut Criterion, f: &mut Fixture) {
@@ -538,18 +660,76 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
             Fixture::ours_d2h_pageable as Op,
         ),
     ];
-    for bytes in [256 * MIB, GIB] {
-        for &(dir, raw, ours) in &pageable {
-            let r = gbps(bytes, median(7, || raw(f, bytes)));
-            let o = gbps(bytes, median(7, || ours(f, bytes)));
+    let started = Instant::now();
+    f.manager.calibrate().expect("calibrate");
+    println!(
+        "  (the manager calibrated this machine in {:.1} s; plans below are from it)",
+        started.elapsed().as_secs_f64()
+    );
+    for bytes in [
+        64 << 10,
+        256 << 10,
+        MIB,
+        4 * MIB,
+        16 * MIB,
+        64 * MIB,
+        256 * MIB,
+        GIB,
+    ] {
+        let runs = if bytes >= 256 * MIB { 7 } else { 21 };
+        let limit = [
+            gbps(bytes, median(runs, || f.raw_h2d_pinned(bytes))),
+            gbps(bytes, median(runs, || f.raw_d2h_pinned(bytes))),
+        ];
+        let floor = match bytes {
+            b if b == 4 * MIB => 25.0,
+            b if b == 16 * MIB => 38.0,
+            b if b == 64 * MIB => 45.0,
+            b if b >= 256 * MIB => 50.0,
+            _ => 0.0,
+        };
+        for (i, &(dir, raw, ours)) in pageable.iter().enumerate() {
+            let r = gbps(bytes, median(runs, || raw(f, bytes)));
+            let o = gbps(bytes, median(runs, || ours(f, bytes)));
+            let (src, dst) = if i == 0 {
+                (Location::PageableHost, Location::Device(0))
+            } else {
+                (Location::Device(0), Location::PageableHost)
+            };
+            let method = f.manager.plan(src, dst, bytes).method;
             println!(
-                "  pageable {dir} {:>6}: raw {r:6.2} GB/s, cuweave {o:6.2} GB/s ({:.2}x); target >= 28 GB/s and >= 3x: {}",
+                "  pageable {dir} {:>6}: pinned limit {:6.2}, raw {r:6.2}, cuweave {o:6.2} GB/s ({:.2}x raw, {:.0}% of pinned, {method}); target >= raw{}: {}",
                 label(bytes),
+                limit[i],
                 o / r,
-                verdict(o >= 28.0 && o >= 3.0 * r)
+                100.0 * o / limit[i],
+                if floor > 0.0 {
+                    format!(" and >= {floor} GB/s")
+                } else {
+                    String::new()
+                },
+                verdict(o >= r && o >= floor)
             );
         }
     }
+    let runs = 5;
+    let raw_both = median(runs, || f.raw_both_directions());
+    let ours_both = median(runs, || f.ours_both_directions());
+    println!(
+        "  both directions, 1 GiB up + 1 GiB down on two threads: raw pinned {:.2} GB/s, cuweave pageable {:.2} GB/s together; target >= 80: {}",
+        gbps(2 * GIB, raw_both),
+        gbps(2 * GIB, ours_both),
+        verdict(gbps(2 * GIB, ours_both) >= 80.0)
+    );
+    let raw_four = median(runs, || f.four_uploads(raw_quarter));
+    let ours_four = median(runs, || f.four_uploads(ours_quarter));
+    println!(
+        "  four threads x 256 MiB pageable uploads to one device: raw {:.2} GB/s, cuweave {:.2} GB/s together; target >= 45: {}",
+        gbps(GIB, raw_four),
+        gbps(GIB, ours_four),
+        verdict(gbps(GIB, ours_four) >= 45.0)
+    );
+    async_polls(f);
     for bytes in [4 << 10, 64 << 10] {
         for &(dir, raw, ours) in &pageable {
             let r = median(201, || raw(f, bytes));
@@ -672,4 +852,89 @@ fn registered_summary(f: &mut Fixture) {
         );
     }
     registered.unregister().expect("unregister");
+}
+
+/// Polls `future` to completion on this thread (a minimal executor: park until woken), timing
+/// every poll; returns the output, the longest poll and the number of polls.
+fn timed_block_on<F: std::future::Future + Unpin>(mut future: F) -> (F::Output, Duration, usize) {
+    use std::task::{Context as TaskContext, Poll, Wake, Waker};
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = TaskContext::from_waker(&waker);
+    let (mut longest, mut polls) = (Duration::ZERO, 0);
+    loop {
+        let start = Instant::now();
+        let outcome = std::pin::Pin::new(&mut future).poll(&mut cx);
+        longest = longest.max(start.elapsed());
+        polls += 1;
+        if let Poll::Ready(output) = outcome {
+            return (output, longest, polls);
+        }
+        std::thread::park();
+    }
+}
+
+/// The longest poll of a 1 GiB async upload and download, borrowed and owned.
+fn async_polls(f: &mut Fixture) {
+    let manager = &f.manager;
+    // Warm the pinned pool and lanes once.
+    let (warm, _, _) = timed_block_on(
+        manager
+            .upload_async(&f.host, &mut f.device, 0)
+            .expect("upload_async"),
+    );
+    warm.expect("upload");
+    let started = Instant::now();
+    let (report, up_longest, up_polls) = timed_block_on(
+        manager
+            .upload_async(&f.host, &mut f.device, 0)
+            .expect("upload_async"),
+    );
+    report.expect("upload");
+    let up_rate = gbps(GIB, started.elapsed());
+    let started = Instant::now();
+    let (report, down_longest, down_polls) = timed_block_on(
+        manager
+            .download_async(&f.device, 0, &mut f.host)
+            .expect("download_async"),
+    );
+    report.expect("download");
+    let down_rate = gbps(GIB, started.elapsed());
+    let longest = up_longest.max(down_longest);
+    println!(
+        "  AsyncTransfer 1 GiB (borrowed): longest poll {:.1} us (up {up_polls} polls at {up_rate:.2} GB/s, down {down_polls} polls at {down_rate:.2} GB/s); target <= 50 us: {}",
+        longest.as_secs_f64() * 1e6,
+        verdict(longest <= Duration::from_micros(50))
+    );
+    let host = std::mem::take(&mut f.host);
+    let device = std::mem::replace(
+        &mut f.device,
+        DeviceBuffer::zeroed(&f.context, 1).expect("placeholder"),
+    );
+    let started = Instant::now();
+    let (owned, up_longest, _) =
+        timed_block_on(manager.upload_owned(host, device, 0).expect("upload_owned"));
+    owned.result.as_ref().expect("upload");
+    let up_rate = gbps(GIB, started.elapsed());
+    let started = Instant::now();
+    let (owned, down_longest, _) = timed_block_on(
+        manager
+            .download_owned(owned.device, 0, owned.host)
+            .expect("download_owned"),
+    );
+    owned.result.as_ref().expect("download");
+    let down_rate = gbps(GIB, started.elapsed());
+    let longest = up_longest.max(down_longest);
+    println!(
+        "  OwnedTransfer 1 GiB: longest poll {:.1} us (up {up_rate:.2} GB/s, down {down_rate:.2} GB/s); target <= 50 us: {}",
+        longest.as_secs_f64() * 1e6,
+        verdict(longest <= Duration::from_micros(50))
+    );
+    f.host = owned.host;
+    f.device = owned.device;
 }

@@ -30,6 +30,7 @@ pub(crate) const FUNCTION_TYPEDEFS: &[&str] = &[
     "PFN_cuDeviceGetDefaultMemPool_v11020",
     "PFN_cuDevicePrimaryCtxRetain_v7000",
     "PFN_cuDevicePrimaryCtxRelease_v11000",
+    "PFN_cuDevicePrimaryCtxGetState_v7000",
     "PFN_cuCtxSetCurrent_v4000",
     "PFN_cuCtxGetCurrent_v4000",
     "PFN_cuCtxGetDevice_v2000",

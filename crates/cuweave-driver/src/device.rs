@@ -247,6 +247,16 @@ impl Device {
         })
     }
 
+    /// Whether this device's primary context is active: retained by someone in this process
+    /// (`cuDevicePrimaryCtxGetState`). Asking makes no context.
+    pub fn primary_context_active(&self) -> Result<bool> {
+        let api = driver()?;
+        let (mut flags, mut active) = (0u32, 0i32);
+        // SAFETY: both are valid out-pointers; the handle came from cuDeviceGet.
+        unsafe { cu!(api.device_primary_ctx_get_state(self.raw, &mut flags, &mut active)) }?;
+        Ok(active != 0)
+    }
+
     /// Whether this device can access `peer`'s memory directly once peer access is enabled
     /// (see [`crate::Context::enable_peer_access`]). A device is never its own peer.
     pub fn can_access_peer(&self, peer: &Device) -> Result<bool> {

@@ -188,6 +188,8 @@ driver_table! {
     device_primary_ctx_retain: PFN_cuDevicePrimaryCtxRetain_v7000 = ["cuDevicePrimaryCtxRetain"],
     /// `cuDevicePrimaryCtxRelease_v2`
     device_primary_ctx_release: PFN_cuDevicePrimaryCtxRelease_v11000 = ["cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"],
+    /// `cuDevicePrimaryCtxGetState`
+    device_primary_ctx_get_state: PFN_cuDevicePrimaryCtxGetState_v7000 = ["cuDevicePrimaryCtxGetState"],
     /// `cuCtxSetCurrent`
     ctx_set_current: PFN_cuCtxSetCurrent_v4000 = ["cuCtxSetCurrent"],
     /// `cuCtxGetCurrent`

@@ -1,4 +1,12 @@
-//! [`AsyncTransfer`]: a pageable upload or download as a `Future`, woken by the event layer.
+//! Async transfers: [`AsyncTransfer`], a pageable upload or download of *borrowed* host memory
+//! as a `Future` whose polls do bounded work, and [`OwnedTransfer`], one that takes the host
+//! `Vec` and the device buffer, runs on the staging workers at full speed, and hands both back.
+//!
+//! # Neither blocks the executor
+//! A poll of an [`AsyncTransfer`] copies at most [`POLL_BYTES`] of host memory, then (if there
+//! is more to do) wakes its own task and returns `Pending`, so an executor thread is never held
+//! for long; its pinned blocks are taken from the pool by a staging worker, never pinned on the
+//! polling thread. A poll of an [`OwnedTransfer`] only looks at a completion slot.
 //!
 //! # Why borrowed host memory is safe here
 //! The copy engine never touches the caller's memory: it reads and writes pinned blocks that
@@ -7,7 +15,11 @@
 //! holds the borrow. So the borrow lasting as long as the future is exactly the guarantee
 //! needed: the slice cannot be freed or touched while the transfer is running, and a future
 //! that is dropped or `mem::forget`-ed simply stops touching it (its blocks are waited for, or
-//! leaked, never freed under the copy engine). This does not compile, because `host` would be
+//! leaked, never freed under the copy engine). No background thread ever sees the caller's
+//! slice: that is why this form copies in its polls (a bounded amount each), and why the fast
+//! background form, [`OwnedTransfer`], owns its host memory instead of borrowing it (the
+//! `io_uring` rule: memory a background agent may still touch must be owned by the operation,
+//! since a forgotten future runs no destructor). This does not compile, because `host` would be
 //! freed while the transfer still borrows it:
 //!
 //! ```compile_fail
@@ -42,19 +54,65 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
-use cuweave_driver::{Event, EventFlags, Stream};
+use cuweave_driver::{Event, EventFlags};
 use cuweave_event::WaitFuture;
 use cuweave_memory::buffer::PendingCopy;
-use cuweave_memory::{Buffer, DeviceBuffer, Element, PinnedPool, TypedPinnedBlock};
+use cuweave_memory::{Buffer, DeviceBuffer, Element, TypedPinnedBlock, copy_streaming};
+use parking_lot::Mutex;
 
+use crate::device_state::Lane;
 use crate::error::{Result, TransferError};
 use crate::location::{Location, TransferPath};
-use crate::manager::{TransferManager, TransferReport};
+use crate::manager::{TransferManager, TransferReport, pipeline};
 use crate::method::TransferMethod;
 use crate::planner::{Plan, PlanReason};
+use crate::workers;
+
+/// The most host bytes one poll of an [`AsyncTransfer`] copies (a few tens of microseconds of
+/// `memcpy` on one core) before it yields to the executor.
+pub const POLL_BYTES: usize = 128 << 10;
+
+/// The chunk an [`AsyncTransfer`] moves per copy: large enough that queueing a copy is cheap
+/// beside moving it, small enough that a few in flight cost little pinned memory.
+const ASYNC_CHUNK_BYTES: usize = 1 << 20;
+
+/// A value handed from a background job to a future, with the waker to call.
+struct Handoff<V> {
+    slot: Mutex<(Option<V>, Option<Waker>)>,
+}
+
+impl<V> Handoff<V> {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            slot: Mutex::new((None, None)),
+        })
+    }
+
+    fn fill(&self, value: V) {
+        let waker = {
+            let mut slot = self.slot.lock();
+            slot.0 = Some(value);
+            slot.1.take()
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+    }
+
+    fn poll_take(&self, cx: &Context<'_>) -> Poll<V> {
+        let mut slot = self.slot.lock();
+        match slot.0.take() {
+            Some(value) => Poll::Ready(value),
+            None => {
+                slot.1 = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
 
 /// Which way the bytes go, with the borrowed sides.
 enum Direction<'a, T: Element> {
@@ -78,27 +136,44 @@ struct InFlight<T: Element> {
     done: Arc<Event>,
 }
 
-/// A pageable upload or download running in the background, as a `Future` of its
-/// [`TransferReport`]; from [`TransferManager::upload_async`] / [`TransferManager::download_async`].
+/// A chunk whose host side is being copied over several polls: `done` elements so far.
+struct Partial<T: Element> {
+    index: usize,
+    block: TypedPinnedBlock<T>,
+    done: usize,
+}
+
+/// The pinned blocks of one transfer: full chunks, and one for a short last chunk.
+struct Blocks<T: Element> {
+    full: Vec<TypedPinnedBlock<T>>,
+    tail: Option<TypedPinnedBlock<T>>,
+}
+
+/// A pageable upload or download of borrowed host memory running in the background, as a
+/// `Future` of its [`TransferReport`]; from [`TransferManager::upload_async`] /
+/// [`TransferManager::download_async`].
 ///
-/// It does nothing until polled. Each poll copies finished download chunks out of their pinned
-/// blocks, refills free blocks with the next upload chunks, queues their copies on the device's
-/// stream (up to [`StagingConfig::depth`](crate::StagingConfig::depth) chunks in flight), and
-/// registers the task's waker with the event layer's [`WaitFuture`] for the oldest chunk. Works
-/// under any executor. Dropping it before it completes waits for the chunks in flight (briefly
+/// It does nothing until polled. Its first poll asks a staging worker for its pinned blocks;
+/// then each poll copies at most [`POLL_BYTES`] between the caller's memory and a block, queues
+/// finished upload chunks (or download copies into free blocks) on its own lane's stream, up to
+/// [`StagingConfig::depth`](crate::StagingConfig::depth) chunks in flight, and registers the
+/// task's waker with the event layer's [`WaitFuture`] for the oldest chunk. It moves about as
+/// fast as one core copies; [`OwnedTransfer`] uses every staging worker. Works under any
+/// executor. Dropping it before it completes waits for the chunks in flight (briefly
 /// blocking) and leaves the destination partly written.
 #[must_use = "futures do nothing unless polled"]
 pub struct AsyncTransfer<'a, T: Element> {
     direction: Direction<'a, T>,
-    pool: &'a PinnedPool,
-    stream: &'a Stream,
+    lane: Lane,
     plan: Plan,
     chunk: usize,
     depth: usize,
     chunks: usize,
     next: usize,
     in_flight: VecDeque<InFlight<T>>,
-    spare: Option<TypedPinnedBlock<T>>,
+    partial: Option<Partial<T>>,
+    blocks: Option<Blocks<T>>,
+    requested: Option<Arc<Handoff<Result<Blocks<T>>>>>,
     waiting: Option<(usize, WaitFuture)>,
     started: Option<Instant>,
     finished: bool,
@@ -128,53 +203,154 @@ impl<T: Element> AsyncTransfer<'_, T> {
         start..(start + self.chunk).min(self.len())
     }
 
-    /// Queues chunk `index`: fills a block and uploads it, or downloads into a block.
-    fn issue(&mut self, index: usize) -> Result<()> {
-        let range = self.range(index);
-        let block = match self.spare.take() {
-            Some(block) if block.len() == range.len() => block,
-            _ => self.pool.get_typed::<T>(range.len())?,
-        };
+    /// Asks a staging worker for this transfer's blocks (pinning, if the pool has none, takes
+    /// milliseconds: never on the polling thread).
+    fn request_blocks(&mut self) -> Arc<Handoff<Result<Blocks<T>>>> {
+        let handoff = Handoff::new();
+        let pool = self.lane.state.pool.clone();
+        let (chunk, depth, len) = (self.chunk, self.depth, self.len());
+        let full = depth.min(len / chunk);
+        let tail = len % chunk;
+        let back = Arc::clone(&handoff);
+        workers::shared().spawn(move || {
+            let blocks = (|| {
+                Ok(Blocks {
+                    full: (0..full)
+                        .map(|_| pool.get_typed::<T>(chunk))
+                        .collect::<cuweave_memory::Result<_>>()?,
+                    tail: (tail > 0).then(|| pool.get_typed::<T>(tail)).transpose()?,
+                })
+            })();
+            back.fill(blocks);
+        });
+        handoff
+    }
+
+    /// A free block for chunk `index`, if one is back from the copy engine.
+    fn free_block(&mut self, index: usize) -> Option<TypedPinnedBlock<T>> {
+        let full = self.range(index).len() == self.chunk;
+        let blocks = self.blocks.as_mut()?;
+        if full {
+            blocks.full.pop()
+        } else {
+            blocks.tail.take()
+        }
+    }
+
+    fn give_back(&mut self, block: TypedPinnedBlock<T>) {
+        if let Some(blocks) = self.blocks.as_mut() {
+            if block.len() == self.chunk {
+                blocks.full.push(block);
+            } else {
+                blocks.tail = Some(block);
+            }
+        }
+    }
+
+    /// Queues chunk `index`'s copy (an upload's block is filled already).
+    fn queue(&mut self, index: usize, block: TypedPinnedBlock<T>) -> Result<()> {
+        let start = self.range(index).start;
+        let stream = self.lane.stream();
         let copy = match &mut self.direction {
-            Direction::Upload { src, dst, offset } => {
-                let mut block = block;
-                block.as_mut_slice().copy_from_slice(&src[range.clone()]);
-                dst.copy_range_from_host_async(*offset + range.start, block, self.stream)?
+            Direction::Upload { dst, offset, .. } => {
+                dst.copy_range_from_host_async(*offset + start, block, stream)?
             }
             Direction::Download { src, offset, .. } => {
-                src.copy_range_to_host_async(*offset + range.start, block, self.stream)?
+                src.copy_range_to_host_async(*offset + start, block, stream)?
             }
         };
-        let done = Arc::new(Event::new(
-            self.stream.context(),
-            EventFlags::DISABLE_TIMING,
-        )?);
-        done.record(self.stream)?;
+        let done = Arc::new(Event::new(stream.context(), EventFlags::DISABLE_TIMING)?);
+        done.record(stream)?;
         self.in_flight.push_back(InFlight { index, copy, done });
         Ok(())
     }
 
-    /// Takes back the oldest chunk (its copy has finished) and, for downloads, copies it out.
-    fn retire(&mut self) -> Result<()> {
-        let Some(front) = self.in_flight.pop_front() else {
-            return Ok(());
+    /// Copies up to `*budget` elements of the partial chunk's host side; `true` once it is
+    /// complete (then it is queued, for uploads, or its block freed, for downloads).
+    fn advance_partial(&mut self, budget: &mut usize) -> Result<bool> {
+        let Some(mut partial) = self.partial.take() else {
+            return Ok(true);
         };
-        let range = self.range(front.index);
-        let block = front.copy.wait()?;
-        if let Direction::Download { dst, .. } = &mut self.direction {
-            dst[range].copy_from_slice(block.as_slice());
+        let range = self.range(partial.index);
+        let n = (*budget).min(range.len() - partial.done);
+        let (from, to) = (partial.done, partial.done + n);
+        match &mut self.direction {
+            Direction::Upload { src, .. } => copy_streaming(
+                &mut partial.block.as_mut_slice()[from..to],
+                &src[range.start + from..range.start + to],
+            )?,
+            Direction::Download { dst, .. } => copy_streaming(
+                &mut dst[range.start + from..range.start + to],
+                &partial.block.as_slice()[from..to],
+            )?,
         }
-        self.spare = Some(block);
-        Ok(())
+        *budget -= n;
+        partial.done = to;
+        if partial.done < range.len() {
+            self.partial = Some(partial);
+            return Ok(false);
+        }
+        match self.direction {
+            Direction::Upload { .. } => self.queue(partial.index, partial.block)?,
+            Direction::Download { .. } => self.give_back(partial.block),
+        }
+        Ok(true)
     }
 
     fn step(&mut self, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        if self.blocks.is_none() && self.chunks > 0 {
+            let handoff = match &self.requested {
+                Some(handoff) => Arc::clone(handoff),
+                None => {
+                    let handoff = self.request_blocks();
+                    self.requested = Some(Arc::clone(&handoff));
+                    handoff
+                }
+            };
+            match handoff.poll_take(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(error)) => return Poll::Ready(Err(error)),
+                Poll::Ready(Ok(blocks)) => {
+                    self.blocks = Some(blocks);
+                    self.requested = None;
+                }
+            }
+        }
+        let mut budget = (POLL_BYTES / size_of::<T>().max(1)).max(1);
         loop {
-            while self.in_flight.len() < self.depth && self.next < self.chunks {
+            match self.advance_partial(&mut budget) {
+                Err(error) => return Poll::Ready(Err(error)),
+                Ok(false) => {
+                    // Out of budget: let the executor run others, and come back.
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
+                Ok(true) => {}
+            }
+            if budget == 0 {
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            // Start the next chunk where a block is free.
+            if self.next < self.chunks && self.in_flight.len() < self.depth {
                 let index = self.next;
-                self.next += 1;
-                if let Err(error) = self.issue(index) {
-                    return Poll::Ready(Err(error));
+                if let Some(block) = self.free_block(index) {
+                    self.next += 1;
+                    let outcome = match self.direction {
+                        Direction::Upload { .. } => {
+                            self.partial = Some(Partial {
+                                index,
+                                block,
+                                done: 0,
+                            });
+                            Ok(())
+                        }
+                        Direction::Download { .. } => self.queue(index, block),
+                    };
+                    if let Err(error) = outcome {
+                        return Poll::Ready(Err(error));
+                    }
+                    continue;
                 }
             }
             let Some(front) = self.in_flight.front() else {
@@ -193,8 +369,21 @@ impl<T: Element> AsyncTransfer<'_, T> {
                 Poll::Ready(Err(error)) => return Poll::Ready(Err(error.into())),
                 Poll::Ready(Ok(())) => {
                     self.waiting = None;
-                    if let Err(error) = self.retire() {
-                        return Poll::Ready(Err(error));
+                    let front = self.in_flight.pop_front().expect("looked at above");
+                    // The event has passed: this returns at once.
+                    let block = match front.copy.wait() {
+                        Ok(block) => block,
+                        Err(error) => return Poll::Ready(Err(error.into())),
+                    };
+                    match self.direction {
+                        Direction::Upload { .. } => self.give_back(block),
+                        Direction::Download { .. } => {
+                            self.partial = Some(Partial {
+                                index: front.index,
+                                block,
+                                done: 0,
+                            });
+                        }
                     }
                 }
             }
@@ -211,11 +400,7 @@ impl<T: Element> Future for AsyncTransfer<'_, T> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         if this.finished {
-            return Poll::Ready(Err(TransferError::Unsupported {
-                method: TransferMethod::HostStaged,
-                path: this.plan.path.to_string(),
-                reason: "the transfer was already polled to completion".to_owned(),
-            }));
+            return Poll::Ready(Err(already_polled(this.plan.path)));
         }
         let started = *this.started.get_or_insert_with(Instant::now);
         match this.step(cx) {
@@ -232,6 +417,14 @@ impl<T: Element> Future for AsyncTransfer<'_, T> {
     }
 }
 
+fn already_polled(path: TransferPath) -> TransferError {
+    TransferError::Unsupported {
+        method: TransferMethod::HostStaged,
+        path: path.to_string(),
+        reason: "the transfer was already polled to completion".to_owned(),
+    }
+}
+
 fn staged_plan(src: Location, dst: Location, bytes: usize) -> Plan {
     Plan {
         path: TransferPath::between(src, dst),
@@ -239,17 +432,73 @@ fn staged_plan(src: Location, dst: Location, bytes: usize) -> Plan {
         method: TransferMethod::HostStaged,
         reason: PlanReason::OnlyChoice,
         skipped: Vec::new(),
+        measured_on: None,
+    }
+}
+
+/// What an [`OwnedTransfer`] hands back: the host memory and the device buffer it took, and
+/// how the transfer went.
+#[derive(Debug)]
+pub struct Owned<T: Element> {
+    /// The host memory (for a download, holding the data when `result` is `Ok`).
+    pub host: Vec<T>,
+    /// The device buffer (for an upload, holding the data from the offset when `result` is `Ok`).
+    pub device: DeviceBuffer<T>,
+    /// The report, or what failed.
+    pub result: Result<TransferReport>,
+}
+
+/// A pageable upload or download that owns its host `Vec` and its device buffer, run by the
+/// staging workers at full pipelined speed, as a `Future` of [`Owned`]; from
+/// [`TransferManager::upload_owned`] / [`TransferManager::download_owned`].
+///
+/// It starts at once (not on first poll). A poll only checks whether the workers are done.
+/// Dropping it lets the transfer finish in the background and frees both buffers then;
+/// forgetting it (`mem::forget`) leaks them, never frees memory a worker still touches.
+#[must_use = "the transfer runs anyway; await it to get the buffers back"]
+pub struct OwnedTransfer<T: Element> {
+    handoff: Arc<Handoff<Owned<T>>>,
+    path: TransferPath,
+    finished: bool,
+}
+
+impl<T: Element> std::fmt::Debug for OwnedTransfer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OwnedTransfer")
+            .field("path", &self.path)
+            .field("finished", &self.finished)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: Element> Future for OwnedTransfer<T> {
+    type Output = Owned<T>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        assert!(
+            !this.finished,
+            "OwnedTransfer polled after it completed (it has handed its buffers back)"
+        );
+        let outcome = this.handoff.poll_take(cx);
+        this.finished = outcome.is_ready();
+        outcome
     }
 }
 
 impl TransferManager {
     /// Starts uploading `src` into `dst` from element `offset`, as a future (see
-    /// [`AsyncTransfer`]): chunks go through pinned blocks on `dst`'s device, one stream,
-    /// `StagingConfig::depth` chunks in flight, woken by the event layer. `src` and `dst` stay
-    /// borrowed until the future completes or is dropped.
+    /// [`AsyncTransfer`]): chunks go through pinned blocks on `dst`'s device, on a lane of its
+    /// own, woken by the event layer; each poll copies at most [`POLL_BYTES`]. `src` and `dst`
+    /// stay borrowed until the future completes or is dropped. For full speed on large
+    /// transfers, [`upload_owned`](Self::upload_owned).
+    ///
+    /// Opens the device on first use (making its context: milliseconds, once, here rather
+    /// than in a poll).
     ///
     /// # Errors
-    /// `OutOfRange` when `src` does not fit `dst` from `offset` (before anything is queued).
+    /// `OutOfRange` when `src` does not fit `dst` from `offset` (before anything is queued); the
+    /// driver's error when the device cannot be opened.
     pub fn upload_async<'a, T: Element>(
         &'a self,
         src: &'a [T],
@@ -263,12 +512,12 @@ impl TransferManager {
             Location::Device(device),
             size_of_val(src),
         );
-        Ok(self.start_async(
+        self.start_async(
             Direction::Upload { src, dst, offset },
             device,
             plan,
             src.len(),
-        ))
+        )
     }
 
     /// Starts downloading `dst.len()` elements of `src` from element `offset` into `dst`, as a
@@ -276,7 +525,7 @@ impl TransferManager {
     /// holds the data once it resolves.
     ///
     /// # Errors
-    /// `OutOfRange` when the range lies outside `src` (before anything is queued).
+    /// As [`upload_async`](Self::upload_async).
     pub fn download_async<'a, T: Element>(
         &'a self,
         src: &'a DeviceBuffer<T>,
@@ -291,7 +540,7 @@ impl TransferManager {
             Location::PageableHost,
             size_of_val(dst),
         );
-        Ok(self.start_async(Direction::Download { src, offset, dst }, device, plan, len))
+        self.start_async(Direction::Download { src, offset, dst }, device, plan, len)
     }
 
     fn start_async<'a, T: Element>(
@@ -300,24 +549,115 @@ impl TransferManager {
         device: usize,
         plan: Plan,
         len: usize,
-    ) -> AsyncTransfer<'a, T> {
-        let staging = self.staging();
-        let chunk = staging.chunk_elements::<T>();
-        let state = self.device(device);
-        AsyncTransfer {
+    ) -> Result<AsyncTransfer<'a, T>> {
+        let chunk = match self.fixed_staging() {
+            Some(fixed) => fixed.chunk_elements::<T>(),
+            None => (ASYNC_CHUNK_BYTES / size_of::<T>().max(1)).max(1),
+        };
+        let depth = self.fixed_staging().map_or(3, |f| f.depth).max(2);
+        Ok(AsyncTransfer {
             direction,
-            pool: &state.pool,
-            stream: &state.streams[0],
+            lane: self.lane(device)?,
             plan,
             chunk,
-            depth: staging.depth.max(2),
+            depth,
             chunks: len.div_ceil(chunk),
             next: 0,
             in_flight: VecDeque::new(),
-            spare: None,
+            partial: None,
+            blocks: None,
+            requested: None,
             waiting: None,
             started: None,
             finished: false,
-        }
+        })
+    }
+
+    /// Starts uploading all of `src` into `dst` from element `offset` on the staging workers,
+    /// pipelined like [`transfer`](Self::transfer), and returns a future that hands both
+    /// buffers back ([`OwnedTransfer`]). Not counted in [`stats`](Self::stats).
+    ///
+    /// # Errors
+    /// `OutOfRange` when `src` does not fit `dst` from `offset` (nothing starts, and both
+    /// buffers are dropped); the driver's error when the device cannot be opened.
+    pub fn upload_owned<T: Element>(
+        &self,
+        src: Vec<T>,
+        mut dst: DeviceBuffer<T>,
+        offset: usize,
+    ) -> Result<OwnedTransfer<T>> {
+        crate::endpoint::Destination::Device(&mut dst, offset).check(src.len())?;
+        let device = dst.device().ordinal();
+        let path = TransferPath::PAGEABLE_TO_DEVICE;
+        let config = self.staging_for(path, device, size_of_val(src.as_slice()));
+        let plan = staged_plan(
+            Location::PageableHost,
+            Location::Device(device),
+            size_of_val(src.as_slice()),
+        );
+        let lane = self.lane(device)?;
+        Ok(spawn_owned(plan, move || {
+            let (host, mut device) = (src, dst);
+            let result = pipeline(&lane, config).upload(&host, &mut device, offset);
+            (host, device, result)
+        }))
+    }
+
+    /// Starts downloading `dst.len()` elements of `src` from element `offset` into `dst` on
+    /// the staging workers; the future hands both buffers back ([`OwnedTransfer`]). Not
+    /// counted in [`stats`](Self::stats).
+    ///
+    /// # Errors
+    /// As [`upload_owned`](Self::upload_owned).
+    pub fn download_owned<T: Element>(
+        &self,
+        src: DeviceBuffer<T>,
+        offset: usize,
+        dst: Vec<T>,
+    ) -> Result<OwnedTransfer<T>> {
+        crate::endpoint::Source::device(&src, offset, dst.len()).check()?;
+        let device = src.device().ordinal();
+        let path = TransferPath::DEVICE_TO_PAGEABLE;
+        let config = self.staging_for(path, device, size_of_val(dst.as_slice()));
+        let plan = staged_plan(
+            Location::Device(device),
+            Location::PageableHost,
+            size_of_val(dst.as_slice()),
+        );
+        let lane = self.lane(device)?;
+        Ok(spawn_owned(plan, move || {
+            let (mut host, device) = (dst, src);
+            let result = pipeline(&lane, config).download(&device, offset, &mut host);
+            (host, device, result)
+        }))
+    }
+}
+
+/// Runs `job` on a staging worker and hands its buffers and outcome to the returned future.
+fn spawn_owned<T: Element>(
+    plan: Plan,
+    job: impl FnOnce() -> (Vec<T>, DeviceBuffer<T>, Result<()>) + Send + 'static,
+) -> OwnedTransfer<T> {
+    let handoff = Handoff::new();
+    let back = Arc::clone(&handoff);
+    let path = plan.path;
+    workers::shared().spawn(move || {
+        let start = Instant::now();
+        let (host, device, outcome) = job();
+        let bytes = host.len() * size_of::<T>();
+        back.fill(Owned {
+            host,
+            device,
+            result: outcome.map(|()| TransferReport {
+                plan,
+                bytes,
+                elapsed: start.elapsed(),
+            }),
+        });
+    });
+    OwnedTransfer {
+        handoff,
+        path,
+        finished: false,
     }
 }

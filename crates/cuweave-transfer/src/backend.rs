@@ -112,16 +112,7 @@ impl TransferBackend for CudaBackend {
     }
 
     fn allocate(&self, device: usize, bytes: usize) -> Result<Self::Memory> {
-        let state = self
-            .manager
-            .devices
-            .get(device)
-            .ok_or(TransferError::OutOfRange {
-                side: "device ordinal",
-                offset: device,
-                len: 1,
-                capacity: self.manager.device_count(),
-            })?;
+        let state = self.manager.device(device)?;
         Ok(DeviceBuffer::zeroed(&state.context, bytes)?)
     }
 

@@ -1,5 +1,6 @@
-//! Measuring this machine: [`TransferManager::calibrate`] times each candidate method per path
-//! and size class, once per process.
+//! Measuring this machine: [`TransferManager::calibrate`] times each candidate method per path,
+//! device (or device pair) and size, and the fastest staging configuration per size, once per
+//! process.
 
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -7,12 +8,15 @@ use std::time::{Duration, Instant};
 use cuweave_memory::{DeviceBuffer, PinnedBuffer};
 use parking_lot::Mutex;
 
-use crate::calibration::{CalibrationTable, RegistrationCost};
+use crate::calibration::{CalibrationTable, Measure, RegistrationCost, StagingChoice};
 use crate::endpoint::{Destination, Source};
 use crate::error::{Result, TransferError};
-use crate::location::{SizeClass, TransferPath};
-use crate::manager::TransferManager;
+use crate::location::{Location, TransferPath};
+use crate::manager::{TransferManager, pipeline};
 use crate::method::TransferMethod;
+use crate::planner;
+use crate::staging::StagingConfig;
+use crate::stats::TransferStats;
 
 /// The calibration measured in this process, shared by every manager created after it.
 static PROCESS: OnceLock<Mutex<Option<CalibrationTable>>> = OnceLock::new();
@@ -25,6 +29,20 @@ fn remember(table: &CalibrationTable) {
     *PROCESS.get_or_init(|| Mutex::new(None)).lock() = Some(table.clone());
 }
 
+/// The transfer sizes calibration measures, each at its own size: every size class is
+/// represented (64 KiB up to 1 GiB), the mid sizes twice, so the method choice compares methods
+/// at the measured size nearest each transfer.
+pub const CALIBRATION_SIZES: [usize; 8] = [
+    64 << 10,
+    256 << 10,
+    1 << 20,
+    4 << 20,
+    16 << 20,
+    64 << 20,
+    256 << 20,
+    1 << 30,
+];
+
 /// The two sizes registration is timed at, to fit its fixed part and its part per MiB.
 const REGISTRATION_SIZES: [usize; 2] = [4 << 20, 64 << 20];
 /// Registrations timed per size; the fastest counts.
@@ -32,7 +50,11 @@ const REGISTRATION_RUNS: usize = 2;
 
 /// Repetitions per measurement: the best of these is kept (after one untimed warm-up run).
 fn repetitions(bytes: usize) -> usize {
-    if bytes <= 1 << 20 { 8 } else { 3 }
+    match bytes {
+        b if b <= 1 << 20 => 8,
+        b if b <= 64 << 20 => 3,
+        _ => 2,
+    }
 }
 
 fn best_gbps(bytes: usize, mut run: impl FnMut() -> Result<()>) -> Result<f64> {
@@ -46,16 +68,49 @@ fn best_gbps(bytes: usize, mut run: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(bytes as f64 / best.as_secs_f64().max(1e-9) / 1e9)
 }
 
+/// The staging configurations tried at `bytes`: the size's default
+/// ([`StagingConfig::for_size`]) with half, the same and double its chunk, each with half, the
+/// same and double its participants (at most this machine's host threads).
+pub fn staging_candidates(bytes: usize) -> Vec<StagingConfig> {
+    let base = StagingConfig::for_size(bytes);
+    let most = crate::staging::host_threads();
+    let mut out = Vec::new();
+    for chunk in [base.chunk_bytes / 2, base.chunk_bytes, base.chunk_bytes * 2] {
+        if chunk < (256 << 10) || chunk >= bytes {
+            continue;
+        }
+        for threads in [base.threads.div_ceil(2), base.threads, base.threads * 2] {
+            let config = StagingConfig {
+                chunk_bytes: chunk,
+                threads: threads.clamp(1, most),
+                ..base
+            };
+            if !out.contains(&config) {
+                out.push(config);
+            }
+        }
+    }
+    if out.is_empty() {
+        out.push(base);
+    }
+    out
+}
+
 impl TransferManager {
-    /// The calibration for this machine: measured once per process (each candidate method of
-    /// the pageable, pinned, registered and peer paths of device 0 — and of every device pair —
-    /// at each size class's [`SizeClass::calibration_bytes`], and the cost of registering host
-    /// memory, from `cuMemHostRegister` + `cuMemHostUnregister` of a 4 MiB and a 64 MiB
-    /// pageable buffer; a few hundred milliseconds on an H100), then reused by this and every
-    /// later manager. The result is also in use by this manager.
+    /// The calibration for this machine: measured once per process, then reused by this and
+    /// every later manager, and in use by this manager.
     ///
-    /// Where the driver cannot register host memory, the registration figures are left out
-    /// (with a `tracing` warning) and the rest is measured as usual.
+    /// For every device the manager serves: each candidate method of the pageable, pinned and
+    /// registered host paths at each of [`CALIBRATION_SIZES`] (each size class at its own
+    /// sizes, 1 GiB included), and for pageable copies the fastest [`StagingConfig`] of
+    /// [`staging_candidates`] per size; for every ordered pair of devices, the peer path's
+    /// candidates; and once, the cost of registering host memory (`cuMemHostRegister` +
+    /// `cuMemHostUnregister` of 4 MiB and 64 MiB). A few seconds per device on an H100; save
+    /// the table ([`CalibrationTable::save`]) to skip it next time.
+    ///
+    /// The measuring transfers are counted in calibration's own statistics, never in
+    /// [`stats`](Self::stats). Where the driver cannot register host memory, the registration
+    /// figures are left out (with a `tracing` warning).
     ///
     /// # Errors
     /// The driver's or memory layer's error when a measurement fails (nothing is cached then).
@@ -67,124 +122,195 @@ impl TransferManager {
         self.recalibrate()
     }
 
-    /// Measures again even if this process already calibrated (see [`calibrate`](Self::calibrate)).
+    /// Measures again even if this process already calibrated (see [`calibrate`](Self::calibrate)):
+    /// also the way to replace a table loaded from another machine.
     ///
     /// # Errors
     /// As [`calibrate`](Self::calibrate).
     pub fn recalibrate(&self) -> Result<CalibrationTable> {
+        let machine = self.machine();
         let mut table = CalibrationTable {
-            device: Some(cuweave_driver::Device::get(0)?.name()?),
+            device: machine.first().cloned(),
+            devices: machine,
             ..CalibrationTable::default()
         };
-        if self.device_count() > 0 {
-            self.measure_host_paths(&mut table)?;
+        let stats = TransferStats::default();
+        let devices = self.devices();
+        for (i, &device) in devices.iter().enumerate() {
+            self.measure_host_paths(device, i == 0, &mut table, &stats)?;
         }
-        for (a, b) in
-            (0..self.device_count()).flat_map(|a| (0..self.device_count()).map(move |b| (a, b)))
-        {
-            if a != b {
-                self.measure_peer_path(a, b, &mut table)?;
+        for &a in &devices {
+            for &b in &devices {
+                if a != b {
+                    self.measure_peer_path(a, b, &mut table, &stats)?;
+                }
             }
         }
         remember(&table);
         self.set_measured(table.clone());
         tracing::info!(
             entries = table.entries.len(),
+            transfers = stats
+                .snapshot()
+                .iter()
+                .map(|(_, _, s)| s.count)
+                .sum::<u64>(),
             "transfer calibration measured"
         );
         Ok(table)
     }
 
-    fn measure_host_paths(&self, table: &mut CalibrationTable) -> Result<()> {
-        let context = &self.device(0).context;
-        let largest = SizeClass::Huge.calibration_bytes();
-        let mut device = DeviceBuffer::<u8>::zeroed(context, largest)?;
-        let mut pinned = PinnedBuffer::<u8>::zeroed(context, largest)?;
+    /// Runs `method` from `src` to `dst`, counted in calibration's own `stats`.
+    fn run_with<T: cuweave_memory::Element>(
+        &self,
+        method: TransferMethod,
+        src: Source<'_, T>,
+        dst: Destination<'_, T>,
+        stats: &TransferStats,
+    ) -> Result<()> {
+        let (from, to) = (src.location(), dst.location());
+        let plan = planner::require(
+            TransferPath::between(from, to),
+            src.bytes(),
+            &self.facts(from, to),
+            method,
+        )
+        .map_err(|reason| TransferError::Unsupported {
+            method,
+            path: format!("{from} -> {to}"),
+            reason,
+        })?;
+        self.run(plan, src, dst, stats).map(drop)
+    }
+
+    fn measure_host_paths(
+        &self,
+        d: usize,
+        with_registration: bool,
+        table: &mut CalibrationTable,
+        stats: &TransferStats,
+    ) -> Result<()> {
+        let context = std::sync::Arc::clone(&self.device(d)?.context);
+        let largest = *CALIBRATION_SIZES.last().expect("sizes are listed");
+        let mut device = DeviceBuffer::<u8>::zeroed(&context, largest)?;
+        let mut pinned = PinnedBuffer::<u8>::zeroed(&context, largest)?;
         let mut host = vec![1u8; largest];
-        for class in SizeClass::ALL {
-            let bytes = class.calibration_bytes();
-            for (path, methods) in [
-                (
-                    TransferPath::PAGEABLE_TO_DEVICE,
-                    TransferMethod::candidates(TransferPath::PAGEABLE_TO_DEVICE),
-                ),
-                (
-                    TransferPath::DEVICE_TO_PAGEABLE,
-                    TransferMethod::candidates(TransferPath::DEVICE_TO_PAGEABLE),
-                ),
-                (
-                    TransferPath::PINNED_TO_DEVICE,
-                    TransferMethod::candidates(TransferPath::PINNED_TO_DEVICE),
-                ),
-                (
-                    TransferPath::DEVICE_TO_PINNED,
-                    TransferMethod::candidates(TransferPath::DEVICE_TO_PINNED),
-                ),
+        for bytes in CALIBRATION_SIZES {
+            for path in [
+                TransferPath::PAGEABLE_TO_DEVICE,
+                TransferPath::DEVICE_TO_PAGEABLE,
+                TransferPath::PINNED_TO_DEVICE,
+                TransferPath::DEVICE_TO_PINNED,
             ] {
-                for &method in methods {
-                    let gbps = best_gbps(bytes, || {
-                        match path {
-                            p if p == TransferPath::PAGEABLE_TO_DEVICE => self.transfer_with(
+                let (src, dst) = if path.src == crate::LocationKind::Device {
+                    (Location::Device(d), host_location(path.dst, d))
+                } else {
+                    (host_location(path.src, d), Location::Device(d))
+                };
+                let at = planner::Query::new(src, dst, bytes).measure;
+                for &method in TransferMethod::candidates(path) {
+                    let gbps = if method == TransferMethod::HostStaged {
+                        self.tune_staging(d, path, bytes, &mut host, &mut device, table)
+                    } else {
+                        best_gbps(bytes, || match path {
+                            p if p == TransferPath::PAGEABLE_TO_DEVICE => self.run_with(
                                 method,
-                                &host[..bytes],
+                                Source::Host(&host[..bytes]),
                                 Destination::Device(&mut device, 0),
+                                stats,
                             ),
-                            p if p == TransferPath::DEVICE_TO_PAGEABLE => self.transfer_with(
+                            p if p == TransferPath::DEVICE_TO_PAGEABLE => self.run_with(
                                 method,
                                 Source::device(&device, 0, bytes),
                                 Destination::Host(&mut host[..bytes]),
+                                stats,
                             ),
-                            p if p == TransferPath::PINNED_TO_DEVICE => self.transfer_with(
+                            p if p == TransferPath::PINNED_TO_DEVICE => self.run_with(
                                 method,
                                 Source::pinned(&pinned, 0, bytes),
                                 Destination::Device(&mut device, 0),
+                                stats,
                             ),
-                            _ => self.transfer_with(
+                            _ => self.run_with(
                                 method,
                                 Source::device(&device, 0, bytes),
                                 Destination::Pinned(&mut pinned, 0),
+                                stats,
                             ),
-                        }
-                        .map(drop)
-                    });
+                        })
+                    };
                     match gbps {
-                        Ok(gbps) => table.record(path, class, method, gbps),
+                        Ok(gbps) => table.record_at(at, method, gbps),
                         // A method the devices cannot do is not a candidate; skip it.
-                        Err(crate::TransferError::Unsupported { .. }) => {}
+                        Err(TransferError::Unsupported { .. }) => {}
                         Err(error) => return Err(error),
                     }
                 }
             }
         }
-        match self.measure_registration(&mut host, &mut device, table) {
-            Ok(()) => {}
-            // The driver refused to register (or unregister) host memory: leave the
-            // registration figures out rather than the whole calibration.
-            Err(TransferError::Driver(error)) => {
-                tracing::warn!(%error, "host registration not calibrated");
+        if with_registration {
+            match self.measure_registration_cost(d, &mut host) {
+                Ok(cost) => table.registration = Some(cost),
+                // The driver refused to register (or unregister) host memory: leave the
+                // registration figures out rather than the whole calibration.
+                Err(TransferError::Driver(error)) => {
+                    tracing::warn!(%error, "host registration not calibrated");
+                    return Ok(());
+                }
+                Err(error) => return Err(error),
             }
-            Err(error) => return Err(error),
         }
-        // Calibration does not count as traffic.
-        self.stats().reset();
-        Ok(())
+        match self.measure_registered_paths(d, &mut host, &mut device, table, stats) {
+            Ok(()) | Err(TransferError::Driver(_)) => Ok(()),
+            Err(error) => Err(error),
+        }
     }
 
-    /// The cost of registering (fitted through [`REGISTRATION_SIZES`]) and the registered
-    /// paths' `DirectCopy` per size class, with `host` (pageable, every page touched)
-    /// page-locked in place.
-    fn measure_registration(
+    /// Tries every [`staging_candidates`] configuration for a pageable `path` at `bytes` on
+    /// device `d`, records the fastest as the size's staging choice, and returns its figure.
+    fn tune_staging(
         &self,
+        d: usize,
+        path: TransferPath,
+        bytes: usize,
         host: &mut [u8],
         device: &mut DeviceBuffer<u8>,
         table: &mut CalibrationTable,
-    ) -> Result<()> {
+    ) -> Result<f64> {
+        let lane = self.lane(d)?;
+        let mut best: Option<(StagingConfig, f64)> = None;
+        for config in staging_candidates(bytes) {
+            let gbps = best_gbps(bytes, || {
+                let pipe = pipeline(&lane, config);
+                if path == TransferPath::PAGEABLE_TO_DEVICE {
+                    pipe.upload(&host[..bytes], &mut *device, 0)
+                } else {
+                    pipe.download(&*device, 0, &mut host[..bytes])
+                }
+            })?;
+            if best.is_none_or(|(_, b)| gbps > b) {
+                best = Some((config, gbps));
+            }
+        }
+        let (config, gbps) = best.expect("at least one candidate");
+        table.record_staging(StagingChoice {
+            path,
+            device: d,
+            bytes,
+            config,
+            gbps: (gbps * 100.0).round() / 100.0,
+        });
+        Ok(gbps)
+    }
+
+    /// The cost of registering host memory, fitted through [`REGISTRATION_SIZES`].
+    fn measure_registration_cost(&self, d: usize, host: &mut [u8]) -> Result<RegistrationCost> {
         let [small, large] = REGISTRATION_SIZES;
         let mut time = |bytes: usize| -> Result<Duration> {
             let mut best = Duration::MAX;
             for _ in 0..REGISTRATION_RUNS {
                 let start = Instant::now();
-                self.register_host(0, &mut host[..bytes])?.unregister()?;
+                self.register_host(d, &mut host[..bytes])?.unregister()?;
                 best = best.min(start.elapsed());
             }
             Ok(best)
@@ -197,63 +323,119 @@ impl TransferManager {
             ?large_time,
             "host registration measured"
         );
-        table.registration = Some(cost);
+        Ok(cost)
+    }
 
+    /// The registered paths' `DirectCopy` per size on device `d`, with `host` (pageable, every
+    /// page touched) page-locked in place.
+    fn measure_registered_paths(
+        &self,
+        d: usize,
+        host: &mut [u8],
+        device: &mut DeviceBuffer<u8>,
+        table: &mut CalibrationTable,
+        stats: &TransferStats,
+    ) -> Result<()> {
         let method = TransferMethod::DirectCopy;
-        let mut registered = self.register_host(0, host)?;
-        for class in SizeClass::ALL {
-            let bytes = class.calibration_bytes();
+        let mut registered = self.register_host(d, host)?;
+        for bytes in CALIBRATION_SIZES {
             let up = best_gbps(bytes, || {
-                self.transfer_with(
+                self.run_with(
                     method,
                     Source::registered(&registered, 0, bytes),
                     Destination::Device(&mut *device, 0),
+                    stats,
                 )
-                .map(drop)
             })?;
-            table.record(TransferPath::REGISTERED_TO_DEVICE, class, method, up);
+            let at = planner::Query::new(Location::RegisteredHost(d), Location::Device(d), bytes);
+            table.record_at(at.measure, method, up);
             let down = best_gbps(bytes, || {
-                self.transfer_with(
+                self.run_with(
                     method,
                     Source::device(device, 0, bytes),
                     Destination::registered(&mut registered, 0),
+                    stats,
                 )
-                .map(drop)
             })?;
-            table.record(TransferPath::DEVICE_TO_REGISTERED, class, method, down);
+            let at = planner::Query::new(Location::Device(d), Location::RegisteredHost(d), bytes);
+            table.record_at(at.measure, method, down);
         }
         registered.unregister()?;
         Ok(())
     }
 
+    /// The peer path's candidates from device `from` to device `to`, per size, recorded for
+    /// that ordered pair.
     fn measure_peer_path(
         &self,
         from: usize,
         to: usize,
         table: &mut CalibrationTable,
+        stats: &TransferStats,
     ) -> Result<()> {
-        let largest = SizeClass::Huge.calibration_bytes();
-        let src = DeviceBuffer::<u8>::zeroed(&self.device(from).context, largest)?;
-        let mut dst = DeviceBuffer::<u8>::zeroed(&self.device(to).context, largest)?;
-        for class in SizeClass::ALL {
-            let bytes = class.calibration_bytes();
+        let largest = *CALIBRATION_SIZES.last().expect("sizes are listed");
+        let src = DeviceBuffer::<u8>::zeroed(&self.device(from)?.context, largest)?;
+        let mut dst = DeviceBuffer::<u8>::zeroed(&self.device(to)?.context, largest)?;
+        for bytes in CALIBRATION_SIZES {
+            let at = peer_measure(from, to, bytes);
             for &method in TransferMethod::candidates(TransferPath::PEER) {
                 let gbps = best_gbps(bytes, || {
-                    self.transfer_with(
+                    self.run_with(
                         method,
                         Source::device(&src, 0, bytes),
                         Destination::Device(&mut dst, 0),
+                        stats,
                     )
-                    .map(drop)
                 });
                 match gbps {
-                    Ok(gbps) => table.record(TransferPath::PEER, class, method, gbps),
-                    Err(crate::TransferError::Unsupported { .. }) => {}
+                    Ok(gbps) => table.record_at(at, method, gbps),
+                    Err(TransferError::Unsupported { .. }) => {}
                     Err(error) => return Err(error),
                 }
             }
         }
-        self.stats().reset();
         Ok(())
+    }
+}
+
+/// The calibration key of a copy of `bytes` from device `from` to device `to`.
+pub fn peer_measure(from: usize, to: usize, bytes: usize) -> Measure {
+    planner::Query::new(Location::Device(from), Location::Device(to), bytes).measure
+}
+
+/// The location of host memory of `kind` used with device `d`.
+fn host_location(kind: crate::LocationKind, d: usize) -> Location {
+    match kind {
+        crate::LocationKind::Pinned => Location::PinnedHost(d),
+        _ => Location::PageableHost,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_size_class_is_measured_at_its_own_size() {
+        use crate::SizeClass;
+        for class in SizeClass::ALL {
+            assert!(
+                CALIBRATION_SIZES.iter().any(|&b| SizeClass::of(b) == class),
+                "{class}"
+            );
+        }
+        assert!(CALIBRATION_SIZES.contains(&(1 << 30)));
+    }
+
+    #[test]
+    fn staging_candidates_are_distinct_and_fit_the_size() {
+        for &bytes in &CALIBRATION_SIZES {
+            let candidates = staging_candidates(bytes);
+            assert!(!candidates.is_empty());
+            for (i, c) in candidates.iter().enumerate() {
+                assert!(c.chunk_bytes > 0 && c.threads > 0 && c.depth > 0);
+                assert!(!candidates[..i].contains(c));
+            }
+        }
     }
 }

@@ -10,19 +10,117 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Result, TransferError};
 use crate::location::{SizeClass, TransferPath};
 use crate::method::TransferMethod;
+use crate::staging::StagingConfig;
+
+/// How far apart two transfer sizes are, on a log scale: the larger over the smaller (1 for
+/// equal sizes). Cheap enough for every transfer's planning (no logarithm).
+pub(crate) fn size_distance(a: usize, b: usize) -> f64 {
+    let (a, b) = (a.max(1) as f64, b.max(1) as f64);
+    if a > b { a / b } else { b / a }
+}
+
+/// The machine [`CalibrationTable::h100_defaults`] was measured on.
+pub const DEFAULT_MACHINE: &str = "NVIDIA H100 80GB HBM3";
 
 /// One measurement: `method` moved `path`'s bytes at `gbps` (10^9 bytes per second) for
-/// transfers of `size_class`.
+/// transfers of `bytes` (in `size_class`), between the given devices.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct CalibrationEntry {
     /// The path measured.
     pub path: TransferPath,
-    /// The size class measured (at [`SizeClass::calibration_bytes`]).
+    /// The size class measured.
     pub size_class: SizeClass,
     /// The method measured.
     pub method: TransferMethod,
     /// Best bandwidth seen, GB/s.
     pub gbps: f64,
+    /// The transfer size measured (0 in files written before sizes were recorded: then the
+    /// class's [`SizeClass::calibration_bytes`]).
+    #[serde(default)]
+    pub bytes: usize,
+    /// The source's device (`None`: host memory, or a figure for any device).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub src_device: Option<usize>,
+    /// The destination's device (`None`: host memory, or a figure for any device).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dst_device: Option<usize>,
+}
+
+impl CalibrationEntry {
+    /// The size measured (the class's calibration size for old files).
+    pub fn measured_bytes(&self) -> usize {
+        if self.bytes == 0 {
+            self.size_class.calibration_bytes()
+        } else {
+            self.bytes
+        }
+    }
+}
+
+/// What one transfer is, as far as the calibration is concerned: its path, the devices on
+/// each side and its size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Measure {
+    /// The path.
+    pub path: TransferPath,
+    /// The source's device, if it has one.
+    pub src_device: Option<usize>,
+    /// The destination's device, if it has one.
+    pub dst_device: Option<usize>,
+    /// Bytes moved.
+    pub bytes: usize,
+}
+
+/// The staging configuration calibration found fastest for one path, device and size.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct StagingChoice {
+    /// The path (pageable to device, or device to pageable).
+    pub path: TransferPath,
+    /// The device.
+    pub device: usize,
+    /// The size measured.
+    pub bytes: usize,
+    /// The fastest configuration there.
+    pub config: StagingConfig,
+    /// Its bandwidth, GB/s.
+    pub gbps: f64,
+}
+
+/// A calibration table whose devices are not this machine's (see
+/// [`TransferManager::set_calibration`](crate::TransferManager::set_calibration)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MachineMismatch {
+    /// The devices the table was measured on (empty: not recorded).
+    pub table: Vec<String>,
+    /// This machine's devices.
+    pub machine: Vec<String>,
+}
+
+impl MachineMismatch {
+    /// The table's machine, as plans name it.
+    pub fn measured_on(&self) -> String {
+        if self.table.is_empty() {
+            "an unrecorded machine".to_owned()
+        } else {
+            self.table.join(" + ")
+        }
+    }
+}
+
+impl std::fmt::Display for MachineMismatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "calibration measured on {}, this machine has {}; TransferManager::recalibrate() \
+             measures this machine",
+            self.measured_on(),
+            if self.machine.is_empty() {
+                "no devices".to_owned()
+            } else {
+                self.machine.join(" + ")
+            }
+        )
+    }
 }
 
 /// Bandwidth figures the method choice reads: from [`calibrate`](crate::TransferManager::calibrate)
@@ -43,8 +141,14 @@ pub struct CalibrationEntry {
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct CalibrationTable {
-    /// What the figures were measured on (device name), if known.
+    /// What the figures were measured on (device 0's name, or a label), if known.
     pub device: Option<String>,
+    /// Every device of the machine measured, by ordinal (empty in older files).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<String>,
+    /// The fastest staging configuration per path, device and size.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub staging: Vec<StagingChoice>,
     /// The measurements.
     pub entries: Vec<CalibrationEntry>,
     /// What registering and unregistering host memory costs here, if measured (files written
@@ -128,25 +232,154 @@ impl CalibrationTable {
         method: TransferMethod,
         gbps: f64,
     ) {
+        let at = Measure {
+            path,
+            src_device: None,
+            dst_device: None,
+            bytes: size_class.calibration_bytes(),
+        };
+        self.record_at(at, method, gbps);
+    }
+
+    /// Records (or replaces) the figure for `method` on one measured transfer `at`, rounded
+    /// to 0.01 GB/s.
+    pub fn record_at(&mut self, at: Measure, method: TransferMethod, gbps: f64) {
         // Two decimals are all a measurement carries, and they survive JSON exactly.
         let gbps = (gbps * 100.0).round() / 100.0;
         let entry = CalibrationEntry {
-            path,
-            size_class,
+            path: at.path,
+            size_class: SizeClass::of(at.bytes),
             method,
             gbps,
+            bytes: at.bytes,
+            src_device: at.src_device,
+            dst_device: at.dst_device,
         };
-        match self
-            .entries
-            .iter_mut()
-            .find(|e| e.path == path && e.size_class == size_class && e.method == method)
-        {
+        match self.entries.iter_mut().find(|e| {
+            e.path == at.path
+                && e.measured_bytes() == at.bytes
+                && e.method == method
+                && e.src_device == at.src_device
+                && e.dst_device == at.dst_device
+        }) {
             Some(existing) => *existing = entry,
             None => self.entries.push(entry),
         }
     }
 
-    /// The figure for one method, if measured.
+    /// The fastest of `allowed` for a transfer like `at`, with its figure and the size it was
+    /// measured at: among the entries for `at`'s devices (else those for any device), at the
+    /// measured size nearest `at.bytes` (on a log scale) where one of `allowed` was measured,
+    /// so that methods are compared at one size, never one method's 16 MiB figure against
+    /// another's 1 MiB. Ties go to the method listed first in `allowed`.
+    pub fn best_at(
+        &self,
+        at: Measure,
+        allowed: &[TransferMethod],
+    ) -> Option<(TransferMethod, f64, usize)> {
+        // One pass picks the entries that apply (for these devices if any were measured, else
+        // those for any device) and the measured size nearest the transfer's: this runs on
+        // every transfer, so it must stay cheap (no allocation, no logarithms).
+        let relevant = |e: &&CalibrationEntry| e.path == at.path && allowed.contains(&e.method);
+        let exact =
+            |e: &CalibrationEntry| e.src_device == at.src_device && e.dst_device == at.dst_device;
+        let any = |e: &CalibrationEntry| e.src_device.is_none() && e.dst_device.is_none();
+        let ratio = |bytes: usize| size_distance(bytes, at.bytes);
+        let mut have_exact = false;
+        let mut size: Option<(bool, f64, usize)> = None;
+        for e in self.entries.iter().filter(relevant) {
+            let is_exact = exact(e);
+            if !is_exact && !any(e) {
+                continue;
+            }
+            let bytes = e.measured_bytes();
+            let candidate = (is_exact, ratio(bytes), bytes);
+            have_exact |= is_exact;
+            size = match size {
+                None => Some(candidate),
+                Some(best)
+                    if (candidate.0, -candidate.1, std::cmp::Reverse(candidate.2))
+                        > (best.0, -best.1, std::cmp::Reverse(best.2)) =>
+                {
+                    Some(candidate)
+                }
+                keep => keep,
+            };
+        }
+        let (_, _, size) = size?;
+        let mut best: Option<(TransferMethod, f64, usize)> = None;
+        for &method in allowed {
+            let figure = self
+                .entries
+                .iter()
+                .filter(relevant)
+                .find(|e| {
+                    e.method == method
+                        && e.measured_bytes() == size
+                        && if have_exact { exact(e) } else { any(e) }
+                })
+                .map(|e| e.gbps);
+            if let Some(gbps) = figure
+                && best.is_none_or(|(_, b, _)| gbps > b)
+            {
+                best = Some((method, gbps, size));
+            }
+        }
+        best
+    }
+
+    /// The figure for `method` at the entry [`best_at`](Self::best_at) would compare for `at`.
+    pub fn gbps_at(&self, at: Measure, method: TransferMethod) -> Option<f64> {
+        self.best_at(at, &[method]).map(|(_, gbps, _)| gbps)
+    }
+
+    /// Records the fastest staging configuration measured for `path` on `device` at `bytes`.
+    pub fn record_staging(&mut self, choice: StagingChoice) {
+        self.staging
+            .retain(|c| (c.path, c.device, c.bytes) != (choice.path, choice.device, choice.bytes));
+        self.staging.push(choice);
+    }
+
+    /// The staging configuration measured fastest for `path` on `device` at the size nearest
+    /// `bytes` (log scale), if any was measured.
+    pub fn staging_for(
+        &self,
+        path: TransferPath,
+        device: usize,
+        bytes: usize,
+    ) -> Option<StagingConfig> {
+        let distance = |b: usize| size_distance(b, bytes);
+        self.staging
+            .iter()
+            .filter(|c| c.path == path && c.device == device)
+            .min_by(|a, b| distance(a.bytes).total_cmp(&distance(b.bytes)))
+            .map(|c| c.config)
+    }
+
+    /// `None` when the table was measured on a machine with exactly the devices `machine`
+    /// (names by ordinal), else what differs. Tables without a device list compare their
+    /// `device` label with device 0.
+    pub fn check_machine(&self, machine: &[String]) -> Option<MachineMismatch> {
+        let table = if self.devices.is_empty() {
+            self.device.iter().cloned().collect::<Vec<_>>()
+        } else {
+            self.devices.clone()
+        };
+        let same = if self.devices.is_empty() {
+            table.len() == 1 && machine.first() == table.first()
+        } else {
+            table == machine
+        };
+        (!same).then(|| MachineMismatch {
+            table,
+            machine: machine.to_vec(),
+        })
+    }
+
+    /// The figure for one method in one size class, if measured: the figure for any device
+    /// where one was recorded, else the lowest device's (pair's), at the class's
+    /// [`SizeClass::calibration_bytes`] where measured there, else at the largest size
+    /// measured in the class.
     pub fn gbps(
         &self,
         path: TransferPath,
@@ -155,7 +388,17 @@ impl CalibrationTable {
     ) -> Option<f64> {
         self.entries
             .iter()
-            .find(|e| e.path == path && e.size_class == size_class && e.method == method)
+            .filter(|e| e.path == path && e.size_class == size_class && e.method == method)
+            .min_by_key(|e| {
+                let bytes = e.measured_bytes();
+                (
+                    e.src_device.is_some() || e.dst_device.is_some(),
+                    e.src_device,
+                    e.dst_device,
+                    bytes != size_class.calibration_bytes(),
+                    std::cmp::Reverse(bytes),
+                )
+            })
             .map(|e| e.gbps)
     }
 
@@ -180,7 +423,7 @@ impl CalibrationTable {
 
     /// Whether nothing was measured (no bandwidth and no registration cost).
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty() && self.registration.is_none()
+        self.entries.is_empty() && self.registration.is_none() && self.staging.is_empty()
     }
 
     /// The table as pretty JSON.
@@ -228,104 +471,118 @@ impl CalibrationTable {
         })
     }
 
-    /// The figures used when nothing was measured: `TransferManager::calibrate` on an NVIDIA
-    /// H100 80GB HBM3 (PCIe Gen5 host link, driver 580) with the default staging configuration,
-    /// as listed in `docs/transfer.md`.
+    /// The figures used when nothing was measured: [`TransferManager::calibrate`] on an NVIDIA
+    /// H100 80GB HBM3 host (PCIe Gen5, 16 host threads, driver 580), at each of
+    /// [`CALIBRATION_SIZES`](crate::CALIBRATION_SIZES), as listed in `docs/transfer.md`. Plans that use them say so and name that machine
+    /// ([`DEFAULT_MACHINE`]).
     ///
-    /// Only paths with a real choice are listed; the others have one candidate (registered
-    /// host memory moves at the pinned figures). The registration cost is
-    /// [`RegistrationCost::H100_DEFAULT`], measured on the H100 host.
+    /// Only host paths with a real choice are listed; device pairs have no default (no pair was
+    /// measured), so until calibration they go by preference (peer access where the devices
+    /// allow it). The registration cost is [`RegistrationCost::H100_DEFAULT`].
+    ///
+    /// [`TransferManager::calibrate`]: crate::TransferManager::calibrate
     pub fn h100_defaults() -> Self {
-        use TransferMethod::{DirectCopy, HostStaged, PeerToPeer, ZeroCopy};
         let mut table = Self {
-            device: Some("NVIDIA H100 80GB HBM3 (defaults)".to_owned()),
-            entries: Vec::new(),
+            device: Some(format!("{DEFAULT_MACHINE} (defaults)")),
+            devices: vec![DEFAULT_MACHINE.to_owned()],
             registration: Some(RegistrationCost::H100_DEFAULT),
+            ..Self::default()
         };
-        let rows: &[DefaultRow] = &[
-            (
-                TransferPath::PAGEABLE_TO_DEVICE,
-                DEFAULT_PAGEABLE_H2D,
-                DirectCopy,
-                HostStaged,
-            ),
-            (
-                TransferPath::DEVICE_TO_PAGEABLE,
-                DEFAULT_PAGEABLE_D2H,
-                DirectCopy,
-                HostStaged,
-            ),
-            (
-                TransferPath::PINNED_TO_DEVICE,
-                DEFAULT_PINNED_H2D,
-                DirectCopy,
-                ZeroCopy,
-            ),
-            (
-                TransferPath::DEVICE_TO_PINNED,
-                DEFAULT_PINNED_D2H,
-                DirectCopy,
-                ZeroCopy,
-            ),
-            (TransferPath::PEER, DEFAULT_PEER, HostStaged, PeerToPeer),
-        ];
-        for &(path, figures, first, second) in rows {
-            for (class, a, b) in figures {
-                table.record(path, class, first, a);
-                table.record(path, class, second, b);
-            }
+        for &(path, bytes, method, gbps) in DEFAULTS {
+            let at = Measure {
+                path,
+                src_device: None,
+                dst_device: None,
+                bytes,
+            };
+            table.record_at(at, method, gbps);
         }
         table
     }
 }
 
-/// A path's default figures and the two methods they are for.
-type DefaultRow = (
-    TransferPath,
-    [(SizeClass, f64, f64); 5],
-    TransferMethod,
-    TransferMethod,
-);
+/// One default figure: path, size measured, method, GB/s.
+type DefaultRow = (TransferPath, usize, TransferMethod, f64);
 
-// Measured figures (GB/s) per size class: (class, first method, second method) in the order of
-// the rows in `h100_defaults`. From `TransferManager::calibrate` on the H100 (run 1 of issue 8,
-// staging 4 MiB x 2 x 6 threads; Large and Huge are both measured at 64 MiB), rounded; the peer
-// row is the H200 pair's expected NVLink figure until measured. See docs/transfer.md.
-const DEFAULT_PAGEABLE_H2D: [(SizeClass, f64, f64); 5] = [
-    (SizeClass::Tiny, 2.02, 3.66),
-    (SizeClass::Small, 10.34, 8.57),
-    (SizeClass::Medium, 10.89, 15.94),
-    (SizeClass::Large, 8.04, 29.9),
-    (SizeClass::Huge, 7.46, 23.95),
-];
-const DEFAULT_PAGEABLE_D2H: [(SizeClass, f64, f64); 5] = [
-    (SizeClass::Tiny, 3.03, 3.88),
-    (SizeClass::Small, 7.82, 9.24),
-    (SizeClass::Medium, 9.89, 19.79),
-    (SizeClass::Large, 10.47, 23.67),
-    (SizeClass::Huge, 10.34, 30.0),
-];
-const DEFAULT_PINNED_H2D: [(SizeClass, f64, f64); 5] = [
-    (SizeClass::Tiny, 4.1, 5.23),
-    (SizeClass::Small, 29.55, 34.13),
-    (SizeClass::Medium, 52.36, 53.16),
-    (SizeClass::Large, 54.26, 54.54),
-    (SizeClass::Huge, 54.23, 54.6),
-];
-const DEFAULT_PINNED_D2H: [(SizeClass, f64, f64); 5] = [
-    (SizeClass::Tiny, 4.54, 5.87),
-    (SizeClass::Small, 31.54, 34.28),
-    (SizeClass::Medium, 52.76, 53.28),
-    (SizeClass::Large, 54.47, 54.69),
-    (SizeClass::Huge, 54.29, 54.69),
-];
-const DEFAULT_PEER: [(SizeClass, f64, f64); 5] = [
-    (SizeClass::Tiny, 1.0, 20.0),
-    (SizeClass::Small, 8.0, 150.0),
-    (SizeClass::Medium, 20.0, 350.0),
-    (SizeClass::Large, 25.0, 390.0),
-    (SizeClass::Huge, 25.0, 390.0),
-];
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+const GIB: usize = 1 << 30;
+
+// From `TransferManager::calibrate` on the H100 host, device 0 (issue 15, GPU run 1: the
+// staging sweep example with SWEEP_CALIBRATE=1), GB/s at each calibration size.
+const DEFAULTS: &[DefaultRow] = {
+    use TransferMethod::{DirectCopy as D, HostStaged as S, ZeroCopy as Z};
+    const H2D: TransferPath = TransferPath::PAGEABLE_TO_DEVICE;
+    const D2H: TransferPath = TransferPath::DEVICE_TO_PAGEABLE;
+    const PH2D: TransferPath = TransferPath::PINNED_TO_DEVICE;
+    const PD2H: TransferPath = TransferPath::DEVICE_TO_PINNED;
+    &[
+        (H2D, 64 * KIB, D, 2.45),
+        (H2D, 64 * KIB, S, 4.79),
+        (H2D, 256 * KIB, D, 8.36),
+        (H2D, 256 * KIB, S, 6.86),
+        (H2D, MIB, D, 11.08),
+        (H2D, MIB, S, 15.63),
+        (H2D, 4 * MIB, D, 12.59),
+        (H2D, 4 * MIB, S, 21.17),
+        (H2D, 16 * MIB, D, 13.97),
+        (H2D, 16 * MIB, S, 34.56),
+        (H2D, 64 * MIB, D, 8.04),
+        (H2D, 64 * MIB, S, 39.48),
+        (H2D, 256 * MIB, D, 7.71),
+        (H2D, 256 * MIB, S, 40.02),
+        (H2D, GIB, D, 8.46),
+        (H2D, GIB, S, 43.9),
+        (D2H, 64 * KIB, D, 3.49),
+        (D2H, 64 * KIB, S, 5.03),
+        (D2H, 256 * KIB, D, 6.73),
+        (D2H, 256 * KIB, S, 6.77),
+        (D2H, MIB, D, 8.65),
+        (D2H, MIB, S, 11.33),
+        (D2H, 4 * MIB, D, 9.94),
+        (D2H, 4 * MIB, S, 15.82),
+        (D2H, 16 * MIB, D, 9.72),
+        (D2H, 16 * MIB, S, 26.26),
+        (D2H, 64 * MIB, D, 13.65),
+        (D2H, 64 * MIB, S, 41.47),
+        (D2H, 256 * MIB, D, 11.14),
+        (D2H, 256 * MIB, S, 48.28),
+        (D2H, GIB, D, 8.79),
+        (D2H, GIB, S, 51.89),
+        (PH2D, 64 * KIB, D, 6.09),
+        (PH2D, 64 * KIB, Z, 5.98),
+        (PH2D, 256 * KIB, D, 18.24),
+        (PH2D, 256 * KIB, Z, 17.89),
+        (PH2D, MIB, D, 35.27),
+        (PH2D, MIB, Z, 35.57),
+        (PH2D, 4 * MIB, D, 48.55),
+        (PH2D, 4 * MIB, Z, 48.64),
+        (PH2D, 16 * MIB, D, 52.85),
+        (PH2D, 16 * MIB, Z, 52.8),
+        (PH2D, 64 * MIB, D, 54.65),
+        (PH2D, 64 * MIB, Z, 54.83),
+        (PH2D, 256 * MIB, D, 48.41),
+        (PH2D, 256 * MIB, Z, 51.08),
+        (PH2D, GIB, D, 49.33),
+        (PH2D, GIB, Z, 54.53),
+        (PD2H, 64 * KIB, D, 6.98),
+        (PD2H, 64 * KIB, Z, 6.82),
+        (PD2H, 256 * KIB, D, 19.24),
+        (PD2H, 256 * KIB, Z, 19.79),
+        (PD2H, MIB, D, 37.0),
+        (PD2H, MIB, Z, 37.34),
+        (PD2H, 4 * MIB, D, 49.19),
+        (PD2H, 4 * MIB, Z, 49.38),
+        (PD2H, 16 * MIB, D, 52.97),
+        (PD2H, 16 * MIB, Z, 53.16),
+        (PD2H, 64 * MIB, D, 54.89),
+        (PD2H, 64 * MIB, Z, 54.76),
+        (PD2H, 256 * MIB, D, 53.56),
+        (PD2H, 256 * MIB, Z, 54.94),
+        (PD2H, GIB, D, 54.75),
+        (PD2H, GIB, Z, 55.02),
+    ]
+};
 
 #[cfg(test)]
 mod tests {
@@ -384,5 +641,82 @@ mod tests {
             CalibrationTable::h100_defaults().registration,
             Some(RegistrationCost::H100_DEFAULT)
         );
+    }
+}
+
+#[cfg(test)]
+mod machine_tests {
+    use super::*;
+
+    #[test]
+    fn tables_from_other_machines_are_found_out() {
+        let here = vec!["NVIDIA H100 80GB HBM3".to_owned()];
+        let defaults = CalibrationTable::h100_defaults();
+        assert_eq!(defaults.check_machine(&here), None);
+        let two = vec![here[0].clone(), here[0].clone()];
+        let mismatch = defaults.check_machine(&two).unwrap();
+        assert!(mismatch.to_string().contains("recalibrate"), "{mismatch}");
+        // An old file with only a device label, and one with nothing at all.
+        let old = CalibrationTable {
+            device: Some("NVIDIA A100-SXM4-40GB".to_owned()),
+            ..CalibrationTable::default()
+        };
+        assert_eq!(
+            old.check_machine(&here).unwrap().measured_on(),
+            "NVIDIA A100-SXM4-40GB"
+        );
+        assert_eq!(
+            CalibrationTable::default()
+                .check_machine(&here)
+                .unwrap()
+                .measured_on(),
+            "an unrecorded machine"
+        );
+    }
+
+    #[test]
+    fn staging_choices_are_per_path_device_and_nearest_size() {
+        let mut table = CalibrationTable::default();
+        let config = |chunk_bytes| StagingConfig {
+            chunk_bytes,
+            depth: 2,
+            threads: 8,
+        };
+        let h2d = TransferPath::PAGEABLE_TO_DEVICE;
+        for (bytes, chunk) in [(4 << 20, 256 << 10), (256 << 20, 4 << 20)] {
+            table.record_staging(StagingChoice {
+                path: h2d,
+                device: 0,
+                bytes,
+                config: config(chunk),
+                gbps: 30.0,
+            });
+        }
+        // Replacing keeps one choice per key (the table stays bounded over recalibrations).
+        for _ in 0..1000 {
+            table.record_staging(StagingChoice {
+                path: h2d,
+                device: 0,
+                bytes: 4 << 20,
+                config: config(512 << 10),
+                gbps: 31.0,
+            });
+        }
+        assert_eq!(table.staging.len(), 2);
+        assert_eq!(
+            table.staging_for(h2d, 0, 3 << 20).unwrap().chunk_bytes,
+            512 << 10
+        );
+        assert_eq!(
+            table.staging_for(h2d, 0, 1 << 30).unwrap().chunk_bytes,
+            4 << 20
+        );
+        assert_eq!(table.staging_for(h2d, 1, 4 << 20), None);
+        assert_eq!(
+            table.staging_for(TransferPath::DEVICE_TO_PAGEABLE, 0, 4 << 20),
+            None
+        );
+        let back = CalibrationTable::from_json(&table.to_json()).unwrap();
+        assert_eq!(back, table);
     }
 }

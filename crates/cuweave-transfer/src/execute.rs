@@ -6,7 +6,8 @@ use cuweave_memory::{Buffer, Element, MemLocation, UnifiedBuffer};
 
 use crate::endpoint::{Destination, Source};
 use crate::error::{Result, TransferError};
-use crate::manager::TransferManager;
+use crate::location::TransferPath;
+use crate::manager::{TransferManager, pipeline};
 use crate::method::TransferMethod;
 use crate::staging::bounce;
 
@@ -34,11 +35,23 @@ pub(crate) fn execute<T: Element>(
 
         // Pageable host <-> device: the plain call or the pipeline.
         (S::Host(s), D::Device(b, o)) => match method {
-            HostStaged => manager.pipeline(b.device().ordinal()).upload(s, b, o)?,
+            HostStaged => {
+                let device = b.device().ordinal();
+                let lane = manager.lane(device)?;
+                let config =
+                    manager.staging_for(TransferPath::PAGEABLE_TO_DEVICE, device, size_of_val(s));
+                pipeline(&lane, config).upload(s, b, o)?;
+            }
             _ => b.copy_range_from_host(o, s)?,
         },
         (S::Device(b, o, _), D::Host(d)) => match method {
-            HostStaged => manager.pipeline(b.device().ordinal()).download(b, o, d)?,
+            HostStaged => {
+                let device = b.device().ordinal();
+                let lane = manager.lane(device)?;
+                let config =
+                    manager.staging_for(TransferPath::DEVICE_TO_PAGEABLE, device, size_of_val(d));
+                pipeline(&lane, config).download(b, o, d)?;
+            }
             _ => b.copy_range_to_host(o, d)?,
         },
 
@@ -59,20 +72,24 @@ pub(crate) fn execute<T: Element>(
                 _ if from == to => d.copy_range_from(o2, s, o, n)?,
                 PeerToPeer => {
                     manager.enable_peers(from, to)?;
-                    copy_peer(d, o2, s, o, n, &manager.device(to).streams[0])?;
+                    copy_peer(d, o2, s, o, n, manager.lane(to)?.stream())?;
                 }
-                HostStaged => bounce(
-                    &manager.device(from).pool,
-                    manager.staging(),
-                    s,
-                    o,
-                    &manager.device(from).streams[0],
-                    d,
-                    o2,
-                    &manager.device(to).streams[0],
-                    n,
-                )?,
-                _ => copy_peer(d, o2, s, o, n, &manager.device(to).streams[0])?,
+                HostStaged => {
+                    let (src_lane, dst_lane) = (manager.lane(from)?, manager.lane(to)?);
+                    let config = manager.staging_for(TransferPath::PEER, from, n * size_of::<T>());
+                    bounce(
+                        &src_lane.state.pool,
+                        config,
+                        s,
+                        o,
+                        src_lane.stream(),
+                        d,
+                        o2,
+                        dst_lane.stream(),
+                        n,
+                    )?;
+                }
+                _ => copy_peer(d, o2, s, o, n, manager.lane(to)?.stream())?,
             }
         }
 
@@ -95,14 +112,7 @@ pub(crate) fn execute<T: Element>(
         },
         (S::Unified(u, o, _), D::Device(d, o2)) => {
             if u.device() != d.device() {
-                copy_peer(
-                    d,
-                    o2,
-                    u,
-                    o,
-                    n,
-                    &manager.device(d.device().ordinal()).streams[0],
-                )?;
+                copy_peer(d, o2, u, o, n, manager.lane(d.device().ordinal())?.stream())?;
             } else {
                 if method == UnifiedMemory {
                     prefetch(manager, u, o, n, MemLocation::Device(u.device().ordinal()))?;
@@ -112,14 +122,7 @@ pub(crate) fn execute<T: Element>(
         }
         (S::Device(s, o, _), D::Unified(u, o2)) => {
             if u.device() != s.device() {
-                copy_peer(
-                    u,
-                    o2,
-                    s,
-                    o,
-                    n,
-                    &manager.device(u.device().ordinal()).streams[0],
-                )?;
+                copy_peer(u, o2, s, o, n, manager.lane(u.device().ordinal())?.stream())?;
             } else {
                 if method == UnifiedMemory {
                     prefetch(manager, u, o2, n, MemLocation::Device(u.device().ordinal()))?;
@@ -131,14 +134,7 @@ pub(crate) fn execute<T: Element>(
             if a.device() == b.device() {
                 b.copy_range_from(o2, a, o, n)?;
             } else {
-                copy_peer(
-                    b,
-                    o2,
-                    a,
-                    o,
-                    n,
-                    &manager.device(b.device().ordinal()).streams[0],
-                )?;
+                copy_peer(b, o2, a, o, n, manager.lane(b.device().ordinal())?.stream())?;
             }
         }
         (S::Pinned(p, o, _), D::Unified(u, o2)) => {
@@ -184,7 +180,8 @@ fn prefetch<T: Element>(
     len: usize,
     location: MemLocation,
 ) -> Result<()> {
-    let stream = &manager.device(buffer.device().ordinal()).streams[0];
+    let lane = manager.lane(buffer.device().ordinal())?;
+    let stream = lane.stream();
     buffer.prefetch_range(offset, len, location, stream)?;
     stream.synchronize().map_err(TransferError::from)
 }

@@ -12,17 +12,24 @@
 //! | method | used for |
 //! |---|---|
 //! | `DirectCopy` | the plain driver copy: small copies, pinned memory, one device |
-//! | `HostStaged` | large pageable copies, pipelined through pinned blocks by host threads ([`StagingConfig`]); device pairs without peer access |
+//! | `HostStaged` | pageable copies, pipelined through pinned blocks by a persistent pool of staging workers ([`StagingConfig`], per size); device pairs without peer access |
 //! | `UnifiedMemory` | managed memory: prefetch to where the copy runs, then copy |
 //! | `PeerToPeer` | device pairs with peer access (enabled once per pair) |
 //! | `ZeroCopy` | pinned memory addressed through its device mapping, no staging copy |
 //!
 //! The choice comes from measured bandwidth: [`TransferManager::calibrate`] times each candidate
-//! on this machine (once per process; save the [`CalibrationTable`] as JSON and load it later),
-//! and without it the H100 figures of [`CalibrationTable::h100_defaults`] decide. A method the
-//! devices cannot do (no peer access, no host mapping, no managed prefetch) is skipped for the
-//! next one, and the [`Plan`] says so. Every transfer is counted in [`TransferStats`] per path
-//! and size class.
+//! on this machine, per device (per ordered device pair for peer copies) and at each of
+//! [`CALIBRATION_SIZES`] (once per process; save the [`CalibrationTable`] as JSON and load it
+//! later: a table from other devices is reported), and methods are compared at the measured
+//! size nearest the transfer's. Without it the figures of [`CalibrationTable::h100_defaults`]
+//! decide, and the [`Plan`] names the machine they came from. A method the devices cannot do
+//! (no peer access, no host mapping, no managed prefetch) is skipped for the next one, and the
+//! plan says so. Every transfer is counted in [`TransferStats`] per path and size class.
+//!
+//! Devices are opened lazily: a manager makes no context until a transfer needs a device
+//! ([`TransferManager::for_devices`] limits it to some). Each transfer holds a lane of streams
+//! of its own, so concurrent transfers from different threads overlap instead of queueing on
+//! one stream.
 //!
 //! A host buffer transferred again and again can be page-locked in place once:
 //! [`TransferManager::register_host`] returns a [`RegisteredHost`] that borrows the caller's
@@ -33,7 +40,9 @@
 //!
 //! [`TransferManager::upload_async`] and [`TransferManager::download_async`] return an
 //! [`AsyncTransfer`] future, woken by the event layer, that keeps the host memory borrowed until
-//! it completes.
+//! it completes and copies at most [`POLL_BYTES`] a poll; [`TransferManager::upload_owned`] and
+//! [`TransferManager::download_owned`] take the host `Vec` and the device buffer, run on the
+//! staging workers at full speed, and hand both back ([`OwnedTransfer`]).
 //!
 //! [`TransferBackend`] is the seam for other kinds of device; CUDA ([`CudaBackend`]) and plain
 //! host memory ([`HostBackend`]) implement it here.
@@ -67,6 +76,7 @@ mod async_transfer;
 pub mod backend;
 mod calibrate;
 pub mod calibration;
+mod device_state;
 pub mod endpoint;
 pub mod error;
 mod execute;
@@ -77,17 +87,24 @@ pub mod planner;
 pub mod registered;
 pub mod staging;
 pub mod stats;
+mod workers;
 
 pub use advice::{RegistrationAdvice, TransferDirection};
-pub use async_transfer::AsyncTransfer;
+pub use async_transfer::{AsyncTransfer, Owned, OwnedTransfer, POLL_BYTES};
 pub use backend::{BackendKind, CudaBackend, HostBackend, TransferBackend};
-pub use calibration::{CalibrationEntry, CalibrationTable, RegistrationCost};
+pub use calibrate::{CALIBRATION_SIZES, staging_candidates};
+pub use calibration::{
+    CalibrationEntry, CalibrationTable, DEFAULT_MACHINE, MachineMismatch, Measure,
+    RegistrationCost, StagingChoice,
+};
+pub use device_state::MAX_IDLE_LANES;
 pub use endpoint::{Destination, Source};
 pub use error::{Result, TransferError};
 pub use location::{Location, LocationKind, SizeClass, TransferPath};
 pub use manager::{TransferManager, TransferReport};
 pub use method::TransferMethod;
-pub use planner::{PathFacts, Plan, PlanReason, Skipped};
+pub use planner::{PathFacts, Plan, PlanReason, Query, Skipped};
 pub use registered::{RegisteredHost, RegisteredSlice, RegisteredSliceMut};
-pub use staging::StagingConfig;
+pub use staging::{StagingConfig, host_threads};
 pub use stats::{PathStats, TransferStats};
+pub use workers::MAX_WORKERS;

@@ -5,14 +5,14 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cuweave_driver::memory::CompletionWords;
-use cuweave_driver::{Context, Device, DeviceCapabilities, Stream, StreamFlags};
-use cuweave_memory::{Element, PinnedPool};
+use cuweave_driver::Device;
+use cuweave_memory::Element;
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 
 use crate::advice::{self, RegistrationAdvice, TransferDirection};
-use crate::calibration::CalibrationTable;
+use crate::calibration::{CalibrationTable, MachineMismatch};
+use crate::device_state::{DeviceSlot, DeviceState, Lane};
 use crate::endpoint::{Destination, Source};
 use crate::error::{Result, TransferError};
 use crate::location::{Location, LocationKind, TransferPath};
@@ -45,24 +45,15 @@ impl TransferReport {
     }
 }
 
-/// What the manager keeps per device: its context, capabilities, staging pool and the streams
-/// its pipeline workers queue copies on.
-pub(crate) struct DeviceState {
-    pub(crate) context: Arc<Context>,
-    pub(crate) capabilities: DeviceCapabilities,
-    pub(crate) pool: PinnedPool,
-    pub(crate) streams: Vec<Stream>,
-    /// Words for learning that a small upload landed without a driver call (`None` when the
-    /// device cannot map host memory).
-    pub(crate) completion: Option<CompletionWords>,
-    /// `can_access_peer[j]`: this device can access device `j`'s memory.
-    pub(crate) can_access_peer: Vec<bool>,
-}
-
 /// Moves elements between pageable host memory, pinned host memory, host memory registered in
 /// place ([`register_host`](Self::register_host)), device memory on any device and unified
 /// memory, choosing a [`TransferMethod`] per path and size from measured
 /// bandwidth ([`calibrate`](Self::calibrate)) or the H100 defaults.
+///
+/// Devices are opened lazily: constructing a manager makes no context; a device's primary
+/// context, pinned pool and streams are made by the first transfer that touches it, so a
+/// process that uses one GPU holds nothing on the others. [`for_devices`](Self::for_devices)
+/// limits a manager to some devices.
 ///
 /// Every transfer is blocking: it returns once the data is in place. [`plan`](Self::plan)
 /// says which method a transfer would use and why; [`transfer_with`](Self::transfer_with)
@@ -88,85 +79,141 @@ pub(crate) struct DeviceState {
 /// # }
 /// ```
 pub struct TransferManager {
-    pub(crate) devices: Vec<DeviceState>,
-    staging: StagingConfig,
-    measured: RwLock<CalibrationTable>,
+    /// One slot per device ordinal the driver sees; `None` for those this manager does not serve.
+    pub(crate) slots: Vec<Option<DeviceSlot>>,
+    /// A configuration fixed for every size, or `None`: per size from the calibration.
+    staging: Option<StagingConfig>,
+    measured: RwLock<Measured>,
     defaults: CalibrationTable,
     stats: TransferStats,
     /// `(from, to)` pairs whose peer access this manager has enabled.
     peers_enabled: Mutex<HashSet<(usize, usize)>>,
 }
 
+/// The calibration in use and whether it describes this machine.
+#[derive(Debug, Clone, Default)]
+struct Measured {
+    table: CalibrationTable,
+    /// Set when the table's devices differ from this machine's: its figures are then labelled
+    /// with the machine they came from.
+    foreign: Option<String>,
+}
+
 impl std::fmt::Debug for TransferManager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TransferManager")
-            .field("devices", &self.devices.len())
+            .field("devices", &self.devices())
             .field("staging", &self.staging)
-            .field("calibrated", &!self.measured.read().is_empty())
+            .field("calibrated", &!self.measured.read().table.is_empty())
             .finish_non_exhaustive()
     }
 }
 
 impl TransferManager {
-    /// A manager for every device, with the default [`StagingConfig`]; uses this process's
-    /// calibration if [`calibrate`](Self::calibrate) already ran, else the H100 defaults.
+    /// A manager for every device, choosing the staging configuration per size from the
+    /// calibration; uses this process's calibration if [`calibrate`](Self::calibrate) already
+    /// ran, else the H100 defaults. Makes no context: each device is opened on first use.
     ///
     /// # Errors
-    /// The driver's error when it is missing or a device cannot be opened.
+    /// The driver's error when it is missing.
     pub fn new() -> Result<Self> {
-        Self::with_staging(StagingConfig::default())
+        Self::build(None, None)
     }
 
-    /// A manager for every device with the given staging configuration.
+    /// A manager for the devices with these ordinals only (the others are never touched, and
+    /// transfers involving them are `NoSuchDevice`). Makes no context.
+    ///
+    /// # Errors
+    /// `NoSuchDevice` for an ordinal the driver does not see; the driver's error when it is
+    /// missing.
+    pub fn for_devices(ordinals: &[usize]) -> Result<Self> {
+        Self::build(Some(ordinals), None)
+    }
+
+    /// A manager for every device with one staging configuration for every size (for sweeps
+    /// and experiments; [`new`](Self::new) picks one per size from the calibration).
     ///
     /// # Errors
     /// As [`new`](Self::new).
     pub fn with_staging(staging: StagingConfig) -> Result<Self> {
-        let all = Device::all()?;
-        let mut devices = Vec::with_capacity(all.len());
-        for device in &all {
-            let context = Context::primary(*device)?;
-            let streams = (0..staging.threads.max(1))
-                .map(|_| Stream::new(&context, StreamFlags::NON_BLOCKING))
-                .collect::<cuweave_driver::Result<Vec<_>>>()?;
-            let can_access_peer = all
-                .iter()
-                .map(|peer| device.can_access_peer(peer))
-                .collect::<cuweave_driver::Result<Vec<_>>>()?;
-            // Without mapped host memory the small uploads synchronise their stream instead.
-            let completion = CompletionWords::new(&context)
-                .inspect_err(|error| {
-                    tracing::debug!(%error, "no completion words: small uploads use cuStreamSynchronize");
-                })
-                .ok();
-            devices.push(DeviceState {
-                capabilities: device.capabilities()?,
-                completion,
-                pool: PinnedPool::new(&context),
-                context,
-                streams,
-                can_access_peer,
-            });
-        }
-        let measured = crate::calibrate::process_calibration().unwrap_or_default();
-        Ok(Self {
-            devices,
+        Self::build(None, Some(staging))
+    }
+
+    fn build(only: Option<&[usize]>, staging: Option<StagingConfig>) -> Result<Self> {
+        let served = served(only, Device::count()?)?;
+        let slots = served
+            .iter()
+            .enumerate()
+            .map(|(ordinal, &serve)| {
+                Ok(serve
+                    .then(|| Device::get(ordinal))
+                    .transpose()?
+                    .map(DeviceSlot::new))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let manager = Self {
+            slots,
             staging,
-            measured: RwLock::new(measured),
+            measured: RwLock::new(Measured::default()),
             defaults: CalibrationTable::h100_defaults(),
             stats: TransferStats::default(),
             peers_enabled: Mutex::new(HashSet::new()),
-        })
+        };
+        if let Some(table) = crate::calibrate::process_calibration() {
+            manager.set_measured(table);
+        }
+        Ok(manager)
     }
 
     /// The number of devices the manager serves.
     pub fn device_count(&self) -> usize {
-        self.devices.len()
+        self.slots.iter().flatten().count()
     }
 
-    /// The staging configuration of pipelined copies.
-    pub fn staging(&self) -> StagingConfig {
+    /// The ordinals of the devices the manager serves.
+    pub fn devices(&self) -> Vec<usize> {
+        self.slots
+            .iter()
+            .flatten()
+            .map(|slot| slot.device.ordinal())
+            .collect()
+    }
+
+    /// Whether the manager has opened `device` (retained its context and made its streams):
+    /// only a transfer, registration or calibration touching it does.
+    pub fn is_open(&self, device: usize) -> bool {
+        self.slot(device).is_ok_and(DeviceSlot::is_open)
+    }
+
+    /// How many idle lanes (sets of streams, one per staging participant) `device` keeps for
+    /// the next transfers: each concurrent transfer holds one lane alone; at most
+    /// [`MAX_IDLE_LANES`](crate::MAX_IDLE_LANES) are kept once the burst is over. 0 for a device
+    /// not opened.
+    pub fn idle_lanes(&self, device: usize) -> usize {
+        self.slot(device)
+            .ok()
+            .filter(|slot| slot.is_open())
+            .and_then(|slot| slot.state().ok())
+            .map_or(0, |state| state.idle_lanes())
+    }
+
+    /// The staging configuration fixed by [`with_staging`](Self::with_staging), if any.
+    pub fn fixed_staging(&self) -> Option<StagingConfig> {
         self.staging
+    }
+
+    /// The staging configuration a pipelined transfer of `bytes` on `path` to or from `device`
+    /// uses: the fixed one, else the one calibration measured fastest nearest that size, else
+    /// [`StagingConfig::for_size`].
+    pub fn staging_for(&self, path: TransferPath, device: usize, bytes: usize) -> StagingConfig {
+        if let Some(fixed) = self.staging {
+            return fixed;
+        }
+        self.measured
+            .read()
+            .table
+            .staging_for(path, device, bytes)
+            .unwrap_or_else(|| StagingConfig::for_size(bytes))
     }
 
     /// The statistics kept so far.
@@ -176,12 +223,36 @@ impl TransferManager {
 
     /// The measured calibration in use (empty when the defaults decide).
     pub fn calibration(&self) -> CalibrationTable {
-        self.measured.read().clone()
+        self.measured.read().table.clone()
     }
 
     /// Uses `table` (e.g. loaded with [`CalibrationTable::load`]) for the method choice.
-    pub fn set_calibration(&self, table: CalibrationTable) {
-        *self.measured.write() = table;
+    ///
+    /// When the table was measured on other devices than this machine's, its figures still
+    /// decide but every [`Plan`] says where they came from, a `tracing` warning is logged, and
+    /// the mismatch is returned: [`recalibrate`](Self::recalibrate) measures this machine.
+    pub fn set_calibration(&self, table: CalibrationTable) -> Option<MachineMismatch> {
+        let mismatch = table.check_machine(&self.machine());
+        if let Some(mismatch) = &mismatch {
+            tracing::warn!(%mismatch, "calibration from another machine");
+        }
+        *self.measured.write() = Measured {
+            foreign: mismatch.as_ref().map(|m| m.measured_on()),
+            table,
+        };
+        mismatch
+    }
+
+    /// This machine's device names, by ordinal (every device the driver sees; reading a name
+    /// makes no context).
+    pub fn machine(&self) -> Vec<String> {
+        (0..self.slots.len())
+            .map(|d| {
+                Device::get(d)
+                    .and_then(|device| device.name())
+                    .unwrap_or_else(|_| "unknown device".to_owned())
+            })
+            .collect()
     }
 
     /// Releases cached resources: the staging pools' idle pinned blocks go back to the driver,
@@ -189,13 +260,19 @@ impl TransferManager {
     /// [`calibrate`](Self::calibrate) or [`set_calibration`](Self::set_calibration)).
     /// Returns the pinned bytes released.
     pub fn clear_cache(&self) -> usize {
-        *self.measured.write() = CalibrationTable::default();
-        self.devices.iter().map(|d| d.pool.trim()).sum()
+        *self.measured.write() = Measured::default();
+        self.slots
+            .iter()
+            .flatten()
+            .filter_map(|slot| slot.is_open().then(|| slot.state().ok()).flatten())
+            .map(|state| state.pool.trim())
+            .sum()
     }
 
-    /// What the devices on the path from `src` to `dst` can do.
+    /// What the devices on the path from `src` to `dst` can do (read from device attributes;
+    /// no context is made).
     pub fn facts(&self, src: Location, dst: Location) -> PathFacts {
-        let caps = |d: usize| self.devices.get(d).map(|s| s.capabilities);
+        let caps = |d: usize| self.slot(d).ok().and_then(|s| s.info().capabilities);
         let path = TransferPath::between(src, dst);
         let map_host_memory = !path.cross_device
             && [src, dst]
@@ -209,9 +286,9 @@ impl TransferManager {
             .all(|d| caps(d).is_some_and(|c| c.concurrent_managed_access));
         let peer_access = match (src.device(), dst.device()) {
             (Some(s), Some(d)) if s != d => self
-                .devices
-                .get(d)
-                .and_then(|state| state.can_access_peer.get(s).copied())
+                .slot(d)
+                .ok()
+                .and_then(|slot| slot.info().can_access_peer.get(s).copied())
                 .unwrap_or(false),
             _ => false,
         };
@@ -224,9 +301,15 @@ impl TransferManager {
 
     /// The method a transfer of `bytes` from `src` to `dst` would use, and why.
     pub fn plan(&self, src: Location, dst: Location, bytes: usize) -> Plan {
-        let path = TransferPath::between(src, dst);
         let facts = self.facts(src, dst);
-        planner::choose(path, bytes, &facts, &self.measured.read(), &self.defaults)
+        let measured = self.measured.read();
+        planner::choose_for(
+            planner::Query::new(src, dst, bytes),
+            &facts,
+            &measured.table,
+            measured.foreign.as_deref(),
+            &self.defaults,
+        )
     }
 
     /// Page-locks the caller's `memory` in place (`cuMemHostRegister`, in device `device`'s
@@ -245,13 +328,7 @@ impl TransferManager {
         device: usize,
         memory: &'a mut [T],
     ) -> Result<RegisteredHost<'a, T>> {
-        let state = self
-            .devices
-            .get(device)
-            .ok_or(TransferError::NoSuchDevice {
-                device,
-                count: self.devices.len(),
-            })?;
+        let state = self.device(device)?;
         RegisteredHost::new(&state.context, device, memory)
     }
 
@@ -286,7 +363,7 @@ impl TransferManager {
             direction,
             bytes,
             expected_transfers,
-            &self.measured.read(),
+            &self.measured.read().table,
             &self.defaults,
         )
     }
@@ -307,7 +384,7 @@ impl TransferManager {
         src.check()?;
         dst.check(src.len())?;
         let plan = self.plan(src.location(), dst.location(), src.bytes());
-        self.run(plan, src, dst)
+        self.run(plan, src, dst, &self.stats)
     }
 
     /// Moves `src`'s elements into `dst` with `method`.
@@ -333,14 +410,16 @@ impl TransferManager {
                 reason,
             },
         )?;
-        self.run(plan, src, dst)
+        self.run(plan, src, dst, &self.stats)
     }
 
-    fn run<T: Element>(
+    /// Runs `plan`, counting the transfer in `stats` (the manager's, or calibration's own).
+    pub(crate) fn run<T: Element>(
         &self,
         plan: Plan,
         src: Source<'_, T>,
         dst: Destination<'_, T>,
+        stats: &TransferStats,
     ) -> Result<TransferReport> {
         let bytes = src.bytes();
         if bytes == 0 {
@@ -354,7 +433,7 @@ impl TransferManager {
         match crate::execute::execute(self, plan.method, src, dst) {
             Ok(()) => {
                 let elapsed = start.elapsed();
-                self.stats.record_success(plan.path, bytes, elapsed);
+                stats.record_success(plan.path, bytes, elapsed);
                 Ok(TransferReport {
                     plan,
                     bytes,
@@ -362,46 +441,92 @@ impl TransferManager {
                 })
             }
             Err(error) => {
-                self.stats.record_failure(plan.path, bytes);
+                stats.record_failure(plan.path, bytes);
                 Err(error)
             }
         }
     }
 
-    /// The device state for ordinal `device`.
-    pub(crate) fn device(&self, device: usize) -> &DeviceState {
-        &self.devices[device]
+    /// The slot of ordinal `device`, if this manager serves it.
+    pub(crate) fn slot(&self, device: usize) -> Result<&DeviceSlot> {
+        self.slots
+            .get(device)
+            .and_then(Option::as_ref)
+            .ok_or(TransferError::NoSuchDevice {
+                device,
+                count: self.slots.len(),
+            })
     }
 
-    /// The staging pipeline of `device`.
-    pub(crate) fn pipeline(&self, device: usize) -> Pipeline<'_> {
-        let state = self.device(device);
-        Pipeline {
-            pool: &state.pool,
-            streams: &state.streams,
-            completion: state.completion.as_ref(),
-            config: self.staging,
-        }
+    /// The state of ordinal `device`, opened on first use.
+    pub(crate) fn device(&self, device: usize) -> Result<&Arc<DeviceState>> {
+        self.slot(device)?.state()
+    }
+
+    /// A lane of streams on `device` for one transfer.
+    pub(crate) fn lane(&self, device: usize) -> Result<Lane> {
+        self.device(device)?.lane()
     }
 
     /// Enables peer access between `a` and `b`, in each direction the hardware allows, once
     /// per manager (enabling costs milliseconds; an already-enabled pair is fine).
     pub(crate) fn enable_peers(&self, a: usize, b: usize) -> Result<()> {
         for (from, to) in [(a, b), (b, a)] {
-            if !self.device(from).can_access_peer[to]
-                || self.peers_enabled.lock().contains(&(from, to))
-            {
+            let can = self.slot(from)?.info().can_access_peer.get(to).copied();
+            if !can.unwrap_or(false) || self.peers_enabled.lock().contains(&(from, to)) {
                 continue;
             }
-            self.device(from)
+            self.device(from)?
                 .context
-                .enable_peer_access(&self.device(to).context)?;
+                .enable_peer_access(&self.device(to)?.context)?;
             self.peers_enabled.lock().insert((from, to));
         }
         Ok(())
     }
 
     pub(crate) fn set_measured(&self, table: CalibrationTable) {
-        *self.measured.write() = table;
+        self.set_calibration(table);
+    }
+}
+
+/// Which of `count` device ordinals a manager limited to `only` (all when `None`) serves.
+fn served(only: Option<&[usize]>, count: usize) -> Result<Vec<bool>> {
+    if let Some(&device) = only.and_then(|o| o.iter().find(|&&d| d >= count)) {
+        return Err(TransferError::NoSuchDevice { device, count });
+    }
+    Ok((0..count)
+        .map(|ordinal| only.is_none_or(|o| o.contains(&ordinal)))
+        .collect())
+}
+
+/// Runs a pipelined transfer on a lane of `state` with `config`.
+pub(crate) fn pipeline<'a>(lane: &'a Lane, config: StagingConfig) -> Pipeline<'a> {
+    Pipeline {
+        pool: &lane.state.pool,
+        streams: &lane.streams,
+        completion: lane.state.completion.as_ref(),
+        config,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_manager_serves_the_devices_it_was_limited_to() {
+        // Two GPUs, as on the two-H200 machine.
+        assert_eq!(served(None, 2).unwrap(), vec![true, true]);
+        assert_eq!(served(Some(&[1]), 2).unwrap(), vec![false, true]);
+        assert_eq!(served(Some(&[0, 1, 1]), 2).unwrap(), vec![true, true]);
+        assert_eq!(served(Some(&[]), 2).unwrap(), vec![false, false]);
+        assert!(matches!(
+            served(Some(&[0, 2]), 2),
+            Err(TransferError::NoSuchDevice {
+                device: 2,
+                count: 2
+            })
+        ));
+        assert_eq!(served(None, 0).unwrap(), Vec::<bool>::new());
     }
 }

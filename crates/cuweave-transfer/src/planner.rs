@@ -7,8 +7,8 @@ use std::fmt;
 
 use serde::Serialize;
 
-use crate::calibration::CalibrationTable;
-use crate::location::{LocationKind, SizeClass, TransferPath};
+use crate::calibration::{CalibrationTable, DEFAULT_MACHINE, Measure};
+use crate::location::{Location, LocationKind, SizeClass, TransferPath};
 use crate::method::TransferMethod;
 
 /// What the devices on a path can do, as far as the method choice cares.
@@ -47,18 +47,25 @@ impl PathFacts {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum PlanReason {
-    /// The fastest available method in this machine's calibration.
+    /// The fastest available method in the calibration in use (measured on this machine,
+    /// unless [`Plan::measured_on`] names another).
     Calibrated {
         /// Its measured bandwidth, GB/s.
         gbps: f64,
-        /// The runner-up's, if another method was measured.
+        /// The runner-up's at the same size, if another method was measured there.
         runner_up: Option<f64>,
+        /// The transfer size the figures were measured at (the nearest to this transfer's).
+        at_bytes: usize,
     },
-    /// The fastest available method in the H100 defaults (nothing measured here for this
-    /// path and size class).
+    /// The fastest available method in the defaults, measured on another machine (nothing
+    /// was measured here for this path).
     Default {
         /// Its bandwidth in the defaults, GB/s.
         gbps: f64,
+        /// The machine the defaults were measured on.
+        machine: &'static str,
+        /// The transfer size the figure was measured at.
+        at_bytes: usize,
     },
     /// The only method this path has (or the only one the devices can do).
     OnlyChoice,
@@ -90,6 +97,10 @@ pub struct Plan {
     pub reason: PlanReason,
     /// Better-ranked methods the devices cannot do, in order.
     pub skipped: Vec<Skipped>,
+    /// For a [`PlanReason::Calibrated`] plan whose table came from another machine (loaded,
+    /// with devices unlike this machine's): that machine. `None`: measured here.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub measured_on: Option<String>,
 }
 
 impl fmt::Display for Plan {
@@ -100,13 +111,32 @@ impl fmt::Display for Plan {
             self.method, self.path, self.size_class
         )?;
         match self.reason {
-            PlanReason::Calibrated { gbps, runner_up } => {
-                write!(f, "measured here at {gbps:.1} GB/s")?;
+            PlanReason::Calibrated {
+                gbps,
+                runner_up,
+                at_bytes,
+            } => {
+                match &self.measured_on {
+                    None => write!(f, "measured here at {gbps:.1} GB/s")?,
+                    Some(machine) => write!(
+                        f,
+                        "measured on {machine} (not this machine) at {gbps:.1} GB/s"
+                    )?,
+                }
+                write!(f, " for {}", bytes_label(at_bytes))?;
                 if let Some(other) = runner_up {
                     write!(f, " (next best {other:.1} GB/s)")?;
                 }
             }
-            PlanReason::Default { gbps } => write!(f, "H100 default {gbps:.1} GB/s")?,
+            PlanReason::Default {
+                gbps,
+                machine,
+                at_bytes,
+            } => write!(
+                f,
+                "default from {machine} ({gbps:.1} GB/s for {}; not measured here)",
+                bytes_label(at_bytes)
+            )?,
             PlanReason::OnlyChoice => {
                 f.write_str("the only method for this path")?;
                 if self.path.involves(LocationKind::Registered) {
@@ -126,9 +156,61 @@ impl fmt::Display for Plan {
     }
 }
 
-/// Chooses the method for `bytes` bytes on `path`: among the path's candidates that `facts`
-/// allow, the fastest in `measured` for the size class, else the fastest in `defaults`, else
-/// the first in preference order.
+/// `bytes` as `64 KiB`, `4 MiB`, `1 GiB` (whole units where exact, else one decimal).
+pub fn bytes_label(bytes: usize) -> String {
+    let units = [(1usize << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
+    for (unit, name) in units {
+        if bytes >= unit {
+            return if bytes % unit == 0 {
+                format!("{} {name}", bytes / unit)
+            } else {
+                format!("{:.1} {name}", bytes as f64 / unit as f64)
+            };
+        }
+    }
+    format!("{bytes} B")
+}
+
+/// One transfer to plan: where from, where to, how many bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Query {
+    /// The path.
+    pub path: TransferPath,
+    /// The calibration key: path, devices and size.
+    pub measure: Measure,
+}
+
+impl Query {
+    /// The transfer of `bytes` from `src` to `dst`.
+    pub fn new(src: Location, dst: Location, bytes: usize) -> Self {
+        let path = TransferPath::between(src, dst);
+        Self {
+            path,
+            measure: Measure {
+                path,
+                src_device: src.device(),
+                dst_device: dst.device(),
+                bytes,
+            },
+        }
+    }
+
+    /// A transfer of `bytes` on `path` with no particular devices.
+    pub fn any_device(path: TransferPath, bytes: usize) -> Self {
+        Self {
+            path,
+            measure: Measure {
+                path,
+                src_device: None,
+                dst_device: None,
+                bytes,
+            },
+        }
+    }
+}
+
+/// Chooses the method for `bytes` bytes on `path` (any devices), with `measured` taken as
+/// this machine's: see [`choose_for`].
 pub fn choose(
     path: TransferPath,
     bytes: usize,
@@ -136,6 +218,28 @@ pub fn choose(
     measured: &CalibrationTable,
     defaults: &CalibrationTable,
 ) -> Plan {
+    choose_for(
+        Query::any_device(path, bytes),
+        facts,
+        measured,
+        None,
+        defaults,
+    )
+}
+
+/// Chooses the method for `query`: among the path's candidates that `facts` allow, the
+/// fastest in `measured` at the measured size nearest the transfer's (for its devices; see
+/// [`CalibrationTable::best_at`]), else the fastest in `defaults` likewise, else the first in
+/// preference order. `foreign` names the machine `measured` came from when it is not this one.
+pub fn choose_for(
+    query: Query,
+    facts: &PathFacts,
+    measured: &CalibrationTable,
+    foreign: Option<&str>,
+    defaults: &CalibrationTable,
+) -> Plan {
+    let path = query.path;
+    let bytes = query.measure.bytes;
     let size_class = SizeClass::of(bytes);
     let mut available = Vec::new();
     let mut skipped = Vec::new();
@@ -147,7 +251,10 @@ pub fn choose(
     }
     // DirectCopy is a candidate of every path and needs nothing, so `available` is never empty.
     let first = available[0];
-    let plan = |method: TransferMethod, reason: PlanReason, skipped: Vec<Skipped>| Plan {
+    let plan = |method: TransferMethod,
+                reason: PlanReason,
+                skipped: Vec<Skipped>,
+                measured_on: Option<String>| Plan {
         path,
         size_class,
         method,
@@ -163,24 +270,44 @@ pub fn choose(
                         .position(|&m| m == method)
             })
             .collect(),
+        measured_on,
     };
     if available.len() == 1 {
-        return plan(first, PlanReason::OnlyChoice, skipped);
+        return plan(first, PlanReason::OnlyChoice, skipped, None);
     }
-    if let Some((method, gbps)) = measured.best(path, size_class, &available) {
+    if let Some((method, gbps, at_bytes)) = measured.best_at(query.measure, &available) {
+        let at = Measure {
+            bytes: at_bytes,
+            ..query.measure
+        };
         let runner_up = available
             .iter()
             .filter(|&&m| m != method)
-            .filter_map(|&m| measured.gbps(path, size_class, m))
+            .filter_map(|&m| {
+                measured
+                    .best_at(at, &[m])
+                    .filter(|&(_, _, b)| b == at_bytes)
+                    .map(|(_, g, _)| g)
+            })
             .fold(None, |acc: Option<f64>, g| {
                 Some(acc.map_or(g, |a| a.max(g)))
             });
-        return plan(method, PlanReason::Calibrated { gbps, runner_up }, skipped);
+        let reason = PlanReason::Calibrated {
+            gbps,
+            runner_up,
+            at_bytes,
+        };
+        return plan(method, reason, skipped, foreign.map(str::to_owned));
     }
-    if let Some((method, gbps)) = defaults.best(path, size_class, &available) {
-        return plan(method, PlanReason::Default { gbps }, skipped);
+    if let Some((method, gbps, at_bytes)) = defaults.best_at(query.measure, &available) {
+        let reason = PlanReason::Default {
+            gbps,
+            machine: DEFAULT_MACHINE,
+            at_bytes,
+        };
+        return plan(method, reason, skipped, None);
     }
-    plan(first, PlanReason::Preference, skipped)
+    plan(first, PlanReason::Preference, skipped, None)
 }
 
 /// The plan for a method the caller asked for, or why it cannot run on `path`.
@@ -212,6 +339,7 @@ pub fn require(
         method,
         reason: PlanReason::Requested,
         skipped: Vec::new(),
+        measured_on: None,
     })
 }
 
@@ -357,31 +485,37 @@ mod tests {
     }
 
     #[test]
-    fn unmeasured_classes_fall_back_to_the_defaults_then_preference() {
+    fn unmeasured_paths_fall_back_to_the_defaults_then_preference() {
         let measured = table(&[(
             TransferPath::PAGEABLE_TO_DEVICE,
             SizeClass::Large,
             DirectCopy,
             10.0,
         )]);
-        // Measured class: only DirectCopy was measured, so it wins even if staging might not.
+        // Measured path: only DirectCopy was measured, so it wins even if staging might not,
+        // at every size (the nearest measured size decides).
+        for bytes in [2 * MIB, 64 * MIB] {
+            let plan = choose(
+                TransferPath::PAGEABLE_TO_DEVICE,
+                bytes,
+                &ALL_FACTS,
+                &measured,
+                &CalibrationTable::h100_defaults(),
+            );
+            assert_eq!(plan.method, DirectCopy);
+            assert!(plan.to_string().contains("measured here"), "{plan}");
+        }
+        // Unmeasured path: the defaults decide, and the plan names their machine.
         let plan = choose(
-            TransferPath::PAGEABLE_TO_DEVICE,
-            64 * MIB,
-            &ALL_FACTS,
-            &measured,
-            &CalibrationTable::h100_defaults(),
-        );
-        assert_eq!(plan.method, DirectCopy);
-        // Unmeasured class: the defaults decide.
-        let plan = choose(
-            TransferPath::PAGEABLE_TO_DEVICE,
+            TransferPath::DEVICE_TO_PAGEABLE,
             2 * MIB,
             &ALL_FACTS,
             &measured,
             &CalibrationTable::h100_defaults(),
         );
         assert!(matches!(plan.reason, PlanReason::Default { .. }), "{plan}");
+        assert!(plan.to_string().contains(DEFAULT_MACHINE), "{plan}");
+        assert!(plan.to_string().contains("not measured here"), "{plan}");
         // Neither: the preference order.
         let plan = choose(
             TransferPath::local(LocationKind::Pageable, LocationKind::Unified),
@@ -503,5 +637,146 @@ mod tests {
             Err(crate::TransferError::CalibrationFile { .. })
         ));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[cfg(test)]
+mod size_tests {
+    use super::*;
+    use crate::calibration::Measure;
+    use TransferMethod::{DirectCopy, HostStaged, PeerToPeer};
+
+    const MIB: usize = 1 << 20;
+    const FACTS: PathFacts = PathFacts {
+        map_host_memory: true,
+        managed_prefetch: true,
+        peer_access: true,
+    };
+
+    fn at(path: TransferPath, src: Option<usize>, dst: Option<usize>, bytes: usize) -> Measure {
+        Measure {
+            path,
+            src_device: src,
+            dst_device: dst,
+            bytes,
+        }
+    }
+
+    #[test]
+    fn methods_are_compared_at_the_measured_size_nearest_the_transfer() {
+        // Staging measured slower than the plain call at 4 MiB, faster at 16 MiB (the case the
+        // issue found: a 4 MiB copy was planned staged from a 16 MiB figure).
+        let h2d = TransferPath::PAGEABLE_TO_DEVICE;
+        let mut table = CalibrationTable::default();
+        table.record_at(at(h2d, None, Some(0), 4 * MIB), DirectCopy, 11.1);
+        table.record_at(at(h2d, None, Some(0), 4 * MIB), HostStaged, 8.7);
+        table.record_at(at(h2d, None, Some(0), 16 * MIB), DirectCopy, 12.8);
+        table.record_at(at(h2d, None, Some(0), 16 * MIB), HostStaged, 20.3);
+        let plan_at = |bytes: usize| {
+            choose_for(
+                Query::new(Location::PageableHost, Location::Device(0), bytes),
+                &FACTS,
+                &table,
+                None,
+                &CalibrationTable::default(),
+            )
+        };
+        for bytes in [3 * MIB, 4 * MIB, 6 * MIB] {
+            let plan = plan_at(bytes);
+            assert_eq!(plan.method, DirectCopy, "{bytes}: {plan}");
+            assert_eq!(
+                plan.reason,
+                PlanReason::Calibrated {
+                    gbps: 11.1,
+                    runner_up: Some(8.7),
+                    at_bytes: 4 * MIB
+                }
+            );
+        }
+        for bytes in [12 * MIB, 16 * MIB, 64 * MIB] {
+            assert_eq!(plan_at(bytes).method, HostStaged, "{bytes}");
+        }
+        assert!(plan_at(4 * MIB).to_string().contains("for 4 MiB"));
+    }
+
+    #[test]
+    fn peer_figures_are_kept_per_ordered_pair() {
+        let mut table = CalibrationTable::default();
+        let peer = TransferPath::PEER;
+        // 0 -> 1 has fast peer access; 1 -> 0 measured peer access slower than staging.
+        table.record_at(at(peer, Some(0), Some(1), 64 * MIB), PeerToPeer, 390.0);
+        table.record_at(at(peer, Some(0), Some(1), 64 * MIB), HostStaged, 25.0);
+        table.record_at(at(peer, Some(1), Some(0), 64 * MIB), PeerToPeer, 10.0);
+        table.record_at(at(peer, Some(1), Some(0), 64 * MIB), HostStaged, 25.0);
+        let plan = |a: usize, b: usize| {
+            choose_for(
+                Query::new(Location::Device(a), Location::Device(b), 64 * MIB),
+                &FACTS,
+                &table,
+                None,
+                &CalibrationTable::h100_defaults(),
+            )
+        };
+        assert_eq!(plan(0, 1).method, PeerToPeer);
+        assert_eq!(plan(1, 0).method, HostStaged);
+        // A pair never measured: no default either (none was measured for any pair), so the
+        // preference order decides, and says so.
+        let unmeasured = plan(2, 3);
+        assert_eq!(
+            (unmeasured.method, unmeasured.reason),
+            (PeerToPeer, PlanReason::Preference)
+        );
+        let json = table.to_json();
+        assert_eq!(CalibrationTable::from_json(&json).unwrap(), table);
+    }
+
+    #[test]
+    fn host_figures_are_kept_per_device() {
+        let mut table = CalibrationTable::default();
+        let h2d = TransferPath::PAGEABLE_TO_DEVICE;
+        table.record_at(at(h2d, None, Some(0), 64 * MIB), DirectCopy, 8.0);
+        table.record_at(at(h2d, None, Some(0), 64 * MIB), HostStaged, 40.0);
+        table.record_at(at(h2d, None, Some(1), 64 * MIB), DirectCopy, 12.0);
+        table.record_at(at(h2d, None, Some(1), 64 * MIB), HostStaged, 6.0);
+        let plan = |d: usize| {
+            choose_for(
+                Query::new(Location::PageableHost, Location::Device(d), 64 * MIB),
+                &FACTS,
+                &table,
+                None,
+                &CalibrationTable::default(),
+            )
+        };
+        assert_eq!(plan(0).method, HostStaged);
+        assert_eq!(plan(1).method, DirectCopy);
+    }
+
+    #[test]
+    fn figures_from_another_machine_say_so() {
+        let mut table = CalibrationTable::default();
+        let h2d = TransferPath::PAGEABLE_TO_DEVICE;
+        table.record_at(at(h2d, None, Some(0), MIB), DirectCopy, 8.0);
+        table.record_at(at(h2d, None, Some(0), MIB), HostStaged, 9.0);
+        let plan = choose_for(
+            Query::new(Location::PageableHost, Location::Device(0), MIB),
+            &FACTS,
+            &table,
+            Some("NVIDIA A100-SXM4-40GB"),
+            &CalibrationTable::default(),
+        );
+        let text = plan.to_string();
+        assert!(
+            text.contains("measured on NVIDIA A100-SXM4-40GB (not this machine)"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn byte_labels() {
+        assert_eq!(bytes_label(64 << 10), "64 KiB");
+        assert_eq!(bytes_label(4 << 20), "4 MiB");
+        assert_eq!(bytes_label(1 << 30), "1 GiB");
+        assert_eq!(bytes_label(1536 << 10), "1.5 MiB");
+        assert_eq!(bytes_label(100), "100 B");
     }
 }

@@ -2,23 +2,31 @@
 //! [`PinnedPool`], host copies overlapped with the copy engine ([`StagingConfig`]).
 //!
 //! # How a pageable upload runs
-//! The source is cut into chunks of [`StagingConfig::chunk_bytes`]. Worker `w` of
-//! [`StagingConfig::threads`] takes chunks `w, w + threads, …`; for each it takes a pinned
-//! block (its own, once the copy engine has finished with it, or a new one from the pool),
-//! `memcpy`s the chunk in on the CPU, and queues `cuMemcpyHtoDAsync` from the block on its own
-//! stream. Each worker keeps up to [`StagingConfig::depth`] blocks in flight, so while the copy
-//! engine moves earlier chunks the workers fill the next ones: the transfer runs at the slower
-//! of the host's aggregate `memcpy` bandwidth and the bus, instead of at the driver's own
+//! The source is cut into chunks of [`StagingConfig::chunk_bytes`]. Up to
+//! [`StagingConfig::threads`] participants (the calling thread and workers of the process's
+//! persistent staging pool, which is sized from the machine) claim chunks from a shared counter;
+//! for each, a participant takes a pinned block (its own, once the copy engine has finished
+//! with it, or one from the pool), copies the chunk in with streaming stores ([`copy_streaming`]),
+//! and queues `cuMemcpyHtoDAsync` from the block on its own stream of the transfer's *lane*.
+//! Each participant keeps up to [`StagingConfig::depth`] blocks in flight, so while the copy
+//! engine moves earlier chunks the participants fill the next ones: the transfer runs at the
+//! slower of the host's aggregate copy bandwidth and the bus, instead of at the driver's own
 //! staging speed (a pageable `cuMemcpyHtoD` copies through one small bounce buffer on one
 //! thread). Downloads run the same pipeline backwards: queue copies into blocks, then copy each
-//! finished block out to the destination with streaming (non-temporal) stores
-//! ([`copy_streaming`]), which write the caller's memory without first reading every line of it:
-//! on the H100 host ordinary copies capped downloads near 46 GB/s, streaming ones reach 114 GB/s
-//! over 12 threads, above the copy engine's 54.
+//! finished block out with streaming stores, which write the caller's memory without first
+//! reading every line of it.
 //!
-//! A transfer of at most one chunk takes a shortcut: one pinned block, no worker thread; an
-//! upload copies it on the pipeline's first stream and watches that stream's completion word, a
-//! download uses the memory layer's blocking copy into it.
+//! A lane is a set of streams (one per participant) that one transfer holds alone: concurrent
+//! transfers from different threads, to one device or in opposite directions, queue on
+//! different streams and never wait behind each other's copies.
+//!
+//! The chunk size and participant count come per transfer size from the calibration (or from
+//! [`StagingConfig::for_size`] until measured): mid-size copies use small chunks so that every
+//! participant has work at once, large ones bigger chunks to amortise the per-copy overhead.
+//!
+//! A transfer of at most one chunk takes a shortcut: one pinned block, no worker; an upload
+//! copies it on the lane's first stream and watches that stream's completion word, a download
+//! uses the memory layer's blocking copy into it.
 //!
 //! Blocks travel inside the memory layer's `PendingCopy`, which gives a block back only once
 //! the stream has passed its copy, so no block is refilled, and no user memory read or written,
@@ -26,6 +34,7 @@
 //! before the error is returned.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use cuweave_driver::Stream;
 use cuweave_driver::memory::CompletionWords;
@@ -34,19 +43,22 @@ use cuweave_memory::{Buffer, Element, PinnedPool, TypedPinnedBlock, copy_streami
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Result, TransferError};
+use crate::error::Result;
+use crate::workers;
 
-/// How pipelined copies are cut up and how many host threads feed them.
+/// How one pipelined copy is cut up and how many host threads feed it.
 ///
-/// The defaults come from a sweep on the H100 machine (16 cores, PCIe Gen5); see
-/// `docs/transfer.md`.
+/// The manager picks one per transfer size from its calibration ([`for_size`](Self::for_size)
+/// until one is measured); [`TransferManager::with_staging`](crate::TransferManager::with_staging)
+/// fixes one for every size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StagingConfig {
     /// Bytes per chunk (rounded down to whole elements; at least one element).
     pub chunk_bytes: usize,
-    /// Pinned blocks each worker keeps in flight.
+    /// Pinned blocks each participant keeps in flight.
     pub depth: usize,
-    /// Host threads copying between user memory and pinned blocks (at most one per chunk).
+    /// Host threads copying between user memory and pinned blocks (the caller included; at most
+    /// one per chunk, and at most the staging pool's workers plus the caller).
     pub threads: usize,
 }
 
@@ -56,7 +68,7 @@ impl StagingConfig {
         (self.chunk_bytes / size_of::<T>().max(1)).max(1)
     }
 
-    /// How many workers a transfer of `chunks` chunks uses.
+    /// How many participants a transfer of `chunks` chunks uses.
     pub fn workers(&self, chunks: usize) -> usize {
         self.threads.max(1).min(chunks.max(1))
     }
@@ -65,19 +77,52 @@ impl StagingConfig {
     pub fn staging_bytes(&self) -> usize {
         self.threads.max(1) * self.depth.max(1) * self.chunk_bytes
     }
-}
 
-impl Default for StagingConfig {
-    fn default() -> Self {
+    /// The configuration used for a transfer of `bytes` until calibration measured one: the
+    /// fastest uploads of the staging sweep on the H100 host (16 host threads; see
+    /// `docs/transfer.md`) at the nearest swept size, with no more participants than this
+    /// machine has host threads.
+    pub fn for_size(bytes: usize) -> Self {
+        let ratio = |at: usize| crate::calibration::size_distance(at, bytes);
+        let &(_, chunk_bytes, threads) = SWEPT
+            .iter()
+            .min_by(|a, b| ratio(a.0).total_cmp(&ratio(b.0)))
+            .expect("the sweep has rows");
         Self {
-            chunk_bytes: 4 << 20,
+            chunk_bytes,
             depth: 2,
-            threads: 12,
+            threads: threads.min(host_threads()).max(1),
         }
     }
 }
 
-/// The pieces of a pipelined copy: the pool blocks come from and one stream per worker.
+/// (size, chunk bytes, participants): the fastest pageable uploads of the staging sweep on the
+/// H100 host (`examples/staging_sweep.rs`, issue 15). Each copy costs the memory layer a few
+/// microseconds to queue and track, so chunks under 512 KiB lose, and a participant wants about
+/// two chunks.
+const SWEPT: [(usize, usize, usize); 6] = [
+    (1 << 20, 512 << 10, 2),
+    (4 << 20, 512 << 10, 4),
+    (16 << 20, 1 << 20, 6),
+    (64 << 20, 2 << 20, 6),
+    (256 << 20, 2 << 20, 12),
+    (1 << 30, 4 << 20, 12),
+];
+
+/// Logical host threads this process may run on: what the staging pool is sized from.
+pub fn host_threads() -> usize {
+    workers::host_threads()
+}
+
+impl Default for StagingConfig {
+    /// The configuration for a 1 GiB transfer on this machine ([`for_size`](Self::for_size)).
+    fn default() -> Self {
+        Self::for_size(1 << 30)
+    }
+}
+
+/// The pieces of a pipelined copy: the pool blocks come from and the lane's streams, one per
+/// participant.
 pub(crate) struct Pipeline<'a> {
     pub(crate) pool: &'a PinnedPool,
     pub(crate) streams: &'a [Stream],
@@ -87,8 +132,12 @@ pub(crate) struct Pipeline<'a> {
 }
 
 impl Pipeline<'_> {
-    fn workers(&self, chunks: usize) -> usize {
-        self.config.workers(chunks).min(self.streams.len()).max(1)
+    fn participants(&self, chunks: usize) -> usize {
+        self.config
+            .workers(chunks)
+            .min(self.streams.len())
+            .min(workers::shared().participants())
+            .max(1)
     }
 
     /// Copies `src` into `dst` at element `dst_offset` (range already checked), pipelined.
@@ -108,17 +157,38 @@ impl Pipeline<'_> {
                 dst_offset,
             );
         }
-        let pieces: Vec<(usize, &[T])> = src
-            .chunks(chunk)
-            .enumerate()
-            .map(|(i, piece)| (dst_offset + i * chunk, piece))
-            .collect();
-        let workers = self.workers(pieces.len());
+        let chunks = src.len().div_ceil(chunk);
+        let claims = Claims::new(chunks);
         let dst = Mutex::new(dst);
         let depth = self.config.depth.max(1);
-        run_workers(workers, |w| {
-            let mine = pieces.iter().skip(w).step_by(workers).copied();
-            upload_worker(self.pool, &self.streams[w], depth, mine, &dst)
+        workers::shared().run(self.participants(chunks), |w| {
+            let stream = &self.streams[w];
+            // Dropping this on an error path waits for every queued copy (PendingCopy's Drop).
+            let mut in_flight: VecDeque<PendingCopy<TypedPinnedBlock<T>>> =
+                VecDeque::with_capacity(depth);
+            let outcome = (|| {
+                while let Some(i) = claims.next() {
+                    let start = i * chunk;
+                    let piece = &src[start..(start + chunk).min(src.len())];
+                    let reuse = if in_flight.len() >= depth {
+                        in_flight.pop_front().map(PendingCopy::wait).transpose()?
+                    } else {
+                        None
+                    };
+                    let mut block = block_of(self.pool, reuse, piece.len())?;
+                    copy_streaming(block.as_mut_slice(), piece)?;
+                    // The lock covers only queueing the copy (microseconds), never a wait.
+                    let pending =
+                        dst.lock()
+                            .copy_range_from_host_async(dst_offset + start, block, stream)?;
+                    in_flight.push_back(pending);
+                }
+                for pending in in_flight.drain(..) {
+                    drop(pending.wait()?);
+                }
+                Ok(())
+            })();
+            claims.settle(outcome)
         })
     }
 
@@ -132,17 +202,75 @@ impl Pipeline<'_> {
         if dst.len() <= chunk {
             return download_one(self.pool, src, src_offset, dst);
         }
-        let workers = self.workers(dst.len().div_ceil(chunk));
-        let mut shares: Vec<Vec<(usize, &mut [T])>> = (0..workers).map(|_| Vec::new()).collect();
-        for (i, piece) in dst.chunks_mut(chunk).enumerate() {
-            shares[i % workers].push((src_offset + i * chunk, piece));
-        }
-        let shares: Vec<Mutex<Share<'_, T>>> = shares.into_iter().map(Mutex::new).collect();
+        let total = dst.len();
+        let pieces: Vec<Mutex<Option<&mut [T]>>> =
+            dst.chunks_mut(chunk).map(|p| Mutex::new(Some(p))).collect();
+        let claims = Claims::new(pieces.len());
         let depth = self.config.depth.max(1);
-        run_workers(workers, |w| {
-            let mine = std::mem::take(&mut *shares[w].lock());
-            download_worker(self.pool, &self.streams[w], depth, mine, src)
+        workers::shared().run(self.participants(pieces.len()), |w| {
+            let stream = &self.streams[w];
+            let mut in_flight: VecDeque<(PendingCopy<TypedPinnedBlock<T>>, usize)> =
+                VecDeque::with_capacity(depth);
+            let mut spare: Option<TypedPinnedBlock<T>> = None;
+            let drain = |pending: PendingCopy<TypedPinnedBlock<T>>, i: usize| -> Result<_> {
+                let block = pending.wait()?;
+                let out = pieces[i].lock().take().expect("each chunk is claimed once");
+                copy_streaming(out, block.as_slice())?;
+                Ok(block)
+            };
+            let outcome = (|| {
+                while let Some(i) = claims.next() {
+                    if in_flight.len() >= depth
+                        && let Some((pending, j)) = in_flight.pop_front()
+                    {
+                        spare = Some(drain(pending, j)?);
+                    }
+                    let start = i * chunk;
+                    let len = chunk.min(total - start);
+                    let block = block_of(self.pool, spare.take(), len)?;
+                    let pending =
+                        src.copy_range_to_host_async(src_offset + start, block, stream)?;
+                    in_flight.push_back((pending, i));
+                }
+                for (pending, j) in in_flight.drain(..) {
+                    drop(drain(pending, j)?);
+                }
+                Ok(())
+            })();
+            claims.settle(outcome)
         })
+    }
+}
+
+/// Chunks handed out to participants one at a time; after a failure nobody claims more.
+struct Claims {
+    next: AtomicUsize,
+    chunks: usize,
+    failed: AtomicBool,
+}
+
+impl Claims {
+    fn new(chunks: usize) -> Self {
+        Self {
+            next: AtomicUsize::new(0),
+            chunks,
+            failed: AtomicBool::new(false),
+        }
+    }
+
+    fn next(&self) -> Option<usize> {
+        if self.failed.load(Ordering::Relaxed) {
+            return None;
+        }
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        (i < self.chunks).then_some(i)
+    }
+
+    fn settle(&self, outcome: Result<()>) -> Result<()> {
+        if outcome.is_err() {
+            self.failed.store(true, Ordering::Relaxed);
+        }
+        outcome
     }
 }
 
@@ -194,33 +322,6 @@ where
     Ok(())
 }
 
-/// One download worker's chunks: (element offset in the source, destination piece).
-type Share<'a, T> = Vec<(usize, &'a mut [T])>;
-
-/// Runs `work(0..workers)` on scoped threads (the first on this thread) and returns the first
-/// error. Every worker waits for its own queued copies before it returns, even on error.
-fn run_workers(workers: usize, work: impl Fn(usize) -> Result<()> + Sync) -> Result<()> {
-    if workers == 1 {
-        return work(0);
-    }
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = (1..workers)
-            .map(|w| {
-                let work = &work;
-                scope.spawn(move || work(w))
-            })
-            .collect();
-        let mut outcome = work(0);
-        for handle in handles {
-            let joined = handle.join().unwrap_or(Err(TransferError::WorkerPanicked));
-            if outcome.is_ok() {
-                outcome = joined;
-            }
-        }
-        outcome
-    })
-}
-
 /// A block of exactly `len` elements: `reuse` if it has that length, else a fresh pool block.
 fn block_of<T: Element>(
     pool: &PinnedPool,
@@ -231,72 +332,6 @@ fn block_of<T: Element>(
         Some(block) if block.len() == len => Ok(block),
         _ => Ok(pool.get_typed::<T>(len)?),
     }
-}
-
-fn upload_worker<'a, T, B>(
-    pool: &PinnedPool,
-    stream: &Stream,
-    depth: usize,
-    pieces: impl Iterator<Item = (usize, &'a [T])>,
-    dst: &Mutex<&mut B>,
-) -> Result<()>
-where
-    T: Element,
-    B: Buffer<T> + ?Sized,
-{
-    // Dropping this on an error path waits for every queued copy (PendingCopy's Drop).
-    let mut in_flight: VecDeque<PendingCopy<TypedPinnedBlock<T>>> = VecDeque::with_capacity(depth);
-    for (offset, piece) in pieces {
-        let reuse = if in_flight.len() >= depth {
-            in_flight.pop_front().map(PendingCopy::wait).transpose()?
-        } else {
-            None
-        };
-        let mut block = block_of(pool, reuse, piece.len())?;
-        block.as_mut_slice().copy_from_slice(piece);
-        // The lock covers only queueing the copy (microseconds), never a wait.
-        let pending = dst
-            .lock()
-            .copy_range_from_host_async(offset, block, stream)?;
-        in_flight.push_back(pending);
-    }
-    for pending in in_flight {
-        drop(pending.wait()?);
-    }
-    Ok(())
-}
-
-fn download_worker<T, B>(
-    pool: &PinnedPool,
-    stream: &Stream,
-    depth: usize,
-    pieces: Vec<(usize, &mut [T])>,
-    src: &B,
-) -> Result<()>
-where
-    T: Element,
-    B: Buffer<T> + ?Sized,
-{
-    let mut in_flight: VecDeque<(PendingCopy<TypedPinnedBlock<T>>, &mut [T])> =
-        VecDeque::with_capacity(depth);
-    let mut spare: Option<TypedPinnedBlock<T>> = None;
-    for (offset, piece) in pieces {
-        if in_flight.len() >= depth
-            && let Some((pending, out)) = in_flight.pop_front()
-        {
-            let block = pending.wait()?;
-            copy_streaming(out, block.as_slice())?;
-            spare = Some(block);
-        }
-        let block = block_of(pool, spare.take(), piece.len())?;
-        let pending = src.copy_range_to_host_async(offset, block, stream)?;
-        in_flight.push_back((pending, piece));
-    }
-    for (pending, out) in in_flight {
-        let block = pending.wait()?;
-        copy_streaming(out, block.as_slice())?;
-    }
-    Ok(())
 }
 
 /// Copies `len` elements between buffers of two devices through pinned blocks: each chunk is
@@ -358,6 +393,30 @@ mod tests {
         assert_eq!(config.workers(3), 3);
         assert_eq!(config.workers(0), 1);
         assert_eq!(config.workers(100), 8);
-        assert_eq!(StagingConfig::default().staging_bytes(), 12 * 2 * (4 << 20));
+        let default = StagingConfig::default();
+        assert_eq!(
+            default.staging_bytes(),
+            default.threads * 2 * default.chunk_bytes
+        );
+    }
+
+    #[test]
+    fn sizes_get_the_swept_configuration_capped_by_the_machine() {
+        for &(bytes, chunk, threads) in &SWEPT {
+            for probe in [bytes, bytes + bytes / 4, bytes - bytes / 4] {
+                let config = StagingConfig::for_size(probe);
+                assert_eq!(config.chunk_bytes, chunk, "{probe}");
+                assert_eq!(config.threads, threads.min(host_threads()));
+            }
+        }
+        assert_eq!(StagingConfig::for_size(0).chunk_bytes, 512 << 10);
+        assert_eq!(StagingConfig::for_size(64 << 30).chunk_bytes, 4 << 20);
+        // Larger transfers never get smaller chunks.
+        let mut last = 0;
+        for shift in 10..=34 {
+            let chunk = StagingConfig::for_size(1 << shift).chunk_bytes;
+            assert!(chunk >= last);
+            last = chunk;
+        }
     }
 }

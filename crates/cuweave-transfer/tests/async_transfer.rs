@@ -10,7 +10,7 @@ use std::thread::Thread;
 
 use cuweave_memory::{Buffer, DeviceBuffer};
 use cuweave_test_support::require_gpu;
-use cuweave_transfer::{StagingConfig, TransferError, TransferManager, TransferMethod};
+use cuweave_transfer::{POLL_BYTES, StagingConfig, TransferError, TransferManager, TransferMethod};
 
 /// Wakes the thread that polls.
 struct ThreadWaker(Thread);
@@ -140,4 +140,117 @@ fn async_transfers_refuse_bad_ranges_before_queueing() {
     let (report, polls) = block_on(manager.upload_async(&host[..0], &mut device, 32).unwrap());
     assert_eq!((report.unwrap().bytes, polls), (0, 1));
     assert!(device.to_vec().unwrap().iter().all(|&b| b == 0));
+}
+
+/// Polls `future` `polls` times with a waker that does nothing, a millisecond apart (so its
+/// pinned blocks arrive from the staging workers and copies get queued and finish).
+fn poll_a_few<F: Future + Unpin>(future: &mut F, polls: usize) -> bool {
+    let mut cx = Context::from_waker(Waker::noop());
+    (0..polls).any(|_| {
+        let ready = std::pin::Pin::new(&mut *future).poll(&mut cx).is_ready();
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        ready
+    })
+}
+
+#[test]
+fn every_poll_copies_a_bounded_amount() {
+    let gpu = require_gpu!();
+    let manager = TransferManager::new().unwrap();
+    let data = pattern((64 << 20) / 4);
+    let mut device = DeviceBuffer::<u32>::zeroed(&gpu.context, data.len()).unwrap();
+    let (report, polls) = block_on(manager.upload_async(&data, &mut device, 0).unwrap());
+    report.unwrap();
+    // Each poll copies at most POLL_BYTES of host memory, so 64 MiB takes at least this many.
+    assert!(polls >= (64 << 20) / POLL_BYTES, "{polls} polls");
+    assert_eq!(device.to_vec().unwrap(), data);
+    let mut back = vec![0u32; data.len()];
+    let (report, polls) = block_on(manager.download_async(&device, 0, &mut back).unwrap());
+    report.unwrap();
+    assert!(polls >= (64 << 20) / POLL_BYTES, "{polls} polls");
+    assert_eq!(back, data);
+}
+
+#[test]
+fn a_forgotten_download_never_writes_the_memory_it_borrowed() {
+    let gpu = require_gpu!();
+    let manager = TransferManager::new().unwrap();
+    let data = pattern((64 << 20) / 4);
+    let device = DeviceBuffer::<u32>::from_slice(&gpu.context, &data).unwrap();
+    let mut dst = vec![0u32; data.len()];
+    let mut future = manager.download_async(&device, 0, &mut dst).unwrap();
+    // Mid-transfer: blocks taken, copies in flight, part of `dst` written.
+    assert!(!poll_a_few(&mut future, 40));
+    std::mem::forget(future);
+    // The borrow has ended: free the memory and reuse it (the allocator very likely hands the
+    // same pages back), then let every queued copy finish.
+    drop(dst);
+    let reused = vec![0xA5A5_A5A5u32; data.len()];
+    gpu.context.synchronize().unwrap();
+    // Nothing but a poll writes the borrowed slice, and there will be no more polls: give any
+    // stray writer (there is none) ample time, then check.
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert!(reused.iter().all(|&x| x == 0xA5A5_A5A5));
+}
+
+#[test]
+fn a_forgotten_upload_never_reads_the_memory_it_borrowed() {
+    let gpu = require_gpu!();
+    let manager = TransferManager::new().unwrap();
+    let len = (64 << 20) / 4;
+    let data = vec![0x1111_1111u32; len];
+    let mut device = DeviceBuffer::<u32>::zeroed(&gpu.context, len).unwrap();
+    let mut future = manager.upload_async(&data, &mut device, 0).unwrap();
+    assert!(!poll_a_few(&mut future, 40));
+    std::mem::forget(future);
+    drop(data);
+    // Reused memory gets new bytes; had anything kept reading it, they would reach the device.
+    let reused = vec![0x7777_7777u32; len];
+    gpu.context.synchronize().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    gpu.context.synchronize().unwrap();
+    let on_device = device.to_vec().unwrap();
+    assert!(
+        on_device.iter().all(|&x| x == 0 || x == 0x1111_1111),
+        "the device received bytes written after the borrow ended"
+    );
+    assert!(on_device.contains(&0x1111_1111));
+    drop(reused);
+}
+
+#[test]
+fn owned_transfers_round_trip_and_hand_the_buffers_back() {
+    let gpu = require_gpu!();
+    let manager = TransferManager::new().unwrap();
+    let data = pattern((40 << 20) / 4 + 3);
+    let device = DeviceBuffer::<u32>::zeroed(&gpu.context, data.len() + 5).unwrap();
+    let (owned, _) = block_on(manager.upload_owned(data.clone(), device, 5).unwrap());
+    let report = owned.result.unwrap();
+    assert_eq!(report.bytes, data.len() * 4);
+    assert_eq!(owned.host, data);
+    let device = owned.device;
+    assert_eq!(&device.to_vec().unwrap()[5..], &data[..]);
+    let (owned, _) = block_on(
+        manager
+            .download_owned(device, 5, vec![0u32; data.len()])
+            .unwrap(),
+    );
+    owned.result.unwrap();
+    assert_eq!(owned.host, data);
+    // A forgotten owned transfer leaks its buffers (never frees what a worker uses); a dropped
+    // one finishes in the background. Later transfers are unaffected.
+    let device = DeviceBuffer::<u32>::zeroed(&gpu.context, data.len()).unwrap();
+    std::mem::forget(manager.upload_owned(data.clone(), device, 0).unwrap());
+    let device = DeviceBuffer::<u32>::zeroed(&gpu.context, data.len()).unwrap();
+    drop(manager.upload_owned(data.clone(), device, 0).unwrap());
+    let device = DeviceBuffer::<u32>::zeroed(&gpu.context, data.len()).unwrap();
+    let (owned, _) = block_on(manager.upload_owned(data.clone(), device, 0).unwrap());
+    owned.result.unwrap();
+    assert_eq!(owned.device.to_vec().unwrap(), data);
+    // Bad ranges are refused before anything starts.
+    let small = DeviceBuffer::<u32>::zeroed(&gpu.context, 4).unwrap();
+    assert!(matches!(
+        manager.upload_owned(vec![0u32; 8], small, 0),
+        Err(TransferError::OutOfRange { .. })
+    ));
 }

@@ -427,3 +427,114 @@ fn calibration_measures_every_candidate_and_round_trips_through_json() {
     assert_eq!(CalibrationTable::load(&file).unwrap(), table);
     std::fs::remove_file(&file).unwrap();
 }
+
+#[test]
+fn uploads_and_downloads_on_two_threads_overlap_correctly() {
+    let gpu = require_gpu!();
+    let manager = TransferManager::new().unwrap();
+    let len = 96 << 20;
+    let up = common::pattern(len, 1);
+    let expected_down = common::pattern(len, 2);
+    let mut up_device = DeviceBuffer::<u8>::zeroed(&gpu.context, len).unwrap();
+    let down_device = DeviceBuffer::<u8>::from_slice(&gpu.context, &expected_down).unwrap();
+    let mut down = vec![0u8; len];
+    std::thread::scope(|s| {
+        let a = s.spawn(|| {
+            manager
+                .transfer(&up, Destination::device(&mut up_device, 0))
+                .unwrap()
+        });
+        let b = s.spawn(|| {
+            manager
+                .transfer(Source::device(&down_device, 0, len), &mut down)
+                .unwrap()
+        });
+        a.join().unwrap();
+        b.join().unwrap();
+    });
+    assert_eq!(up_device.to_vec().unwrap(), up);
+    assert_eq!(down, expected_down);
+}
+
+#[test]
+fn many_threads_upload_to_one_device_on_their_own_lanes() {
+    let gpu = require_gpu!();
+    let manager = TransferManager::new().unwrap();
+    let len = 24 << 20;
+    let threads = 12;
+    let sources: Vec<Vec<u8>> = (0..threads)
+        .map(|t| common::pattern(len, t as u32))
+        .collect();
+    let mut devices: Vec<DeviceBuffer<u8>> = (0..threads)
+        .map(|_| DeviceBuffer::zeroed(&gpu.context, len).unwrap())
+        .collect();
+    for _ in 0..3 {
+        std::thread::scope(|s| {
+            for (src, dst) in sources.iter().zip(devices.iter_mut()) {
+                let manager = &manager;
+                s.spawn(move || {
+                    manager
+                        .transfer_with(TransferMethod::HostStaged, src, Destination::device(dst, 0))
+                        .unwrap()
+                });
+            }
+        });
+    }
+    for (src, dst) in sources.iter().zip(&devices) {
+        assert_eq!(&dst.to_vec().unwrap(), src);
+    }
+    // Lanes made for the burst are kept only up to the bound.
+    assert!(manager.idle_lanes(0) <= cuweave_transfer::MAX_IDLE_LANES);
+    assert!(manager.idle_lanes(0) >= 1);
+}
+
+#[test]
+fn calibration_counts_in_its_own_statistics_and_labels_its_machine() {
+    let gpu = require_gpu!();
+    let manager = TransferManager::new().unwrap();
+    let host = vec![1u8; 1 << 20];
+    let mut device = DeviceBuffer::<u8>::zeroed(&gpu.context, host.len()).unwrap();
+    manager
+        .transfer(&host, Destination::device(&mut device, 0))
+        .unwrap();
+    let before = manager.stats().snapshot();
+    assert_eq!(before.len(), 1);
+    let table = manager.calibrate().unwrap();
+    assert_eq!(
+        manager.stats().snapshot(),
+        before,
+        "calibration kept out of the user's stats"
+    );
+    assert_eq!(table.devices, manager.machine());
+    assert!(table.check_machine(&manager.machine()).is_none());
+    // Host figures per device, at every calibration size, each in its own size class.
+    for bytes in cuweave_transfer::CALIBRATION_SIZES {
+        assert!(
+            table
+                .entries
+                .iter()
+                .any(|e| e.path == TransferPath::PAGEABLE_TO_DEVICE
+                    && e.dst_device == Some(0)
+                    && e.bytes == bytes
+                    && e.size_class == cuweave_transfer::SizeClass::of(bytes))
+        );
+    }
+    // The planner never picks a method measured slower at the nearest size.
+    for bytes in cuweave_transfer::CALIBRATION_SIZES {
+        let plan = manager.plan(Location::PageableHost, Location::Device(0), bytes);
+        if let PlanReason::Calibrated {
+            gbps, runner_up, ..
+        } = plan.reason
+        {
+            assert!(runner_up.is_none_or(|other| gbps >= other), "{plan}");
+        }
+    }
+    // A table from other devices is reported, and plans say where their figures came from.
+    let mut foreign = table.clone();
+    foreign.devices = vec!["NVIDIA A100-SXM4-40GB".to_owned()];
+    let mismatch = manager.set_calibration(foreign).unwrap();
+    assert!(mismatch.to_string().contains("recalibrate"));
+    let plan = manager.plan(Location::PageableHost, Location::Device(0), 64 << 20);
+    assert!(plan.to_string().contains("NVIDIA A100-SXM4-40GB"), "{plan}");
+    assert!(manager.set_calibration(table).is_none());
+}

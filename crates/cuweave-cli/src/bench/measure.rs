@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 use cuweave::driver::{Context, Device, Stream, StreamFlags};
 use cuweave::memory::buffer::copy_peer;
 use cuweave::memory::{Buffer, DeviceBuffer, PinnedBuffer};
-use cuweave::transfer::{Destination, Source, TransferManager, TransferMethod};
+use cuweave::transfer::{Destination, Source, TransferManager, TransferMethod, TransferPath};
 
-use super::report::{BenchReport, Latency, Point, Series, Staging, size_label};
+use super::report::{BenchReport, Concurrent, Latency, Point, Series, Staging, size_label};
 
 /// Why a bench run stopped.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -202,7 +202,7 @@ pub fn steps(sizes: usize, devices: usize) -> u64 {
         + D2H_ROWS.len()
         + D2D_ROWS.len()
         + if devices > 1 { P2P_ROWS.len() } else { 0 };
-    (sizes * per_size + 4) as u64
+    (sizes * per_size + 4 + 2) as u64
 }
 
 /// Runs every measurement; `progress` is told each step's name after it finishes.
@@ -225,8 +225,8 @@ pub fn run(
     let name = device.name().map_err(gpu)?;
     let context = Context::primary(device).map_err(gpu)?;
     let manager = TransferManager::new().map_err(failed("creating the transfer manager"))?;
-    let staging = manager.staging();
     let largest = sizes.iter().copied().max().unwrap_or(0);
+    let staging = manager.staging_for(TransferPath::PAGEABLE_TO_DEVICE, 0, largest);
     let free = context.memory_info().map_err(gpu)?.free as u64;
     check_fit(
         largest,
@@ -317,7 +317,9 @@ pub fn run(
         )?;
     }
     let latency = latencies(&manager, &mut buffers, &mut progress)?;
+    let concurrent = concurrent(&manager, &context, &mut buffers, iterations, &mut progress)?;
     Ok(BenchReport {
+        concurrent,
         device: name,
         sizes: sizes.to_vec(),
         iterations,
@@ -329,6 +331,97 @@ pub fn run(
             threads: staging.threads,
         },
     })
+}
+
+/// The cases of several host threads at once, at the largest size: an upload and a download
+/// together (raw: pinned memory on two threads, each its own stream; cuweave: pageable), and
+/// four threads each uploading a quarter.
+fn concurrent(
+    manager: &TransferManager,
+    context: &Arc<Context>,
+    buffers: &mut Buffers,
+    iterations: usize,
+    progress: &mut impl FnMut(String),
+) -> Result<Vec<Concurrent>, BenchError> {
+    let bytes = buffers.host.len();
+    let alloc =
+        |e: cuweave::memory::MemoryError| BenchError::Failed(format!("allocating buffers: {e}"));
+    let memory = |e: cuweave::memory::MemoryError| BenchError::Failed(format!("concurrent: {e}"));
+    let mut host2 = vec![0u8; bytes];
+    let mut pinned2 = PinnedBuffer::<u8>::zeroed(context, bytes).map_err(alloc)?;
+    let Buffers { host, pinned, a, b } = buffers;
+    let mut out = Vec::new();
+    let label = size_label(bytes);
+    let raw = median(iterations, || {
+        let up_src = pinned.as_slice().map_err(memory)?;
+        let down_dst = pinned2.as_mut_slice().map_err(memory)?;
+        let (a, b) = (&mut *a, &*b);
+        std::thread::scope(|s| {
+            let up = s.spawn(|| a.copy_range_from_host(0, up_src));
+            let down = b.copy_range_to_host(0, down_dst);
+            up.join()
+                .map_err(|_| BenchError::Failed("upload thread panicked".to_owned()))?
+                .map_err(memory)?;
+            down.map_err(memory)
+        })
+    })?;
+    let ours = median(iterations, || {
+        let (a, b, host, host2) = (&mut *a, &*b, &*host, &mut host2);
+        std::thread::scope(|s| {
+            let up = s.spawn(|| manager.transfer(&host[..], Destination::device(a, 0)));
+            let down = manager.transfer(Source::device(b, 0, bytes), &mut host2[..]);
+            up.join()
+                .map_err(|_| BenchError::Failed("upload thread panicked".to_owned()))?
+                .map_err(failed("upload"))?;
+            down.map(drop).map_err(failed("download"))
+        })
+    })?;
+    out.push(Concurrent {
+        case: format!("{label} up + {label} down, 2 threads"),
+        raw: "raw pinned (blocking calls)".to_owned(),
+        raw_gbps: gbps(2 * bytes, raw),
+        cuweave_gbps: gbps(2 * bytes, ours),
+    });
+    progress("both directions".to_owned());
+    let quarter = bytes / 4;
+    let mut quarters: Vec<DeviceBuffer<u8>> = (0..4)
+        .map(|_| DeviceBuffer::zeroed(context, quarter).map_err(alloc))
+        .collect::<Result<_, _>>()?;
+    let mut four = |ours: bool| {
+        median(iterations, || {
+            std::thread::scope(|s| {
+                let handles: Vec<_> = host
+                    .chunks(quarter)
+                    .zip(quarters.iter_mut())
+                    .map(|(src, dst)| {
+                        s.spawn(move || {
+                            if ours {
+                                manager
+                                    .transfer(src, Destination::device(dst, 0))
+                                    .map(drop)
+                                    .map_err(failed("upload"))
+                            } else {
+                                dst.copy_range_from_host(0, src).map_err(memory)
+                            }
+                        })
+                    })
+                    .collect();
+                handles.into_iter().try_for_each(|h| {
+                    h.join()
+                        .map_err(|_| BenchError::Failed("upload thread panicked".to_owned()))?
+                })
+            })
+        })
+    };
+    let (raw, ours) = (four(false)?, four(true)?);
+    out.push(Concurrent {
+        case: format!("4 threads x {} up", size_label(quarter)),
+        raw: "raw pageable".to_owned(),
+        raw_gbps: gbps(4 * quarter, raw),
+        cuweave_gbps: gbps(4 * quarter, ours),
+    });
+    progress("four uploads".to_owned());
+    Ok(out)
 }
 
 fn h2d(
@@ -517,7 +610,8 @@ mod tests {
 
     #[test]
     fn steps_count_every_row_at_every_size_and_the_latencies() {
-        assert_eq!(steps(8, 1), 8 * 12 + 4);
-        assert_eq!(steps(8, 2), 8 * 15 + 4);
+        // Rows per size, four latencies, the two concurrent cases.
+        assert_eq!(steps(8, 1), 8 * 12 + 4 + 2);
+        assert_eq!(steps(8, 2), 8 * 15 + 4 + 2);
     }
 }

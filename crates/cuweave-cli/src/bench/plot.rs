@@ -139,6 +139,23 @@ fn panel(out: &mut String, report: &BenchReport, direction: &str, series: &[&Ser
         out,
         r##"<rect x="{LEFT}" y="{top:.1}" width="{plot_w:.1}" height="{plot_h:.1}" fill="none" stroke="#333"/>"##
     );
+    // The bus limit: the best a pinned copy reached in this direction, drawn across the panel
+    // so every pageable curve can be read against it.
+    let limit = series
+        .iter()
+        .filter(|s| s.method.starts_with("raw pinned"))
+        .flat_map(|s| s.points.iter().map(|p| p.gbps))
+        .fold(0.0, f64::max);
+    if limit > 0.0 {
+        let yy = y(limit);
+        let _ = writeln!(
+            out,
+            r##"<line x1="{LEFT}" y1="{yy:.1}" x2="{:.1}" y2="{yy:.1}" stroke="#000" stroke-dasharray="2 3"/><text x="{:.1}" y="{:.1}" text-anchor="end" font-size="11">pinned limit {limit:.1} GB/s</text>"##,
+            LEFT + plot_w,
+            LEFT + plot_w - 4.0,
+            yy - 4.0
+        );
+    }
     for (i, s) in series.iter().enumerate() {
         let color = PALETTE[i % PALETTE.len()];
         let dash = if s.cuweave {
@@ -200,6 +217,17 @@ mod tests {
         assert!(svg.contains(">4KiB<") && svg.contains(">1GiB<"));
         // Each panel has its own scale: 31.25 rounds up to 40, 1400 to 1500.
         assert!(svg.contains(">40<") && svg.contains(">1500<"), "{svg}");
+    }
+
+    #[test]
+    fn the_pinned_limit_is_drawn_across_its_panel() {
+        let mut report = sample();
+        let mut pinned = report.series[0].clone();
+        pinned.method = "raw pinned".to_owned();
+        pinned.points[1].gbps = 55.0;
+        report.series.push(pinned);
+        let svg = svg(&report);
+        assert_eq!(svg.matches("pinned limit 55.0 GB/s").count(), 1, "{svg}");
     }
 
     #[test]

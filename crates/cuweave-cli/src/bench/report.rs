@@ -17,8 +17,25 @@ pub struct BenchReport {
     pub series: Vec<Series>,
     /// Copy latencies.
     pub latency: Vec<Latency>,
-    /// The staging configuration cuweave's pipelined copies ran with.
+    /// The staging configuration cuweave's pipelined copies ran with at the largest size.
     pub staging: Staging,
+    /// Transfers run at the same time from several host threads (absent in older reports).
+    #[serde(default)]
+    pub concurrent: Vec<Concurrent>,
+}
+
+/// Several transfers at once on several host threads: the raw driver calls and cuweave, each
+/// as the total bandwidth of all of them together.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Concurrent {
+    /// What ran, e.g. `1GiB up + 1GiB down, 2 threads`.
+    pub case: String,
+    /// The raw calls and their memory, e.g. `raw pinned`.
+    pub raw: String,
+    /// Their bandwidth together, GB/s.
+    pub raw_gbps: f64,
+    /// cuweave's bandwidth together (from pageable memory), GB/s.
+    pub cuweave_gbps: f64,
 }
 
 /// The pipelined-copy configuration, as reported.
@@ -148,6 +165,16 @@ impl BenchReport {
                 out.push('\n');
             }
         }
+        if !self.concurrent.is_empty() {
+            out.push_str("\nconcurrent transfers (GB/s, all threads together)\n");
+            for c in &self.concurrent {
+                let _ = writeln!(
+                    out,
+                    "  {:<40} {} {:>7.2}, cuweave pageable {:>7.2}",
+                    c.case, c.raw, c.raw_gbps, c.cuweave_gbps
+                );
+            }
+        }
         if !self.latency.is_empty() {
             out.push_str("\nlatency (4-byte copy, host-observed, median)\n");
             for l in &self.latency {
@@ -198,6 +225,12 @@ pub(crate) mod tests {
                 name: "H2D raw pinned".to_owned(),
                 micros: 5.5,
             }],
+            concurrent: vec![Concurrent {
+                case: "1GiB up + 1GiB down, 2 threads".to_owned(),
+                raw: "raw pinned".to_owned(),
+                raw_gbps: 90.0,
+                cuweave_gbps: 80.5,
+            }],
             staging: Staging {
                 chunk_bytes: 4 << 20,
                 depth: 2,
@@ -235,6 +268,9 @@ H2D
       size  raw pageable  cuweave staged
       4KiB          0.50               -
       1GiB          7.00           31.25
+
+concurrent transfers (GB/s, all threads together)
+  1GiB up + 1GiB down, 2 threads           raw pinned   90.00, cuweave pageable   80.50
 
 latency (4-byte copy, host-observed, median)
   H2D raw pinned                                       5.50 us";

@@ -795,6 +795,13 @@ pub type PFN_cuDevicePrimaryCtxRetain_v7000 =
     ::std::option::Option<unsafe extern "C" fn(pctx: *mut CUcontext, dev: CUdevice_v1) -> CUresult>;
 pub type PFN_cuDevicePrimaryCtxRelease_v11000 =
     ::std::option::Option<unsafe extern "C" fn(dev: CUdevice_v1) -> CUresult>;
+pub type PFN_cuDevicePrimaryCtxGetState_v7000 = ::std::option::Option<
+    unsafe extern "C" fn(
+        dev: CUdevice_v1,
+        flags: *mut ::std::os::raw::c_uint,
+        active: *mut ::std::os::raw::c_int,
+    ) -> CUresult,
+>;
 pub type PFN_cuCtxSetCurrent_v4000 =
     ::std::option::Option<unsafe extern "C" fn(ctx: CUcontext) -> CUresult>;
 pub type PFN_cuCtxGetCurrent_v4000 =
