@@ -104,10 +104,7 @@ fn wake_round_trip(c: &mut Criterion, gpu: &Gpu) {
             let future = waiter
                 .stream_idle_with(
                     stream,
-                    WaitOptions {
-                        mechanism,
-                        timeout: None,
-                    },
+                    WaitOptions::new(mechanism),
                 )
                 .expect("stream_idle");
             futures::executor::block_on(future).expect("wait");

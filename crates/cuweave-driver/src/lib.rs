@@ -12,6 +12,7 @@
 //! | [`Device`] | ordinal, name, memory, compute capability, capabilities, peer queries |
 //! | [`Context`] | a device's primary context, made current per thread on use |
 //! | [`Stream`], [`Event`] | ordered work queues and markers in them, host callbacks, timing |
+//! | [`EventPool`] | the per-context pool of reusable events every layer takes its events from ([`event_pool`]) |
 //! | [`Module`], [`Kernel`] | PTX / cubin loading and (`unsafe`) kernel launch |
 //! | [`memory`] | raw allocations, copies, memsets, pools, managed memory, advice, prefetch |
 //! | [`sys`] | the raw bindgen types, for interop with other CUDA crates |
@@ -38,6 +39,7 @@ pub mod context;
 pub mod device;
 pub mod error;
 pub mod event;
+pub mod event_pool;
 pub mod loader;
 pub mod memory;
 pub mod module;
@@ -48,6 +50,8 @@ pub use context::{Context, CurrentContextGuard, MemoryInfo, StreamPriorityRange}
 pub use device::{ComputeCapability, Device, DeviceCapabilities, ManagedSupport, PeerLink};
 pub use error::{DriverError, Result};
 pub use event::{Event, EventFlags};
+#[cfg(not(loom))]
+pub use event_pool::{EventPool, OwnedPooledEvent, PoolCounters, PoolUtilization, PooledEvent};
 pub use loader::{DriverApi, driver, driver_version, is_available};
 pub use module::{Kernel, KernelArgs, LaunchConfig, Module};
 pub use stream::{Stream, StreamFlags, WaitCondition, WriteOrdering};

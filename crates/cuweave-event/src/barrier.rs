@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use cuweave_driver::Stream;
 
 use crate::error::{EventError, Result};
-use crate::pool::{EventPool, PooledEvent};
+use cuweave_driver::{EventPool, PooledEvent};
 
 /// A barrier across a set of streams of one context.
 ///

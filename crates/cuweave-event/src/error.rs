@@ -11,6 +11,7 @@ pub type Result<T, E = EventError> = std::result::Result<T, E>;
 
 /// Why an event-layer operation failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum EventError {
     /// The driver failed (or is missing). A context killed by a kernel fault reports here too:
     /// every wait on it resolves with the driver's sticky error instead of hanging.
@@ -68,11 +69,15 @@ pub enum EventError {
         /// The timeout the wait carried.
         timeout: Duration,
     },
-    /// An [`EventPool`](crate::EventPool) already holds the most events it can index.
-    #[error("the event pool holds {limit} events, the most it can index")]
-    PoolFull {
-        /// The limit.
-        limit: u32,
+    /// The operating system refused to start a thread (the waiter's reactor).
+    #[error("{operation}: starting the thread `{thread}` failed: {reason}")]
+    ThreadSpawn {
+        /// The operation that needed the thread.
+        operation: &'static str,
+        /// The thread's name.
+        thread: &'static str,
+        /// The operating system's error.
+        reason: String,
     },
     /// The waiter serving a wait was shut down before the GPU reached the event.
     #[error("the event waiter shut down before the wait completed")]

@@ -10,7 +10,7 @@
 //!
 //! | item | what it is for |
 //! |---|---|
-//! | [`EventPool`], [`PooledEvent`], [`OwnedPooledEvent`] | reusable timing and non-timing events, returned on drop (borrowing the pool, or sharing ownership of it); one atomic swap per round trip on a thread's fast path |
+//! | [`EventPool`], [`PooledEvent`], [`OwnedPooledEvent`] | reusable timing and non-timing events, returned on drop (borrowing the pool, or sharing ownership of it); one atomic swap per round trip on a thread's fast path; re-exported from `cuweave-driver`, where every layer takes its events from one pool per context |
 //! | [`OperationCoordinator`] | operations with types, priorities and dependencies, begun and completed on streams; deadlock (cycle) detection, stall reports, completion callbacks, metrics with GPU time per type |
 //! | [`CrossStreamBarrier`] | every stream waits for every other (on the device), or the host waits for all |
 //! | [`AsyncEventWaiter`], [`WaitFuture`] | one reactor thread that wakes futures and runs callbacks when the GPU reaches a point; cancellation, timeouts |
@@ -42,7 +42,6 @@ pub mod barrier;
 pub mod coordinator;
 #[cfg(not(loom))]
 pub mod error;
-pub mod pool;
 mod sync;
 #[cfg(not(loom))]
 pub mod waiter;
@@ -57,8 +56,12 @@ pub use coordinator::{
 };
 #[cfg(not(loom))]
 pub use error::{EventError, Result};
+/// The event pool lives in the driver crate, the lowest layer that records events, so that
+/// every layer shares one per context; it is re-exported here with the seed's API.
 #[cfg(not(loom))]
-pub use pool::{EventPool, OwnedPooledEvent, PoolCounters, PoolUtilization, PooledEvent};
+pub use cuweave_driver::event_pool as pool;
+#[cfg(not(loom))]
+pub use cuweave_driver::{EventPool, OwnedPooledEvent, PoolCounters, PoolUtilization, PooledEvent};
 #[cfg(not(loom))]
 pub use waiter::{
     AsyncEventWaiter, WaitFuture, WaitId, WaitOptions, WaitResult, WaiterStats, WakeMechanism,

@@ -26,10 +26,7 @@ fn futures_on_a_context_killed_by_a_trap_resolve_with_an_error() {
     let query = waiter
         .stream_idle_with(
             &stream,
-            WaitOptions {
-                mechanism: WakeMechanism::EventQuery,
-                timeout: None,
-            },
+            WaitOptions::new(WakeMechanism::EventQuery),
         )
         .unwrap();
     let event = pool.acquire_owned(false).unwrap();

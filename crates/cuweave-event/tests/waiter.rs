@@ -72,10 +72,7 @@ fn a_future_completes_only_after_the_spin_kernel_before_it_ends(
             .spin_then_store_u32(&stream, 30 * MS, flags.device(0), 7)
             .unwrap()
     };
-    let options = WaitOptions {
-        mechanism,
-        timeout: None,
-    };
+    let options = WaitOptions::new(mechanism);
     let future = waiter.stream_idle_with(&stream, options).unwrap();
     assert_eq!(
         flags.read(0),
@@ -154,10 +151,7 @@ fn a_timeout_is_reported_to_the_future_and_to_the_callback() {
     let future = waiter
         .stream_idle_with(
             &stream,
-            WaitOptions {
-                mechanism: WakeMechanism::CompletionWord,
-                timeout: Some(Duration::from_millis(20)),
-            },
+            WaitOptions::new(WakeMechanism::CompletionWord).with_timeout(Duration::from_millis(20)),
         )
         .unwrap();
     let event = pool.acquire_owned(false).unwrap();
@@ -371,10 +365,7 @@ fn every_mechanism_serves_many_sequential_waits() {
             let future = waiter
                 .stream_idle_with(
                     &stream,
-                    WaitOptions {
-                        mechanism,
-                        timeout: None,
-                    },
+                    WaitOptions::new(mechanism),
                 )
                 .unwrap();
             futures::executor::block_on(future).unwrap();

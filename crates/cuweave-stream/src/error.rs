@@ -8,6 +8,7 @@ pub type Result<T, E = StreamError> = std::result::Result<T, E>;
 
 /// Why a stream-layer operation failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
 pub enum StreamError {
     /// The driver failed (or is missing, or lacks a capability).
     #[error(transparent)]
@@ -74,6 +75,16 @@ pub enum StreamError {
         owner: u64,
         /// The stream that wanted to use it.
         user: u64,
+    },
+    /// The operating system refused to start a thread (a stream's callback worker).
+    #[error("{operation}: starting the thread `{thread}` failed: {reason}")]
+    ThreadSpawn {
+        /// The operation that needed the thread.
+        operation: &'static str,
+        /// The thread's name.
+        thread: String,
+        /// The operating system's error.
+        reason: String,
     },
     /// An allocation id that the allocator does not hold (never made, or already freed).
     #[error("{operation}: allocation {allocation} is not held by this allocator")]

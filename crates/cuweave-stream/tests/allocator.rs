@@ -151,9 +151,9 @@ fn the_watch_kernel_does_catch_a_concurrent_writer() {
 fn allocations_round_to_size_classes_and_are_counted() {
     let gpu = cuweave_test_support::require_gpu!();
     let a = new_stream(&gpu);
-    let allocator = StreamOrderedAllocator::new(StreamOrderedAllocatorConfig {
-        release_threshold: 64 << 20,
-    });
+    let allocator = StreamOrderedAllocator::new(StreamOrderedAllocatorConfig::with_release_threshold(
+        64 << 20,
+    ));
     let small = allocator.allocate_for_stream(&a, 3000).unwrap();
     let large = allocator.allocate_for_stream(&a, (3 << 20) + 1).unwrap();
     assert_eq!((small.bytes(), small.requested()), (4096, 3000));

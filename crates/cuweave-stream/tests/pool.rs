@@ -22,13 +22,9 @@ fn pool(
 ) -> StreamPool {
     StreamPool::new(
         &gpu.context,
-        StreamPoolConfig {
-            high,
-            normal,
-            low,
-            compute_streams: normal.min(1),
-            strategy,
-        },
+        StreamPoolConfig::with_strategy(strategy)
+            .with_counts(high, normal, low)
+            .with_compute_streams(normal.min(1)),
     )
     .expect("pool")
 }
@@ -139,13 +135,9 @@ fn workloads_get_their_priority_and_memory_stays_off_compute_streams() {
     // A pool whose only streams are compute streams has nowhere to put memory work.
     let compute_only = StreamPool::new(
         &gpu.context,
-        StreamPoolConfig {
-            high: 0,
-            normal: 2,
-            low: 0,
-            compute_streams: 2,
-            strategy: AllocationStrategy::Workload,
-        },
+        StreamPoolConfig::with_strategy(AllocationStrategy::Workload)
+            .with_counts(0, 2, 0)
+            .with_compute_streams(2),
     )
     .unwrap();
     assert!(matches!(

@@ -19,7 +19,7 @@ pub use metrics::CoordinatorMetrics;
 pub use types::{EventMetadata, EventPriority, OperationId, OperationState, OperationType};
 
 use crate::error::{EventError, Result};
-use crate::pool::{EventPool, OwnedPooledEvent};
+use cuweave_driver::{EventPool, OwnedPooledEvent};
 use crate::waiter::{AsyncEventWaiter, WaitFuture, WaitResult};
 use metrics::MetricsCell;
 

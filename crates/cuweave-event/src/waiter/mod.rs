@@ -57,11 +57,28 @@ pub enum WakeMechanism {
 
 /// Options of one stream wait.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct WaitOptions {
     /// How the wake-up travels.
     pub mechanism: WakeMechanism,
     /// Give up after this long: the future resolves to [`EventError::TimedOut`].
     pub timeout: Option<Duration>,
+}
+
+impl WaitOptions {
+    /// A wait woken through `mechanism`, without a timeout.
+    pub fn new(mechanism: WakeMechanism) -> Self {
+        Self {
+            mechanism,
+            timeout: None,
+        }
+    }
+
+    /// The same wait, given up after `timeout`.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
 }
 
 /// Counters of an [`AsyncEventWaiter`].
@@ -131,7 +148,7 @@ impl AsyncEventWaiter {
     /// Starts a waiter and its reactor thread (which parks until there is something to watch).
     ///
     /// # Errors
-    /// [`EventError::InvalidArgument`] when the operating system refuses a new thread.
+    /// [`EventError::ThreadSpawn`] when the operating system refuses a new thread.
     pub fn new() -> Result<Self> {
         let shared = Arc::new(Shared::default());
         let handle = std::thread::Builder::new()
@@ -140,11 +157,10 @@ impl AsyncEventWaiter {
                 let shared = Arc::clone(&shared);
                 move || reactor::run(&shared)
             })
-            .map_err(|error| {
-                EventError::invalid(
-                    "AsyncEventWaiter::new",
-                    format!("spawning the reactor: {error}"),
-                )
+            .map_err(|error| EventError::ThreadSpawn {
+                operation: "AsyncEventWaiter::new",
+                thread: "cuweave-event-reactor",
+                reason: error.to_string(),
             })?;
         Ok(Self {
             shared,

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cuweave_driver::Event;
 
-use crate::pool::OwnedPooledEvent;
+use cuweave_driver::OwnedPooledEvent;
 
 /// An event a waiter can own while it watches it: an [`Event`], an [`OwnedPooledEvent`], or an
 /// `Arc` of either (to keep using it elsewhere meanwhile).

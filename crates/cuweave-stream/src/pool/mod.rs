@@ -30,6 +30,7 @@ use workload::{StreamSet, WorkloadRecord};
 /// streams: the number of hardware work queues a CUDA context gets by default
 /// (`CUDA_DEVICE_MAX_CONNECTIONS`), beyond which streams share queues and serialize.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct StreamPoolConfig {
     /// High-priority streams.
     pub high: usize,
@@ -62,6 +63,22 @@ impl StreamPoolConfig {
             strategy,
             ..Self::default()
         }
+    }
+
+    /// These counts of high, normal and low streams (the rest as [`Default`]); the compute
+    /// streams are capped at `normal`.
+    pub fn with_counts(mut self, high: usize, normal: usize, low: usize) -> Self {
+        self.high = high;
+        self.normal = normal;
+        self.low = low;
+        self.compute_streams = self.compute_streams.min(normal);
+        self
+    }
+
+    /// `compute` of the normal streams serve `Compute` at first.
+    pub fn with_compute_streams(mut self, compute: usize) -> Self {
+        self.compute_streams = compute;
+        self
     }
 
     fn count(&self, priority: StreamPriority) -> usize {

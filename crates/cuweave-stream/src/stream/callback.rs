@@ -88,19 +88,19 @@ impl CallbackWorker {
         let (sender, receiver) = channel::unbounded::<Job>();
         let shared = Arc::clone(&self.shared);
         let stream = self.stream;
+        let name = format!("cuweave-callbacks-{stream}");
         std::thread::Builder::new()
-            .name(format!("cuweave-callbacks-{stream}"))
+            .name(name.clone())
             .spawn(move || {
                 // Ends when the stream and every queued relay have dropped their senders.
                 for (sequence, callback) in receiver {
                     run(&shared, stream, sequence, callback);
                 }
             })
-            .map_err(|error| {
-                StreamError::invalid(
-                    "PriorityStream::add_callback",
-                    format!("spawning the callback worker failed: {error}"),
-                )
+            .map_err(|error| StreamError::ThreadSpawn {
+                operation: "PriorityStream::add_callback",
+                thread: name,
+                reason: error.to_string(),
             })?;
         // Another thread may have won the race; its worker serves, ours ends at once because
         // its sender is dropped here.

@@ -12,7 +12,10 @@
 //! an index; since every removal is a swap, an index is taken by exactly one thread. The loom
 //! models in `loom_tests` check both under every interleaving.
 
-use crate::sync::{AtomicU32, Ordering};
+#[cfg(loom)]
+use loom::sync::atomic::{AtomicU32, Ordering};
+#[cfg(not(loom))]
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// The value of an empty slot.
 pub(crate) const EMPTY: u32 = u32::MAX;

@@ -3,13 +3,20 @@
 
 use std::fmt;
 use std::ops::Deref;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
-use cuweave_driver::{Context, Event, EventFlags};
+use parking_lot::Mutex;
 
 use super::arena::Arena;
 use super::recycler::{Recycler, TakeError};
-use crate::error::{EventError, Result};
+use crate::context::Context;
+use crate::error::{DriverError, Result};
+use crate::event::{Event, EventFlags};
+
+/// The pool of each context that has one in use (keyed by the raw `CUcontext`), held weakly:
+/// a pool lives while a user holds it, and [`EventPool::for_context`] hands every caller in
+/// the meantime the same one.
+static CONTEXT_POOLS: Mutex<Vec<(usize, Weak<PoolShared>)>> = Mutex::new(Vec::new());
 
 /// A pool of CUDA events of one context, kept in two free lists: timing events (which record
 /// timestamps, for [`Event::elapsed_ms`]) and non-timing events (cheaper to record and wait on,
@@ -33,13 +40,16 @@ use crate::error::{EventError, Result};
 ///
 /// [`acquire_event`]: Self::acquire_event
 /// [`acquire_owned`]: Self::acquire_owned
-/// [`AsyncEventWaiter`]: crate::AsyncEventWaiter
+/// [`AsyncEventWaiter`]: https://docs.rs/cuweave-event
+///
+/// Every layer of cuweave takes its events from the pool of its context
+/// ([`for_context`](Self::for_context)): stream markers and timers, coordinators, barriers,
+/// allocators, transfers. A layer never keeps a spare list of its own.
 ///
 /// ```no_run
-/// use cuweave_driver::{Context, Device, Stream, StreamFlags};
-/// use cuweave_event::EventPool;
+/// use cuweave_driver::{Context, Device, EventPool, Stream, StreamFlags};
 ///
-/// # fn main() -> Result<(), cuweave_event::EventError> {
+/// # fn main() -> Result<(), cuweave_driver::DriverError> {
 /// let context = Context::primary(Device::get(0)?)?;
 /// let pool = EventPool::new(&context, 32, 4)?;
 /// let stream = Stream::new(&context, StreamFlags::NON_BLOCKING)?;
@@ -79,7 +89,7 @@ impl PoolShared {
     }
 
     #[cold]
-    fn create(&self, timing: bool) -> std::result::Result<Event, cuweave_driver::DriverError> {
+    fn create(&self, timing: bool) -> Result<Event> {
         tracing::debug!(timing, "event pool empty: creating an event");
         let flags = if timing {
             EventFlags::TIMING
@@ -90,11 +100,15 @@ impl PoolShared {
     }
 
     #[cold]
-    fn take_error(error: TakeError<cuweave_driver::DriverError>) -> EventError {
+    fn take_error(error: TakeError<DriverError>) -> DriverError {
         match error {
-            TakeError::Make(error) => EventError::from(error),
-            TakeError::Full => EventError::PoolFull {
-                limit: Arena::<Event>::MAX_LEN,
+            TakeError::Make(error) => error,
+            TakeError::Full => DriverError::InvalidArgument {
+                operation: "EventPool::acquire_event",
+                reason: format!(
+                    "the pool already holds {} events, the most it can index",
+                    Arena::<Event>::MAX_LEN
+                ),
             },
         }
     }
@@ -158,6 +172,29 @@ impl EventPool {
         })
     }
 
+    /// The pool of `context`'s events that every layer shares: the one already in use for
+    /// this context (the same `CUcontext`, e.g. a device's primary context) if any, otherwise a
+    /// new, empty one. It lives while someone holds it; events are made on first demand, so
+    /// the pool never holds more than were in use at once.
+    ///
+    /// # Errors
+    /// None today; the `Result` leaves room for a pool that pre-creates events.
+    pub fn for_context(context: &Arc<Context>) -> Result<Self> {
+        let key = context.as_raw() as usize;
+        let mut pools = CONTEXT_POOLS.lock();
+        if let Some(shared) = pools
+            .iter()
+            .find(|(raw, _)| *raw == key)
+            .and_then(|(_, pool)| pool.upgrade())
+        {
+            return Ok(Self { shared });
+        }
+        pools.retain(|(_, pool)| pool.strong_count() > 0);
+        let pool = Self::new(context, 0, 0)?;
+        pools.push((key, Arc::downgrade(&pool.shared)));
+        Ok(pool)
+    }
+
     /// The context whose events this pool holds.
     pub fn context(&self) -> &Arc<Context> {
         &self.shared.context
@@ -173,7 +210,8 @@ impl EventPool {
     ///
     /// # Errors
     /// The driver's error when the pool had to grow and creating the event failed;
-    /// [`EventError::PoolFull`] when it cannot grow further.
+    /// [`DriverError::InvalidArgument`] when it already holds the most events it can index
+    /// (`u32::MAX - 1`).
     #[inline]
     pub fn acquire_event(&self, timing: bool) -> Result<PooledEvent<'_>> {
         Ok(PooledEvent {
@@ -186,7 +224,7 @@ impl EventPool {
     /// Takes an event like [`acquire_event`](Self::acquire_event), in a handle that shares
     /// ownership of the pool (one reference-count increment and decrement more per round
     /// trip), so it may outlive this borrow: stored, sent to another thread, or watched by an
-    /// [`AsyncEventWaiter`](crate::AsyncEventWaiter).
+    /// `AsyncEventWaiter` (in `cuweave-event`).
     ///
     /// # Errors
     /// As [`acquire_event`](Self::acquire_event).

@@ -1,4 +1,4 @@
-//! [`EventPool`]: reusable CUDA events, timing and non-timing, handed out as RAII handles.
+//! [`EventPool`]: reusable CUDA events of one context, timing and non-timing, handed out as RAII handles.
 //!
 //! The pool's lock-free core is CUDA-free: an append-only `arena` of items addressed by
 //! index, a free list of indices with a per-thread fast path (`recycler`), and the per-thread
@@ -7,7 +7,7 @@
 #[cfg(not(loom))]
 mod arena;
 #[cfg(not(loom))]
-mod event_pool;
+mod pool;
 #[cfg(all(test, loom))]
 mod loom_tests;
 #[cfg_attr(loom, allow(dead_code))]
@@ -16,4 +16,4 @@ mod owner_slot;
 mod recycler;
 
 #[cfg(not(loom))]
-pub use event_pool::{EventPool, OwnedPooledEvent, PoolCounters, PoolUtilization, PooledEvent};
+pub use pool::{EventPool, OwnedPooledEvent, PoolCounters, PoolUtilization, PooledEvent};

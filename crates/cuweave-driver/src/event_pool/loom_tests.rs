@@ -1,7 +1,7 @@
 //! Loom models of the per-thread slot protocol ([`OwnerSlot`]): every interleaving of an owner
 //! caching and reusing its item while another thread steals is explored.
 //!
-//! Run with `RUSTFLAGS="--cfg loom" cargo test -p cuweave-event --release --lib loom`.
+//! Run with `RUSTFLAGS="--cfg loom" cargo test -p cuweave-driver --release --lib loom`.
 
 use loom::sync::Arc;
 use loom::thread;
