@@ -1,19 +1,20 @@
-//! [`CrossStreamBarrier`]: every stream waits for every other stream's queued work.
+//! [`CrossStreamBarrier`]: every stream waits for every other stream's queued work, through
+//! the stream layer's one barrier ([`queue_barrier`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cuweave_driver::Stream;
+use cuweave_driver::{EventPool, PooledEvent, Stream};
+use cuweave_stream::{BarrierInfo, queue_barrier};
 
 use crate::error::{EventError, Result};
-use cuweave_driver::{EventPool, PooledEvent};
 
 /// A barrier across a set of streams of one context.
 ///
-/// [`wait_on_device`](Self::wait_on_device) records an event on each stream and makes every
-/// stream wait (on the GPU, `cuStreamWaitEvent`) for all the others' events: work queued on any
-/// of them afterwards starts only once the work queued on all of them before has finished. The
-/// host does not block. [`synchronize`](Self::synchronize) instead blocks the host until all
+/// [`wait_on_device`](Self::wait_on_device) makes every stream wait (on the GPU,
+/// `cuStreamWaitEvent`) for all the others' queued work, fanned in to the first stream and out
+/// again ([`queue_barrier`], `2 (n - 1)` waits): work queued on any of them afterwards starts
+/// only once the work queued on all of them before has finished. The host does not block. [`synchronize`](Self::synchronize) instead blocks the host until all
 /// streams have finished their queued work, and says how long that took.
 ///
 /// ```no_run
@@ -84,21 +85,27 @@ impl CrossStreamBarrier {
     }
 
     /// Makes every stream wait on the device for the work queued so far on every other stream;
-    /// returns at once (host time spent queueing the `n × (n - 1)` waits).
+    /// returns at once (host time spent queueing the `2 (n - 1)` waits).
     ///
     /// # Errors
     /// The driver's error.
     pub fn wait_on_device(&self) -> Result<Duration> {
         let started = Instant::now();
-        let events = self.record_all()?;
-        for (i, stream) in self.streams.iter().enumerate() {
-            for (j, event) in events.iter().enumerate() {
-                if i != j {
-                    stream.wait_event(event)?;
-                }
-            }
-        }
+        self.queue()?;
         Ok(started.elapsed())
+    }
+
+    /// [`wait_on_device`](Self::wait_on_device), returning what was queued instead of the time.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn queue(&self) -> Result<BarrierInfo> {
+        let pairs: Vec<(&Stream, &EventPool)> = self
+            .streams
+            .iter()
+            .map(|stream| (&**stream, &self.pool))
+            .collect();
+        Ok(queue_barrier(&pairs)?)
     }
 
     /// Blocks the host until the work queued so far on every stream has finished; returns how

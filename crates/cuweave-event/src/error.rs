@@ -69,6 +69,13 @@ pub enum EventError {
         /// The timeout the wait carried.
         timeout: Duration,
     },
+    /// The operation completed and retired: its record is gone (its figures stay in the
+    /// coordinator's metrics).
+    #[error("operation {id} completed and retired; its metadata is no longer kept")]
+    Retired {
+        /// The operation.
+        id: OperationId,
+    },
     /// The operating system refused to start a thread (the waiter's reactor).
     #[error("{operation}: starting the thread `{thread}` failed: {reason}")]
     ThreadSpawn {

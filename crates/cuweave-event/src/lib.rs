@@ -54,14 +54,14 @@ pub use coordinator::{
     AsStream, CoordinatorMetrics, EventMetadata, EventPriority, OperationCoordinator, OperationId,
     OperationState, OperationType,
 };
-#[cfg(not(loom))]
-pub use error::{EventError, Result};
 /// The event pool lives in the driver crate, the lowest layer that records events, so that
 /// every layer shares one per context; it is re-exported here with the seed's API.
 #[cfg(not(loom))]
 pub use cuweave_driver::event_pool as pool;
 #[cfg(not(loom))]
 pub use cuweave_driver::{EventPool, OwnedPooledEvent, PoolCounters, PoolUtilization, PooledEvent};
+#[cfg(not(loom))]
+pub use error::{EventError, Result};
 #[cfg(not(loom))]
 pub use waiter::{
     AsyncEventWaiter, WaitFuture, WaitId, WaitOptions, WaitResult, WaiterStats, WakeMechanism,

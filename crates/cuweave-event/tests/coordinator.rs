@@ -287,16 +287,84 @@ fn completion_callbacks_fire_when_the_gpu_reaches_the_event() {
     let (id, result, flag) = rx.recv_timeout(Duration::from_secs(5)).unwrap();
     assert_eq!((id, result, flag), (op, Ok(()), 1));
     assert_eq!(coordinator.state(op).unwrap(), OperationState::Completed);
-    let metadata = coordinator.metadata(op).unwrap();
-    let gpu_time = metadata.gpu_time.expect("GPU time measured");
+    // Completed with nothing depending on it: retired, its figures in the metrics.
+    assert_eq!(
+        coordinator.metadata(op),
+        Err(EventError::Retired { id: op })
+    );
+    assert_eq!(coordinator.live_operations(), 0);
+    coordinator.synchronize(op).unwrap();
+    futures_lite_ready(coordinator.completion(op).unwrap());
+    let metrics = coordinator.metrics();
+    assert_eq!(metrics.completed, 1);
+    let gpu_time = metrics.gpu_time_by_type[&OperationType::Kernel];
     assert!(
         gpu_time >= Duration::from_millis(29),
         "GPU time {gpu_time:?} for a 30 ms spin"
     );
-    let metrics = coordinator.metrics();
-    assert_eq!(metrics.completed, 1);
-    assert!(metrics.gpu_time_by_type[&OperationType::Kernel] >= Duration::from_millis(29));
     assert!(metrics.coordination_time > Duration::ZERO);
+}
+
+/// Resolves an already-resolved future on this thread.
+fn futures_lite_ready(future: cuweave_event::WaitFuture) {
+    assert_eq!(futures::executor::block_on(future), Ok(()));
+}
+
+#[test]
+fn a_million_sequential_operations_retire_and_stay_within_64_events() {
+    // A training loop's shape: each operation depends on the one before. Finished work
+    // retires, so events and records stay bounded by what is in flight.
+    const OPERATIONS: u64 = 1_000_000;
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let (a, b) = (common::stream(&gpu.context), common::stream(&gpu.context));
+    let pool = EventPool::new(&gpu.context, 0, 0).unwrap();
+    let coordinator = OperationCoordinator::new(pool.clone()).unwrap();
+    let mut previous: Option<cuweave_event::OperationId> = None;
+    let mut live_peak = 0;
+    let mut rss_after_warmup = 0;
+    for i in 0..OPERATIONS {
+        let deps: Vec<_> = previous.into_iter().collect();
+        let id = coordinator
+            .register_operation(
+                OperationType::Kernel,
+                EventPriority::Normal,
+                None,
+                &deps,
+                "step",
+            )
+            .unwrap();
+        // Every 1000th operation switches stream, so cross-stream waits are exercised too.
+        let stream = if (i / 1000) % 2 == 0 { &a } else { &b };
+        coordinator.begin_operation(id, stream).unwrap();
+        coordinator.complete_operation(id).unwrap();
+        previous = Some(id);
+        if i % 10_000 == 0 {
+            live_peak = live_peak.max(coordinator.live_operations());
+        }
+        if i == 100_000 {
+            rss_after_warmup = common::resident_bytes();
+        }
+    }
+    coordinator.synchronize(previous.unwrap()).unwrap();
+    coordinator.retire_finished();
+    let rss_end = common::resident_bytes();
+    let counters = pool.counters();
+    let created = counters.created_regular + counters.created_timing;
+    let metrics = coordinator.metrics();
+    eprintln!(
+        "{OPERATIONS} operations: {created} events created ({counters:?}), live peak {live_peak}, \
+         rss {rss_after_warmup} -> {rss_end} bytes, cross-stream waits {}",
+        metrics.cross_stream_waits
+    );
+    assert!(created <= 64, "created {created} events");
+    assert_eq!(metrics.completed, OPERATIONS);
+    assert_eq!(coordinator.live_operations(), 0);
+    assert!(metrics.cross_stream_waits >= 999);
+    assert!(
+        rss_end <= rss_after_warmup + (8 << 20),
+        "resident memory grew from {rss_after_warmup} to {rss_end} bytes"
+    );
 }
 
 #[test]

@@ -24,10 +24,7 @@ fn futures_on_a_context_killed_by_a_trap_resolve_with_an_error() {
     event_kernels.trap_now(&stream).unwrap();
     let word = waiter.stream_idle(&stream).unwrap();
     let query = waiter
-        .stream_idle_with(
-            &stream,
-            WaitOptions::new(WakeMechanism::EventQuery),
-        )
+        .stream_idle_with(&stream, WaitOptions::new(WakeMechanism::EventQuery))
         .unwrap();
     let event = pool.acquire_owned(false).unwrap();
     event.record(&stream).unwrap();

@@ -363,10 +363,7 @@ fn every_mechanism_serves_many_sequential_waits() {
                     .unwrap()
             };
             let future = waiter
-                .stream_idle_with(
-                    &stream,
-                    WaitOptions::new(mechanism),
-                )
+                .stream_idle_with(&stream, WaitOptions::new(mechanism))
                 .unwrap();
             futures::executor::block_on(future).unwrap();
             // The store queued before the wait has landed. (Not `stream.query()`: the marker

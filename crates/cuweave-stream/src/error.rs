@@ -26,20 +26,6 @@ pub enum StreamError {
         /// The device of what it was used with.
         actual: usize,
     },
-    /// A dependency would close a cycle; `cycle` lists stream ids, each waiting on the next, the
-    /// last waiting on the first.
-    #[error(
-        "dependency of stream {dependent} on stream {prerequisite} would close the cycle {}",
-        format_cycle(cycle)
-    )]
-    DependencyCycle {
-        /// The stream that was to wait.
-        dependent: u64,
-        /// The stream it was to wait for.
-        prerequisite: u64,
-        /// The cycle, as stream ids: each waits on the next, the last on the first.
-        cycle: Vec<u64>,
-    },
     /// A stream cannot depend on itself (its work is already in order).
     #[error("{operation}: stream {stream} cannot depend on itself")]
     SelfDependency {
@@ -61,20 +47,6 @@ pub enum StreamError {
     NoStreamForWorkload {
         /// The workload asked for.
         workload: crate::WorkloadType,
-    },
-    /// An allocation was asked for on a stream that is not ordered after its owner.
-    #[error(
-        "{operation}: allocation {allocation} belongs to stream {owner}; stream {user} may use it only after add_stream_dependency({user}, {owner})"
-    )]
-    NotOrdered {
-        /// The operation.
-        operation: &'static str,
-        /// The allocation's id.
-        allocation: u64,
-        /// The stream that owns the allocation.
-        owner: u64,
-        /// The stream that wanted to use it.
-        user: u64,
     },
     /// The operating system refused to start a thread (a stream's callback worker).
     #[error("{operation}: starting the thread `{thread}` failed: {reason}")]
@@ -127,18 +99,6 @@ impl StreamError {
     }
 }
 
-fn format_cycle(cycle: &[u64]) -> String {
-    let mut text = cycle
-        .iter()
-        .map(u64::to_string)
-        .collect::<Vec<_>>()
-        .join(" -> ");
-    if let Some(first) = cycle.first() {
-        text.push_str(&format!(" -> {first}"));
-    }
-    text
-}
-
 fn format_failures(failures: &[(u64, StreamError)]) -> String {
     failures
         .iter()
@@ -174,19 +134,6 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cycle_errors_name_the_whole_cycle() {
-        let error = StreamError::DependencyCycle {
-            dependent: 3,
-            prerequisite: 1,
-            cycle: vec![3, 1, 2],
-        };
-        assert_eq!(
-            error.to_string(),
-            "dependency of stream 3 on stream 1 would close the cycle 3 -> 1 -> 2 -> 3"
-        );
-    }
 
     #[test]
     fn wrong_device_is_typed() {

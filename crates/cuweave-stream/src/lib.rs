@@ -55,12 +55,15 @@ pub mod pool;
 pub mod priority;
 pub mod profiler;
 pub mod stream;
+pub mod timing;
 
 pub use allocator::{
     AllocatorStats, SizeClassStats, StreamAllocation, StreamOrderedAllocator,
     StreamOrderedAllocatorConfig,
 };
-pub use coordinator::{BarrierInfo, CoordinatorStats, DependencyGraph, MultiStreamCoordinator};
+pub use coordinator::{
+    BarrierInfo, CoordinatorStats, DependencyGraph, MultiStreamCoordinator, queue_barrier,
+};
 pub use error::{Result, StreamError};
 pub use pool::{
     AllocationStrategy, ConfigurationChange, StreamPool, StreamPoolConfig, WorkloadLayout,
@@ -71,3 +74,4 @@ pub use profiler::{
     CombinedReport, NamedTotal, ProfileReport, ProfiledOperation, StreamProfiler, StreamReport,
 };
 pub use stream::{CallbackFailure, OperationKind, PriorityStream, StreamMetrics};
+pub use timing::{GpuTimer, SpanStart};

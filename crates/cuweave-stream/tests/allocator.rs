@@ -56,12 +56,8 @@ fn memory_freed_under_a_reading_kernel_reaches_another_stream_only_after_it_wait
     let sum = DeviceBuffer::<u64>::zeroed(&gpu.context, 1).unwrap();
 
     let x = allocator.allocate_for_stream(&a, N * 4).unwrap();
-    let ptr_a = allocator.device_ptr(&x, &a).unwrap();
+    let ptr_a = allocator.device_ptr(&x).unwrap();
     fill_and_watch(&kernels, &a, ptr_a, A_VALUE, 100 * MS, &mismatches);
-    assert!(matches!(
-        allocator.device_ptr(&x, &b),
-        Err(StreamError::NotOrdered { .. })
-    ));
     // Freed on A while A's watch still reads it.
     assert_eq!(allocator.free_for_stream(&a).unwrap(), 1);
     allocator.add_stream_dependency(&b, &a).unwrap();
@@ -76,7 +72,7 @@ fn memory_freed_under_a_reading_kernel_reaches_another_stream_only_after_it_wait
     let mut reused = None;
     for _ in 0..16 {
         let y = allocator.allocate_for_stream(&b, N * 4).unwrap();
-        let ptr = allocator.device_ptr(&y, &b).unwrap();
+        let ptr = allocator.device_ptr(&y).unwrap();
         if x_range.contains(&ptr) {
             reused = Some(ptr);
             break;
@@ -126,7 +122,7 @@ fn the_watch_kernel_does_catch_a_concurrent_writer() {
     let allocator = StreamOrderedAllocator::default();
     let mismatches = DeviceBuffer::<u32>::zeroed(&gpu.context, 1).unwrap();
     let x = allocator.allocate_for_stream(&a, N * 4).unwrap();
-    let ptr = allocator.device_ptr(&x, &a).unwrap();
+    let ptr = allocator.device_ptr(&x).unwrap();
     fill_and_watch(&kernels, &a, ptr, A_VALUE, 100 * MS, &mismatches);
     std::thread::sleep(Duration::from_millis(10));
     b.launch(|s| {
@@ -151,9 +147,9 @@ fn the_watch_kernel_does_catch_a_concurrent_writer() {
 fn allocations_round_to_size_classes_and_are_counted() {
     let gpu = cuweave_test_support::require_gpu!();
     let a = new_stream(&gpu);
-    let allocator = StreamOrderedAllocator::new(StreamOrderedAllocatorConfig::with_release_threshold(
-        64 << 20,
-    ));
+    let allocator = StreamOrderedAllocator::new(
+        StreamOrderedAllocatorConfig::with_release_threshold(64 << 20),
+    );
     let small = allocator.allocate_for_stream(&a, 3000).unwrap();
     let large = allocator.allocate_for_stream(&a, (3 << 20) + 1).unwrap();
     assert_eq!((small.bytes(), small.requested()), (4096, 3000));

@@ -1,5 +1,5 @@
 //! GPU tests of `MultiStreamCoordinator`: dependencies proven by a flag a kernel writes and
-//! another reads, cycles refused, device-side barriers, parallel execution, completion callbacks.
+//! another reads, ping-pong accepted and ordered, fan-in/fan-out barriers, parallel execution, completion callbacks.
 
 use std::sync::Arc;
 use std::sync::mpsc;
@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use cuweave_memory::{Buffer, DeviceBuffer};
 use cuweave_stream::{MultiStreamCoordinator, PriorityStream, StreamError, StreamPriority};
+use cuweave_test_support::event_kernels::EventKernels;
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::stream_kernels::StreamKernels;
 
@@ -96,37 +97,125 @@ fn a_dependency_makes_the_dependent_kernel_see_the_prerequisites_flag() {
 }
 
 #[test]
-fn a_dependency_closing_a_cycle_is_refused_and_named() {
+fn ping_pong_dependencies_are_accepted_and_every_round_is_ordered_on_the_gpu() {
+    // Copy/compute alternation, as a double-buffered pipeline does it: each round, compute waits
+    // for copy, then copy waits for compute. Every step first logs the counter's value, then
+    // increments it; the log holds 0, 1, 2, ... only if every step ran after the one before.
+    const ROUNDS: usize = 10_000;
     let gpu = cuweave_test_support::require_gpu!();
-    let (a, b, c) = (new_stream(&gpu), new_stream(&gpu), new_stream(&gpu));
+    let _serial = cuweave_test_support::serial();
+    let kit = kit(&gpu);
+    let (copy, compute) = (new_stream(&gpu), new_stream(&gpu));
     let coordinator = MultiStreamCoordinator::new();
-    coordinator.add_dependency(&b, &a).unwrap();
-    coordinator.add_dependency(&c, &b).unwrap();
-    let refused = coordinator.add_dependency(&a, &c).unwrap_err();
+    let counter = DeviceBuffer::<u32>::zeroed(&gpu.context, 1).unwrap();
+    let log = DeviceBuffer::<u32>::from_slice(&gpu.context, &vec![u32::MAX; 2 * ROUNDS]).unwrap();
+    let step = |stream: &PriorityStream, k: usize| {
+        stream
+            .launch(|s| {
+                // SAFETY: `counter` is one u32 and `log` 2 * ROUNDS u32s of device memory, alive
+                // until both streams are synchronized below; `k < 2 * ROUNDS`.
+                unsafe {
+                    kit.stream_kernels.copy_flag_u32(
+                        s,
+                        counter.device_ptr(),
+                        log.device_ptr() + 4 * k as u64,
+                    )?;
+                    kit.kernels.increment_u32(s, counter.device_ptr(), 1)
+                }
+            })
+            .unwrap();
+    };
+    for round in 0..ROUNDS {
+        coordinator.add_dependency(&compute, &copy).unwrap();
+        step(&compute, 2 * round);
+        coordinator.add_dependency(&copy, &compute).unwrap();
+        step(&copy, 2 * round + 1);
+    }
+    assert!(coordinator.has_cycles(), "ping-pong is a cycle, diagnosed");
     assert_eq!(
-        refused,
-        StreamError::DependencyCycle {
-            dependent: a.id(),
-            prerequisite: c.id(),
-            cycle: vec![a.id(), c.id(), b.id()],
-        }
+        coordinator.cycles(),
+        vec![{
+            let mut ids = vec![copy.id(), compute.id()];
+            ids.sort_unstable();
+            ids
+        }]
     );
-    assert!(refused.to_string().contains(&format!(
-        "{} -> {} -> {} -> {}",
-        a.id(),
-        c.id(),
-        b.id(),
-        a.id()
-    )));
+    assert_eq!(coordinator.stats().dependencies, 2 * ROUNDS as u64);
+    copy.synchronize().unwrap();
+    compute.synchronize().unwrap();
+    let log = log.to_vec().unwrap();
+    let out_of_order: Vec<usize> = (0..2 * ROUNDS).filter(|&k| log[k] != k as u32).collect();
+    assert!(
+        out_of_order.is_empty(),
+        "{} steps saw another count than their position, first {:?}",
+        out_of_order.len(),
+        &out_of_order[..out_of_order.len().min(5)]
+    );
+    assert_eq!(counter.to_vec().unwrap()[0], 2 * ROUNDS as u32);
+    // A barrier starts the diagnostic graph afresh.
+    coordinator.create_barrier().unwrap();
+    assert!(!coordinator.has_cycles() && coordinator.dependencies().is_empty());
     assert!(matches!(
-        coordinator.add_dependency(&a, &a),
+        coordinator.add_dependency(&copy, &copy),
         Err(StreamError::SelfDependency { .. })
     ));
-    assert!(!coordinator.has_cycles());
-    assert!(coordinator.cycles().is_empty());
-    assert_eq!(coordinator.dependencies().len(), 2);
-    let stats = coordinator.stats();
-    assert_eq!((stats.dependencies, stats.refused_cycles), (2, 1));
+}
+
+#[test]
+fn a_barrier_over_eight_streams_queues_sixteen_waits_at_most_and_orders_them_all() {
+    const N: usize = 8;
+    let gpu = cuweave_test_support::require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let kit = kit(&gpu);
+    let event_kernels = EventKernels::load(&gpu.context).unwrap();
+    let streams: Vec<Arc<PriorityStream>> = (0..N).map(|_| new_stream(&gpu)).collect();
+    let coordinator = MultiStreamCoordinator::with_streams(streams.iter().cloned());
+    let flags = DeviceBuffer::<u32>::zeroed(&gpu.context, N).unwrap();
+    let counts = DeviceBuffer::<u32>::zeroed(&gpu.context, N).unwrap();
+    for (i, stream) in streams.iter().enumerate() {
+        stream
+            .launch(|s| {
+                // SAFETY: `flags` holds N u32s of device memory, alive until the streams are
+                // synchronized below.
+                unsafe {
+                    kit.kernels.spin_then_store_u32(
+                        s,
+                        (i as u64 + 1) * 5 * MS,
+                        flags.device_ptr() + 4 * i as u64,
+                        1,
+                    )
+                }
+            })
+            .unwrap();
+    }
+    let barrier = coordinator.create_barrier().unwrap();
+    assert_eq!((barrier.streams, barrier.events), (N, N));
+    assert_eq!(barrier.waits, 2 * (N - 1), "fan in, fan out");
+    assert!(barrier.waits <= 2 * N);
+    for (i, stream) in streams.iter().enumerate() {
+        stream
+            .launch(|s| {
+                // SAFETY: as above; `counts` holds N u32s.
+                unsafe {
+                    event_kernels.count_flags_u32(
+                        s,
+                        flags.device_ptr(),
+                        N,
+                        1,
+                        counts.device_ptr() + 4 * i as u64,
+                    )
+                }
+            })
+            .unwrap();
+    }
+    for stream in &streams {
+        stream.synchronize().unwrap();
+    }
+    assert_eq!(
+        counts.to_vec().unwrap(),
+        vec![N as u32; N],
+        "after the barrier every stream saw every flag"
+    );
 }
 
 #[test]
@@ -144,7 +233,7 @@ fn a_barrier_orders_every_stream_after_every_other_without_blocking_the_host() {
     let started = Instant::now();
     let barrier = coordinator.create_barrier().unwrap();
     let took = started.elapsed();
-    assert_eq!((barrier.streams, barrier.events, barrier.waits), (3, 3, 6));
+    assert_eq!((barrier.streams, barrier.events, barrier.waits), (3, 3, 4));
     assert!(
         took < Duration::from_millis(25),
         "the barrier blocked the host for {took:?}"

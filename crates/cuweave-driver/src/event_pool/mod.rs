@@ -6,12 +6,12 @@
 
 #[cfg(not(loom))]
 mod arena;
-#[cfg(not(loom))]
-mod pool;
 #[cfg(all(test, loom))]
 mod loom_tests;
 #[cfg_attr(loom, allow(dead_code))]
 mod owner_slot;
+#[cfg(not(loom))]
+mod pool;
 #[cfg(not(loom))]
 mod recycler;
 

@@ -1,26 +1,25 @@
 //! [`OperationCoordinator`]: GPU operations with types, priorities and dependencies, ordered on
 //! the device with events, with deadlock (cycle) detection, completion callbacks and metrics.
 
-mod graph;
 mod metrics;
 mod queries;
 mod types;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::{Arc, Weak};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use cuweave_driver::Stream;
-use cuweave_stream::{PriorityStream, StreamPool, StreamPriority};
+use cuweave_stream::{GpuTimer, PriorityStream, StreamPool, StreamPriority};
 use parking_lot::{Condvar, Mutex};
 
 pub use metrics::CoordinatorMetrics;
 pub use types::{EventMetadata, EventPriority, OperationId, OperationState, OperationType};
 
 use crate::error::{EventError, Result};
-use cuweave_driver::{EventPool, OwnedPooledEvent};
 use crate::waiter::{AsyncEventWaiter, WaitFuture, WaitResult};
+use cuweave_driver::{EventPool, OwnedPooledEvent};
 use metrics::MetricsCell;
 
 /// Anything that is, or wraps, a driver [`Stream`]: operations can begin on a plain stream or
@@ -76,7 +75,18 @@ type CompletionCallback = Box<dyn FnOnce(OperationId, WaitResult) + Send + 'stat
 ///   an operation waiting on one that is never begun is reported after a timeout instead of
 ///   hanging its caller.
 /// - [`metrics`](Self::metrics): counts, host time spent coordinating, and GPU time per
-///   operation type measured with timing events around each operation.
+///   operation type measured by the one [`GpuTimer`] (the operation's start event and its
+///   completion event).
+///
+/// **Finished work retires.** Once the GPU has completed an operation (observed by the
+/// coordinator's own event queries on later calls, or by the waiter) and no registered
+/// operation that has not begun depends on it, its events go back to the pool and its
+/// metadata is dropped; only the aggregate [`metrics`](Self::metrics) keep it. A retired id
+/// still answers [`state`](Self::state) (`Completed`), [`synchronize`](Self::synchronize) and
+/// [`completion`](Self::completion) at once, and is a valid dependency (already satisfied);
+/// [`metadata`](Self::metadata) reports [`EventError::Retired`]. So memory and events stay
+/// bounded by the operations in flight, and every query costs O(live operations). An operation
+/// whose completion could not be observed (`Failed`) stays, with its error.
 ///
 /// ```no_run
 /// use std::sync::Arc;
@@ -112,6 +122,7 @@ pub struct OperationCoordinator {
 struct Inner {
     pool: EventPool,
     waiter: Arc<AsyncEventWaiter>,
+    timer: GpuTimer<(OperationId, OperationType)>,
     state: Mutex<State>,
     changed: Condvar,
     metrics: MetricsCell,
@@ -120,15 +131,49 @@ struct Inner {
 #[derive(Default)]
 struct State {
     next_id: u64,
+    /// Live operations: not yet retired.
     operations: HashMap<OperationId, Operation>,
+    /// Queued operations in the order they were queued, whose completion has not been seen.
+    queued: VecDeque<OperationId>,
+}
+
+impl State {
+    /// Whether `id` was registered and has retired (completed, nothing depends on it).
+    fn is_retired(&self, id: OperationId) -> bool {
+        (1..=self.next_id).contains(&id.0) && !self.operations.contains_key(&id)
+    }
+
+    /// The state of a registered id, live or retired.
+    fn state_of(&self, id: OperationId) -> Option<OperationState> {
+        match self.operations.get(&id) {
+            Some(op) => Some(op.metadata.state),
+            None if self.is_retired(id) => Some(OperationState::Completed),
+            None => None,
+        }
+    }
+
+    /// Drops `id`'s record if the GPU completed it and nothing still needs it.
+    fn try_retire(&mut self, id: OperationId) {
+        if self.operations.get(&id).is_some_and(|op| {
+            op.metadata.state == OperationState::Completed
+                && op.dependants == 0
+                && op.callbacks.is_empty()
+        }) {
+            self.operations.remove(&id);
+        }
+    }
 }
 
 struct Operation {
     metadata: EventMetadata,
     stream: Option<Arc<dyn AsStream>>,
+    /// The completion event (a timing event while timing is on: it also ends the GPU span).
     done: Option<Arc<OwnedPooledEvent>>,
-    start: Option<OwnedPooledEvent>,
-    end: Option<OwnedPooledEvent>,
+    span: Option<cuweave_stream::SpanStart>,
+    /// Registered operations, not yet begun, that list this one as a dependency.
+    dependants: usize,
+    /// Whether the waiter watches the completion event (for callbacks).
+    watched: bool,
     callbacks: Vec<CompletionCallback>,
     failure: Option<EventError>,
 }
@@ -163,6 +208,7 @@ impl OperationCoordinator {
     pub fn with_waiter(pool: EventPool, waiter: Arc<AsyncEventWaiter>) -> Self {
         Self {
             inner: Arc::new(Inner {
+                timer: GpuTimer::new(pool.clone()),
                 pool,
                 waiter,
                 state: Mutex::new(State::default()),
@@ -179,6 +225,27 @@ impl OperationCoordinator {
     /// The event pool the coordinator takes its events from.
     pub fn pool(&self) -> &EventPool {
         &self.inner.pool
+    }
+
+    /// Turns GPU timing of operations begun later on or off (on by default: one timing event
+    /// at begin, and a timing completion event instead of a plain one).
+    pub fn set_timing(&self, enabled: bool) {
+        self.inner.timer.set_enabled(enabled);
+    }
+
+    /// Operations not yet retired (registered, in flight, completed but still depended on,
+    /// failed).
+    pub fn live_operations(&self) -> usize {
+        self.inner.poll();
+        self.inner.state.lock().operations.len()
+    }
+
+    /// Observes, without blocking, the queued operations the GPU has completed (oldest first,
+    /// up to the first one it has not), and retires those nothing depends on. Every method
+    /// that registers, begins or completes does this too; call it to retire work while the
+    /// coordinator is otherwise idle.
+    pub fn retire_finished(&self) {
+        self.inner.poll();
     }
 
     /// Registers an operation that will run after `dependencies` (all already registered).
@@ -198,9 +265,10 @@ impl OperationCoordinator {
         description: impl Into<String>,
     ) -> Result<OperationId> {
         let _timed = self.timed();
+        self.inner.poll();
         let mut state = self.inner.state.lock();
         for &dependency in dependencies {
-            if !state.operations.contains_key(&dependency) {
+            if state.state_of(dependency).is_none() {
                 return Err(EventError::UnknownOperation {
                     operation: "register_operation",
                     id: dependency,
@@ -212,6 +280,11 @@ impl OperationCoordinator {
         let mut unique = dependencies.to_vec();
         unique.sort_unstable();
         unique.dedup();
+        for dependency in &unique {
+            if let Some(op) = state.operations.get_mut(dependency) {
+                op.dependants += 1;
+            }
+        }
         let metadata = EventMetadata {
             id,
             operation_type,
@@ -234,8 +307,9 @@ impl OperationCoordinator {
                 metadata,
                 stream: None,
                 done: None,
-                start: None,
-                end: None,
+                span: None,
+                dependants: 0,
+                watched: false,
                 callbacks: Vec::new(),
                 failure: None,
             },
@@ -255,7 +329,7 @@ impl OperationCoordinator {
             return Err(EventError::SelfDependency { id });
         }
         let mut state = self.inner.state.lock();
-        if !state.operations.contains_key(&dependency) {
+        if state.state_of(dependency).is_none() {
             return Err(EventError::UnknownOperation {
                 operation: "add_dependency",
                 id: dependency,
@@ -265,6 +339,9 @@ impl OperationCoordinator {
         expect_state(operation, OperationState::Registered, "add a dependency to")?;
         if !operation.metadata.dependencies.contains(&dependency) {
             operation.metadata.dependencies.push(dependency);
+            if let Some(dep) = state.operations.get_mut(&dependency) {
+                dep.dependants += 1;
+            }
         }
         Ok(())
     }
@@ -279,6 +356,7 @@ impl OperationCoordinator {
     /// registered).
     pub fn begin_operation<S: AsStream>(&self, id: OperationId, stream: &Arc<S>) -> Result<()> {
         let _timed = self.timed();
+        self.inner.poll();
         let handle: Arc<dyn AsStream> = Arc::clone(stream) as Arc<dyn AsStream>;
         let stream = handle.as_stream();
         let waits = {
@@ -288,7 +366,10 @@ impl OperationCoordinator {
             let dependencies = operation.metadata.dependencies.clone();
             let mut waits = Vec::new();
             for dependency in dependencies {
-                let dep = &state.operations[&dependency];
+                // A retired dependency completed on the GPU: nothing to wait for.
+                let Some(dep) = state.operations.get(&dependency) else {
+                    continue;
+                };
                 match dep.metadata.state {
                     OperationState::Queued => {
                         if dep.metadata.stream != Some(stream.id()) {
@@ -306,23 +387,29 @@ impl OperationCoordinator {
             operation.metadata.state = OperationState::Begun;
             waits
         };
-        let queued = (|| -> Result<OwnedPooledEvent> {
+        let queued = (|| -> Result<Option<cuweave_stream::SpanStart>> {
             for event in &waits {
                 stream.wait_event(event)?;
             }
-            let start = self.inner.pool.acquire_owned(true)?;
-            start.record(stream)?;
-            Ok(start)
+            Ok(self.inner.timer.start(stream)?)
         })();
         let mut state = self.inner.state.lock();
         let operation = operation_mut(&mut state, id, "begin_operation")?;
         match queued {
-            Ok(start) => {
-                operation.start = Some(start);
+            Ok(span) => {
+                operation.span = span;
                 operation.stream = Some(Arc::clone(&handle));
                 operation.metadata.stream = Some(stream.id());
                 operation.metadata.begun_at = Some(Instant::now());
                 operation.metadata.cross_stream_waits = waits.len();
+                let dependencies = operation.metadata.dependencies.clone();
+                // Begun: it no longer needs its dependencies' records.
+                for dependency in dependencies {
+                    if let Some(dep) = state.operations.get_mut(&dependency) {
+                        dep.dependants = dep.dependants.saturating_sub(1);
+                    }
+                    state.try_retire(dependency);
+                }
                 MetricsCell::add(&self.inner.metrics.begun, 1);
                 MetricsCell::add(&self.inner.metrics.cross_stream_waits, waits.len() as u64);
                 Ok(())
@@ -348,44 +435,47 @@ impl OperationCoordinator {
     }
 
     /// Marks the end of `id`'s work on its stream: records its completion event (which
-    /// dependants' streams wait on) and a timing event. Completion callbacks run once the GPU
-    /// reaches the event.
+    /// dependants' streams wait on, and which ends its GPU-time span). Completion callbacks run
+    /// once the GPU reaches the event.
     ///
     /// # Errors
     /// `InvalidState` unless `id` is begun; the driver's error.
     pub fn complete_operation(&self, id: OperationId) -> Result<()> {
         let _timed = self.timed();
-        let stream = {
+        let (stream, timed) = {
             let mut state = self.inner.state.lock();
             let operation = operation_mut(&mut state, id, "complete_operation")?;
             expect_state(operation, OperationState::Begun, "complete")?;
-            Arc::clone(operation.stream.as_ref().expect("begun has a stream"))
+            (
+                Arc::clone(operation.stream.as_ref().expect("begun has a stream")),
+                operation.span.is_some(),
+            )
         };
         let stream = stream.as_stream();
-        let recorded = (|| -> Result<(OwnedPooledEvent, OwnedPooledEvent)> {
-            let end = self.inner.pool.acquire_owned(true)?;
-            end.record(stream)?;
-            let done = self.inner.pool.acquire_owned(false)?;
-            done.record(stream)?;
-            Ok((end, done))
-        })();
-        let (end, done) = recorded?;
+        let done = self.inner.pool.acquire_owned(timed)?;
+        done.record(stream)?;
         let done = Arc::new(done);
-        {
+        let watch = {
             let mut state = self.inner.state.lock();
             let operation = operation_mut(&mut state, id, "complete_operation")?;
-            operation.end = Some(end);
+            let span = operation.span.take();
+            let operation_type = operation.metadata.operation_type;
+            self.inner
+                .timer
+                .finish_with(span, Arc::clone(&done), (id, operation_type));
             operation.done = Some(Arc::clone(&done));
             operation.metadata.state = OperationState::Queued;
             operation.metadata.queued_at = Some(Instant::now());
-        }
+            let watch = !operation.callbacks.is_empty();
+            operation.watched = watch;
+            state.queued.push_back(id);
+            watch
+        };
         self.inner.changed.notify_all();
-        let inner: Weak<Inner> = Arc::downgrade(&self.inner);
-        self.inner.waiter.wait_async(done, move |result| {
-            if let Some(inner) = inner.upgrade() {
-                inner.on_gpu_complete(id, result);
-            }
-        });
+        if watch {
+            self.inner.watch(id, done);
+        }
+        self.inner.poll();
         Ok(())
     }
 
@@ -399,6 +489,11 @@ impl OperationCoordinator {
         F: FnOnce(OperationId, WaitResult) + Send + 'static,
     {
         let mut state = self.inner.state.lock();
+        if state.is_retired(id) {
+            drop(state);
+            callback(id, Ok(()));
+            return Ok(());
+        }
         let operation = operation_mut(&mut state, id, "on_complete")?;
         let result = match operation.metadata.state {
             OperationState::Completed => Ok(()),
@@ -406,8 +501,15 @@ impl OperationCoordinator {
                 .failure
                 .clone()
                 .unwrap_or(EventError::WaiterShutDown)),
-            _ => {
+            state_now => {
                 operation.callbacks.push(Box::new(callback));
+                // A queued operation nobody watched yet: the waiter watches it from now on.
+                if state_now == OperationState::Queued && !operation.watched {
+                    operation.watched = true;
+                    let done = Arc::clone(operation.done.as_ref().expect("queued has event"));
+                    drop(state);
+                    self.inner.watch(id, done);
+                }
                 return Ok(());
             }
         };
@@ -423,6 +525,9 @@ impl OperationCoordinator {
     pub fn completion(&self, id: OperationId) -> Result<WaitFuture> {
         let done = {
             let mut state = self.inner.state.lock();
+            if state.is_retired(id) {
+                return Ok(WaitFuture::ready());
+            }
             let operation = operation_mut(&mut state, id, "completion")?;
             match &operation.done {
                 Some(done) => Arc::clone(done),
@@ -445,6 +550,9 @@ impl OperationCoordinator {
     pub fn synchronize(&self, id: OperationId) -> Result<()> {
         let done = {
             let mut state = self.inner.state.lock();
+            if state.is_retired(id) {
+                return Ok(());
+            }
             let operation = operation_mut(&mut state, id, "synchronize")?;
             operation.done.clone().ok_or(EventError::InvalidState {
                 id,
@@ -460,32 +568,109 @@ impl OperationCoordinator {
     /// # Errors
     /// `UnknownOperation`.
     pub fn state(&self, id: OperationId) -> Result<OperationState> {
-        Ok(self.metadata(id)?.state)
+        self.inner.poll();
+        self.inner
+            .state
+            .lock()
+            .state_of(id)
+            .ok_or(EventError::UnknownOperation {
+                operation: "state",
+                id,
+            })
     }
 
-    /// Everything known about `id`.
+    /// Everything known about `id`, while it is live.
     ///
     /// # Errors
-    /// `UnknownOperation`.
+    /// `UnknownOperation`; [`EventError::Retired`] once it completed and retired (its figures
+    /// are in the [`metrics`](Self::metrics)).
     pub fn metadata(&self, id: OperationId) -> Result<EventMetadata> {
         let mut state = self.inner.state.lock();
+        if state.is_retired(id) {
+            return Err(EventError::Retired { id });
+        }
         Ok(operation_mut(&mut state, id, "metadata")?.metadata.clone())
     }
 
-    /// Counts, coordination time and GPU time per operation type.
+    /// Counts, coordination time and GPU time per operation type (after observing what the
+    /// GPU has finished).
     pub fn metrics(&self) -> CoordinatorMetrics {
+        self.inner.poll();
         self.inner.metrics.snapshot()
     }
 }
 
 impl Inner {
-    /// Called on the waiter's thread once the GPU reached (or failed to reach) `id`'s event.
+    /// Has the waiter watch `id`'s completion event (for callbacks).
+    fn watch(self: &Arc<Self>, id: OperationId, done: Arc<OwnedPooledEvent>) {
+        let inner: Weak<Inner> = Arc::downgrade(self);
+        self.waiter.wait_async(done, move |result| {
+            if let Some(inner) = inner.upgrade() {
+                inner.on_gpu_complete(id, result);
+            }
+        });
+    }
+
+    /// Observes completions without blocking: the oldest queued operations whose completion
+    /// events the GPU has passed, then the finished GPU-time spans.
+    fn poll(&self) {
+        loop {
+            let (id, result) = {
+                let mut state = self.state.lock();
+                let Some(&id) = state.queued.front() else {
+                    break;
+                };
+                let queried = match state.operations.get(&id) {
+                    Some(op) if op.metadata.state == OperationState::Queued => {
+                        op.done.as_ref().map(|done| done.query())
+                    }
+                    // Already decided (by the waiter): just drop it from the queue.
+                    _ => None,
+                };
+                match queried {
+                    None => {
+                        state.queued.pop_front();
+                        continue;
+                    }
+                    Some(Ok(false)) => break,
+                    Some(Ok(true)) => (id, Ok(())),
+                    Some(Err(error)) => (id, Err(EventError::from(error))),
+                }
+            };
+            self.on_gpu_complete(id, result);
+        }
+        self.harvest_times();
+    }
+
+    /// Adds the GPU time of finished spans to the metrics (and to live operations' metadata).
+    fn harvest_times(&self) {
+        let mut times = Vec::new();
+        if let Err(error) = self.timer.harvest(|tag, time, _| times.push((tag, time))) {
+            tracing::warn!(%error, "reading an operation's GPU time");
+        }
+        if times.is_empty() {
+            return;
+        }
+        let mut state = self.state.lock();
+        for ((id, operation_type), time) in times {
+            self.metrics.add_gpu_time(operation_type, time);
+            if let Some(op) = state.operations.get_mut(&id) {
+                op.metadata.gpu_time = Some(time);
+            }
+        }
+    }
+
+    /// Called once the GPU reached (or failed to reach) `id`'s completion event, by the
+    /// coordinator's own query or by the waiter's thread; the second report is ignored.
     fn on_gpu_complete(&self, id: OperationId, result: WaitResult) {
-        let (start, end, callbacks, operation_type) = {
+        let callbacks = {
             let mut state = self.state.lock();
             let Some(operation) = state.operations.get_mut(&id) else {
                 return;
             };
+            if operation.metadata.state != OperationState::Queued {
+                return;
+            }
             operation.metadata.completed_at = Some(Instant::now());
             operation.metadata.state = if result.is_ok() {
                 OperationState::Completed
@@ -493,35 +678,27 @@ impl Inner {
                 OperationState::Failed
             };
             operation.failure = result.as_ref().err().cloned();
-            (
-                operation.start.take(),
-                operation.end.take(),
-                std::mem::take(&mut operation.callbacks),
-                operation.metadata.operation_type,
-            )
+            let callbacks = std::mem::take(&mut operation.callbacks);
+            if result.is_ok() {
+                // The completion event is no longer needed by anyone who begins later.
+                operation.done = None;
+            }
+            if state.queued.front() == Some(&id) {
+                state.queued.pop_front();
+            }
+            callbacks
         };
         if result.is_ok() {
             MetricsCell::add(&self.metrics.completed, 1);
-            // The events are complete, so this query does not block.
-            if let (Some(start), Some(end)) = (start, end) {
-                match start.elapsed_ms(&end) {
-                    Ok(ms) => {
-                        let time = Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3);
-                        self.metrics.add_gpu_time(operation_type, time);
-                        if let Some(op) = self.state.lock().operations.get_mut(&id) {
-                            op.metadata.gpu_time = Some(time);
-                        }
-                    }
-                    Err(error) => tracing::warn!(%error, %id, "reading an operation's GPU time"),
-                }
-            }
         } else {
             MetricsCell::add(&self.metrics.failed, 1);
         }
+        self.harvest_times();
         self.changed.notify_all();
         for callback in callbacks {
             callback(id, result.clone());
         }
+        self.state.lock().try_retire(id);
     }
 }
 

@@ -1,17 +1,19 @@
 //! The coordinator's questions about its graph: what is ready, what is deadlocked, what stalls.
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use cuweave_stream::DependencyGraph;
+
 use super::metrics::MetricsCell;
-use super::{EventPriority, OperationCoordinator, OperationId, OperationState, State, graph};
+use super::{EventPriority, OperationCoordinator, OperationId, OperationState, State};
 use crate::error::{EventError, Result};
 
 impl OperationCoordinator {
     /// Registered operations whose dependencies are all queued, most urgent first (ties in
-    /// registration order).
+    /// registration order). O(live operations).
     pub fn ready_operations(&self) -> Vec<OperationId> {
         let _timed = self.timed();
+        self.inner.poll();
         let state = self.inner.state.lock();
         let mut ready: Vec<(EventPriority, OperationId)> = state
             .operations
@@ -21,7 +23,7 @@ impl OperationCoordinator {
                 op.metadata
                     .dependencies
                     .iter()
-                    .all(|dep| state.operations[dep].metadata.state.is_queued())
+                    .all(|dep| is_queued(&state, *dep))
             })
             .map(|op| (op.metadata.priority, op.metadata.id))
             .collect();
@@ -31,29 +33,24 @@ impl OperationCoordinator {
 
     /// Every cycle among operations not yet begun (they can never begin), each listed once,
     /// starting at its lowest id and following dependencies (`[a, b]`: `a` waits for `b`, which
-    /// waits for `a`).
+    /// waits for `a`). Built on the stream layer's [`DependencyGraph`] (the one graph module
+    /// of cuweave), over live operations only: a retired one depends on nothing.
     pub fn detect_deadlocks(&self) -> Vec<Vec<OperationId>> {
         let _timed = self.timed();
         let cycles = {
             let state = self.inner.state.lock();
-            let mut ids: Vec<OperationId> = state.operations.keys().copied().collect();
-            ids.sort_unstable();
-            let index: HashMap<OperationId, usize> =
-                ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
-            let edges: Vec<Vec<usize>> = ids
-                .iter()
-                .map(|id| {
-                    let op = &state.operations[id];
-                    op.metadata
-                        .dependencies
-                        .iter()
-                        .map(|dep| index[dep])
-                        .collect()
-                })
-                .collect();
-            graph::elementary_cycles(&edges)
+            let mut graph = DependencyGraph::new();
+            for op in state.operations.values() {
+                for dep in &op.metadata.dependencies {
+                    if state.operations.contains_key(dep) {
+                        graph.add_unchecked(op.metadata.id.0, dep.0);
+                    }
+                }
+            }
+            graph
+                .elementary_cycles()
                 .into_iter()
-                .map(|cycle| cycle.into_iter().map(|i| ids[i]).collect::<Vec<_>>())
+                .map(|cycle| cycle.into_iter().map(OperationId).collect::<Vec<_>>())
                 .collect::<Vec<_>>()
         };
         if !cycles.is_empty() {
@@ -71,13 +68,14 @@ impl OperationCoordinator {
             .dependencies
             .iter()
             .copied()
-            .filter(|dep| !state.operations[dep].metadata.state.is_queued())
+            .filter(|dep| !is_queued(state, *dep))
             .collect()
     }
 
     /// Operations registered at least `older_than` ago that still wait for dependencies that
     /// are not queued, with those dependencies.
     pub fn stalled_operations(&self, older_than: Duration) -> Vec<(OperationId, Vec<OperationId>)> {
+        self.inner.poll();
         let state = self.inner.state.lock();
         let mut stalled: Vec<_> = state
             .operations
@@ -101,6 +99,9 @@ impl OperationCoordinator {
         let started = Instant::now();
         let deadline = started + timeout;
         let mut state = self.inner.state.lock();
+        if state.is_retired(id) {
+            return Ok(());
+        }
         if !state.operations.contains_key(&id) {
             return Err(EventError::UnknownOperation {
                 operation: "wait_until_ready",
@@ -131,4 +132,9 @@ impl OperationCoordinator {
             }
         }
     }
+}
+
+/// Whether `id`'s completion event exists or it already completed (a retired id did).
+fn is_queued(state: &State, id: OperationId) -> bool {
+    state.state_of(id).is_some_and(OperationState::is_queued)
 }

@@ -45,6 +45,14 @@ impl WaitFuture {
         }
     }
 
+    /// A future that is already resolved with `Ok(())` (for a point the GPU is known to have
+    /// passed).
+    pub(crate) fn ready() -> Self {
+        let cell = Arc::new(WaitCell::new());
+        cell.complete();
+        Self::new(cell, None)
+    }
+
     /// Lets the first poll watch the outcome for up to `budget` before returning `Pending`, so
     /// that a wait which the GPU finishes within the budget resolves without the executor
     /// parking and un-parking its thread.

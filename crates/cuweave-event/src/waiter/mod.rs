@@ -13,7 +13,7 @@ use std::sync::{Arc, OnceLock};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
-use cuweave_driver::{Context, Event, EventFlags, Stream};
+use cuweave_driver::{Context, EventPool, Stream};
 use parking_lot::Mutex;
 
 pub use future::WaitFuture;
@@ -226,7 +226,7 @@ impl AsyncEventWaiter {
                 Source::Word(self.slab(stream.context())?.lease(stream)?)
             }
             WakeMechanism::EventQuery => {
-                let event = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
+                let event = EventPool::for_context(stream.context())?.acquire_owned(false)?;
                 event.record(stream)?;
                 Source::Event(Box::new(event))
             }

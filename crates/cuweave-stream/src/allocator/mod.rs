@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use cuweave_driver::OwnedPooledEvent;
 use cuweave_driver::memory::DevicePtr;
-use cuweave_driver::{Event, EventFlags};
 use cuweave_memory::{AsyncPoolResource, MemoryResource};
 use dashmap::DashMap;
 use parking_lot::Mutex;
@@ -98,10 +98,13 @@ struct Entry {
     users: Vec<Arc<PriorityStream>>,
 }
 
+/// The latest point-in-time wait of `dependent` on `prerequisite`: a later one on the same
+/// pair finishes after it (stream order), so one per pair is all that is kept.
 #[derive(Debug)]
 struct Dependency {
     dependent: u64,
-    event: Event,
+    prerequisite: u64,
+    event: OwnedPooledEvent,
 }
 
 static NEXT_ALLOCATION_ID: AtomicU64 = AtomicU64::new(1);
@@ -115,11 +118,15 @@ static NEXT_ALLOCATION_ID: AtomicU64 = AtomicU64::new(1);
 /// - [`free_for_stream`](Self::free_for_stream) frees everything a stream owns, queued on that
 ///   stream, after first making it wait for every other stream that was given the memory; the
 ///   pool reuses the memory only for work ordered after the free.
-/// - Another stream gets the memory only after [`add_stream_dependency`](Self::add_stream_dependency):
-///   it then waits on the device for the owner's work so far, and
-///   [`device_ptr`](Self::device_ptr) hands it the address; before that it gets
-///   [`StreamError::NotOrdered`]. [`dependencies_satisfied`](Self::dependencies_satisfied)
-///   tells, without blocking, whether the GPU is past those waits.
+/// - Another stream uses the memory after [`add_stream_dependency`](Self::add_stream_dependency):
+///   it then waits on the device for the owner's work so far, and the owner's free waits for
+///   it. [`dependencies_satisfied`](Self::dependencies_satisfied) tells, without blocking,
+///   whether the GPU is past those waits; the allocator keeps one wait per stream pair (the
+///   latest), so its list is bounded by the pairs of streams, and forgets finished ones.
+/// - [`device_ptr`](Self::device_ptr) is a raw address for `unsafe` kernel launches: the
+///   launch's contract, not the allocator, says on which streams it may be used. (An earlier
+///   `NotOrdered` check per stream went stale as soon as the owner queued more work, so it
+///   protected nothing and was removed.)
 ///
 /// ```no_run
 /// use std::sync::Arc;
@@ -132,9 +139,8 @@ static NEXT_ALLOCATION_ID: AtomicU64 = AtomicU64::new(1);
 /// let b = Arc::new(PriorityStream::new(&context, StreamPriority::Normal)?);
 /// let allocator = StreamOrderedAllocator::new(Default::default());
 /// let block = allocator.allocate_for_stream(&a, 3000)?; // rounded to 4 KiB
-/// assert!(allocator.device_ptr(&block, &b).is_err()); // b is not ordered after a yet
-/// allocator.add_stream_dependency(&b, &a)?;
-/// let ptr = allocator.device_ptr(&block, &b)?;
+/// allocator.add_stream_dependency(&b, &a)?; // b waits for a's work so far
+/// let ptr = allocator.device_ptr(&block)?;
 /// # let _ = ptr;
 /// allocator.free_for_stream(&a)?;
 /// # Ok(())
@@ -234,17 +240,13 @@ impl StreamOrderedAllocator {
         Ok(allocation)
     }
 
-    /// The device address of `allocation` for work queued on `stream`.
+    /// The device address of `allocation`, for (`unsafe`) kernel launches on its owner or on
+    /// a stream ordered after the owner with
+    /// [`add_stream_dependency`](Self::add_stream_dependency).
     ///
     /// # Errors
-    /// [`StreamError::NotOrdered`] unless `stream` owns it or was ordered after its owner by
-    /// [`add_stream_dependency`](Self::add_stream_dependency) after it was made;
     /// [`StreamError::UnknownAllocation`] once it is freed.
-    pub fn device_ptr(
-        &self,
-        allocation: &StreamAllocation,
-        stream: &PriorityStream,
-    ) -> Result<DevicePtr> {
+    pub fn device_ptr(&self, allocation: &StreamAllocation) -> Result<DevicePtr> {
         const OPERATION: &str = "StreamOrderedAllocator::device_ptr";
         let entries = self.entries.lock();
         let entry = entries
@@ -253,17 +255,7 @@ impl StreamOrderedAllocator {
                 operation: OPERATION,
                 allocation: allocation.id,
             })?;
-        let id = stream.id();
-        if entry.owner.id() == id || entry.users.iter().any(|user| user.id() == id) {
-            Ok(entry.allocation.ptr)
-        } else {
-            Err(StreamError::NotOrdered {
-                operation: OPERATION,
-                allocation: allocation.id,
-                owner: entry.owner.id(),
-                user: id,
-            })
-        }
+        Ok(entry.allocation.ptr)
     }
 
     /// Makes `dependent` wait on the device for the work queued on `prerequisite` so far, and
@@ -290,7 +282,7 @@ impl StreamOrderedAllocator {
                 stream: dependent.id(),
             });
         }
-        let event = Event::new(prerequisite.context(), EventFlags::DISABLE_TIMING)?;
+        let event = prerequisite.event_pool().acquire_owned(false)?;
         event.record(prerequisite.stream())?;
         dependent.stream().wait_event(&event)?;
         let (pre, dep) = (prerequisite.id(), dependent.id());
@@ -301,10 +293,24 @@ impl StreamOrderedAllocator {
                 entry.users.push(Arc::clone(dependent));
             }
         }
-        self.dependencies.lock().push(Dependency {
-            dependent: dep,
-            event,
-        });
+        {
+            let mut dependencies = self.dependencies.lock();
+            // Finished waits and the earlier wait of this pair are forgotten (their events go
+            // back to the pool): the list holds at most one wait per pair of streams.
+            let mut kept = Vec::with_capacity(dependencies.len() + 1);
+            for dependency in dependencies.drain(..) {
+                let same_pair = dependency.dependent == dep && dependency.prerequisite == pre;
+                if !same_pair && !dependency.event.query()? {
+                    kept.push(dependency);
+                }
+            }
+            kept.push(Dependency {
+                dependent: dep,
+                prerequisite: pre,
+                event,
+            });
+            *dependencies = kept;
+        }
         self.with_stats(|stats| stats.dependencies += 1);
         Ok(())
     }

@@ -1,9 +1,13 @@
-//! [`DependencyGraph`]: which stream waits on which, with cycle detection. Pure logic, no CUDA.
+//! [`DependencyGraph`]: the one dependency graph of cuweave (streams in the stream
+//! coordinator, operations in the event layer's operation coordinator), with cycle detection.
+//! Pure logic, no CUDA.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-/// A directed graph of stream ids: an edge `dependent -> prerequisite` means the dependent stream
-/// waits for the prerequisite's work.
+use super::cycles;
+
+/// A directed graph of ids (streams, or operations): an edge `dependent -> prerequisite` means
+/// the dependent waits for the prerequisite's work.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DependencyGraph {
     edges: BTreeMap<u64, BTreeSet<u64>>,
@@ -133,62 +137,55 @@ impl DependencyGraph {
         graph
     }
 
-    /// Strongly connected components, each sorted.
+    /// The nodes, sorted, and each one's prerequisites as indices into that list.
+    fn indexed(&self) -> (Vec<u64>, Vec<Vec<usize>>) {
+        let nodes: Vec<u64> = self.edges.keys().copied().collect();
+        let index: BTreeMap<u64, usize> = nodes.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+        let edges = nodes
+            .iter()
+            .map(|node| self.edges[node].iter().map(|to| index[to]).collect())
+            .collect();
+        (nodes, edges)
+    }
+
+    /// Strongly connected components, each sorted, in order.
     fn strongly_connected(&self) -> Vec<Vec<u64>> {
-        struct State<'g> {
-            graph: &'g DependencyGraph,
-            index: BTreeMap<u64, usize>,
-            low: BTreeMap<u64, usize>,
-            on_stack: BTreeSet<u64>,
-            stack: Vec<u64>,
-            next: usize,
-            out: Vec<Vec<u64>>,
+        let (nodes, edges) = self.indexed();
+        let component = cycles::components(&edges, 0);
+        let mut parts: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+        for (i, &c) in component.iter().enumerate() {
+            parts.entry(c).or_default().push(nodes[i]);
         }
-        fn visit(state: &mut State<'_>, node: u64) {
-            state.index.insert(node, state.next);
-            state.low.insert(node, state.next);
-            state.next += 1;
-            state.stack.push(node);
-            state.on_stack.insert(node);
-            for next in state.graph.prerequisites(node) {
-                if !state.index.contains_key(&next) {
-                    visit(state, next);
-                    let low = state.low[&node].min(state.low[&next]);
-                    state.low.insert(node, low);
-                } else if state.on_stack.contains(&next) {
-                    let low = state.low[&node].min(state.index[&next]);
-                    state.low.insert(node, low);
-                }
-            }
-            if state.low[&node] == state.index[&node] {
-                let mut component = Vec::new();
-                while let Some(member) = state.stack.pop() {
-                    state.on_stack.remove(&member);
-                    component.push(member);
-                    if member == node {
-                        break;
-                    }
-                }
-                component.sort_unstable();
-                state.out.push(component);
-            }
-        }
-        let mut state = State {
-            graph: self,
-            index: BTreeMap::new(),
-            low: BTreeMap::new(),
-            on_stack: BTreeSet::new(),
-            stack: Vec::new(),
-            next: 0,
-            out: Vec::new(),
-        };
-        for &node in self.edges.keys() {
-            if !state.index.contains_key(&node) {
-                visit(&mut state, node);
-            }
-        }
-        state.out.sort();
-        state.out
+        let mut out: Vec<Vec<u64>> = parts.into_values().collect();
+        out.sort();
+        out
+    }
+
+    /// Every elementary cycle, each listed once, starting at its smallest id and following the
+    /// edges (`[a, b]`: `a` waits for `b`, which waits for `a`), ordered by their first id
+    /// (Johnson's scheme, iterative; see `cycles`). Their number can grow exponentially with
+    /// the graph's density; dependency graphs of real work have few.
+    pub fn elementary_cycles(&self) -> Vec<Vec<u64>> {
+        let (nodes, edges) = self.indexed();
+        cycles::elementary_cycles(&edges)
+            .into_iter()
+            .map(|cycle| cycle.into_iter().map(|i| nodes[i]).collect())
+            .collect()
+    }
+
+    /// Removes every edge and node.
+    pub fn clear(&mut self) {
+        self.edges.clear();
+    }
+
+    /// Nodes in the graph.
+    pub fn len(&self) -> usize {
+        self.edges.len()
+    }
+
+    /// Whether the graph has no node.
+    pub fn is_empty(&self) -> bool {
+        self.edges.is_empty()
     }
 }
 
@@ -240,5 +237,17 @@ mod tests {
         }
         graph.remove(1);
         assert_eq!(graph.cycles(), vec![vec![5, 6], vec![7]]);
+        assert_eq!(graph.elementary_cycles(), vec![vec![5, 6], vec![7]]);
+        graph.clear();
+        assert!(graph.is_empty() && !graph.has_cycles());
+    }
+
+    #[test]
+    fn ping_pong_is_one_cycle_of_two() {
+        let mut graph = DependencyGraph::new();
+        graph.add_unchecked(10, 20);
+        graph.add_unchecked(20, 10);
+        assert_eq!(graph.cycles(), vec![vec![10, 20]]);
+        assert_eq!(graph.elementary_cycles(), vec![vec![10, 20]]);
     }
 }

@@ -1,39 +1,29 @@
-//! [`MultiStreamCoordinator`]: dependencies between streams as device-side event waits, with
-//! cycles refused; barriers; running a closure on every stream in parallel; completion callbacks.
+//! [`MultiStreamCoordinator`]: dependencies between streams as device-side, point-in-time event
+//! waits (always accepted; cycles are a diagnostic); barriers; running a closure on every stream
+//! in parallel; completion callbacks.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use cuweave_driver::{Event, EventFlags};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, StreamError, panic_message};
 use crate::stream::PriorityStream;
 
+mod barrier;
+mod cycles;
 mod graph;
 
+pub use barrier::{BarrierInfo, queue_barrier};
 pub use graph::DependencyGraph;
-
-/// What a [`MultiStreamCoordinator::create_barrier`] queued.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BarrierInfo {
-    /// Streams in the barrier.
-    pub streams: usize,
-    /// Events recorded (one per stream).
-    pub events: usize,
-    /// Device-side waits queued (each stream on every other).
-    pub waits: usize,
-}
 
 /// Counts of what the coordinator has done.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CoordinatorStats {
     /// Dependencies queued as event waits.
     pub dependencies: u64,
-    /// Dependencies refused because they would close a cycle.
-    pub refused_cycles: u64,
     /// Barriers queued.
     pub barriers: u64,
     /// `execute_parallel` runs.
@@ -44,10 +34,14 @@ pub struct CoordinatorStats {
 ///
 /// - [`add_dependency`](Self::add_dependency): the dependent stream waits on the GPU
 ///   (`cuStreamWaitEvent`) for the work queued on the prerequisite so far (an event recorded
-///   there now). The declared dependencies form a graph; one that would close a cycle is refused
-///   with [`StreamError::DependencyCycle`] naming it.
+///   there now). Such a point-in-time wait can never deadlock (it waits only for work already
+///   queued), so every one is accepted: `add_dependency(compute, copy)` then
+///   `add_dependency(copy, compute)` is the alternation of a double-buffered pipeline. The
+///   dependencies declared since the last barrier or [`reset`](Self::reset) form a graph that
+///   [`has_cycles`](Self::has_cycles) and [`cycles`](Self::cycles) inspect, as a diagnostic.
 /// - [`create_barrier`](Self::create_barrier): every stream waits for the work queued so far on
-///   every other, on the device; the host does not block.
+///   every other, on the device, through the one fan-in/fan-out [`queue_barrier`]; the host
+///   does not block.
 /// - [`execute_parallel`](Self::execute_parallel): a closure per stream on its own thread, every
 ///   error collected.
 /// - [`on_stream_complete`](Self::on_stream_complete) /
@@ -57,15 +51,17 @@ pub struct CoordinatorStats {
 /// ```no_run
 /// use std::sync::Arc;
 /// use cuweave_driver::{Context, Device};
-/// use cuweave_stream::{MultiStreamCoordinator, PriorityStream, StreamError, StreamPriority};
+/// use cuweave_stream::{MultiStreamCoordinator, PriorityStream, StreamPriority};
 ///
 /// # fn main() -> cuweave_stream::Result<()> {
 /// let context = Context::primary(Device::get(0)?)?;
 /// let [a, b] = [(); 2].map(|_| Arc::new(PriorityStream::new(&context, StreamPriority::Normal).unwrap()));
 /// let coordinator = MultiStreamCoordinator::new();
-/// coordinator.add_dependency(&b, &a)?; // b waits for a
-/// let refused = coordinator.add_dependency(&a, &b);
-/// assert!(matches!(refused, Err(StreamError::DependencyCycle { .. })));
+/// coordinator.add_dependency(&b, &a)?; // b waits for a's work so far
+/// coordinator.add_dependency(&a, &b)?; // then a waits for b's work so far: ping-pong
+/// assert!(coordinator.has_cycles()); // a diagnostic, never a refusal
+/// coordinator.create_barrier()?; // the graph starts afresh
+/// assert!(!coordinator.has_cycles());
 /// # Ok(())
 /// # }
 /// ```
@@ -74,7 +70,6 @@ pub struct MultiStreamCoordinator {
     streams: Mutex<Vec<Arc<PriorityStream>>>,
     graph: Mutex<DependencyGraph>,
     dependencies: AtomicU64,
-    refused_cycles: AtomicU64,
     barriers: AtomicU64,
     parallel_runs: AtomicU64,
 }
@@ -116,10 +111,12 @@ impl MultiStreamCoordinator {
     /// Makes `dependent` wait on the device for the work queued on `prerequisite` so far, and
     /// declares the dependency. Both streams are added to the coordinator.
     ///
+    /// Never refused for a cycle: the wait is for work already queued, which cannot depend on
+    /// work queued later. The edge joins the diagnostic graph ([`has_cycles`](Self::has_cycles)).
+    ///
     /// # Errors
-    /// [`StreamError::SelfDependency`] for a stream and itself; [`StreamError::DependencyCycle`]
-    /// when the declared dependencies would form a cycle (nothing is queued then); the driver's
-    /// error from the event record or wait.
+    /// [`StreamError::SelfDependency`] for a stream and itself; the driver's error from the
+    /// event record or wait.
     pub fn add_dependency(
         &self,
         dependent: &Arc<PriorityStream>,
@@ -131,73 +128,62 @@ impl MultiStreamCoordinator {
                 stream: dependent.id(),
             });
         }
-        if let Err(cycle) = self.graph.lock().try_add(dependent.id(), prerequisite.id()) {
-            self.refused_cycles.fetch_add(1, Ordering::Relaxed);
-            return Err(StreamError::DependencyCycle {
-                dependent: dependent.id(),
-                prerequisite: prerequisite.id(),
-                cycle,
-            });
-        }
         self.add_stream(Arc::clone(dependent));
         self.add_stream(Arc::clone(prerequisite));
         dependent.wait_for(prerequisite)?;
+        self.graph
+            .lock()
+            .add_unchecked(dependent.id(), prerequisite.id());
         self.dependencies.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
-    /// The declared dependencies, as `(dependent id, prerequisite id)`.
+    /// The dependencies declared since the last barrier or reset, as
+    /// `(dependent id, prerequisite id)`.
     pub fn dependencies(&self) -> Vec<(u64, u64)> {
         self.graph.lock().edges()
     }
 
-    /// A copy of the dependency graph.
+    /// A copy of the dependency graph since the last barrier or reset.
     pub fn graph(&self) -> DependencyGraph {
         self.graph.lock().clone()
     }
 
-    /// Whether the declared dependencies contain a cycle (never, through `add_dependency`; the
-    /// check is there for graphs merged in by hand).
+    /// Whether the dependencies declared since the last barrier or reset contain a cycle: a
+    /// diagnostic (ping-pong between two streams is one, and is correct), never a refusal.
     pub fn has_cycles(&self) -> bool {
         self.graph.lock().has_cycles()
     }
 
-    /// The cycles among the declared dependencies, one per strongly connected part.
+    /// The cycles among the dependencies declared since the last barrier or reset, one per
+    /// strongly connected part.
     pub fn cycles(&self) -> Vec<Vec<u64>> {
         self.graph.lock().cycles()
     }
 
-    /// Queues a barrier: an event is recorded on every stream, then every stream waits on the
-    /// device for every other stream's event. Work queued after it on any stream starts only
-    /// once the work queued before it on all streams has finished. The host does not block.
+    /// Forgets the declared dependencies (the waits already queued stay queued): the graph of
+    /// [`has_cycles`](Self::has_cycles) starts afresh. A barrier does the same.
+    pub fn reset(&self) {
+        self.graph.lock().clear();
+    }
+
+    /// Queues a barrier over every coordinated stream ([`queue_barrier`]: fanned in to the
+    /// first stream and out again, `2 (n - 1)` waits). Work queued after it on any stream starts
+    /// only once the work queued before it on all streams has finished. The host does not
+    /// block. The diagnostic dependency graph starts afresh.
     ///
     /// # Errors
     /// The driver's error from an event record or wait.
     pub fn create_barrier(&self) -> Result<BarrierInfo> {
         let streams = self.streams();
-        let events = streams
+        let pairs: Vec<_> = streams
             .iter()
-            .map(|stream| {
-                let event = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
-                event.record(stream.stream())?;
-                Ok(event)
-            })
-            .collect::<Result<Vec<Event>>>()?;
-        let mut waits = 0;
-        for (i, stream) in streams.iter().enumerate() {
-            for (j, event) in events.iter().enumerate() {
-                if i != j {
-                    stream.stream().wait_event(event)?;
-                    waits += 1;
-                }
-            }
-        }
+            .map(|stream| (stream.stream(), stream.event_pool()))
+            .collect();
+        let info = queue_barrier(&pairs)?;
+        self.graph.lock().clear();
         self.barriers.fetch_add(1, Ordering::Relaxed);
-        Ok(BarrierInfo {
-            streams: streams.len(),
-            events: events.len(),
-            waits,
-        })
+        Ok(info)
     }
 
     /// Runs `f` on every stream, each on its own thread, and waits for all of them.
@@ -301,7 +287,6 @@ impl MultiStreamCoordinator {
     pub fn stats(&self) -> CoordinatorStats {
         CoordinatorStats {
             dependencies: self.dependencies.load(Ordering::Relaxed),
-            refused_cycles: self.refused_cycles.load(Ordering::Relaxed),
             barriers: self.barriers.load(Ordering::Relaxed),
             parallel_runs: self.parallel_runs.load(Ordering::Relaxed),
         }

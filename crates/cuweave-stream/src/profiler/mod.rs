@@ -1,20 +1,23 @@
-//! [`StreamProfiler`]: named operations on any streams, timed on the GPU with timing events
-//! relative to one base event; per-stream and combined reports and a Chrome trace.
+//! [`StreamProfiler`]: named operations on any streams, timed on the GPU by the one
+//! [`GpuTimer`]; per-stream and combined reports and a Chrome trace.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use cuweave_driver::{Context, Event, EventFlags, Stream, StreamFlags};
+use cuweave_driver::{Context, Event, EventFlags, EventPool, Stream, StreamFlags};
 use parking_lot::Mutex;
 
 use crate::error::{Result, StreamError, ensure_device};
 use crate::priority::StreamPriority;
 use crate::stream::{OperationKind, PriorityStream};
+use crate::timing::GpuTimer;
 
 mod report;
 mod trace;
 
 pub use report::{CombinedReport, NamedTotal, ProfileReport, ProfiledOperation, StreamReport};
 
+/// What a span of the profiler's timer is.
 #[derive(Debug)]
 struct Pending {
     stream: u64,
@@ -22,16 +25,20 @@ struct Pending {
     name: String,
     kind: OperationKind,
     bytes: u64,
-    start: Event,
-    end: Event,
 }
 
 /// Records operations on streams of one device with their GPU start and duration.
 ///
-/// Each [`profile`](Self::profile)d operation is bracketed by two timing events on its stream.
-/// Times are `cuEventElapsedTime` from the profiler's base event (recorded and completed when
-/// the profiler is made) to those events, so operations on different streams share one GPU
-/// clock and their overlap shows. Resolution is that of timing events, about half a microsecond.
+/// Each [`profile`](Self::profile)d operation is a span of a [`GpuTimer`]: two pooled timing
+/// events on its stream. Its duration is `cuEventElapsedTime` between those two events, so it
+/// keeps timing-event resolution (about half a microsecond) however long the program runs. Its
+/// start is placed on one GPU clock shared by all streams from the profiler's base event
+/// (recorded and completed when the profiler is made), so overlap between streams shows; that
+/// offset is an `f32` of milliseconds, finer than a microsecond for the first 10 s and about
+/// 8 µs after 100 s. Operations waiting for the GPU are bounded
+/// ([`DEFAULT_PENDING_SPANS`](crate::timing::DEFAULT_PENDING_SPANS)): past that, finished ones
+/// are read first, and an operation is left untimed ([`skipped`](Self::skipped)) only if none
+/// has finished.
 ///
 /// ```no_run
 /// use std::sync::Arc;
@@ -54,7 +61,7 @@ struct Pending {
 pub struct StreamProfiler {
     context: Arc<Context>,
     base: Event,
-    pending: Mutex<Vec<Pending>>,
+    timer: GpuTimer<Pending>,
     finished: Mutex<Vec<ProfiledOperation>>,
 }
 
@@ -72,7 +79,7 @@ impl StreamProfiler {
         Ok(Self {
             context: Arc::clone(context),
             base,
-            pending: Mutex::new(Vec::new()),
+            timer: GpuTimer::new(EventPool::for_context(context)?),
             finished: Mutex::new(Vec::new()),
         })
     }
@@ -95,27 +102,68 @@ impl StreamProfiler {
             self.context.device().ordinal(),
             stream.device().ordinal(),
         )?;
-        let start = Event::new(&self.context, EventFlags::TIMING)?;
-        let end = Event::new(&self.context, EventFlags::TIMING)?;
-        start.record(stream.stream())?;
+        if self.timer.pending() >= crate::timing::DEFAULT_PENDING_SPANS {
+            self.collect(false)?;
+        }
+        let span = self.timer.start(stream.stream())?;
         let result = f(stream);
-        end.record(stream.stream())?;
-        let value = result?;
-        self.pending.lock().push(Pending {
-            stream: stream.id(),
-            priority: stream.priority(),
-            name: name.into(),
-            kind,
-            bytes,
-            start,
-            end,
-        });
-        Ok(value)
+        self.timer.finish(
+            span,
+            stream.stream(),
+            Pending {
+                stream: stream.id(),
+                priority: stream.priority(),
+                name: name.into(),
+                kind,
+                bytes,
+            },
+        )?;
+        result
     }
 
-    /// Operations queued but not yet finished on the GPU.
+    /// Operations queued but not yet read back.
     pub fn pending(&self) -> usize {
-        self.pending.lock().len()
+        self.timer.pending()
+    }
+
+    /// Operations left untimed because too many were waiting for the GPU.
+    pub fn skipped(&self) -> u64 {
+        self.timer.skipped()
+    }
+
+    /// Moves finished operations (all of them, waiting, when `wait`) into `finished`.
+    fn collect(&self, wait: bool) -> Result<()> {
+        let mut resolved = Vec::new();
+        let mut failure = None;
+        let sink = |op: Pending, duration: Duration, start: &Event| {
+            if failure.is_some() {
+                return;
+            }
+            match self.base.elapsed_ms(start) {
+                Ok(start_ms) if start_ms >= 0.0 => resolved.push(ProfiledOperation {
+                    stream: op.stream,
+                    priority: op.priority,
+                    name: op.name,
+                    kind: op.kind,
+                    bytes: op.bytes,
+                    start_ns: (f64::from(start_ms) * 1e6).round() as u64,
+                    duration_ns: u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX),
+                }),
+                Ok(_) => {
+                    failure = Some(StreamError::NotReady {
+                        operation: "StreamProfiler::operations",
+                    });
+                }
+                Err(error) => failure = Some(error.into()),
+            }
+        };
+        if wait {
+            self.timer.harvest_all(sink)?;
+        } else {
+            self.timer.harvest(sink)?;
+        }
+        self.finished.lock().extend(resolved);
+        failure.map_or(Ok(()), Err)
     }
 
     /// Waits for every profiled operation to finish and returns all of them, by start time.
@@ -123,31 +171,8 @@ impl StreamProfiler {
     /// # Errors
     /// The driver's error from waiting or reading the events.
     pub fn operations(&self) -> Result<Vec<ProfiledOperation>> {
-        let pending = std::mem::take(&mut *self.pending.lock());
-        let mut resolved = Vec::with_capacity(pending.len());
-        for op in pending {
-            op.end.synchronize()?;
-            let start_ms = self.base.elapsed_ms(&op.start)?;
-            let end_ms = self.base.elapsed_ms(&op.end)?;
-            if start_ms < 0.0 {
-                return Err(StreamError::NotReady {
-                    operation: "StreamProfiler::operations",
-                });
-            }
-            let start_ns = (f64::from(start_ms) * 1e6).round() as u64;
-            let end_ns = (f64::from(end_ms) * 1e6).round() as u64;
-            resolved.push(ProfiledOperation {
-                stream: op.stream,
-                priority: op.priority,
-                name: op.name,
-                kind: op.kind,
-                bytes: op.bytes,
-                start_ns,
-                duration_ns: end_ns.saturating_sub(start_ns),
-            });
-        }
+        self.collect(true)?;
         let mut finished = self.finished.lock();
-        finished.extend(resolved);
         finished.sort_by_key(|op| (op.start_ns, op.stream));
         Ok(finished.clone())
     }

@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use cuweave_driver::{Context, Device, DriverError, Event, EventFlags, Stream, StreamFlags};
+use cuweave_driver::{
+    Context, Device, DriverError, EventPool, OwnedPooledEvent, Stream, StreamFlags,
+};
 
 use crate::error::{Result, StreamError};
 use crate::priority::StreamPriority;
@@ -12,15 +14,14 @@ mod callback;
 mod metrics;
 mod operations;
 mod outstanding;
-mod timing;
 
 pub use callback::CallbackFailure;
 pub use metrics::{OperationKind, StreamMetrics};
 
+use crate::timing::GpuTimer;
 use callback::CallbackWorker;
 use metrics::MetricsCounters;
 use outstanding::OutstandingWork;
-use timing::GpuTimer;
 
 /// A non-blocking CUDA stream of this layer: the driver's [`Stream`] (reached through
 /// [`stream`](Self::stream) or `Deref`) plus what the stream layer keeps about it.
@@ -46,8 +47,9 @@ pub struct PriorityStream {
     priority: StreamPriority,
     driver_priority: i32,
     metrics: MetricsCounters,
-    outstanding: OutstandingWork<Event>,
-    timer: GpuTimer,
+    events: EventPool,
+    outstanding: OutstandingWork<OwnedPooledEvent>,
+    timer: GpuTimer<()>,
     callbacks: CallbackWorker,
 }
 
@@ -79,13 +81,17 @@ impl PriorityStream {
     fn wrap(inner: Stream, priority: StreamPriority) -> Result<Self> {
         let driver_priority = inner.priority()?;
         let id = inner.id();
+        let events = EventPool::for_context(inner.context())?;
+        let timer = GpuTimer::new(events.clone());
+        timer.set_enabled(false);
         Ok(Self {
             inner,
             priority,
             driver_priority,
             metrics: MetricsCounters::default(),
             outstanding: OutstandingWork::default(),
-            timer: GpuTimer::default(),
+            timer,
+            events,
             callbacks: CallbackWorker::new(id),
         })
     }
@@ -103,6 +109,12 @@ impl PriorityStream {
     /// The context the stream belongs to.
     pub fn context(&self) -> &Arc<Context> {
         self.inner.context()
+    }
+
+    /// The event pool of the stream's context, which the stream's markers and timers use
+    /// ([`EventPool::for_context`]).
+    pub fn event_pool(&self) -> &EventPool {
+        &self.events
     }
 
     /// The device the stream runs on.
@@ -126,14 +138,17 @@ impl PriorityStream {
     /// # Errors
     /// The driver's error when reading a finished timing pair fails.
     pub fn metrics(&self) -> Result<StreamMetrics> {
-        self.timer.harvest(&self.metrics)?;
+        self.timer
+            .harvest(|(), time, _| self.metrics.add_gpu_time(1, duration_ns(time)))?;
         let mut metrics = self.metrics.snapshot();
         metrics.callback_panics = self.callbacks.panics();
         Ok(metrics)
     }
 
     /// Turns GPU timing of later operations on or off (off by default: two event records per
-    /// operation are not free).
+    /// operation are not free). At most [`DEFAULT_PENDING_SPANS`](crate::timing::DEFAULT_PENDING_SPANS)
+    /// timed operations wait for the GPU at once; past that, operations are not timed until
+    /// [`metrics`](Self::metrics) has read finished ones.
     pub fn set_timing(&self, enabled: bool) {
         self.timer.set_enabled(enabled);
     }
@@ -148,7 +163,7 @@ impl PriorityStream {
     /// # Errors
     /// The driver's error from an event query.
     pub fn outstanding_work(&self) -> Result<u64> {
-        Ok(self.outstanding.outstanding(Event::query)?)
+        Ok(self.outstanding.outstanding(|event| event.query())?)
     }
 
     /// Whether everything queued on the stream (counted or not) has finished (`cuStreamQuery`).
@@ -168,13 +183,14 @@ impl PriorityStream {
     }
 
     /// Makes later work on this stream wait, on the device, for the work queued on `other` so
-    /// far (an event recorded on `other`, then `cuStreamWaitEvent`).
+    /// far (an event of `other`'s pool recorded on `other`, then `cuStreamWaitEvent`; the event
+    /// goes back to the pool at once, since the wait is fixed when it is queued).
     ///
     /// # Errors
     /// [`StreamError::WrongDevice`] is not raised here: CUDA lets streams wait on events of other
     /// devices. The driver's error otherwise.
     pub fn wait_for(&self, other: &PriorityStream) -> Result<()> {
-        let event = Event::new(other.context(), EventFlags::DISABLE_TIMING)?;
+        let event = other.events.acquire_event(false)?;
         event.record(other.stream())?;
         self.inner.wait_event(&event)?;
         Ok(())
@@ -195,16 +211,16 @@ impl PriorityStream {
     where
         StreamError: From<E>,
     {
-        let token = self.timer.begin(self.context(), &self.inner)?;
+        let span = self.timer.start(&self.inner)?;
         let result = f(&self.inner);
         // The start event is already on the stream; end it even if `f` failed, so the pair stays
         // well-formed (its time is then that of whatever `f` queued before failing).
-        self.timer.end(token, &self.inner)?;
+        self.timer.finish(span, &self.inner, ())?;
         let value = result?;
         self.metrics.count(kind, bytes);
         self.outstanding.submitted(
             1,
-            || Event::new(self.context(), EventFlags::DISABLE_TIMING),
+            || self.events.acquire_owned(false),
             |event| event.record(&self.inner),
         )?;
         Ok(value)
@@ -261,6 +277,11 @@ impl PriorityStream {
     pub fn callback_failures(&self) -> Vec<CallbackFailure> {
         self.callbacks.failures()
     }
+}
+
+/// Whole nanoseconds of `time`, saturating.
+fn duration_ns(time: std::time::Duration) -> u64 {
+    u64::try_from(time.as_nanos()).unwrap_or(u64::MAX)
 }
 
 impl std::ops::Deref for PriorityStream {

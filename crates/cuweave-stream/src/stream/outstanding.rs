@@ -2,7 +2,8 @@
 //! from markers (events) recorded behind them, not from a count of calls.
 //!
 //! The logic is generic over the marker so that it is tested without a GPU; the stream uses
-//! disable-timing [`Event`](cuweave_driver::Event)s.
+//! disable-timing events of its context's [`EventPool`](cuweave_driver::EventPool), which go
+//! back to the pool once the GPU has passed them (no spare list here).
 
 use std::collections::VecDeque;
 
@@ -21,7 +22,6 @@ pub(crate) struct OutstandingWork<M> {
 #[derive(Debug)]
 struct Inner<M> {
     pending: VecDeque<(M, u64)>,
-    free: Vec<M>,
 }
 
 impl<M> Default for OutstandingWork<M> {
@@ -29,15 +29,14 @@ impl<M> Default for OutstandingWork<M> {
         Self {
             inner: Mutex::new(Inner {
                 pending: VecDeque::new(),
-                free: Vec::new(),
             }),
         }
     }
 }
 
 impl<M> OutstandingWork<M> {
-    /// Notes `ops` operations just queued: records a marker behind them with `record`, on a
-    /// recycled marker or one from `make`. Past [`MAX_MARKERS`] the newest marker is re-recorded
+    /// Notes `ops` operations just queued: records a marker from `make` behind them with
+    /// `record`. Past [`MAX_MARKERS`] the newest marker is re-recorded
     /// instead (stream order makes it cover everything it covered before as well).
     pub(crate) fn submitted<E>(
         &self,
@@ -53,29 +52,22 @@ impl<M> OutstandingWork<M> {
                 return Ok(());
             }
         }
-        let marker = match inner.free.pop() {
-            Some(marker) => marker,
-            None => make()?,
-        };
-        if let Err(error) = record(&marker) {
-            inner.free.push(marker);
-            return Err(error);
-        }
+        let marker = make()?;
+        record(&marker)?;
         inner.pending.push_back((marker, ops));
         Ok(())
     }
 
     /// Operations whose markers `is_done` does not report finished. Finished markers (a prefix,
-    /// by stream order) are retired for reuse; the first unfinished one ends the scan.
+    /// by stream order) are dropped (a pooled event goes back to its pool); the first
+    /// unfinished one ends the scan.
     pub(crate) fn outstanding<E>(&self, is_done: impl Fn(&M) -> Result<bool, E>) -> Result<u64, E> {
         let mut inner = self.inner.lock();
         while let Some((front, _)) = inner.pending.front() {
             if !is_done(front)? {
                 break;
             }
-            if let Some((marker, _)) = inner.pending.pop_front() {
-                inner.free.push(marker);
-            }
+            inner.pending.pop_front();
         }
         Ok(inner.pending.iter().map(|(_, ops)| ops).sum())
     }
@@ -100,7 +92,7 @@ mod tests {
     struct Marker(Cell<u64>);
 
     #[test]
-    fn outstanding_counts_only_unfinished_work_and_recycles_markers() {
+    fn outstanding_counts_only_unfinished_work_and_drops_finished_markers() {
         let work = OutstandingWork::<Marker>::default();
         let submitted = Cell::new(0u64);
         let made = Cell::new(0);
@@ -130,7 +122,7 @@ mod tests {
         assert_eq!(outstanding, 3);
         assert_eq!(work.markers(), 1);
         submit(4);
-        assert_eq!(made.get(), 3, "a retired marker is reused");
+        assert_eq!(made.get(), 4);
         let all_done = work.outstanding::<Infallible>(|_| Ok(true)).unwrap();
         assert_eq!(all_done, 0);
     }

@@ -1,4 +1,6 @@
-//! Cycle enumeration over a dependency graph: pure logic, no CUDA.
+//! The graph algorithms behind [`DependencyGraph`](super::DependencyGraph), over nodes
+//! numbered `0..n`: strongly connected components (Tarjan) and every elementary cycle
+//! (Johnson), both iterative. Pure logic, no CUDA.
 
 /// Every elementary cycle of the directed graph whose node `i` has edges to `edges[i]`.
 ///
@@ -52,7 +54,7 @@ pub(crate) fn elementary_cycles(edges: &[Vec<usize>]) -> Vec<Vec<usize>> {
 
 /// Strongly connected components (Tarjan, iterative) of the graph restricted to nodes
 /// `>= from`: `result[v]` is `v`'s component number, `usize::MAX` for nodes below `from`.
-fn components(edges: &[Vec<usize>], from: usize) -> Vec<usize> {
+pub(crate) fn components(edges: &[Vec<usize>], from: usize) -> Vec<usize> {
     let n = edges.len();
     const UNSEEN: usize = usize::MAX;
     let mut index = vec![UNSEEN; n];
