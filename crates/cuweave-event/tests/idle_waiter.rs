@@ -28,3 +28,37 @@ fn an_idle_waiter_uses_no_measurable_cpu() {
     assert!(used <= 2, "idle waiters used {used} ticks of CPU in 500 ms");
     drop(waiters);
 }
+
+#[test]
+fn one_pending_wait_of_a_second_costs_under_five_percent_of_a_core() {
+    // The reactor spins for tens of microseconds, then sleeps until the GPU gets there (its
+    // sleeper thread waits on the blocking-sync event behind the completion word). The test
+    // thread blocks in `block_on`, so the process's CPU time over the wait is the waiter's.
+    let Some(gpu) = cuweave_test_support::gpu("one_pending_wait_of_a_second") else {
+        return;
+    };
+    let kernels = cuweave_test_support::kernels::TestKernels::load(&gpu.context).unwrap();
+    let stream = cuweave_driver::Stream::new(
+        &gpu.context,
+        cuweave_driver::StreamFlags::NON_BLOCKING,
+    )
+    .unwrap();
+    let waiter = AsyncEventWaiter::new().unwrap();
+    // Warm up: the word slab, the pooled events and the sleeper thread exist before timing.
+    kernels.spin_ns(&stream, 5_000_000).unwrap();
+    futures::executor::block_on(waiter.stream_idle(&stream).unwrap()).unwrap();
+    kernels.spin_ns(&stream, 1_000_000_000).unwrap();
+    let started = std::time::Instant::now();
+    let before = process_cpu_ticks();
+    futures::executor::block_on(waiter.stream_idle(&stream).unwrap()).unwrap();
+    let used = process_cpu_ticks() - before;
+    let waited = started.elapsed();
+    // One tick is 10 ms: 5 % of a core over the wait.
+    let budget = (waited.as_millis() as u64 / 10) / 20;
+    eprintln!("a {waited:?} wait used {used} ticks of CPU (budget {budget})");
+    assert!(waited >= Duration::from_millis(900), "waited only {waited:?}");
+    assert!(
+        used <= budget.max(1),
+        "a pending {waited:?} wait used {used} ticks of CPU (5 % is {budget})"
+    );
+}

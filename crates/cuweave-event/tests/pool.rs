@@ -17,6 +17,7 @@ fn pooled_events_record_and_return_on_drop() {
         PoolUtilization {
             available_regular: 2,
             available_timing: 1,
+            available_blocking: 0,
             in_use: 0
         }
     );
@@ -45,6 +46,7 @@ fn pooled_events_record_and_return_on_drop() {
         PoolUtilization {
             available_regular: 2,
             available_timing: 2,
+            available_blocking: 0,
             in_use: 0
         }
     );
@@ -89,6 +91,7 @@ fn owned_events_time_real_work_outlive_the_pool_value_and_return_to_the_same_lis
         PoolUtilization {
             available_regular: 1,
             available_timing: 2,
+            available_blocking: 0,
             in_use: 0
         },
         "each event went back to the list of its kind"
@@ -178,6 +181,7 @@ fn an_event_released_on_one_thread_is_taken_by_another_before_the_pool_grows() {
         PoolUtilization {
             available_regular: 1,
             available_timing: 0,
+            available_blocking: 0,
             in_use: 0
         }
     );

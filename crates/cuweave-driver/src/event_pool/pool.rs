@@ -71,32 +71,58 @@ struct PoolShared {
     context: Arc<Context>,
     regular: Recycler<Event>,
     timing: Recycler<Event>,
+    blocking: Recycler<Event>,
+}
+
+/// The three kinds of event a pool keeps apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// `DISABLE_TIMING`: ordering and completion.
+    Regular,
+    /// Timestamps, for elapsed times.
+    Timing,
+    /// `DISABLE_TIMING | BLOCKING_SYNC`: a thread waiting on it sleeps in the kernel instead
+    /// of spinning.
+    Blocking,
+}
+
+impl Kind {
+    fn of(timing: bool) -> Self {
+        if timing { Self::Timing } else { Self::Regular }
+    }
+
+    fn flags(self) -> EventFlags {
+        match self {
+            Self::Regular => EventFlags::DISABLE_TIMING,
+            Self::Timing => EventFlags::TIMING,
+            Self::Blocking => EventFlags::DISABLE_TIMING.with_blocking_sync(),
+        }
+    }
 }
 
 impl PoolShared {
     #[inline]
-    fn recycler(&self, timing: bool) -> &Recycler<Event> {
-        if timing { &self.timing } else { &self.regular }
+    fn recycler(&self, kind: Kind) -> &Recycler<Event> {
+        match kind {
+            Kind::Regular => &self.regular,
+            Kind::Timing => &self.timing,
+            Kind::Blocking => &self.blocking,
+        }
     }
 
     /// The index of a free event of the kind, or of a new one when none is free (the pool
     /// grows).
     #[inline]
-    fn take(&self, timing: bool) -> Result<u32> {
-        self.recycler(timing)
-            .take(|| self.create(timing))
+    fn take(&self, kind: Kind) -> Result<u32> {
+        self.recycler(kind)
+            .take(|| self.create(kind))
             .map_err(Self::take_error)
     }
 
     #[cold]
-    fn create(&self, timing: bool) -> Result<Event> {
-        tracing::debug!(timing, "event pool empty: creating an event");
-        let flags = if timing {
-            EventFlags::TIMING
-        } else {
-            EventFlags::DISABLE_TIMING
-        };
-        Event::new(&self.context, flags)
+    fn create(&self, kind: Kind) -> Result<Event> {
+        tracing::debug!(?kind, "event pool empty: creating an event");
+        Event::new(&self.context, kind.flags())
     }
 
     #[cold]
@@ -130,6 +156,8 @@ pub struct PoolUtilization {
     pub available_regular: usize,
     /// Timing events free in the pool.
     pub available_timing: usize,
+    /// Blocking-sync events free in the pool.
+    pub available_blocking: usize,
     /// Events handed out and not yet returned.
     pub in_use: usize,
 }
@@ -141,6 +169,8 @@ pub struct PoolCounters {
     pub created_regular: u64,
     /// Timing events created.
     pub created_timing: u64,
+    /// Blocking-sync events created.
+    pub created_blocking: u64,
     /// Events created because the pool was empty when one was asked for.
     pub grown: u64,
 }
@@ -156,6 +186,7 @@ impl EventPool {
             context: Arc::clone(context),
             regular: Recycler::new(),
             timing: Recycler::new(),
+            blocking: Recycler::new(),
         };
         for (recycler, count, flags) in [
             (&shared.regular, regular, EventFlags::DISABLE_TIMING),
@@ -214,9 +245,10 @@ impl EventPool {
     /// (`u32::MAX - 1`).
     #[inline]
     pub fn acquire_event(&self, timing: bool) -> Result<PooledEvent<'_>> {
+        let kind = Kind::of(timing);
         Ok(PooledEvent {
-            index: self.shared.take(timing)?,
-            timing,
+            index: self.shared.take(kind)?,
+            kind,
             pool: self,
         })
     }
@@ -230,9 +262,25 @@ impl EventPool {
     /// As [`acquire_event`](Self::acquire_event).
     #[inline]
     pub fn acquire_owned(&self, timing: bool) -> Result<OwnedPooledEvent> {
+        self.acquire_kind(Kind::of(timing))
+    }
+
+    /// Takes a blocking-sync, non-timing event (`CU_EVENT_BLOCKING_SYNC`): a thread in
+    /// [`Event::synchronize`] on it sleeps until the GPU reaches it instead of spinning. What
+    /// a waiter that parks records behind the work it waits for.
+    ///
+    /// # Errors
+    /// As [`acquire_event`](Self::acquire_event).
+    #[inline]
+    pub fn acquire_blocking_owned(&self) -> Result<OwnedPooledEvent> {
+        self.acquire_kind(Kind::Blocking)
+    }
+
+    #[inline]
+    fn acquire_kind(&self, kind: Kind) -> Result<OwnedPooledEvent> {
         Ok(OwnedPooledEvent {
-            index: self.shared.take(timing)?,
-            timing,
+            index: self.shared.take(kind)?,
+            kind,
             pool: Arc::clone(&self.shared),
         })
     }
@@ -249,11 +297,15 @@ impl EventPool {
         let shared = &self.shared;
         let available_regular = shared.regular.available();
         let available_timing = shared.timing.available();
-        let created = shared.regular.created() + shared.timing.created();
+        let available_blocking = shared.blocking.available();
+        let created =
+            shared.regular.created() + shared.timing.created() + shared.blocking.created();
         PoolUtilization {
             available_regular,
             available_timing,
-            in_use: (created as usize).saturating_sub(available_regular + available_timing),
+            available_blocking,
+            in_use: (created as usize)
+                .saturating_sub(available_regular + available_timing + available_blocking),
         }
     }
 
@@ -263,7 +315,8 @@ impl EventPool {
         PoolCounters {
             created_regular: shared.regular.created(),
             created_timing: shared.timing.created(),
-            grown: shared.regular.grown() + shared.timing.grown(),
+            created_blocking: shared.blocking.created(),
+            grown: shared.regular.grown() + shared.timing.grown() + shared.blocking.grown(),
         }
     }
 }
@@ -273,14 +326,14 @@ impl EventPool {
 #[must_use = "dropping the handle returns the event to the pool at once"]
 pub struct PooledEvent<'pool> {
     index: u32,
-    timing: bool,
+    kind: Kind,
     pool: &'pool EventPool,
 }
 
 impl PooledEvent<'_> {
     /// Whether this is a timing event.
     pub fn is_timing(&self) -> bool {
-        self.timing
+        self.kind == Kind::Timing
     }
 
     /// Whether this handle came from `pool`.
@@ -293,7 +346,7 @@ impl PooledEvent<'_> {
         let this = std::mem::ManuallyDrop::new(self);
         OwnedPooledEvent {
             index: this.index,
-            timing: this.timing,
+            kind: this.kind,
             pool: Arc::clone(&this.pool.shared),
         }
     }
@@ -303,7 +356,7 @@ impl fmt::Debug for PooledEvent<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PooledEvent")
             .field("event", &**self)
-            .field("timing", &self.timing)
+            .field("kind", &self.kind)
             .finish()
     }
 }
@@ -313,7 +366,7 @@ impl Deref for PooledEvent<'_> {
 
     #[inline]
     fn deref(&self) -> &Event {
-        self.pool.shared.recycler(self.timing).get(self.index)
+        self.pool.shared.recycler(self.kind).get(self.index)
     }
 }
 
@@ -326,7 +379,7 @@ impl AsRef<Event> for PooledEvent<'_> {
 impl Drop for PooledEvent<'_> {
     #[inline]
     fn drop(&mut self) {
-        self.pool.shared.recycler(self.timing).give(self.index);
+        self.pool.shared.recycler(self.kind).give(self.index);
     }
 }
 
@@ -334,14 +387,14 @@ impl Drop for PooledEvent<'_> {
 /// the pool alive, dereferences to the [`Event`], and goes back to the pool when dropped.
 pub struct OwnedPooledEvent {
     index: u32,
-    timing: bool,
+    kind: Kind,
     pool: Arc<PoolShared>,
 }
 
 impl OwnedPooledEvent {
     /// Whether this is a timing event.
     pub fn is_timing(&self) -> bool {
-        self.timing
+        self.kind == Kind::Timing
     }
 
     /// Whether this handle came from `pool`.
@@ -354,7 +407,7 @@ impl fmt::Debug for OwnedPooledEvent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OwnedPooledEvent")
             .field("event", &**self)
-            .field("timing", &self.timing)
+            .field("kind", &self.kind)
             .finish()
     }
 }
@@ -364,7 +417,7 @@ impl Deref for OwnedPooledEvent {
 
     #[inline]
     fn deref(&self) -> &Event {
-        self.pool.recycler(self.timing).get(self.index)
+        self.pool.recycler(self.kind).get(self.index)
     }
 }
 
@@ -377,6 +430,6 @@ impl AsRef<Event> for OwnedPooledEvent {
 impl Drop for OwnedPooledEvent {
     #[inline]
     fn drop(&mut self) {
-        self.pool.recycler(self.timing).give(self.index);
+        self.pool.recycler(self.kind).give(self.index);
     }
 }

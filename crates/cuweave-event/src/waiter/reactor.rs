@@ -1,13 +1,18 @@
 //! The reactor thread: watches completion words (plain loads) and events (queries), decides
-//! wait cells, runs callbacks, and parks when nothing is pending.
+//! wait cells, runs callbacks. It spins only for the first tens of microseconds after the last
+//! progress; then it parks, woken by a new registration, by its sleeper thread (asleep in
+//! `cuEventSynchronize` on the blocking-sync event behind a pending completion word), or by the
+//! next deadline. When nothing is pending it parks until something is registered.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::thread::Thread;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use cuweave_driver::OwnedPooledEvent;
+use parking_lot::{Condvar, Mutex};
 
 use super::WaitId;
 use super::source::WatchedEvent;
@@ -21,13 +26,17 @@ pub type WaitResult = Result<(), EventError>;
 pub(crate) type Callback = Box<dyn FnOnce(WaitResult) + Send + 'static>;
 pub(crate) type Cell = WaitCell<EventError>;
 
-/// Spin (re-scanning at full speed) this long after the last progress: GPU work that ends
-/// within it is noticed within a scan.
-const SPIN_FOR: Duration = Duration::from_micros(200);
-/// Then yield the core between scans until this long after the last progress.
-const YIELD_FOR: Duration = Duration::from_millis(2);
-/// Then sleep this long between scans (long GPU work: a wake-up may come this much late).
-const NAP: Duration = Duration::from_micros(100);
+/// Spin (re-scanning at full speed) this long after the last progress or registration: GPU
+/// work that ends within it is noticed within a scan, with no wake-up on the path.
+const SPIN_FOR: Duration = Duration::from_micros(50);
+/// The longest park while the sleeper waits on a pending wait's blocking-sync event (it wakes
+/// the reactor sooner when the GPU gets there): a bound on how stale a wait can be when the
+/// sleeper is stuck on another one, and the pace of dead-context probes.
+const PARK_ARMED: Duration = Duration::from_millis(20);
+/// Naps while only waits without a wake event are pending (event waits, or a sleeper still
+/// busy): they start at `NAP_MIN` and double up to `NAP_MAX` while nothing progresses.
+const NAP_MIN: Duration = Duration::from_micros(50);
+const NAP_MAX: Duration = Duration::from_millis(1);
 /// How often unwritten completion words make the reactor check their context is alive.
 const PROBE_EVERY: Duration = Duration::from_millis(1);
 
@@ -93,6 +102,84 @@ impl Registration {
     }
 }
 
+/// The reactor's helper: sleeps in `cuEventSynchronize` on a blocking-sync event the reactor
+/// hands it, then wakes the reactor. Started on first need.
+struct Sleeper {
+    state: Mutex<SleeperState>,
+    changed: Condvar,
+    /// Set when the sleeper saw its event reached (read by the reactor before it parks).
+    rang: AtomicBool,
+}
+
+#[derive(Default)]
+struct SleeperState {
+    target: Option<Arc<OwnedPooledEvent>>,
+    busy: bool,
+    stop: bool,
+}
+
+impl Sleeper {
+    fn start(reactor: Thread) -> Option<Arc<Self>> {
+        let sleeper = Arc::new(Self {
+            state: Mutex::new(SleeperState::default()),
+            changed: Condvar::new(),
+            rang: AtomicBool::new(false),
+        });
+        let worker = Arc::clone(&sleeper);
+        let started = std::thread::Builder::new()
+            .name("cuweave-event-sleeper".into())
+            .spawn(move || worker.run(&reactor));
+        match started {
+            Ok(_) => Some(sleeper),
+            Err(error) => {
+                tracing::warn!(%error, "no sleeper thread: the reactor naps instead");
+                None
+            }
+        }
+    }
+
+    fn run(&self, reactor: &Thread) {
+        loop {
+            let event = {
+                let mut state = self.state.lock();
+                loop {
+                    if state.stop {
+                        return;
+                    }
+                    if let Some(event) = state.target.take() {
+                        state.busy = true;
+                        break event;
+                    }
+                    self.changed.wait(&mut state);
+                }
+            };
+            // Asleep in the driver until the GPU reaches the event (or the context dies: the
+            // reactor's scan then finds the failure).
+            let _ = event.synchronize();
+            drop(event);
+            self.state.lock().busy = false;
+            self.rang.store(true, Ordering::Release);
+            reactor.unpark();
+        }
+    }
+
+    /// Hands `event` to the sleeper; `false` while it still sleeps on an earlier one.
+    fn arm(&self, event: &Arc<OwnedPooledEvent>) -> bool {
+        let mut state = self.state.lock();
+        if state.busy {
+            return false;
+        }
+        state.target = Some(Arc::clone(event));
+        self.changed.notify_one();
+        true
+    }
+
+    fn stop(&self) {
+        self.state.lock().stop = true;
+        self.changed.notify_one();
+    }
+}
+
 /// The reactor thread's body; returns on shutdown.
 pub(crate) fn run(shared: &Shared) {
     let mut reactor = Reactor {
@@ -101,48 +188,67 @@ pub(crate) fn run(shared: &Shared) {
         zombies: Vec::new(),
         last_probe: Instant::now(),
     };
+    let mut sleeper: Option<Arc<Sleeper>> = None;
     let mut last_progress = Instant::now();
+    let mut nap = NAP_MIN;
     loop {
+        let mut arrived = false;
         while let Some(registration) = shared.inbox.pop() {
             reactor.entries.push(registration);
+            arrived = true;
         }
         if shared.shutdown.load(Ordering::Acquire) {
             reactor.shut_down();
+            if let Some(sleeper) = sleeper {
+                sleeper.stop();
+            }
             return;
         }
         let now = Instant::now();
+        if arrived {
+            // A caller that just registered a wait expects a short one: spin first.
+            last_progress = now;
+        }
         if reactor.scan(now) {
             last_progress = now;
+            nap = NAP_MIN;
             continue;
         }
-        let idle = now.saturating_duration_since(last_progress);
-        if reactor.entries.is_empty() && reactor.zombies.is_empty() {
-            // Nothing to watch. Stay awake through the spin and yield windows anyway: a caller
-            // that waits in a loop registers its next wait within microseconds, and a parked
-            // reactor would first have to be woken by the kernel (several microseconds more).
-            if idle < SPIN_FOR {
-                std::hint::spin_loop();
-            } else if idle < YIELD_FOR {
-                std::thread::yield_now();
-            } else {
-                shared
-                    .inbox
-                    .park_until_nonempty(|| shared.shutdown.load(Ordering::Acquire));
-                last_progress = Instant::now();
-            }
-            continue;
-        }
-        if idle < SPIN_FOR {
+        if now.saturating_duration_since(last_progress) < SPIN_FOR {
             std::hint::spin_loop();
-        } else if idle < YIELD_FOR {
-            std::thread::yield_now();
-        } else {
-            let nap = reactor.next_deadline().map_or(NAP, |deadline| {
-                deadline.saturating_duration_since(now).min(NAP)
-            });
+            continue;
+        }
+        if reactor.entries.is_empty() && reactor.zombies.is_empty() {
+            // Nothing to watch: park until a registration (no ticks while idle).
             shared
                 .inbox
-                .park_timeout(nap, || shared.shutdown.load(Ordering::Acquire));
+                .park_until_nonempty(|| shared.shutdown.load(Ordering::Acquire));
+            last_progress = Instant::now();
+            continue;
+        }
+        // Waits are pending and the GPU is slow: sleep until it gets somewhere.
+        let wake = reactor.wake_event();
+        if wake.is_some() && sleeper.is_none() {
+            sleeper = Sleeper::start(std::thread::current());
+        }
+        let armed = match (&sleeper, &wake) {
+            (Some(sleeper), Some(event)) => sleeper.arm(event),
+            _ => false,
+        };
+        let mut park = if armed { PARK_ARMED } else { nap };
+        if let Some(deadline) = reactor.next_deadline() {
+            park = park.min(deadline.saturating_duration_since(now));
+        }
+        let rang = sleeper.as_ref().map(|sleeper| &sleeper.rang);
+        shared.inbox.park_timeout(park, || {
+            shared.shutdown.load(Ordering::Acquire)
+                || rang.is_some_and(|rang| rang.load(Ordering::Acquire))
+        });
+        if let Some(sleeper) = &sleeper {
+            sleeper.rang.store(false, Ordering::Release);
+        }
+        if !armed {
+            nap = (nap * 2).min(NAP_MAX);
         }
     }
 }
@@ -330,6 +436,14 @@ impl Reactor<'_> {
                 self.zombies.push(lease);
             }
         }
+    }
+
+    /// The blocking-sync event behind the first pending completion word that has one.
+    fn wake_event(&self) -> Option<Arc<OwnedPooledEvent>> {
+        self.entries.iter().find_map(|entry| match &entry.source {
+            Source::Word(lease) => lease.wake.clone(),
+            Source::Event(_) => None,
+        })
     }
 
     fn next_deadline(&self) -> Option<Instant> {

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crossbeam::queue::SegQueue;
 use cuweave_driver::memory::MappedWords;
-use cuweave_driver::{Context, DriverError, Stream, StreamFlags};
+use cuweave_driver::{Context, DriverError, EventPool, OwnedPooledEvent, Stream, StreamFlags};
 
 /// Words per chunk: one 4 KiB page.
 const CHUNK_WORDS: usize = 512;
@@ -16,24 +16,30 @@ const CHUNK_WORDS: usize = 512;
 #[derive(Debug)]
 pub(crate) struct WordSlab {
     context: Arc<Context>,
+    /// The context's event pool, for the blocking-sync event behind each word.
+    events: EventPool,
     free: SegQueue<(Arc<MappedWords>, usize)>,
     sequence: AtomicU64,
     probe: Stream,
 }
 
-/// One word lent to one wait: the stream writes `target` into it behind the awaited work.
+/// One word lent to one wait: the stream writes `target` into it behind the awaited work, and
+/// records a blocking-sync event right after, which the reactor's sleeper thread waits on
+/// (asleep in the driver) once the reactor stops spinning.
 #[derive(Debug)]
 pub(crate) struct Lease {
     pub(crate) slab: Arc<WordSlab>,
     words: Arc<MappedWords>,
     index: usize,
     target: u64,
+    pub(crate) wake: Option<Arc<OwnedPooledEvent>>,
 }
 
 impl WordSlab {
     pub(crate) fn new(context: &Arc<Context>) -> Result<Self, DriverError> {
         Ok(Self {
             context: Arc::clone(context),
+            events: EventPool::for_context(context)?,
             free: SegQueue::new(),
             sequence: AtomicU64::new(0),
             probe: Stream::new(context, StreamFlags::NON_BLOCKING)?,
@@ -53,11 +59,20 @@ impl WordSlab {
             self.free.push((words, index));
             return Err(error);
         }
+        // The word's write is queued, so from here on the lease must be watched until it
+        // lands; a failed wake event only costs the reactor its sleep (it naps instead).
+        let wake = self
+            .events
+            .acquire_blocking_owned()
+            .and_then(|event| event.record(stream).map(|()| Arc::new(event)))
+            .map_err(|error| tracing::debug!(%error, "no wake event behind a completion word"))
+            .ok();
         Ok(Lease {
             slab: Arc::clone(self),
             words,
             index,
             target,
+            wake,
         })
     }
 

@@ -23,6 +23,14 @@ pub(crate) const MAX_BACKOFF: Duration = Duration::from_micros(500);
 /// it); a blocking-sync event wait can watch only one stream per thread. Polling is the only way
 /// that watches any number of streams without changing their queues.
 ///
+/// # Why the GPU does not wake it
+/// The waiter that the GPU wakes (a completion word behind each stream's work, relayed by one
+/// reactor thread that sleeps in the driver when nothing is close) is `cuweave-event`'s
+/// `AsyncEventWaiter`, a layer above this crate, which depends on this one; the stream layer
+/// cannot call up into it. A program that has the event layer waits for the first of several
+/// streams there: one `AsyncEventWaiter::stream_idle` future per stream, raced with any
+/// executor's `select`, woken by the GPU without polling.
+///
 /// # Errors
 /// The driver's error from a query (e.g. a kernel that faulted).
 pub fn wait_for_any_ready(
