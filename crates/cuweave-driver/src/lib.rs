@@ -50,7 +50,6 @@ pub use context::{Context, CurrentContextGuard, MemoryInfo, StreamPriorityRange}
 pub use device::{ComputeCapability, Device, DeviceCapabilities, ManagedSupport, PeerLink};
 pub use error::{DriverError, Result};
 pub use event::{Event, EventFlags};
-#[cfg(not(loom))]
 pub use event_pool::{EventPool, OwnedPooledEvent, PoolCounters, PoolUtilization, PooledEvent};
 pub use loader::{DriverApi, driver, driver_version, is_available};
 pub use module::{Kernel, KernelArgs, LaunchConfig, Module};

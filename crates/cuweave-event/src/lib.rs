@@ -56,9 +56,7 @@ pub use coordinator::{
 };
 /// The event pool lives in the driver crate, the lowest layer that records events, so that
 /// every layer shares one per context; it is re-exported here with the seed's API.
-#[cfg(not(loom))]
 pub use cuweave_driver::event_pool as pool;
-#[cfg(not(loom))]
 pub use cuweave_driver::{EventPool, OwnedPooledEvent, PoolCounters, PoolUtilization, PooledEvent};
 #[cfg(not(loom))]
 pub use error::{EventError, Result};

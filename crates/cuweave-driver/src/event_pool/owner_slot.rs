@@ -12,9 +12,12 @@
 //! an index; since every removal is a swap, an index is taken by exactly one thread. The loom
 //! models in `loom_tests` check both under every interleaving.
 
-#[cfg(loom)]
+// loom's atomics only in the driver's own test build under `--cfg loom` (loom is a
+// dev-dependency); every other build, including a `--cfg loom` build of the crates above, uses
+// std's.
+#[cfg(all(loom, test))]
 use loom::sync::atomic::{AtomicU32, Ordering};
-#[cfg(not(loom))]
+#[cfg(not(all(loom, test)))]
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// The value of an empty slot.
@@ -43,12 +46,12 @@ impl OwnerSlot {
             return false;
         }
         // Nobody but the owner stores a non-empty value, so the slot is still empty here.
-        #[cfg(not(loom))]
+        #[cfg(not(all(loom, test)))]
         self.index.store(index, Ordering::Release);
         // loom 0.7 lets a plain store slip between the read and the write of a concurrent swap
         // (tokio-rs/loom#254, a modelling bug: C++'s RMW atomicity forbids it), so the models
         // write with a swap, which returns the `EMPTY` just checked and is otherwise the same.
-        #[cfg(loom)]
+        #[cfg(all(loom, test))]
         self.index.swap(index, Ordering::Release);
         true
     }
