@@ -5,11 +5,13 @@
 //! | `event_pool` | `EventPool::acquire_event` + drop (borrowed handle; regular, timing) and `acquire_owned` + drop beside raw `cuEventCreate` + `cuEventDestroy_v2` (`DISABLE_TIMING`) |
 //! | `wake_round_trip` | launch an empty kernel, then wait until the waiting code runs: `spin_sync` (`cuStreamSynchronize`), `blocking_sync_event` (`cuEventRecord` + `cuEventSynchronize` on a `BLOCKING_SYNC` event), and a `WaitFuture` awaited with `futures::executor::block_on` for each `WakeMechanism` (`host_func`, `event_query`, `completion_word`), plus `completion_word_busy_poll` (the same future polled in a loop: the reactor's latency without the executor's park/unpark) |
 //! | `pending_waits_10k` | 10 000 `stream_idle` futures behind a GPU gate, the gate opened, all awaited (one reactor thread serves them) |
+//! | `coordinator_per_op` | `OperationCoordinator` register + begin + complete of one operation depending on the one before (one stream; finished work retires), beside the raw calls it makes (`cuEventRecord` of a timing start event and of a timing completion event) |
 //!
 //! `completion_word_spin_20us` is the same `block_on` with `WaitFuture::spin_before_park(20 µs)`.
 //!
 //! `wake_round_trip` also prints p50 / p99 per case over every iteration it timed, and the run
-//! ends with the CPU time an idle waiter used over one second. Run with
+//! ends with the CPU time an idle waiter used over one second, and the CPU time of the whole
+//! process while one `stream_idle` wait of one second is pending (the reactor parks). Run with
 //! `cargo bench -p cuweave-benches --bench event`.
 
 use std::hint::black_box;
@@ -21,7 +23,10 @@ use criterion::Criterion;
 use cuweave_benches::{Gpu, slow_group};
 use cuweave_driver::memory::MappedWords;
 use cuweave_driver::{Event, EventFlags, Stream, StreamFlags, driver, sys};
-use cuweave_event::{AsyncEventWaiter, EventPool, WaitFuture, WaitOptions, WakeMechanism};
+use cuweave_event::{
+    AsyncEventWaiter, EventPool, EventPriority, OperationCoordinator, OperationType, WaitFuture,
+    WaitOptions, WakeMechanism,
+};
 use cuweave_test_support::event_kernels::EventKernels;
 use cuweave_test_support::kernels::TestKernels;
 
@@ -30,8 +35,86 @@ fn main() {
         pool(c, gpu);
         wake_round_trip(c, gpu);
         pending_waits(c, gpu);
+        coordinator_per_op(c, gpu);
         idle_waiter_cpu();
+        one_second_wait_cpu(gpu);
     });
+}
+
+fn coordinator_per_op(c: &mut Criterion, gpu: &Gpu) {
+    let stream = Arc::new(Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).expect("stream"));
+    let pool = EventPool::new(&gpu.context, 0, 0).expect("pool");
+    let coordinator = OperationCoordinator::new(pool.clone()).expect("coordinator");
+    let mut previous = None;
+    let mut group = c.benchmark_group("coordinator_per_op");
+    group.bench_function("cuweave/register_begin_complete", |b| {
+        b.iter(|| {
+            let deps: Vec<_> = previous.into_iter().collect();
+            let id = coordinator
+                .register_operation(
+                    OperationType::Kernel,
+                    EventPriority::Normal,
+                    None,
+                    &deps,
+                    "op",
+                )
+                .expect("register");
+            coordinator.begin_operation(id, &stream).expect("begin");
+            coordinator.complete_operation(id).expect("complete");
+            previous = Some(id);
+        });
+    });
+    let api = driver().expect("driver loaded");
+    let record = api.event_record.get().expect("cuEventRecord");
+    let (start, done) = (
+        Event::new(&gpu.context, EventFlags::TIMING).expect("event"),
+        Event::new(&gpu.context, EventFlags::TIMING).expect("event"),
+    );
+    group.bench_function("raw/cuEventRecord_x2", |b| {
+        gpu.context.bind_to_thread().expect("bind the context");
+        b.iter(|| {
+            for event in [&start, &done] {
+                // SAFETY: live event and stream of the current context.
+                let code = unsafe { record(event.as_raw(), stream.as_raw()) };
+                assert_eq!(code, sys::CUresult::CUDA_SUCCESS);
+            }
+        });
+    });
+    group.finish();
+    stream.synchronize().expect("synchronize");
+    coordinator.retire_finished();
+    let counters = pool.counters();
+    let metrics = coordinator.metrics();
+    println!(
+        "coordinator_per_op: {} operations, {} live after the run, events created: {} regular + {} timing",
+        metrics.completed,
+        coordinator.live_operations(),
+        counters.created_regular,
+        counters.created_timing
+    );
+}
+
+/// The process's CPU time while one `stream_idle` wait of one second is pending: the reactor
+/// spins for tens of microseconds, then sleeps until the GPU gets there.
+fn one_second_wait_cpu(gpu: &Gpu) {
+    let kernels = TestKernels::load(&gpu.context).expect("load kernels");
+    let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).expect("stream");
+    let waiter = AsyncEventWaiter::new().expect("waiter");
+    kernels.spin_ns(&stream, 5_000_000).expect("warm-up spin");
+    futures::executor::block_on(waiter.stream_idle(&stream).expect("stream_idle")).expect("wait");
+    kernels.spin_ns(&stream, 1_000_000_000).expect("spin");
+    let started = Instant::now();
+    let before = process_cpu_ticks();
+    futures::executor::block_on(waiter.stream_idle(&stream).expect("stream_idle")).expect("wait");
+    let after = process_cpu_ticks();
+    if let (Some(before), Some(after)) = (before, after) {
+        let waited = started.elapsed();
+        println!(
+            "one pending 1 s wait: {} CPU ticks (1 tick = 10 ms) used by the whole process over {waited:?}: {:.1} % of a core (target <= 5 %)",
+            after - before,
+            (after - before) as f64 * 10.0 / waited.as_secs_f64() / 10.0
+        );
+    }
 }
 
 fn pool(c: &mut Criterion, gpu: &Gpu) {
@@ -102,10 +185,7 @@ fn wake_round_trip(c: &mut Criterion, gpu: &Gpu) {
         Box::new(move || {
             kernels.noop(stream).expect("launch");
             let future = waiter
-                .stream_idle_with(
-                    stream,
-                    WaitOptions::new(mechanism),
-                )
+                .stream_idle_with(stream, WaitOptions::new(mechanism))
                 .expect("stream_idle");
             futures::executor::block_on(future).expect("wait");
         }) as Box<dyn Fn()>

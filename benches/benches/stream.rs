@@ -3,6 +3,7 @@
 //! | group | cuweave | raw |
 //! |---|---|---|
 //! | `stream_acquire` | `StreamPool::get_stream` (round robin; also load balanced, by priority, by workload): an atomic counter and an `Arc` clone, or event queries | `cuStreamCreate(NON_BLOCKING)` + `cuStreamDestroy_v2` |
+//! | `wait_for` | `PriorityStream::wait_for`: a pooled event recorded on the other stream and waited on (no event created) | `cuEventCreate` + `cuEventRecord` + `cuStreamWaitEvent` + `cuEventDestroy_v2` |
 //! | `callback_latency` | `PriorityStream::add_callback`: `cuLaunchHostFunc` whose driver-thread side hands the closure to the stream's worker thread | `cuLaunchHostFunc` with a plain C function |
 //!
 //! Callback latency is the host time from opening a GPU-side gate (a `wait_u32` kernel polling
@@ -33,6 +34,7 @@ use cuweave_test_support::kernels::TestKernels;
 fn main() {
     cuweave_benches::run("stream", |c, gpu| {
         acquire(c, gpu);
+        wait_for(c, gpu);
         callback_latency(c, gpu);
     });
 }
@@ -112,6 +114,42 @@ fn acquire(c: &mut Criterion, gpu: &Gpu) {
         acquire.as_secs_f64() * 1e9,
         create.as_secs_f64() * 1e9,
         create.as_secs_f64() / acquire.as_secs_f64()
+    );
+}
+
+fn wait_for(c: &mut Criterion, gpu: &Gpu) {
+    let a = PriorityStream::new(&gpu.context, StreamPriority::Normal).expect("stream");
+    let b = PriorityStream::new(&gpu.context, StreamPriority::Normal).expect("stream");
+    let api = api();
+    let create = api.event_create.get().expect("cuEventCreate");
+    let record = api.event_record.get().expect("cuEventRecord");
+    let wait = api.stream_wait_event.get().expect("cuStreamWaitEvent");
+    let destroy = api.event_destroy.get().expect("cuEventDestroy_v2");
+    let mut group = c.benchmark_group("wait_for");
+    group.bench_function("cuweave/wait_for_pooled_event", |bench| {
+        bench.iter(|| a.wait_for(&b).expect("wait_for"));
+    });
+    group.bench_function("raw/create+record+wait+destroy", |bench| {
+        gpu.context.bind_to_thread().expect("bind the context");
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
+        bench.iter(|| {
+            let mut event = std::ptr::null_mut();
+            // SAFETY: valid out-pointer and flags; the context is current on this thread.
+            check(unsafe { create(&mut event, flags) }, "cuEventCreate");
+            // SAFETY: the event and both streams are live handles of the current context.
+            check(unsafe { record(event, b.as_raw()) }, "cuEventRecord");
+            // SAFETY: as above.
+            check(unsafe { wait(a.as_raw(), event, 0) }, "cuStreamWaitEvent");
+            // SAFETY: created above; the queued wait keeps what it needs after destruction.
+            check(unsafe { destroy(event) }, "cuEventDestroy_v2");
+        });
+    });
+    group.finish();
+    a.synchronize().expect("synchronize");
+    let counters = a.event_pool().counters();
+    println!(
+        "wait_for: the context's pool created {} regular events over the run",
+        counters.created_regular
     );
 }
 

@@ -38,11 +38,9 @@ fn one_pending_wait_of_a_second_costs_under_five_percent_of_a_core() {
         return;
     };
     let kernels = cuweave_test_support::kernels::TestKernels::load(&gpu.context).unwrap();
-    let stream = cuweave_driver::Stream::new(
-        &gpu.context,
-        cuweave_driver::StreamFlags::NON_BLOCKING,
-    )
-    .unwrap();
+    let stream =
+        cuweave_driver::Stream::new(&gpu.context, cuweave_driver::StreamFlags::NON_BLOCKING)
+            .unwrap();
     let waiter = AsyncEventWaiter::new().unwrap();
     // Warm up: the word slab, the pooled events and the sleeper thread exist before timing.
     kernels.spin_ns(&stream, 5_000_000).unwrap();
@@ -56,7 +54,10 @@ fn one_pending_wait_of_a_second_costs_under_five_percent_of_a_core() {
     // One tick is 10 ms: 5 % of a core over the wait.
     let budget = (waited.as_millis() as u64 / 10) / 20;
     eprintln!("a {waited:?} wait used {used} ticks of CPU (budget {budget})");
-    assert!(waited >= Duration::from_millis(900), "waited only {waited:?}");
+    assert!(
+        waited >= Duration::from_millis(900),
+        "waited only {waited:?}"
+    );
     assert!(
         used <= budget.max(1),
         "a pending {waited:?} wait used {used} ticks of CPU (5 % is {budget})"

@@ -15,10 +15,10 @@
 //!
 //! | layer | crate | re-exported as | what it holds |
 //! |---|---|---|---|
-//! | driver | `cuweave-driver` | [`driver`] | the loader, `DriverError`, `Device`, `Context`, `Stream`, `Event`, `Module` / `Kernel`, raw memory calls |
+//! | driver | `cuweave-driver` | [`driver`] | the loader, `DriverError`, `Device`, `Context`, `Stream`, `Event`, the per-context `EventPool` every layer uses, `Module` / `Kernel`, raw memory calls |
 //! | memory | `cuweave-memory` | [`memory`] | typed device, pinned and unified buffers, migration hints, the caching allocator, the pinned pool |
 //! | stream | `cuweave-stream` | [`stream`] | priority streams with metrics and callbacks, the stream pool and its strategies, multi-stream coordination, the stream-ordered allocator, the GPU-timed profiler |
-//! | event | `cuweave-event` | [`event`] | the event pool, the operation coordinator (dependencies, priorities, deadlock detection), cross-stream barriers, async waiting (`.await` a stream or an event under any executor) |
+//! | event | `cuweave-event` | [`event`] | the event pool (re-exported from the driver layer), the operation coordinator (dependencies, priorities, deadlock detection), cross-stream barriers, async waiting (`.await` a stream or an event under any executor) |
 //! | transfer | `cuweave-transfer` | [`transfer`] | the transfer manager: measured method choice, pipelined staging of pageable copies, peer-to-peer, zero-copy, host registration, statistics, async transfers |
 //!
 //! # Features
@@ -27,9 +27,9 @@
 //! |---|---|---|
 //! | `driver` | yes | [`driver`]: the CUDA driver layer |
 //! | `memory` | yes | [`memory`]: typed buffers, unified memory, allocators (implies `driver`) |
-//! | `stream` | yes | [`stream`]: priority streams, pools, coordination, stream-ordered allocation, profiling (implies `memory`) |
-//! | `event` | yes | [`event`]: event pools, operation coordination, barriers, async waiting (implies `stream`) |
-//! | `transfer` | yes | [`transfer`]: the transfer manager (implies `event`, `stream`, `memory`) |
+//! | `stream` | yes | [`stream`]: priority streams, pools, coordination, stream-ordered allocation, profiling (implies `driver`, `memory`) |
+//! | `event` | yes | [`event`]: operation coordination, barriers, async waiting (implies `driver`, `stream`; the crate does not use the memory layer itself) |
+//! | `transfer` | yes | [`transfer`]: the transfer manager (implies `driver`, `memory`, `event`) |
 //!
 //! # Example
 //!
@@ -78,13 +78,13 @@ pub use cuweave_transfer as transfer;
 pub mod prelude {
     #[cfg(feature = "driver")]
     pub use cuweave_driver::{
-        Context, Device, DriverError, Event, EventFlags, Stream, StreamFlags,
+        Context, Device, DriverError, Event, EventFlags, EventPool, OwnedPooledEvent, PooledEvent,
+        Stream, StreamFlags,
     };
     #[cfg(feature = "event")]
     pub use cuweave_event::{
-        AsyncEventWaiter, CrossStreamBarrier, EventError, EventPool, EventPriority,
-        OperationCoordinator, OperationType, OwnedPooledEvent, PooledEvent, WaitFuture,
-        WakeMechanism,
+        AsyncEventWaiter, CrossStreamBarrier, EventError, EventPriority, OperationCoordinator,
+        OperationType, WaitFuture, WakeMechanism,
     };
     #[cfg(feature = "memory")]
     pub use cuweave_memory::{
