@@ -5,7 +5,7 @@
 //! | `event_pool` | `EventPool::acquire_event` + drop (borrowed handle; regular, timing) and `acquire_owned` + drop beside raw `cuEventCreate` + `cuEventDestroy_v2` (`DISABLE_TIMING`) |
 //! | `wake_round_trip` | launch an empty kernel, then wait until the waiting code runs: `spin_sync` (`cuStreamSynchronize`), `blocking_sync_event` (`cuEventRecord` + `cuEventSynchronize` on a `BLOCKING_SYNC` event), and a `WaitFuture` awaited with `futures::executor::block_on` for each `WakeMechanism` (`host_func`, `event_query`, `completion_word`), plus `completion_word_busy_poll` (the same future polled in a loop: the reactor's latency without the executor's park/unpark) |
 //! | `pending_waits_10k` | 10 000 `stream_idle` futures behind a GPU gate, the gate opened, all awaited (one reactor thread serves them) |
-//! | `coordinator_per_op` | `OperationCoordinator` register + begin + complete of one operation depending on the one before (one stream; finished work retires), beside the raw calls it makes (`cuEventRecord` of a timing start event and of a timing completion event) |
+//! | `coordinator_per_op` | `OperationCoordinator` register + begin + complete of one operation depending on the one before (one stream; finished work retires), untimed (the default) and timed, beside the raw calls they make: one `cuEventRecord` of a plain completion event, or two of timing events |
 //!
 //! `completion_word_spin_20us` is the same `block_on` with `WaitFuture::spin_before_park(20 µs)`.
 //!

@@ -29,7 +29,8 @@ pub struct CoordinatorMetrics {
     pub same_stream_waits_skipped: u64,
     /// Host time spent inside the coordinator's methods.
     pub coordination_time: Duration,
-    /// GPU time (begin to complete, from timing events) summed per operation type.
+    /// GPU time (begin to complete, from timing events) summed per operation type, for
+    /// operations begun while timing was on.
     pub gpu_time_by_type: HashMap<OperationType, Duration>,
     /// Completed operations with a GPU time, per type.
     pub timed_by_type: HashMap<OperationType, u64>,

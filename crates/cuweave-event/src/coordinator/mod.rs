@@ -53,6 +53,11 @@ impl EventPriority {
     }
 }
 
+/// Queued operations at which `complete_operation` looks for finished ones (one event query
+/// each): few enough that records and events stay bounded, many enough that a program whose
+/// GPU keeps up pays about one query per operation.
+const POLL_AT: usize = 16;
+
 /// A completion callback: told the operation and whether the GPU completed it.
 type CompletionCallback = Box<dyn FnOnce(OperationId, WaitResult) + Send + 'static>;
 
@@ -74,12 +79,13 @@ type CompletionCallback = Box<dyn FnOnce(OperationId, WaitResult) + Send + 'stat
 /// - [`wait_until_ready`](Self::wait_until_ready) / [`stalled_operations`](Self::stalled_operations):
 ///   an operation waiting on one that is never begun is reported after a timeout instead of
 ///   hanging its caller.
-/// - [`metrics`](Self::metrics): counts, host time spent coordinating, and GPU time per
-///   operation type measured by the one [`GpuTimer`] (the operation's start event and its
-///   completion event).
+/// - [`metrics`](Self::metrics): counts, host time spent coordinating, and, with
+///   [`set_timing`](Self::set_timing), GPU time per operation type measured by the one
+///   [`GpuTimer`] (the operation's start event and its completion event).
 ///
 /// **Finished work retires.** Once the GPU has completed an operation (observed by the
-/// coordinator's own event queries on later calls, or by the waiter) and no registered
+/// coordinator's own event queries, made by `complete_operation` once 16 operations are
+/// queued and by every query method, or by the waiter when a callback waits) and no registered
 /// operation that has not begun depends on it, its events go back to the pool and its
 /// metadata is dropped; only the aggregate [`metrics`](Self::metrics) keep it. A retired id
 /// still answers [`state`](Self::state) (`Completed`), [`synchronize`](Self::synchronize) and
@@ -206,9 +212,11 @@ impl OperationCoordinator {
 
     /// A coordinator sharing `waiter` (one reactor thread for several coordinators).
     pub fn with_waiter(pool: EventPool, waiter: Arc<AsyncEventWaiter>) -> Self {
+        let timer = GpuTimer::new(pool.clone());
+        timer.set_enabled(false);
         Self {
             inner: Arc::new(Inner {
-                timer: GpuTimer::new(pool.clone()),
+                timer,
                 pool,
                 waiter,
                 state: Mutex::new(State::default()),
@@ -227,8 +235,10 @@ impl OperationCoordinator {
         &self.inner.pool
     }
 
-    /// Turns GPU timing of operations begun later on or off (on by default: one timing event
-    /// at begin, and a timing completion event instead of a plain one).
+    /// Turns GPU timing of operations begun later on or off. Off by default: a timing event
+    /// record costs about 1.5 µs of host time on the H100, five times a plain one, and timing
+    /// takes two per operation (a start event at begin, and a timing completion event instead
+    /// of a plain one); `docs/events.md` has the figures.
     pub fn set_timing(&self, enabled: bool) {
         self.inner.timer.set_enabled(enabled);
     }
@@ -265,7 +275,6 @@ impl OperationCoordinator {
         description: impl Into<String>,
     ) -> Result<OperationId> {
         let _timed = self.timed();
-        self.inner.poll();
         let mut state = self.inner.state.lock();
         for &dependency in dependencies {
             if state.state_of(dependency).is_none() {
@@ -356,7 +365,6 @@ impl OperationCoordinator {
     /// registered).
     pub fn begin_operation<S: AsStream>(&self, id: OperationId, stream: &Arc<S>) -> Result<()> {
         let _timed = self.timed();
-        self.inner.poll();
         let handle: Arc<dyn AsStream> = Arc::clone(stream) as Arc<dyn AsStream>;
         let stream = handle.as_stream();
         let waits = {
@@ -469,13 +477,16 @@ impl OperationCoordinator {
             let watch = !operation.callbacks.is_empty();
             operation.watched = watch;
             state.queued.push_back(id);
-            watch
+            (watch, state.queued.len() >= POLL_AT)
         };
         self.inner.changed.notify_all();
+        let (watch, poll) = watch;
         if watch {
             self.inner.watch(id, done);
         }
-        self.inner.poll();
+        if poll {
+            self.inner.poll();
+        }
         Ok(())
     }
 

@@ -1,12 +1,14 @@
 //! Completion words: per-context slabs of mapped pinned words that streams write sequence
 //! numbers into, and the leases the reactor watches.
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 use crossbeam::queue::SegQueue;
 use cuweave_driver::memory::MappedWords;
 use cuweave_driver::{Context, DriverError, EventPool, OwnedPooledEvent, Stream, StreamFlags};
+use parking_lot::Mutex;
 
 /// Words per chunk: one 4 KiB page.
 const CHUNK_WORDS: usize = 512;
@@ -16,8 +18,12 @@ const CHUNK_WORDS: usize = 512;
 #[derive(Debug)]
 pub(crate) struct WordSlab {
     context: Arc<Context>,
-    /// The context's event pool, for the blocking-sync event behind each word.
+    /// The context's event pool, for the blocking-sync events behind words.
     events: EventPool,
+    /// Per stream id, the last blocking-sync event recorded behind a word, while a lease holds
+    /// it: a stream gets a new one only when it has none pending, so a burst of waits on one
+    /// stream adds one operation to its queue, not one per wait.
+    wakes: Mutex<HashMap<u64, Weak<OwnedPooledEvent>>>,
     free: SegQueue<(Arc<MappedWords>, usize)>,
     sequence: AtomicU64,
     probe: Stream,
@@ -40,6 +46,7 @@ impl WordSlab {
         Ok(Self {
             context: Arc::clone(context),
             events: EventPool::for_context(context)?,
+            wakes: Mutex::new(HashMap::new()),
             free: SegQueue::new(),
             sequence: AtomicU64::new(0),
             probe: Stream::new(context, StreamFlags::NON_BLOCKING)?,
@@ -59,14 +66,7 @@ impl WordSlab {
             self.free.push((words, index));
             return Err(error);
         }
-        // The word's write is queued, so from here on the lease must be watched until it
-        // lands; a failed wake event only costs the reactor its sleep (it naps instead).
-        let wake = self
-            .events
-            .acquire_blocking_owned()
-            .and_then(|event| event.record(stream).map(|()| Arc::new(event)))
-            .map_err(|error| tracing::debug!(%error, "no wake event behind a completion word"))
-            .ok();
+        let wake = self.wake_event(stream);
         Ok(Lease {
             slab: Arc::clone(self),
             words,
@@ -74,6 +74,31 @@ impl WordSlab {
             target,
             wake,
         })
+    }
+
+    /// A blocking-sync event recorded on `stream` now, unless the stream's last one is still
+    /// pending (the reactor sleeps on that one; the waits queued behind it are seen within
+    /// the reactor's spin or nap once it wakes). The word's write is already queued, so the
+    /// lease must be watched whatever happens here: a failure only costs the reactor its sleep
+    /// (it naps instead).
+    fn wake_event(&self, stream: &Stream) -> Option<Arc<OwnedPooledEvent>> {
+        let mut wakes = self.wakes.lock();
+        if let Some(pending) = wakes.get(&stream.id()).and_then(Weak::upgrade) {
+            if pending.query().ok() == Some(false) {
+                return None;
+            }
+        }
+        let event = self
+            .events
+            .acquire_blocking_owned()
+            .and_then(|event| event.record(stream).map(|()| Arc::new(event)))
+            .map_err(|error| tracing::debug!(%error, "no wake event behind a completion word"))
+            .ok()?;
+        if wakes.len() >= 256 {
+            wakes.retain(|_, wake| wake.strong_count() > 0);
+        }
+        wakes.insert(stream.id(), Arc::downgrade(&event));
+        Some(event)
     }
 
     fn grow(&self) -> Result<(Arc<MappedWords>, usize), DriverError> {
