@@ -358,8 +358,8 @@ impl Reactor<'_> {
                 .partition(|entry| entry.slab().is_some_and(|s| Arc::ptr_eq(s, &slab)));
             self.entries = alive;
             for entry in dead {
-                // Its word will never be written: `fail` keeps it out of the free list, and its
-                // chunk mapped for good.
+                // Its word will never be written: `fail` keeps it out of the free list; the
+                // driver's `MappedWords` decides when its chunk may be freed.
                 self.fail(entry, error.clone().into());
             }
             let (dead, alive): (Vec<_>, Vec<_>) = std::mem::take(&mut self.zombies)
@@ -472,7 +472,8 @@ impl Reactor<'_> {
                 self.fail(entry, EventError::WaiterShutDown);
             }
         }
-        // Words still unwritten stay mapped for good: the stream may write them after we go.
+        // Words still unwritten are never lent again; the driver's `MappedWords` frees their
+        // chunks only after the context's queued writes (or leaks them for a dead context).
         std::mem::take(&mut self.zombies)
             .into_iter()
             .for_each(Lease::abandon);

@@ -129,10 +129,12 @@ impl Lease {
     }
 
     /// Gives up on the word without waiting for the stream's write (a dead context, or a waiter
-    /// shutting down): its chunk is leaked, so the write can still land, whenever it does,
-    /// in memory that stays mapped for the life of the process (4 KiB per chunk at most once).
+    /// shutting down): the word never returns to the free list, so no later lease can see the
+    /// late write. Freeing its chunk is the driver's one rule for completion words
+    /// ([`MappedWords`]' drop waits for the context's queued writes, or leaks the chunk when the
+    /// context is dead), so this crate keeps no freeing logic of its own.
     pub(crate) fn abandon(self) {
-        std::mem::forget(self.words);
+        drop(self.words);
     }
 
     /// Gives the word back; only call once [`is_reached`](Self::is_reached), so that the
