@@ -5,7 +5,7 @@
 //! | `event_pool` | `EventPool::acquire_event` + drop (borrowed handle; regular, timing) and `acquire_owned` + drop beside raw `cuEventCreate` + `cuEventDestroy_v2` (`DISABLE_TIMING`) |
 //! | `wake_round_trip` | launch an empty kernel, then wait until the waiting code runs: `spin_sync` (`cuStreamSynchronize`), `blocking_sync_event` (`cuEventRecord` + `cuEventSynchronize` on a `BLOCKING_SYNC` event), and a `WaitFuture` awaited with `futures::executor::block_on` for each `WakeMechanism` (`host_func`, `event_query`, `completion_word`), plus `completion_word_busy_poll` (the same future polled in a loop: the reactor's latency without the executor's park/unpark) |
 //! | `pending_waits_10k` | 10 000 `stream_idle` futures behind a GPU gate, the gate opened, all awaited (one reactor thread serves them) |
-//! | `coordinator_per_op` | `OperationCoordinator` register + begin + complete of one operation depending on the one before (one stream; finished work retires), untimed (the default) and timed, beside the raw calls they make: one `cuEventRecord` of a plain completion event, or two of timing events |
+//! | `coordinator_per_op` | `OperationCoordinator` register + begin + complete of one operation depending on the one before (one stream; finished work retires), untimed (the default) and `_timed`, beside the raw calls they make: `raw/cuEventRecord` (one plain completion event) and `raw/cuEventRecord_x2` (two timing events) |
 //!
 //! `completion_word_spin_20us` is the same `block_on` with `WaitFuture::spin_before_park(20 µs)`.
 //!
@@ -47,29 +47,45 @@ fn coordinator_per_op(c: &mut Criterion, gpu: &Gpu) {
     let coordinator = OperationCoordinator::new(pool.clone()).expect("coordinator");
     let mut previous = None;
     let mut group = c.benchmark_group("coordinator_per_op");
-    group.bench_function("cuweave/register_begin_complete", |b| {
-        b.iter(|| {
-            let deps: Vec<_> = previous.into_iter().collect();
-            let id = coordinator
-                .register_operation(
-                    OperationType::Kernel,
-                    EventPriority::Normal,
-                    None,
-                    &deps,
-                    "op",
-                )
-                .expect("register");
-            coordinator.begin_operation(id, &stream).expect("begin");
-            coordinator.complete_operation(id).expect("complete");
-            previous = Some(id);
+    // Untimed (the default) first, then with GPU timing on.
+    for (name, timing) in [
+        ("cuweave/register_begin_complete", false),
+        ("cuweave/register_begin_complete_timed", true),
+    ] {
+        coordinator.set_timing(timing);
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let deps: Vec<_> = previous.into_iter().collect();
+                let id = coordinator
+                    .register_operation(
+                        OperationType::Kernel,
+                        EventPriority::Normal,
+                        None,
+                        &deps,
+                        "op",
+                    )
+                    .expect("register");
+                coordinator.begin_operation(id, &stream).expect("begin");
+                coordinator.complete_operation(id).expect("complete");
+                previous = Some(id);
+            });
         });
-    });
+    }
     let api = driver().expect("driver loaded");
     let record = api.event_record.get().expect("cuEventRecord");
     let (start, done) = (
         Event::new(&gpu.context, EventFlags::TIMING).expect("event"),
         Event::new(&gpu.context, EventFlags::TIMING).expect("event"),
     );
+    let plain = Event::new(&gpu.context, EventFlags::DISABLE_TIMING).expect("event");
+    group.bench_function("raw/cuEventRecord", |b| {
+        gpu.context.bind_to_thread().expect("bind the context");
+        b.iter(|| {
+            // SAFETY: live event and stream of the current context.
+            let code = unsafe { record(plain.as_raw(), stream.as_raw()) };
+            assert_eq!(code, sys::CUresult::CUDA_SUCCESS);
+        });
+    });
     group.bench_function("raw/cuEventRecord_x2", |b| {
         gpu.context.bind_to_thread().expect("bind the context");
         b.iter(|| {
