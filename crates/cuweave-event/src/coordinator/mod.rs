@@ -739,3 +739,75 @@ fn expect_state(
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn operation(id: u64, state: OperationState, dependencies: Vec<u64>) -> Operation {
+        Operation {
+            metadata: EventMetadata {
+                id: OperationId(id),
+                operation_type: OperationType::Kernel,
+                priority: EventPriority::Normal,
+                description: String::new(),
+                dependencies: dependencies.into_iter().map(OperationId).collect(),
+                state,
+                preferred_stream: None,
+                stream: None,
+                registered_at: Instant::now(),
+                begun_at: None,
+                queued_at: None,
+                completed_at: None,
+                gpu_time: None,
+                cross_stream_waits: 0,
+            },
+            stream: None,
+            done: None,
+            span: None,
+            dependants: 0,
+            watched: false,
+            callbacks: Vec::new(),
+            failure: None,
+        }
+    }
+
+    #[test]
+    fn completed_operations_retire_only_once_nothing_depends_on_them() {
+        let mut state = State::default();
+        for round in 0..100_000u64 {
+            // Operation `round + 1` completes while `round + 2`, registered, depends on it.
+            let (done, next) = (OperationId(round + 1), OperationId(round + 2));
+            state.next_id = round + 2;
+            let mut finished = operation(done.0, OperationState::Completed, vec![]);
+            finished.dependants = 1;
+            state.operations.insert(done, finished);
+            state.operations.insert(
+                next,
+                operation(next.0, OperationState::Registered, vec![done.0]),
+            );
+            state.try_retire(done);
+            assert_eq!(state.state_of(done), Some(OperationState::Completed));
+            assert!(
+                state.operations.contains_key(&done),
+                "a dependant still needs it"
+            );
+            // The dependant begins: the record goes.
+            state.operations.get_mut(&done).unwrap().dependants = 0;
+            state.try_retire(done);
+            assert!(state.is_retired(done));
+            assert_eq!(state.state_of(done), Some(OperationState::Completed));
+            state.operations.remove(&next);
+        }
+        assert!(state.operations.is_empty(), "records stay bounded");
+        assert_eq!(state.state_of(OperationId(state.next_id + 1)), None);
+        // Failed operations keep their record (and error).
+        state.next_id += 1;
+        let failed = OperationId(state.next_id);
+        state
+            .operations
+            .insert(failed, operation(failed.0, OperationState::Failed, vec![]));
+        state.try_retire(failed);
+        assert_eq!(state.state_of(failed), Some(OperationState::Failed));
+    }
+}
