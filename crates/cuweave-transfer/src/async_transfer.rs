@@ -57,7 +57,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
-use cuweave_driver::{Event, EventFlags};
+use cuweave_driver::{EventPool, OwnedPooledEvent};
 use cuweave_event::WaitFuture;
 use cuweave_memory::buffer::PendingCopy;
 use cuweave_memory::{Buffer, DeviceBuffer, Element, TypedPinnedBlock, copy_streaming};
@@ -133,7 +133,7 @@ enum Direction<'a, T: Element> {
 struct InFlight<T: Element> {
     index: usize,
     copy: PendingCopy<TypedPinnedBlock<T>>,
-    done: Arc<Event>,
+    done: Arc<OwnedPooledEvent>,
 }
 
 /// A chunk whose host side is being copied over several polls: `done` elements so far.
@@ -259,7 +259,8 @@ impl<T: Element> AsyncTransfer<'_, T> {
                 src.copy_range_to_host_async(*offset + start, block, stream)?
             }
         };
-        let done = Arc::new(Event::new(stream.context(), EventFlags::DISABLE_TIMING)?);
+        // From the context's event pool (the one every layer shares): no event created per chunk.
+        let done = Arc::new(EventPool::for_context(stream.context())?.acquire_owned(false)?);
         done.record(stream)?;
         self.in_flight.push_back(InFlight { index, copy, done });
         Ok(())
