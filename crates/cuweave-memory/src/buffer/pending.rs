@@ -1,6 +1,6 @@
 //! [`PendingCopy`]: an asynchronous copy in flight, owning its host side until it has finished.
 
-use cuweave_driver::Event;
+use cuweave_driver::OwnedPooledEvent;
 
 /// An asynchronous copy queued on a stream, holding the host side (`H`) until the stream has
 /// passed it.
@@ -30,13 +30,13 @@ use cuweave_driver::Event;
 #[must_use = "dropping a PendingCopy blocks until the copy has finished; call `wait` to get the host side back"]
 pub struct PendingCopy<H> {
     host: Option<H>,
-    done: Event,
+    done: OwnedPooledEvent,
     bytes: usize,
 }
 
 impl<H> PendingCopy<H> {
     /// Wraps a copy of `bytes` that `done` was recorded after, owning `host` until it completes.
-    pub(crate) fn new(host: H, done: Event, bytes: usize) -> Self {
+    pub(crate) fn new(host: H, done: OwnedPooledEvent, bytes: usize) -> Self {
         Self {
             host: Some(host),
             done,

@@ -18,7 +18,7 @@
 use std::sync::Arc;
 
 use cuweave_driver::memory::{self, CompletionWords, ManagedAllocation};
-use cuweave_driver::{Context, Event, EventFlags, Stream};
+use cuweave_driver::{Context, EventPool, OwnedPooledEvent, Stream};
 
 use super::fill::{doubling_steps, pattern_chunk_len};
 use super::host::{HostSink, HostSource};
@@ -112,7 +112,8 @@ pub(crate) fn write_async<T: Element, H: HostSource<T>>(
 ) -> Result<PendingCopy<H>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
     tracker::ensure_same_device(operation, buffer.tracker.context(), stream)?;
-    let done = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
+    // From the context's event pool, which every layer shares: no event created per copy.
+    let done = EventPool::for_context(stream.context())?.acquire_owned(false)?;
     let src = host.host_ptr();
     let uses: Vec<(Part<'_>, Access)> = [
         Some((buffer, Access::Write)),
@@ -181,7 +182,8 @@ pub(crate) fn read_async<T: Element, H: HostSink<T>>(
 ) -> Result<PendingCopy<H>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), src.bytes());
     tracker::ensure_same_device(operation, buffer.tracker.context(), stream)?;
-    let done = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
+    // From the context's event pool, which every layer shares: no event created per copy.
+    let done = EventPool::for_context(stream.context())?.acquire_owned(false)?;
     let dst = host.host_mut_ptr();
     let uses: Vec<(Part<'_>, Access)> = [
         Some((buffer, Access::Read)),
@@ -206,7 +208,7 @@ pub(crate) fn read_async<T: Element, H: HostSink<T>>(
 fn finish<H>(
     outcome: Result<(), tracker::OpFailure>,
     host: H,
-    done: Event,
+    done: OwnedPooledEvent,
     bytes: usize,
 ) -> Result<PendingCopy<H>> {
     match outcome {

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use cuweave_driver::OwnedPooledEvent;
 use cuweave_driver::memory::DevicePtr;
-use cuweave_memory::{AsyncPoolResource, MemoryResource};
+use cuweave_memory::{AsyncPoolResource, DeviceBuffer, Element, MemoryResource};
 use dashmap::DashMap;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -238,6 +238,29 @@ impl StreamOrderedAllocator {
         );
         self.with_stats(|stats| stats.on_allocate(class, rounded as u64, bytes as u64));
         Ok(allocation)
+    }
+
+    /// A typed buffer of `len` elements from this allocator's stream-ordered pool of `stream`'s
+    /// device, allocated in `stream`'s order: the memory layer's [`DeviceBuffer`] over the pool
+    /// as a [`MemoryResource`]
+    /// ([`DeviceBuffer::with_resource`](cuweave_memory::DeviceBuffer::with_resource)), so it
+    /// gets the memory layer's safe typed API and use tracking: copies, fills and launches on
+    /// any stream are ordered after the buffer's conflicting uses, and dropping it frees the
+    /// memory in stream order once every recorded use has finished. It is the safe form of
+    /// [`allocate_for_stream`](Self::allocate_for_stream), whose receipts hand out raw
+    /// addresses; such buffers are not counted in [`stats`](Self::stats) or
+    /// [`outstanding`](Self::outstanding) (the buffer owns its memory).
+    ///
+    /// # Errors
+    /// The memory layer's errors (`ZeroLength`, `Misaligned`, a stream of another context, out
+    /// of memory); the driver's error on a device without memory pools.
+    pub fn buffer<T: Element>(
+        &self,
+        stream: &Arc<PriorityStream>,
+        len: usize,
+    ) -> Result<DeviceBuffer<T>> {
+        let pool: Arc<dyn MemoryResource> = self.pool_for(stream)?;
+        Ok(DeviceBuffer::with_resource(pool, len, stream.stream())?)
     }
 
     /// The device address of `allocation`, for (`unsafe`) kernel launches on its owner or on
