@@ -184,6 +184,42 @@ struct Operation {
     failure: Option<EventError>,
 }
 
+impl Operation {
+    /// A just-registered operation of `operation_type` waiting for `dependencies` (normal
+    /// priority, no description, no preferred stream).
+    fn registered(
+        id: OperationId,
+        operation_type: OperationType,
+        dependencies: Vec<OperationId>,
+    ) -> Self {
+        Self {
+            metadata: EventMetadata {
+                id,
+                operation_type,
+                priority: EventPriority::Normal,
+                description: String::new(),
+                dependencies,
+                state: OperationState::Registered,
+                preferred_stream: None,
+                stream: None,
+                registered_at: Instant::now(),
+                begun_at: None,
+                queued_at: None,
+                completed_at: None,
+                gpu_time: None,
+                cross_stream_waits: 0,
+            },
+            stream: None,
+            done: None,
+            span: None,
+            dependants: 0,
+            watched: false,
+            callbacks: Vec::new(),
+            failure: None,
+        }
+    }
+}
+
 impl fmt::Debug for OperationCoordinator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OperationCoordinator")
@@ -294,35 +330,11 @@ impl OperationCoordinator {
                 op.dependants += 1;
             }
         }
-        let metadata = EventMetadata {
-            id,
-            operation_type,
-            priority,
-            description: description.into(),
-            dependencies: unique,
-            state: OperationState::Registered,
-            preferred_stream: stream.map(Stream::id),
-            stream: None,
-            registered_at: Instant::now(),
-            begun_at: None,
-            queued_at: None,
-            completed_at: None,
-            gpu_time: None,
-            cross_stream_waits: 0,
-        };
-        state.operations.insert(
-            id,
-            Operation {
-                metadata,
-                stream: None,
-                done: None,
-                span: None,
-                dependants: 0,
-                watched: false,
-                callbacks: Vec::new(),
-                failure: None,
-            },
-        );
+        let mut operation = Operation::registered(id, operation_type, unique);
+        operation.metadata.priority = priority;
+        operation.metadata.description = description.into();
+        operation.metadata.preferred_stream = stream.map(Stream::id);
+        state.operations.insert(id, operation);
         MetricsCell::add(&self.inner.metrics.registered, 1);
         Ok(id)
     }
@@ -745,31 +757,11 @@ mod tests {
     use super::*;
 
     fn operation(id: u64, state: OperationState, dependencies: Vec<u64>) -> Operation {
-        Operation {
-            metadata: EventMetadata {
-                id: OperationId(id),
-                operation_type: OperationType::Kernel,
-                priority: EventPriority::Normal,
-                description: String::new(),
-                dependencies: dependencies.into_iter().map(OperationId).collect(),
-                state,
-                preferred_stream: None,
-                stream: None,
-                registered_at: Instant::now(),
-                begun_at: None,
-                queued_at: None,
-                completed_at: None,
-                gpu_time: None,
-                cross_stream_waits: 0,
-            },
-            stream: None,
-            done: None,
-            span: None,
-            dependants: 0,
-            watched: false,
-            callbacks: Vec::new(),
-            failure: None,
-        }
+        let dependencies = dependencies.into_iter().map(OperationId).collect();
+        let mut operation =
+            Operation::registered(OperationId(id), OperationType::Kernel, dependencies);
+        operation.metadata.state = state;
+        operation
     }
 
     #[test]
