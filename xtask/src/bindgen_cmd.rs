@@ -183,7 +183,7 @@ pub(crate) fn run(include_dir: Option<PathBuf>) -> anyhow::Result<()> {
 /// GCC's builtin header folder (`stddef.h`, `stdarg.h`), for a libclang that ships without its
 /// own resource directory (the pip `libclang` wheel). `None` when clang finds its own or there
 /// is no GCC; an explicit `BINDGEN_EXTRA_CLANG_ARGS` always wins.
-fn compiler_builtin_include() -> Option<PathBuf> {
+pub(crate) fn compiler_builtin_include() -> Option<PathBuf> {
     if std::env::var_os("BINDGEN_EXTRA_CLANG_ARGS").is_some() {
         return None;
     }

@@ -1,0 +1,928 @@
+//! Collectives and point-to-point calls on typed cuweave buffers, and [`Group`] calls.
+//!
+//! Every call orders itself with the buffers' other uses through their use trackers, exactly as
+//! a tracked kernel launch does: the stream first waits for what the call conflicts with (a
+//! buffer NCCL only reads waits for its last write; one it writes waits for every use since),
+//! NCCL queues the work, and the call is then recorded as a read or a write. So a buffer is
+//! never freed, reused by the caching allocator, or touched by the host while a collective that
+//! uses it is still running, and readers on other streams overlap with it.
+//!
+//! Element types are [`NcclType`]s, so the `ncclDataType_t` NCCL is told always matches the
+//! buffer; lengths are checked against the communicator's size before NCCL sees them.
+
+use std::ffi::c_int;
+use std::marker::PhantomData;
+
+use cuweave_driver::Stream;
+use cuweave_driver::memory::DevicePtr;
+use cuweave_memory::{Access, Buffer};
+
+use crate::comm::Communicator;
+use crate::error::{CollectiveError, Result};
+use crate::raw::{self, Call};
+use crate::sys;
+use crate::types::{NcclType, ReduceOp};
+
+/// A buffer a call uses, with its element type erased, so calls of different types can be
+/// collected in one [`Group`].
+trait TrackUse {
+    fn prepare(&self, stream: &Stream, access: Access) -> cuweave_memory::Result<()>;
+    fn record(&self, stream: &Stream, access: Access) -> cuweave_memory::Result<()>;
+}
+
+struct Tracked<'a, T, B: ?Sized>(&'a B, PhantomData<fn() -> T>);
+
+impl<T: NcclType, B: Buffer<T> + ?Sized> TrackUse for Tracked<'_, T, B> {
+    fn prepare(&self, stream: &Stream, access: Access) -> cuweave_memory::Result<()> {
+        match access {
+            Access::Read => self.0.prepare_read(stream),
+            _ => self.0.prepare_write(stream),
+        }
+    }
+
+    fn record(&self, stream: &Stream, access: Access) -> cuweave_memory::Result<()> {
+        match access {
+            Access::Read => self.0.record_read(stream),
+            _ => self.0.record_write(stream),
+        }
+    }
+}
+
+/// One call, ready to queue: what NCCL is asked, and the buffers it uses.
+struct Op<'a> {
+    comm: &'a Communicator,
+    stream: &'a Stream,
+    call: Call,
+    data_type: sys::ncclDataType_t,
+    uses: Vec<(Box<dyn TrackUse + 'a>, Access)>,
+}
+
+fn read<'a, T: NcclType, B: Buffer<T> + ?Sized>(buffer: &'a B) -> (Box<dyn TrackUse + 'a>, Access) {
+    (Box::new(Tracked::<T, B>(buffer, PhantomData)), Access::Read)
+}
+
+fn write<'a, T: NcclType, B: Buffer<T> + ?Sized>(
+    buffer: &'a B,
+) -> (Box<dyn TrackUse + 'a>, Access) {
+    (
+        Box::new(Tracked::<T, B>(buffer, PhantomData)),
+        Access::Write,
+    )
+}
+
+fn check_device<T: NcclType, B: Buffer<T> + ?Sized>(
+    comm: &Communicator,
+    buffer: &B,
+    stream: &Stream,
+    operation: &'static str,
+) -> Result<()> {
+    let device = comm.device();
+    if buffer.device() != device || stream.device() != device {
+        return Err(CollectiveError::invalid(
+            operation,
+            format!(
+                "the communicator's rank is on device {}, the buffer on {}, the stream on {}",
+                device.ordinal(),
+                buffer.device().ordinal(),
+                stream.device().ordinal()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn check_len(operation: &'static str, what: &str, expected: usize, got: usize) -> Result<()> {
+    if expected != got {
+        return Err(CollectiveError::invalid(
+            operation,
+            format!("{what} holds {got} elements, expected {expected}"),
+        ));
+    }
+    Ok(())
+}
+
+fn peer_rank(
+    comm: &Communicator,
+    rank: usize,
+    what: &str,
+    operation: &'static str,
+) -> Result<c_int> {
+    if rank >= comm.size() {
+        return Err(CollectiveError::invalid(
+            operation,
+            format!(
+                "{what} {rank} is not a rank of a {}-rank communicator",
+                comm.size()
+            ),
+        ));
+    }
+    Ok(rank as c_int)
+}
+
+fn offset<T>(ptr: DevicePtr, elements: usize) -> DevicePtr {
+    ptr + (elements * size_of::<T>()) as DevicePtr
+}
+
+/// Queues `ops` (grouped between `ncclGroupStart` and `ncclGroupEnd` when `grouped`) under the
+/// use-tracking protocol: every stream waits for what its buffers' uses conflict with, NCCL
+/// queues the calls, and the uses are recorded once NCCL has queued the work.
+fn run(ops: Vec<Op<'_>>, grouped: bool) -> Result<()> {
+    let Some(first) = ops.first() else {
+        return Ok(());
+    };
+    let api = first.comm.api();
+    // Lock each communicator once, in a fixed order, for the whole group.
+    let mut comms: Vec<&Communicator> = ops.iter().map(|op| op.comm).collect();
+    comms.sort_by_key(|comm| std::sync::Arc::as_ptr(&comm.inner));
+    comms.dedup_by_key(|comm| std::sync::Arc::as_ptr(&comm.inner));
+    let mut locks: Vec<_> = comms.iter().map(|comm| comm.lock()).collect();
+    let index_of = |comm: &Communicator| {
+        comms
+            .iter()
+            .position(|c| std::sync::Arc::ptr_eq(&c.inner, &comm.inner))
+            .expect("every op's communicator is locked")
+    };
+    let mut raws = Vec::with_capacity(ops.len());
+    for op in &ops {
+        raws.push(locks[index_of(op.comm)].raw(op.call.name())?);
+    }
+    for op in &ops {
+        for (buffer, access) in &op.uses {
+            buffer.prepare(op.stream, *access)?;
+        }
+    }
+    if grouped {
+        api.check(
+            raw::group_start(api)?,
+            "ncclGroupStart",
+            std::ptr::null_mut(),
+        )?;
+    }
+    let mut failure = None;
+    for (op, raw_comm) in ops.iter().zip(&raws) {
+        let issued = op
+            .comm
+            .context()
+            .bind_to_thread()
+            .map_err(CollectiveError::from)
+            .and_then(|()| op.call.issue(api, *raw_comm, op.data_type, op.stream));
+        match issued {
+            Ok(code) if grouped => {
+                if let Err(error) = api.check(code, op.call.name(), raw_comm.0) {
+                    failure = Some(error);
+                    break;
+                }
+            }
+            Ok(code) => {
+                let index = index_of(op.comm);
+                op.comm
+                    .settle_call(&mut locks[index], code, op.call.name())?;
+            }
+            Err(error) => {
+                failure = Some(error);
+                break;
+            }
+        }
+    }
+    if grouped {
+        // Always close the group, even after a failed call, so this thread leaves group mode.
+        let ended = raw::group_end(api)?;
+        if let Some(error) = failure {
+            return Err(error);
+        }
+        match crate::error::NcclCode::from_raw(ended) {
+            None => {}
+            Some(crate::error::NcclCode::InProgress) => {
+                for index in 0..locks.len() {
+                    let comm = comms[index];
+                    comm.settle_call(&mut locks[index], ended, "ncclGroupEnd")?;
+                }
+            }
+            Some(kind) => return Err(api.error(kind, ended, "ncclGroupEnd", std::ptr::null_mut())),
+        }
+    } else if let Some(error) = failure {
+        return Err(error);
+    }
+    drop(locks);
+    let mut recorded = Ok(());
+    for op in &ops {
+        for (buffer, access) in &op.uses {
+            if let Err(error) = buffer.record(op.stream, *access) {
+                recorded = recorded.and(Err(error));
+            }
+        }
+    }
+    if let Err(error) = recorded {
+        // Work is queued that a tracker could not record: wait for it before anything can
+        // free or reuse the buffers.
+        for op in &ops {
+            let _ = op.stream.synchronize();
+        }
+        return Err(error.into());
+    }
+    Ok(())
+}
+
+/// Builders for each call, shared by the communicator's methods and [`Group`].
+impl Communicator {
+    fn all_reduce_op<'a, T, S, R>(
+        &'a self,
+        send: &'a S,
+        recv: &'a R,
+        op: ReduceOp,
+        stream: &'a Stream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        const OP: &str = "ncclAllReduce";
+        check_device(self, send, stream, OP)?;
+        check_device(self, recv, stream, OP)?;
+        check_len(OP, "the receive buffer", send.len(), recv.len())?;
+        Ok(Op {
+            comm: self,
+            stream,
+            call: Call::AllReduce {
+                send: send.device_ptr(),
+                recv: recv.device_ptr(),
+                count: send.len(),
+                op: op.as_raw(),
+            },
+            data_type: T::DATA_TYPE,
+            uses: vec![read::<T, S>(send), write::<T, R>(recv)],
+        })
+    }
+
+    fn in_place_op<'a, T: NcclType, B: Buffer<T> + ?Sized>(
+        &'a self,
+        buffer: &'a B,
+        stream: &'a Stream,
+        operation: &'static str,
+        call: impl FnOnce(DevicePtr, usize) -> Result<Call>,
+    ) -> Result<Op<'a>> {
+        check_device(self, buffer, stream, operation)?;
+        Ok(Op {
+            comm: self,
+            stream,
+            call: call(buffer.device_ptr(), buffer.len())?,
+            data_type: T::DATA_TYPE,
+            uses: vec![write::<T, B>(buffer)],
+        })
+    }
+
+    fn broadcast_op<'a, T, S, R>(
+        &'a self,
+        send: &'a S,
+        recv: &'a R,
+        root: usize,
+        stream: &'a Stream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        const OP: &str = "ncclBroadcast";
+        check_device(self, send, stream, OP)?;
+        check_device(self, recv, stream, OP)?;
+        check_len(OP, "the receive buffer", send.len(), recv.len())?;
+        Ok(Op {
+            comm: self,
+            stream,
+            call: Call::Broadcast {
+                send: send.device_ptr(),
+                recv: recv.device_ptr(),
+                count: send.len(),
+                root: peer_rank(self, root, "root", OP)?,
+            },
+            data_type: T::DATA_TYPE,
+            uses: vec![read::<T, S>(send), write::<T, R>(recv)],
+        })
+    }
+
+    fn reduce_op<'a, T, S, R>(
+        &'a self,
+        send: &'a S,
+        recv: &'a R,
+        op: ReduceOp,
+        root: usize,
+        stream: &'a Stream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        const OP: &str = "ncclReduce";
+        check_device(self, send, stream, OP)?;
+        check_device(self, recv, stream, OP)?;
+        check_len(OP, "the receive buffer", send.len(), recv.len())?;
+        Ok(Op {
+            comm: self,
+            stream,
+            call: Call::Reduce {
+                send: send.device_ptr(),
+                recv: recv.device_ptr(),
+                count: send.len(),
+                op: op.as_raw(),
+                root: peer_rank(self, root, "root", OP)?,
+            },
+            data_type: T::DATA_TYPE,
+            uses: vec![read::<T, S>(send), write::<T, R>(recv)],
+        })
+    }
+
+    fn all_gather_op<'a, T, S, R>(
+        &'a self,
+        send: &'a S,
+        recv: &'a R,
+        stream: &'a Stream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        const OP: &str = "ncclAllGather";
+        check_device(self, send, stream, OP)?;
+        check_device(self, recv, stream, OP)?;
+        check_len(
+            OP,
+            "the receive buffer",
+            send.len() * self.size(),
+            recv.len(),
+        )?;
+        Ok(Op {
+            comm: self,
+            stream,
+            call: Call::AllGather {
+                send: send.device_ptr(),
+                recv: recv.device_ptr(),
+                send_count: send.len(),
+            },
+            data_type: T::DATA_TYPE,
+            uses: vec![read::<T, S>(send), write::<T, R>(recv)],
+        })
+    }
+
+    fn reduce_scatter_op<'a, T, S, R>(
+        &'a self,
+        send: &'a S,
+        recv: &'a R,
+        op: ReduceOp,
+        stream: &'a Stream,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        const OP: &str = "ncclReduceScatter";
+        check_device(self, send, stream, OP)?;
+        check_device(self, recv, stream, OP)?;
+        check_len(OP, "the send buffer", recv.len() * self.size(), send.len())?;
+        Ok(Op {
+            comm: self,
+            stream,
+            call: Call::ReduceScatter {
+                send: send.device_ptr(),
+                recv: recv.device_ptr(),
+                recv_count: recv.len(),
+                op: op.as_raw(),
+            },
+            data_type: T::DATA_TYPE,
+            uses: vec![read::<T, S>(send), write::<T, R>(recv)],
+        })
+    }
+
+    fn send_op<'a, T: NcclType, B: Buffer<T> + ?Sized>(
+        &'a self,
+        buffer: &'a B,
+        peer: usize,
+        stream: &'a Stream,
+    ) -> Result<Op<'a>> {
+        const OP: &str = "ncclSend";
+        check_device(self, buffer, stream, OP)?;
+        Ok(Op {
+            comm: self,
+            stream,
+            call: Call::Send {
+                send: buffer.device_ptr(),
+                count: buffer.len(),
+                peer: peer_rank(self, peer, "peer", OP)?,
+            },
+            data_type: T::DATA_TYPE,
+            uses: vec![read::<T, B>(buffer)],
+        })
+    }
+
+    fn recv_op<'a, T: NcclType, B: Buffer<T> + ?Sized>(
+        &'a self,
+        buffer: &'a B,
+        peer: usize,
+        stream: &'a Stream,
+    ) -> Result<Op<'a>> {
+        const OP: &str = "ncclRecv";
+        check_device(self, buffer, stream, OP)?;
+        Ok(Op {
+            comm: self,
+            stream,
+            call: Call::Recv {
+                recv: buffer.device_ptr(),
+                count: buffer.len(),
+                peer: peer_rank(self, peer, "peer", OP)?,
+            },
+            data_type: T::DATA_TYPE,
+            uses: vec![write::<T, B>(buffer)],
+        })
+    }
+
+    /// Queues an all-reduce on `stream`: every rank's `recv` becomes `op` over all ranks'
+    /// `send` (same length).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for lengths that differ or a buffer or stream on another device than
+    /// this rank; `Aborted`; NCCL's error; the use tracker's error.
+    pub fn all_reduce<T, S, R>(
+        &self,
+        send: &S,
+        recv: &mut R,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<()>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        run(vec![self.all_reduce_op(send, &*recv, op, stream)?], false)
+    }
+
+    /// [`all_reduce`](Self::all_reduce) in place: `buffer` is both the input and the result.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    pub fn all_reduce_in_place<T: NcclType, B: Buffer<T> + ?Sized>(
+        &self,
+        buffer: &mut B,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<()> {
+        let op = self.in_place_op(&*buffer, stream, "ncclAllReduce", |ptr, len| {
+            Ok(Call::AllReduce {
+                send: ptr,
+                recv: ptr,
+                count: len,
+                op: op.as_raw(),
+            })
+        })?;
+        run(vec![op], false)
+    }
+
+    /// Queues a broadcast: every rank's `recv` becomes rank `root`'s `send` (only the root's
+    /// `send` is read; the others' is ignored but must have the same length).
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce); `InvalidArgument` for a root out of range.
+    pub fn broadcast<T, S, R>(
+        &self,
+        send: &S,
+        recv: &mut R,
+        root: usize,
+        stream: &Stream,
+    ) -> Result<()>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        run(vec![self.broadcast_op(send, &*recv, root, stream)?], false)
+    }
+
+    /// [`broadcast`](Self::broadcast) in place: `buffer` is the root's input and every rank's
+    /// result.
+    ///
+    /// # Errors
+    /// As [`broadcast`](Self::broadcast).
+    pub fn broadcast_in_place<T: NcclType, B: Buffer<T> + ?Sized>(
+        &self,
+        buffer: &mut B,
+        root: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        let root = peer_rank(self, root, "root", "ncclBroadcast")?;
+        let op = self.in_place_op(&*buffer, stream, "ncclBroadcast", |ptr, len| {
+            Ok(Call::Broadcast {
+                send: ptr,
+                recv: ptr,
+                count: len,
+                root,
+            })
+        })?;
+        run(vec![op], false)
+    }
+
+    /// Queues a reduction to `root`: the root's `recv` becomes `op` over every rank's `send`;
+    /// other ranks' `recv` is not written (but is recorded as written, conservatively).
+    ///
+    /// # Errors
+    /// As [`broadcast`](Self::broadcast).
+    pub fn reduce<T, S, R>(
+        &self,
+        send: &S,
+        recv: &mut R,
+        op: ReduceOp,
+        root: usize,
+        stream: &Stream,
+    ) -> Result<()>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        run(vec![self.reduce_op(send, &*recv, op, root, stream)?], false)
+    }
+
+    /// [`reduce`](Self::reduce) in place.
+    ///
+    /// # Errors
+    /// As [`reduce`](Self::reduce).
+    pub fn reduce_in_place<T: NcclType, B: Buffer<T> + ?Sized>(
+        &self,
+        buffer: &mut B,
+        op: ReduceOp,
+        root: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        let root = peer_rank(self, root, "root", "ncclReduce")?;
+        let op = self.in_place_op(&*buffer, stream, "ncclReduce", |ptr, len| {
+            Ok(Call::Reduce {
+                send: ptr,
+                recv: ptr,
+                count: len,
+                op: op.as_raw(),
+                root,
+            })
+        })?;
+        run(vec![op], false)
+    }
+
+    /// Queues an all-gather: `recv` (`send.len() × size()` elements) becomes every rank's
+    /// `send`, in rank order.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    pub fn all_gather<T, S, R>(&self, send: &S, recv: &mut R, stream: &Stream) -> Result<()>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        run(vec![self.all_gather_op(send, &*recv, stream)?], false)
+    }
+
+    /// [`all_gather`](Self::all_gather) in place: this rank's input is its own slot of
+    /// `buffer` (elements `rank × n .. (rank + 1) × n`, `n = buffer.len() / size()`).
+    ///
+    /// # Errors
+    /// As [`all_gather`](Self::all_gather); `InvalidArgument` unless the length divides by
+    /// the size.
+    pub fn all_gather_in_place<T: NcclType, B: Buffer<T> + ?Sized>(
+        &self,
+        buffer: &mut B,
+        stream: &Stream,
+    ) -> Result<()> {
+        let (rank, size) = (self.rank(), self.size());
+        let op = self.in_place_op(&*buffer, stream, "ncclAllGather", |ptr, len| {
+            let chunk = chunk_of(len, size, "ncclAllGather")?;
+            Ok(Call::AllGather {
+                send: offset::<T>(ptr, rank * chunk),
+                recv: ptr,
+                send_count: chunk,
+            })
+        })?;
+        run(vec![op], false)
+    }
+
+    /// Queues a reduce-scatter: `recv` (`send.len() / size()` elements) becomes `op` over every
+    /// rank's `send`, this rank's slot of it.
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    pub fn reduce_scatter<T, S, R>(
+        &self,
+        send: &S,
+        recv: &mut R,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<()>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        run(
+            vec![self.reduce_scatter_op(send, &*recv, op, stream)?],
+            false,
+        )
+    }
+
+    /// [`reduce_scatter`](Self::reduce_scatter) in place: the result lands in this rank's slot
+    /// of `buffer` (elements `rank × n .. (rank + 1) × n`, `n = buffer.len() / size()`).
+    ///
+    /// # Errors
+    /// As [`all_gather_in_place`](Self::all_gather_in_place).
+    pub fn reduce_scatter_in_place<T: NcclType, B: Buffer<T> + ?Sized>(
+        &self,
+        buffer: &mut B,
+        op: ReduceOp,
+        stream: &Stream,
+    ) -> Result<()> {
+        let (rank, size) = (self.rank(), self.size());
+        let op = self.in_place_op(&*buffer, stream, "ncclReduceScatter", |ptr, len| {
+            let chunk = chunk_of(len, size, "ncclReduceScatter")?;
+            Ok(Call::ReduceScatter {
+                send: ptr,
+                recv: offset::<T>(ptr, rank * chunk),
+                recv_count: chunk,
+                op: op.as_raw(),
+            })
+        })?;
+        run(vec![op], false)
+    }
+
+    /// Queues sending `buffer` to rank `peer`, which must [`recv`](Self::recv) the same length.
+    /// A send and a receive between the same two ranks must be in one [`Group`] (or the
+    /// first blocks the stream until the second is queued elsewhere).
+    ///
+    /// # Errors
+    /// As [`broadcast`](Self::broadcast), for the peer.
+    pub fn send<T: NcclType, B: Buffer<T> + ?Sized>(
+        &self,
+        buffer: &B,
+        peer: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        run(vec![self.send_op(buffer, peer, stream)?], false)
+    }
+
+    /// Queues receiving `buffer` from rank `peer`.
+    ///
+    /// # Errors
+    /// As [`send`](Self::send).
+    pub fn recv<T: NcclType, B: Buffer<T> + ?Sized>(
+        &self,
+        buffer: &mut B,
+        peer: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        run(vec![self.recv_op(&*buffer, peer, stream)?], false)
+    }
+}
+
+fn chunk_of(len: usize, size: usize, operation: &'static str) -> Result<usize> {
+    if len % size != 0 {
+        return Err(CollectiveError::invalid(
+            operation,
+            format!("{len} elements do not split into {size} equal slots"),
+        ));
+    }
+    Ok(len / size)
+}
+
+/// Several calls queued as one NCCL group (`ncclGroupStart` … `ncclGroupEnd`): the calls of one
+/// process on several communicators (one process driving several GPUs), or sends and receives
+/// that must progress together.
+///
+/// Calls are collected (and checked) first and queued by [`launch`](Self::launch); buffers stay
+/// borrowed until then. The buffers' uses are recorded after `ncclGroupEnd`, when NCCL has
+/// queued the work.
+///
+/// ```no_run
+/// use cuweave_collective::{CommConfig, Communicator, Group, ReduceOp};
+/// use cuweave_driver::{Device, Stream, StreamFlags};
+/// use cuweave_memory::DeviceBuffer;
+///
+/// # fn main() -> cuweave_collective::Result<()> {
+/// let devices = Device::all()?;
+/// let comms = Communicator::init_all(&devices, &CommConfig::default())?;
+/// let mut buffers = Vec::new();
+/// let mut streams = Vec::new();
+/// for comm in &comms {
+///     buffers.push(DeviceBuffer::<f32>::from_slice(comm.context(), &[1.0; 1024])?);
+///     streams.push(Stream::new(comm.context(), StreamFlags::NON_BLOCKING)?);
+/// }
+/// let mut group = Group::new();
+/// for ((comm, buffer), stream) in comms.iter().zip(&mut buffers).zip(&streams) {
+///     group.all_reduce_in_place(comm, buffer, ReduceOp::Sum, stream)?;
+/// }
+/// group.launch()?;
+/// for (comm, stream) in comms.iter().zip(&streams) {
+///     comm.synchronize(stream)?;
+/// }
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Default)]
+#[must_use = "a group queues nothing until `launch` is called"]
+pub struct Group<'a> {
+    ops: Vec<Op<'a>>,
+}
+
+impl std::fmt::Debug for Group<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.ops.iter().map(|op| op.call.name()))
+            .finish()
+    }
+}
+
+impl<'a> Group<'a> {
+    /// An empty group.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How many calls it holds.
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.ops.is_empty()
+    }
+
+    /// Adds [`Communicator::all_reduce`].
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce`]'s checks.
+    pub fn all_reduce<T, S, R>(
+        &mut self,
+        comm: &'a Communicator,
+        send: &'a S,
+        recv: &'a mut R,
+        op: ReduceOp,
+        stream: &'a Stream,
+    ) -> Result<&mut Self>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        self.ops.push(comm.all_reduce_op(send, &*recv, op, stream)?);
+        Ok(self)
+    }
+
+    /// Adds [`Communicator::all_reduce_in_place`].
+    ///
+    /// # Errors
+    /// As its checks.
+    pub fn all_reduce_in_place<T: NcclType, B: Buffer<T> + ?Sized>(
+        &mut self,
+        comm: &'a Communicator,
+        buffer: &'a mut B,
+        op: ReduceOp,
+        stream: &'a Stream,
+    ) -> Result<&mut Self> {
+        let op = comm.in_place_op(&*buffer, stream, "ncclAllReduce", |ptr, len| {
+            Ok(Call::AllReduce {
+                send: ptr,
+                recv: ptr,
+                count: len,
+                op: op.as_raw(),
+            })
+        })?;
+        self.ops.push(op);
+        Ok(self)
+    }
+
+    /// Adds [`Communicator::broadcast`].
+    ///
+    /// # Errors
+    /// As its checks.
+    pub fn broadcast<T, S, R>(
+        &mut self,
+        comm: &'a Communicator,
+        send: &'a S,
+        recv: &'a mut R,
+        root: usize,
+        stream: &'a Stream,
+    ) -> Result<&mut Self>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        self.ops
+            .push(comm.broadcast_op(send, &*recv, root, stream)?);
+        Ok(self)
+    }
+
+    /// Adds [`Communicator::reduce`].
+    ///
+    /// # Errors
+    /// As its checks.
+    pub fn reduce<T, S, R>(
+        &mut self,
+        comm: &'a Communicator,
+        send: &'a S,
+        recv: &'a mut R,
+        op: ReduceOp,
+        root: usize,
+        stream: &'a Stream,
+    ) -> Result<&mut Self>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        self.ops
+            .push(comm.reduce_op(send, &*recv, op, root, stream)?);
+        Ok(self)
+    }
+
+    /// Adds [`Communicator::all_gather`].
+    ///
+    /// # Errors
+    /// As its checks.
+    pub fn all_gather<T, S, R>(
+        &mut self,
+        comm: &'a Communicator,
+        send: &'a S,
+        recv: &'a mut R,
+        stream: &'a Stream,
+    ) -> Result<&mut Self>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        self.ops.push(comm.all_gather_op(send, &*recv, stream)?);
+        Ok(self)
+    }
+
+    /// Adds [`Communicator::reduce_scatter`].
+    ///
+    /// # Errors
+    /// As its checks.
+    pub fn reduce_scatter<T, S, R>(
+        &mut self,
+        comm: &'a Communicator,
+        send: &'a S,
+        recv: &'a mut R,
+        op: ReduceOp,
+        stream: &'a Stream,
+    ) -> Result<&mut Self>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        self.ops
+            .push(comm.reduce_scatter_op(send, &*recv, op, stream)?);
+        Ok(self)
+    }
+
+    /// Adds [`Communicator::send`].
+    ///
+    /// # Errors
+    /// As its checks.
+    pub fn send<T: NcclType, B: Buffer<T> + ?Sized>(
+        &mut self,
+        comm: &'a Communicator,
+        buffer: &'a B,
+        peer: usize,
+        stream: &'a Stream,
+    ) -> Result<&mut Self> {
+        self.ops.push(comm.send_op(buffer, peer, stream)?);
+        Ok(self)
+    }
+
+    /// Adds [`Communicator::recv`].
+    ///
+    /// # Errors
+    /// As its checks.
+    pub fn recv<T: NcclType, B: Buffer<T> + ?Sized>(
+        &mut self,
+        comm: &'a Communicator,
+        buffer: &'a mut B,
+        peer: usize,
+        stream: &'a Stream,
+    ) -> Result<&mut Self> {
+        self.ops.push(comm.recv_op(&*buffer, peer, stream)?);
+        Ok(self)
+    }
+
+    /// Queues every call as one NCCL group.
+    ///
+    /// # Errors
+    /// `Aborted` for an aborted communicator; NCCL's error (the group is closed either way);
+    /// a non-blocking group that fails or passes the deadline while settling aborts its
+    /// communicators; the use tracker's error.
+    pub fn launch(self) -> Result<()> {
+        run(self.ops, true)
+    }
+}

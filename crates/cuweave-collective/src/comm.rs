@@ -1,0 +1,534 @@
+//! [`Communicator`]: one rank of an NCCL communicator, and how communicators are made, split,
+//! finalised and aborted.
+
+use std::ffi::c_int;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cuweave_driver::{Context, Device};
+use parking_lot::{Mutex, MutexGuard};
+
+use crate::error::{CollectiveError, NcclCode, Result};
+use crate::id::UniqueId;
+use crate::loader::{self, NcclApi};
+use crate::raw::{self, RawComm};
+use crate::sys::{self, ncclResult_t};
+
+/// How communicators are made and how long their work may take.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CommConfig {
+    /// Make the communicator blocking (`ncclConfig_t::blocking = 1`). The default is
+    /// non-blocking: initialisation, splits and collectives return at once and cuweave polls
+    /// `ncclCommGetAsyncError`, so a peer that never arrives becomes a [`Timeout`] instead of a
+    /// hang. A blocking communicator can only time out in [`Communicator::synchronize`] and
+    /// futures, not inside NCCL's own calls.
+    ///
+    /// [`Timeout`]: CollectiveError::Timeout
+    pub blocking: bool,
+    /// The deadline for initialisation, splits, finalisation and each wait for queued work
+    /// ([`Communicator::synchronize`], [`Communicator::completion`]). When it passes the
+    /// communicator is aborted and the call returns [`CollectiveError::Timeout`].
+    pub timeout: Duration,
+}
+
+impl Default for CommConfig {
+    fn default() -> Self {
+        Self {
+            blocking: false,
+            timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+impl CommConfig {
+    /// The default: non-blocking, a 120 s deadline.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// With another deadline.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Blocking or not.
+    pub fn with_blocking(mut self, blocking: bool) -> Self {
+        self.blocking = blocking;
+        self
+    }
+}
+
+pub(crate) struct CommInner {
+    /// `None` once aborted or destroyed. Every NCCL call on the handle holds this lock, so an
+    /// abort (which frees the handle) never races a call using it.
+    handle: Mutex<Option<RawComm>>,
+    api: &'static NcclApi,
+    context: Arc<Context>,
+    rank: usize,
+    nranks: usize,
+    config: CommConfig,
+}
+
+/// One rank of an NCCL communicator, on one device.
+///
+/// Cheap to clone (the clones share the rank). Made by [`init_all`](Self::init_all) (one
+/// process driving several GPUs), [`init_rank`](Self::init_rank) (one process per GPU, across
+/// processes and hosts) or [`split`](Self::split). Collectives are its methods (see
+/// [`crate::collective`]); [`synchronize`](Self::synchronize) and
+/// [`completion`](Self::completion) wait for them with the configured deadline.
+///
+/// Dropping the last clone runs `ncclCommFinalize` (waiting for the rank's queued work, within
+/// the deadline) and then `ncclCommDestroy`; when finalising fails or times out it runs
+/// `ncclCommAbort` instead. A communicator that timed out or saw an asynchronous error is
+/// aborted at once and refuses further work ([`CollectiveError::Aborted`]).
+#[derive(Clone)]
+pub struct Communicator {
+    pub(crate) inner: Arc<CommInner>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.inner.rank)
+            .field("nranks", &self.inner.nranks)
+            .field("device", &self.inner.context.device().ordinal())
+            .field("aborted", &self.is_aborted())
+            .finish()
+    }
+}
+
+/// Locked access to one communicator's handle.
+pub(crate) struct Locked<'a> {
+    pub(crate) comm: &'a Communicator,
+    pub(crate) guard: MutexGuard<'a, Option<RawComm>>,
+}
+
+impl Locked<'_> {
+    pub(crate) fn raw(&self, operation: &'static str) -> Result<RawComm> {
+        (*self.guard).ok_or(CollectiveError::Aborted { operation })
+    }
+
+    /// Aborts the communicator (once); later calls get `Aborted`.
+    pub(crate) fn abort(&mut self) {
+        if let Some(raw) = self.guard.take() {
+            abort_raw(self.comm.inner.api, &self.comm.inner.context, raw);
+        }
+    }
+}
+
+fn abort_raw(api: &NcclApi, context: &Context, raw: RawComm) {
+    let _ = context.bind_to_thread();
+    match raw::abort(api, raw) {
+        Ok(code) if code == ncclResult_t::ncclSuccess => {
+            tracing::warn!("NCCL communicator aborted");
+        }
+        Ok(code) => tracing::error!(code = code.0, "ncclCommAbort failed"),
+        Err(error) => tracing::error!(%error, "ncclCommAbort unavailable"),
+    }
+}
+
+/// Polls `ncclCommGetAsyncError` on every handle until none is in progress. Any failure (an
+/// asynchronous error, the deadline, a failed poll) aborts every non-null handle before it is
+/// returned, so a caller never aborts them again.
+fn settle_raw(
+    api: &NcclApi,
+    contexts: &[&Arc<Context>],
+    handles: &[RawComm],
+    operation: &'static str,
+    timeout: Duration,
+) -> Result<()> {
+    let start = Instant::now();
+    let polled = (|| -> Result<()> {
+        let mut polls = 0u32;
+        loop {
+            let mut pending = false;
+            for (raw, context) in handles.iter().zip(contexts) {
+                if raw.is_null() {
+                    continue;
+                }
+                context.bind_to_thread()?;
+                let state = raw::async_error(api, *raw)?;
+                match NcclCode::from_raw(state) {
+                    None => {}
+                    Some(NcclCode::InProgress) => pending = true,
+                    Some(kind) => return Err(api.error(kind, state, operation, raw.0)),
+                }
+            }
+            if !pending {
+                return Ok(());
+            }
+            if start.elapsed() >= timeout {
+                return Err(CollectiveError::Timeout {
+                    operation,
+                    waited: start.elapsed(),
+                });
+            }
+            polls += 1;
+            back_off(polls);
+        }
+    })();
+    if polled.is_err() {
+        for (raw, context) in handles.iter().zip(contexts) {
+            if !raw.is_null() {
+                abort_raw(api, context, *raw);
+            }
+        }
+    }
+    polled
+}
+
+/// Spins for the first polls (a short non-blocking call), then yields, then sleeps briefly
+/// (initialisation takes hundreds of milliseconds).
+pub(crate) fn back_off(polls: u32) {
+    if polls < 64 {
+        std::hint::spin_loop();
+    } else if polls < 1024 {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+fn to_int(value: usize, what: &str, operation: &'static str) -> Result<c_int> {
+    c_int::try_from(value).map_err(|_| {
+        CollectiveError::invalid(operation, format!("{what} {value} does not fit a C int"))
+    })
+}
+
+impl Communicator {
+    /// Wraps an initialised handle; aborts it when its shape cannot be read.
+    fn from_raw(
+        raw: RawComm,
+        api: &'static NcclApi,
+        context: Arc<Context>,
+        config: CommConfig,
+    ) -> Result<Self> {
+        let shape = context
+            .bind_to_thread()
+            .map_err(CollectiveError::from)
+            .and_then(|()| raw::shape(api, raw));
+        match shape {
+            Ok((nranks, rank, _device)) => Ok(Self {
+                inner: Arc::new(CommInner {
+                    handle: Mutex::new(Some(raw)),
+                    api,
+                    context,
+                    rank: rank as usize,
+                    nranks: nranks as usize,
+                    config,
+                }),
+            }),
+            Err(error) => {
+                abort_raw(api, &context, raw);
+                Err(error)
+            }
+        }
+    }
+
+    /// One communicator per device, all in this process, with group semantics: rank `i` is
+    /// `devices[i]` (`ncclCommInitAll`'s shape, built from `ncclCommInitRankConfig` in one
+    /// group so it can be non-blocking and time out).
+    ///
+    /// # Errors
+    /// `NotFound`; `InvalidArgument` for no devices; NCCL's error (a device listed twice is
+    /// `ncclInvalidUsage`, "Duplicate GPU detected"); `Timeout`. Every rank made is aborted on
+    /// failure.
+    pub fn init_all(devices: &[Device], config: &CommConfig) -> Result<Vec<Self>> {
+        const OP: &str = "Communicator::init_all";
+        if devices.is_empty() {
+            return Err(CollectiveError::invalid(OP, "no devices"));
+        }
+        let api = loader::api()?;
+        let nranks = to_int(devices.len(), "device count", OP)?;
+        let contexts = devices
+            .iter()
+            .map(|&device| Context::primary(device))
+            .collect::<cuweave_driver::Result<Vec<_>>>()?;
+        let id = UniqueId::new()?;
+        let mut handles = vec![RawComm::NULL; devices.len()];
+        let started = raw::group_start(api)?;
+        api.check(started, "ncclGroupStart", std::ptr::null_mut())?;
+        let mut failure = None;
+        for (rank, context) in contexts.iter().enumerate() {
+            if let Err(error) = context.bind_to_thread() {
+                failure = Some(error.into());
+                break;
+            }
+            let (handle, code) =
+                raw::init_rank(api, nranks, rank as c_int, id.as_bytes(), config.blocking)?;
+            handles[rank] = handle;
+            if let Some(kind) = NcclCode::from_raw(code).filter(|k| *k != NcclCode::InProgress) {
+                failure = Some(api.error(kind, code, "ncclCommInitRankConfig", handle.0));
+                break;
+            }
+        }
+        let ended = raw::group_end(api)?;
+        let context_refs: Vec<&Arc<Context>> = contexts.iter().collect();
+        let failure = failure.or_else(|| {
+            NcclCode::from_raw(ended)
+                .filter(|k| *k != NcclCode::InProgress)
+                .map(|kind| api.error(kind, ended, "ncclGroupEnd", std::ptr::null_mut()))
+        });
+        if let Some(error) = failure {
+            for (raw, context) in handles.iter().zip(&context_refs) {
+                if !raw.is_null() {
+                    abort_raw(api, context, *raw);
+                }
+            }
+            return Err(error);
+        }
+        settle_raw(api, &context_refs, &handles, OP, config.timeout)?;
+        let mut comms = Vec::with_capacity(handles.len());
+        for (index, (raw, context)) in handles.iter().zip(contexts).enumerate() {
+            match Self::from_raw(*raw, api, context, config.clone()) {
+                Ok(comm) => comms.push(comm),
+                Err(error) => {
+                    // from_raw aborted this one; those already wrapped finalise on drop.
+                    for (raw, device) in handles[index + 1..].iter().zip(&devices[index + 1..]) {
+                        if let Ok(context) = Context::primary(*device) {
+                            abort_raw(api, &context, *raw);
+                        }
+                    }
+                    return Err(error);
+                }
+            }
+        }
+        Ok(comms)
+    }
+
+    /// Rank `rank` of `nranks` on `device`, joining the other ranks (in this or other
+    /// processes and hosts) that call it with the same `id`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` unless `rank < nranks`; NCCL's error; `Timeout` when the other ranks do
+    /// not all arrive within the configured deadline (the rank is then aborted).
+    pub fn init_rank(
+        nranks: usize,
+        rank: usize,
+        id: &UniqueId,
+        device: Device,
+        config: &CommConfig,
+    ) -> Result<Self> {
+        const OP: &str = "Communicator::init_rank";
+        if rank >= nranks {
+            return Err(CollectiveError::invalid(
+                OP,
+                format!("rank {rank} of {nranks}"),
+            ));
+        }
+        let api = loader::api()?;
+        let context = Context::primary(device)?;
+        context.bind_to_thread()?;
+        let (handle, code) = raw::init_rank(
+            api,
+            to_int(nranks, "nranks", OP)?,
+            to_int(rank, "rank", OP)?,
+            id.as_bytes(),
+            config.blocking,
+        )?;
+        if let Some(kind) = NcclCode::from_raw(code).filter(|k| *k != NcclCode::InProgress) {
+            let error = api.error(kind, code, "ncclCommInitRankConfig", handle.0);
+            if !handle.is_null() {
+                abort_raw(api, &context, handle);
+            }
+            return Err(error);
+        }
+        settle_raw(api, &[&context], &[handle], OP, config.timeout)?;
+        Self::from_raw(handle, api, context, config.clone())
+    }
+
+    /// Splits the communicator: every rank calls it (it is collective); ranks passing the same
+    /// `color` form a new communicator, ordered by `key` (then by their rank here). `None` as
+    /// the color takes no part (`NCCL_SPLIT_NOCOLOR`) and returns `Ok(None)`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a color or key over `i32::MAX`; NCCL's error; `Timeout` (both the
+    /// parent and the child are then aborted).
+    pub fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Self>> {
+        const OP: &str = "Communicator::split";
+        let color = match color {
+            Some(color) => to_int(color as usize, "color", OP)?,
+            None => sys::NCCL_SPLIT_NOCOLOR,
+        };
+        let key = to_int(key as usize, "key", OP)?;
+        let inner = &self.inner;
+        let mut locked = self.lock();
+        let parent = locked.raw(OP)?;
+        inner.context.bind_to_thread()?;
+        let (child, code) = raw::split(inner.api, parent, color, key, inner.config.blocking)?;
+        if let Some(kind) = NcclCode::from_raw(code).filter(|k| *k != NcclCode::InProgress) {
+            let error = inner.api.error(kind, code, "ncclCommSplit", parent.0);
+            if !child.is_null() {
+                abort_raw(inner.api, &inner.context, child);
+            }
+            return Err(error);
+        }
+        let settled = settle_raw(
+            inner.api,
+            &[&inner.context, &inner.context],
+            &[parent, child],
+            OP,
+            inner.config.timeout,
+        );
+        if let Err(error) = settled {
+            // settle_raw aborted both handles: forget the parent's.
+            locked.guard.take();
+            return Err(error);
+        }
+        drop(locked);
+        if child.is_null() {
+            return Ok(None);
+        }
+        Self::from_raw(
+            child,
+            inner.api,
+            Arc::clone(&inner.context),
+            inner.config.clone(),
+        )
+        .map(Some)
+    }
+
+    /// This rank's index.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.inner.nranks
+    }
+
+    /// The device this rank runs on.
+    pub fn device(&self) -> Device {
+        self.inner.context.device()
+    }
+
+    /// The device's primary context.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.inner.context
+    }
+
+    /// The configuration it was made with.
+    pub fn config(&self) -> &CommConfig {
+        &self.inner.config
+    }
+
+    /// Whether it was aborted (after a timeout, an asynchronous error or [`abort`](Self::abort)).
+    pub fn is_aborted(&self) -> bool {
+        self.inner.handle.lock().is_none()
+    }
+
+    /// Aborts the communicator now (`ncclCommAbort`): queued collectives on it stop, and it
+    /// refuses further work. Every clone sees it.
+    pub fn abort(&self) {
+        self.lock().abort();
+    }
+
+    /// `ncclCommGetAsyncError`: `Ok(())` while healthy (or still busy with a non-blocking
+    /// call), NCCL's error once one happened. An error aborts the communicator.
+    ///
+    /// # Errors
+    /// `Aborted`; NCCL's asynchronous error.
+    pub fn check_async_error(&self) -> Result<()> {
+        const OP: &str = "ncclCommGetAsyncError";
+        let mut locked = self.lock();
+        let raw = locked.raw(OP)?;
+        let state = raw::async_error(self.inner.api, raw)?;
+        match NcclCode::from_raw(state) {
+            None | Some(NcclCode::InProgress) => Ok(()),
+            Some(kind) => {
+                let error = self.inner.api.error(kind, state, OP, raw.0);
+                locked.abort();
+                Err(error)
+            }
+        }
+    }
+
+    /// The NCCL handle, for interop (`None` once aborted). It stays owned by this value: do not
+    /// destroy or abort it, and do not use it after the communicator is dropped.
+    pub fn as_raw(&self) -> Option<sys::ncclComm_t> {
+        self.inner.handle.lock().map(|raw| raw.0)
+    }
+
+    pub(crate) fn lock(&self) -> Locked<'_> {
+        Locked {
+            comm: self,
+            guard: self.inner.handle.lock(),
+        }
+    }
+
+    pub(crate) fn api(&self) -> &'static NcclApi {
+        self.inner.api
+    }
+
+    /// After a call returned `code` on `raw` (locked): `Ok` on success, polls a non-blocking
+    /// `ncclInProgress` to its end (aborting on an error or the deadline), the typed error
+    /// otherwise (which aborts nothing: NCCL refused the call before queueing it).
+    pub(crate) fn settle_call(
+        &self,
+        locked: &mut Locked<'_>,
+        code: ncclResult_t,
+        operation: &'static str,
+    ) -> Result<()> {
+        let raw = locked.raw(operation)?;
+        match NcclCode::from_raw(code) {
+            None => Ok(()),
+            Some(NcclCode::InProgress) => {
+                let settled = settle_raw(
+                    self.inner.api,
+                    &[&self.inner.context],
+                    &[raw],
+                    operation,
+                    self.inner.config.timeout,
+                );
+                if settled.is_err() {
+                    locked.guard.take();
+                }
+                settled
+            }
+            Some(kind) => Err(self.inner.api.error(kind, code, operation, raw.0)),
+        }
+    }
+}
+
+impl Drop for CommInner {
+    fn drop(&mut self) {
+        let Some(raw) = self.handle.get_mut().take() else {
+            return;
+        };
+        let api = self.api;
+        let started = self
+            .context
+            .bind_to_thread()
+            .map_err(CollectiveError::from)
+            .and_then(|()| raw::finalize(api, raw))
+            .and_then(|code| match NcclCode::from_raw(code) {
+                None | Some(NcclCode::InProgress) => Ok(()),
+                Some(kind) => Err(api.error(kind, code, "ncclCommFinalize", raw.0)),
+            });
+        if let Err(error) = started {
+            tracing::error!(%error, "finalising an NCCL communicator failed; aborting it");
+            abort_raw(api, &self.context, raw);
+            return;
+        }
+        // Waits for the rank's queued work; on failure the handle is already aborted.
+        let settled = settle_raw(
+            api,
+            &[&self.context],
+            &[raw],
+            "ncclCommFinalize",
+            self.config.timeout,
+        );
+        if let Err(error) = settled {
+            tracing::error!(%error, "finalising an NCCL communicator failed; it was aborted");
+            return;
+        }
+        match raw::destroy(api, raw) {
+            Ok(code) if code == ncclResult_t::ncclSuccess => {}
+            Ok(code) => tracing::error!(code = code.0, "ncclCommDestroy failed"),
+            Err(error) => tracing::error!(%error, "ncclCommDestroy unavailable"),
+        }
+    }
+}

@@ -1,0 +1,248 @@
+//! Collectives as operations of the event layer's [`OperationCoordinator`]: with dependencies
+//! on other operations, priorities, metrics and completion futures.
+//!
+//! [`CoordinatedCollectives`] registers each collective as an operation of the matching
+//! [`OperationType`] (`AllReduce`, `Broadcast`, `Reduction`), begins it on the caller's stream
+//! (which waits, on the device, for its dependencies on other streams), queues the NCCL call
+//! there, and completes it, so later operations can depend on it and
+//! [`OperationCoordinator::completion`] resolves when the GPU has finished it. Only the
+//! coordinator's public API is used.
+
+use std::sync::Arc;
+
+use cuweave_driver::Stream;
+use cuweave_event::{EventPriority, OperationCoordinator, OperationId, OperationType, WaitFuture};
+use cuweave_memory::Buffer;
+
+use crate::comm::Communicator;
+use crate::error::Result;
+use crate::types::{NcclType, ReduceOp};
+
+/// Runs collectives as coordinated operations (see the [module docs](self)).
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use cuweave_collective::{CommConfig, Communicator, CoordinatedCollectives, ReduceOp, UniqueId};
+/// use cuweave_driver::{Context, Device, Stream, StreamFlags};
+/// use cuweave_event::{EventPool, OperationCoordinator};
+/// use cuweave_memory::DeviceBuffer;
+///
+/// # fn main() -> cuweave_collective::Result<()> {
+/// let device = Device::get(0)?;
+/// let comm = Communicator::init_rank(1, 0, &UniqueId::new()?, device, &CommConfig::default())?;
+/// let context = Context::primary(device)?;
+/// let coordinator = OperationCoordinator::new(EventPool::new(&context, 16, 16)?)?;
+/// let collectives = CoordinatedCollectives::new(coordinator.clone());
+/// let stream = Arc::new(Stream::new(&context, StreamFlags::NON_BLOCKING)?);
+/// let mut gradients = DeviceBuffer::<f32>::from_slice(&context, &[1.0; 1024])?;
+/// let id = collectives.all_reduce_in_place(&comm, &mut gradients, ReduceOp::Sum, &stream, &[])?;
+/// coordinator.synchronize(id)?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct CoordinatedCollectives {
+    coordinator: OperationCoordinator,
+    priority: EventPriority,
+}
+
+impl CoordinatedCollectives {
+    /// Collectives coordinated by `coordinator`, at normal priority.
+    pub fn new(coordinator: OperationCoordinator) -> Self {
+        Self {
+            coordinator,
+            priority: EventPriority::Normal,
+        }
+    }
+
+    /// The same, registering operations at `priority`.
+    pub fn with_priority(mut self, priority: EventPriority) -> Self {
+        self.priority = priority;
+        self
+    }
+
+    /// The coordinator.
+    pub fn coordinator(&self) -> &OperationCoordinator {
+        &self.coordinator
+    }
+
+    /// Registers an operation of `operation_type` after `dependencies`, begins it on `stream`,
+    /// runs `queue` (which queues the collective on the stream) and completes the operation.
+    ///
+    /// When `queue` fails, nothing of it was queued (NCCL refused the call, or a check did);
+    /// the operation is still completed, at a point of the stream with no work of its own,
+    /// so it retires and its dependants are not stranded, and the error is returned.
+    ///
+    /// # Errors
+    /// The coordinator's error (an unknown dependency, a dependency not yet queued); `queue`'s.
+    pub fn run(
+        &self,
+        operation_type: OperationType,
+        stream: &Arc<Stream>,
+        dependencies: &[OperationId],
+        description: impl Into<String>,
+        queue: impl FnOnce(&Stream) -> Result<()>,
+    ) -> Result<OperationId> {
+        let id = self.coordinator.register_operation(
+            operation_type,
+            self.priority,
+            Some(stream),
+            dependencies,
+            description,
+        )?;
+        self.coordinator.begin_operation(id, stream)?;
+        let queued = queue(stream);
+        self.coordinator.complete_operation(id)?;
+        queued.map(|()| id)
+    }
+
+    /// A future for operation `id`, from the coordinator.
+    ///
+    /// # Errors
+    /// As [`OperationCoordinator::completion`].
+    pub fn completion(&self, id: OperationId) -> Result<WaitFuture> {
+        Ok(self.coordinator.completion(id)?)
+    }
+
+    /// [`Communicator::all_reduce`] as an [`OperationType::AllReduce`] operation.
+    ///
+    /// # Errors
+    /// As [`run`](Self::run) and the collective.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_reduce<T, S, R>(
+        &self,
+        comm: &Communicator,
+        send: &S,
+        recv: &mut R,
+        op: ReduceOp,
+        stream: &Arc<Stream>,
+        dependencies: &[OperationId],
+    ) -> Result<OperationId>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        self.run(
+            OperationType::AllReduce,
+            stream,
+            dependencies,
+            describe("ncclAllReduce", comm, send.len()),
+            |s| comm.all_reduce(send, recv, op, s),
+        )
+    }
+
+    /// [`Communicator::all_reduce_in_place`] as an [`OperationType::AllReduce`] operation.
+    ///
+    /// # Errors
+    /// As [`run`](Self::run) and the collective.
+    pub fn all_reduce_in_place<T: NcclType, B: Buffer<T> + ?Sized>(
+        &self,
+        comm: &Communicator,
+        buffer: &mut B,
+        op: ReduceOp,
+        stream: &Arc<Stream>,
+        dependencies: &[OperationId],
+    ) -> Result<OperationId> {
+        let description = describe("ncclAllReduce", comm, buffer.len());
+        self.run(
+            OperationType::AllReduce,
+            stream,
+            dependencies,
+            description,
+            |s| comm.all_reduce_in_place(buffer, op, s),
+        )
+    }
+
+    /// [`Communicator::broadcast`] as an [`OperationType::Broadcast`] operation.
+    ///
+    /// # Errors
+    /// As [`run`](Self::run) and the collective.
+    #[allow(clippy::too_many_arguments)]
+    pub fn broadcast<T, S, R>(
+        &self,
+        comm: &Communicator,
+        send: &S,
+        recv: &mut R,
+        root: usize,
+        stream: &Arc<Stream>,
+        dependencies: &[OperationId],
+    ) -> Result<OperationId>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        self.run(
+            OperationType::Broadcast,
+            stream,
+            dependencies,
+            describe("ncclBroadcast", comm, send.len()),
+            |s| comm.broadcast(send, recv, root, s),
+        )
+    }
+
+    /// [`Communicator::reduce`] as an [`OperationType::Reduction`] operation.
+    ///
+    /// # Errors
+    /// As [`run`](Self::run) and the collective.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce<T, S, R>(
+        &self,
+        comm: &Communicator,
+        send: &S,
+        recv: &mut R,
+        op: ReduceOp,
+        root: usize,
+        stream: &Arc<Stream>,
+        dependencies: &[OperationId],
+    ) -> Result<OperationId>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        self.run(
+            OperationType::Reduction,
+            stream,
+            dependencies,
+            describe("ncclReduce", comm, send.len()),
+            |s| comm.reduce(send, recv, op, root, s),
+        )
+    }
+
+    /// [`Communicator::reduce_scatter`] as an [`OperationType::Reduction`] operation.
+    ///
+    /// # Errors
+    /// As [`run`](Self::run) and the collective.
+    pub fn reduce_scatter<T, S, R>(
+        &self,
+        comm: &Communicator,
+        send: &S,
+        recv: &mut R,
+        op: ReduceOp,
+        stream: &Arc<Stream>,
+        dependencies: &[OperationId],
+    ) -> Result<OperationId>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        self.run(
+            OperationType::Reduction,
+            stream,
+            dependencies,
+            describe("ncclReduceScatter", comm, send.len()),
+            |s| comm.reduce_scatter(send, recv, op, s),
+        )
+    }
+}
+
+fn describe(call: &str, comm: &Communicator, elements: usize) -> String {
+    format!(
+        "{call} of {elements} elements, rank {} of {}",
+        comm.rank(),
+        comm.size()
+    )
+}

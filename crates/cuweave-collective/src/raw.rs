@@ -1,0 +1,334 @@
+//! The NCCL calls themselves: every `unsafe` FFI call of the crate outside the loader.
+//!
+//! Each function is safe to call from the rest of the crate under the contract its doc states
+//! (a live communicator handle; device addresses valid for the element counts given on the
+//! stream's device); the safe layers above (`comm`, `collective`) establish those from typed
+//! buffers and owned handles. They return the raw `ncclResult_t` so the caller decides how an
+//! `ncclInProgress` of a non-blocking communicator is settled.
+
+use std::ffi::{c_int, c_void};
+
+use cuweave_driver::Stream;
+use cuweave_driver::memory::DevicePtr;
+
+use crate::error::Result;
+use crate::loader::NcclApi;
+use crate::sys::{self, ncclResult_t};
+
+/// An NCCL communicator handle. Owned by `comm::CommInner`, which destroys or aborts it once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RawComm(pub(crate) sys::ncclComm_t);
+
+// SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
+// concurrent; `comm::CommInner` serialises them behind a mutex.
+unsafe impl Send for RawComm {}
+// SAFETY: as above: shared references only reach NCCL through that mutex.
+unsafe impl Sync for RawComm {}
+
+impl RawComm {
+    pub(crate) const NULL: Self = Self(std::ptr::null_mut());
+
+    pub(crate) fn is_null(self) -> bool {
+        self.0.is_null()
+    }
+}
+
+fn stream_handle(stream: &Stream) -> sys::cudaStream_t {
+    // `CUstream` and `cudaStream_t` are the same pointer to the same opaque struct.
+    stream.as_raw().cast()
+}
+
+fn address(ptr: DevicePtr) -> *mut c_void {
+    ptr as usize as *mut c_void
+}
+
+/// `ncclGetUniqueId`.
+pub(crate) fn unique_id(api: &NcclApi) -> Result<[u8; 128]> {
+    let f = api.get_unique_id.get()?;
+    let mut id = sys::ncclUniqueId::default();
+    // SAFETY: `id` is a valid out-pointer to an `ncclUniqueId`.
+    let code = unsafe { f(&mut id) };
+    api.check(code, "ncclGetUniqueId", std::ptr::null_mut())?;
+    Ok(id.internal.map(|byte| byte as u8))
+}
+
+/// A config as `NCCL_CONFIG_INITIALIZER` makes it, with `blocking` set. A newer struct than the
+/// loaded NCCL knows is fine: NCCL copies only the size it knows (fields are only appended).
+fn config(blocking: bool) -> sys::ncclConfig_t {
+    const UNDEF: c_int = c_int::MIN;
+    sys::ncclConfig_t {
+        size: size_of::<sys::ncclConfig_t>(),
+        magic: sys::NCCL_API_MAGIC,
+        version: sys::NCCL_VERSION_CODE,
+        blocking: c_int::from(blocking),
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: std::ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+        graphUsageMode: UNDEF,
+        numRmaCtx: UNDEF,
+        maxP2pPeers: UNDEF,
+        graphStreamOrdering: UNDEF,
+        launchOrderImplicit: UNDEF,
+        numRmaSig: UNDEF,
+        rmaEagerInit: UNDEF,
+        hostCftMode: UNDEF,
+        nvlsHostMode: UNDEF,
+    }
+}
+
+/// `ncclCommInitRankConfig` for the device whose context is current on this thread. The handle
+/// is returned even with an error code (it may be non-null and then must be aborted).
+pub(crate) fn init_rank(
+    api: &NcclApi,
+    nranks: c_int,
+    rank: c_int,
+    id: &[u8; 128],
+    blocking: bool,
+) -> Result<(RawComm, ncclResult_t)> {
+    let f = api.comm_init_rank_config.get()?;
+    let mut unique = sys::ncclUniqueId::default();
+    for (dst, src) in unique.internal.iter_mut().zip(id) {
+        *dst = *src as std::ffi::c_char;
+    }
+    let mut config = config(blocking);
+    let mut comm = std::ptr::null_mut();
+    // SAFETY: `comm` and `config` are valid pointers for the call; the id is passed by value.
+    let code = unsafe { f(&mut comm, nranks, unique, rank, &mut config) };
+    Ok((RawComm(comm), code))
+}
+
+/// `ncclCommSplit`.
+pub(crate) fn split(
+    api: &NcclApi,
+    parent: RawComm,
+    color: c_int,
+    key: c_int,
+    blocking: bool,
+) -> Result<(RawComm, ncclResult_t)> {
+    let f = api.comm_split.get()?;
+    let mut config = config(blocking);
+    let mut comm = std::ptr::null_mut();
+    // SAFETY: `parent` is a live communicator (the caller holds it); out-pointers are valid.
+    let code = unsafe { f(parent.0, color, key, &mut comm, &mut config) };
+    Ok((RawComm(comm), code))
+}
+
+macro_rules! comm_call {
+    ($(#[$doc:meta])* $name:ident => $entry:ident) => {
+        $(#[$doc])*
+        pub(crate) fn $name(api: &NcclApi, comm: RawComm) -> Result<ncclResult_t> {
+            let f = api.$entry.get()?;
+            // SAFETY: `comm` is a live communicator handle owned by the caller.
+            Ok(unsafe { f(comm.0) })
+        }
+    };
+}
+
+comm_call!(
+    /// `ncclCommFinalize`.
+    finalize => comm_finalize
+);
+comm_call!(
+    /// `ncclCommDestroy`.
+    destroy => comm_destroy
+);
+comm_call!(
+    /// `ncclCommAbort`.
+    abort => comm_abort
+);
+
+/// `ncclCommGetAsyncError`: the communicator's state (`ncclInProgress` while a non-blocking
+/// call runs, an error once one happened).
+pub(crate) fn async_error(api: &NcclApi, comm: RawComm) -> Result<ncclResult_t> {
+    let f = api.comm_get_async_error.get()?;
+    let mut state = ncclResult_t::ncclSuccess;
+    // SAFETY: `comm` is live; `state` is a valid out-pointer.
+    let code = unsafe { f(comm.0, &mut state) };
+    api.check(code, "ncclCommGetAsyncError", comm.0)?;
+    Ok(state)
+}
+
+/// `ncclCommCount`, `ncclCommUserRank` and `ncclCommCuDevice`.
+pub(crate) fn shape(api: &NcclApi, comm: RawComm) -> Result<(c_int, c_int, c_int)> {
+    let (count, rank, device) = (
+        api.comm_count.get()?,
+        api.comm_user_rank.get()?,
+        api.comm_cu_device.get()?,
+    );
+    let (mut n, mut r, mut d) = (0, 0, 0);
+    // SAFETY: `comm` is live and initialised; the out-pointers are valid.
+    let status = unsafe { count(comm.0, &mut n) };
+    api.check(status, "ncclCommCount", comm.0)?;
+    // SAFETY: as above.
+    let status = unsafe { rank(comm.0, &mut r) };
+    api.check(status, "ncclCommUserRank", comm.0)?;
+    // SAFETY: as above.
+    let status = unsafe { device(comm.0, &mut d) };
+    api.check(status, "ncclCommCuDevice", comm.0)?;
+    Ok((n, r, d))
+}
+
+/// `ncclGroupStart`.
+pub(crate) fn group_start(api: &NcclApi) -> Result<ncclResult_t> {
+    let f = api.group_start.get()?;
+    // SAFETY: no arguments; groups nest.
+    Ok(unsafe { f() })
+}
+
+/// `ncclGroupEnd`.
+pub(crate) fn group_end(api: &NcclApi) -> Result<ncclResult_t> {
+    let f = api.group_end.get()?;
+    // SAFETY: no arguments; called once per `group_start`.
+    Ok(unsafe { f() })
+}
+
+/// One collective or point-to-point call, with device addresses and counts the caller has
+/// checked against live buffers on `stream`'s device.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Call {
+    AllReduce {
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        op: sys::ncclRedOp_t,
+    },
+    Broadcast {
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        root: c_int,
+    },
+    Reduce {
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        op: sys::ncclRedOp_t,
+        root: c_int,
+    },
+    AllGather {
+        send: DevicePtr,
+        recv: DevicePtr,
+        send_count: usize,
+    },
+    ReduceScatter {
+        send: DevicePtr,
+        recv: DevicePtr,
+        recv_count: usize,
+        op: sys::ncclRedOp_t,
+    },
+    Send {
+        send: DevicePtr,
+        count: usize,
+        peer: c_int,
+    },
+    Recv {
+        recv: DevicePtr,
+        count: usize,
+        peer: c_int,
+    },
+}
+
+impl Call {
+    /// NCCL's name for the call.
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Self::AllReduce { .. } => "ncclAllReduce",
+            Self::Broadcast { .. } => "ncclBroadcast",
+            Self::Reduce { .. } => "ncclReduce",
+            Self::AllGather { .. } => "ncclAllGather",
+            Self::ReduceScatter { .. } => "ncclReduceScatter",
+            Self::Send { .. } => "ncclSend",
+            Self::Recv { .. } => "ncclRecv",
+        }
+    }
+
+    /// Queues the call on `stream`.
+    ///
+    /// Contract (checked by `collective`): `comm` is live; every address is a device allocation
+    /// on `stream`'s device valid for the bytes NCCL touches (counts × `dtype`'s size, ×
+    /// nranks for the gathered or scattered side), kept alive and unused by conflicting work
+    /// until the stream passes the call (the buffers' use trackers record it).
+    pub(crate) fn issue(
+        self,
+        api: &NcclApi,
+        comm: RawComm,
+        dtype: sys::ncclDataType_t,
+        stream: &Stream,
+    ) -> Result<ncclResult_t> {
+        let (c, s) = (comm.0, stream_handle(stream));
+        // SAFETY (every arm): the contract above; NCCL reads `send` and writes `recv` for the
+        // given counts only, and enqueues the work on `s` without blocking on the device.
+        Ok(match self {
+            Self::AllReduce {
+                send,
+                recv,
+                count,
+                op,
+            } => {
+                let f = api.all_reduce.get()?;
+                // SAFETY: see above.
+                unsafe { f(address(send), address(recv), count, dtype, op, c, s) }
+            }
+            Self::Broadcast {
+                send,
+                recv,
+                count,
+                root,
+            } => {
+                let f = api.broadcast.get()?;
+                // SAFETY: see above.
+                unsafe { f(address(send), address(recv), count, dtype, root, c, s) }
+            }
+            Self::Reduce {
+                send,
+                recv,
+                count,
+                op,
+                root,
+            } => {
+                let f = api.reduce.get()?;
+                // SAFETY: see above.
+                unsafe { f(address(send), address(recv), count, dtype, op, root, c, s) }
+            }
+            Self::AllGather {
+                send,
+                recv,
+                send_count,
+            } => {
+                let f = api.all_gather.get()?;
+                // SAFETY: see above.
+                unsafe { f(address(send), address(recv), send_count, dtype, c, s) }
+            }
+            Self::ReduceScatter {
+                send,
+                recv,
+                recv_count,
+                op,
+            } => {
+                let f = api.reduce_scatter.get()?;
+                // SAFETY: see above.
+                unsafe { f(address(send), address(recv), recv_count, dtype, op, c, s) }
+            }
+            Self::Send { send, count, peer } => {
+                let f = api.send.get()?;
+                // SAFETY: see above.
+                unsafe { f(address(send), count, dtype, peer, c, s) }
+            }
+            Self::Recv { recv, count, peer } => {
+                let f = api.recv.get()?;
+                // SAFETY: see above.
+                unsafe { f(address(recv), count, dtype, peer, c, s) }
+            }
+        })
+    }
+}
