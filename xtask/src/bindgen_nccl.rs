@@ -57,7 +57,10 @@ const EXTRA_TYPES: &[&str] = &[
 /// Constants defined as macros in `nccl.h`.
 const VARS: &str = "NCCL_MAJOR|NCCL_MINOR|NCCL_PATCH|NCCL_VERSION_CODE|NCCL_UNIQUE_ID_BYTES|NCCL_API_MAGIC|NCCL_SPLIT_NOCOLOR";
 
-pub(crate) fn run(nccl_include: Option<PathBuf>, cuda_include: Option<PathBuf>) -> anyhow::Result<()> {
+pub(crate) fn run(
+    nccl_include: Option<PathBuf>,
+    cuda_include: Option<PathBuf>,
+) -> anyhow::Result<()> {
     let nccl_include = match nccl_include {
         Some(dir) => dir,
         None => find_nccl_include()?,
@@ -151,10 +154,9 @@ fn find_nccl_include() -> anyhow::Result<PathBuf> {
         );
     }
     candidates.push(PathBuf::from("/usr/include"));
-    candidates
-        .into_iter()
-        .find(|dir| has_header(dir))
-        .context("no nccl.h found; pass a directory, set NCCL_HOME, or `pip install nvidia-nccl-cu13`")
+    candidates.into_iter().find(|dir| has_header(dir)).context(
+        "no nccl.h found; pass a directory, set NCCL_HOME, or `pip install nvidia-nccl-cu13`",
+    )
 }
 
 fn has_header(dir: &Path) -> bool {

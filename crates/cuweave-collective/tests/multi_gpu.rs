@@ -1,0 +1,307 @@
+//! Several GPUs: `init_all` over every device, two processes joined through `init_rank` (the
+//! test spawns the second process by re-executing this binary), every collective byte-exact,
+//! broadcast from each root, and a rank that never joins a collective: the other gets a typed
+//! timeout and its communicator is aborted. Each test reports itself skipped, with the reason,
+//! on fewer than two devices.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{assert_bytes_eq, nccl_or_skip, pattern};
+use cuweave_collective::{CommConfig, Communicator, Group, ReduceOp, UniqueId};
+use cuweave_driver::{Device, Stream, StreamFlags};
+use cuweave_memory::{Buffer, DeviceBuffer};
+use cuweave_test_support::require_gpu;
+
+const CHILD_VAR: &str = "CUWEAVE_COLLECTIVE_CHILD";
+
+/// Every device, or `None` after printing why the test is skipped.
+fn devices(test: &str) -> Option<Vec<Device>> {
+    let devices = Device::all().ok()?;
+    if devices.len() < 2 {
+        eprintln!(
+            "SKIPPED {test}: needs 2 or more devices, found {}",
+            devices.len()
+        );
+        return None;
+    }
+    if !nccl_or_skip(test) {
+        return None;
+    }
+    Some(devices)
+}
+
+/// The expected all-reduce of rank r's `pattern(len, r + 1)` over `n` ranks, in f64 (exact:
+/// the patterns are multiples of 1/8 well inside f64's integer range).
+fn summed(len: usize, n: usize) -> Vec<f64> {
+    (0..len)
+        .map(|i| (0..n).map(|r| pattern::<f64>(len, r + 1)[i]).sum())
+        .collect()
+}
+
+/// What rank `rank` of `comms` does in every collective check, on its own stream; all ranks'
+/// calls for one collective are grouped (one process) or run in separate processes.
+struct Rank<'a> {
+    comm: &'a Communicator,
+    stream: Stream,
+}
+
+fn check_every_collective(ranks: &[Rank<'_>], size: usize, len: usize) {
+    let n = size;
+    let local = |r: usize| pattern::<f64>(len, r + 1);
+    let mut sends: Vec<DeviceBuffer<f64>> = ranks
+        .iter()
+        .map(|rank| {
+            DeviceBuffer::from_slice(rank.comm.context(), &local(rank.comm.rank())).expect("upload")
+        })
+        .collect();
+    let mut recvs: Vec<DeviceBuffer<f64>> = ranks
+        .iter()
+        .map(|rank| DeviceBuffer::zeroed(rank.comm.context(), len).expect("recv"))
+        .collect();
+
+    // all_reduce (sum), grouped over the local ranks.
+    let mut group = Group::new();
+    for ((rank, send), recv) in ranks.iter().zip(&sends).zip(&mut recvs) {
+        group
+            .all_reduce(rank.comm, send, recv, ReduceOp::Sum, &rank.stream)
+            .expect("add");
+    }
+    group.launch().expect("all_reduce");
+    for (rank, recv) in ranks.iter().zip(&recvs) {
+        rank.comm.synchronize(&rank.stream).expect("synchronize");
+        assert_bytes_eq(
+            "all_reduce sum",
+            &recv.to_vec().expect("download"),
+            &summed(len, n),
+        );
+    }
+
+    // broadcast from each root.
+    for root in 0..n {
+        let mut group = Group::new();
+        for ((rank, send), recv) in ranks.iter().zip(&sends).zip(&mut recvs) {
+            group
+                .broadcast(rank.comm, send, recv, root, &rank.stream)
+                .expect("add");
+        }
+        group.launch().expect("broadcast");
+        for (rank, recv) in ranks.iter().zip(&recvs) {
+            rank.comm.synchronize(&rank.stream).expect("synchronize");
+            assert_bytes_eq(
+                &format!("broadcast from {root}"),
+                &recv.to_vec().expect("download"),
+                &local(root),
+            );
+        }
+    }
+
+    // reduce (max) to the last rank.
+    let root = n - 1;
+    let mut group = Group::new();
+    for ((rank, send), recv) in ranks.iter().zip(&sends).zip(&mut recvs) {
+        group
+            .reduce(rank.comm, send, recv, ReduceOp::Max, root, &rank.stream)
+            .expect("add");
+    }
+    group.launch().expect("reduce");
+    for (rank, recv) in ranks.iter().zip(&recvs) {
+        rank.comm.synchronize(&rank.stream).expect("synchronize");
+        if rank.comm.rank() == root {
+            let want: Vec<f64> = (0..len)
+                .map(|i| (0..n).map(|r| local(r)[i]).fold(f64::MIN, f64::max))
+                .collect();
+            assert_bytes_eq("reduce max", &recv.to_vec().expect("download"), &want);
+        }
+    }
+
+    // all_gather: every rank's input, in rank order.
+    let mut gathered: Vec<DeviceBuffer<f64>> = ranks
+        .iter()
+        .map(|rank| DeviceBuffer::zeroed(rank.comm.context(), len * n).expect("gather"))
+        .collect();
+    let mut group = Group::new();
+    for ((rank, send), recv) in ranks.iter().zip(&sends).zip(&mut gathered) {
+        group
+            .all_gather(rank.comm, send, recv, &rank.stream)
+            .expect("add");
+    }
+    group.launch().expect("all_gather");
+    let want: Vec<f64> = (0..n).flat_map(local).collect();
+    for (rank, recv) in ranks.iter().zip(&gathered) {
+        rank.comm.synchronize(&rank.stream).expect("synchronize");
+        assert_bytes_eq("all_gather", &recv.to_vec().expect("download"), &want);
+    }
+
+    // reduce_scatter (sum) of the gathered buffers: rank r gets n × its own slot... of the
+    // sum over ranks of the same gathered data, i.e. n × local(r).
+    let mut group = Group::new();
+    for ((rank, send), recv) in ranks.iter().zip(&gathered).zip(&mut recvs) {
+        group
+            .reduce_scatter(rank.comm, send, recv, ReduceOp::Sum, &rank.stream)
+            .expect("add");
+    }
+    group.launch().expect("reduce_scatter");
+    for (rank, recv) in ranks.iter().zip(&recvs) {
+        rank.comm.synchronize(&rank.stream).expect("synchronize");
+        let want: Vec<f64> = local(rank.comm.rank())
+            .iter()
+            .map(|x| x * n as f64)
+            .collect();
+        assert_bytes_eq("reduce_scatter", &recv.to_vec().expect("download"), &want);
+    }
+
+    // send/recv around a ring: rank r sends to r + 1 and receives from r - 1.
+    let mut group = Group::new();
+    for ((rank, send), recv) in ranks.iter().zip(&sends).zip(&mut recvs) {
+        let r = rank.comm.rank();
+        group
+            .send(rank.comm, send, (r + 1) % n, &rank.stream)
+            .expect("send");
+        group
+            .recv(rank.comm, recv, (r + n - 1) % n, &rank.stream)
+            .expect("recv");
+    }
+    group.launch().expect("ring");
+    for (rank, recv) in ranks.iter().zip(&recvs) {
+        rank.comm.synchronize(&rank.stream).expect("synchronize");
+        assert_bytes_eq(
+            "ring",
+            &recv.to_vec().expect("download"),
+            &local((rank.comm.rank() + n - 1) % n),
+        );
+    }
+    sends.clear();
+}
+
+#[test]
+fn init_all_over_every_device_runs_every_collective_byte_exact() {
+    let _gpu = require_gpu!(else return);
+    let Some(devices) =
+        devices("multi_gpu::init_all_over_every_device_runs_every_collective_byte_exact")
+    else {
+        return;
+    };
+    let comms = Communicator::init_all(&devices, &CommConfig::default()).expect("init_all");
+    assert_eq!(comms.len(), devices.len());
+    for (i, comm) in comms.iter().enumerate() {
+        assert_eq!(
+            (comm.rank(), comm.size(), comm.device()),
+            (i, devices.len(), devices[i])
+        );
+    }
+    let ranks: Vec<Rank<'_>> = comms
+        .iter()
+        .map(|comm| Rank {
+            comm,
+            stream: Stream::new(comm.context(), StreamFlags::NON_BLOCKING).expect("stream"),
+        })
+        .collect();
+    for len in [1, 1000, 1 << 20, 16 << 20] {
+        check_every_collective(&ranks, devices.len(), len);
+    }
+}
+
+/// In the child process: rank 1 of 2 on device 1, then the same checks as the parent, or (mode
+/// `leave`) init and exit without joining the collective.
+fn child_main(spec: &str) {
+    let mut parts = spec.split(':');
+    let (mode, id) = (parts.next().expect("mode"), parts.next().expect("id"));
+    let id = UniqueId::from_hex(id).expect("id");
+    let comm = Communicator::init_rank(
+        2,
+        1,
+        &id,
+        Device::get(1).expect("device 1"),
+        &CommConfig::default(),
+    )
+    .expect("child init");
+    if mode == "leave" {
+        // Never joins the collective; exits (without finalising) once the parent is waiting.
+        std::thread::sleep(Duration::from_secs(1));
+        std::process::exit(0);
+    }
+    let rank = Rank {
+        comm: &comm,
+        stream: Stream::new(comm.context(), StreamFlags::NON_BLOCKING).expect("stream"),
+    };
+    for len in [1, 1000, 1 << 20, 16 << 20] {
+        check_every_collective(std::slice::from_ref(&rank), 2, len);
+    }
+    println!("child rank 1 passed");
+}
+
+fn spawn_child(test: &str, mode: &str, id: &UniqueId) -> Child {
+    Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(CHILD_VAR, format!("{mode}:{}", id.to_hex()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn rank 1")
+}
+
+#[test]
+fn two_processes_joined_by_init_rank_run_every_collective_byte_exact() {
+    const TEST: &str = "two_processes_joined_by_init_rank_run_every_collective_byte_exact";
+    if let Ok(spec) = std::env::var(CHILD_VAR) {
+        if spec.starts_with("join:") {
+            child_main(&spec);
+        }
+        return;
+    }
+    let _gpu = require_gpu!(else return);
+    let Some(devices) = devices(TEST) else { return };
+    let id = UniqueId::new().expect("id");
+    let child = spawn_child(TEST, "join", &id);
+    let comm = Communicator::init_rank(2, 0, &id, devices[0], &CommConfig::default())
+        .expect("parent init");
+    let rank = Rank {
+        comm: &comm,
+        stream: Stream::new(comm.context(), StreamFlags::NON_BLOCKING).expect("stream"),
+    };
+    for len in [1, 1000, 1 << 20, 16 << 20] {
+        check_every_collective(std::slice::from_ref(&rank), 2, len);
+    }
+    let output = child.wait_with_output().expect("rank 1");
+    let text = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && text.contains("child rank 1 passed"),
+        "rank 1:\n{text}"
+    );
+}
+
+#[test]
+fn a_rank_that_never_joins_is_a_typed_timeout_and_the_communicator_is_aborted() {
+    const TEST: &str = "a_rank_that_never_joins_is_a_typed_timeout_and_the_communicator_is_aborted";
+    if let Ok(spec) = std::env::var(CHILD_VAR) {
+        if spec.starts_with("leave:") {
+            child_main(&spec);
+        }
+        return;
+    }
+    let _gpu = require_gpu!(else return);
+    let Some(devices) = devices(TEST) else { return };
+    let id = UniqueId::new().expect("id");
+    let mut child = spawn_child(TEST, "leave", &id);
+    let config = CommConfig::default().with_timeout(Duration::from_secs(5));
+    let comm = Communicator::init_rank(2, 0, &id, devices[0], &config).expect("parent init");
+    let stream = Stream::new(comm.context(), StreamFlags::NON_BLOCKING).expect("stream");
+    let mut buffer =
+        DeviceBuffer::from_slice(comm.context(), &pattern::<f32>(1 << 20, 1)).expect("upload");
+    comm.all_reduce_in_place(&mut buffer, ReduceOp::Sum, &stream)
+        .expect("queued");
+    let started = Instant::now();
+    let error = comm.synchronize(&stream).expect_err("rank 1 never joins");
+    eprintln!("lonely all_reduce: {error} after {:?}", started.elapsed());
+    assert!(
+        error.is_timeout() || error.nccl_code().is_some(),
+        "a timeout, or NCCL's asynchronous error once the peer's exit is noticed: {error}"
+    );
+    assert!(comm.is_aborted());
+    assert!(started.elapsed() < Duration::from_secs(30));
+    let _ = child.wait();
+}
