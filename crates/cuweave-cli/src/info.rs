@@ -19,6 +19,9 @@ pub struct Report {
     pub error: Option<String>,
     /// Every device that was read successfully, in ordinal order.
     pub devices: Vec<DeviceReport>,
+    /// NCCL's version and where it loaded from, or why none was found (gathered whether or not
+    /// a GPU is present: the library loads without one).
+    pub nccl: NcclReport,
     /// How the gathering went; decides the exit status, not part of the JSON.
     #[serde(skip)]
     pub status: Status,
@@ -43,6 +46,54 @@ impl Status {
         match self {
             Self::Complete | Self::NoGpu => 0,
             Self::Failed => 1,
+        }
+    }
+}
+
+/// What `cuweave info` says about NCCL (`cuweave-collective`'s loader).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NcclReport {
+    /// `ncclGetVersion`'s answer, e.g. `2.28.9`, when a library loaded.
+    pub version: Option<String>,
+    /// The candidate that loaded: a path, or a name the dynamic loader resolved.
+    pub library: Option<String>,
+    /// Why no NCCL loaded, when none did.
+    pub error: Option<String>,
+}
+
+impl NcclReport {
+    /// Loads NCCL (once per process) and reports it.
+    pub fn gather() -> Self {
+        match cuweave::collective::nccl() {
+            Ok(nccl) => Self::found(&nccl.version().to_string(), nccl.path()),
+            Err(error) => Self::missing(&error.to_string()),
+        }
+    }
+
+    /// The report for a library that loaded.
+    pub fn found(version: &str, library: &str) -> Self {
+        Self {
+            version: Some(version.to_owned()),
+            library: Some(library.to_owned()),
+            error: None,
+        }
+    }
+
+    /// The report for no library, with the reason.
+    pub fn missing(reason: &str) -> Self {
+        Self {
+            version: None,
+            library: None,
+            error: Some(reason.to_owned()),
+        }
+    }
+
+    /// The one line `cuweave info` prints, e.g. `NCCL 2.28.9 (libnccl.so.2)`.
+    pub fn line(&self) -> String {
+        match (&self.version, &self.library, &self.error) {
+            (Some(version), Some(library), _) => format!("NCCL {version} ({library})"),
+            (_, _, Some(error)) => format!("NCCL: {error}"),
+            _ => "NCCL: unknown".to_owned(),
         }
     }
 }
@@ -181,6 +232,7 @@ impl Report {
             driver: None,
             error: Some(message),
             devices: Vec::new(),
+            nccl: NcclReport::gather(),
             status: Status::NoGpu,
         }
     }
@@ -225,6 +277,7 @@ pub fn gather() -> Report {
         driver,
         error,
         devices,
+        nccl: NcclReport::gather(),
         status,
     }
 }
@@ -309,6 +362,18 @@ mod tests {
             "{error}"
         );
         assert_eq!(report.status.exit_code(), 0);
+    }
+
+    #[test]
+    fn nccl_lines_say_the_version_or_why_none_was_found() {
+        assert_eq!(
+            NcclReport::found("2.28.9", "libnccl.so.2").line(),
+            "NCCL 2.28.9 (libnccl.so.2)"
+        );
+        assert_eq!(
+            NcclReport::missing("no NCCL library found: tried libnccl.so.2 (gone)").line(),
+            "NCCL: no NCCL library found: tried libnccl.so.2 (gone)"
+        );
     }
 
     #[test]

@@ -10,7 +10,7 @@ const GIB: f64 = (1u64 << 30) as f64;
 /// Width of the label column in a device block.
 const LABEL_WIDTH: usize = 27;
 
-/// The report as pretty-printed JSON: `{"driver": …, "error": …, "devices": […]}`.
+/// The report as pretty-printed JSON: `{"driver": …, "error": …, "devices": […], "nccl": …}`.
 ///
 /// # Errors
 /// Only if serialisation itself fails, which plain data like this does not do.
@@ -18,16 +18,19 @@ pub fn json(report: &Report) -> serde_json::Result<String> {
     serde_json::to_string_pretty(report)
 }
 
-/// The report as text: the driver version, a block per device, and the peer access matrix.
+/// The report as text: the driver version, the NCCL line, a block per device, and the peer
+/// access matrix.
 ///
-/// Without a usable driver this is the one line that says why, e.g.
-/// `no CUDA driver found: looked for libcuda.so.1, libcuda.so (…)`.
+/// Without a usable driver this is the line that says why, e.g.
+/// `no CUDA driver found: looked for libcuda.so.1, libcuda.so (…)`, then the NCCL line.
 pub fn text(report: &Report) -> String {
     let mut out = String::new();
     if report.status == Status::NoGpu {
         if let Some(error) = &report.error {
             out.push_str(error);
+            out.push('\n');
         }
+        out.push_str(&report.nccl.line());
         return out;
     }
     // `fmt::Write` into a `String` cannot fail, so the results below are discarded.
@@ -37,6 +40,7 @@ pub fn text(report: &Report) -> String {
         }
         None => out.push_str("CUDA driver (version unknown)\n"),
     }
+    let _ = writeln!(out, "{}", report.nccl.line());
     match report.devices.len() {
         0 => out.push_str("no CUDA devices\n"),
         1 => out.push_str("1 device\n"),
@@ -157,7 +161,7 @@ mod tests {
 
     use super::*;
     use crate::info::{
-        Capabilities, ComputeCapability, DriverVersion, PeerAccess, StreamPriorityRange,
+        Capabilities, ComputeCapability, DriverVersion, NcclReport, PeerAccess, StreamPriorityRange,
     };
 
     fn h100(ordinal: usize, peers: &[(usize, bool)]) -> DeviceReport {
@@ -194,16 +198,19 @@ mod tests {
             driver: Some(DriverVersion::from_raw(13000)),
             error: None,
             devices,
+            nccl: NcclReport::found("2.28.9", "libnccl.so.2"),
             status: Status::Complete,
         }
     }
 
     fn no_driver() -> Report {
-        Report::unavailable(&DriverError::NotFound {
+        let mut report = Report::unavailable(&DriverError::NotFound {
             searched: "libcuda.so.1, libcuda.so".to_owned(),
             reason: "libcuda.so: cannot open shared object file: No such file or directory"
                 .to_owned(),
-        })
+        });
+        report.nccl = NcclReport::missing("no NCCL library found: tried libnccl.so.2 (gone)");
+        report
     }
 
     #[test]
@@ -211,6 +218,7 @@ mod tests {
         let text = text(&report(vec![h100(0, &[])]));
         let expected = "\
 CUDA driver 13.0 (13000)
+NCCL 2.28.9 (libnccl.so.2)
 1 device
 
 device 0: NVIDIA H100 80GB HBM3
@@ -239,7 +247,9 @@ peer access: n/a (one device)";
             h100(2, &[(0, false), (1, false)]),
         ];
         let text = text(&report(devices));
-        assert!(text.starts_with("CUDA driver 13.0 (13000)\n3 devices\n"));
+        assert!(
+            text.starts_with("CUDA driver 13.0 (13000)\nNCCL 2.28.9 (libnccl.so.2)\n3 devices\n")
+        );
         let matrix = text
             .split_once("peer access (can the row's device access the column's memory):\n")
             .map(|(_, matrix)| matrix)
@@ -264,7 +274,8 @@ peer access: n/a (one device)";
         assert_eq!(
             text(&no_driver()),
             "no CUDA driver found: looked for libcuda.so.1, libcuda.so \
-             (libcuda.so: cannot open shared object file: No such file or directory)"
+             (libcuda.so: cannot open shared object file: No such file or directory)\n\
+             NCCL: no NCCL library found: tried libnccl.so.2 (gone)"
         );
     }
 
@@ -272,7 +283,7 @@ peer access: n/a (one device)";
     fn text_with_no_devices_and_with_errors() {
         assert_eq!(
             text(&report(Vec::new())),
-            "CUDA driver 13.0 (13000)\nno CUDA devices"
+            "CUDA driver 13.0 (13000)\nNCCL 2.28.9 (libnccl.so.2)\nno CUDA devices"
         );
         let mut failed = report(vec![h100(0, &[])]);
         failed.error = Some("device 1: cuDeviceGetAttribute failed".to_owned());
@@ -294,6 +305,11 @@ peer access: n/a (one device)";
                 "error": "no CUDA driver found: looked for libcuda.so.1, libcuda.so \
                           (libcuda.so: cannot open shared object file: No such file or directory)",
                 "devices": [],
+                "nccl": {
+                    "version": null,
+                    "library": null,
+                    "error": "no NCCL library found: tried libnccl.so.2 (gone)",
+                },
             })
         );
     }
@@ -327,6 +343,7 @@ peer access: n/a (one device)";
                     "stream_priority_range": { "least": 0, "greatest": -5 },
                     "peer_access": [{ "peer": 1, "can_access": true }],
                 }],
+                "nccl": { "version": "2.28.9", "library": "libnccl.so.2", "error": null },
             })
         );
     }

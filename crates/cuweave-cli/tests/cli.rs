@@ -66,7 +66,12 @@ fn info_exits_zero_and_reports_the_driver_or_its_absence() {
                 LIBRARY_CANDIDATES.join(", ")
             );
             assert!(text.starts_with(&expected), "{text}");
-            assert_eq!(text.lines().count(), 1, "{text}");
+            // The driver's line, then NCCL's.
+            assert_eq!(text.lines().count(), 2, "{text}");
+            assert!(
+                text.lines().nth(1).is_some_and(|l| l.starts_with("NCCL")),
+                "{text}"
+            );
         }
         DriverState::Unusable(error) => {
             assert_eq!(
@@ -102,7 +107,12 @@ fn info_json_has_the_same_content_for_programs() {
     let object = value.as_object().expect("a JSON object");
     let mut keys: Vec<&str> = object.keys().map(String::as_str).collect();
     keys.sort_unstable();
-    assert_eq!(keys, ["devices", "driver", "error"]);
+    assert_eq!(keys, ["devices", "driver", "error", "nccl"]);
+    let nccl = &value["nccl"];
+    assert!(
+        nccl["version"].is_string() != nccl["error"].is_string(),
+        "either a version or why none: {nccl}"
+    );
     match driver_state() {
         DriverState::NotFound => {
             assert_eq!(value["driver"], Value::Null);

@@ -19,6 +19,7 @@
 //! | memory | `cuweave-memory` | [`memory`] | typed device, pinned and unified buffers, migration hints, the caching allocator, the pinned pool |
 //! | stream | `cuweave-stream` | [`stream`] | priority streams with metrics and callbacks, the stream pool and its strategies, multi-stream coordination, the stream-ordered allocator, the GPU-timed profiler |
 //! | event | `cuweave-event` | [`event`] | the event pool (re-exported from the driver layer), the operation coordinator (dependencies, priorities, deadlock detection), cross-stream barriers, async waiting (`.await` a stream or an event under any executor) |
+//! | collective | `cuweave-collective` | [`collective`] | NCCL loaded at run time: communicators (one process per GPU or one driving several), typed all-reduce / broadcast / reduce / all-gather / reduce-scatter / send / recv on tracked buffers, deadlines that abort, coordinated operations |
 //! | transfer | `cuweave-transfer` | [`transfer`] | the transfer manager: measured method choice, pipelined staging of pageable copies, peer-to-peer, zero-copy, host registration, statistics, async transfers |
 //!
 //! # Features
@@ -30,6 +31,7 @@
 //! | `stream` | yes | [`stream`]: priority streams, pools, coordination, stream-ordered allocation, profiling (implies `driver`, `memory`) |
 //! | `event` | yes | [`event`]: operation coordination, barriers, async waiting (implies `driver`, `stream`; the crate does not use the memory layer itself) |
 //! | `transfer` | yes | [`transfer`]: the transfer manager (implies `driver`, `memory`, `event`) |
+//! | `collective` | yes | [`collective`]: NCCL collectives (implies `driver`, `memory`, `event`); NCCL itself is loaded at run time, so building needs no NCCL |
 //!
 //! # Example
 //!
@@ -63,6 +65,8 @@
 //! `cargo run -p cuweave-cli -- info`.
 #![forbid(unsafe_code)]
 
+#[cfg(feature = "collective")]
+pub use cuweave_collective as collective;
 #[cfg(feature = "driver")]
 pub use cuweave_driver as driver;
 #[cfg(feature = "event")]
@@ -76,6 +80,11 @@ pub use cuweave_transfer as transfer;
 
 /// The most used types of every enabled layer, for `use cuweave::prelude::*`.
 pub mod prelude {
+    #[cfg(feature = "collective")]
+    pub use cuweave_collective::{
+        CollectiveError, CommConfig, Communicator, CoordinatedCollectives, Group, NcclType,
+        ReduceOp, UniqueId,
+    };
     #[cfg(feature = "driver")]
     pub use cuweave_driver::{
         Context, Device, DriverError, Event, EventFlags, EventPool, OwnedPooledEvent, PooledEvent,
