@@ -11,7 +11,7 @@ use parking_lot::{Mutex, MutexGuard};
 use crate::error::{CollectiveError, NcclCode, Result};
 use crate::id::UniqueId;
 use crate::loader::{self, NcclApi};
-use crate::raw::{self, RawComm};
+use crate::raw::{self, HandleSlot, RawComm};
 use crate::sys::{self, ncclResult_t};
 
 /// How communicators are made and how long their work may take.
@@ -64,6 +64,8 @@ pub(crate) struct CommInner {
     /// `None` once aborted or destroyed. Every NCCL call on the handle holds this lock, so an
     /// abort (which frees the handle) never races a call using it.
     handle: Mutex<Option<RawComm>>,
+    /// Where NCCL wrote the handle; kept while NCCL may write it (see [`HandleSlot`]).
+    slot: Option<HandleSlot>,
     api: &'static NcclApi,
     context: Arc<Context>,
     rank: usize,
@@ -179,6 +181,23 @@ fn settle_raw(
     polled
 }
 
+/// One poll of `ncclCommGetAsyncError`: `Ok(true)` when idle, `Ok(false)` while in progress,
+/// NCCL's error otherwise (nothing is aborted here).
+fn settle_once(
+    api: &NcclApi,
+    context: &Context,
+    raw: RawComm,
+    operation: &'static str,
+) -> Result<bool> {
+    context.bind_to_thread()?;
+    let state = raw::async_error(api, raw)?;
+    match NcclCode::from_raw(state) {
+        None => Ok(true),
+        Some(NcclCode::InProgress) => Ok(false),
+        Some(kind) => Err(api.error(kind, state, operation, raw.0)),
+    }
+}
+
 /// Spins for the first polls (a short non-blocking call), then yields, then sleeps briefly
 /// (initialisation takes hundreds of milliseconds).
 pub(crate) fn back_off(polls: u32) {
@@ -198,13 +217,14 @@ fn to_int(value: usize, what: &str, operation: &'static str) -> Result<c_int> {
 }
 
 impl Communicator {
-    /// Wraps an initialised handle; aborts it when its shape cannot be read.
-    fn from_raw(
-        raw: RawComm,
+    /// Wraps the initialised handle in `slot`; aborts it when its shape cannot be read.
+    fn from_slot(
+        slot: HandleSlot,
         api: &'static NcclApi,
         context: Arc<Context>,
         config: CommConfig,
     ) -> Result<Self> {
+        let raw = slot.get();
         let shape = context
             .bind_to_thread()
             .map_err(CollectiveError::from)
@@ -213,6 +233,7 @@ impl Communicator {
             Ok((nranks, rank, _device)) => Ok(Self {
                 inner: Arc::new(CommInner {
                     handle: Mutex::new(Some(raw)),
+                    slot: Some(slot),
                     api,
                     context,
                     rank: rank as usize,
@@ -222,6 +243,7 @@ impl Communicator {
             }),
             Err(error) => {
                 abort_raw(api, &context, raw);
+                slot.leak();
                 Err(error)
             }
         }
@@ -247,49 +269,71 @@ impl Communicator {
             .map(|&device| Context::primary(device))
             .collect::<cuweave_driver::Result<Vec<_>>>()?;
         let id = UniqueId::new()?;
-        let mut handles = vec![RawComm::NULL; devices.len()];
+        let slots: Vec<HandleSlot> = devices.iter().map(|_| HandleSlot::new()).collect();
         let started = raw::group_start(api)?;
         api.check(started, "ncclGroupStart", std::ptr::null_mut())?;
         let mut failure = None;
-        for (rank, context) in contexts.iter().enumerate() {
-            if let Err(error) = context.bind_to_thread() {
-                failure = Some(error.into());
-                break;
-            }
-            let (handle, code) =
-                raw::init_rank(api, nranks, rank as c_int, id.as_bytes(), config.blocking)?;
-            handles[rank] = handle;
-            if let Some(kind) = NcclCode::from_raw(code).filter(|k| *k != NcclCode::InProgress) {
-                failure = Some(api.error(kind, code, "ncclCommInitRankConfig", handle.0));
-                break;
-            }
-        }
-        let ended = raw::group_end(api)?;
-        let context_refs: Vec<&Arc<Context>> = contexts.iter().collect();
-        let failure = failure.or_else(|| {
-            NcclCode::from_raw(ended)
-                .filter(|k| *k != NcclCode::InProgress)
-                .map(|kind| api.error(kind, ended, "ncclGroupEnd", std::ptr::null_mut()))
-        });
-        if let Some(error) = failure {
-            for (raw, context) in handles.iter().zip(&context_refs) {
-                if !raw.is_null() {
-                    abort_raw(api, context, *raw);
+        for (rank, (context, slot)) in contexts.iter().zip(&slots).enumerate() {
+            let code = context
+                .bind_to_thread()
+                .map_err(CollectiveError::from)
+                .and_then(|()| {
+                    raw::init_rank(
+                        api,
+                        slot,
+                        nranks,
+                        rank as c_int,
+                        id.as_bytes(),
+                        config.blocking,
+                    )
+                });
+            match code.map(|code| (NcclCode::from_raw(code), code)) {
+                Ok((None | Some(NcclCode::InProgress), _)) => {}
+                Ok((Some(kind), code)) => {
+                    failure = Some(api.error(kind, code, "ncclCommInitRankConfig", slot.get().0));
+                    break;
+                }
+                Err(error) => {
+                    failure = Some(error);
+                    break;
                 }
             }
+        }
+        // Always close the group, so this thread leaves group mode.
+        let ended = raw::group_end(api);
+        let context_refs: Vec<&Arc<Context>> = contexts.iter().collect();
+        let handles: Vec<RawComm> = slots.iter().map(HandleSlot::get).collect();
+        let failure = failure.or_else(|| match ended {
+            Ok(ended) => NcclCode::from_raw(ended)
+                .filter(|k| *k != NcclCode::InProgress)
+                .map(|kind| api.error(kind, ended, "ncclGroupEnd", std::ptr::null_mut())),
+            Err(error) => Some(error),
+        });
+        let settled = match failure {
+            Some(error) => {
+                for (raw, context) in handles.iter().zip(&context_refs) {
+                    if !raw.is_null() {
+                        abort_raw(api, context, *raw);
+                    }
+                }
+                Err(error)
+            }
+            None => settle_raw(api, &context_refs, &handles, OP, config.timeout),
+        };
+        if let Err(error) = settled {
+            slots.into_iter().for_each(HandleSlot::leak);
             return Err(error);
         }
-        settle_raw(api, &context_refs, &handles, OP, config.timeout)?;
-        let mut comms = Vec::with_capacity(handles.len());
-        for (index, (raw, context)) in handles.iter().zip(contexts).enumerate() {
-            match Self::from_raw(*raw, api, context, config.clone()) {
+        let mut comms = Vec::with_capacity(slots.len());
+        let mut rest = slots.into_iter().zip(contexts);
+        while let Some((slot, context)) = rest.next() {
+            match Self::from_slot(slot, api, context, config.clone()) {
                 Ok(comm) => comms.push(comm),
                 Err(error) => {
-                    // from_raw aborted this one; those already wrapped finalise on drop.
-                    for (raw, device) in handles[index + 1..].iter().zip(&devices[index + 1..]) {
-                        if let Ok(context) = Context::primary(*device) {
-                            abort_raw(api, &context, *raw);
-                        }
+                    // from_slot aborted this one; those already wrapped finalise on drop.
+                    for (slot, context) in rest {
+                        abort_raw(api, &context, slot.get());
+                        slot.leak();
                     }
                     return Err(error);
                 }
@@ -318,25 +362,30 @@ impl Communicator {
                 format!("rank {rank} of {nranks}"),
             ));
         }
+        let (nranks, rank) = (to_int(nranks, "nranks", OP)?, to_int(rank, "rank", OP)?);
         let api = loader::api()?;
         let context = Context::primary(device)?;
         context.bind_to_thread()?;
-        let (handle, code) = raw::init_rank(
-            api,
-            to_int(nranks, "nranks", OP)?,
-            to_int(rank, "rank", OP)?,
-            id.as_bytes(),
-            config.blocking,
-        )?;
-        if let Some(kind) = NcclCode::from_raw(code).filter(|k| *k != NcclCode::InProgress) {
-            let error = api.error(kind, code, "ncclCommInitRankConfig", handle.0);
-            if !handle.is_null() {
-                abort_raw(api, &context, handle);
+        let slot = HandleSlot::new();
+        let code = raw::init_rank(api, &slot, nranks, rank, id.as_bytes(), config.blocking)?;
+        let handle = slot.get();
+        let settled = match NcclCode::from_raw(code) {
+            None | Some(NcclCode::InProgress) => {
+                settle_raw(api, &[&context], &[handle], OP, config.timeout)
             }
+            Some(kind) => {
+                let error = api.error(kind, code, "ncclCommInitRankConfig", handle.0);
+                if !handle.is_null() {
+                    abort_raw(api, &context, handle);
+                }
+                Err(error)
+            }
+        };
+        if let Err(error) = settled {
+            slot.leak();
             return Err(error);
         }
-        settle_raw(api, &[&context], &[handle], OP, config.timeout)?;
-        Self::from_raw(handle, api, context, config.clone())
+        Self::from_slot(slot, api, context, config.clone())
     }
 
     /// Splits the communicator: every rank calls it (it is collective); ranks passing the same
@@ -348,46 +397,75 @@ impl Communicator {
     /// parent and the child are then aborted).
     pub fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Self>> {
         const OP: &str = "Communicator::split";
+        let wanted = color.is_some();
         let color = match color {
             Some(color) => to_int(color as usize, "color", OP)?,
             None => sys::NCCL_SPLIT_NOCOLOR,
         };
         let key = to_int(key as usize, "key", OP)?;
         let inner = &self.inner;
+        let (api, context) = (inner.api, &inner.context);
         let mut locked = self.lock();
         let parent = locked.raw(OP)?;
-        inner.context.bind_to_thread()?;
-        let (child, code) = raw::split(inner.api, parent, color, key, inner.config.blocking)?;
+        context.bind_to_thread()?;
+        let slot = HandleSlot::new();
+        let code = raw::split(api, parent, &slot, color, key, inner.config.blocking)?;
         if let Some(kind) = NcclCode::from_raw(code).filter(|k| *k != NcclCode::InProgress) {
-            let error = inner.api.error(kind, code, "ncclCommSplit", parent.0);
+            let error = api.error(kind, code, "ncclCommSplit", parent.0);
+            let child = slot.get();
             if !child.is_null() {
-                abort_raw(inner.api, &inner.context, child);
+                abort_raw(api, context, child);
             }
+            slot.leak();
             return Err(error);
         }
-        let settled = settle_raw(
-            inner.api,
-            &[&inner.context, &inner.context],
-            &[parent, child],
-            OP,
-            inner.config.timeout,
-        );
-        if let Err(error) = settled {
-            // settle_raw aborted both handles: forget the parent's.
-            locked.guard.take();
-            return Err(error);
-        }
+        // A non-blocking split runs on NCCL's thread (the parent reports it in progress) and
+        // writes the child's handle into the slot when it has made it: wait for both, then for
+        // the child's own initialisation.
+        let start = Instant::now();
+        let mut polls = 0u32;
+        let waited = loop {
+            let parent_done = settle_once(api, context, parent, OP);
+            let child = slot.get();
+            match parent_done {
+                Err(error) => break Err(error),
+                Ok(true) if !wanted || !child.is_null() => break Ok(child),
+                Ok(_) => {}
+            }
+            if start.elapsed() >= inner.config.timeout {
+                break Err(CollectiveError::Timeout {
+                    operation: OP,
+                    waited: start.elapsed(),
+                });
+            }
+            polls += 1;
+            back_off(polls);
+        };
+        let child = match waited {
+            Ok(child) => child,
+            Err(error) => {
+                locked.abort();
+                let child = slot.get();
+                if !child.is_null() {
+                    abort_raw(api, context, child);
+                }
+                slot.leak();
+                return Err(error);
+            }
+        };
         drop(locked);
         if child.is_null() {
+            // No part in any child; NCCL writes nothing more here, but the slot's address was
+            // handed over, so it is not reused.
+            slot.leak();
             return Ok(None);
         }
-        Self::from_raw(
-            child,
-            inner.api,
-            Arc::clone(&inner.context),
-            inner.config.clone(),
-        )
-        .map(Some)
+        let left = inner.config.timeout.saturating_sub(start.elapsed());
+        if let Err(error) = settle_raw(api, &[context], &[child], OP, left) {
+            slot.leak();
+            return Err(error);
+        }
+        Self::from_slot(slot, api, Arc::clone(context), inner.config.clone()).map(Some)
     }
 
     /// This rank's index.
@@ -496,6 +574,10 @@ impl Communicator {
 impl Drop for CommInner {
     fn drop(&mut self) {
         let Some(raw) = self.handle.get_mut().take() else {
+            // Aborted: NCCL's thread may have been cut short with the slot's address in hand.
+            if let Some(slot) = self.slot.take() {
+                slot.leak();
+            }
             return;
         };
         let api = self.api;

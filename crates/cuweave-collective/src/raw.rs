@@ -7,6 +7,7 @@
 //! `ncclInProgress` of a non-blocking communicator is settled.
 
 use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 use cuweave_driver::Stream;
 use cuweave_driver::memory::DevicePtr;
@@ -26,8 +27,6 @@ unsafe impl Send for RawComm {}
 unsafe impl Sync for RawComm {}
 
 impl RawComm {
-    pub(crate) const NULL: Self = Self(std::ptr::null_mut());
-
     pub(crate) fn is_null(self) -> bool {
         self.0.is_null()
     }
@@ -86,41 +85,71 @@ fn config(blocking: bool) -> sys::ncclConfig_t {
     }
 }
 
-/// `ncclCommInitRankConfig` for the device whose context is current on this thread. The handle
-/// is returned even with an error code (it may be non-null and then must be aborted).
+/// Where NCCL writes a new communicator's handle. A non-blocking initialisation or split keeps
+/// the address and writes it from its own thread, later (the handle once a split is done;
+/// `nullptr` when an initialisation fails and is undone), so the slot lives on the heap and is
+/// read atomically, and whoever owns it keeps it until NCCL can no longer write it: the
+/// communicator's whole life, or for ever (leaked) after a failure.
+#[derive(Debug)]
+pub(crate) struct HandleSlot(Box<AtomicPtr<sys::ncclComm>>);
+
+impl HandleSlot {
+    pub(crate) fn new() -> Self {
+        Self(Box::new(AtomicPtr::new(std::ptr::null_mut())))
+    }
+
+    /// The handle NCCL has written so far (null before it has).
+    pub(crate) fn get(&self) -> RawComm {
+        RawComm(self.0.load(Ordering::Acquire))
+    }
+
+    /// Leaks the slot: NCCL may still write it.
+    pub(crate) fn leak(self) {
+        std::mem::forget(self);
+    }
+
+    fn as_out(&self) -> *mut sys::ncclComm_t {
+        // `AtomicPtr<T>` has the layout of `*mut T`; NCCL's plain store of an aligned pointer
+        // and our atomic loads agree on every platform NCCL supports.
+        self.0.as_ptr()
+    }
+}
+
+/// `ncclCommInitRankConfig` for the device whose context is current on this thread, writing the
+/// handle into `slot` (which must outlive any write NCCL can make: see [`HandleSlot`]).
 pub(crate) fn init_rank(
     api: &NcclApi,
+    slot: &HandleSlot,
     nranks: c_int,
     rank: c_int,
     id: &[u8; 128],
     blocking: bool,
-) -> Result<(RawComm, ncclResult_t)> {
+) -> Result<ncclResult_t> {
     let f = api.comm_init_rank_config.get()?;
     let mut unique = sys::ncclUniqueId::default();
     for (dst, src) in unique.internal.iter_mut().zip(id) {
         *dst = *src as std::ffi::c_char;
     }
     let mut config = config(blocking);
-    let mut comm = std::ptr::null_mut();
-    // SAFETY: `comm` and `config` are valid pointers for the call; the id is passed by value.
-    let code = unsafe { f(&mut comm, nranks, unique, rank, &mut config) };
-    Ok((RawComm(comm), code))
+    // SAFETY: the slot is a heap cell its owner keeps alive while NCCL may write it; `config`
+    // is read during the call only; the id is passed by value.
+    Ok(unsafe { f(slot.as_out(), nranks, unique, rank, &mut config) })
 }
 
-/// `ncclCommSplit`.
+/// `ncclCommSplit`, writing the child's handle into `slot` (see [`HandleSlot`]).
 pub(crate) fn split(
     api: &NcclApi,
     parent: RawComm,
+    slot: &HandleSlot,
     color: c_int,
     key: c_int,
     blocking: bool,
-) -> Result<(RawComm, ncclResult_t)> {
+) -> Result<ncclResult_t> {
     let f = api.comm_split.get()?;
     let mut config = config(blocking);
-    let mut comm = std::ptr::null_mut();
-    // SAFETY: `parent` is a live communicator (the caller holds it); out-pointers are valid.
-    let code = unsafe { f(parent.0, color, key, &mut comm, &mut config) };
-    Ok((RawComm(comm), code))
+    // SAFETY: `parent` is a live communicator (the caller holds its lock); the slot outlives
+    // NCCL's writes (see above); `config` is read during the call only.
+    Ok(unsafe { f(parent.0, color, key, slot.as_out(), &mut config) })
 }
 
 macro_rules! comm_call {

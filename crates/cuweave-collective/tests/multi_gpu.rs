@@ -21,9 +21,9 @@ const CHILD_VAR: &str = "CUWEAVE_COLLECTIVE_CHILD";
 fn devices(test: &str) -> Option<Vec<Device>> {
     let devices = Device::all().ok()?;
     if devices.len() < 2 {
-        eprintln!(
-            "SKIPPED {test}: needs 2 or more devices, found {}",
-            devices.len()
+        common::skip(
+            &format!("multi_gpu::{test}"),
+            &format!("needs 2 or more devices, found {}", devices.len()),
         );
         return None;
     }

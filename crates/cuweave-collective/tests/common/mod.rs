@@ -17,10 +17,18 @@ pub fn nccl_or_skip(test: &str) -> bool {
                 !cuweave_test_support::gpu_required(),
                 "{test}: CUWEAVE_REQUIRE_GPU=1 but NCCL is missing: {error}"
             );
-            eprintln!("SKIPPED {test}: {error}");
+            skip(test, &error.to_string());
             false
         }
     }
+}
+
+/// Writes `SKIPPED <test>: <why>` straight to the process's stderr, as the GPU gate does
+/// (libtest does not capture it, so the skip shows and the bundle's `run` counts it).
+pub fn skip(test: &str, why: &str) {
+    use std::io::Write as _;
+    let line = format!("SKIPPED {test}: {why}\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
 /// Values that survive every reduction of one rank unchanged and are never NaN.
