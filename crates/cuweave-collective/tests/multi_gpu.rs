@@ -179,8 +179,7 @@ fn check_every_collective(ranks: &[Rank<'_>], size: usize, len: usize) {
 #[test]
 fn init_all_over_every_device_runs_every_collective_byte_exact() {
     let _gpu = require_gpu!(else return);
-    let Some(devices) =
-        devices("multi_gpu::init_all_over_every_device_runs_every_collective_byte_exact")
+    let Some(devices) = devices("init_all_over_every_device_runs_every_collective_byte_exact")
     else {
         return;
     };
