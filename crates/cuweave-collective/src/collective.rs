@@ -237,6 +237,55 @@ impl Communicator {
         }
     }
 
+    /// A call that reads `send` and writes `recv` (both on this rank's device), after the
+    /// caller checked their lengths; `call` gets their addresses.
+    fn pair_op<'a, T, S, R>(
+        &'a self,
+        send: &'a S,
+        recv: &'a R,
+        stream: &'a Stream,
+        operation: &'static str,
+        call: impl FnOnce(DevicePtr, DevicePtr) -> Result<Call>,
+    ) -> Result<Op<'a>>
+    where
+        T: NcclType,
+        S: Buffer<T> + ?Sized,
+        R: Buffer<T> + ?Sized,
+    {
+        check_device(self, send, stream, operation)?;
+        check_device(self, recv, stream, operation)?;
+        Ok(Op {
+            comm: self,
+            stream,
+            call: call(send.device_ptr(), recv.device_ptr())?,
+            data_type: T::DATA_TYPE,
+            uses: vec![read::<T, S>(send), write::<T, R>(recv)],
+        })
+    }
+
+    /// A call on one buffer, `access` as NCCL uses it; `call` gets its address and length.
+    fn single_op<'a, T: NcclType, B: Buffer<T> + ?Sized>(
+        &'a self,
+        buffer: &'a B,
+        access: Access,
+        stream: &'a Stream,
+        operation: &'static str,
+        call: impl FnOnce(DevicePtr, usize) -> Result<Call>,
+    ) -> Result<Op<'a>> {
+        check_device(self, buffer, stream, operation)?;
+        let tracked = match access {
+            Access::Read => read::<T, B>(buffer),
+            _ => write::<T, B>(buffer),
+        };
+        Ok(Op {
+            comm: self,
+            stream,
+            call: call(buffer.device_ptr(), buffer.len())?,
+            data_type: T::DATA_TYPE,
+            uses: vec![tracked],
+        })
+    }
+
     fn all_reduce_op<'a, T, S, R>(
         &'a self,
         send: &'a S,
@@ -250,20 +299,15 @@ impl Communicator {
         R: Buffer<T> + ?Sized,
     {
         const OP: &str = "ncclAllReduce";
-        check_device(self, send, stream, OP)?;
-        check_device(self, recv, stream, OP)?;
         check_len(OP, "the receive buffer", send.len(), recv.len())?;
-        Ok(Op {
-            comm: self,
-            stream,
-            call: Call::AllReduce {
-                send: send.device_ptr(),
-                recv: recv.device_ptr(),
-                count: send.len(),
-                op: self.red_op(op),
-            },
-            data_type: T::DATA_TYPE,
-            uses: vec![read::<T, S>(send), write::<T, R>(recv)],
+        let (count, op) = (send.len(), self.red_op(op));
+        self.pair_op(send, recv, stream, OP, |send, recv| {
+            Ok(Call::AllReduce {
+                send,
+                recv,
+                count,
+                op,
+            })
         })
     }
 
@@ -274,14 +318,7 @@ impl Communicator {
         operation: &'static str,
         call: impl FnOnce(DevicePtr, usize) -> Result<Call>,
     ) -> Result<Op<'a>> {
-        check_device(self, buffer, stream, operation)?;
-        Ok(Op {
-            comm: self,
-            stream,
-            call: call(buffer.device_ptr(), buffer.len())?,
-            data_type: T::DATA_TYPE,
-            uses: vec![write::<T, B>(buffer)],
-        })
+        self.single_op(buffer, Access::Write, stream, operation, call)
     }
 
     fn broadcast_op<'a, T, S, R>(
@@ -297,20 +334,15 @@ impl Communicator {
         R: Buffer<T> + ?Sized,
     {
         const OP: &str = "ncclBroadcast";
-        check_device(self, send, stream, OP)?;
-        check_device(self, recv, stream, OP)?;
         check_len(OP, "the receive buffer", send.len(), recv.len())?;
-        Ok(Op {
-            comm: self,
-            stream,
-            call: Call::Broadcast {
-                send: send.device_ptr(),
-                recv: recv.device_ptr(),
-                count: send.len(),
-                root: peer_rank(self, root, "root", OP)?,
-            },
-            data_type: T::DATA_TYPE,
-            uses: vec![read::<T, S>(send), write::<T, R>(recv)],
+        let (count, root) = (send.len(), peer_rank(self, root, "root", OP)?);
+        self.pair_op(send, recv, stream, OP, |send, recv| {
+            Ok(Call::Broadcast {
+                send,
+                recv,
+                count,
+                root,
+            })
         })
     }
 
@@ -328,21 +360,20 @@ impl Communicator {
         R: Buffer<T> + ?Sized,
     {
         const OP: &str = "ncclReduce";
-        check_device(self, send, stream, OP)?;
-        check_device(self, recv, stream, OP)?;
         check_len(OP, "the receive buffer", send.len(), recv.len())?;
-        Ok(Op {
-            comm: self,
-            stream,
-            call: Call::Reduce {
-                send: send.device_ptr(),
-                recv: recv.device_ptr(),
-                count: send.len(),
-                op: self.red_op(op),
-                root: peer_rank(self, root, "root", OP)?,
-            },
-            data_type: T::DATA_TYPE,
-            uses: vec![read::<T, S>(send), write::<T, R>(recv)],
+        let (count, op, root) = (
+            send.len(),
+            self.red_op(op),
+            peer_rank(self, root, "root", OP)?,
+        );
+        self.pair_op(send, recv, stream, OP, |send, recv| {
+            Ok(Call::Reduce {
+                send,
+                recv,
+                count,
+                op,
+                root,
+            })
         })
     }
 
@@ -358,24 +389,19 @@ impl Communicator {
         R: Buffer<T> + ?Sized,
     {
         const OP: &str = "ncclAllGather";
-        check_device(self, send, stream, OP)?;
-        check_device(self, recv, stream, OP)?;
         check_len(
             OP,
             "the receive buffer",
             send.len() * self.size(),
             recv.len(),
         )?;
-        Ok(Op {
-            comm: self,
-            stream,
-            call: Call::AllGather {
-                send: send.device_ptr(),
-                recv: recv.device_ptr(),
-                send_count: send.len(),
-            },
-            data_type: T::DATA_TYPE,
-            uses: vec![read::<T, S>(send), write::<T, R>(recv)],
+        let send_count = send.len();
+        self.pair_op(send, recv, stream, OP, |send, recv| {
+            Ok(Call::AllGather {
+                send,
+                recv,
+                send_count,
+            })
         })
     }
 
@@ -392,20 +418,15 @@ impl Communicator {
         R: Buffer<T> + ?Sized,
     {
         const OP: &str = "ncclReduceScatter";
-        check_device(self, send, stream, OP)?;
-        check_device(self, recv, stream, OP)?;
         check_len(OP, "the send buffer", recv.len() * self.size(), send.len())?;
-        Ok(Op {
-            comm: self,
-            stream,
-            call: Call::ReduceScatter {
-                send: send.device_ptr(),
-                recv: recv.device_ptr(),
-                recv_count: recv.len(),
-                op: self.red_op(op),
-            },
-            data_type: T::DATA_TYPE,
-            uses: vec![read::<T, S>(send), write::<T, R>(recv)],
+        let (recv_count, op) = (recv.len(), self.red_op(op));
+        self.pair_op(send, recv, stream, OP, |send, recv| {
+            Ok(Call::ReduceScatter {
+                send,
+                recv,
+                recv_count,
+                op,
+            })
         })
     }
 
@@ -415,18 +436,9 @@ impl Communicator {
         peer: usize,
         stream: &'a Stream,
     ) -> Result<Op<'a>> {
-        const OP: &str = "ncclSend";
-        check_device(self, buffer, stream, OP)?;
-        Ok(Op {
-            comm: self,
-            stream,
-            call: Call::Send {
-                send: buffer.device_ptr(),
-                count: buffer.len(),
-                peer: peer_rank(self, peer, "peer", OP)?,
-            },
-            data_type: T::DATA_TYPE,
-            uses: vec![read::<T, B>(buffer)],
+        let peer = peer_rank(self, peer, "peer", "ncclSend")?;
+        self.single_op(buffer, Access::Read, stream, "ncclSend", |send, count| {
+            Ok(Call::Send { send, count, peer })
         })
     }
 
@@ -436,18 +448,9 @@ impl Communicator {
         peer: usize,
         stream: &'a Stream,
     ) -> Result<Op<'a>> {
-        const OP: &str = "ncclRecv";
-        check_device(self, buffer, stream, OP)?;
-        Ok(Op {
-            comm: self,
-            stream,
-            call: Call::Recv {
-                recv: buffer.device_ptr(),
-                count: buffer.len(),
-                peer: peer_rank(self, peer, "peer", OP)?,
-            },
-            data_type: T::DATA_TYPE,
-            uses: vec![write::<T, B>(buffer)],
+        let peer = peer_rank(self, peer, "peer", "ncclRecv")?;
+        self.single_op(buffer, Access::Write, stream, "ncclRecv", |recv, count| {
+            Ok(Call::Recv { recv, count, peer })
         })
     }
 

@@ -210,33 +210,6 @@ impl CoordinatedCollectives {
             |s| comm.reduce(send, recv, op, root, s),
         )
     }
-
-    /// [`Communicator::reduce_scatter`] as an [`OperationType::Reduction`] operation.
-    ///
-    /// # Errors
-    /// As [`run`](Self::run) and the collective.
-    pub fn reduce_scatter<T, S, R>(
-        &self,
-        comm: &Communicator,
-        send: &S,
-        recv: &mut R,
-        op: ReduceOp,
-        stream: &Arc<Stream>,
-        dependencies: &[OperationId],
-    ) -> Result<OperationId>
-    where
-        T: NcclType,
-        S: Buffer<T> + ?Sized,
-        R: Buffer<T> + ?Sized,
-    {
-        self.run(
-            OperationType::Reduction,
-            stream,
-            dependencies,
-            describe("ncclReduceScatter", comm, send.len()),
-            |s| comm.reduce_scatter(send, recv, op, s),
-        )
-    }
 }
 
 fn describe(call: &str, comm: &Communicator, elements: usize) -> String {
