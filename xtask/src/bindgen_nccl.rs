@@ -7,12 +7,11 @@
 //! constants they use, never `extern` blocks. The output is committed.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use anyhow::{Context, bail};
 
 use crate::bindgen_cmd;
-use crate::cuda_home::candidate_roots;
+use crate::cuda_home::{candidate_roots, pip_nvidia_dirs};
 use crate::workspace_root;
 
 /// Every NCCL entry point cuweave uses. Add a name here (and a row in the collective crate's
@@ -116,23 +115,7 @@ fn find_nccl_include() -> anyhow::Result<PathBuf> {
     if let Some(home) = std::env::var_os("NCCL_HOME") {
         candidates.push(PathBuf::from(home).join("include"));
     }
-    let pip = Command::new("python3")
-        .args([
-            "-c",
-            "import nvidia, os; print('\\n'.join(os.path.join(p, 'nccl', 'include') for p in nvidia.__path__))",
-        ])
-        .output();
-    if let Ok(out) = pip
-        && out.status.success()
-    {
-        candidates.extend(
-            String::from_utf8_lossy(&out.stdout)
-                .lines()
-                .map(str::trim)
-                .filter(|line| !line.is_empty())
-                .map(PathBuf::from),
-        );
-    }
+    candidates.extend(pip_nvidia_dirs("nccl/include"));
     candidates.push(PathBuf::from("/usr/include"));
     candidates.into_iter().find(|dir| has_header(dir)).context(
         "no nccl.h found; pass a directory, set NCCL_HOME, or `pip install nvidia-nccl-cu13`",

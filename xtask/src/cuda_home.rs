@@ -12,23 +12,25 @@ pub(crate) fn candidate_roots() -> Vec<PathBuf> {
         }
     }
     // The pip wheels (`nvidia-cuda-nvcc`, `nvidia-cuda-runtime`, ...) unpack under site-packages/nvidia/cu13.
-    let pip_roots = Command::new("python3")
-        .args([
-            "-c",
-            "import nvidia, os; print('\\n'.join(os.path.join(p, 'cu13') for p in nvidia.__path__))",
-        ])
-        .output();
-    if let Ok(out) = pip_roots
-        && out.status.success()
-    {
-        roots.extend(
-            String::from_utf8_lossy(&out.stdout)
-                .lines()
-                .map(str::trim)
-                .filter(|line| !line.is_empty())
-                .map(PathBuf::from),
-        );
-    }
+    roots.extend(pip_nvidia_dirs("cu13"));
     roots.push(PathBuf::from("/usr/local/cuda"));
     roots
+}
+
+/// `sub` (a path relative to the `nvidia` namespace package, e.g. `cu13` or `nccl/include`) in
+/// every folder Python's `nvidia` package spans: where the pip `nvidia-*` wheels unpack.
+pub(crate) fn pip_nvidia_dirs(sub: &str) -> Vec<PathBuf> {
+    let script = "import nvidia, sys; print('\\n'.join(nvidia.__path__))";
+    let Ok(out) = Command::new("python3").args(["-c", script]).output() else {
+        return Vec::new();
+    };
+    if !out.status.success() {
+        return Vec::new();
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty())
+        .map(|line| PathBuf::from(line).join(sub))
+        .collect()
 }
