@@ -7,6 +7,10 @@
 //! never freed, reused by the caching allocator, or touched by the host while a collective that
 //! uses it is still running, and readers on other streams overlap with it.
 //!
+//! Views ([`Buffer::slice`], [`Buffer::slice_mut`]) take part like whole buffers, their uses
+//! tracked for their range alone; a read-only view given as an output is refused by its tracker
+//! (`MemoryError::ReadOnlyView`) before NCCL sees it.
+//!
 //! Element types are [`NcclType`]s, so the `ncclDataType_t` NCCL is told always matches the
 //! buffer; lengths are checked against the communicator's size before NCCL sees them.
 

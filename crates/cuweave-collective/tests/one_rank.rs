@@ -510,3 +510,41 @@ fn many_collectives_leave_the_trackers_bounded() {
         &pattern::<i32>(256, 2),
     );
 }
+
+#[test]
+fn views_take_part_in_collectives_and_read_only_views_refuse_writes() {
+    let _gpu = gate!();
+    let comm = comm();
+    let context = comm.context();
+    let stream = Stream::new(context, StreamFlags::NON_BLOCKING).expect("stream");
+    let input = pattern::<f32>(4096, 1);
+    let stale = pattern::<f32>(4096, 99);
+    let send = upload(context, &input);
+    let mut whole = upload(context, &stale);
+    {
+        let src = send.slice(1024..2048).expect("read view");
+        let mut dst = whole.slice_mut(..1024).expect("write view");
+        comm.all_reduce(&src, &mut dst, ReduceOp::Sum, &stream)
+            .expect("all_reduce on views");
+    }
+    {
+        let mut middle = whole.slice_mut(2048..3072).expect("write view");
+        comm.broadcast_in_place(&mut middle, 0, &stream)
+            .expect("in place on a view");
+    }
+    comm.synchronize(&stream).expect("synchronize");
+    let got = whole.to_vec().expect("download");
+    assert_bytes_eq("view result", &got[..1024], &input[1024..2048]);
+    assert_bytes_eq("untouched", &got[1024..], &stale[1024..]);
+    let mut read_only = send.slice(..16).expect("read view");
+    let error = comm
+        .all_reduce_in_place(&mut read_only, ReduceOp::Sum, &stream)
+        .expect_err("a read-only view is not written");
+    assert!(
+        matches!(
+            error,
+            CollectiveError::Memory(cuweave_memory::MemoryError::ReadOnlyView { .. })
+        ),
+        "{error}"
+    );
+}
