@@ -315,6 +315,23 @@ impl Communicator {
         })
     }
 
+    fn all_reduce_in_place_op<'a, T: NcclType, B: Buffer<T> + ?Sized>(
+        &'a self,
+        buffer: &'a B,
+        op: ReduceOp,
+        stream: &'a Stream,
+    ) -> Result<Op<'a>> {
+        let op = self.red_op(op);
+        self.in_place_op(buffer, stream, "ncclAllReduce", |ptr, count| {
+            Ok(Call::AllReduce {
+                send: ptr,
+                recv: ptr,
+                count,
+                op,
+            })
+        })
+    }
+
     fn in_place_op<'a, T: NcclType, B: Buffer<T> + ?Sized>(
         &'a self,
         buffer: &'a B,
@@ -489,14 +506,7 @@ impl Communicator {
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<()> {
-        let op = self.in_place_op(&*buffer, stream, "ncclAllReduce", |ptr, len| {
-            Ok(Call::AllReduce {
-                send: ptr,
-                recv: ptr,
-                count: len,
-                op: self.red_op(op),
-            })
-        })?;
+        let op = self.all_reduce_in_place_op(&*buffer, op, stream)?;
         run(vec![op], false)
     }
 
@@ -806,14 +816,7 @@ impl<'a> Group<'a> {
         op: ReduceOp,
         stream: &'a Stream,
     ) -> Result<&mut Self> {
-        let op = comm.in_place_op(&*buffer, stream, "ncclAllReduce", |ptr, len| {
-            Ok(Call::AllReduce {
-                send: ptr,
-                recv: ptr,
-                count: len,
-                op: comm.red_op(op),
-            })
-        })?;
+        let op = comm.all_reduce_in_place_op(&*buffer, op, stream)?;
         self.ops.push(op);
         Ok(self)
     }
