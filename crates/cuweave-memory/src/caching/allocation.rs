@@ -150,6 +150,16 @@ impl CachedAllocation {
     #[inline]
     fn release(&mut self) -> Result<()> {
         self.freed = true;
+        if cuweave_driver::graph::active_captures() != 0 {
+            let uses = std::mem::take(&mut self.uses);
+            return super::graph_pool::release_during_capture(
+                &self.shard,
+                self.id,
+                self.ptr,
+                self.stream,
+                uses,
+            );
+        }
         if self.uses.is_empty() {
             return self
                 .shard

@@ -454,6 +454,9 @@ impl<E: Marker> Engine<E> {
     }
 }
 
+#[path = "engine_capture.rs"]
+mod capture;
+
 #[cfg(test)]
 #[path = "engine_tests.rs"]
 mod tests;
