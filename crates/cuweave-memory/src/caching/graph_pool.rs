@@ -371,8 +371,8 @@ impl super::engine::Release for CaptureUpstream<'_> {
 impl Upstream for CaptureUpstream<'_> {
     fn allocate_segment(&self, bytes: usize) -> Result<u64> {
         let shared = self.allocator.shared();
-        let side = shared.release_stream()?;
         let _relaxed = CaptureModeGuard::enter(CaptureMode::Relaxed)?;
+        let side = shared.release_stream()?;
         let ptr = shared.upstream().allocate(bytes, side)?;
         side.synchronize()?;
         Ok(ptr)

@@ -1,0 +1,480 @@
+//! GPU tests of graph capture on streams with the caching allocator's private pools: replays
+//! bit-identical to eager runs, graph memory that eager work never receives (a watch kernel
+//! inside the graph, and a control that bypasses the pool and does see corruption), memory
+//! returned after the graph is dropped, and a typed error for every bad use, each leaving the
+//! stream usable.
+//!
+//! Every test takes `serial()`: an active capture changes what the whole process may do (a
+//! context synchronisation is refused while one runs), so captures must not overlap other
+//! tests' work.
+
+use std::sync::Arc;
+
+use cuweave_driver::graph::{CaptureMode, GraphError, GraphNodeType};
+use cuweave_driver::memory::{copy_dtoh, copy_dtod_async, copy_htod, memset_d32_async};
+use cuweave_driver::{Context, InstantiateOptions, Stream, StreamFlags};
+use cuweave_memory::caching::{CachedAllocation, CachingAllocator, GraphPool, MissPolicy};
+use cuweave_memory::resource::{DriverResource, MemoryResource};
+use cuweave_stream::capture::{CaptureOptions, StreamCapture};
+use cuweave_stream::{
+    OperationKind, PriorityStream, StreamError, StreamPriority, StreamProfiler,
+};
+use cuweave_test_support::kernels::TestKernels;
+use cuweave_test_support::{Gpu, gpu, serial};
+
+const N: usize = 1 << 18; // elements: 1 MiB of f32 or u32
+const BYTES: usize = N * 4;
+const MS: u64 = 1_000_000;
+
+fn stream(gpu: &Gpu) -> Arc<Stream> {
+    Arc::new(Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap())
+}
+
+fn read_u32(context: &Context, ptr: u64, n: usize) -> Vec<u32> {
+    let mut host = vec![0u32; n];
+    // SAFETY: `ptr` is device memory of at least `n` u32s; the caller synchronised its writers.
+    unsafe { copy_dtoh(context, host.as_mut_ptr().cast(), ptr, n * 4) }.unwrap();
+    host
+}
+
+fn write_u32(context: &Context, ptr: u64, data: &[u32]) {
+    // SAFETY: `ptr` is device memory of at least `data.len()` u32s, idle.
+    unsafe { copy_htod(context, ptr, data.as_ptr().cast(), data.len() * 4) }.unwrap();
+}
+
+fn graph_error(error: &StreamError) -> &GraphError {
+    error
+        .graph_error()
+        .unwrap_or_else(|| panic!("expected a graph error, got {error}"))
+}
+
+/// The step: `out = (2x + x) + (0.5x + 1)` computed with allocations on both streams, a copy,
+/// kernels on `main` and on `side`, and a join. Scratch is dropped inside the step.
+fn step(
+    kernels: &TestKernels,
+    allocator: &CachingAllocator,
+    main: &Arc<Stream>,
+    side: &Arc<Stream>,
+    x: u64,
+    out: u64,
+    fork: &mut dyn FnMut(&Stream, &Stream),
+) {
+    let a = allocator.allocate(BYTES, main).unwrap();
+    // SAFETY: `a` and `x` are live allocations of BYTES ordered on `main`.
+    unsafe { copy_dtod_async(a.ptr(), x, BYTES, main) }.unwrap();
+    // SAFETY: as above.
+    unsafe { kernels.saxpy_f32(main, 2.0, x, a.ptr(), N) }.unwrap();
+    fork(main, side);
+    let b = allocator.allocate(BYTES, side).unwrap();
+    // SAFETY: `b` is a live allocation of `side`; `x` is read-only here.
+    unsafe { kernels.fill_u32(side, b.ptr(), 1.0f32.to_bits(), N) }.unwrap();
+    // SAFETY: as above.
+    unsafe { kernels.saxpy_f32(side, 0.5, x, b.ptr(), N) }.unwrap();
+    let mut b = b;
+    b.record_stream(main).unwrap();
+    fork(side, main);
+    // SAFETY: `main` waits for `side` (fork above), so `b` is complete.
+    unsafe { kernels.add_f32(main, a.ptr(), b.ptr(), out, N) }.unwrap();
+    drop(a);
+    drop(b);
+}
+
+fn wait_on(from: &Stream, to: &Stream) {
+    let event = cuweave_driver::Event::new(from.context(), cuweave_driver::EventFlags::DISABLE_TIMING)
+        .unwrap();
+    event.record(from).unwrap();
+    to.wait_event(&event).unwrap();
+}
+
+#[test]
+fn a_captured_step_replayed_1000_times_is_bit_identical_to_eager() {
+    let Some(gpu) = gpu("a_captured_step_replayed_1000_times_is_bit_identical_to_eager") else {
+        return;
+    };
+    let _serial = serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let allocator = CachingAllocator::with_driver(&gpu.context);
+    let (main, side) = (stream(&gpu), stream(&gpu));
+    let input: Vec<u32> = (0..N as u32).map(|i| (i as f32 * 0.37 - 900.0).to_bits()).collect();
+    let x = allocator.allocate(BYTES, &main).unwrap();
+    write_u32(&gpu.context, x.ptr(), &input);
+    let eager_out = allocator.allocate(BYTES, &main).unwrap();
+    let graph_out = allocator.allocate(BYTES, &main).unwrap();
+
+    step(&kernels, &allocator, &main, &side, x.ptr(), eager_out.ptr(), &mut |from, to| {
+        wait_on(from, to)
+    });
+    main.synchronize().unwrap();
+    let eager = read_u32(&gpu.context, eager_out.ptr(), N);
+
+    let mut capture = StreamCapture::begin(&main, CaptureOptions::default()).unwrap();
+    let mut joined = false;
+    step(&kernels, &allocator, &main, &side, x.ptr(), graph_out.ptr(), &mut |from, to| {
+        if joined {
+            capture.join(from).unwrap();
+        } else {
+            capture.fork(to).unwrap();
+            joined = true;
+        }
+    });
+    let graph = capture.finish().unwrap();
+    let types = graph.node_types().unwrap();
+    assert!(types.contains(&GraphNodeType::Kernel) && types.contains(&GraphNodeType::Memcpy));
+    let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
+    let launcher = PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap();
+    for round in 0..1000 {
+        // SAFETY: graph_out is a live allocation of BYTES; the previous replay wrote it on
+        // `launcher`, and this memset is ordered after it there.
+        unsafe { memset_d32_async(graph_out.ptr(), 0, N, &launcher) }.unwrap();
+        launcher.launch_graph(&exec).unwrap();
+        if round % 250 == 0 || round == 999 {
+            launcher.synchronize().unwrap();
+            let replayed = read_u32(&gpu.context, graph_out.ptr(), N);
+            assert!(replayed == eager, "replay {round} differs from the eager step");
+        }
+    }
+    assert_eq!(launcher.metrics().unwrap().graph_launches, 1000);
+    assert_eq!(exec.launch_count(), 1000);
+}
+
+/// Captures `fill(g, X); watch(g, X)`; with `private`, `g` is allocated and freed inside the
+/// capture (graph memory), else allocated before and freed after it (the pool bypassed).
+/// Replays the graph on its own stream while eager code allocates, fills and frees blocks of
+/// the same size on the capture's stream and on another; returns the watch's mismatch count.
+fn replay_under_eager_churn(gpu: &Gpu, private: bool) -> u32 {
+    const X: u32 = 0x1234_5678;
+    const Y: u32 = 0xDEAD_BEEF;
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let allocator = CachingAllocator::with_driver(&gpu.context);
+    let (origin, launch, other) = (stream(gpu), stream(gpu), stream(gpu));
+    let mismatches = allocator.allocate(4, &launch).unwrap();
+    let outside = (!private).then(|| allocator.allocate(BYTES, &origin).unwrap());
+
+    let capture = StreamCapture::begin(&origin, CaptureOptions::default()).unwrap();
+    let inside = private.then(|| allocator.allocate(BYTES, &origin).unwrap());
+    let g = inside.as_ref().or(outside.as_ref()).unwrap().ptr();
+    // SAFETY: `g` is BYTES of device memory, alive for the test (the graph keeps the private
+    // block; the bypass keeps it only until after the capture: that is the control's bug).
+    unsafe { kernels.fill_u32(&origin, g, X, N) }.unwrap();
+    // SAFETY: as above; `mismatches` is a live u32.
+    unsafe { kernels.watch_u32(&origin, g, N, X, 60 * MS, mismatches.ptr()) }.unwrap();
+    drop(inside);
+    let graph = capture.finish().unwrap();
+    drop(outside); // the bypass: graph memory handed back to the eager cache of `origin`
+    let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
+
+    // SAFETY: `mismatches` is a live u32 ordered on `launch`.
+    unsafe { memset_d32_async(mismatches.ptr(), 0, 1, &launch) }.unwrap();
+    exec.launch(&launch).unwrap();
+    // Eager writes spread over the first 40 ms of the 60 ms watch: each waits 2 ms on its
+    // stream, then fills a freshly allocated block of the watched size.
+    let mut churn: Vec<CachedAllocation> = Vec::new();
+    for _ in 0..20 {
+        for s in [&origin, &other] {
+            kernels.spin_ns(s, 2 * MS).unwrap();
+            let block = allocator.allocate(BYTES, s).unwrap();
+            // SAFETY: `block` is BYTES of device memory of `s`, freed after in stream order.
+            unsafe { kernels.fill_u32(s, block.ptr(), Y, N) }.unwrap();
+            churn.push(block);
+        }
+        churn.clear();
+    }
+    launch.synchronize().unwrap();
+    origin.synchronize().unwrap();
+    other.synchronize().unwrap();
+    read_u32(&gpu.context, mismatches.ptr(), 1)[0]
+}
+
+#[test]
+fn eager_churn_never_touches_graph_memory_and_the_bypass_control_does() {
+    let Some(gpu) = gpu("eager_churn_never_touches_graph_memory_and_the_bypass_control_does")
+    else {
+        return;
+    };
+    let _serial = serial();
+    assert_eq!(
+        replay_under_eager_churn(&gpu, true),
+        0,
+        "eager work wrote graph memory"
+    );
+    assert!(
+        replay_under_eager_churn(&gpu, false) > 0,
+        "the control (pool bypassed) should have seen eager writes"
+    );
+}
+
+#[test]
+fn dropping_the_graph_and_emptying_the_cache_returns_the_memory() {
+    let Some(gpu) = gpu("dropping_the_graph_and_emptying_the_cache_returns_the_memory") else {
+        return;
+    };
+    let _serial = serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let allocator = CachingAllocator::with_driver(&gpu.context);
+    let main = stream(&gpu);
+    // Warm everything that is not graph memory: the module, a graph exec's own structures.
+    {
+        let capture = StreamCapture::begin(&main, CaptureOptions::default()).unwrap();
+        kernels.spin_ns(&main, 1).unwrap();
+        let exec = capture.finish().unwrap().instantiate(&InstantiateOptions::default()).unwrap();
+        exec.launch(&main).unwrap();
+        main.synchronize().unwrap();
+    }
+    let start = gpu.context.memory_info().unwrap().free;
+
+    let capture = StreamCapture::begin(&main, CaptureOptions::default()).unwrap();
+    let pool = capture.pool().clone();
+    for size in [BYTES, 8 << 20, 64 << 20, 3 << 20] {
+        let block = allocator.allocate(size, &main).unwrap();
+        // SAFETY: `block` holds `size` bytes of `main`.
+        unsafe { kernels.fill_u32(&main, block.ptr(), 3, size / 4) }.unwrap();
+    }
+    let graph = capture.finish().unwrap();
+    let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
+    for _ in 0..10 {
+        exec.launch(&main).unwrap();
+    }
+    main.synchronize().unwrap();
+    assert_eq!(pool.holders(), 3, "the handle, the graph and the exec hold the pool");
+    allocator.empty_cache().unwrap();
+    let held = gpu.context.memory_info().unwrap().free;
+    assert!(
+        start - held >= 64 << 20,
+        "empty_cache must not release a live graph pool"
+    );
+    drop(exec);
+    drop(graph);
+    drop(pool);
+    allocator.empty_cache().unwrap();
+    let end = gpu.context.memory_info().unwrap().free;
+    let diff = start.abs_diff(end);
+    assert!(diff <= 2 << 20, "free memory {end} differs from {start} by {diff} bytes");
+}
+
+#[test]
+fn every_bad_use_is_a_typed_error_and_leaves_the_stream_usable() {
+    let Some(gpu) = gpu("every_bad_use_is_a_typed_error_and_leaves_the_stream_usable") else {
+        return;
+    };
+    let _serial = serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let allocator = CachingAllocator::with_driver(&gpu.context);
+    let (main, other) = (stream(&gpu), stream(&gpu));
+    let usable = |s: &Stream| {
+        kernels.spin_ns(s, 1000).unwrap();
+        s.synchronize().unwrap();
+    };
+
+    // Capture on the legacy default stream.
+    // SAFETY: the null stream is the context's legacy default stream, never destroyed.
+    let legacy = unsafe { Stream::from_raw(&gpu.context, std::ptr::null_mut(), false) };
+    let error = StreamCapture::begin(&legacy, CaptureOptions::default()).unwrap_err();
+    assert!(matches!(graph_error(&error), GraphError::LegacyDefaultStream { .. }));
+    usable(&legacy);
+
+    // Blocking calls while capturing: refused, and the capture survives them.
+    let capture = StreamCapture::begin(&main, CaptureOptions::default()).unwrap();
+    let error = StreamError::from(main.synchronize().unwrap_err());
+    assert!(matches!(graph_error(&error), GraphError::Capturing { .. }), "{error}");
+    let error = StreamError::from(main.query().unwrap_err());
+    assert!(matches!(graph_error(&error), GraphError::Capturing { .. }), "{error}");
+    let error = StreamError::from(gpu.context.synchronize().unwrap_err());
+    assert!(matches!(graph_error(&error), GraphError::Capturing { .. }), "{error}");
+    let error = StreamError::from(allocator.empty_cache().unwrap_err());
+    assert!(matches!(graph_error(&error), GraphError::Capturing { .. }), "{error}");
+    // A second capture on the same stream, ending on a stream that is not the origin.
+    let error = StreamError::from(main.begin_capture(CaptureMode::ThreadLocal).unwrap_err());
+    assert!(matches!(graph_error(&error), GraphError::AlreadyCapturing { .. }));
+    let error = StreamError::from(other.end_capture().unwrap_err());
+    assert!(matches!(graph_error(&error), GraphError::NotCapturing { .. }));
+    kernels.spin_ns(&main, 1000).unwrap();
+    let graph = capture.finish().expect("the refused calls did not break the capture");
+    graph
+        .instantiate(&InstantiateOptions::default())
+        .unwrap()
+        .launch(&main)
+        .unwrap();
+    usable(&main);
+    usable(&other);
+
+    // A call capture forbids, made anyway: one typed error naming it at the end.
+    let capture = StreamCapture::begin(&main, CaptureOptions::default()).unwrap();
+    let raw = DriverResource::new(&gpu.context);
+    let broke = raw.allocate(1 << 20, &main);
+    let _ = kernels.spin_ns(&main, 1000);
+    let error = capture.finish().unwrap_err();
+    match graph_error(&error) {
+        GraphError::CaptureInvalidated { broken_by, .. } => {
+            eprintln!("capture broken by {broken_by:?} (cuMemAlloc result: {broke:?})");
+            assert!(broken_by.is_some(), "the first failing call is named");
+        }
+        other => panic!("expected CaptureInvalidated, got {other}"),
+    }
+    if let Ok(ptr) = broke {
+        raw.deallocate(ptr, 1 << 20, &main).unwrap();
+    }
+    usable(&main);
+
+    // Pool misses refused by policy.
+    let capture = StreamCapture::begin(
+        &main,
+        CaptureOptions::default().with_misses(MissPolicy::Fail),
+    )
+    .unwrap();
+    let error = StreamError::from(allocator.allocate(BYTES, &main).unwrap_err());
+    assert!(matches!(graph_error(&error), GraphError::Capturing { .. }));
+    drop(capture.finish().unwrap());
+    usable(&main);
+}
+
+#[test]
+fn stream_ordered_allocations_in_a_graph_free_on_relaunch_or_refuse_it() {
+    let Some(gpu) = gpu("stream_ordered_allocations_in_a_graph_free_on_relaunch_or_refuse_it")
+    else {
+        return;
+    };
+    let _serial = serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let main = stream(&gpu);
+    let capture_alloc = |main: &Stream| {
+        let capture = StreamCapture::begin(main, CaptureOptions::default()).unwrap();
+        // SAFETY: a graph allocation, freed by auto-free or below.
+        let ptr = unsafe { cuweave_driver::memory::alloc_async(main, BYTES) }.unwrap();
+        // SAFETY: `ptr` holds BYTES, ordered on `main`.
+        unsafe { kernels.fill_u32(main, ptr, 5, N) }.unwrap();
+        (capture.finish().unwrap(), ptr)
+    };
+    let (graph, _) = capture_alloc(&main);
+    assert!(graph.allocates_memory().unwrap());
+    let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
+    for _ in 0..3 {
+        exec.launch(&main).unwrap();
+    }
+    main.synchronize().unwrap();
+    drop(exec);
+    drop(graph);
+
+    let (graph, ptr) = capture_alloc(&main);
+    let exec = graph
+        .instantiate(&InstantiateOptions::default().with_auto_free_on_launch(false))
+        .unwrap();
+    exec.launch(&main).unwrap();
+    let error = StreamError::from(exec.launch(&main).unwrap_err());
+    assert!(matches!(graph_error(&error), GraphError::RelaunchNeedsAutoFree));
+    main.synchronize().unwrap();
+    assert_eq!(read_u32(&gpu.context, ptr, 4), vec![5; 4]);
+    // SAFETY: the single launch allocated `ptr` and is finished; nothing else uses it.
+    unsafe { cuweave_driver::memory::free_async(ptr, &main) }.unwrap();
+    main.synchronize().unwrap();
+}
+
+#[test]
+fn forks_must_be_joined_and_fork_blocks_wait_for_the_join() {
+    let Some(gpu) = gpu("forks_must_be_joined_and_fork_blocks_wait_for_the_join") else {
+        return;
+    };
+    let _serial = serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let allocator = CachingAllocator::with_driver(&gpu.context);
+    let (main, side) = (stream(&gpu), stream(&gpu));
+
+    let mut capture = StreamCapture::begin(&main, CaptureOptions::default()).unwrap();
+    capture.fork(&side).unwrap();
+    kernels.spin_ns(&side, 1000).unwrap();
+    assert_eq!(capture.unjoined(), vec![side.id()]);
+    let error = capture.finish().unwrap_err();
+    assert!(matches!(graph_error(&error), GraphError::UnjoinedFork), "{error}");
+    kernels.spin_ns(&side, 1000).unwrap();
+    side.synchronize().unwrap();
+    main.synchronize().unwrap();
+
+    let mut capture = StreamCapture::begin(&main, CaptureOptions::default()).unwrap();
+    capture.fork(&side).unwrap();
+    let mut shared = allocator.allocate(BYTES, &main).unwrap();
+    let shared_ptr = shared.ptr();
+    // SAFETY: `side` is ordered after `main` by the fork; `shared` stays in the graph.
+    unsafe { kernels.fill_u32(&side, shared_ptr, 1, N) }.unwrap();
+    shared.record_stream(&side).unwrap();
+    drop(shared);
+    let forked = allocator.allocate(BYTES, &side).unwrap();
+    let forked_ptr = forked.ptr();
+    drop(forked);
+    let again = allocator.allocate(BYTES, &main).unwrap();
+    assert_ne!(again.ptr(), shared_ptr, "a block used on the fork was reused before the join");
+    assert_ne!(again.ptr(), forked_ptr, "the fork's block went to the origin before the join");
+    drop(again);
+    capture.join(&side).unwrap();
+    let graph = capture.finish().unwrap();
+    graph
+        .instantiate(&InstantiateOptions::default())
+        .unwrap()
+        .launch(&main)
+        .unwrap();
+    main.synchronize().unwrap();
+}
+
+#[test]
+fn update_dot_and_profiler_see_graphs() {
+    let Some(gpu) = gpu("update_dot_and_profiler_see_graphs") else {
+        return;
+    };
+    let _serial = serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let allocator = CachingAllocator::with_driver(&gpu.context);
+    let stream = PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap();
+    let out = allocator.allocate(BYTES, &stream).unwrap();
+    let capture_fill = |value: u32, twice: bool| {
+        let capture = stream.begin_capture(CaptureOptions::default()).unwrap();
+        for _ in 0..(1 + usize::from(twice)) {
+            // SAFETY: `out` holds BYTES of this stream.
+            unsafe { kernels.fill_u32(&stream, out.ptr(), value, N) }.unwrap();
+        }
+        capture.finish().unwrap()
+    };
+    let first = capture_fill(7, false);
+    let dot = first.to_dot(true).unwrap();
+    assert!(dot.contains("digraph"), "{dot}");
+    let mut exec = first.instantiate(&InstantiateOptions::default()).unwrap();
+    stream.launch_graph(&exec).unwrap();
+    stream.synchronize().unwrap();
+    assert_eq!(read_u32(&gpu.context, out.ptr(), 2), vec![7, 7]);
+    exec.update(&capture_fill(9, false)).unwrap();
+    stream.launch_graph(&exec).unwrap();
+    stream.synchronize().unwrap();
+    assert_eq!(read_u32(&gpu.context, out.ptr(), 2), vec![9, 9]);
+    let error = StreamError::from(exec.update(&capture_fill(11, true)).unwrap_err());
+    assert!(matches!(graph_error(&error), GraphError::UpdateRejected { .. }), "{error}");
+    stream.launch_graph(&exec).unwrap();
+    stream.synchronize().unwrap();
+    assert_eq!(read_u32(&gpu.context, out.ptr(), 2), vec![9, 9], "a refused update changes nothing");
+
+    let profiler = StreamProfiler::new(&gpu.context).unwrap();
+    profiler
+        .profile(&stream, "step", OperationKind::GraphLaunch, 0, |s| s.launch_graph(&exec))
+        .unwrap();
+    stream.synchronize().unwrap();
+    let report = profiler.report().unwrap();
+    assert_eq!(report.combined.graph_launches, 1);
+    assert!(profiler.chrome_trace().unwrap().contains("\"graph\""));
+    assert_eq!(stream.metrics().unwrap().graph_launches, 4);
+
+    let shared = GraphPool::new();
+    let a = stream
+        .begin_capture(CaptureOptions::default().with_pool(&shared))
+        .unwrap();
+    drop(allocator.allocate(BYTES, &stream).unwrap());
+    let ga = a.finish().unwrap();
+    let b = stream
+        .begin_capture(CaptureOptions::default().with_pool(&shared))
+        .unwrap();
+    let before = allocator.stats().reserved_bytes.current;
+    drop(allocator.allocate(BYTES, &stream).unwrap());
+    assert_eq!(
+        allocator.stats().reserved_bytes.current,
+        before,
+        "a second capture into the same pool reuses its memory"
+    );
+    let gb = b.finish().unwrap();
+    assert_eq!(shared.holders(), 3);
+    drop((ga, gb));
+}
