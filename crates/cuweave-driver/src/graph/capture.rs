@@ -292,7 +292,11 @@ impl Stream {
             }
             .into());
         }
-        if RECORDS.lock().iter().any(|record| record.stream == self.id()) {
+        if RECORDS
+            .lock()
+            .iter()
+            .any(|record| record.stream == self.id())
+        {
             return Err(GraphError::AlreadyCapturing { stream: self.id() }.into());
         }
         self.context().bind_to_thread()?;

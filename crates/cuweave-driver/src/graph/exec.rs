@@ -109,8 +109,7 @@ impl GraphExec {
         let outcome =
             unsafe { cu!(api.graph_instantiate_with_params(&mut raw, graph, &mut params)) };
         if let Err(error) = outcome {
-            if params.result_out != sys::CUgraphInstantiateResult::CUDA_GRAPH_INSTANTIATE_SUCCESS
-            {
+            if params.result_out != sys::CUgraphInstantiateResult::CUDA_GRAPH_INSTANTIATE_SUCCESS {
                 return Err(GraphError::Instantiate {
                     result: instantiate_result_name(params.result_out),
                     node_type: GraphNodeType::of(params.hErrNode_out),
@@ -267,7 +266,9 @@ fn update_result_name(result: sys::CUgraphExecUpdateResult) -> &'static str {
         R::CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED => "the topology changed",
         R::CU_GRAPH_EXEC_UPDATE_ERROR_NODE_TYPE_CHANGED => "a node's type changed",
         R::CU_GRAPH_EXEC_UPDATE_ERROR_FUNCTION_CHANGED => "a kernel's function changed",
-        R::CU_GRAPH_EXEC_UPDATE_ERROR_PARAMETERS_CHANGED => "parameters changed in an unsupported way",
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_PARAMETERS_CHANGED => {
+            "parameters changed in an unsupported way"
+        }
         R::CU_GRAPH_EXEC_UPDATE_ERROR_NOT_SUPPORTED => "the update is not supported",
         R::CU_GRAPH_EXEC_UPDATE_ERROR_UNSUPPORTED_FUNCTION_CHANGE => {
             "a kernel moved to another module or context"

@@ -200,7 +200,10 @@ impl Graph {
     /// every node's parameters.
     pub fn write_dot(&self, path: &Path, verbose: bool) -> Result<()> {
         let text = path.to_str().ok_or_else(|| {
-            DriverError::invalid("Graph::write_dot", format!("{} is not UTF-8", path.display()))
+            DriverError::invalid(
+                "Graph::write_dot",
+                format!("{} is not UTF-8", path.display()),
+            )
         })?;
         let path = CString::new(text).map_err(|_| {
             DriverError::invalid("Graph::write_dot", format!("{text:?} contains a NUL byte"))
@@ -227,7 +230,10 @@ impl Graph {
         ));
         self.write_dot(&path, verbose)?;
         let text = std::fs::read_to_string(&path).map_err(|error| {
-            DriverError::invalid("Graph::to_dot", format!("reading {}: {error}", path.display()))
+            DriverError::invalid(
+                "Graph::to_dot",
+                format!("reading {}: {error}", path.display()),
+            )
         });
         let _ = std::fs::remove_file(&path);
         text
