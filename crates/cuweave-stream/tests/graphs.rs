@@ -410,12 +410,18 @@ fn stream_ordered_allocations_in_a_graph_free_on_relaunch_or_refuse_it() {
         unsafe { kernels.fill_u32(main, ptr, 5, N) }.unwrap();
         (capture.finish().unwrap(), ptr)
     };
-    let (graph, _) = capture_alloc(&main);
+    let (graph, first_ptr) = capture_alloc(&main);
     assert!(graph.allocates_memory().unwrap());
     let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
     for _ in 0..3 {
         exec.launch(&main).unwrap();
     }
+    main.synchronize().unwrap();
+    assert_eq!(read_u32(&gpu.context, first_ptr, 4), vec![5; 4]);
+    // Auto-free frees a launch's allocation at the next launch; the last one's stays allocated
+    // (at the graph's fixed address) until freed, as with any graph allocation.
+    // SAFETY: the last launch allocated `first_ptr` and has finished; nothing else uses it.
+    unsafe { cuweave_driver::memory::free_async(first_ptr, &main) }.unwrap();
     main.synchronize().unwrap();
     drop(exec);
     drop(graph);

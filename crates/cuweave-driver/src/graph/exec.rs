@@ -19,7 +19,9 @@ use crate::sys;
 pub struct InstantiateOptions {
     /// For graphs that allocate memory: free what the previous launch allocated and did not
     /// free before each relaunch (`AUTO_FREE_ON_LAUNCH`). Default `true`; with `false` such a
-    /// graph can be launched only once.
+    /// graph can be launched only once. Either way the last launch's allocations stay allocated
+    /// after the executable is dropped, at the graph's fixed addresses, until freed
+    /// (`cuMemFreeAsync`), as CUDA specifies for graph allocations.
     pub auto_free_on_launch: bool,
     /// Launch kernel nodes with the priorities they were captured with
     /// (`USE_NODE_PRIORITY`) instead of the launching stream's. Default `false`.
