@@ -101,6 +101,7 @@ impl DriverError {
             Self::Cuda { operation, .. }
             | Self::CapabilityMissing { operation, .. }
             | Self::InvalidArgument { operation, .. } => Some(operation),
+            Self::Graph(error) => error.operation(),
             Self::NotFound { .. } | Self::Unsupported { .. } => None,
         }
     }

@@ -72,6 +72,23 @@ pub enum GraphError {
     },
 }
 
+impl GraphError {
+    /// The operation that failed, where the error names one.
+    pub fn operation(&self) -> Option<&'static str> {
+        match self {
+            Self::LegacyDefaultStream { operation }
+            | Self::Capturing { operation, .. }
+            | Self::NotCapturing { operation, .. } => Some(operation),
+            Self::CaptureInvalidated { broken_by, .. } => *broken_by,
+            Self::AlreadyCapturing { .. } => Some("Stream::begin_capture"),
+            Self::UnjoinedFork => Some("Stream::end_capture"),
+            Self::Instantiate { .. } => Some("Graph::instantiate"),
+            Self::RelaunchNeedsAutoFree => Some("GraphExec::launch"),
+            Self::UpdateRejected { .. } => Some("GraphExec::update"),
+        }
+    }
+}
+
 /// The name of a capture error code (900 to 908), without a driver call.
 pub(crate) fn capture_error_name(code: crate::sys::CUresult) -> &'static str {
     match code.0 {
