@@ -16,7 +16,10 @@ use cuweave_driver::{Context, InstantiateOptions, Stream, StreamFlags};
 use cuweave_memory::caching::{CachedAllocation, CachingAllocator, GraphPool, MissPolicy};
 use cuweave_memory::resource::{DriverResource, MemoryResource};
 use cuweave_stream::capture::{CaptureOptions, StreamCapture};
-use cuweave_stream::{OperationKind, PriorityStream, StreamError, StreamPriority, StreamProfiler};
+use cuweave_stream::{
+    MultiStreamCoordinator, OperationKind, PriorityStream, StreamError, StreamPriority,
+    StreamProfiler,
+};
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{Gpu, gpu, sanitizer_active, serial, skip_under_sanitizer};
 
@@ -340,6 +343,15 @@ fn every_bad_use_is_a_typed_error_and_leaves_the_stream_usable() {
         matches!(graph_error(&error), GraphError::Capturing { .. }),
         "{error}"
     );
+    let mut host = [0u32; 4];
+    let scratch = allocator.allocate(16, &other).unwrap();
+    // SAFETY: `scratch` holds 16 bytes; the copy is refused before it reaches the driver.
+    let refused = unsafe { copy_dtoh(&gpu.context, host.as_mut_ptr().cast(), scratch.ptr(), 16) };
+    let error = StreamError::from(refused.unwrap_err());
+    assert!(
+        matches!(graph_error(&error), GraphError::Capturing { .. }),
+        "{error}"
+    );
     // A second capture on the same stream, ending on a stream that is not the origin.
     let error = StreamError::from(main.begin_capture(CaptureMode::ThreadLocal).unwrap_err());
     assert!(matches!(
@@ -572,4 +584,39 @@ fn update_dot_and_profiler_see_graphs() {
     let gb = b.finish().unwrap();
     assert_eq!(shared.holders(), 3);
     drop((ga, gb));
+}
+
+#[test]
+fn coordinator_dependencies_inside_a_capture_become_graph_edges() {
+    let Some(gpu) = gpu("coordinator_dependencies_inside_a_capture_become_graph_edges") else {
+        return;
+    };
+    let _serial = serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let allocator = CachingAllocator::with_driver(&gpu.context);
+    let main = Arc::new(PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap());
+    let side = Arc::new(PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap());
+    let out = allocator.allocate(BYTES, &main).unwrap();
+    let coordinator = MultiStreamCoordinator::new();
+
+    let capture = main.begin_capture(CaptureOptions::default()).unwrap();
+    // SAFETY: `out` holds BYTES; every kernel below is ordered after this one.
+    unsafe { kernels.fill_u32(&main, out.ptr(), 1, N) }.unwrap();
+    coordinator.add_dependency(&side, &main).unwrap(); // the fork: an edge main -> side
+    let scratch = allocator.allocate(BYTES, &side).unwrap(); // the capture's pool
+    // SAFETY: `scratch` holds BYTES of `side`; `out` is ordered by the fork above.
+    unsafe { kernels.fill_u32(&side, scratch.ptr(), 0, N) }.unwrap();
+    // SAFETY: as above.
+    unsafe { kernels.increment_u32(&side, out.ptr(), N) }.unwrap();
+    drop(scratch);
+    main.wait_for(&side).unwrap(); // the join: an edge side -> main
+    // SAFETY: ordered after the increment by the join.
+    unsafe { kernels.increment_u32(&main, out.ptr(), N) }.unwrap();
+    let graph = capture.finish().unwrap();
+    let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
+    for _ in 0..100 {
+        main.launch_graph(&exec).unwrap();
+    }
+    main.synchronize().unwrap();
+    assert!(read_u32(&gpu.context, out.ptr(), N).iter().all(|&v| v == 3));
 }
