@@ -295,32 +295,8 @@ fn first_launch(c: &mut Criterion, setup: &Setup) {
     group.finish();
 }
 
-/// `iters` 1 MiB allocate + free pairs on the setup stream while it captures into a private
-/// pool (warmed by one miss before the timing).
-fn pool_hits(setup: &Setup, iters: u64) -> Duration {
-    let capture =
-        StreamCapture::begin(&setup.stream, CaptureOptions::default()).expect("begin capture");
-    drop(
-        setup
-            .allocator
-            .allocate(1 << 20, &setup.stream)
-            .expect("warm"),
-    );
-    let started = Instant::now();
-    for _ in 0..iters {
-        drop(black_box(
-            setup
-                .allocator
-                .allocate(1 << 20, &setup.stream)
-                .expect("allocate"),
-        ));
-    }
-    let elapsed = started.elapsed();
-    drop(capture.finish().expect("end capture"));
-    elapsed
-}
-
-fn eager_hits(setup: &Setup, iters: u64) -> Duration {
+/// `iters` 1 MiB allocate + free pairs on the setup stream, after one that may miss.
+fn hits(setup: &Setup, iters: u64) -> Duration {
     drop(
         setup
             .allocator
@@ -339,13 +315,22 @@ fn eager_hits(setup: &Setup, iters: u64) -> Duration {
     started.elapsed()
 }
 
+/// [`hits`] while the setup stream captures into a private pool (the warm-up miss fills it).
+fn pool_hits(setup: &Setup, iters: u64) -> Duration {
+    let capture =
+        StreamCapture::begin(&setup.stream, CaptureOptions::default()).expect("begin capture");
+    let elapsed = hits(setup, iters);
+    drop(capture.finish().expect("end capture"));
+    elapsed
+}
+
 fn pool(c: &mut Criterion, setup: &Setup) {
     let mut group = c.benchmark_group("graph_pool");
     group.bench_function("cuweave/private_pool_hit_during_capture", |b| {
         b.iter_custom(|iters| pool_hits(setup, iters))
     });
     group.bench_function("cuweave/general_cache_hit_no_capture", |b| {
-        b.iter_custom(|iters| eager_hits(setup, iters))
+        b.iter_custom(|iters| hits(setup, iters))
     });
     group.finish();
 }
@@ -386,7 +371,7 @@ fn summary(setup: &Setup) {
         uploaded.as_secs_f64() / steady.as_secs_f64()
     );
     let hit = median_per_iteration(11, 20_000, |n| pool_hits(setup, n));
-    let eager = median_per_iteration(11, 20_000, |n| eager_hits(setup, n));
+    let eager = median_per_iteration(11, 20_000, |n| hits(setup, n));
     println!(
         "summary graph_pool: 1 MiB private-pool hit during capture {:.1} ns (target <= 200 ns), general-cache hit without capture {:.1} ns",
         hit.as_secs_f64() * 1e9,

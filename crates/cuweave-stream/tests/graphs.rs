@@ -43,6 +43,34 @@ fn write_u32(context: &Context, ptr: u64, data: &[u32]) {
     unsafe { copy_htod(context, ptr, data.as_ptr().cast(), data.len() * 4) }.unwrap();
 }
 
+/// What most tests start from: the GPU (or a skip), the test lock, the kernels, an allocator.
+struct Fixture {
+    gpu: Gpu,
+    kernels: TestKernels,
+    allocator: CachingAllocator,
+    _serial: std::sync::MutexGuard<'static, ()>,
+}
+
+fn fixture(test: &str) -> Option<Fixture> {
+    let gpu = gpu(test)?;
+    let serial = serial();
+    Some(Fixture {
+        kernels: TestKernels::load(&gpu.context).unwrap(),
+        allocator: CachingAllocator::with_driver(&gpu.context),
+        gpu,
+        _serial: serial,
+    })
+}
+
+/// Asserts that `result` is a [`GraphError::Capturing`] refusal.
+fn assert_capturing<T: std::fmt::Debug, E: Into<StreamError>>(result: Result<T, E>) {
+    let error: StreamError = result.unwrap_err().into();
+    assert!(
+        matches!(graph_error(&error), GraphError::Capturing { .. }),
+        "{error}"
+    );
+}
+
 fn graph_error(error: &StreamError) -> &GraphError {
     error
         .graph_error()
@@ -90,12 +118,15 @@ fn wait_on(from: &Stream, to: &Stream) {
 
 #[test]
 fn a_captured_step_replayed_1000_times_is_bit_identical_to_eager() {
-    let Some(gpu) = gpu("a_captured_step_replayed_1000_times_is_bit_identical_to_eager") else {
+    let Some(Fixture {
+        gpu,
+        kernels,
+        allocator,
+        _serial,
+    }) = fixture("a_captured_step_replayed_1000_times_is_bit_identical_to_eager")
+    else {
         return;
     };
-    let _serial = serial();
-    let kernels = TestKernels::load(&gpu.context).unwrap();
-    let allocator = CachingAllocator::with_driver(&gpu.context);
     let (main, side) = (stream(&gpu), stream(&gpu));
     let input: Vec<u32> = (0..N as u32)
         .map(|i| (i as f32 * 0.37 - 900.0).to_bits())
@@ -299,12 +330,15 @@ fn dropping_the_graph_and_emptying_the_cache_returns_the_memory() {
 
 #[test]
 fn every_bad_use_is_a_typed_error_and_leaves_the_stream_usable() {
-    let Some(gpu) = gpu("every_bad_use_is_a_typed_error_and_leaves_the_stream_usable") else {
+    let Some(Fixture {
+        gpu,
+        kernels,
+        allocator,
+        _serial,
+    }) = fixture("every_bad_use_is_a_typed_error_and_leaves_the_stream_usable")
+    else {
         return;
     };
-    let _serial = serial();
-    let kernels = TestKernels::load(&gpu.context).unwrap();
-    let allocator = CachingAllocator::with_driver(&gpu.context);
     let (main, other) = (stream(&gpu), stream(&gpu));
     let usable = |s: &Stream| {
         kernels.spin_ns(s, 1000).unwrap();
@@ -323,35 +357,15 @@ fn every_bad_use_is_a_typed_error_and_leaves_the_stream_usable() {
 
     // Blocking calls while capturing: refused, and the capture survives them.
     let capture = StreamCapture::begin(&main, CaptureOptions::default()).unwrap();
-    let error = StreamError::from(main.synchronize().unwrap_err());
-    assert!(
-        matches!(graph_error(&error), GraphError::Capturing { .. }),
-        "{error}"
-    );
-    let error = StreamError::from(main.query().unwrap_err());
-    assert!(
-        matches!(graph_error(&error), GraphError::Capturing { .. }),
-        "{error}"
-    );
-    let error = StreamError::from(gpu.context.synchronize().unwrap_err());
-    assert!(
-        matches!(graph_error(&error), GraphError::Capturing { .. }),
-        "{error}"
-    );
-    let error = StreamError::from(allocator.empty_cache().unwrap_err());
-    assert!(
-        matches!(graph_error(&error), GraphError::Capturing { .. }),
-        "{error}"
-    );
+    assert_capturing(main.synchronize());
+    assert_capturing(main.query());
+    assert_capturing(gpu.context.synchronize());
+    assert_capturing(allocator.empty_cache());
     let mut host = [0u32; 4];
     let scratch = allocator.allocate(16, &other).unwrap();
     // SAFETY: `scratch` holds 16 bytes; the copy is refused before it reaches the driver.
     let refused = unsafe { copy_dtoh(&gpu.context, host.as_mut_ptr().cast(), scratch.ptr(), 16) };
-    let error = StreamError::from(refused.unwrap_err());
-    assert!(
-        matches!(graph_error(&error), GraphError::Capturing { .. }),
-        "{error}"
-    );
+    assert_capturing(refused);
     // A second capture on the same stream, ending on a stream that is not the origin.
     let error = StreamError::from(main.begin_capture(CaptureMode::ThreadLocal).unwrap_err());
     assert!(matches!(
@@ -399,8 +413,7 @@ fn every_bad_use_is_a_typed_error_and_leaves_the_stream_usable() {
         CaptureOptions::default().with_misses(MissPolicy::Fail),
     )
     .unwrap();
-    let error = StreamError::from(allocator.allocate(BYTES, &main).unwrap_err());
-    assert!(matches!(graph_error(&error), GraphError::Capturing { .. }));
+    assert_capturing(allocator.allocate(BYTES, &main));
     drop(capture.finish().unwrap());
     usable(&main);
 }
@@ -457,12 +470,15 @@ fn stream_ordered_allocations_in_a_graph_free_on_relaunch_or_refuse_it() {
 
 #[test]
 fn forks_must_be_joined_and_fork_blocks_wait_for_the_join() {
-    let Some(gpu) = gpu("forks_must_be_joined_and_fork_blocks_wait_for_the_join") else {
+    let Some(Fixture {
+        gpu,
+        kernels,
+        allocator,
+        _serial,
+    }) = fixture("forks_must_be_joined_and_fork_blocks_wait_for_the_join")
+    else {
         return;
     };
-    let _serial = serial();
-    let kernels = TestKernels::load(&gpu.context).unwrap();
-    let allocator = CachingAllocator::with_driver(&gpu.context);
     let (main, side) = (stream(&gpu), stream(&gpu));
 
     let mut capture = StreamCapture::begin(&main, CaptureOptions::default()).unwrap();
@@ -513,12 +529,15 @@ fn forks_must_be_joined_and_fork_blocks_wait_for_the_join() {
 
 #[test]
 fn update_dot_and_profiler_see_graphs() {
-    let Some(gpu) = gpu("update_dot_and_profiler_see_graphs") else {
+    let Some(Fixture {
+        gpu,
+        kernels,
+        allocator,
+        _serial,
+    }) = fixture("update_dot_and_profiler_see_graphs")
+    else {
         return;
     };
-    let _serial = serial();
-    let kernels = TestKernels::load(&gpu.context).unwrap();
-    let allocator = CachingAllocator::with_driver(&gpu.context);
     let stream = PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap();
     let out = allocator.allocate(BYTES, &stream).unwrap();
     let capture_fill = |value: u32, twice: bool| {
@@ -588,12 +607,15 @@ fn update_dot_and_profiler_see_graphs() {
 
 #[test]
 fn coordinator_dependencies_inside_a_capture_become_graph_edges() {
-    let Some(gpu) = gpu("coordinator_dependencies_inside_a_capture_become_graph_edges") else {
+    let Some(Fixture {
+        gpu,
+        kernels,
+        allocator,
+        _serial,
+    }) = fixture("coordinator_dependencies_inside_a_capture_become_graph_edges")
+    else {
         return;
     };
-    let _serial = serial();
-    let kernels = TestKernels::load(&gpu.context).unwrap();
-    let allocator = CachingAllocator::with_driver(&gpu.context);
     let main = Arc::new(PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap());
     let side = Arc::new(PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap());
     let out = allocator.allocate(BYTES, &main).unwrap();

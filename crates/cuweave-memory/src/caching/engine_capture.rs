@@ -11,6 +11,16 @@ use super::{Engine, Upstream};
 use crate::error::{MemoryError, Result};
 
 impl<E: Marker> Engine<E> {
+    /// `bytes` rounded to the allocator's granularity; a size too large to round is counted
+    /// and reported as out-of-memory.
+    #[inline]
+    pub(super) fn round_request(&self, stream: StreamKey, bytes: usize) -> Result<usize> {
+        round_size(bytes).map_err(|error| match error {
+            MemoryError::OutOfMemory { .. } => self.out_of_memory(stream, bytes, None),
+            other => other,
+        })
+    }
+
     /// A block of at least `bytes` for `stream` from the cache, else (with `allow_miss`) from a
     /// new upstream segment; never polls pending blocks nor retries after out-of-memory.
     pub fn allocate_quiet(
@@ -20,10 +30,7 @@ impl<E: Marker> Engine<E> {
         upstream: &impl Upstream,
         allow_miss: bool,
     ) -> Result<Grant> {
-        let rounded = round_size(bytes).map_err(|error| match error {
-            MemoryError::OutOfMemory { .. } => self.out_of_memory(stream, bytes, None),
-            other => other,
-        })?;
+        let rounded = self.round_request(stream, bytes)?;
         if let Some(grant) = self
             .shard(stream)
             .pools

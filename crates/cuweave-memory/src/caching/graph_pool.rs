@@ -284,6 +284,34 @@ pub fn begin_allocate_to_pool(
     })
 }
 
+/// Where `stream` stands with the bound captures.
+enum Enlisted {
+    /// Not capturing.
+    NotCapturing,
+    /// Capturing into a capture no pool is bound to.
+    Unbound,
+    /// Capturing into a bound capture, now listed among its streams.
+    Bound(GraphPool, MissPolicy),
+}
+
+/// Finds the bound capture `stream` is in and lists the stream among its streams.
+fn enlist(stream: &Stream) -> Result<Enlisted> {
+    let Some(capture) = stream.capture_status()?.id() else {
+        return Ok(Enlisted::NotCapturing);
+    };
+    let mut bindings = BINDINGS.write();
+    let Some(binding) = bindings
+        .iter_mut()
+        .find(|binding| binding.capture == capture)
+    else {
+        return Ok(Enlisted::Unbound);
+    };
+    if !binding.streams.contains(&stream.id()) {
+        binding.streams.push(stream.id());
+    }
+    Ok(Enlisted::Bound(binding.pool.clone(), binding.misses))
+}
+
 /// Notes that `stream` takes part in a capture (it was forked into one), so that blocks of the
 /// general cache it frees or uses during the capture are held as graph memory. Returns the
 /// capture's pool, if the stream is capturing into a bound capture.
@@ -291,20 +319,10 @@ pub fn begin_allocate_to_pool(
 /// # Errors
 /// The driver's error when the capture status cannot be read.
 pub fn note_capture_stream(stream: &Stream) -> Result<Option<GraphPool>> {
-    let Some(capture) = stream.capture_status()?.id() else {
-        return Ok(None);
-    };
-    let mut bindings = BINDINGS.write();
-    let Some(binding) = bindings
-        .iter_mut()
-        .find(|binding| binding.capture == capture)
-    else {
-        return Ok(None);
-    };
-    if !binding.streams.contains(&stream.id()) {
-        binding.streams.push(stream.id());
-    }
-    Ok(Some(binding.pool.clone()))
+    Ok(match enlist(stream)? {
+        Enlisted::Bound(pool, _) => Some(pool),
+        Enlisted::NotCapturing | Enlisted::Unbound => None,
+    })
 }
 
 /// The pool and policy of the bound capture `stream` is in; `None` when it is not capturing.
@@ -316,28 +334,21 @@ fn route(stream: &Stream) -> Result<Option<(u32, MissPolicy)>> {
     {
         return Ok(Some((pool, misses)));
     }
-    let Some(capture) = stream.capture_status()?.id() else {
-        return Ok(None);
-    };
-    let mut bindings = BINDINGS.write();
-    let Some(binding) = bindings
-        .iter_mut()
-        .find(|binding| binding.capture == capture)
-    else {
-        return Err(MemoryError::Driver(
+    match enlist(stream)? {
+        Enlisted::NotCapturing => Ok(None),
+        Enlisted::Unbound => Err(MemoryError::Driver(
             GraphError::Capturing {
                 operation: "CachingAllocator::allocate",
                 reason: "the stream is capturing and no graph pool is bound to its capture",
             }
             .into(),
-        ));
-    };
-    if !binding.streams.contains(&stream.id()) {
-        binding.streams.push(stream.id());
+        )),
+        Enlisted::Bound(pool, misses) => {
+            let id = pool.token.id;
+            ROUTE.with(|cell| cell.set(Some((epoch, stream.id(), id, misses))));
+            Ok(Some((id, misses)))
+        }
     }
-    let found = (binding.pool.token.id, binding.misses);
-    ROUTE.with(|cell| cell.set(Some((epoch, stream.id(), found.0, found.1))));
-    Ok(Some(found))
 }
 
 /// The pool whose capture has the stream `key` (a general-cache key) among its streams.
