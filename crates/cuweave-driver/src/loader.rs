@@ -422,6 +422,9 @@ impl DriverApi {
             return Ok(());
         }
         crate::graph::note_driver_failure(code, operation);
+        if let Some(error) = crate::graph::translate_driver_failure(code) {
+            return Err(error);
+        }
         Err(DriverError::Cuda {
             code: code.0,
             operation,

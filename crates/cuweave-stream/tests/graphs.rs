@@ -393,12 +393,27 @@ fn every_bad_use_is_a_typed_error_and_leaves_the_stream_usable() {
     let capture = StreamCapture::begin(&main, CaptureOptions::default()).unwrap();
     let raw = DriverResource::new(&gpu.context);
     let broke = raw.allocate(1 << 20, &main);
-    let _ = kernels.spin_ns(&main, 1000);
+    // Every later call on the broken capture reports the same cause, not a bare INVALIDATED.
+    let later = StreamError::from(kernels.spin_ns(&main, 1000).unwrap_err());
+    assert!(
+        matches!(
+            graph_error(&later),
+            GraphError::CaptureInvalidated {
+                broken_by: Some("cuMemAlloc_v2"),
+                ..
+            }
+        ),
+        "{later}"
+    );
     let error = capture.finish().unwrap_err();
     match graph_error(&error) {
         GraphError::CaptureInvalidated { broken_by, .. } => {
             eprintln!("capture broken by {broken_by:?} (cuMemAlloc result: {broke:?})");
-            assert!(broken_by.is_some(), "the first failing call is named");
+            assert_eq!(
+                *broken_by,
+                Some("cuMemAlloc_v2"),
+                "the first failing call is named"
+            );
         }
         other => panic!("expected CaptureInvalidated, got {other}"),
     }

@@ -125,7 +125,11 @@ pub fn active_captures() -> usize {
 /// Called by the loader on every failed driver call: remembers capture errors while a capture
 /// is active, so the capture's end can name the call that broke it.
 pub(crate) fn note_driver_failure(code: sys::CUresult, operation: &'static str) {
-    if active_captures() == 0 || !(900..=908).contains(&code.0) {
+    // `INVALIDATED` is what every call after the breaking one returns: not a cause.
+    if active_captures() == 0
+        || !(900..=908).contains(&code.0)
+        || code == sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+    {
         return;
     }
     let seq = FAILURE_SEQ.fetch_add(1, Ordering::AcqRel) + 1;
@@ -152,6 +156,21 @@ pub(crate) fn note_driver_failure(code: sys::CUresult, operation: &'static str) 
         operation,
         code,
     });
+}
+
+/// The typed error for a call that failed because its capture was invalidated earlier: one
+/// [`GraphError::CaptureInvalidated`] naming the first call that broke a capture, instead of the
+/// driver's bare `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` on every call after it.
+pub(crate) fn translate_driver_failure(code: sys::CUresult) -> Option<DriverError> {
+    if code != sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED || active_captures() == 0 {
+        return None;
+    }
+    let start = RECORDS
+        .lock()
+        .iter()
+        .map(|record| record.first_failure)
+        .min()?;
+    Some(invalidated_since(start))
 }
 
 /// The first capture failure after sequence number `after`, if still remembered.
@@ -363,12 +382,17 @@ impl Stream {
                 // SAFETY: the driver just created this graph and hands it to us.
                 Ok(unsafe { Graph::from_raw(self.context(), raw) })
             }
-            Ok(()) => Err(invalidated(record)),
+            Ok(()) => Err(invalidated_since(record.first_failure)),
+            Err(DriverError::Graph(GraphError::CaptureInvalidated { .. })) => {
+                Err(invalidated_since(record.first_failure))
+            }
             Err(error) => Err(match error.code() {
                 Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNJOINED) => {
                     GraphError::UnjoinedFork.into()
                 }
-                Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED) => invalidated(record),
+                Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED) => {
+                    invalidated_since(record.first_failure)
+                }
                 _ => error,
             }),
         }
@@ -447,8 +471,8 @@ impl Stream {
     }
 }
 
-fn invalidated(record: Record) -> DriverError {
-    let first = first_failure_after(record.first_failure);
+fn invalidated_since(start: u64) -> DriverError {
+    let first = first_failure_after(start);
     GraphError::CaptureInvalidated {
         broken_by: first.map(|failure| failure.operation),
         code_name: first.map(|failure| capture_error_name(failure.code)),
@@ -472,9 +496,14 @@ mod tests {
         ACTIVE.fetch_add(1, Ordering::AcqRel);
         let start = FAILURE_SEQ.load(Ordering::Acquire);
         note_driver_failure(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY, "cuIgnored");
+        // A consequence, not a cause: never noted.
+        note_driver_failure(
+            sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+            "cuConsequence",
+        );
         for _ in 0..100_000 {
             note_driver_failure(
-                sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+                sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
                 "cuLater",
             );
         }

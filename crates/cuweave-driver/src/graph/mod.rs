@@ -18,10 +18,11 @@
 //! | [`GraphMemoryUsage`], [`trim_graph_memory`] | the driver's graph memory pool of a device |
 //! | [`GraphError`] | every graph-specific failure, inside [`DriverError::Graph`](crate::DriverError::Graph) |
 //!
-//! An invalidated capture is reported once, by [`Stream::end_capture`](crate::Stream::end_capture),
-//! as [`GraphError::CaptureInvalidated`] naming the first driver call that failed with a capture
-//! error after the capture began, not as the cascade of `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`
-//! every later call returns. Guide: `docs/graphs.md`.
+//! An invalidated capture is reported as one [`GraphError::CaptureInvalidated`] naming the first
+//! driver call that failed with a capture error after the capture began: by
+//! [`Stream::end_capture`](crate::Stream::end_capture), and by every call made on the broken
+//! capture before that, instead of the driver's bare `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`.
+//! Guide: `docs/graphs.md`.
 
 mod capture;
 mod error;
@@ -37,4 +38,4 @@ pub use exec::{GraphExec, InstantiateOptions};
 pub use handle::{Graph, GraphNodeType, KeepAlive};
 pub use memory::{GraphMemoryUsage, graph_memory_usage, trim_graph_memory};
 
-pub(crate) use capture::note_driver_failure;
+pub(crate) use capture::{note_driver_failure, translate_driver_failure};
