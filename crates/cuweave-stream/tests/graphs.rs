@@ -13,6 +13,7 @@ use std::sync::Arc;
 use cuweave_driver::graph::{CaptureMode, GraphError, GraphNodeType};
 use cuweave_driver::memory::{copy_dtod_async, copy_dtoh, copy_htod, memset_d32_async};
 use cuweave_driver::{Context, InstantiateOptions, Stream, StreamFlags};
+use cuweave_memory::Buffer;
 use cuweave_memory::caching::{CachedAllocation, CachingAllocator, GraphPool, MissPolicy};
 use cuweave_memory::resource::{DriverResource, MemoryResource};
 use cuweave_stream::capture::{CaptureOptions, StreamCapture};
@@ -656,4 +657,48 @@ fn coordinator_dependencies_inside_a_capture_become_graph_edges() {
     }
     main.synchronize().unwrap();
     assert!(read_u32(&gpu.context, out.ptr(), N).iter().all(|&v| v == 3));
+}
+
+#[test]
+fn typed_buffers_allocate_and_drop_inside_a_capture() {
+    let Some(Fixture {
+        gpu,
+        allocator,
+        _serial,
+        ..
+    }) = fixture("typed_buffers_allocate_and_drop_inside_a_capture")
+    else {
+        return;
+    };
+    let main = PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap();
+    let out = allocator.allocate(BYTES, &main).unwrap();
+
+    let capture = main.begin_capture(CaptureOptions::default()).unwrap();
+    let mut buffer = allocator.buffer::<u32>(N, &main).unwrap();
+    main.fill(&mut buffer, 7).unwrap(); // tracked: an event recorded inside the capture
+    let inside = buffer.device_ptr();
+    // SAFETY: both hold BYTES; the copy is ordered after the fill on `main`.
+    unsafe { copy_dtod_async(out.ptr(), inside, BYTES, &main) }.unwrap();
+    drop(buffer); // used in the capture: held until it ends, its events never polled
+    let again = allocator.buffer::<u32>(N, &main).unwrap();
+    assert_ne!(
+        again.device_ptr(),
+        inside,
+        "a used block was reused inside the capture"
+    );
+    drop(again);
+    let graph = capture.finish().unwrap();
+
+    let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
+    for _ in 0..3 {
+        main.launch_graph(&exec).unwrap();
+    }
+    main.synchronize().unwrap();
+    assert!(read_u32(&gpu.context, out.ptr(), N).iter().all(|&v| v == 7));
+    let eager = allocator.buffer::<u32>(N, &main).unwrap();
+    assert_ne!(
+        eager.device_ptr(),
+        inside,
+        "graph memory went to eager work"
+    );
 }

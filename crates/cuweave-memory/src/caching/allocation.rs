@@ -260,6 +260,16 @@ impl CachedBlock {
         events: Vec<Event>,
         spare: Vec<Event>,
     ) -> Result<()> {
+        if cuweave_driver::graph::active_captures() != 0 {
+            return super::graph_pool::release_block_during_capture(
+                shard,
+                self.id,
+                self.ptr,
+                self.stream,
+                events,
+                spare,
+            );
+        }
         let engine = &shard.shared.engine;
         if events.is_empty() && spare.is_empty() {
             return engine.free(self.stream, self.id, self.ptr);

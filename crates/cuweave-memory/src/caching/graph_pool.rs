@@ -38,7 +38,7 @@ use cuweave_driver::graph::{
 use cuweave_driver::{Context, Stream};
 use parking_lot::{Mutex, RwLock};
 
-use super::allocator::{CachingAllocator, ShardHandle};
+use super::allocator::{CachingAllocator, ShardHandle, Shared};
 use super::block::BlockId;
 use super::engine::Upstream;
 use super::pool::{Grant, Segment};
@@ -85,7 +85,7 @@ static LIVE: RwLock<Option<HashSet<u32>>> = RwLock::new(None);
 /// A block freed during a capture whose return waits: for the capture to end (events to
 /// record), or for its pool to die (graph memory of the general cache).
 struct HeldBlock {
-    shard: Arc<ShardHandle>,
+    shared: Arc<Shared>,
     id: BlockId,
     ptr: u64,
     stream: StreamKey,
@@ -179,7 +179,9 @@ pub(crate) fn is_retained(key: StreamKey) -> bool {
         return false;
     }
     let pool = ((raw & !PRIVATE_BIT) >> 32) as u32;
-    LIVE.read().as_ref().is_some_and(|live| live.contains(&pool))
+    LIVE.read()
+        .as_ref()
+        .is_some_and(|live| live.contains(&pool))
 }
 
 fn private_key(pool: u32, stream: &Stream) -> StreamKey {
@@ -428,7 +430,7 @@ pub(super) fn release_during_capture(
 ) -> Result<()> {
     let engine = &shard.shared.engine;
     let held = |after_device| HeldBlock {
-        shard: Arc::clone(shard),
+        shared: Arc::clone(&shard.shared),
         id,
         ptr,
         stream,
@@ -442,10 +444,8 @@ pub(super) fn release_during_capture(
         DEFERRED.lock().push(held(false));
         return Ok(());
     }
-    let owner = capturing_pool_of(stream.as_usize() as u64).or_else(|| {
-        uses.iter()
-            .find_map(|used| capturing_pool_of(used.id()))
-    });
+    let owner = capturing_pool_of(stream.as_usize() as u64)
+        .or_else(|| uses.iter().find_map(|used| capturing_pool_of(used.id())));
     if let Some(pool) = owner {
         pool.token.held.lock().push(held(true));
         return Ok(());
@@ -454,6 +454,57 @@ pub(super) fn release_during_capture(
         return engine.free(stream, id, ptr);
     }
     DEFERRED.lock().push(held(false));
+    Ok(())
+}
+
+/// Frees a typed buffer's block while some capture is active. `markers` are the events its
+/// tracker recorded behind its uses; some may have been recorded inside the capture (they can
+/// never be queried), so none is waited on or polled: they go back to the spares, and a block
+/// that was used is held instead of freed. A private block waits for the capture to end (its
+/// uses may be on streams forked into the capture, not ordered with the next allocation); a block
+/// of the general cache is graph memory from now on, held by the pool of a capture that has its
+/// stream (or, failing that, of the only bound capture) until that pool dies, else returned once
+/// no capture is active and the device has finished.
+#[cold]
+#[inline(never)]
+pub(crate) fn release_block_during_capture(
+    shard: &ShardHandle,
+    id: BlockId,
+    ptr: u64,
+    stream: StreamKey,
+    markers: Vec<cuweave_driver::Event>,
+    spare: Vec<cuweave_driver::Event>,
+) -> Result<()> {
+    let engine = &shard.shared.engine;
+    let used = !markers.is_empty();
+    engine.recycle(markers);
+    engine.recycle(spare);
+    if !used {
+        return engine.free(stream, id, ptr);
+    }
+    let private = stream.as_usize() & PRIVATE_BIT != 0;
+    let held = HeldBlock {
+        shared: Arc::clone(&shard.shared),
+        id,
+        ptr,
+        stream,
+        uses: Vec::new(),
+        after_device: !private,
+    };
+    if !private {
+        let owner = capturing_pool_of(stream.as_usize() as u64).or_else(|| {
+            let bindings = BINDINGS.read();
+            match bindings.as_slice() {
+                [only] => Some(only.pool.clone()),
+                _ => None,
+            }
+        });
+        if let Some(pool) = owner {
+            pool.token.held.lock().push(held);
+            return Ok(());
+        }
+    }
+    DEFERRED.lock().push(held);
     Ok(())
 }
 
@@ -476,9 +527,9 @@ fn flush_deferred() {
 }
 
 fn return_block(block: HeldBlock, synced: &mut Vec<Arc<Context>>) -> Result<()> {
-    let engine = &block.shard.shared.engine;
+    let engine = &block.shared.engine;
     if block.after_device {
-        let context = block.shard.shared.context();
+        let context = block.shared.context();
         if !synced.iter().any(|done| Arc::ptr_eq(done, context)) {
             context.synchronize()?;
             synced.push(Arc::clone(context));

@@ -109,11 +109,11 @@ pub use allocation::CachedAllocation;
 pub(crate) use allocation::CachedBlock;
 pub use allocator::CachingAllocator;
 pub(crate) use allocator::ShardHandle;
-pub(crate) use pool::Grant;
 pub use graph_pool::{
     AllocateToPool, GraphPool, GraphPoolId, MissPolicy, begin_allocate_to_pool, graph_pool_handle,
     note_capture_stream,
 };
+pub(crate) use pool::Grant;
 pub use size_class::PoolKind;
 pub use stats::{MemoryStats, Stat};
 pub use stream_uses::StreamKey;
