@@ -156,6 +156,13 @@ impl Context {
 
     /// Blocks until all work queued in this context has finished.
     pub fn synchronize(&self) -> Result<()> {
+        if crate::graph::active_captures() != 0 {
+            return Err(crate::graph::GraphError::Capturing {
+                operation: "Context::synchronize",
+                reason: "a context synchronisation waits on the capturing streams too",
+            }
+            .into());
+        }
         self.bind_to_thread()?;
         let api = driver()?;
         // SAFETY: the context is current on this thread.

@@ -52,6 +52,9 @@ pub enum DriverError {
         /// The operation that needed it.
         operation: &'static str,
     },
+    /// A stream capture or graph operation failed (see [`GraphError`](crate::GraphError)).
+    #[error(transparent)]
+    Graph(#[from] crate::graph::GraphError),
     /// An argument was rejected before reaching the driver.
     #[error("invalid argument to {operation}: {reason}")]
     InvalidArgument {
@@ -98,6 +101,7 @@ impl DriverError {
             Self::Cuda { operation, .. }
             | Self::CapabilityMissing { operation, .. }
             | Self::InvalidArgument { operation, .. } => Some(operation),
+            Self::Graph(error) => error.operation(),
             Self::NotFound { .. } | Self::Unsupported { .. } => None,
         }
     }

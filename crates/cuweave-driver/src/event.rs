@@ -153,6 +153,7 @@ impl Event {
     /// answers with another error does it make the context current and ask again, and that
     /// answer stands.
     pub fn query(&self) -> Result<bool> {
+        crate::graph::refuse_while_capturing(None, "Event::query")?;
         let api = driver()?;
         // SAFETY: live event.
         match unsafe { cu!(api.event_query(self.raw)) } {
@@ -171,6 +172,7 @@ impl Event {
 
     /// Blocks until the captured work has finished.
     pub fn synchronize(&self) -> Result<()> {
+        crate::graph::refuse_while_capturing(None, "Event::synchronize")?;
         self.context.bind_to_thread()?;
         let api = driver()?;
         // SAFETY: live event.

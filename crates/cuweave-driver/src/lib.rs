@@ -13,6 +13,7 @@
 //! | [`Context`] | a device's primary context, made current per thread on use |
 //! | [`Stream`], [`Event`] | ordered work queues and markers in them, host callbacks, timing |
 //! | [`EventPool`] | the per-context pool of reusable events every layer takes its events from ([`event_pool`]) |
+//! | [`graph`]: [`Graph`], [`GraphExec`], capture on [`Stream`] | CUDA graphs: stream capture, instantiate, upload, launch, update |
 //! | [`Module`], [`Kernel`] | PTX / cubin loading and (`unsafe`) kernel launch |
 //! | [`memory`] | raw allocations, copies, memsets, pools, managed memory, advice, prefetch |
 //! | [`sys`] | the raw bindgen types, for interop with other CUDA crates |
@@ -40,6 +41,7 @@ pub mod device;
 pub mod error;
 pub mod event;
 pub mod event_pool;
+pub mod graph;
 pub mod loader;
 pub mod memory;
 pub mod module;
@@ -51,6 +53,7 @@ pub use device::{ComputeCapability, Device, DeviceCapabilities, ManagedSupport, 
 pub use error::{DriverError, Result};
 pub use event::{Event, EventFlags};
 pub use event_pool::{EventPool, OwnedPooledEvent, PoolCounters, PoolUtilization, PooledEvent};
+pub use graph::{CaptureMode, CaptureStatus, Graph, GraphError, GraphExec, InstantiateOptions};
 pub use loader::{DriverApi, driver, driver_version, is_available};
 pub use module::{Kernel, KernelArgs, LaunchConfig, Module};
 pub use stream::{Stream, StreamFlags, WaitCondition, WriteOrdering};

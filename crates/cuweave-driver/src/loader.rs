@@ -230,6 +230,40 @@ driver_table! {
     stream_wait_value64: PFN_cuStreamWaitValue64_v11070 = ["cuStreamWaitValue64_v2", "cuStreamWaitValue64"],
     /// `cuLaunchHostFunc`
     launch_host_func: PFN_cuLaunchHostFunc_v10000 = ["cuLaunchHostFunc"],
+    /// `cuStreamBeginCapture_v2` (10.1+: takes the capture mode).
+    stream_begin_capture: PFN_cuStreamBeginCapture_v10010 = ["cuStreamBeginCapture_v2"],
+    /// `cuStreamEndCapture`
+    stream_end_capture: PFN_cuStreamEndCapture_v10000 = ["cuStreamEndCapture"],
+    /// `cuStreamIsCapturing`
+    stream_is_capturing: PFN_cuStreamIsCapturing_v10000 = ["cuStreamIsCapturing"],
+    /// `cuStreamGetCaptureInfo_v3` (12.3+: with edge data).
+    stream_get_capture_info_v3: PFN_cuStreamGetCaptureInfo_v12030 = ["cuStreamGetCaptureInfo_v3"],
+    /// `cuStreamGetCaptureInfo_v2` (11.3+; gone from 13.0 headers, still exported by 12.x drivers).
+    stream_get_capture_info_v2: PFN_cuStreamGetCaptureInfo_v11030 = ["cuStreamGetCaptureInfo_v2"],
+    /// `cuThreadExchangeStreamCaptureMode`
+    thread_exchange_stream_capture_mode: PFN_cuThreadExchangeStreamCaptureMode_v10010 = ["cuThreadExchangeStreamCaptureMode"],
+    /// `cuGraphInstantiateWithParams` (12.0+: reports the node that failed).
+    graph_instantiate_with_params: PFN_cuGraphInstantiateWithParams_v12000 = ["cuGraphInstantiateWithParams"],
+    /// `cuGraphLaunch`
+    graph_launch: PFN_cuGraphLaunch_v10000 = ["cuGraphLaunch"],
+    /// `cuGraphUpload`
+    graph_upload: PFN_cuGraphUpload_v11010 = ["cuGraphUpload"],
+    /// `cuGraphExecUpdate_v2` (12.0+: reports the node that blocked the update).
+    graph_exec_update: PFN_cuGraphExecUpdate_v12000 = ["cuGraphExecUpdate_v2"],
+    /// `cuGraphDestroy`
+    graph_destroy: PFN_cuGraphDestroy_v10000 = ["cuGraphDestroy"],
+    /// `cuGraphExecDestroy`
+    graph_exec_destroy: PFN_cuGraphExecDestroy_v10000 = ["cuGraphExecDestroy"],
+    /// `cuGraphGetNodes`
+    graph_get_nodes: PFN_cuGraphGetNodes_v10000 = ["cuGraphGetNodes"],
+    /// `cuGraphNodeGetType`
+    graph_node_get_type: PFN_cuGraphNodeGetType_v10000 = ["cuGraphNodeGetType"],
+    /// `cuGraphDebugDotPrint`
+    graph_debug_dot_print: PFN_cuGraphDebugDotPrint_v11030 = ["cuGraphDebugDotPrint"],
+    /// `cuDeviceGetGraphMemAttribute`
+    device_get_graph_mem_attribute: PFN_cuDeviceGetGraphMemAttribute_v11040 = ["cuDeviceGetGraphMemAttribute"],
+    /// `cuDeviceGraphMemTrim`
+    device_graph_mem_trim: PFN_cuDeviceGraphMemTrim_v11040 = ["cuDeviceGraphMemTrim"],
     /// `cuEventCreate`
     event_create: PFN_cuEventCreate_v2000 = ["cuEventCreate"],
     /// `cuEventDestroy_v2`
@@ -386,6 +420,10 @@ impl DriverApi {
     pub fn check(&self, code: sys::CUresult, operation: &'static str) -> Result<()> {
         if code == sys::CUresult::CUDA_SUCCESS {
             return Ok(());
+        }
+        crate::graph::note_driver_failure(code, operation);
+        if let Some(error) = crate::graph::translate_driver_failure(code) {
+            return Err(error);
         }
         Err(DriverError::Cuda {
             code: code.0,

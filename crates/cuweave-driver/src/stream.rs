@@ -239,6 +239,7 @@ impl Stream {
     /// answers with another error, the context is made current and the query asked again; that
     /// answer stands.
     pub fn query(&self) -> Result<bool> {
+        crate::graph::refuse_while_capturing(Some(self), "Stream::query")?;
         let api = driver()?;
         if !self.is_special_handle() {
             // SAFETY: live stream.
@@ -264,6 +265,7 @@ impl Stream {
 
     /// Blocks until all work queued so far has finished.
     pub fn synchronize(&self) -> Result<()> {
+        crate::graph::refuse_while_capturing(Some(self), "Stream::synchronize")?;
         self.context.bind_to_thread()?;
         let api = driver()?;
         // SAFETY: live stream.

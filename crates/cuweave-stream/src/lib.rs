@@ -13,6 +13,7 @@
 //! | [`MultiStreamCoordinator`], [`DependencyGraph`] | dependencies as device-side event waits with cycles refused, barriers, parallel execution, completion callbacks |
 //! | [`StreamOrderedAllocator`] | `cuMemAllocFromPoolAsync` memory tied to a stream, freed in stream order, shared only through recorded dependencies |
 //! | [`StreamProfiler`], [`ProfileReport`] | per-stream and combined reports in GPU time, Chrome trace JSON |
+//! | [`capture`]: [`StreamCapture`], [`CaptureOptions`] | graph capture on streams with a private memory pool, fork/join, typed refusals; [`PriorityStream::launch_graph`] |
 //! | [`StreamError`] | every failure, typed; wraps the driver's and the memory layer's errors |
 //!
 //! # The model
@@ -49,6 +50,7 @@
 #![forbid(unsafe_code)]
 
 pub mod allocator;
+pub mod capture;
 pub mod coordinator;
 pub mod error;
 pub mod pool;
@@ -61,6 +63,7 @@ pub use allocator::{
     AllocatorStats, SizeClassStats, StreamAllocation, StreamOrderedAllocator,
     StreamOrderedAllocatorConfig,
 };
+pub use capture::{CaptureOptions, StreamCapture};
 pub use coordinator::{
     BarrierInfo, CoordinatorStats, DependencyGraph, MultiStreamCoordinator, queue_barrier,
 };

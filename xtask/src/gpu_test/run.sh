@@ -127,7 +127,7 @@ if [ "$sanitize" = 1 ]; then
   memcheck_issues=()
 fi
 mem_re='^========= (Invalid |Misaligned |Out-of-range |Hardware [Ee]xception|Malloc/Free [Ee]rror|Uninitialized|Barrier error|Race|Device-side assert|Illegal )'
-leak_re='^========= Leaked [0-9]+ bytes'
+leak_re='^========= Leaked [0-9,]+ bytes'
 api_re='^========= Program hit '
 
 tests=("$here"/tests/*)

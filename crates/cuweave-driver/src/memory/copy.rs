@@ -38,6 +38,7 @@ pub unsafe fn copy_htod(
     src: *const u8,
     bytes: usize,
 ) -> Result<()> {
+    crate::graph::refuse_while_capturing(None, "memory::copy_htod")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -55,6 +56,7 @@ pub unsafe fn copy_dtoh(
     src: DevicePtr,
     bytes: usize,
 ) -> Result<()> {
+    crate::graph::refuse_while_capturing(None, "memory::copy_dtoh")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -71,6 +73,7 @@ pub unsafe fn copy_dtod(
     src: DevicePtr,
     bytes: usize,
 ) -> Result<()> {
+    crate::graph::refuse_while_capturing(None, "memory::copy_dtod")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -85,6 +88,7 @@ pub unsafe fn copy_dtod(
 /// `src` is readable and `dst` writable for `bytes`, each either host memory or memory the
 /// driver knows (device, pinned, registered or managed).
 pub unsafe fn copy(context: &Context, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
+    crate::graph::refuse_while_capturing(None, "memory::copy")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -193,6 +197,7 @@ pub unsafe fn copy_peer_async(
 /// # Safety
 /// `dst` is device memory writable for `bytes`.
 pub unsafe fn memset_d8(context: &Context, dst: DevicePtr, value: u8, bytes: usize) -> Result<()> {
+    crate::graph::refuse_while_capturing(None, "memory::memset_d8")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -210,6 +215,7 @@ pub unsafe fn memset_d32(
     value: u32,
     count: usize,
 ) -> Result<()> {
+    crate::graph::refuse_while_capturing(None, "memory::memset_d32")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.

@@ -21,6 +21,7 @@ pub type cuuint32_t = u32;
 pub type cuuint64_t = u64;
 pub type CUdeviceptr_v2 = ::std::os::raw::c_ulonglong;
 pub type CUdevice_v1 = ::std::os::raw::c_int;
+pub type CUdevice = CUdevice_v1;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct CUctx_st {
@@ -51,6 +52,24 @@ pub struct CUstream_st {
     _unused: [u8; 0],
 }
 pub type CUstream = *mut CUstream_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUgraph_st {
+    _unused: [u8; 0],
+}
+pub type CUgraph = *mut CUgraph_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUgraphNode_st {
+    _unused: [u8; 0],
+}
+pub type CUgraphNode = *mut CUgraphNode_st;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct CUgraphExec_st {
+    _unused: [u8; 0],
+}
+pub type CUgraphExec = *mut CUgraphExec_st;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct CUmemPoolHandle_st {
@@ -526,6 +545,94 @@ pub struct CUmem_range_attribute_enum(pub ::std::os::raw::c_uint);
 pub use self::CUmem_range_attribute_enum as CUmem_range_attribute;
 pub type CUhostFn =
     ::std::option::Option<unsafe extern "C" fn(userData: *mut ::std::os::raw::c_void)>;
+impl CUgraphNodeType_enum {
+    pub const CU_GRAPH_NODE_TYPE_KERNEL: CUgraphNodeType_enum = CUgraphNodeType_enum(0);
+    pub const CU_GRAPH_NODE_TYPE_MEMCPY: CUgraphNodeType_enum = CUgraphNodeType_enum(1);
+    pub const CU_GRAPH_NODE_TYPE_MEMSET: CUgraphNodeType_enum = CUgraphNodeType_enum(2);
+    pub const CU_GRAPH_NODE_TYPE_HOST: CUgraphNodeType_enum = CUgraphNodeType_enum(3);
+    pub const CU_GRAPH_NODE_TYPE_GRAPH: CUgraphNodeType_enum = CUgraphNodeType_enum(4);
+    pub const CU_GRAPH_NODE_TYPE_EMPTY: CUgraphNodeType_enum = CUgraphNodeType_enum(5);
+    pub const CU_GRAPH_NODE_TYPE_WAIT_EVENT: CUgraphNodeType_enum = CUgraphNodeType_enum(6);
+    pub const CU_GRAPH_NODE_TYPE_EVENT_RECORD: CUgraphNodeType_enum = CUgraphNodeType_enum(7);
+    pub const CU_GRAPH_NODE_TYPE_EXT_SEMAS_SIGNAL: CUgraphNodeType_enum = CUgraphNodeType_enum(8);
+    pub const CU_GRAPH_NODE_TYPE_EXT_SEMAS_WAIT: CUgraphNodeType_enum = CUgraphNodeType_enum(9);
+    pub const CU_GRAPH_NODE_TYPE_MEM_ALLOC: CUgraphNodeType_enum = CUgraphNodeType_enum(10);
+    pub const CU_GRAPH_NODE_TYPE_MEM_FREE: CUgraphNodeType_enum = CUgraphNodeType_enum(11);
+    pub const CU_GRAPH_NODE_TYPE_BATCH_MEM_OP: CUgraphNodeType_enum = CUgraphNodeType_enum(12);
+    pub const CU_GRAPH_NODE_TYPE_CONDITIONAL: CUgraphNodeType_enum = CUgraphNodeType_enum(13);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUgraphNodeType_enum(pub ::std::os::raw::c_uint);
+pub use self::CUgraphNodeType_enum as CUgraphNodeType;
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
+pub struct CUgraphEdgeData_st {
+    pub from_port: ::std::os::raw::c_uchar,
+    pub to_port: ::std::os::raw::c_uchar,
+    pub type_: ::std::os::raw::c_uchar,
+    pub reserved: [::std::os::raw::c_uchar; 5usize],
+}
+pub type CUgraphEdgeData = CUgraphEdgeData_st;
+impl CUgraphInstantiateResult_enum {
+    pub const CUDA_GRAPH_INSTANTIATE_SUCCESS: CUgraphInstantiateResult_enum =
+        CUgraphInstantiateResult_enum(0);
+    pub const CUDA_GRAPH_INSTANTIATE_ERROR: CUgraphInstantiateResult_enum =
+        CUgraphInstantiateResult_enum(1);
+    pub const CUDA_GRAPH_INSTANTIATE_INVALID_STRUCTURE: CUgraphInstantiateResult_enum =
+        CUgraphInstantiateResult_enum(2);
+    pub const CUDA_GRAPH_INSTANTIATE_NODE_OPERATION_NOT_SUPPORTED: CUgraphInstantiateResult_enum =
+        CUgraphInstantiateResult_enum(3);
+    pub const CUDA_GRAPH_INSTANTIATE_MULTIPLE_CTXS_NOT_SUPPORTED: CUgraphInstantiateResult_enum =
+        CUgraphInstantiateResult_enum(4);
+    pub const CUDA_GRAPH_INSTANTIATE_CONDITIONAL_HANDLE_UNUSED: CUgraphInstantiateResult_enum =
+        CUgraphInstantiateResult_enum(5);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUgraphInstantiateResult_enum(pub ::std::os::raw::c_uint);
+pub use self::CUgraphInstantiateResult_enum as CUgraphInstantiateResult;
+#[repr(C)]
+#[derive(Debug, Copy, Clone, PartialEq, Eq)]
+pub struct CUDA_GRAPH_INSTANTIATE_PARAMS_st {
+    pub flags: cuuint64_t,
+    pub hUploadStream: CUstream,
+    pub hErrNode_out: CUgraphNode,
+    pub result_out: CUgraphInstantiateResult,
+}
+impl Default for CUDA_GRAPH_INSTANTIATE_PARAMS_st {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type CUDA_GRAPH_INSTANTIATE_PARAMS = CUDA_GRAPH_INSTANTIATE_PARAMS_st;
+impl CUstreamCaptureStatus_enum {
+    pub const CU_STREAM_CAPTURE_STATUS_NONE: CUstreamCaptureStatus_enum =
+        CUstreamCaptureStatus_enum(0);
+    pub const CU_STREAM_CAPTURE_STATUS_ACTIVE: CUstreamCaptureStatus_enum =
+        CUstreamCaptureStatus_enum(1);
+    pub const CU_STREAM_CAPTURE_STATUS_INVALIDATED: CUstreamCaptureStatus_enum =
+        CUstreamCaptureStatus_enum(2);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUstreamCaptureStatus_enum(pub ::std::os::raw::c_uint);
+pub use self::CUstreamCaptureStatus_enum as CUstreamCaptureStatus;
+impl CUstreamCaptureMode_enum {
+    pub const CU_STREAM_CAPTURE_MODE_GLOBAL: CUstreamCaptureMode_enum = CUstreamCaptureMode_enum(0);
+    pub const CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: CUstreamCaptureMode_enum =
+        CUstreamCaptureMode_enum(1);
+    pub const CU_STREAM_CAPTURE_MODE_RELAXED: CUstreamCaptureMode_enum =
+        CUstreamCaptureMode_enum(2);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUstreamCaptureMode_enum(pub ::std::os::raw::c_uint);
+pub use self::CUstreamCaptureMode_enum as CUstreamCaptureMode;
 impl cudaError_enum {
     pub const CUDA_SUCCESS: cudaError_enum = cudaError_enum(0);
     pub const CUDA_ERROR_INVALID_VALUE: cudaError_enum = cudaError_enum(1);
@@ -713,6 +820,48 @@ impl Default for CUmemLocation_st {
 }
 pub type CUmemLocation_v1 = CUmemLocation_st;
 pub type CUmemLocation = CUmemLocation_v1;
+impl CUgraphExecUpdateResult_enum {
+    pub const CU_GRAPH_EXEC_UPDATE_SUCCESS: CUgraphExecUpdateResult_enum =
+        CUgraphExecUpdateResult_enum(0);
+    pub const CU_GRAPH_EXEC_UPDATE_ERROR: CUgraphExecUpdateResult_enum =
+        CUgraphExecUpdateResult_enum(1);
+    pub const CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED: CUgraphExecUpdateResult_enum =
+        CUgraphExecUpdateResult_enum(2);
+    pub const CU_GRAPH_EXEC_UPDATE_ERROR_NODE_TYPE_CHANGED: CUgraphExecUpdateResult_enum =
+        CUgraphExecUpdateResult_enum(3);
+    pub const CU_GRAPH_EXEC_UPDATE_ERROR_FUNCTION_CHANGED: CUgraphExecUpdateResult_enum =
+        CUgraphExecUpdateResult_enum(4);
+    pub const CU_GRAPH_EXEC_UPDATE_ERROR_PARAMETERS_CHANGED: CUgraphExecUpdateResult_enum =
+        CUgraphExecUpdateResult_enum(5);
+    pub const CU_GRAPH_EXEC_UPDATE_ERROR_NOT_SUPPORTED: CUgraphExecUpdateResult_enum =
+        CUgraphExecUpdateResult_enum(6);
+    pub const CU_GRAPH_EXEC_UPDATE_ERROR_UNSUPPORTED_FUNCTION_CHANGE: CUgraphExecUpdateResult_enum =
+        CUgraphExecUpdateResult_enum(7);
+    pub const CU_GRAPH_EXEC_UPDATE_ERROR_ATTRIBUTES_CHANGED: CUgraphExecUpdateResult_enum =
+        CUgraphExecUpdateResult_enum(8);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUgraphExecUpdateResult_enum(pub ::std::os::raw::c_uint);
+pub use self::CUgraphExecUpdateResult_enum as CUgraphExecUpdateResult;
+#[repr(C)]
+#[derive(Debug, Copy, Clone, PartialEq, Eq)]
+pub struct CUgraphExecUpdateResultInfo_st {
+    pub result: CUgraphExecUpdateResult,
+    pub errorNode: CUgraphNode,
+    pub errorFromNode: CUgraphNode,
+}
+impl Default for CUgraphExecUpdateResultInfo_st {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+pub type CUgraphExecUpdateResultInfo_v1 = CUgraphExecUpdateResultInfo_st;
+pub type CUgraphExecUpdateResultInfo = CUgraphExecUpdateResultInfo_v1;
 impl CUmemPool_attribute_enum {
     pub const CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES: CUmemPool_attribute_enum =
         CUmemPool_attribute_enum(1);
@@ -756,6 +905,72 @@ impl Default for CUmemPoolProps_st {
 }
 pub type CUmemPoolProps_v1 = CUmemPoolProps_st;
 pub type CUmemPoolProps = CUmemPoolProps_v1;
+impl CUgraphMem_attribute_enum {
+    pub const CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT: CUgraphMem_attribute_enum =
+        CUgraphMem_attribute_enum(0);
+    pub const CU_GRAPH_MEM_ATTR_USED_MEM_HIGH: CUgraphMem_attribute_enum =
+        CUgraphMem_attribute_enum(1);
+    pub const CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT: CUgraphMem_attribute_enum =
+        CUgraphMem_attribute_enum(2);
+    pub const CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH: CUgraphMem_attribute_enum =
+        CUgraphMem_attribute_enum(3);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUgraphMem_attribute_enum(pub ::std::os::raw::c_uint);
+pub use self::CUgraphMem_attribute_enum as CUgraphMem_attribute;
+impl CUgraphDebugDot_flags_enum {
+    pub const CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE: CUgraphDebugDot_flags_enum =
+        CUgraphDebugDot_flags_enum(1);
+    pub const CU_GRAPH_DEBUG_DOT_FLAGS_RUNTIME_TYPES: CUgraphDebugDot_flags_enum =
+        CUgraphDebugDot_flags_enum(2);
+    pub const CU_GRAPH_DEBUG_DOT_FLAGS_KERNEL_NODE_PARAMS: CUgraphDebugDot_flags_enum =
+        CUgraphDebugDot_flags_enum(4);
+    pub const CU_GRAPH_DEBUG_DOT_FLAGS_MEMCPY_NODE_PARAMS: CUgraphDebugDot_flags_enum =
+        CUgraphDebugDot_flags_enum(8);
+    pub const CU_GRAPH_DEBUG_DOT_FLAGS_MEMSET_NODE_PARAMS: CUgraphDebugDot_flags_enum =
+        CUgraphDebugDot_flags_enum(16);
+    pub const CU_GRAPH_DEBUG_DOT_FLAGS_HOST_NODE_PARAMS: CUgraphDebugDot_flags_enum =
+        CUgraphDebugDot_flags_enum(32);
+    pub const CU_GRAPH_DEBUG_DOT_FLAGS_EVENT_NODE_PARAMS: CUgraphDebugDot_flags_enum =
+        CUgraphDebugDot_flags_enum(64);
+    pub const CU_GRAPH_DEBUG_DOT_FLAGS_EXT_SEMAS_SIGNAL_NODE_PARAMS: CUgraphDebugDot_flags_enum =
+        CUgraphDebugDot_flags_enum(128);
+    pub const CU_GRAPH_DEBUG_DOT_FLAGS_EXT_SEMAS_WAIT_NODE_PARAMS: CUgraphDebugDot_flags_enum =
+        CUgraphDebugDot_flags_enum(256);
+    pub const CU_GRAPH_DEBUG_DOT_FLAGS_KERNEL_NODE_ATTRIBUTES: CUgraphDebugDot_flags_enum =
+        CUgraphDebugDot_flags_enum(512);
+    pub const CU_GRAPH_DEBUG_DOT_FLAGS_HANDLES: CUgraphDebugDot_flags_enum =
+        CUgraphDebugDot_flags_enum(1024);
+    pub const CU_GRAPH_DEBUG_DOT_FLAGS_MEM_ALLOC_NODE_PARAMS: CUgraphDebugDot_flags_enum =
+        CUgraphDebugDot_flags_enum(2048);
+    pub const CU_GRAPH_DEBUG_DOT_FLAGS_MEM_FREE_NODE_PARAMS: CUgraphDebugDot_flags_enum =
+        CUgraphDebugDot_flags_enum(4096);
+    pub const CU_GRAPH_DEBUG_DOT_FLAGS_BATCH_MEM_OP_NODE_PARAMS: CUgraphDebugDot_flags_enum =
+        CUgraphDebugDot_flags_enum(8192);
+    pub const CU_GRAPH_DEBUG_DOT_FLAGS_EXTRA_TOPO_INFO: CUgraphDebugDot_flags_enum =
+        CUgraphDebugDot_flags_enum(16384);
+    pub const CU_GRAPH_DEBUG_DOT_FLAGS_CONDITIONAL_NODE_PARAMS: CUgraphDebugDot_flags_enum =
+        CUgraphDebugDot_flags_enum(32768);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUgraphDebugDot_flags_enum(pub ::std::os::raw::c_uint);
+pub use self::CUgraphDebugDot_flags_enum as CUgraphDebugDot_flags;
+impl CUgraphInstantiate_flags_enum {
+    pub const CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH: CUgraphInstantiate_flags_enum =
+        CUgraphInstantiate_flags_enum(1);
+    pub const CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD: CUgraphInstantiate_flags_enum =
+        CUgraphInstantiate_flags_enum(2);
+    pub const CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH: CUgraphInstantiate_flags_enum =
+        CUgraphInstantiate_flags_enum(4);
+    pub const CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY: CUgraphInstantiate_flags_enum =
+        CUgraphInstantiate_flags_enum(8);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUgraphInstantiate_flags_enum(pub ::std::os::raw::c_uint);
+pub use self::CUgraphInstantiate_flags_enum as CUgraphInstantiate_flags;
 pub type PFN_cuGetErrorString_v6000 = ::std::option::Option<
     unsafe extern "C" fn(error: CUresult, pStr: *mut *const ::std::os::raw::c_char) -> CUresult,
 >;
@@ -944,6 +1159,8 @@ pub type PFN_cuStreamCreateWithPriority_v5050 = ::std::option::Option<
         priority: ::std::os::raw::c_int,
     ) -> CUresult,
 >;
+pub type PFN_cuThreadExchangeStreamCaptureMode_v10010 =
+    ::std::option::Option<unsafe extern "C" fn(mode: *mut CUstreamCaptureMode) -> CUresult>;
 pub type PFN_cuStreamDestroy_v4000 =
     ::std::option::Option<unsafe extern "C" fn(hStream: CUstream) -> CUresult>;
 pub type PFN_cuEventCreate_v2000 = ::std::option::Option<
@@ -960,6 +1177,43 @@ pub type PFN_cuEventElapsedTime_v2000 = ::std::option::Option<
 >;
 pub type PFN_cuEventElapsedTime_v12080 = ::std::option::Option<
     unsafe extern "C" fn(pMilliseconds: *mut f32, hStart: CUevent, hEnd: CUevent) -> CUresult,
+>;
+pub type PFN_cuGraphNodeGetType_v10000 = ::std::option::Option<
+    unsafe extern "C" fn(hNode: CUgraphNode, type_: *mut CUgraphNodeType) -> CUresult,
+>;
+pub type PFN_cuGraphGetNodes_v10000 = ::std::option::Option<
+    unsafe extern "C" fn(
+        hGraph: CUgraph,
+        nodes: *mut CUgraphNode,
+        numNodes: *mut usize,
+    ) -> CUresult,
+>;
+pub type PFN_cuGraphExecDestroy_v10000 =
+    ::std::option::Option<unsafe extern "C" fn(hGraphExec: CUgraphExec) -> CUresult>;
+pub type PFN_cuGraphDestroy_v10000 =
+    ::std::option::Option<unsafe extern "C" fn(hGraph: CUgraph) -> CUresult>;
+pub type PFN_cuGraphExecUpdate_v12000 = ::std::option::Option<
+    unsafe extern "C" fn(
+        hGraphExec: CUgraphExec,
+        hGraph: CUgraph,
+        resultInfo: *mut CUgraphExecUpdateResultInfo,
+    ) -> CUresult,
+>;
+pub type PFN_cuGraphDebugDotPrint_v11030 = ::std::option::Option<
+    unsafe extern "C" fn(
+        hGraph: CUgraph,
+        path: *const ::std::os::raw::c_char,
+        flags: ::std::os::raw::c_uint,
+    ) -> CUresult,
+>;
+pub type PFN_cuDeviceGraphMemTrim_v11040 =
+    ::std::option::Option<unsafe extern "C" fn(device: CUdevice) -> CUresult>;
+pub type PFN_cuDeviceGetGraphMemAttribute_v11040 = ::std::option::Option<
+    unsafe extern "C" fn(
+        device: CUdevice,
+        attr: CUgraphMem_attribute,
+        value: *mut ::std::os::raw::c_void,
+    ) -> CUresult,
 >;
 pub type PFN_cuDeviceCanAccessPeer_v4000 = ::std::option::Option<
     unsafe extern "C" fn(
@@ -1188,6 +1442,47 @@ pub type PFN_cuMemPrefetchBatchAsync_v13000 = ::std::option::Option<
         hStream: CUstream,
     ) -> CUresult,
 >;
+pub type PFN_cuStreamBeginCapture_v10010 = ::std::option::Option<
+    unsafe extern "C" fn(hStream: CUstream, mode: CUstreamCaptureMode) -> CUresult,
+>;
+pub type PFN_cuStreamEndCapture_v10000 = ::std::option::Option<
+    unsafe extern "C" fn(hStream: CUstream, phGraph: *mut CUgraph) -> CUresult,
+>;
+pub type PFN_cuStreamIsCapturing_v10000 = ::std::option::Option<
+    unsafe extern "C" fn(hStream: CUstream, captureStatus: *mut CUstreamCaptureStatus) -> CUresult,
+>;
+pub type PFN_cuStreamGetCaptureInfo_v11030 = ::std::option::Option<
+    unsafe extern "C" fn(
+        hStream: CUstream,
+        captureStatus_out: *mut CUstreamCaptureStatus,
+        id_out: *mut cuuint64_t,
+        graph_out: *mut CUgraph,
+        dependencies_out: *mut *const CUgraphNode,
+        numDependencies_out: *mut usize,
+    ) -> CUresult,
+>;
+pub type PFN_cuStreamGetCaptureInfo_v12030 = ::std::option::Option<
+    unsafe extern "C" fn(
+        hStream: CUstream,
+        captureStatus_out: *mut CUstreamCaptureStatus,
+        id_out: *mut cuuint64_t,
+        graph_out: *mut CUgraph,
+        dependencies_out: *mut *const CUgraphNode,
+        edgeData_out: *mut *const CUgraphEdgeData,
+        numDependencies_out: *mut usize,
+    ) -> CUresult,
+>;
+pub type PFN_cuGraphInstantiateWithParams_v12000 = ::std::option::Option<
+    unsafe extern "C" fn(
+        phGraphExec: *mut CUgraphExec,
+        hGraph: CUgraph,
+        instantiateParams: *mut CUDA_GRAPH_INSTANTIATE_PARAMS,
+    ) -> CUresult,
+>;
+pub type PFN_cuGraphUpload_v11010 =
+    ::std::option::Option<unsafe extern "C" fn(hGraph: CUgraphExec, hStream: CUstream) -> CUresult>;
+pub type PFN_cuGraphLaunch_v10000 =
+    ::std::option::Option<unsafe extern "C" fn(hGraph: CUgraphExec, hStream: CUstream) -> CUresult>;
 pub type PFN_cuMemFreeAsync_v11020 = ::std::option::Option<
     unsafe extern "C" fn(dptr: CUdeviceptr_v2, hStream: CUstream) -> CUresult,
 >;

@@ -150,6 +150,16 @@ impl CachedAllocation {
     #[inline]
     fn release(&mut self) -> Result<()> {
         self.freed = true;
+        if cuweave_driver::graph::active_captures() != 0 {
+            let uses = std::mem::take(&mut self.uses);
+            return super::graph_pool::release_during_capture(
+                &self.shard,
+                self.id,
+                self.ptr,
+                self.stream,
+                uses,
+            );
+        }
         if self.uses.is_empty() {
             return self
                 .shard
@@ -250,6 +260,16 @@ impl CachedBlock {
         events: Vec<Event>,
         spare: Vec<Event>,
     ) -> Result<()> {
+        if cuweave_driver::graph::active_captures() != 0 {
+            return super::graph_pool::release_block_during_capture(
+                shard,
+                self.id,
+                self.ptr,
+                self.stream,
+                events,
+                spare,
+            );
+        }
         let engine = &shard.shared.engine;
         if events.is_empty() && spare.is_empty() {
             return engine.free(self.stream, self.id, self.ptr);

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
+use cuweave_driver::graph::active_captures;
 use cuweave_driver::{Context, Device, Event, Stream, StreamFlags};
 
 use super::allocation::CachedAllocation;
@@ -28,7 +29,12 @@ impl Shared {
         self.upstream.context()
     }
 
-    fn release_stream(&self) -> Result<&Stream> {
+    /// The upstream resource.
+    pub(super) fn upstream(&self) -> &Arc<dyn MemoryResource> {
+        &self.upstream
+    }
+
+    pub(super) fn release_stream(&self) -> Result<&Stream> {
         if let Some(stream) = self.release_stream.get() {
             return Ok(stream);
         }
@@ -262,6 +268,9 @@ impl CachingAllocator {
         let shared = &self.handles.shared;
         check_stream(shared.device, stream, operation)?;
         let key = StreamKey::checked(stream, operation)?;
+        if active_captures() != 0 {
+            return self.allocate_during_capture(bytes, stream, key);
+        }
         let upstream = RequestUpstream { shared, stream };
         let grant = shared.engine.allocate(key, bytes, &upstream)?;
         let shard = &self.handles.shards[shared.engine.shard_index(key)];
@@ -278,11 +287,25 @@ impl CachingAllocator {
     ///
     /// # Errors
     /// The driver's error when waiting or freeing fails; what could be released is released.
+    /// [`GraphError::Capturing`](cuweave_driver::GraphError::Capturing) while a capture is
+    /// active anywhere in the process (waiting and freeing would break it); segments of live
+    /// [graph pools](super::GraphPool) are never released.
     pub fn empty_cache(&self) -> Result<usize> {
+        super::graph_pool::refuse_during_capture("CachingAllocator::empty_cache")?;
         self.handles
             .shared
             .engine
             .release_cached(&*self.handles.shared)
+    }
+
+    /// The shared state.
+    pub(super) fn shared(&self) -> &Arc<Shared> {
+        &self.handles.shared
+    }
+
+    /// The handle of the shard that holds `key`'s blocks.
+    pub(super) fn shard_handle(&self, key: StreamKey) -> Arc<ShardHandle> {
+        Arc::clone(&self.handles.shards[self.handles.shared.engine.shard_index(key)])
     }
 
     /// A snapshot of the allocator's statistics, consistent across shards (every shard is

@@ -12,7 +12,7 @@ use parking_lot::{Mutex, MutexGuard};
 
 use super::block::BlockId;
 use super::pool::{Grant, Pools, Segment};
-use super::size_class::{round_size, segment_size};
+use super::size_class::segment_size;
 use super::stats::{MemoryStats, Stat};
 use super::stream_uses::{Marker, Pending, StreamKey};
 use crate::error::{MemoryError, Result};
@@ -131,10 +131,7 @@ impl<E: Marker> Engine<E> {
         bytes: usize,
         upstream: &impl Upstream,
     ) -> Result<Grant> {
-        let rounded = round_size(bytes).map_err(|error| match error {
-            MemoryError::OutOfMemory { .. } => self.out_of_memory(stream, bytes, None),
-            other => other,
-        })?;
+        let rounded = self.round_request(stream, bytes)?;
         let shard = self.shard(stream);
         if shard.pending_count.load(Ordering::Acquire) != 0 {
             self.process_pending_of(shard);
@@ -453,6 +450,9 @@ impl<E: Marker> Engine<E> {
         }
     }
 }
+
+#[path = "engine_capture.rs"]
+mod capture;
 
 #[cfg(test)]
 #[path = "engine_tests.rs"]

@@ -54,6 +54,11 @@
 //! per-thread default stream's one handle names a different stream on each thread, so neither
 //! may key a free list. Blocks cached for a dropped stream stay cached until `empty_cache`.
 //!
+//! - **Graph capture.** Allocations on a capturing stream come from a private [`GraphPool`]
+//!   bound to the capture, and nothing that would break a capture (driver allocation or free,
+//!   event query, synchronisation) happens while one is active: see [`GraphPool`] and
+//!   `docs/graphs.md`.
+//!
 //! Rules for callers: do not drop allocations
 //! in a stream host callback: freeing a block recorded on other streams records events, and
 //! dropping the last handle of an allocator returns its memory, both CUDA calls.
@@ -93,6 +98,7 @@ mod block;
 pub(crate) mod default;
 mod engine;
 mod free_list;
+mod graph_pool;
 mod pool;
 pub mod size_class;
 mod stash;
@@ -103,6 +109,10 @@ pub use allocation::CachedAllocation;
 pub(crate) use allocation::CachedBlock;
 pub use allocator::CachingAllocator;
 pub(crate) use allocator::ShardHandle;
+pub use graph_pool::{
+    AllocateToPool, GraphPool, GraphPoolId, MissPolicy, begin_allocate_to_pool, graph_pool_handle,
+    note_capture_stream,
+};
 pub(crate) use pool::Grant;
 pub use size_class::PoolKind;
 pub use stats::{MemoryStats, Stat};

@@ -258,13 +258,18 @@ impl Pools {
         }
     }
 
-    /// Takes every free whole segment out of the pools, for return to the upstream.
+    /// Takes every free whole segment out of the pools, for return to the upstream, except those
+    /// of graph pools that are still alive.
     pub fn take_free_segments(&mut self) -> Vec<Segment> {
         self.flush_stash();
         let whole: Vec<BlockId> = self
             .arena
             .iter()
-            .filter(|(_, block)| block.state == BlockState::Free && block.is_whole_segment())
+            .filter(|(_, block)| {
+                block.state == BlockState::Free
+                    && block.is_whole_segment()
+                    && !super::graph_pool::is_retained(block.stream)
+            })
             .map(|(id, _)| id)
             .collect();
         let mut segments = Vec::with_capacity(whole.len());

@@ -59,7 +59,6 @@ impl StreamKey {
         self.0
     }
 
-    #[cfg(test)]
     pub(crate) const fn from_raw(raw: usize) -> Self {
         Self(raw)
     }

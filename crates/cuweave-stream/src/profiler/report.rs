@@ -57,6 +57,8 @@ pub struct StreamReport {
     pub copies: u64,
     /// Kernel launches among them.
     pub kernel_launches: u64,
+    /// Graph launches among them.
+    pub graph_launches: u64,
     /// Bytes moved.
     pub bytes: u64,
     /// Sum of their GPU durations.
@@ -78,6 +80,8 @@ pub struct CombinedReport {
     pub copies: u64,
     /// Kernel launches.
     pub kernel_launches: u64,
+    /// Graph launches among them.
+    pub graph_launches: u64,
     /// Bytes moved.
     pub bytes: u64,
     /// Sum of every operation's GPU duration.
@@ -121,6 +125,7 @@ impl ProfileReport {
                     operations: ops.len() as u64,
                     copies: count(&ops, OperationKind::Copy),
                     kernel_launches: count(&ops, OperationKind::KernelLaunch),
+                    graph_launches: count(&ops, OperationKind::GraphLaunch),
                     bytes: ops.iter().map(|op| op.bytes).sum(),
                     gpu_time_ns: ops.iter().map(|op| op.duration_ns).sum(),
                     span_ns: span(ops.iter().copied()),
@@ -143,6 +148,7 @@ impl ProfileReport {
             operations: all.len() as u64,
             copies: count(&all, OperationKind::Copy),
             kernel_launches: count(&all, OperationKind::KernelLaunch),
+            graph_launches: count(&all, OperationKind::GraphLaunch),
             bytes: all.iter().map(|op| op.bytes).sum(),
             gpu_time_ns,
             busy_ns,

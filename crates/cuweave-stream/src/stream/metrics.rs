@@ -26,6 +26,8 @@ pub struct StreamMetrics {
     pub kernel_launches: u64,
     /// Host callbacks queued.
     pub callbacks: u64,
+    /// CUDA graph launches ([`PriorityStream::launch_graph`](super::PriorityStream::launch_graph)).
+    pub graph_launches: u64,
     /// Host callbacks that panicked (caught).
     pub callback_panics: u64,
     /// Bytes moved by copies and prefetches (fills count the bytes written).
@@ -40,12 +42,13 @@ impl std::fmt::Display for StreamMetrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} ops ({} copies, {} memsets, {} prefetches, {} launches, {} callbacks, {} callback panics), {} bytes, {} timed ops in {:.3} ms GPU time",
+            "{} ops ({} copies, {} memsets, {} prefetches, {} launches, {} graph launches, {} callbacks, {} callback panics), {} bytes, {} timed ops in {:.3} ms GPU time",
             self.operations,
             self.copies,
             self.memsets,
             self.prefetches,
             self.kernel_launches,
+            self.graph_launches,
             self.callbacks,
             self.callback_panics,
             self.bytes,
@@ -68,6 +71,8 @@ pub enum OperationKind {
     KernelLaunch,
     /// A host callback.
     Callback,
+    /// A CUDA graph launch (one operation, however many nodes the graph has).
+    GraphLaunch,
     /// Anything else queued through [`PriorityStream::enqueue`](super::PriorityStream::enqueue).
     Other,
 }
@@ -81,6 +86,7 @@ impl OperationKind {
             Self::Prefetch => "prefetch",
             Self::KernelLaunch => "kernel",
             Self::Callback => "callback",
+            Self::GraphLaunch => "graph",
             Self::Other => "other",
         }
     }
@@ -96,6 +102,7 @@ pub(crate) struct MetricsCounters {
     prefetches: AtomicU64,
     kernel_launches: AtomicU64,
     callbacks: AtomicU64,
+    graph_launches: AtomicU64,
     bytes: AtomicU64,
     timed_operations: AtomicU64,
     gpu_time_ns: AtomicU64,
@@ -110,6 +117,7 @@ impl MetricsCounters {
             OperationKind::Prefetch => &self.prefetches,
             OperationKind::KernelLaunch => &self.kernel_launches,
             OperationKind::Callback => &self.callbacks,
+            OperationKind::GraphLaunch => &self.graph_launches,
             OperationKind::Other => {
                 self.bytes.fetch_add(bytes, Ordering::Relaxed);
                 return;
@@ -134,6 +142,7 @@ impl MetricsCounters {
             prefetches: load(&self.prefetches),
             kernel_launches: load(&self.kernel_launches),
             callbacks: load(&self.callbacks),
+            graph_launches: load(&self.graph_launches),
             callback_panics: 0,
             bytes: load(&self.bytes),
             timed_operations: load(&self.timed_operations),

@@ -211,6 +211,11 @@ impl PriorityStream {
     where
         StreamError: From<E>,
     {
+        if crate::capture::is_capturing(&self.inner)? {
+            // Recorded into a graph, not run: no timing or outstanding-work events (they could
+            // never be queried), and not counted (the graph's launches are).
+            return Ok(f(&self.inner)?);
+        }
         let span = self.timer.start(&self.inner)?;
         let result = f(&self.inner);
         // The start event is already on the stream; end it even if `f` failed, so the pair stays

@@ -1,0 +1,317 @@
+//! [`GraphExec`]: an instantiated graph, launched on streams.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+use super::error::GraphError;
+use super::handle::{Graph, GraphNodeType, KeepAlive};
+use crate::context::Context;
+use crate::error::Result;
+use crate::loader::{cu, driver};
+use crate::stream::Stream;
+use crate::sys;
+
+/// How [`Graph::instantiate`] builds the executable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InstantiateOptions {
+    /// For graphs that allocate memory: free what the previous launch allocated and did not
+    /// free before each relaunch (`AUTO_FREE_ON_LAUNCH`). Default `true`; with `false` such a
+    /// graph can be launched only once. Either way the last launch's allocations stay allocated
+    /// after the executable is dropped, at the graph's fixed addresses, until freed
+    /// (`cuMemFreeAsync`), as CUDA specifies for graph allocations.
+    pub auto_free_on_launch: bool,
+    /// Launch kernel nodes with the priorities they were captured with
+    /// (`USE_NODE_PRIORITY`) instead of the launching stream's. Default `false`.
+    pub use_node_priority: bool,
+}
+
+impl Default for InstantiateOptions {
+    fn default() -> Self {
+        Self {
+            auto_free_on_launch: true,
+            use_node_priority: false,
+        }
+    }
+}
+
+impl InstantiateOptions {
+    /// Sets [`auto_free_on_launch`](Self::auto_free_on_launch).
+    pub fn with_auto_free_on_launch(mut self, enabled: bool) -> Self {
+        self.auto_free_on_launch = enabled;
+        self
+    }
+
+    /// Sets [`use_node_priority`](Self::use_node_priority).
+    pub fn with_node_priority(mut self, enabled: bool) -> Self {
+        self.use_node_priority = enabled;
+        self
+    }
+}
+
+/// An executable graph (`CUgraphExec`): launched on any stream of its context with one driver
+/// call, whatever its size. Destroyed on drop; queued launches still complete.
+///
+/// `Send + Sync`: launches, uploads and updates of one executable are serialised by a lock
+/// (the driver does not synchronise them itself).
+pub struct GraphExec {
+    context: Arc<Context>,
+    raw: sys::CUgraphExec,
+    lock: Mutex<()>,
+    /// The graph allocates memory and was instantiated without auto-free.
+    single_launch: bool,
+    launches: AtomicU64,
+    keep_alive: Vec<KeepAlive>,
+}
+
+// SAFETY: a CUgraphExec may be used from any thread; every call on it holds `lock`.
+unsafe impl Send for GraphExec {}
+// SAFETY: as above.
+unsafe impl Sync for GraphExec {}
+
+impl std::fmt::Debug for GraphExec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GraphExec")
+            .field("raw", &self.raw)
+            .field("device", &self.context.device().ordinal())
+            .field("launches", &self.launch_count())
+            .finish()
+    }
+}
+
+impl GraphExec {
+    pub(super) fn instantiate(
+        context: &Arc<Context>,
+        graph: sys::CUgraph,
+        options: &InstantiateOptions,
+        allocates: bool,
+        keep_alive: Vec<KeepAlive>,
+    ) -> Result<Self> {
+        context.bind_to_thread()?;
+        let api = driver()?;
+        let mut flags = 0u64;
+        if allocates && options.auto_free_on_launch {
+            flags |= u64::from(
+                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH.0,
+            );
+        }
+        if options.use_node_priority {
+            flags |= u64::from(
+                sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.0,
+            );
+        }
+        let mut params = sys::CUDA_GRAPH_INSTANTIATE_PARAMS {
+            flags,
+            ..Default::default()
+        };
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: live graph of the current context; valid out-pointers.
+        let outcome =
+            unsafe { cu!(api.graph_instantiate_with_params(&mut raw, graph, &mut params)) };
+        if let Err(error) = outcome {
+            if params.result_out != sys::CUgraphInstantiateResult::CUDA_GRAPH_INSTANTIATE_SUCCESS {
+                return Err(GraphError::Instantiate {
+                    result: instantiate_result_name(params.result_out),
+                    node_type: GraphNodeType::of(params.hErrNode_out),
+                }
+                .into());
+            }
+            return Err(error);
+        }
+        Ok(Self {
+            context: Arc::clone(context),
+            raw,
+            lock: Mutex::new(()),
+            single_launch: allocates && !options.auto_free_on_launch,
+            launches: AtomicU64::new(0),
+            keep_alive,
+        })
+    }
+
+    /// Wraps an executable graph another library instantiated, destroying it on drop.
+    ///
+    /// # Safety
+    /// `raw` is a live executable graph of `context` that nobody else destroys or uses
+    /// concurrently.
+    pub unsafe fn from_raw(context: &Arc<Context>, raw: sys::CUgraphExec) -> Self {
+        Self {
+            context: Arc::clone(context),
+            raw,
+            lock: Mutex::new(()),
+            single_launch: false,
+            launches: AtomicU64::new(0),
+            keep_alive: Vec::new(),
+        }
+    }
+
+    /// The raw `CUgraphExec` (still owned by this handle).
+    pub fn as_raw(&self) -> sys::CUgraphExec {
+        self.raw
+    }
+
+    /// The context the executable belongs to.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.context
+    }
+
+    /// How many times it has been launched through this handle.
+    pub fn launch_count(&self) -> u64 {
+        self.launches.load(Ordering::Relaxed)
+    }
+
+    /// What the executable keeps alive (from its graph and from updates).
+    pub fn kept_alive(&self) -> &[KeepAlive] {
+        &self.keep_alive
+    }
+
+    /// Queues the whole graph on `stream` (`cuGraphLaunch`): it runs after the work queued there
+    /// before, and work queued after waits for all of it. A graph's launches on one or several
+    /// streams run one after another, never overlapped.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a stream of another device;
+    /// [`GraphError::RelaunchNeedsAutoFree`] for a second launch of a graph that allocates and
+    /// was instantiated without auto-free; the driver's error otherwise.
+    #[inline]
+    pub fn launch(&self, stream: &Stream) -> Result<()> {
+        stream.ensure_device(self.context.device(), "GraphExec::launch")?;
+        let _guard = self.lock.lock();
+        if self.single_launch && self.launches.load(Ordering::Relaxed) != 0 {
+            return Err(GraphError::RelaunchNeedsAutoFree.into());
+        }
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: live executable and stream of the same (current) context.
+        unsafe { cu!(api.graph_launch(self.raw, stream.as_raw())) }?;
+        self.launches.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Uploads the executable's work descriptions to the device ahead of the first launch
+    /// (`cuGraphUpload`), so that launch costs what later ones do. Ordered on `stream`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a stream of another device; the driver's error otherwise.
+    pub fn upload(&self, stream: &Stream) -> Result<()> {
+        stream.ensure_device(self.context.device(), "GraphExec::upload")?;
+        let _guard = self.lock.lock();
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: live executable and stream of the same (current) context.
+        unsafe { cu!(api.graph_upload(self.raw, stream.as_raw())) }
+    }
+
+    /// Replaces the parameters of every node with those of `graph`, which must have the same
+    /// shape (same nodes and edges, same node types, kernels of the same module); typically
+    /// `graph` was captured again from the same code with other addresses or scalars
+    /// (`cuGraphExecUpdate`). What `graph` keeps alive is kept alive here too.
+    ///
+    /// # Errors
+    /// [`GraphError::UpdateRejected`] with the driver's reason and the blocking node's type; the
+    /// executable is unchanged then.
+    pub fn update(&mut self, graph: &Graph) -> Result<()> {
+        let _guard = self.lock.lock();
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        let mut info = sys::CUgraphExecUpdateResultInfo::default();
+        // SAFETY: live executable and graph; valid out-pointer.
+        let outcome = unsafe { cu!(api.graph_exec_update(self.raw, graph.as_raw(), &mut info)) };
+        if let Err(error) = outcome {
+            if info.result != sys::CUgraphExecUpdateResult::CU_GRAPH_EXEC_UPDATE_SUCCESS {
+                return Err(GraphError::UpdateRejected {
+                    reason: update_result_name(info.result),
+                    node_type: GraphNodeType::of(info.errorNode),
+                }
+                .into());
+            }
+            return Err(error);
+        }
+        self.keep_alive.extend(graph.kept_alive().iter().cloned());
+        Ok(())
+    }
+}
+
+impl Drop for GraphExec {
+    fn drop(&mut self) {
+        let Ok(api) = driver() else { return };
+        if let Err(error) = self.context.bind_to_thread() {
+            tracing::warn!(%error, "binding context to destroy a graph executable failed");
+            return;
+        }
+        // SAFETY: we own the executable and destroy it once; queued launches still complete.
+        if let Err(error) = unsafe { cu!(api.graph_exec_destroy(self.raw)) } {
+            tracing::warn!(%error, "destroying a graph executable failed");
+        }
+    }
+}
+
+fn instantiate_result_name(result: sys::CUgraphInstantiateResult) -> &'static str {
+    use sys::CUgraphInstantiateResult as R;
+    match result {
+        R::CUDA_GRAPH_INSTANTIATE_ERROR => "CUDA_GRAPH_INSTANTIATE_ERROR",
+        R::CUDA_GRAPH_INSTANTIATE_INVALID_STRUCTURE => "CUDA_GRAPH_INSTANTIATE_INVALID_STRUCTURE",
+        R::CUDA_GRAPH_INSTANTIATE_NODE_OPERATION_NOT_SUPPORTED => {
+            "CUDA_GRAPH_INSTANTIATE_NODE_OPERATION_NOT_SUPPORTED"
+        }
+        R::CUDA_GRAPH_INSTANTIATE_MULTIPLE_CTXS_NOT_SUPPORTED => {
+            "CUDA_GRAPH_INSTANTIATE_MULTIPLE_CTXS_NOT_SUPPORTED"
+        }
+        _ => "an unknown instantiate result",
+    }
+}
+
+fn update_result_name(result: sys::CUgraphExecUpdateResult) -> &'static str {
+    use sys::CUgraphExecUpdateResult as R;
+    match result {
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED => "the topology changed",
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_NODE_TYPE_CHANGED => "a node's type changed",
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_FUNCTION_CHANGED => "a kernel's function changed",
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_PARAMETERS_CHANGED => {
+            "parameters changed in an unsupported way"
+        }
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_NOT_SUPPORTED => "the update is not supported",
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_UNSUPPORTED_FUNCTION_CHANGE => {
+            "a kernel moved to another module or context"
+        }
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_ATTRIBUTES_CHANGED => "node attributes changed",
+        _ => "the update failed",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_free_on_relaunch() {
+        let options = InstantiateOptions::default();
+        assert!(options.auto_free_on_launch);
+        assert!(!options.with_auto_free_on_launch(false).auto_free_on_launch);
+        assert!(options.with_node_priority(true).use_node_priority);
+    }
+
+    #[test]
+    fn results_have_names() {
+        assert_eq!(
+            instantiate_result_name(
+                sys::CUgraphInstantiateResult::CUDA_GRAPH_INSTANTIATE_INVALID_STRUCTURE
+            ),
+            "CUDA_GRAPH_INSTANTIATE_INVALID_STRUCTURE"
+        );
+        assert_eq!(
+            update_result_name(
+                sys::CUgraphExecUpdateResult::CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED
+            ),
+            "the topology changed"
+        );
+    }
+
+    #[test]
+    fn handles_are_send_and_sync() {
+        fn both<T: Send + Sync>() {}
+        both::<GraphExec>();
+        both::<Graph>();
+    }
+}

@@ -1,0 +1,255 @@
+//! [`Graph`]: a recorded graph of device work, before instantiation.
+
+use std::any::Any;
+use std::ffi::CString;
+use std::path::Path;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::exec::{GraphExec, InstantiateOptions};
+use crate::context::Context;
+use crate::error::{DriverError, Result};
+use crate::loader::{cu, driver};
+use crate::sys;
+
+/// Something a graph keeps alive for as long as it, or an executable made from it, exists: the
+/// memory pool its allocations came from, buffers its nodes read. Dropped with the last holder.
+pub type KeepAlive = Arc<dyn Any + Send + Sync>;
+
+/// The kind of a graph node (`CUgraphNodeType`), as far as cuweave distinguishes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum GraphNodeType {
+    /// A kernel launch.
+    Kernel,
+    /// A memory copy.
+    Memcpy,
+    /// A memset.
+    Memset,
+    /// A host function.
+    Host,
+    /// A child graph.
+    Graph,
+    /// No operation (a join point).
+    Empty,
+    /// Waits for an event.
+    WaitEvent,
+    /// Records an event.
+    EventRecord,
+    /// A memory allocation from the graph's memory pool (`cuMemAllocAsync` in a capture).
+    MemAlloc,
+    /// A memory free (`cuMemFreeAsync` in a capture).
+    MemFree,
+    /// Any other node type (external semaphores, batch memory operations, conditionals, ...).
+    Other(u32),
+}
+
+impl GraphNodeType {
+    fn from_sys(node_type: sys::CUgraphNodeType) -> Self {
+        use sys::CUgraphNodeType as T;
+        match node_type {
+            T::CU_GRAPH_NODE_TYPE_KERNEL => Self::Kernel,
+            T::CU_GRAPH_NODE_TYPE_MEMCPY => Self::Memcpy,
+            T::CU_GRAPH_NODE_TYPE_MEMSET => Self::Memset,
+            T::CU_GRAPH_NODE_TYPE_HOST => Self::Host,
+            T::CU_GRAPH_NODE_TYPE_GRAPH => Self::Graph,
+            T::CU_GRAPH_NODE_TYPE_EMPTY => Self::Empty,
+            T::CU_GRAPH_NODE_TYPE_WAIT_EVENT => Self::WaitEvent,
+            T::CU_GRAPH_NODE_TYPE_EVENT_RECORD => Self::EventRecord,
+            T::CU_GRAPH_NODE_TYPE_MEM_ALLOC => Self::MemAlloc,
+            T::CU_GRAPH_NODE_TYPE_MEM_FREE => Self::MemFree,
+            other => Self::Other(other.0),
+        }
+    }
+
+    /// The type of `node`, when the driver can tell.
+    pub(crate) fn of(node: sys::CUgraphNode) -> Option<Self> {
+        if node.is_null() {
+            return None;
+        }
+        let api = driver().ok()?;
+        let mut node_type = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: a node handle the driver just reported; valid out-pointer.
+        unsafe { cu!(api.graph_node_get_type(node, &mut node_type)) }.ok()?;
+        Some(Self::from_sys(node_type))
+    }
+}
+
+/// A graph of device work: what a stream capture recorded ([`Stream::end_capture`]), or a graph
+/// another library built. Destroyed on drop (instantiated executables stay valid).
+///
+/// `Send + Sync`: the driver does not synchronise access to one graph, so every call on it is
+/// serialised by a lock held by the handle.
+///
+/// [`Stream::end_capture`]: crate::Stream::end_capture
+pub struct Graph {
+    context: Arc<Context>,
+    raw: sys::CUgraph,
+    /// Serialises driver calls on `raw`.
+    lock: Mutex<()>,
+    keep_alive: Vec<KeepAlive>,
+}
+
+// SAFETY: a CUgraph may be used from any thread; concurrent calls are serialised by `lock`.
+unsafe impl Send for Graph {}
+// SAFETY: as above: every method that touches `raw` holds `lock`.
+unsafe impl Sync for Graph {}
+
+impl std::fmt::Debug for Graph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Graph")
+            .field("raw", &self.raw)
+            .field("device", &self.context.device().ordinal())
+            .field("keep_alive", &self.keep_alive.len())
+            .finish()
+    }
+}
+
+impl Graph {
+    /// Wraps a graph handle, destroying it on drop.
+    ///
+    /// # Safety
+    /// `raw` is a live graph of `context` that nobody else destroys.
+    pub unsafe fn from_raw(context: &Arc<Context>, raw: sys::CUgraph) -> Self {
+        Self {
+            context: Arc::clone(context),
+            raw,
+            lock: Mutex::new(()),
+            keep_alive: Vec::new(),
+        }
+    }
+
+    /// The raw `CUgraph` (still owned by this handle).
+    pub fn as_raw(&self) -> sys::CUgraph {
+        self.raw
+    }
+
+    /// The context the graph belongs to.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.context
+    }
+
+    /// Keeps `value` alive as long as this graph and every executable instantiated from it
+    /// afterwards (a memory pool its allocations came from, buffers its nodes use).
+    pub fn keep_alive(&mut self, value: KeepAlive) {
+        self.keep_alive.push(value);
+    }
+
+    /// What the graph keeps alive.
+    pub fn kept_alive(&self) -> &[KeepAlive] {
+        &self.keep_alive
+    }
+
+    /// The type of every node (`cuGraphGetNodes`, `cuGraphNodeGetType`).
+    pub fn node_types(&self) -> Result<Vec<GraphNodeType>> {
+        let _guard = self.lock.lock();
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        let mut count = 0usize;
+        // SAFETY: live graph; a null array asks for the count.
+        unsafe { cu!(api.graph_get_nodes(self.raw, std::ptr::null_mut(), &mut count)) }?;
+        let mut nodes = vec![std::ptr::null_mut(); count];
+        // SAFETY: `nodes` holds `count` slots.
+        unsafe { cu!(api.graph_get_nodes(self.raw, nodes.as_mut_ptr(), &mut count)) }?;
+        nodes.truncate(count);
+        nodes
+            .into_iter()
+            .map(|node| {
+                let mut node_type = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+                // SAFETY: a node of this live graph; valid out-pointer.
+                unsafe { cu!(api.graph_node_get_type(node, &mut node_type)) }?;
+                Ok(GraphNodeType::from_sys(node_type))
+            })
+            .collect()
+    }
+
+    /// How many nodes the graph has.
+    pub fn node_count(&self) -> Result<usize> {
+        Ok(self.node_types()?.len())
+    }
+
+    /// Whether the graph allocates memory (has `MemAlloc` nodes: `cuMemAllocAsync` captured).
+    pub fn allocates_memory(&self) -> Result<bool> {
+        Ok(self.node_types()?.contains(&GraphNodeType::MemAlloc))
+    }
+
+    /// Instantiates the graph into an executable (`cuGraphInstantiateWithParams`).
+    ///
+    /// A graph that allocates memory is instantiated with `AUTO_FREE_ON_LAUNCH` unless
+    /// `options` turn it off, so that it can be launched again before its allocations are
+    /// freed; without it, a second launch is refused with
+    /// [`GraphError::RelaunchNeedsAutoFree`](super::GraphError::RelaunchNeedsAutoFree).
+    ///
+    /// # Errors
+    /// [`GraphError::Instantiate`](super::GraphError::Instantiate) with the driver's reason and
+    /// the type of the node that failed; the driver's error otherwise.
+    pub fn instantiate(&self, options: &InstantiateOptions) -> Result<GraphExec> {
+        let allocates = self.allocates_memory()?;
+        let _guard = self.lock.lock();
+        GraphExec::instantiate(
+            &self.context,
+            self.raw,
+            options,
+            allocates,
+            self.keep_alive.clone(),
+        )
+    }
+
+    /// Writes the graph as Graphviz DOT to `path` (`cuGraphDebugDotPrint`); `verbose` adds
+    /// every node's parameters.
+    pub fn write_dot(&self, path: &Path, verbose: bool) -> Result<()> {
+        let text = path.to_str().ok_or_else(|| {
+            DriverError::invalid(
+                "Graph::write_dot",
+                format!("{} is not UTF-8", path.display()),
+            )
+        })?;
+        let path = CString::new(text).map_err(|_| {
+            DriverError::invalid("Graph::write_dot", format!("{text:?} contains a NUL byte"))
+        })?;
+        let flags = if verbose {
+            sys::CUgraphDebugDot_flags::CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE.0
+        } else {
+            0
+        };
+        let _guard = self.lock.lock();
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: live graph; NUL-terminated path.
+        unsafe { cu!(api.graph_debug_dot_print(self.raw, path.as_ptr(), flags)) }
+    }
+
+    /// The graph as Graphviz DOT text (written to a temporary file and read back).
+    pub fn to_dot(&self, verbose: bool) -> Result<String> {
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "cuweave-graph-{}-{}.dot",
+            std::process::id(),
+            SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        self.write_dot(&path, verbose)?;
+        let text = std::fs::read_to_string(&path).map_err(|error| {
+            DriverError::invalid(
+                "Graph::to_dot",
+                format!("reading {}: {error}", path.display()),
+            )
+        });
+        let _ = std::fs::remove_file(&path);
+        text
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        let Ok(api) = driver() else { return };
+        if let Err(error) = self.context.bind_to_thread() {
+            tracing::warn!(%error, "binding context to destroy a graph failed");
+            return;
+        }
+        // SAFETY: we own the graph and destroy it once.
+        if let Err(error) = unsafe { cu!(api.graph_destroy(self.raw)) } {
+            tracing::warn!(%error, "destroying a graph failed");
+        }
+    }
+}

@@ -1,0 +1,41 @@
+//! CUDA graphs: stream capture, [`Graph`] and [`GraphExec`] handles, graph memory.
+//!
+//! A graph is a recorded sequence of device work (kernels, copies, memsets, event waits,
+//! allocations) that the driver replays with one launch. The usual way to build one is
+//! *stream capture*: [`Stream::begin_capture`](crate::Stream::begin_capture) makes the driver
+//! record, rather than run, what is queued on the stream (and on every stream that waits on an
+//! event recorded in it), and [`Stream::end_capture`](crate::Stream::end_capture) hands the
+//! recording back as a [`Graph`]. [`Graph::instantiate`] turns it into an executable
+//! [`GraphExec`], launched on any stream of its context for a few microseconds of host time
+//! whatever its size.
+//!
+//! | item | what it is |
+//! |---|---|
+//! | [`CaptureMode`], [`CaptureStatus`] | how strictly a capture guards against unsafe calls; a stream's capture state |
+//! | [`active_captures`], [`refuse_while_capturing`] | the process's capture count (one atomic load), and the check that turns a call that would break a capture into [`GraphError::Capturing`] |
+//! | [`CaptureModeGuard`] | this thread in another capture mode for a scope (`cuThreadExchangeStreamCaptureMode`) |
+//! | [`Graph`], [`GraphExec`], [`InstantiateOptions`] | the recording and its executable form: instantiate, upload, launch, update, DOT dump |
+//! | [`GraphMemoryUsage`], [`trim_graph_memory`] | the driver's graph memory pool of a device |
+//! | [`GraphError`] | every graph-specific failure, inside [`DriverError::Graph`](crate::DriverError::Graph) |
+//!
+//! An invalidated capture is reported as one [`GraphError::CaptureInvalidated`] naming the first
+//! driver call that failed with a capture error after the capture began: by
+//! [`Stream::end_capture`](crate::Stream::end_capture), and by every call made on the broken
+//! capture before that, instead of the driver's bare `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`.
+//! Guide: `docs/graphs.md`.
+
+mod capture;
+mod error;
+mod exec;
+mod handle;
+mod memory;
+
+pub use capture::{
+    CaptureMode, CaptureModeGuard, CaptureStatus, active_captures, refuse_while_capturing,
+};
+pub use error::GraphError;
+pub use exec::{GraphExec, InstantiateOptions};
+pub use handle::{Graph, GraphNodeType, KeepAlive};
+pub use memory::{GraphMemoryUsage, graph_memory_usage, trim_graph_memory};
+
+pub(crate) use capture::{note_driver_failure, translate_driver_failure};

@@ -1,0 +1,595 @@
+//! Capture-safe memory: private pools bound to stream captures (PyTorch's graph pools).
+//!
+//! While a stream captures, the work queued on it is recorded into a graph that will replay
+//! later, again and again, at the addresses it was captured with. Memory the capture uses must
+//! therefore belong to the graph for as long as the graph exists, and the allocator must not
+//! make the calls that break a capture (`cuMemAlloc`, `cuMemFree`, event queries, waits).
+//!
+//! - A capture is bound to a [`GraphPool`] with [`begin_allocate_to_pool`] (the stream layer
+//!   does this for every capture). Allocations made on a stream of that capture (its origin and
+//!   every stream forked into it) come from the pool's own free lists, keyed by (pool, stream):
+//!   a block is reused only by later work of the same capture on the same stream, or by a later
+//!   capture into the same pool, never by eager work.
+//! - A miss takes a new segment from the upstream with the thread in relaxed capture mode (the
+//!   allocation is not part of the graph and is safe to make), or, with
+//!   [`MissPolicy::Fail`], fails with [`GraphError::Capturing`]. No out-of-memory retry runs
+//!   during a capture (it would wait for the device).
+//! - Nothing polls events while any capture is active: pending blocks wait.
+//! - A free during a capture that would record events (a block used on other streams) is
+//!   deferred until no capture is active. A block of the general cache freed during the capture
+//!   of its stream (or used there) is graph memory from then on: it is held by the pool and
+//!   returns to the general cache, after the device has finished, when the pool is dropped.
+//! - A pool lives as long as its last holder: the [`GraphPool`] handles and every graph and
+//!   executable it is attached to ([`GraphPool::keep_alive`]). Until then
+//!   [`CachingAllocator::empty_cache`] leaves its segments alone; after, they are released like
+//!   any other free segment.
+//!
+//! With no capture active anywhere, allocation and free pay one atomic load for all this.
+
+use std::any::Any;
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use cuweave_driver::graph::{
+    CaptureMode, CaptureModeGuard, GraphError, KeepAlive, active_captures,
+};
+use cuweave_driver::{Context, Stream};
+use parking_lot::{Mutex, RwLock};
+
+use super::allocator::{CachingAllocator, ShardHandle, Shared};
+use super::block::BlockId;
+use super::engine::Upstream;
+use super::pool::{Grant, Segment};
+use super::stream_uses::{StreamKey, record_uses};
+use crate::error::{MemoryError, Result};
+
+/// The high bit of a [`StreamKey`] marks a private pool's free list.
+const PRIVATE_BIT: usize = 1 << (usize::BITS - 1);
+
+/// The identity of a private pool (PyTorch's `MempoolId_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GraphPoolId(u32);
+
+impl GraphPoolId {
+    /// The id as an integer.
+    pub fn as_u32(self) -> u32 {
+        self.0
+    }
+}
+
+impl fmt::Display for GraphPoolId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "graph pool {}", self.0)
+    }
+}
+
+/// What a capture's miss in its private pool does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum MissPolicy {
+    /// Take a new segment from the upstream, with the thread in relaxed capture mode for that
+    /// one call (the allocation is not recorded into the graph).
+    #[default]
+    AllocateRelaxed,
+    /// Fail with [`GraphError::Capturing`]: the capture must find everything it needs in the
+    /// pool (warmed by an earlier capture or eager run into the same pool).
+    Fail,
+}
+
+static NEXT_POOL: AtomicU32 = AtomicU32::new(1);
+/// Pools with a holder left: their segments are never released.
+static LIVE: RwLock<Option<HashSet<u32>>> = RwLock::new(None);
+
+/// A block freed during a capture whose return waits: for the capture to end (events to
+/// record), or for its pool to die (graph memory of the general cache).
+struct HeldBlock {
+    shared: Arc<Shared>,
+    id: BlockId,
+    ptr: u64,
+    stream: StreamKey,
+    uses: Vec<Arc<Stream>>,
+    /// Whether the device must be idle first (the graph may still be replaying with it).
+    after_device: bool,
+}
+
+/// What keeps a pool alive; dropping the last one retires the pool.
+struct PoolToken {
+    id: u32,
+    /// General-cache blocks freed during captures into this pool: graph memory until it dies.
+    held: Mutex<Vec<HeldBlock>>,
+}
+
+impl Drop for PoolToken {
+    fn drop(&mut self) {
+        if let Some(live) = LIVE.write().as_mut() {
+            live.remove(&self.id);
+        }
+        let held = std::mem::take(&mut *self.held.lock());
+        if !held.is_empty() {
+            DEFERRED.lock().extend(held);
+            flush_deferred();
+        }
+    }
+}
+
+/// A private memory pool for graph captures (`graph_pool_handle()` in PyTorch). Cheap to clone;
+/// captures given clones of one pool share its memory (their graphs must then not replay
+/// concurrently, as in PyTorch).
+#[derive(Clone)]
+pub struct GraphPool {
+    token: Arc<PoolToken>,
+}
+
+impl fmt::Debug for GraphPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GraphPool")
+            .field("id", &self.token.id)
+            .field("holders", &Arc::strong_count(&self.token))
+            .finish()
+    }
+}
+
+impl Default for GraphPool {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A new private pool (PyTorch's `torch.cuda.graph_pool_handle()`).
+pub fn graph_pool_handle() -> GraphPool {
+    GraphPool::new()
+}
+
+impl GraphPool {
+    /// A new, empty private pool.
+    pub fn new() -> Self {
+        let id = NEXT_POOL.fetch_add(1, Ordering::Relaxed) & 0x7fff_ffff;
+        LIVE.write().get_or_insert_with(HashSet::new).insert(id);
+        Self {
+            token: Arc::new(PoolToken {
+                id,
+                held: Mutex::new(Vec::new()),
+            }),
+        }
+    }
+
+    /// The pool's id.
+    pub fn id(&self) -> GraphPoolId {
+        GraphPoolId(self.token.id)
+    }
+
+    /// A handle that keeps the pool alive, for a graph or executable to hold
+    /// ([`Graph::keep_alive`](cuweave_driver::Graph::keep_alive)).
+    pub fn keep_alive(&self) -> KeepAlive {
+        Arc::clone(&self.token) as Arc<dyn Any + Send + Sync>
+    }
+
+    /// How many handles, graphs and executables keep the pool alive.
+    pub fn holders(&self) -> usize {
+        Arc::strong_count(&self.token)
+    }
+}
+
+/// Whether `key` names a private pool that still has a holder (its segments stay reserved).
+pub(crate) fn is_retained(key: StreamKey) -> bool {
+    let raw = key.as_usize();
+    if raw & PRIVATE_BIT == 0 {
+        return false;
+    }
+    let pool = ((raw & !PRIVATE_BIT) >> 32) as u32;
+    LIVE.read()
+        .as_ref()
+        .is_some_and(|live| live.contains(&pool))
+}
+
+fn private_key(pool: u32, stream: &Stream) -> StreamKey {
+    StreamKey::from_raw(
+        PRIVATE_BIT | ((pool as usize & 0x7fff_ffff) << 32) | (stream.id() as usize & 0xffff_ffff),
+    )
+}
+
+/// One capture bound to a pool.
+struct Binding {
+    capture: u64,
+    pool: GraphPool,
+    misses: MissPolicy,
+    /// Ids of the streams seen in the capture (its origin, streams forked into it).
+    streams: Vec<u64>,
+}
+
+static BINDINGS: RwLock<Vec<Binding>> = RwLock::new(Vec::new());
+/// Bumped whenever a binding comes or goes, so per-thread route caches know to look again.
+static EPOCH: AtomicU64 = AtomicU64::new(0);
+/// Frees waiting for no capture to be active.
+static DEFERRED: Mutex<Vec<HeldBlock>> = Mutex::new(Vec::new());
+
+thread_local! {
+    /// The last route this thread took during a capture: (epoch, stream id, pool, policy).
+    static ROUTE: std::cell::Cell<Option<(u64, u64, u32, MissPolicy)>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// A capture's allocations routed to a pool, until dropped (PyTorch's
+/// `beginAllocateToPool` / `endAllocateToPool`).
+///
+/// Drop it after the capture has ended: frees deferred during the capture are then carried out.
+#[must_use = "allocations stop going to the pool when the guard is dropped"]
+pub struct AllocateToPool {
+    capture: u64,
+    pool: GraphPool,
+}
+
+impl fmt::Debug for AllocateToPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AllocateToPool")
+            .field("capture", &self.capture)
+            .field("pool", &self.pool.id())
+            .finish()
+    }
+}
+
+impl AllocateToPool {
+    /// The pool.
+    pub fn pool(&self) -> &GraphPool {
+        &self.pool
+    }
+
+    /// The capture sequence's id.
+    pub fn capture_id(&self) -> u64 {
+        self.capture
+    }
+}
+
+impl Drop for AllocateToPool {
+    fn drop(&mut self) {
+        BINDINGS
+            .write()
+            .retain(|binding| binding.capture != self.capture);
+        EPOCH.fetch_add(1, Ordering::AcqRel);
+        flush_deferred();
+    }
+}
+
+/// Routes the allocations of the capture `stream` is in to `pool`, until the guard drops.
+///
+/// # Errors
+/// [`GraphError::NotCapturing`] when `stream` is not capturing; the driver's error when its
+/// capture status cannot be read.
+pub fn begin_allocate_to_pool(
+    stream: &Stream,
+    pool: &GraphPool,
+    misses: MissPolicy,
+) -> Result<AllocateToPool> {
+    let Some(capture) = stream.capture_status()?.id() else {
+        return Err(MemoryError::Driver(
+            GraphError::NotCapturing {
+                operation: "begin_allocate_to_pool",
+                stream: stream.id(),
+            }
+            .into(),
+        ));
+    };
+    let mut bindings = BINDINGS.write();
+    bindings.retain(|binding| binding.capture != capture);
+    bindings.push(Binding {
+        capture,
+        pool: pool.clone(),
+        misses,
+        streams: vec![stream.id()],
+    });
+    EPOCH.fetch_add(1, Ordering::AcqRel);
+    Ok(AllocateToPool {
+        capture,
+        pool: pool.clone(),
+    })
+}
+
+/// Where `stream` stands with the bound captures.
+enum Enlisted {
+    /// Not capturing.
+    NotCapturing,
+    /// Capturing into a capture no pool is bound to.
+    Unbound,
+    /// Capturing into a bound capture, now listed among its streams.
+    Bound(GraphPool, MissPolicy),
+}
+
+/// Finds the bound capture `stream` is in and lists the stream among its streams.
+fn enlist(stream: &Stream) -> Result<Enlisted> {
+    let Some(capture) = stream.capture_status()?.id() else {
+        return Ok(Enlisted::NotCapturing);
+    };
+    let mut bindings = BINDINGS.write();
+    let Some(binding) = bindings
+        .iter_mut()
+        .find(|binding| binding.capture == capture)
+    else {
+        return Ok(Enlisted::Unbound);
+    };
+    if !binding.streams.contains(&stream.id()) {
+        binding.streams.push(stream.id());
+    }
+    Ok(Enlisted::Bound(binding.pool.clone(), binding.misses))
+}
+
+/// Notes that `stream` takes part in a capture (it was forked into one), so that blocks of the
+/// general cache it frees or uses during the capture are held as graph memory. Returns the
+/// capture's pool, if the stream is capturing into a bound capture.
+///
+/// # Errors
+/// The driver's error when the capture status cannot be read.
+pub fn note_capture_stream(stream: &Stream) -> Result<Option<GraphPool>> {
+    Ok(match enlist(stream)? {
+        Enlisted::Bound(pool, _) => Some(pool),
+        Enlisted::NotCapturing | Enlisted::Unbound => None,
+    })
+}
+
+/// The pool and policy of the bound capture `stream` is in; `None` when it is not capturing.
+fn route(stream: &Stream) -> Result<Option<(u32, MissPolicy)>> {
+    let epoch = EPOCH.load(Ordering::Acquire);
+    if let Some((seen, id, pool, misses)) = ROUTE.with(std::cell::Cell::get)
+        && seen == epoch
+        && id == stream.id()
+    {
+        return Ok(Some((pool, misses)));
+    }
+    match enlist(stream)? {
+        Enlisted::NotCapturing => Ok(None),
+        Enlisted::Unbound => Err(MemoryError::Driver(
+            GraphError::Capturing {
+                operation: "CachingAllocator::allocate",
+                reason: "the stream is capturing and no graph pool is bound to its capture",
+            }
+            .into(),
+        )),
+        Enlisted::Bound(pool, misses) => {
+            let id = pool.token.id;
+            ROUTE.with(|cell| cell.set(Some((epoch, stream.id(), id, misses))));
+            Ok(Some((id, misses)))
+        }
+    }
+}
+
+/// The pool whose capture has the stream `key` (a general-cache key) among its streams.
+fn capturing_pool_of(stream_id: u64) -> Option<GraphPool> {
+    BINDINGS
+        .read()
+        .iter()
+        .find(|binding| binding.streams.contains(&stream_id))
+        .map(|binding| binding.pool.clone())
+}
+
+/// An upstream for segments taken during a capture: on the allocator's own stream, which never
+/// captures, with the thread in relaxed mode, and finished before the segment is handed out
+/// (a stream-ordered upstream's allocation must be complete before other streams use it).
+struct CaptureUpstream<'a> {
+    allocator: &'a CachingAllocator,
+}
+
+impl super::engine::Release for CaptureUpstream<'_> {
+    fn release_segments(&self, _segments: &[Segment]) -> Result<()> {
+        Err(MemoryError::Driver(
+            GraphError::Capturing {
+                operation: "CachingAllocator (release)",
+                reason: "returning memory to the driver during a capture would break it",
+            }
+            .into(),
+        ))
+    }
+}
+
+impl Upstream for CaptureUpstream<'_> {
+    fn allocate_segment(&self, bytes: usize) -> Result<u64> {
+        let shared = self.allocator.shared();
+        let _relaxed = CaptureModeGuard::enter(CaptureMode::Relaxed)?;
+        let side = shared.release_stream()?;
+        let ptr = shared.upstream().allocate(bytes, side)?;
+        side.synchronize()?;
+        Ok(ptr)
+    }
+}
+
+impl CachingAllocator {
+    /// [`allocate_grant`](Self::allocate_grant) while some capture is active in the process;
+    /// `key` is the stream's own (checked) key.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn allocate_during_capture(
+        &self,
+        bytes: usize,
+        stream: &Stream,
+        key: StreamKey,
+    ) -> Result<(Grant, Arc<ShardHandle>)> {
+        let (key, misses) = match route(stream)? {
+            Some((pool, misses)) => (private_key(pool, stream), misses),
+            None => (key, MissPolicy::AllocateRelaxed),
+        };
+        let upstream = CaptureUpstream { allocator: self };
+        let grant = self.shared().engine.allocate_quiet(
+            key,
+            bytes,
+            &upstream,
+            misses == MissPolicy::AllocateRelaxed,
+        )?;
+        Ok((grant, self.shard_handle(key)))
+    }
+}
+
+/// Frees a block while some capture is active; see the module documentation.
+#[cold]
+#[inline(never)]
+pub(super) fn release_during_capture(
+    shard: &Arc<ShardHandle>,
+    id: BlockId,
+    ptr: u64,
+    stream: StreamKey,
+    uses: Vec<Arc<Stream>>,
+) -> Result<()> {
+    let engine = &shard.shared.engine;
+    let held = |after_device| HeldBlock {
+        shared: Arc::clone(&shard.shared),
+        id,
+        ptr,
+        stream,
+        uses: uses.clone(),
+        after_device,
+    };
+    if stream.as_usize() & PRIVATE_BIT != 0 {
+        if uses.is_empty() {
+            return engine.free(stream, id, ptr);
+        }
+        DEFERRED.lock().push(held(false));
+        return Ok(());
+    }
+    let owner = capturing_pool_of(stream.as_usize() as u64)
+        .or_else(|| uses.iter().find_map(|used| capturing_pool_of(used.id())));
+    if let Some(pool) = owner {
+        pool.token.held.lock().push(held(true));
+        return Ok(());
+    }
+    if uses.is_empty() {
+        return engine.free(stream, id, ptr);
+    }
+    DEFERRED.lock().push(held(false));
+    Ok(())
+}
+
+/// Frees a typed buffer's block while some capture is active. `markers` are the events its
+/// tracker recorded behind its uses; some may have been recorded inside the capture (they can
+/// never be queried), so none is waited on or polled: they go back to the spares, and a block
+/// that was used is held instead of freed. A private block waits for the capture to end (its
+/// uses may be on streams forked into the capture, not ordered with the next allocation); a block
+/// of the general cache is graph memory from now on, held by the pool of a capture that has its
+/// stream (or, failing that, of the only bound capture) until that pool dies, else returned once
+/// no capture is active and the device has finished.
+#[cold]
+#[inline(never)]
+pub(crate) fn release_block_during_capture(
+    shard: &ShardHandle,
+    id: BlockId,
+    ptr: u64,
+    stream: StreamKey,
+    markers: Vec<cuweave_driver::Event>,
+    spare: Vec<cuweave_driver::Event>,
+) -> Result<()> {
+    let engine = &shard.shared.engine;
+    let used = !markers.is_empty();
+    engine.recycle(markers);
+    engine.recycle(spare);
+    if !used {
+        return engine.free(stream, id, ptr);
+    }
+    let private = stream.as_usize() & PRIVATE_BIT != 0;
+    let held = HeldBlock {
+        shared: Arc::clone(&shard.shared),
+        id,
+        ptr,
+        stream,
+        uses: Vec::new(),
+        after_device: !private,
+    };
+    if !private {
+        let owner = capturing_pool_of(stream.as_usize() as u64).or_else(|| {
+            let bindings = BINDINGS.read();
+            match bindings.as_slice() {
+                [only] => Some(only.pool.clone()),
+                _ => None,
+            }
+        });
+        if let Some(pool) = owner {
+            pool.token.held.lock().push(held);
+            return Ok(());
+        }
+    }
+    DEFERRED.lock().push(held);
+    Ok(())
+}
+
+/// Carries out deferred frees once no capture is active (else leaves them for the last
+/// capture's end).
+fn flush_deferred() {
+    if active_captures() != 0 {
+        return;
+    }
+    let taken = std::mem::take(&mut *DEFERRED.lock());
+    if taken.is_empty() {
+        return;
+    }
+    let mut synced: Vec<Arc<Context>> = Vec::new();
+    for block in taken {
+        if let Err(error) = return_block(block, &mut synced) {
+            tracing::error!(%error, "returning a block freed during a capture failed; it is never reused");
+        }
+    }
+}
+
+fn return_block(block: HeldBlock, synced: &mut Vec<Arc<Context>>) -> Result<()> {
+    let engine = &block.shared.engine;
+    if block.after_device {
+        let context = block.shared.context();
+        if !synced.iter().any(|done| Arc::ptr_eq(done, context)) {
+            context.synchronize()?;
+            synced.push(Arc::clone(context));
+        }
+        return engine.free(block.stream, block.id, block.ptr);
+    }
+    let mut spare = engine.take_spare(block.uses.len());
+    let recorded = record_uses(&block.uses, &mut spare);
+    engine.recycle(spare);
+    match recorded {
+        Ok(events) => engine.free_after(block.stream, block.id, block.ptr, events),
+        Err(error) => {
+            engine.free_never_reuse(block.stream, block.id, block.ptr)?;
+            Err(error)
+        }
+    }
+}
+
+/// Refuses an operation of the allocator that would wait for the device or free memory while
+/// a capture is active.
+pub(super) fn refuse_during_capture(operation: &'static str) -> Result<()> {
+    if active_captures() == 0 {
+        return Ok(());
+    }
+    Err(MemoryError::Driver(
+        GraphError::Capturing {
+            operation,
+            reason: "it waits for the device and returns memory to the driver",
+        }
+        .into(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn private_keys_are_marked_and_retained_while_the_pool_lives() {
+        let pool = GraphPool::new();
+        let key = StreamKey::from_raw(PRIVATE_BIT | ((pool.token.id as usize) << 32) | 5);
+        assert!(is_retained(key));
+        assert!(!is_retained(StreamKey::from_raw(5)));
+        let keep = pool.keep_alive();
+        assert_eq!(pool.holders(), 2);
+        drop(pool);
+        assert!(is_retained(key), "a graph still holds the pool");
+        drop(keep);
+        assert!(!is_retained(key));
+    }
+
+    #[test]
+    fn pool_ids_are_distinct_and_the_live_set_stays_bounded() {
+        let before = LIVE.read().as_ref().map_or(0, HashSet::len);
+        for _ in 0..100_000 {
+            let a = GraphPool::new();
+            let b = graph_pool_handle();
+            assert_ne!(a.id(), b.id());
+        }
+        let after = LIVE.read().as_ref().map_or(0, HashSet::len);
+        assert!(after <= before + 2, "dead pools leave the live set");
+    }
+}

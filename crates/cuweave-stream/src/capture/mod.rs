@@ -1,0 +1,289 @@
+//! Graph capture on streams: record a step once, replay it as one CUDA graph launch.
+//!
+//! [`StreamCapture::begin`] starts capturing a stream (never the legacy default stream) in a
+//! [`CaptureMode`] and binds the capture to a private [`GraphPool`] of the caching allocator,
+//! so allocations made on the capture's streams come from memory that belongs to the graph.
+//! Other streams join the capture with [`fork`](StreamCapture::fork) (or any event wait on an
+//! event recorded in it, such as a [`MultiStreamCoordinator`](crate::MultiStreamCoordinator)
+//! dependency) and leave it with [`join`](StreamCapture::join); a fork never joined is
+//! [`GraphError::UnjoinedFork`] when the capture ends. [`finish`](StreamCapture::finish) ends it
+//! and returns the [`Graph`], which keeps the pool alive; [`Graph::instantiate`] gives the
+//! [`GraphExec`] that [`PriorityStream::launch_graph`] launches and counts.
+//!
+//! While a capture is active, calls that would break it are refused with
+//! [`GraphError::Capturing`] (synchronising or querying the capturing stream, event queries and
+//! waits from the capturing thread, `empty_cache`), and a capture that broke anyway is reported
+//! once, by `finish`, as [`GraphError::CaptureInvalidated`] naming the first failing call.
+//! Guide: `docs/graphs.md`.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use cuweave_driver::{Context, Device, InstantiateOptions};
+//! use cuweave_memory::caching::CachingAllocator;
+//! use cuweave_stream::capture::{CaptureOptions, StreamCapture};
+//! use cuweave_stream::{PriorityStream, StreamPriority};
+//!
+//! # fn main() -> cuweave_stream::Result<()> {
+//! let context = Context::primary(Device::get(0)?)?;
+//! let stream = PriorityStream::new(&context, StreamPriority::Normal)?;
+//! let allocator = CachingAllocator::with_driver(&context);
+//! let capture = StreamCapture::begin(&stream, CaptureOptions::default())?;
+//! let scratch = allocator.allocate(1 << 20, &stream)?; // from the capture's private pool
+//! // ... queue kernels and copies on `stream` that use scratch.ptr() ...
+//! drop(scratch); // back to the private pool, never to eager work
+//! let graph = capture.finish()?;
+//! let exec = graph.instantiate(&InstantiateOptions::default())?;
+//! for _ in 0..1000 {
+//!     stream.launch_graph(&exec)?;
+//! }
+//! stream.synchronize()?;
+//! # Ok(())
+//! # }
+//! ```
+
+use cuweave_driver::graph::{CaptureMode, GraphError, active_captures};
+use cuweave_driver::{DriverError, Event, EventFlags, Graph, GraphExec, Stream};
+use cuweave_memory::MemoryError;
+use cuweave_memory::caching::{
+    AllocateToPool, GraphPool, MissPolicy, begin_allocate_to_pool, note_capture_stream,
+};
+
+use crate::error::{Result, StreamError};
+use crate::stream::{OperationKind, PriorityStream};
+
+/// How a capture is made.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct CaptureOptions {
+    /// The capture mode. Default [`CaptureMode::ThreadLocal`]: only the capturing thread's
+    /// unsafe calls can break it, so event pollers and allocators on other threads keep working
+    /// (with `Global`, any thread's event query or `cuMemAlloc` invalidates it).
+    pub mode: CaptureMode,
+    /// The private pool the capture allocates from; a new one when `None`. Give several
+    /// captures the same pool to share memory between graphs that never replay concurrently.
+    pub pool: Option<GraphPool>,
+    /// What a miss in the pool does (default: take memory with the thread in relaxed mode).
+    pub misses: MissPolicy,
+}
+
+impl Default for CaptureOptions {
+    fn default() -> Self {
+        Self {
+            mode: CaptureMode::ThreadLocal,
+            pool: None,
+            misses: MissPolicy::default(),
+        }
+    }
+}
+
+impl CaptureOptions {
+    /// Sets the capture mode.
+    pub fn with_mode(mut self, mode: CaptureMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// Allocates from `pool` (shared with other captures given it).
+    pub fn with_pool(mut self, pool: &GraphPool) -> Self {
+        self.pool = Some(pool.clone());
+        self
+    }
+
+    /// Sets what a miss in the pool does.
+    pub fn with_misses(mut self, misses: MissPolicy) -> Self {
+        self.misses = misses;
+        self
+    }
+}
+
+/// An active capture on a stream: ends (and its recording is discarded) when dropped without
+/// [`finish`](Self::finish).
+#[must_use = "dropping the capture ends it and discards what it recorded"]
+#[derive(Debug)]
+pub struct StreamCapture<'s> {
+    origin: &'s Stream,
+    pool: GraphPool,
+    binding: Option<AllocateToPool>,
+    /// Streams forked into the capture and not joined back, with the fork's event.
+    forks: Vec<(u64, Event)>,
+    /// Events recorded for joins, alive until the capture ends.
+    joins: Vec<Event>,
+    ended: bool,
+}
+
+impl<'s> StreamCapture<'s> {
+    /// Begins capturing `stream` (`cuStreamBeginCapture_v2`), its allocations bound to the
+    /// options' pool (or a new one).
+    ///
+    /// # Errors
+    /// [`GraphError::LegacyDefaultStream`] for the legacy default stream,
+    /// [`GraphError::AlreadyCapturing`], or the driver's error; the stream is left as it was.
+    pub fn begin(stream: &'s Stream, options: CaptureOptions) -> Result<Self> {
+        stream.begin_capture(options.mode)?;
+        let pool = options.pool.unwrap_or_default();
+        match begin_allocate_to_pool(stream, &pool, options.misses) {
+            Ok(binding) => Ok(Self {
+                origin: stream,
+                pool,
+                binding: Some(binding),
+                forks: Vec::new(),
+                joins: Vec::new(),
+                ended: false,
+            }),
+            Err(error) => {
+                if let Err(end) = stream.end_capture() {
+                    tracing::warn!(%end, "ending a capture whose pool binding failed");
+                }
+                Err(error.into())
+            }
+        }
+    }
+
+    /// The capturing stream.
+    pub fn stream(&self) -> &Stream {
+        self.origin
+    }
+
+    /// The capture's private pool.
+    pub fn pool(&self) -> &GraphPool {
+        &self.pool
+    }
+
+    /// The streams forked into the capture and not yet joined, by id.
+    pub fn unjoined(&self) -> Vec<u64> {
+        self.forks.iter().map(|(id, _)| *id).collect()
+    }
+
+    /// Brings `stream` into the capture: its later work depends on the capture's work so far
+    /// and is recorded into the same graph (an event recorded on the origin, waited on by
+    /// `stream`: a graph edge). Its allocations come from the capture's pool from now on.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for the origin itself; the driver's error.
+    pub fn fork(&mut self, stream: &Stream) -> Result<()> {
+        if stream.id() == self.origin.id() {
+            return Err(StreamError::invalid(
+                "StreamCapture::fork",
+                "the origin stream is already in its capture",
+            ));
+        }
+        let event = Event::new(self.origin.context(), EventFlags::DISABLE_TIMING)?;
+        event.record(self.origin)?;
+        stream.wait_event(&event)?;
+        note_capture_stream(stream)?;
+        self.forks.retain(|(id, _)| *id != stream.id());
+        self.forks.push((stream.id(), event));
+        Ok(())
+    }
+
+    /// Joins `stream` back: the origin's later work depends on everything `stream` recorded.
+    /// Blocks used on `stream` during the capture stay with the graph.
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn join(&mut self, stream: &Stream) -> Result<()> {
+        let event = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
+        event.record(stream)?;
+        self.origin.wait_event(&event)?;
+        self.forks.retain(|(id, _)| *id != stream.id());
+        self.joins.push(event);
+        Ok(())
+    }
+
+    /// Ends the capture and returns its graph, which keeps the capture's pool alive.
+    ///
+    /// # Errors
+    /// [`GraphError::UnjoinedFork`] when a forked stream was not joined back;
+    /// [`GraphError::CaptureInvalidated`] naming the first call that broke the capture. The
+    /// capture is over either way and every stream usable.
+    pub fn finish(mut self) -> Result<Graph> {
+        self.ended = true;
+        let ended = self.origin.end_capture();
+        // After the driver's capture is over: frees deferred during it run now.
+        drop(self.binding.take());
+        let mut graph = ended?;
+        graph.keep_alive(self.pool.keep_alive());
+        Ok(graph)
+    }
+}
+
+impl Drop for StreamCapture<'_> {
+    fn drop(&mut self) {
+        if self.ended {
+            return;
+        }
+        match self.origin.end_capture() {
+            Ok(graph) => drop(graph),
+            Err(error) => tracing::warn!(%error, "ending an abandoned capture"),
+        }
+        drop(self.binding.take());
+    }
+}
+
+/// Whether `stream` is capturing; one atomic load while no capture is active anywhere.
+pub(crate) fn is_capturing(stream: &Stream) -> Result<bool> {
+    if active_captures() == 0 {
+        return Ok(false);
+    }
+    Ok(stream.capture_status()?.is_capturing())
+}
+
+impl PriorityStream {
+    /// Queues one launch of `exec` (`cuGraphLaunch`) and counts it in the metrics
+    /// (`graph_launches`) and, through [`enqueue`](Self::enqueue), in timing and outstanding work.
+    ///
+    /// # Errors
+    /// As [`GraphExec::launch`].
+    pub fn launch_graph(&self, exec: &GraphExec) -> Result<()> {
+        self.enqueue(OperationKind::GraphLaunch, 0, |stream| exec.launch(stream))
+    }
+
+    /// Begins a capture on this stream; see [`StreamCapture::begin`].
+    ///
+    /// # Errors
+    /// As [`StreamCapture::begin`].
+    pub fn begin_capture(&self, options: CaptureOptions) -> Result<StreamCapture<'_>> {
+        StreamCapture::begin(self.stream(), options)
+    }
+}
+
+impl StreamError {
+    /// The graph or capture error inside this error, if it is one (from the driver or from
+    /// the memory layer).
+    pub fn graph_error(&self) -> Option<&GraphError> {
+        match self {
+            Self::Driver(DriverError::Graph(error))
+            | Self::Memory(MemoryError::Driver(DriverError::Graph(error))) => Some(error),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_options_are_thread_local_with_a_fresh_pool() {
+        let options = CaptureOptions::default();
+        assert_eq!(options.mode, CaptureMode::ThreadLocal);
+        assert!(options.pool.is_none());
+        let pool = GraphPool::new();
+        let shared = CaptureOptions::default()
+            .with_pool(&pool)
+            .with_mode(CaptureMode::Global)
+            .with_misses(MissPolicy::Fail);
+        assert_eq!(shared.pool.map(|p| p.id()), Some(pool.id()));
+        assert_eq!(shared.misses, MissPolicy::Fail);
+    }
+
+    #[test]
+    fn graph_errors_are_found_through_both_layers() {
+        let driver: StreamError = DriverError::from(GraphError::UnjoinedFork).into();
+        assert_eq!(driver.graph_error(), Some(&GraphError::UnjoinedFork));
+        let memory: StreamError =
+            MemoryError::Driver(DriverError::from(GraphError::UnjoinedFork)).into();
+        assert_eq!(memory.graph_error(), Some(&GraphError::UnjoinedFork));
+        assert!(StreamError::invalid("op", "x").graph_error().is_none());
+    }
+}
