@@ -11,6 +11,10 @@
 //! bandwidth as nccl-tests computes it (`algbw × 2 (n − 1) / n`, which is 0 on one rank: one
 //! rank moves nothing between GPUs, so its figure to compare is the time).
 //!
+//! With two or more devices a last table runs the same all-reduce on every device at once
+//! (`init_all`, one group per step: raw grouped `ncclAllReduce` beside cuweave's `Group`) and
+//! gives both cases' bus bandwidth.
+//!
 //! Run with `NCCL_NVLS_ENABLE=0 cargo bench -p cuweave-benches --bench collective`. Without a
 //! driver or without NCCL it prints one skip line.
 
@@ -19,9 +23,9 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Throughput};
 use cuweave_collective::sys;
-use cuweave_collective::{CommConfig, Communicator, ReduceOp, UniqueId};
+use cuweave_collective::{CommConfig, Communicator, Group, ReduceOp, UniqueId};
 use cuweave_driver::memory::DevicePtr;
-use cuweave_driver::{Stream, StreamFlags};
+use cuweave_driver::{Device, Stream, StreamFlags};
 use cuweave_memory::{Buffer, DeviceBuffer};
 
 const SIZES: [usize; 9] = [
@@ -119,7 +123,104 @@ fn main() {
                 algbw * 2.0 * (n - 1.0) / n,
             );
         }
+        all_devices_summary();
     });
+}
+
+/// With two or more devices: one communicator per device (`init_all`), all-reduce of f32 on
+/// every rank as one group, raw grouped `ncclAllReduce` beside cuweave's `Group`, alternated.
+fn all_devices_summary() {
+    let count = Device::count().unwrap_or(0);
+    if count < 2 {
+        println!("\nall_reduce over several devices: skipped, {count} device(s)");
+        return;
+    }
+    let devices: Vec<Device> = (0..count)
+        .map(|ordinal| Device::get(ordinal).expect("device"))
+        .collect();
+    let comms = Communicator::init_all(&devices, &CommConfig::default()).expect("init_all");
+    let n = comms.len() as f64;
+    let streams: Vec<Stream> = comms
+        .iter()
+        .map(|comm| Stream::new(comm.context(), StreamFlags::NON_BLOCKING).expect("stream"))
+        .collect();
+    println!(
+        "\nall_reduce f32 sum, {} ranks in one process (init_all), device {}:",
+        comms.len(),
+        devices[0].name().unwrap_or_default()
+    );
+    println!(
+        "{:>12} {:>12} {:>12} {:>8} {:>9} {:>12} {:>12}",
+        "bytes", "raw µs", "cuweave µs", "raw/cw", "Δ µs", "raw busbw", "cw busbw"
+    );
+    let api = cuweave_collective::loader::api().expect("nccl");
+    let (group_start, group_end) = (
+        api.group_start.get().expect("ncclGroupStart"),
+        api.group_end.get().expect("ncclGroupEnd"),
+    );
+    for bytes in SIZES {
+        let count = bytes / 4;
+        let sends: Vec<DeviceBuffer<f32>> = comms
+            .iter()
+            .map(|comm| DeviceBuffer::zeroed(comm.context(), count).expect("send"))
+            .collect();
+        let mut recvs: Vec<DeviceBuffer<f32>> = comms
+            .iter()
+            .map(|comm| DeviceBuffer::zeroed(comm.context(), count).expect("recv"))
+            .collect();
+        let raw = |recvs: &[DeviceBuffer<f32>]| {
+            // SAFETY: ncclGroupStart takes no arguments.
+            assert_eq!(unsafe { group_start() }, sys::ncclResult_t::ncclSuccess);
+            for ((comm, send), (recv, stream)) in
+                comms.iter().zip(&sends).zip(recvs.iter().zip(&streams))
+            {
+                raw_all_reduce(comm, send.device_ptr(), recv.device_ptr(), count, stream);
+            }
+            // SAFETY: closes the group opened above.
+            assert_eq!(unsafe { group_end() }, sys::ncclResult_t::ncclSuccess);
+            for stream in &streams {
+                stream.synchronize().expect("sync");
+            }
+        };
+        let ours = |recvs: &mut [DeviceBuffer<f32>]| {
+            let mut group = Group::new();
+            for ((comm, send), (recv, stream)) in
+                comms.iter().zip(&sends).zip(recvs.iter_mut().zip(&streams))
+            {
+                group
+                    .all_reduce(comm, send, recv, ReduceOp::Sum, stream)
+                    .expect("group all_reduce");
+            }
+            group.launch().expect("group launch");
+            for stream in &streams {
+                stream.synchronize().expect("sync");
+            }
+        };
+        // Warm up both paths, then alternate so drift hits them alike.
+        raw(&recvs);
+        ours(&mut recvs);
+        let reps = if bytes >= 64 << 20 { 20 } else { 500 };
+        let (mut t_raw, mut t_ours) = (Duration::ZERO, Duration::ZERO);
+        for _ in 0..reps {
+            let start = Instant::now();
+            raw(&recvs);
+            t_raw += start.elapsed();
+            let start = Instant::now();
+            ours(&mut recvs);
+            t_ours += start.elapsed();
+        }
+        let (raw_t, ours_t) = (t_raw / reps, t_ours / reps);
+        let busbw = |t: Duration| bytes as f64 / t.as_secs_f64() / 1e9 * 2.0 * (n - 1.0) / n;
+        println!(
+            "{bytes:>12} {:>12.2} {:>12.2} {:>8.3} {:>9.2} {:>12.1} {:>12.1}",
+            raw_t.as_secs_f64() * 1e6,
+            ours_t.as_secs_f64() * 1e6,
+            raw_t.as_secs_f64() / ours_t.as_secs_f64(),
+            (ours_t.as_secs_f64() - raw_t.as_secs_f64()) * 1e6,
+            busbw(raw_t),
+            busbw(ours_t),
+        );
+    }
 }
 
 /// `ncclAllReduce` on the communicator's own handle, through the same loaded library.
