@@ -500,12 +500,14 @@ impl<E: UseEvent> UseState<E> {
         identity: Option<u64>,
         tag: Option<u64>,
     ) {
-        let (all, other): (Vec<Use<E>>, Vec<Use<E>>) = self
-            .writes
-            .drain(..)
-            .chain(self.reads.drain(..))
-            .partition(|used| used.capture == tag);
-        self.writes.extend(other);
+        let same_side = |used: &Use<E>| used.capture == tag;
+        let (mut all, other_writes): (Vec<Use<E>>, Vec<Use<E>>) =
+            self.writes.drain(..).partition(same_side);
+        let (same_reads, other_reads): (Vec<Use<E>>, Vec<Use<E>>) =
+            self.reads.drain(..).partition(same_side);
+        all.extend(same_reads);
+        self.writes = other_writes;
+        self.reads = other_reads;
         let mut hull: Option<ByteRange> = None;
         let mut waited = Ok(());
         for used in &all {
