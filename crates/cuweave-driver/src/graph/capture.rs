@@ -551,9 +551,6 @@ impl Stream {
     /// Whether this stream is capturing, and into which capture sequence.
     /// `cuStreamGetCaptureInfo` (the `_v3` form where the driver has it, else `_v2`).
     pub fn capture_status(&self) -> Result<CaptureStatus> {
-        // A thread that never used the context (another thread's eager work asking whether its
-        // stream captures) gets it made current first.
-        self.context().bind_to_thread()?;
         let api = driver()?;
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         let mut id = 0u64;

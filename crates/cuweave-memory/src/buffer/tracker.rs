@@ -315,6 +315,9 @@ fn capture_view(context: &Context, stream: &Stream) -> Result<CaptureView> {
 
 #[cold]
 fn capture_view_slow(context: &Context, stream: &Stream) -> Result<CaptureView> {
+    // A thread that has not used the context yet (another thread's eager work) gets it current
+    // before asking the driver about the stream.
+    stream.context().bind_to_thread()?;
     let capture = match stream.capture_status()? {
         CaptureStatus::None => None,
         status => status.id().map(|id| Capturing {
