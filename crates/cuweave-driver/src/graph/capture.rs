@@ -78,8 +78,14 @@ impl CaptureStatus {
     }
 }
 
-/// Captures begun through [`Stream::begin_capture`] and not yet ended.
-static ACTIVE: AtomicUsize = AtomicUsize::new(0);
+/// Captures begun through [`Stream::begin_capture`] and not yet ended (the low
+/// [`COUNT_BITS`] bits), and the capture epoch (the bits above), in one word so that a hot path
+/// reads both with one load ([`capture_state`]).
+static STATE: AtomicU64 = AtomicU64::new(0);
+/// Bits of [`STATE`] that count active captures.
+const COUNT_BITS: u32 = 24;
+/// Mask of the count in [`STATE`].
+const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
 /// Those of them in [`CaptureMode::Global`].
 static GLOBAL: AtomicUsize = AtomicUsize::new(0);
 /// Sequence number of driver failures with a capture error code.
@@ -98,12 +104,17 @@ struct Failure {
 /// The most recent capture failures, oldest first (bounded by [`FAILURE_LOG`]).
 static FAILURES: Mutex<VecDeque<Failure>> = Mutex::new(VecDeque::new());
 
-/// A capture begun here: which stream, in which mode, and the failure sequence at its start.
+/// A capture begun here: which stream, in which mode, the failure sequence at its start, the
+/// driver's capture id, its context, and the epoch before which that context's work is known to
+/// have completed.
 #[derive(Debug, Clone, Copy)]
 struct Record {
     stream: u64,
     mode: CaptureMode,
     first_failure: u64,
+    capture_id: u64,
+    context: usize,
+    complete_before: u64,
 }
 
 /// Every capture begun through cuweave and not yet ended (few at a time: one per capturing
@@ -119,7 +130,67 @@ thread_local! {
 /// for hot paths that must behave differently while any capture runs.
 #[inline]
 pub fn active_captures() -> usize {
-    ACTIVE.load(Ordering::Acquire)
+    (STATE.load(Ordering::Acquire) & COUNT_MASK) as usize
+}
+
+/// How many captures are active and the capture epoch, read together with one atomic load.
+///
+/// The epoch grows by one each time [`Stream::begin_capture_synchronized`] is about to
+/// synchronise a context. Work queued in that context *before* a load that returned an epoch
+/// below the capture's [`known_complete_before`] has finished when the capture begins: so a
+/// buffer tracker that stamps each recorded use with the epoch read just after recording it
+/// can drop, without querying, the uses a capturing stream would otherwise have to wait on.
+#[inline]
+pub fn capture_state() -> CaptureState {
+    CaptureState::from_word(STATE.load(Ordering::SeqCst))
+}
+
+/// What [`capture_state`] returns: active captures and the capture epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CaptureState {
+    /// Captures begun through cuweave and not yet ended.
+    pub active: usize,
+    /// The capture epoch (see [`capture_state`]).
+    pub epoch: u64,
+}
+
+impl CaptureState {
+    fn from_word(word: u64) -> Self {
+        Self {
+            active: (word & COUNT_MASK) as usize,
+            epoch: word >> COUNT_BITS,
+        }
+    }
+}
+
+/// Whether the capture sequence `capture_id` (as [`CaptureStatus::id`] reports it), begun through
+/// cuweave, is still active.
+pub fn capture_is_active(capture_id: u64) -> bool {
+    RECORDS
+        .lock()
+        .iter()
+        .any(|record| record.capture_id == capture_id)
+}
+
+/// The epoch before which every use stamped by `context`'s work is known to have completed,
+/// for work captured into `capture_id`: the epoch taken just before the context synchronisation
+/// of [`Stream::begin_capture_synchronized`] (or of an earlier capture still active on the same
+/// context). 0 (nothing known) for a capture begun without that synchronisation, outside
+/// cuweave, or on another context.
+pub fn known_complete_before(capture_id: u64, context: &crate::Context) -> u64 {
+    let raw = context.as_raw() as usize;
+    let records = RECORDS.lock();
+    let Some(record) = records
+        .iter()
+        .find(|record| record.capture_id == capture_id)
+    else {
+        return 0;
+    };
+    if record.context == raw {
+        record.complete_before
+    } else {
+        0
+    }
 }
 
 /// Called by the loader on every failed driver call: remembers capture errors while a capture
@@ -300,11 +371,53 @@ impl Stream {
     ///
     /// End with [`end_capture`](Self::end_capture) on this same stream.
     ///
+    /// Work queued before it is not waited for: buffer trackers treat every use recorded before
+    /// such a capture as possibly running (a capturing stream that would wait on one gets
+    /// [`GraphError::Capturing`]). [`begin_capture_synchronized`](Self::begin_capture_synchronized)
+    /// makes that work finish first.
+    ///
     /// # Errors
     /// [`GraphError::LegacyDefaultStream`] for the legacy default stream;
     /// [`GraphError::AlreadyCapturing`] when a cuweave capture is active on this stream; the
     /// driver's error otherwise.
     pub fn begin_capture(&self, mode: CaptureMode) -> Result<()> {
+        self.check_can_capture()?;
+        let complete_before = self.inherited_complete_before();
+        self.begin_capture_recorded(mode, complete_before)
+    }
+
+    /// [`begin_capture`](Self::begin_capture) after the context's earlier work has finished,
+    /// as PyTorch's `torch.cuda.graph` does (`torch.cuda.synchronize()` before
+    /// `capture_begin`): bumps the capture epoch, synchronises the context (`cuCtxSynchronize`),
+    /// then begins. Every use a buffer tracker recorded in this context before the bump is then
+    /// known to be complete ([`known_complete_before`]), so a capturing stream drops it instead
+    /// of waiting on an event recorded outside the capture (which the driver refuses).
+    ///
+    /// When another capture is already active the context cannot be synchronised (that would
+    /// wait on, or break, the capturing streams): the capture begins without it and inherits the
+    /// bound of an active capture of the same context, if any.
+    ///
+    /// # Errors
+    /// As [`begin_capture`](Self::begin_capture), and the synchronisation's error (a kernel that
+    /// faulted earlier, ...), in which case no capture is begun.
+    pub fn begin_capture_synchronized(&self, mode: CaptureMode) -> Result<()> {
+        self.check_can_capture()?;
+        let mut complete_before = self.inherited_complete_before();
+        if active_captures() == 0 {
+            let epoch = CaptureState::from_word(STATE.fetch_add(1 << COUNT_BITS, Ordering::SeqCst))
+                .epoch
+                + 1;
+            match self.context().synchronize() {
+                Ok(()) => complete_before = complete_before.max(epoch),
+                // Another thread began a capture meanwhile: begin without the synchronisation.
+                Err(DriverError::Graph(GraphError::Capturing { .. })) => {}
+                Err(error) => return Err(error),
+            }
+        }
+        self.begin_capture_recorded(mode, complete_before)
+    }
+
+    fn check_can_capture(&self) -> Result<()> {
         if is_legacy_default(self.as_raw()) {
             return Err(GraphError::LegacyDefaultStream {
                 operation: "Stream::begin_capture",
@@ -318,17 +431,43 @@ impl Stream {
         {
             return Err(GraphError::AlreadyCapturing { stream: self.id() }.into());
         }
+        Ok(())
+    }
+
+    /// The largest known-complete bound of the captures active on this stream's context.
+    fn inherited_complete_before(&self) -> u64 {
+        let raw = self.context().as_raw() as usize;
+        RECORDS
+            .lock()
+            .iter()
+            .filter(|record| record.context == raw)
+            .map(|record| record.complete_before)
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn begin_capture_recorded(&self, mode: CaptureMode, complete_before: u64) -> Result<()> {
         self.context().bind_to_thread()?;
         let api = driver()?;
         // No lock across the call: a failure goes through `note_driver_failure`, which locks.
         // SAFETY: live stream of the current context; the mode is a valid enum value.
         unsafe { cu!(api.stream_begin_capture(self.as_raw(), mode.to_sys())) }?;
+        let capture_id = match self.capture_status() {
+            Ok(status) => status.id().unwrap_or(0),
+            Err(error) => {
+                tracing::warn!(%error, "reading a new capture's id failed; uses recorded in it are not recognised");
+                0
+            }
+        };
         RECORDS.lock().push(Record {
             stream: self.id(),
             mode,
             first_failure: FAILURE_SEQ.load(Ordering::Acquire),
+            capture_id,
+            context: self.context().as_raw() as usize,
+            complete_before,
         });
-        ACTIVE.fetch_add(1, Ordering::AcqRel);
+        STATE.fetch_add(1, Ordering::AcqRel);
         if mode == CaptureMode::Global {
             GLOBAL.fetch_add(1, Ordering::AcqRel);
         }
@@ -400,7 +539,7 @@ impl Stream {
 
     fn forget_capture(&self, record: Record) {
         RECORDS.lock().retain(|other| other.stream != record.stream);
-        ACTIVE.fetch_sub(1, Ordering::AcqRel);
+        STATE.fetch_sub(1, Ordering::AcqRel);
         if record.mode == CaptureMode::Global {
             GLOBAL.fetch_sub(1, Ordering::AcqRel);
         }
@@ -493,7 +632,7 @@ mod tests {
             "cuTest",
         );
         assert_eq!(FAILURE_SEQ.load(Ordering::Acquire), before);
-        ACTIVE.fetch_add(1, Ordering::AcqRel);
+        STATE.fetch_add(1, Ordering::AcqRel);
         let start = FAILURE_SEQ.load(Ordering::Acquire);
         note_driver_failure(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY, "cuIgnored");
         // A consequence, not a cause: never noted.
@@ -507,12 +646,28 @@ mod tests {
                 "cuLater",
             );
         }
-        ACTIVE.fetch_sub(1, Ordering::AcqRel);
+        STATE.fetch_sub(1, Ordering::AcqRel);
         assert!(FAILURES.lock().len() <= FAILURE_LOG);
         // With no capture recorded, nobody asks about old failures: the log keeps the newest.
         assert!(first_failure_after(start).is_some_and(|first| first.operation == "cuLater"));
         let last = FAILURE_SEQ.load(Ordering::Acquire);
         assert!(first_failure_after(last).is_none());
+    }
+
+    #[test]
+    fn the_state_word_holds_the_count_below_the_epoch() {
+        let word = (7u64 << COUNT_BITS) | 3;
+        assert_eq!(
+            CaptureState::from_word(word),
+            CaptureState {
+                active: 3,
+                epoch: 7
+            }
+        );
+        // A bump of the epoch never touches the count, nor a count change the epoch.
+        let bumped = CaptureState::from_word(word + (1 << COUNT_BITS) - 1);
+        assert_eq!((bumped.active, bumped.epoch), (2, 8));
+        assert!(!capture_is_active(u64::MAX));
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //! |---|---|
 //! | [`CaptureMode`], [`CaptureStatus`] | how strictly a capture guards against unsafe calls; a stream's capture state |
 //! | [`active_captures`], [`refuse_while_capturing`] | the process's capture count (one atomic load), and the check that turns a call that would break a capture into [`GraphError::Capturing`] |
+//! | [`capture_state`], [`known_complete_before`], [`capture_is_active`] | the capture epoch that buffer trackers stamp uses with, and which uses a capture knows to be complete (`Stream::begin_capture_synchronized`) |
 //! | [`CaptureModeGuard`] | this thread in another capture mode for a scope (`cuThreadExchangeStreamCaptureMode`) |
 //! | [`Graph`], [`GraphExec`], [`InstantiateOptions`] | the recording and its executable form: instantiate, upload, launch, update, DOT dump |
 //! | [`GraphMemoryUsage`], [`trim_graph_memory`] | the driver's graph memory pool of a device |
@@ -31,7 +32,8 @@ mod handle;
 mod memory;
 
 pub use capture::{
-    CaptureMode, CaptureModeGuard, CaptureStatus, active_captures, refuse_while_capturing,
+    CaptureMode, CaptureModeGuard, CaptureState, CaptureStatus, active_captures, capture_is_active,
+    capture_state, known_complete_before, refuse_while_capturing,
 };
 pub use error::GraphError;
 pub use exec::{GraphExec, InstantiateOptions};

@@ -27,13 +27,23 @@
 //! The three steps run under the tracker's lock so that two threads using one buffer through
 //! `&self` cannot interleave them; the lock covers only the queueing calls, never a wait on an
 //! event by the host.
+//!
+//! **Stream capture.** Each operation reads where its stream stands ([`CaptureView`]: one
+//! atomic load while no capture is active anywhere) and each recorded use is stamped with the
+//! capture epoch and, on a capturing stream, the capture's id. A capture begun through
+//! `StreamCapture` synchronises its context first, so a capturing stream drops the eager uses
+//! stamped before it instead of waiting on events recorded outside the capture; uses recorded
+//! in a capture order the capture's later work and are forgotten once it ends; anything else
+//! that would cross a capture boundary is a `GraphError::Capturing` refusal, never a broken
+//! capture. The rules live in [`super::uses`].
 
 use std::sync::Arc;
 
+use cuweave_driver::graph::{CaptureStatus, active_captures, capture_is_active};
 use cuweave_driver::{Context, Event, EventFlags, Stream};
 use parking_lot::{Mutex, MutexGuard};
 
-use super::uses::{ByteRange, UseState};
+use super::uses::{ByteRange, CaptureView, Capturing, UseState};
 use crate::caching::ShardHandle;
 use crate::error::{MemoryError, Result};
 
@@ -149,7 +159,9 @@ impl StreamTracker {
         if state.is_empty() {
             return (Vec::new(), Vec::new());
         }
-        let (recorded, spare) = state.take_all();
+        // Uses of an ended capture are never queried: with no capture active, every one has ended.
+        let none_active = active_captures() == 0;
+        let (recorded, spare) = state.take_all(|id| none_active || !capture_is_active(id));
         let mut markers = Vec::with_capacity(recorded.len());
         for event in recorded {
             match Arc::try_unwrap(event) {
@@ -182,7 +194,10 @@ impl StreamTracker {
     /// Blocks until every use has finished on the device.
     pub(crate) fn synchronize(&self) -> Result<()> {
         // The events are cloned out so that no lock is held while the host waits for the GPU.
-        let events = self.state.lock().all_events();
+        let events = self
+            .state
+            .lock()
+            .all_events("StreamTracker::synchronize", capture_is_active)?;
         for event in events {
             event.synchronize()?;
         }
@@ -191,7 +206,10 @@ impl StreamTracker {
 
     /// Whether every use has finished, without blocking.
     pub(crate) fn is_idle(&self) -> Result<bool> {
-        let events = self.state.lock().all_events();
+        let events = self
+            .state
+            .lock()
+            .all_events("StreamTracker::is_idle", capture_is_active)?;
         for event in events {
             if !event.query()? {
                 return Ok(false);
@@ -266,10 +284,11 @@ impl<'a> Part<'a> {
     ) -> Result<()> {
         self.check(operation, access)?;
         ensure_same_device(operation, self.tracker.context(), stream)?;
+        let view = capture_view(self.tracker.context(), stream)?;
         self.tracker
             .state
             .lock()
-            .wait_on_range(stream, self.range, access)
+            .wait_on_range(operation, stream, self.range, access, &view)
     }
 
     /// Records an `access` of this part by the work just queued on `stream`, after making
@@ -282,6 +301,34 @@ impl<'a> Part<'a> {
     ) -> Result<()> {
         run_uses(operation, stream, &[(*self, access)], || Ok(())).map_err(|failure| failure.error)
     }
+}
+
+/// Where `stream` stands with respect to capture, for a buffer of `context`: one atomic load
+/// while no capture is active anywhere.
+#[inline]
+fn capture_view(context: &Context, stream: &Stream) -> Result<CaptureView> {
+    if active_captures() == 0 {
+        return Ok(CaptureView::NONE);
+    }
+    capture_view_slow(context, stream)
+}
+
+#[cold]
+fn capture_view_slow(context: &Context, stream: &Stream) -> Result<CaptureView> {
+    // A thread that has not used the context yet (another thread's eager work) gets it current
+    // before asking the driver about the stream.
+    stream.context().bind_to_thread()?;
+    let capture = match stream.capture_status()? {
+        CaptureStatus::None => None,
+        status => status.id().map(|id| Capturing {
+            id,
+            complete_before: cuweave_driver::graph::known_complete_before(id, context),
+        }),
+    };
+    Ok(CaptureView {
+        any_active: true,
+        capture,
+    })
 }
 
 /// `Err(WrongDevice)` unless `stream` runs on `context`'s device.
@@ -368,28 +415,43 @@ pub(crate) fn run_uses<R>(
     if let [(part, access)] = uses {
         // One buffer: no sorting, no allocation.
         let tracker = part.tracker;
+        let view = capture_view(tracker.context(), stream).map_err(unqueued)?;
         let mut state = tracker.state.lock();
         state
-            .wait_on_range(stream, part.range, *access)
+            .wait_on_range(operation, stream, part.range, *access, &view)
             .map_err(unqueued)?;
         let outcome = op();
-        let recorded = state.record_range(stream, part.range, *access, || tracker.new_event());
+        let recorded =
+            state.record_range(stream, part.range, *access, &view, || tracker.new_event());
         drop(state);
         return finish(outcome, recorded, stream);
     }
+    let views = uses
+        .iter()
+        .map(|(part, _)| capture_view(part.tracker.context(), stream))
+        .collect::<Result<Vec<_>>>()
+        .map_err(unqueued)?;
+    let view_of = |tracker: &StreamTracker| {
+        uses.iter()
+            .position(|(part, _)| std::ptr::eq(part.tracker, tracker))
+            .map_or(CaptureView::NONE, |index| views[index])
+    };
     let (mut guards, order) = lock_in_address_order(uses);
     for &(guard, range, access) in &order {
+        let view = view_of(guards[guard].0);
         // Waits touch no memory: a failure here leaves nothing unsafe queued.
         guards[guard]
             .1
-            .wait_on_range(stream, range, access)
+            .wait_on_range(operation, stream, range, access, &view)
             .map_err(unqueued)?;
     }
     let outcome = op();
     let mut recorded = Ok(());
     for &(guard, range, access) in &order {
+        let view = view_of(guards[guard].0);
         let (tracker, state) = &mut guards[guard];
-        if let Err(error) = state.record_range(stream, range, access, || tracker.new_event()) {
+        if let Err(error) = state.record_range(stream, range, access, &view, || tracker.new_event())
+        {
             recorded = recorded.and(Err(error));
         }
     }
@@ -419,9 +481,10 @@ pub(crate) fn run_completed<R>(
     };
     part.check(operation, access).map_err(unqueued)?;
     ensure_same_device(operation, part.tracker.context(), stream).map_err(unqueued)?;
+    let view = capture_view(part.tracker.context(), stream).map_err(unqueued)?;
     let mut state = part.tracker.state.lock();
     state
-        .wait_on_range(stream, part.range, access)
+        .wait_on_range(operation, stream, part.range, access, &view)
         .map_err(unqueued)?;
     match op() {
         Ok(value) => {

@@ -4,13 +4,28 @@
 //! the rules (which uses a read or a write waits for, which event a use records, when a wait is
 //! skipped, when finished reads are dropped) are unit-tested here with fake streams and events;
 //! [`super::tracker`] plugs in the driver's `Stream` and `Event`.
+//!
+//! **Capture.** Each use carries the capture epoch read just after it was recorded and, when
+//! its stream was capturing, the capture's id. A [`CaptureView`] tells each operation whether
+//! any capture is active and which capture (with its known-complete epoch bound) the using
+//! stream records into. The rules, none of which queries an event:
+//! - a capturing stream drops the eager uses stamped before its capture's bound (the context
+//!   was synchronised after them: they have finished); it refuses, with
+//!   [`GraphError::Capturing`], to wait for an eager use stamped later (another thread's work
+//!   after the capture began) or for a use captured by another capture;
+//! - uses recorded on a capturing stream order later work of the same capture as usual; once
+//!   their capture has ended they are dropped (the graph's launches are ordered by the stream
+//!   the graph is launched on); while it is active, eager work that would wait for one is
+//!   refused with [`GraphError::Capturing`];
+//! - while any capture is active, finished uses are not pruned (that would query events).
 
 use std::sync::Arc;
 
+use cuweave_driver::graph::GraphError;
 use cuweave_driver::{Event, Stream};
 
 use super::tracker::Access;
-use crate::error::Result;
+use crate::error::{MemoryError, Result};
 
 /// An event as the bookkeeping needs it.
 pub(crate) trait UseEvent {
@@ -30,6 +45,40 @@ pub(crate) trait UseStream {
     fn wait_for(&self, event: &Self::Event) -> Result<()>;
     /// Records `event` behind the work queued on the stream so far.
     fn record(&self, event: &Self::Event) -> Result<()>;
+    /// The capture epoch now (read after recording a use, to stamp it).
+    fn capture_epoch(&self) -> u64;
+    /// Whether the capture `id` is still active.
+    fn capture_is_active(&self, id: u64) -> bool;
+}
+
+/// Where an operation's stream stands with respect to capture, read once per operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct CaptureView {
+    /// Whether any capture is active in the process.
+    pub(crate) any_active: bool,
+    /// The capture the stream records into, when it is capturing.
+    pub(crate) capture: Option<Capturing>,
+}
+
+/// The capture a stream records into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Capturing {
+    /// The capture's id.
+    pub(crate) id: u64,
+    /// Eager uses stamped with an epoch below this are known to have completed.
+    pub(crate) complete_before: u64,
+}
+
+impl CaptureView {
+    /// No capture anywhere.
+    pub(crate) const NONE: Self = Self {
+        any_active: false,
+        capture: None,
+    };
+
+    fn tag(&self) -> Option<u64> {
+        self.capture.map(|capture| capture.id)
+    }
 }
 
 impl UseEvent for Event {
@@ -55,6 +104,15 @@ impl UseStream for Stream {
 
     fn record(&self, event: &Event) -> Result<()> {
         Ok(event.record(self)?)
+    }
+
+    #[inline]
+    fn capture_epoch(&self) -> u64 {
+        cuweave_driver::graph::capture_state().epoch
+    }
+
+    fn capture_is_active(&self, id: u64) -> bool {
+        cuweave_driver::graph::capture_is_active(id)
     }
 }
 
@@ -148,12 +206,33 @@ struct Use<E> {
     slot: Option<ReadSlot>,
     /// The bytes used.
     range: ByteRange,
+    /// The capture epoch read just after the event was recorded.
+    epoch: u64,
+    /// The capture the event was recorded in (`None`: recorded eagerly).
+    capture: Option<u64>,
 }
 
 impl<E> Use<E> {
     /// Whether work queued on a stream of identity `stream` is already ordered after this use.
     fn covers(&self, stream: Option<u64>) -> bool {
         self.stream.is_some() && self.stream == stream
+    }
+
+    /// `Err(Capturing)` when a stream seen through `view` cannot be ordered after this use.
+    fn orderable(&self, operation: &'static str, view: &CaptureView) -> Result<()> {
+        let reason = match (self.capture, view.tag()) {
+            (None, None) => return Ok(()),
+            (Some(captured), Some(capturing)) if captured == capturing => return Ok(()),
+            (Some(_), _) => {
+                "the buffer was used inside an active capture: work outside it cannot wait for captured work"
+            }
+            (None, Some(_)) => {
+                "the buffer was used by work outside the capture after it began: a capturing stream cannot wait for it"
+            }
+        };
+        Err(MemoryError::Driver(
+            GraphError::Capturing { operation, reason }.into(),
+        ))
     }
 }
 
@@ -173,6 +252,8 @@ pub(crate) struct UseState<E> {
     spare: Vec<Arc<E>>,
     /// Raw handle of the stream of the latest use (`None`: never used).
     pub(crate) last_stream: Option<usize>,
+    /// Whether a use recorded in a capture may still be tracked.
+    has_captured: bool,
 }
 
 impl<E> Default for UseState<E> {
@@ -182,6 +263,7 @@ impl<E> Default for UseState<E> {
             reads: Vec::new(),
             spare: Vec::new(),
             last_stream: None,
+            has_captured: false,
         }
     }
 }
@@ -213,11 +295,11 @@ impl<E: UseEvent> UseState<E> {
     /// [`wait_on_range`](Self::wait_on_range) for the whole buffer.
     #[cfg(test)]
     pub(crate) fn wait_on<S: UseStream<Event = E>>(
-        &self,
+        &mut self,
         stream: &S,
         access: Access,
     ) -> Result<()> {
-        self.wait_on_range(stream, ByteRange::WHOLE, access)
+        self.wait_on_range("test", stream, ByteRange::WHOLE, access, &CaptureView::NONE)
     }
 
     /// [`record_range`](Self::record_range) for the whole buffer.
@@ -228,7 +310,7 @@ impl<E: UseEvent> UseState<E> {
         access: Access,
         make: impl FnOnce() -> Result<Arc<E>>,
     ) -> Result<()> {
-        self.record_range(stream, ByteRange::WHOLE, access, make)
+        self.record_range(stream, ByteRange::WHOLE, access, &CaptureView::NONE, make)
     }
 
     /// [`settle_range`](Self::settle_range) for the whole buffer.
@@ -239,24 +321,64 @@ impl<E: UseEvent> UseState<E> {
 
     /// Makes `stream` wait for the uses of `range` an `access` conflicts with (a read: the
     /// writes; a write: the writes and every read since), skipping those it is already ordered
-    /// after.
+    /// after. First forgets, without querying, the uses `view` shows to be finished or out of
+    /// reach (see the module docs on capture).
+    ///
+    /// # Errors
+    /// `GraphError::Capturing` (nothing waited for) when a conflicting use cannot be waited for
+    /// across a capture boundary; the stream's error.
     pub(crate) fn wait_on_range<S: UseStream<Event = E>>(
-        &self,
+        &mut self,
+        operation: &'static str,
         stream: &S,
         range: ByteRange,
         access: Access,
+        view: &CaptureView,
     ) -> Result<()> {
+        self.reconcile(stream, view);
         let identity = stream_identity(stream);
         let conflicting = |used: &&Use<E>| used.range.overlaps(range) && !used.covers(identity);
-        for write in self.writes.iter().filter(conflicting) {
-            stream.wait_for(&write.event)?;
-        }
-        if access == Access::Write {
-            for read in self.reads.iter().filter(conflicting) {
-                stream.wait_for(&read.event)?;
+        let reads = self
+            .reads
+            .iter()
+            .filter(|_| access == Access::Write)
+            .filter(conflicting);
+        if view.any_active || self.has_captured {
+            for used in self.writes.iter().filter(conflicting).chain(reads.clone()) {
+                used.orderable(operation, view)?;
             }
         }
+        for used in self.writes.iter().filter(conflicting).chain(reads) {
+            stream.wait_for(&used.event)?;
+        }
         Ok(())
+    }
+
+    /// Forgets, without querying any event, the uses `view` shows need no wait: uses of
+    /// captures that have ended and, for a capturing stream, eager uses stamped before its
+    /// capture's known-complete bound. Their events become spare (recording resets an event).
+    fn reconcile<S: UseStream<Event = E>>(&mut self, stream: &S, view: &CaptureView) {
+        if !view.any_active && !self.has_captured {
+            return;
+        }
+        let complete_before = view.capture.map_or(0, |capture| capture.complete_before);
+        let spare = &mut self.spare;
+        let mut has_captured = false;
+        let mut keep = |used: &Use<E>| {
+            let finished = match used.capture {
+                Some(id) => !view.any_active || !stream.capture_is_active(id),
+                None => used.epoch < complete_before,
+            };
+            if finished {
+                spare.push(Arc::clone(&used.event));
+            } else {
+                has_captured |= used.capture.is_some();
+            }
+            !finished
+        };
+        self.writes.retain(&mut keep);
+        self.reads.retain(&mut keep);
+        self.has_captured = has_captured;
     }
 
     /// Records an `access` of `range` by `stream`, behind the work just queued there (which
@@ -272,9 +394,12 @@ impl<E: UseEvent> UseState<E> {
         stream: &S,
         range: ByteRange,
         access: Access,
+        view: &CaptureView,
         make: impl FnOnce() -> Result<Arc<E>>,
     ) -> Result<()> {
         let identity = stream_identity(stream);
+        let tag = view.tag();
+        self.has_captured |= tag.is_some();
         match access {
             Access::Write => {
                 // Re-record a write this one overwrites, else take an event.
@@ -283,6 +408,8 @@ impl<E: UseEvent> UseState<E> {
                     let mut write = self.writes.swap_remove(index);
                     write.stream = identity;
                     write.range = range;
+                    write.epoch = stream.capture_epoch();
+                    write.capture = tag;
                     self.retire_inside(range);
                     self.writes.push(write);
                 } else {
@@ -299,6 +426,8 @@ impl<E: UseEvent> UseState<E> {
                         stream: identity,
                         slot: None,
                         range,
+                        epoch: stream.capture_epoch(),
+                        capture: tag,
                     });
                 }
             }
@@ -307,14 +436,16 @@ impl<E: UseEvent> UseState<E> {
                 if let Some(read) = self.reads.iter_mut().find(|read| {
                     slot.is_some()
                         && read.slot == slot
+                        && read.capture == tag
                         && (read.range.contains(range) || range.contains(read.range))
                 }) {
                     // Stream order: the event recorded now also covers the earlier read there.
                     stream.record(&read.event)?;
                     read.range = read.range.hull(range);
+                    read.epoch = stream.capture_epoch();
                 } else {
                     if self.reads.len() >= PRUNE_READS_AT {
-                        self.prune_finished();
+                        self.prune_finished(view);
                     }
                     let event = self.take_event(make)?;
                     if let Err(error) = stream.record(&event) {
@@ -326,15 +457,17 @@ impl<E: UseEvent> UseState<E> {
                         stream: identity,
                         slot,
                         range,
+                        epoch: stream.capture_epoch(),
+                        capture: tag,
                     });
                 }
             }
         }
         self.last_stream = Some(stream.raw());
         if self.tracked() > MAX_USES {
-            self.prune_finished();
+            self.prune_finished(view);
             if self.tracked() > MAX_USES {
-                self.merge_on(stream, identity);
+                self.merge_on(stream, identity, tag);
             }
         }
         Ok(())
@@ -356,8 +489,25 @@ impl<E: UseEvent> UseState<E> {
 
     /// Makes `stream` wait for every use it is not ordered after, then records one event there
     /// that stands for all of them, as a write of their combined range.
-    fn merge_on<S: UseStream<Event = E>>(&mut self, stream: &S, identity: Option<u64>) {
-        let all: Vec<Use<E>> = self.writes.drain(..).chain(self.reads.drain(..)).collect();
+    ///
+    /// Only uses on the same side of capture as `stream` (`tag`: the capture it records into, or
+    /// none) are merged: the others cannot be waited for from it, and stay until their capture
+    /// ends (or, for eager uses seen from a capturing stream, until it ends) - a bound that holds
+    /// again then.
+    fn merge_on<S: UseStream<Event = E>>(
+        &mut self,
+        stream: &S,
+        identity: Option<u64>,
+        tag: Option<u64>,
+    ) {
+        let same_side = |used: &Use<E>| used.capture == tag;
+        let (mut all, other_writes): (Vec<Use<E>>, Vec<Use<E>>) =
+            self.writes.drain(..).partition(same_side);
+        let (same_reads, other_reads): (Vec<Use<E>>, Vec<Use<E>>) =
+            self.reads.drain(..).partition(same_side);
+        all.extend(same_reads);
+        self.writes = other_writes;
+        self.reads = other_reads;
         let mut hull: Option<ByteRange> = None;
         let mut waited = Ok(());
         for used in &all {
@@ -367,6 +517,7 @@ impl<E: UseEvent> UseState<E> {
             }
         }
         let Some(range) = hull else { return };
+        let first_epoch = all.first().map_or(0, |first| first.epoch);
         let mut uses = all.into_iter();
         let merged = uses.next().map(|first| first.event);
         let recorded = match (&waited, &merged) {
@@ -383,6 +534,8 @@ impl<E: UseEvent> UseState<E> {
                     stream: identity,
                     slot: None,
                     range,
+                    epoch: stream.capture_epoch(),
+                    capture: tag,
                 });
             }
             (_, merged) => {
@@ -396,6 +549,8 @@ impl<E: UseEvent> UseState<E> {
                         stream: None,
                         slot: None,
                         range,
+                        epoch: first_epoch,
+                        capture: tag,
                     });
                 }
                 self.writes.extend(rest);
@@ -404,8 +559,12 @@ impl<E: UseEvent> UseState<E> {
     }
 
     /// Drops the uses whose events have completed (nothing need wait for them); a use whose
-    /// event cannot be queried is kept.
-    fn prune_finished(&mut self) {
+    /// event cannot be queried is kept. Queries nothing while any capture is active (a query of
+    /// an event recorded before a capture can invalidate it, one recorded in a capture fails).
+    fn prune_finished(&mut self, view: &CaptureView) {
+        if view.any_active {
+            return;
+        }
         let spare = &mut self.spare;
         let mut keep = |used: &Use<E>| {
             if matches!(used.event.is_complete(), Ok(true)) {
@@ -446,28 +605,58 @@ impl<E: UseEvent> UseState<E> {
     }
 
     /// Takes every event out, leaving the state as new: those recorded behind uses, and the
-    /// spare ones.
-    pub(crate) fn take_all(&mut self) -> (Vec<Arc<E>>, Vec<Arc<E>>) {
-        let recorded = self
-            .writes
-            .drain(..)
-            .chain(self.reads.drain(..))
-            .map(|used| used.event)
-            .collect();
+    /// spare ones. Events of uses whose capture has ended (`ended` says which) go with the
+    /// spare ones: they can never be queried, and the graph holds what it needs.
+    pub(crate) fn take_all(&mut self, ended: impl Fn(u64) -> bool) -> (Vec<Arc<E>>, Vec<Arc<E>>) {
+        let mut spare = std::mem::take(&mut self.spare);
+        let mut recorded = Vec::with_capacity(self.tracked());
+        for used in self.writes.drain(..).chain(self.reads.drain(..)) {
+            if used.capture.is_some_and(&ended) {
+                spare.push(used.event);
+            } else {
+                recorded.push(used.event);
+            }
+        }
         self.last_stream = None;
-        (recorded, std::mem::take(&mut self.spare))
+        self.has_captured = false;
+        (recorded, spare)
     }
 
-    /// Every event a host access must wait for.
-    pub(crate) fn all_events(&self) -> Vec<Arc<E>> {
-        self.writes
-            .iter()
-            .chain(&self.reads)
-            .map(|used| Arc::clone(&used.event))
-            .collect()
+    /// Every event a host access must wait for: uses of ended captures are left out (their
+    /// work is the graph's, ordered by the stream it is launched on).
+    ///
+    /// # Errors
+    /// `GraphError::Capturing` when a use was recorded in a capture that is still active
+    /// (`active` says which): its event cannot be waited for by the host.
+    pub(crate) fn all_events(
+        &self,
+        operation: &'static str,
+        active: impl Fn(u64) -> bool,
+    ) -> Result<Vec<Arc<E>>> {
+        let mut events = Vec::with_capacity(self.tracked());
+        for used in self.writes.iter().chain(&self.reads) {
+            match used.capture {
+                Some(id) if active(id) => {
+                    return Err(MemoryError::Driver(
+                        GraphError::Capturing {
+                            operation,
+                            reason: "the buffer was used inside an active capture: the host cannot wait for captured work",
+                        }
+                        .into(),
+                    ));
+                }
+                Some(_) => {}
+                None => events.push(Arc::clone(&used.event)),
+            }
+        }
+        Ok(events)
     }
 }
 
 #[cfg(test)]
 #[path = "uses_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "uses_capture_tests.rs"]
+mod capture_tests;

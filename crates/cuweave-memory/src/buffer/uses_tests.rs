@@ -8,26 +8,36 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use super::*;
 use crate::error::MemoryError;
 
+thread_local! {
+    /// The fake capture epoch (what `capture_state().epoch` reads).
+    pub(super) static EPOCH: Cell<u64> = const { Cell::new(0) };
+    /// The ids of the fake captures still active.
+    pub(super) static ACTIVE: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+    /// How many events were queried.
+    pub(super) static QUERIES: Cell<usize> = const { Cell::new(0) };
+}
+
 /// An event with a number, completed by hand.
 #[derive(Debug)]
-struct FakeEvent {
-    number: usize,
-    complete: AtomicBool,
+pub(super) struct FakeEvent {
+    pub(super) number: usize,
+    pub(super) complete: AtomicBool,
 }
 
 impl UseEvent for FakeEvent {
     fn is_complete(&self) -> Result<bool> {
+        QUERIES.with(|queries| queries.set(queries.get() + 1));
         Ok(self.complete.load(Ordering::SeqCst))
     }
 }
 
 /// A stream that logs the events it waits for and records.
 #[derive(Debug)]
-struct FakeStream {
+pub(super) struct FakeStream {
     raw: usize,
     id: u64,
-    waited: RefCell<Vec<usize>>,
-    recorded: RefCell<Vec<usize>>,
+    pub(super) waited: RefCell<Vec<usize>>,
+    pub(super) recorded: RefCell<Vec<usize>>,
     fail_records: Cell<bool>,
 }
 
@@ -43,11 +53,11 @@ impl FakeStream {
     }
 
     /// A stream of its own (raw handle and id both unique).
-    fn own(id: u64) -> Self {
+    pub(super) fn own(id: u64) -> Self {
         Self::new(0x1000 + id as usize, id)
     }
 
-    fn take_waits(&self) -> Vec<usize> {
+    pub(super) fn take_waits(&self) -> Vec<usize> {
         let mut waits = std::mem::take(&mut *self.waited.borrow_mut());
         waits.sort_unstable();
         waits
@@ -80,16 +90,24 @@ impl UseStream for FakeStream {
         self.recorded.borrow_mut().push(event.number);
         Ok(())
     }
+
+    fn capture_epoch(&self) -> u64 {
+        EPOCH.with(Cell::get)
+    }
+
+    fn capture_is_active(&self, id: u64) -> bool {
+        ACTIVE.with(|active| active.borrow().contains(&id))
+    }
 }
 
 /// Makes numbered events and counts them.
 #[derive(Default)]
-struct Events {
-    made: Cell<usize>,
+pub(super) struct Events {
+    pub(super) made: Cell<usize>,
 }
 
 impl Events {
-    fn make(&self) -> impl FnOnce() -> Result<Arc<FakeEvent>> + '_ {
+    pub(super) fn make(&self) -> impl FnOnce() -> Result<Arc<FakeEvent>> + '_ {
         || {
             let number = self.made.get() + 1;
             self.made.set(number);
@@ -162,7 +180,7 @@ fn a_writer_waits_for_every_reader_since_the_last_write() {
         [last_recorded(&c)]
     );
     // Host access waits for the write and the read.
-    assert_eq!(state.all_events().len(), 2);
+    assert_eq!(state.all_events("test", |_| false).unwrap().len(), 2);
 }
 
 #[test]
@@ -262,7 +280,7 @@ fn legacy_reads_share_one_entry_and_per_thread_reads_are_pruned_once_finished() 
         Access::Read,
     );
     assert_eq!(state.readers(), PRUNE_READS_AT + 2);
-    for event in state.all_events() {
+    for event in state.all_events("test", |_| false).unwrap() {
         event.complete.store(true, Ordering::SeqCst);
     }
     use_on(
@@ -285,7 +303,7 @@ fn a_failed_write_record_keeps_the_earlier_uses() {
     assert!(state.record(&c, Access::Write, events.make()).is_err());
     assert_eq!(state.readers(), 1);
     assert_eq!(
-        state.all_events().len(),
+        state.all_events("test", |_| false).unwrap().len(),
         2,
         "the write and the read are still tracked"
     );
@@ -312,7 +330,7 @@ fn a_completed_blocking_write_leaves_nothing_to_wait_for() {
     assert_eq!(legacy.take_waits(), expected);
     state.settle_completed(&legacy, Access::Write);
     assert!(
-        state.all_events().is_empty(),
+        state.all_events("test", |_| false).unwrap().is_empty(),
         "everything before it has finished"
     );
     assert!(
@@ -356,9 +374,11 @@ fn use_range(
     access: Access,
 ) -> Vec<usize> {
     let range = ByteRange::new(range.0, range.1 - range.0);
-    state.wait_on_range(stream, range, access).unwrap();
     state
-        .record_range(stream, range, access, events.make())
+        .wait_on_range("test", stream, range, access, &CaptureView::NONE)
+        .unwrap();
+    state
+        .record_range(stream, range, access, &CaptureView::NONE, events.make())
         .unwrap();
     stream.take_waits()
 }

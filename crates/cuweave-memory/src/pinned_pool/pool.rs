@@ -4,6 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
+use cuweave_driver::graph::CaptureMode;
 use cuweave_driver::memory::HostAllocation;
 use cuweave_driver::{Context, DriverError, Event, EventFlags, Stream};
 use parking_lot::Mutex;
@@ -26,7 +27,14 @@ impl Capacity for HostAllocation {
 }
 
 impl Fence for Event {
+    /// Never queries while a stream capture is active anywhere: a query of an event recorded
+    /// before a capture invalidates it (from the capturing thread, or any thread in global
+    /// mode), and one recorded inside a capture cannot be queried at all. The block stays
+    /// pending until the captures are over; [`PinnedPool::get`] pins another meanwhile.
     fn passed(&self) -> Result<bool, DriverError> {
+        if cuweave_driver::graph::active_captures() != 0 {
+            return Ok(false);
+        }
         self.query()
     }
 
@@ -243,7 +251,14 @@ impl Inner {
     fn pin(&self, class: usize) -> Result<HostAllocation> {
         let flags = self.config.host_alloc_flags();
         let started = Instant::now();
-        let allocation = match HostAllocation::new(&self.context, class, flags) {
+        // Relaxed mode while a capture is active: pinning is not recorded by a capture, and the
+        // capturing thread must not be refused (or break the capture) for making it.
+        let relaxed = (cuweave_driver::graph::active_captures() != 0)
+            .then(|| cuweave_driver::graph::CaptureModeGuard::enter(CaptureMode::Relaxed))
+            .transpose()?;
+        let pinned = HostAllocation::new(&self.context, class, flags);
+        drop(relaxed);
+        let allocation = match pinned {
             Ok(allocation) => allocation,
             Err(error) if error.is_out_of_memory() => {
                 let freed = self.with_state(|state, released| {

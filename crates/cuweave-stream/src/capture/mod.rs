@@ -115,11 +115,19 @@ impl<'s> StreamCapture<'s> {
     /// Begins capturing `stream` (`cuStreamBeginCapture_v2`), its allocations bound to the
     /// options' pool (or a new one).
     ///
+    /// Like PyTorch's `torch.cuda.graph`, it first waits for the work already queued in the
+    /// stream's context to finish (`cuCtxSynchronize`, through
+    /// [`Stream::begin_capture_synchronized`]): buffers used eagerly before the capture can then
+    /// be used inside it without the capturing stream waiting on events recorded outside it
+    /// (which the driver refuses). When another capture is already active that synchronisation
+    /// is impossible and is skipped; see `docs/graphs.md`.
+    ///
     /// # Errors
     /// [`GraphError::LegacyDefaultStream`] for the legacy default stream,
-    /// [`GraphError::AlreadyCapturing`], or the driver's error; the stream is left as it was.
+    /// [`GraphError::AlreadyCapturing`], or the driver's error (of the synchronisation too: a
+    /// fault of earlier work); the stream is left as it was.
     pub fn begin(stream: &'s Stream, options: CaptureOptions) -> Result<Self> {
-        stream.begin_capture(options.mode)?;
+        stream.begin_capture_synchronized(options.mode)?;
         let pool = options.pool.unwrap_or_default();
         match begin_allocate_to_pool(stream, &pool, options.misses) {
             Ok(binding) => Ok(Self {

@@ -1,0 +1,247 @@
+//! The capture rules of the read/write bookkeeping, with fake streams and events: which uses a
+//! capturing stream drops (stamped before its capture's known-complete bound), which it refuses
+//! to wait for, when captured uses are forgotten, and that nothing is queried while a capture
+//! is active.
+
+use cuweave_driver::DriverError;
+
+use super::tests::{ACTIVE, EPOCH, Events, FakeEvent, FakeStream, QUERIES};
+use super::*;
+use crate::error::MemoryError;
+
+const CAPTURE: u64 = 7;
+
+/// What the tracker sees on a stream that does not capture while some capture is active.
+const EAGER_DURING: CaptureView = CaptureView {
+    any_active: true,
+    capture: None,
+};
+
+fn capturing(id: u64, complete_before: u64) -> CaptureView {
+    CaptureView {
+        any_active: true,
+        capture: Some(Capturing {
+            id,
+            complete_before,
+        }),
+    }
+}
+
+/// A capture `id` begins: the epoch is bumped (as `begin_capture_synchronized` does before
+/// synchronising) and the capture is active. Returns its known-complete bound.
+fn begin(id: u64) -> u64 {
+    let bound = EPOCH.with(|epoch| {
+        epoch.set(epoch.get() + 1);
+        epoch.get()
+    });
+    ACTIVE.with(|active| active.borrow_mut().push(id));
+    bound
+}
+
+fn end(id: u64) {
+    ACTIVE.with(|active| active.borrow_mut().retain(|other| *other != id));
+}
+
+fn queries() -> usize {
+    QUERIES.with(std::cell::Cell::get)
+}
+
+impl UseState<FakeEvent> {
+    /// A tracked operation seen through `view`: waits, then records; the events waited for.
+    fn op(
+        &mut self,
+        events: &Events,
+        stream: &FakeStream,
+        access: Access,
+        view: &CaptureView,
+    ) -> Result<Vec<usize>> {
+        self.wait_on_range("test", stream, ByteRange::WHOLE, access, view)?;
+        self.record_range(stream, ByteRange::WHOLE, access, view, events.make())?;
+        Ok(stream.take_waits())
+    }
+}
+
+fn assert_capturing(result: Result<Vec<usize>>) {
+    match result {
+        Err(MemoryError::Driver(DriverError::Graph(GraphError::Capturing { .. }))) => {}
+        other => panic!("expected a Capturing refusal, got {other:?}"),
+    }
+}
+
+/// A buffer written eagerly on stream 1, and a stream 2 to capture on.
+fn written_eagerly() -> (UseState<FakeEvent>, Events, FakeStream, FakeStream) {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (eager, cap) = (FakeStream::own(1), FakeStream::own(2));
+    state
+        .op(&events, &eager, Access::Write, &CaptureView::NONE)
+        .unwrap();
+    (state, events, eager, cap)
+}
+
+#[test]
+fn eager_uses_before_the_capture_are_dropped_unwaited_and_unqueried() {
+    let (mut state, events, eager, cap) = written_eagerly();
+    state
+        .op(&events, &eager, Access::Read, &CaptureView::NONE)
+        .unwrap();
+    let bound = begin(CAPTURE);
+    let before = queries();
+    // A write inside the capture would wait for the eager write and read: both are known done.
+    let waits = state
+        .op(&events, &cap, Access::Write, &capturing(CAPTURE, bound))
+        .unwrap();
+    assert!(waits.is_empty(), "waited on pre-capture events {waits:?}");
+    assert_eq!(queries(), before, "an event was queried during the capture");
+    assert_eq!(state.tracked(), 1, "only the captured write is tracked");
+    end(CAPTURE);
+}
+
+#[test]
+fn eager_work_after_the_capture_began_is_refused_for_the_capturing_stream() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (other_thread, cap) = (FakeStream::own(1), FakeStream::own(2));
+    let bound = begin(CAPTURE);
+    // Another thread's eager write, recorded after the epoch was bumped: maybe still running.
+    state
+        .op(&events, &other_thread, Access::Write, &EAGER_DURING)
+        .unwrap();
+    let view = capturing(CAPTURE, bound);
+    assert_capturing(state.op(&events, &cap, Access::Read, &view));
+    assert!(cap.take_waits().is_empty(), "a refused use queued a wait");
+    assert!(cap.recorded.borrow().is_empty(), "a refused use recorded");
+    // An eager *read* does not conflict with a captured read: both proceed.
+    let mut reads = UseState::default();
+    reads
+        .op(&events, &other_thread, Access::Read, &EAGER_DURING)
+        .unwrap();
+    assert!(reads.op(&events, &cap, Access::Read, &view).is_ok());
+    // Once the capture is over the eager write is an ordinary use again.
+    end(CAPTURE);
+    let waits = state
+        .op(&events, &cap, Access::Read, &CaptureView::NONE)
+        .unwrap();
+    assert_eq!(waits.len(), 1);
+}
+
+#[test]
+fn captured_uses_order_the_capture_and_are_forgotten_when_it_ends() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (cap, fork, eager) = (FakeStream::own(1), FakeStream::own(2), FakeStream::own(3));
+    let view = capturing(CAPTURE, begin(CAPTURE));
+    state.op(&events, &cap, Access::Write, &view).unwrap();
+    let written = *cap.recorded.borrow().last().unwrap();
+    // A stream forked into the same capture waits for the captured write: a graph edge.
+    assert_eq!(
+        state.op(&events, &fork, Access::Read, &view).unwrap(),
+        vec![written]
+    );
+    // Eager work during the capture cannot wait for captured work: refused, nothing queued.
+    assert_capturing(state.op(&events, &eager, Access::Write, &EAGER_DURING));
+    assert_capturing(state.op(&events, &eager, Access::Read, &EAGER_DURING));
+    assert!(eager.take_waits().is_empty());
+    // The host cannot wait for it either.
+    assert!(state.all_events("test", |id| id == CAPTURE).is_err());
+    end(CAPTURE);
+    // Afterwards the captured uses are forgotten: eager work waits for nothing and succeeds.
+    assert!(state.all_events("test", |_| false).unwrap().is_empty());
+    let waits = state
+        .op(&events, &eager, Access::Write, &CaptureView::NONE)
+        .unwrap();
+    assert!(waits.is_empty(), "waited on captured events {waits:?}");
+    assert_eq!(state.tracked(), 1);
+}
+
+#[test]
+fn a_use_captured_by_another_active_capture_is_refused() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (a, b) = (FakeStream::own(1), FakeStream::own(2));
+    let first = capturing(CAPTURE, begin(CAPTURE));
+    state.op(&events, &a, Access::Write, &first).unwrap();
+    let second = capturing(CAPTURE + 1, begin(CAPTURE + 1));
+    assert_capturing(state.op(&events, &b, Access::Read, &second));
+    end(CAPTURE);
+    // The first capture ended: its use is forgotten and the second capture proceeds.
+    assert!(
+        state
+            .op(&events, &b, Access::Read, &second)
+            .unwrap()
+            .is_empty()
+    );
+    end(CAPTURE + 1);
+}
+
+#[test]
+fn a_capture_without_a_known_bound_drops_nothing() {
+    // Begun without the synchronisation (raw `begin_capture`, or another context): bound 0.
+    let (mut state, events, _eager, cap) = written_eagerly();
+    begin(CAPTURE);
+    assert_capturing(state.op(&events, &cap, Access::Read, &capturing(CAPTURE, 0)));
+    end(CAPTURE);
+}
+
+#[test]
+fn nothing_is_queried_while_a_capture_is_active_and_the_bound_holds() {
+    let events = Events::default();
+    let view = capturing(CAPTURE, begin(CAPTURE));
+    let before = queries();
+    // Reads on ever new streams, eager (while the capture runs) and captured: pruning would
+    // query, merging does not.
+    for seen in [EAGER_DURING, view] {
+        let mut state = UseState::default();
+        for id in 0..1000 {
+            let stream = FakeStream::own(10 + id);
+            state.op(&events, &stream, Access::Read, &seen).unwrap();
+            assert!(
+                state.tracked() <= MAX_USES + 1,
+                "tracked {}",
+                state.tracked()
+            );
+        }
+    }
+    assert_eq!(queries(), before, "an event was queried during a capture");
+    end(CAPTURE);
+}
+
+#[test]
+fn freeing_after_a_capture_never_hands_captured_events_to_be_polled() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (eager, cap) = (FakeStream::own(1), FakeStream::own(2));
+    let view = capturing(CAPTURE, begin(CAPTURE));
+    state.op(&events, &cap, Access::Write, &view).unwrap();
+    state
+        .op(&events, &eager, Access::Read, &EAGER_DURING)
+        .unwrap_err();
+    end(CAPTURE);
+    let (recorded, spare) = state.take_all(|_| true);
+    assert!(recorded.is_empty(), "a captured event would be polled");
+    assert_eq!(spare.len(), 1);
+}
+
+#[test]
+fn captures_begun_and_ended_many_times_keep_the_state_bounded() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (eager, cap, fork) = (FakeStream::own(1), FakeStream::own(2), FakeStream::own(3));
+    for id in 1..=100_000u64 {
+        state
+            .op(&events, &eager, Access::Write, &CaptureView::NONE)
+            .unwrap();
+        state
+            .op(&events, &eager, Access::Read, &CaptureView::NONE)
+            .unwrap();
+        let view = capturing(id, begin(id));
+        assert!(
+            state
+                .op(&events, &cap, Access::Read, &view)
+                .unwrap()
+                .is_empty()
+        );
+        state.op(&events, &fork, Access::Write, &view).unwrap();
+        end(id);
+        assert!(state.tracked() <= 2);
+    }
+    assert!(
+        events.made.get() <= 8,
+        "{} events made: they are not reused",
+        events.made.get()
+    );
+}
