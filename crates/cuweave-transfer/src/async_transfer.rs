@@ -3,7 +3,8 @@
 //! `Vec` and the device buffer, runs on the staging workers at full speed, and hands both back.
 //!
 //! # Neither blocks the executor
-//! A poll of an [`AsyncTransfer`] copies at most [`POLL_BYTES`] of host memory, then (if there
+//! A poll of an [`AsyncTransfer`] copies at most [`POLL_BYTES`] of host memory, and works at
+//! most about [`POLL_TIME`], then (if there
 //! is more to do) wakes its own task and returns `Pending`, so an executor thread is never held
 //! for long; its pinned blocks are taken from the pool by a staging worker, never pinned on the
 //! polling thread. A poll of an [`OwnedTransfer`] only looks at a completion slot.

@@ -16,6 +16,12 @@
 //! finished block out with streaming stores, which write the caller's memory without first
 //! reading every line of it.
 //!
+//! The destination (or, for downloads, the source) range is ordered once per stream for the
+//! whole transfer, through the memory layer's `Buffer::staged_write` / `staged_read`: each lane
+//! stream waits once for the uses the range conflicts with, the chunks are plain copies with no
+//! use tracking and no shared lock, and the range's use is recorded once per stream at the end.
+//! Concurrent transfers share the host threads (`workers::Workers::keeps`).
+//!
 //! A lane is a set of streams (one per participant) that one transfer holds alone: concurrent
 //! transfers from different threads, to one device or in opposite directions, queue on
 //! different streams and never wait behind each other's copies.
@@ -282,7 +288,7 @@ impl Claims {
     }
 
     /// The next chunk for participant `w`, unless the transfer failed or `w` is over its
-    /// transfer's share of the host threads ([`workers::Workers::keeps`]).
+    /// transfer's share of the host threads (`workers::Workers::keeps`).
     fn next_for(&self, w: usize) -> Option<usize> {
         if self.failed.load(Ordering::Relaxed) || !workers::shared().keeps(w) {
             return None;
