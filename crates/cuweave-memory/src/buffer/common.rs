@@ -553,7 +553,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         const OP: &str = "Buffer::staged_write";
         let core = self.core();
         let span = core.span(OP, offset, len)?;
-        let staged = super::staged::write::<T>(span, len, streams);
+        let staged = super::StagedWrite::new(span, len, streams);
         super::staged::run(OP, core.part_of(span), Access::Write, streams, || {
             work(&staged)
         })
@@ -575,7 +575,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         const OP: &str = "Buffer::staged_read";
         let core = self.core();
         let span = core.span(OP, offset, len)?;
-        let staged = super::staged::read::<T>(span, len, streams);
+        let staged = super::StagedRead::new(span, len, streams);
         super::staged::run(OP, core.part_of(span), Access::Read, streams, || {
             work(&staged)
         })

@@ -84,7 +84,7 @@ pub use host::{HostSink, HostSource};
 pub use peer::copy_peer;
 pub use pending::PendingCopy;
 pub use pinned::PinnedBuffer;
-pub use staged::{StagedRead, StagedWrite};
+pub use staged::{FromDevice, Staged, StagedRead, StagedWrite, ToDevice};
 pub use tracker::Access;
 pub use unified::UnifiedBuffer;
 pub use view::{BufferSlice, BufferSliceMut};

@@ -26,54 +26,83 @@ use super::tracker::{self, Access, Part};
 use crate::element::Element;
 use crate::error::{MemoryError, Result};
 
-/// One range of a buffer being written in chunks on a set of streams (see the module docs and
-/// [`Buffer::staged_write`](super::Buffer::staged_write)).
+/// One range of a buffer being copied in chunks on a set of streams, lent to the closure of
+/// [`Buffer::staged_write`](super::Buffer::staged_write) ([`StagedWrite`]) or
+/// [`Buffer::staged_read`](super::Buffer::staged_read) ([`StagedRead`]); see the module docs.
 #[derive(Debug)]
-pub struct StagedWrite<'a, T> {
+pub struct Staged<'a, T, D> {
     span: DeviceSpan,
     len: usize,
     streams: &'a [Stream],
-    _element: std::marker::PhantomData<fn() -> T>,
+    _marker: std::marker::PhantomData<fn() -> (T, D)>,
 }
 
-/// One range of a buffer being read in chunks on a set of streams (see
-/// [`Buffer::staged_read`](super::Buffer::staged_read)).
+/// The direction of a [`Staged`] range: host to device.
 #[derive(Debug)]
-pub struct StagedRead<'a, T> {
-    span: DeviceSpan,
-    len: usize,
-    streams: &'a [Stream],
-    _element: std::marker::PhantomData<fn() -> T>,
+pub enum ToDevice {}
+
+/// The direction of a [`Staged`] range: device to host.
+#[derive(Debug)]
+pub enum FromDevice {}
+
+/// A range being written in chunks ([`Buffer::staged_write`](super::Buffer::staged_write)).
+pub type StagedWrite<'a, T> = Staged<'a, T, ToDevice>;
+
+/// A range being read in chunks ([`Buffer::staged_read`](super::Buffer::staged_read)).
+pub type StagedRead<'a, T> = Staged<'a, T, FromDevice>;
+
+impl<'a, T: Element, D> Staged<'a, T, D> {
+    pub(crate) fn new(span: DeviceSpan, len: usize, streams: &'a [Stream]) -> Self {
+        Self {
+            span,
+            len,
+            streams,
+            _marker: std::marker::PhantomData,
+        }
+    }
+
+    /// Elements in the staged range.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the staged range is empty (never: empty ranges are refused).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// How many streams chunks may be queued on (`lane` in `0..streams()`).
+    pub fn streams(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// The span of elements `offset..offset + len` of the range and stream `lane`, checked.
+    fn locate(
+        &self,
+        operation: &'static str,
+        lane: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<(DeviceSpan, &'a Stream)> {
+        let stream = self.streams.get(lane).ok_or(MemoryError::OutOfRange {
+            operation,
+            offset: lane,
+            len: 1,
+            capacity: self.streams.len(),
+        })?;
+        let span = DeviceSpan::of_elements(
+            operation,
+            self.span.ptr(),
+            self.len,
+            size_of::<T>(),
+            offset,
+            len,
+        )?;
+        Ok((span, stream))
+    }
 }
 
-const WRITE_OP: &str = "StagedWrite::copy_in";
-const READ_OP: &str = "StagedRead::copy_out";
-
-/// The span of elements `offset..offset + len` of the staged range, checked.
-fn chunk<T>(
-    operation: &'static str,
-    span: DeviceSpan,
-    capacity: usize,
-    offset: usize,
-    len: usize,
-) -> Result<DeviceSpan> {
-    DeviceSpan::of_elements(operation, span.ptr(), capacity, size_of::<T>(), offset, len)
-}
-
-fn stream_at<'a>(
-    operation: &'static str,
-    streams: &'a [Stream],
-    lane: usize,
-) -> Result<&'a Stream> {
-    streams.get(lane).ok_or(MemoryError::OutOfRange {
-        operation,
-        offset: lane,
-        len: 1,
-        capacity: streams.len(),
-    })
-}
-
-impl<T: Element> StagedWrite<'_, T> {
+impl<T: Element> Staged<'_, T, ToDevice> {
     /// Queues a copy of `host` into elements `offset..offset + host_len` of the staged range
     /// (relative to its start) on stream `lane` of the set; the returned [`PendingCopy`] owns
     /// `host` until the copy has finished.
@@ -88,57 +117,27 @@ impl<T: Element> StagedWrite<'_, T> {
         offset: usize,
         host: H,
     ) -> Result<PendingCopy<H>> {
-        let stream = stream_at(WRITE_OP, self.streams, lane)?;
-        let span = chunk::<T>(WRITE_OP, self.span, self.len, offset, host.host_len())?;
-        raw::write_chunk::<T, H>(WRITE_OP, span, host, stream)
-    }
-
-    /// Elements in the staged range.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the staged range is empty (never: empty ranges are refused).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// How many streams chunks may be queued on (`lane` in `0..streams()`).
-    pub fn streams(&self) -> usize {
-        self.streams.len()
+        const OP: &str = "StagedWrite::copy_in";
+        let (span, stream) = self.locate(OP, lane, offset, host.host_len())?;
+        raw::write_chunk::<T, H>(OP, span, host, stream)
     }
 }
 
-impl<T: Element> StagedRead<'_, T> {
+impl<T: Element> Staged<'_, T, FromDevice> {
     /// Queues a copy of elements `offset..offset + host_len` of the staged range into `host` on
     /// stream `lane` of the set; [`PendingCopy::wait`] returns `host` holding the data.
     ///
     /// # Errors
-    /// As [`StagedWrite::copy_in`].
+    /// As [`StagedWrite::copy_in`](Staged::copy_in).
     pub fn copy_out<H: HostSink<T>>(
         &self,
         lane: usize,
         offset: usize,
         host: H,
     ) -> Result<PendingCopy<H>> {
-        let stream = stream_at(READ_OP, self.streams, lane)?;
-        let span = chunk::<T>(READ_OP, self.span, self.len, offset, host.host_len())?;
-        raw::read_chunk::<T, H>(READ_OP, span, host, stream)
-    }
-
-    /// Elements in the staged range.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether the staged range is empty (never: empty ranges are refused).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// How many streams chunks may be queued on (`lane` in `0..streams()`).
-    pub fn streams(&self) -> usize {
-        self.streams.len()
+        const OP: &str = "StagedRead::copy_out";
+        let (span, stream) = self.locate(OP, lane, offset, host.host_len())?;
+        raw::read_chunk::<T, H>(OP, span, host, stream)
     }
 }
 
@@ -197,31 +196,5 @@ pub(crate) fn run<R>(
     match guard.failed.take() {
         Some(error) => Err(error),
         None => Ok(out),
-    }
-}
-
-pub(crate) fn write<'a, T>(
-    span: DeviceSpan,
-    len: usize,
-    streams: &'a [Stream],
-) -> StagedWrite<'a, T> {
-    StagedWrite {
-        span,
-        len,
-        streams,
-        _element: std::marker::PhantomData,
-    }
-}
-
-pub(crate) fn read<'a, T>(
-    span: DeviceSpan,
-    len: usize,
-    streams: &'a [Stream],
-) -> StagedRead<'a, T> {
-    StagedRead {
-        span,
-        len,
-        streams,
-        _element: std::marker::PhantomData,
     }
 }
