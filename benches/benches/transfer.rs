@@ -14,6 +14,7 @@
 //! | `d2d_256MiB/raw/cuMemcpyDtoD`, `…/cuweave/transfer` | within device 0, + legacy-stream synchronize |
 //! | `p2p_256MiB/raw/cuMemcpyPeerAsync`, `…/cuweave/transfer` | device 0 to device 1 (only with two devices, peer access enabled for both) + stream synchronize |
 //!
+//! | `host_copy_256MiB/{copy_streaming,memcpy}/{1,4,8,16}_threads` | the host's ceiling for staging: 256 MiB of pageable memory copied into pinned memory by that many threads (spawned per iteration), with streaming stores or a plain `memcpy`; no GPU work |
 //! | `pageable_{h2d,d2h}_{4MiB,16MiB,64MiB}/…` | mid sizes: the raw pageable call vs the manager (planned from its calibration) |
 //! | `both_directions_1GiB/raw/pinned_two_threads`, `…/cuweave/pageable_two_threads` | a 1 GiB upload and a 1 GiB download at once on two host threads: raw pinned `cuMemcpyHtoDAsync` / `cuMemcpyDtoHAsync`, each on its own stream and synchronised, and the manager from pageable memory |
 //! | `four_uploads_256MiB/raw/pageable_four_threads`, `…/cuweave/pageable_four_threads` | four threads each uploading 256 MiB of pageable memory to one device |
@@ -48,6 +49,7 @@ use cuweave_transfer::{
 fn main() {
     cuweave_benches::run("transfer", |c, gpu| {
         let mut fixture = Fixture::new(gpu);
+        host_copy(c, &mut fixture);
         pageable(c, &mut fixture);
         concurrent(c, &mut fixture);
         small(c, &mut fixture);
@@ -430,6 +432,41 @@ fn pageable(c: &mut Criterion, f: &mut Fixture) {
             bytes >= 256 * MIB,
         );
     }
+}
+
+/// The host's own ceiling for staged uploads: threads copying 256 MiB of pageable memory into
+/// pinned memory, disjoint parts each, with streaming stores and with a plain `memcpy`. A
+/// pageable upload can never run faster than this, whatever the bus.
+fn host_copy(c: &mut Criterion, f: &mut Fixture) {
+    let bytes = 256 * MIB;
+    let mut group = c.benchmark_group("host_copy_256MiB");
+    slow_group(&mut group, Duration::from_secs(1));
+    group.throughput(Throughput::Bytes(bytes as u64));
+    let src = &f.host[..bytes];
+    let dst = &mut f.pinned.as_mut_slice().expect("pinned buffer is idle")[..bytes];
+    for threads in [1usize, 4, 8, 16] {
+        for (name, streaming) in [("copy_streaming", true), ("memcpy", false)] {
+            group.bench_function(format!("{name}/{threads}_threads"), |b| {
+                b.iter(|| parallel_copy(dst, src, threads, streaming))
+            });
+        }
+    }
+    group.finish();
+}
+
+fn parallel_copy(dst: &mut [u8], src: &[u8], threads: usize, streaming: bool) {
+    let part = src.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        for (to, from) in dst.chunks_mut(part).zip(src.chunks(part)) {
+            scope.spawn(move || {
+                if streaming {
+                    cuweave_memory::copy_streaming(to, from).expect("same lengths");
+                } else {
+                    to.copy_from_slice(from);
+                }
+            });
+        }
+    });
 }
 
 fn raw_quarter(

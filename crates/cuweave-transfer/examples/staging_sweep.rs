@@ -4,9 +4,12 @@
 //! calibration the manager measures (JSON). The source of `StagingConfig::for_size` and of
 //! `CalibrationTable::h100_defaults` (see docs/transfer.md).
 //!
-//! `SWEEP_CALIBRATE=1 cargo run --release -p cuweave-transfer --example staging_sweep [MiB...]`
-//! (default: 1, 4,
-//! 16, 64, 256 and 1024 MiB).
+//! `SWEEP_CALIBRATE=1 cargo run --release -p cuweave-transfer --example staging_sweep [SIZE...]`
+//! (a size in MiB, or in KiB with a `k` suffix: `256k`; default: 1, 4, 16, 64, 256 and
+//! 1024 MiB). `SWEEP_CONCURRENT=1` measures only the concurrent cases instead: a 1 GiB upload
+//! and a 1 GiB download at once, and four 256 MiB uploads at once, each transfer with the same
+//! fixed participant count (the staging switches `CUWEAVE_STAGING_NO_SHARE`,
+//! `CUWEAVE_STAGING_SPAWN` and `CUWEAVE_STAGING_PLAIN_COPY` apply, see `docs/transfer.md`).
 
 use std::time::{Duration, Instant};
 
@@ -33,18 +36,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("no CUDA driver: nothing to sweep");
         return Ok(());
     }
+    // Sizes in KiB: "256k" is 256 KiB, a plain number MiB.
     let sizes: Vec<usize> = {
         let given: Vec<usize> = std::env::args()
             .skip(1)
-            .filter_map(|a| a.parse().ok())
+            .filter_map(|a| match a.strip_suffix('k') {
+                Some(kib) => kib.parse().ok(),
+                None => a.parse::<usize>().ok().map(|mib| mib << 10),
+            })
             .collect();
         if given.is_empty() {
-            vec![1, 4, 16, 64, 256, 1024]
+            vec![1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
         } else {
             given
         }
     };
-    let largest = sizes.iter().max().copied().unwrap_or(1) << 20;
+    let largest = (sizes.iter().max().copied().unwrap_or(1) << 10).max(256 << 20);
     let context = Context::primary(Device::get(0)?)?;
     let mut host = vec![1u8; largest];
     let mut device = DeviceBuffer::<u8>::zeroed(&context, largest)?;
@@ -58,8 +65,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("calibration took {:.2} s", start.elapsed().as_secs_f64());
         println!("{}", table.to_json());
     }
-    for &mib in &sizes {
-        let bytes = mib << 20;
+    if std::env::var_os("SWEEP_CONCURRENT").is_some() {
+        concurrent(&context, &host)?;
+        return Ok(());
+    }
+    for &kib in &sizes {
+        let bytes = kib << 10;
+        let mib = bytes as f64 / (1 << 20) as f64;
         let runs = if bytes >= 256 << 20 { 3 } else { 7 };
         let gbps = |d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
         let h2d = best(runs, || {
@@ -88,11 +100,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("   chunk_KiB threads   h2d_GB/s  d2h_GB/s");
         let mut best_up = (0.0, StagingConfig::for_size(bytes));
         let mut best_down = best_up;
-        for chunk_kib in [128usize, 256, 512, 1024, 2048, 4096, 8192] {
-            if chunk_kib << 10 >= bytes {
+        for chunk_kib in [64usize, 128, 256, 512, 1024, 2048, 4096, 8192] {
+            // At most 1024 chunks: smaller ones only cost time to sweep.
+            if chunk_kib << 10 >= bytes || bytes / (chunk_kib << 10) > 1024 {
                 continue;
             }
-            for t in [2usize, 4, 6, 8, 12, 16] {
+            for t in [1usize, 2, 4, 6, 8, 12, 16] {
                 if t > threads || (bytes / (chunk_kib << 10)) < t {
                     continue;
                 }
@@ -155,17 +168,100 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if t > threads {
             continue;
         }
-        let d = best(3, || {
-            let chunk = bytes.div_ceil(t);
+        for streaming in [true, false] {
+            let d = best(3, || {
+                let chunk = bytes.div_ceil(t);
+                std::thread::scope(|s| {
+                    for (a, b) in other.chunks_mut(chunk).zip(host[..bytes].chunks(chunk)) {
+                        s.spawn(move || {
+                            if streaming {
+                                copy_streaming(a, b).unwrap()
+                            } else {
+                                a.copy_from_slice(b)
+                            }
+                        });
+                    }
+                });
+            });
+            println!(
+                "host {}, {t:>2} threads: {:.2} GB/s",
+                if streaming {
+                    "copy_streaming"
+                } else {
+                    "memcpy"
+                },
+                bytes as f64 / d.as_secs_f64() / 1e9
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Both directions at once (1 GiB each way, two threads) and four 256 MiB uploads at once, with
+/// `t` participants per transfer, then with the per-size defaults.
+fn concurrent(
+    context: &std::sync::Arc<Context>,
+    host: &[u8],
+) -> Result<(), Box<dyn std::error::Error>> {
+    const GIB: usize = 1 << 30;
+    let mut up = DeviceBuffer::<u8>::zeroed(context, GIB)?;
+    let down_src = DeviceBuffer::<u8>::zeroed(context, GIB)?;
+    let mut down = vec![0u8; GIB];
+    let mut quarters: Vec<DeviceBuffer<u8>> = (0..4)
+        .map(|_| DeviceBuffer::<u8>::zeroed(context, GIB / 4))
+        .collect::<Result<_, _>>()?;
+    let gbps = |bytes: usize, d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
+    let configs: Vec<Option<StagingConfig>> = [4usize, 6, 8, 12, 16]
+        .iter()
+        .map(|&t| {
+            Some(StagingConfig {
+                chunk_bytes: 4 << 20,
+                depth: 2,
+                threads: t,
+            })
+        })
+        .chain([None])
+        .collect();
+    for config in configs {
+        let manager = match config {
+            Some(config) => TransferManager::with_staging(config)?,
+            None => TransferManager::new()?,
+        };
+        let both = best(3, || {
             std::thread::scope(|s| {
-                for (a, b) in other.chunks_mut(chunk).zip(host[..bytes].chunks(chunk)) {
-                    s.spawn(move || copy_streaming(a, b).unwrap());
+                s.spawn(|| {
+                    manager
+                        .transfer(&host[..GIB], Destination::device(&mut up, 0))
+                        .map(drop)
+                        .unwrap()
+                });
+                s.spawn(|| {
+                    manager
+                        .transfer(Source::device(&down_src, 0, GIB), &mut down[..])
+                        .map(drop)
+                        .unwrap()
+                });
+            });
+        });
+        let four = best(3, || {
+            std::thread::scope(|s| {
+                for (i, quarter) in quarters.iter_mut().enumerate() {
+                    let manager = &manager;
+                    let src = &host[i * (GIB / 4)..(i + 1) * (GIB / 4)];
+                    s.spawn(move || {
+                        manager
+                            .transfer(src, Destination::device(quarter, 0))
+                            .map(drop)
+                            .unwrap()
+                    });
                 }
             });
         });
         println!(
-            "host copy_streaming, {t:>2} threads: {:.2} GB/s",
-            bytes as f64 / d.as_secs_f64() / 1e9
+            "concurrent {:?}: both directions 1 GiB {:.2} GB/s together; four x 256 MiB up {:.2} GB/s together",
+            config.map(|c| (c.chunk_bytes >> 10, c.threads)),
+            gbps(2 * GIB, both),
+            gbps(GIB, four)
         );
     }
     Ok(())

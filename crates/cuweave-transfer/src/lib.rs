@@ -90,7 +90,7 @@ pub mod stats;
 mod workers;
 
 pub use advice::{RegistrationAdvice, TransferDirection};
-pub use async_transfer::{AsyncTransfer, Owned, OwnedTransfer, POLL_BYTES};
+pub use async_transfer::{AsyncTransfer, Owned, OwnedTransfer, POLL_BYTES, POLL_TIME};
 pub use backend::{BackendKind, CudaBackend, HostBackend, TransferBackend};
 pub use calibrate::{CALIBRATION_SIZES, staging_candidates};
 pub use calibration::{

@@ -16,6 +16,12 @@
 //! finished block out with streaming stores, which write the caller's memory without first
 //! reading every line of it.
 //!
+//! The destination (or, for downloads, the source) range is ordered once per stream for the
+//! whole transfer, through the memory layer's `Buffer::staged_write` / `staged_read`: each lane
+//! stream waits once for the uses the range conflicts with, the chunks are plain copies with no
+//! use tracking and no shared lock, and the range's use is recorded once per stream at the end.
+//! Concurrent transfers share the host threads (`workers::Workers::keeps`).
+//!
 //! A lane is a set of streams (one per participant) that one transfer holds alone: concurrent
 //! transfers from different threads, to one device or in opposite directions, queue on
 //! different streams and never wait behind each other's copies.
@@ -159,37 +165,44 @@ impl Pipeline<'_> {
         }
         let chunks = src.len().div_ceil(chunk);
         let claims = Claims::new(chunks);
-        let dst = Mutex::new(dst);
         let depth = self.config.depth.max(1);
-        workers::shared().run(self.participants(chunks), |w| {
-            let stream = &self.streams[w];
-            // Dropping this on an error path waits for every queued copy (PendingCopy's Drop).
-            let mut in_flight: VecDeque<PendingCopy<TypedPinnedBlock<T>>> =
-                VecDeque::with_capacity(depth);
-            let outcome = (|| {
-                while let Some(i) = claims.next() {
-                    let start = i * chunk;
-                    let piece = &src[start..(start + chunk).min(src.len())];
-                    let reuse = if in_flight.len() >= depth {
-                        in_flight.pop_front().map(PendingCopy::wait).transpose()?
-                    } else {
-                        None
-                    };
-                    let mut block = block_of(self.pool, reuse, piece.len())?;
-                    copy_streaming(block.as_mut_slice(), piece)?;
-                    // The lock covers only queueing the copy (microseconds), never a wait.
-                    let pending =
-                        dst.lock()
-                            .copy_range_from_host_async(dst_offset + start, block, stream)?;
-                    in_flight.push_back(pending);
-                }
-                for pending in in_flight.drain(..) {
-                    drop(pending.wait()?);
-                }
-                Ok(())
-            })();
-            claims.settle(outcome)
-        })
+        let participants = self.participants(chunks);
+        // The destination range is ordered once per stream and its write recorded once per
+        // stream at the end (`Buffer::staged_write`); the chunks in between are plain copies.
+        dst.staged_write(
+            dst_offset,
+            src.len(),
+            &self.streams[..participants],
+            |staged| {
+                workers::shared().run(participants, |w| {
+                    // Dropping this on an error path waits for every queued copy (PendingCopy's
+                    // Drop). The participant's blocks form its ring: each is refilled once the
+                    // copy engine has finished with it, with no pool round trip per chunk.
+                    let mut in_flight: VecDeque<PendingCopy<TypedPinnedBlock<T>>> =
+                        VecDeque::with_capacity(depth);
+                    let mut spare: Option<TypedPinnedBlock<T>> = None;
+                    let outcome = (|| {
+                        while let Some(i) = claims.next_for(w) {
+                            let start = i * chunk;
+                            let piece = &src[start..(start + chunk).min(src.len())];
+                            if in_flight.len() >= depth
+                                && let Some(pending) = in_flight.pop_front()
+                            {
+                                spare = Some(pending.wait()?);
+                            }
+                            let mut block = block_of(self.pool, spare.take(), piece.len())?;
+                            host_copy(block.as_mut_slice(), piece)?;
+                            in_flight.push_back(staged.copy_in(w, start, block)?);
+                        }
+                        for pending in in_flight.drain(..) {
+                            drop(pending.wait()?);
+                        }
+                        Ok(())
+                    })();
+                    claims.settle(outcome)
+                })
+            },
+        )?
     }
 
     /// Copies `src` elements from `src_offset` into `dst` (range already checked), pipelined.
@@ -207,39 +220,55 @@ impl Pipeline<'_> {
             dst.chunks_mut(chunk).map(|p| Mutex::new(Some(p))).collect();
         let claims = Claims::new(pieces.len());
         let depth = self.config.depth.max(1);
-        workers::shared().run(self.participants(pieces.len()), |w| {
-            let stream = &self.streams[w];
-            let mut in_flight: VecDeque<(PendingCopy<TypedPinnedBlock<T>>, usize)> =
-                VecDeque::with_capacity(depth);
-            let mut spare: Option<TypedPinnedBlock<T>> = None;
-            let drain = |pending: PendingCopy<TypedPinnedBlock<T>>, i: usize| -> Result<_> {
-                let block = pending.wait()?;
-                let out = pieces[i].lock().take().expect("each chunk is claimed once");
-                copy_streaming(out, block.as_slice())?;
-                Ok(block)
-            };
-            let outcome = (|| {
-                while let Some(i) = claims.next() {
-                    if in_flight.len() >= depth
-                        && let Some((pending, j)) = in_flight.pop_front()
-                    {
-                        spare = Some(drain(pending, j)?);
+        let participants = self.participants(pieces.len());
+        src.staged_read(src_offset, total, &self.streams[..participants], |staged| {
+            workers::shared().run(participants, |w| {
+                let mut in_flight: VecDeque<(PendingCopy<TypedPinnedBlock<T>>, usize)> =
+                    VecDeque::with_capacity(depth);
+                let mut spare: Option<TypedPinnedBlock<T>> = None;
+                let drain = |pending: PendingCopy<TypedPinnedBlock<T>>, i: usize| -> Result<_> {
+                    let block = pending.wait()?;
+                    let out = pieces[i].lock().take().expect("each chunk is claimed once");
+                    host_copy(out, block.as_slice())?;
+                    Ok(block)
+                };
+                let outcome = (|| {
+                    while let Some(i) = claims.next_for(w) {
+                        if in_flight.len() >= depth
+                            && let Some((pending, j)) = in_flight.pop_front()
+                        {
+                            spare = Some(drain(pending, j)?);
+                        }
+                        let start = i * chunk;
+                        let len = chunk.min(total - start);
+                        let block = block_of(self.pool, spare.take(), len)?;
+                        in_flight.push_back((staged.copy_out(w, start, block)?, i));
                     }
-                    let start = i * chunk;
-                    let len = chunk.min(total - start);
-                    let block = block_of(self.pool, spare.take(), len)?;
-                    let pending =
-                        src.copy_range_to_host_async(src_offset + start, block, stream)?;
-                    in_flight.push_back((pending, i));
-                }
-                for (pending, j) in in_flight.drain(..) {
-                    drop(drain(pending, j)?);
-                }
-                Ok(())
-            })();
-            claims.settle(outcome)
-        })
+                    for (pending, j) in in_flight.drain(..) {
+                        drop(drain(pending, j)?);
+                    }
+                    Ok(())
+                })();
+                claims.settle(outcome)
+            })
+        })?
     }
+}
+
+/// The host side of a staged chunk: streaming stores (`copy_streaming`) unless
+/// `CUWEAVE_STAGING_PLAIN_COPY` is set, then a plain `memcpy` (for the GPU sweep).
+fn host_copy<T: Element>(dst: &mut [T], src: &[T]) -> Result<()> {
+    if plain_copy() {
+        dst.copy_from_slice(src);
+    } else {
+        copy_streaming(dst, src)?;
+    }
+    Ok(())
+}
+
+fn plain_copy() -> bool {
+    static PLAIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PLAIN.get_or_init(|| std::env::var_os("CUWEAVE_STAGING_PLAIN_COPY").is_some())
 }
 
 /// Chunks handed out to participants one at a time; after a failure nobody claims more.
@@ -258,8 +287,10 @@ impl Claims {
         }
     }
 
-    fn next(&self) -> Option<usize> {
-        if self.failed.load(Ordering::Relaxed) {
+    /// The next chunk for participant `w`, unless the transfer failed or `w` is over its
+    /// transfer's share of the host threads (`workers::Workers::keeps`).
+    fn next_for(&self, w: usize) -> Option<usize> {
+        if self.failed.load(Ordering::Relaxed) || !workers::shared().keeps(w) {
             return None;
         }
         let i = self.next.fetch_add(1, Ordering::Relaxed);

@@ -16,7 +16,7 @@
 
 use std::panic::AssertUnwindSafe;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -36,6 +36,8 @@ pub(crate) struct Workers {
     generation: AtomicU64,
     /// `None` when the operating system refused the threads: transfers then run on the caller.
     pool: Option<rayon::ThreadPool>,
+    /// Pipelined transfers running now (those with more than one participant).
+    active: AtomicUsize,
     threads: usize,
 }
 
@@ -47,6 +49,34 @@ static WORKERS: OnceLock<Workers> = OnceLock::new();
 pub fn host_threads() -> usize {
     static THREADS: OnceLock<usize> = OnceLock::new();
     *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(4, usize::from))
+}
+
+/// Whether transfers run their participants on threads spawned for the transfer (the design
+/// before the pool: `CUWEAVE_STAGING_SPAWN` set) instead of the pool's workers; read once. A
+/// tuning switch for comparing the two on a machine (see `docs/transfer.md`).
+fn spawn_per_transfer() -> bool {
+    static SPAWN: OnceLock<bool> = OnceLock::new();
+    *SPAWN.get_or_init(|| std::env::var_os("CUWEAVE_STAGING_SPAWN").is_some())
+}
+
+/// Runs `work(0..participants)` with `work(0)` here and the others on threads spawned for this
+/// call, returning the first error once all have finished.
+fn spawned(participants: usize, work: &(impl Fn(usize) -> Result<()> + Sync)) -> Result<()> {
+    std::thread::scope(|scope| {
+        let others: Vec<_> = (1..participants)
+            .map(|w| std::thread::Builder::new().spawn_scoped(scope, move || work(w)))
+            .collect();
+        let mut outcome = work(0);
+        for other in others {
+            let joined = match other {
+                Ok(handle) => handle.join().unwrap_or(Err(TransferError::WorkerPanicked)),
+                // No thread: the other participants claim its chunks.
+                Err(_) => Ok(()),
+            };
+            outcome = outcome.and(joined);
+        }
+        outcome
+    })
 }
 
 /// The shared pool, started on first use with one worker per host thread but one (the caller
@@ -66,6 +96,7 @@ pub(crate) fn shared() -> &'static Workers {
         tracing::debug!(threads, "staging workers started");
         Workers {
             generation: AtomicU64::new(0),
+            active: AtomicUsize::new(0),
             pool,
             threads,
         }
@@ -76,6 +107,21 @@ impl Workers {
     /// The most participants one transfer can have: every worker and the caller.
     pub(crate) fn participants(&self) -> usize {
         self.threads + 1
+    }
+
+    /// Whether participant `w` of a running transfer should go on claiming chunks: concurrent
+    /// transfers share the host threads (each gets `participants() / running transfers`, at
+    /// least its caller), so two transfers at once do not run more copying threads than the
+    /// machine has. A participant over its transfer's share stops after its chunk in hand (its
+    /// chunks go to the others: they are claimed, not dealt). Off with `CUWEAVE_STAGING_NO_SHARE`
+    /// (a tuning switch, read once).
+    pub(crate) fn keeps(&self, w: usize) -> bool {
+        static SHARE: OnceLock<bool> = OnceLock::new();
+        if w == 0 || !*SHARE.get_or_init(|| std::env::var_os("CUWEAVE_STAGING_NO_SHARE").is_none())
+        {
+            return true;
+        }
+        w < self.participants() / self.active.load(Ordering::Relaxed).max(1)
     }
 
     /// Runs `work(0..participants)`: `work(0)` on this thread, the others on pool workers, and
@@ -94,6 +140,22 @@ impl Workers {
         let Some(pool) = self.pool.as_ref().filter(|_| participants > 1) else {
             return guarded(0);
         };
+        self.active.fetch_add(1, Ordering::Relaxed);
+        let outcome = if spawn_per_transfer() {
+            spawned(participants, &guarded)
+        } else {
+            self.run_on(pool, participants, &guarded)
+        };
+        self.active.fetch_sub(1, Ordering::Relaxed);
+        outcome
+    }
+
+    fn run_on(
+        &'static self,
+        pool: &rayon::ThreadPool,
+        participants: usize,
+        guarded: &(impl Fn(usize) -> Result<()> + Sync),
+    ) -> Result<()> {
         self.generation.fetch_add(1, Ordering::Release);
         let first_error: Mutex<Option<TransferError>> = Mutex::new(None);
         let keep = |outcome: Result<()>| {

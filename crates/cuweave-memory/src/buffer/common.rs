@@ -532,6 +532,55 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         raw::write_completed::<T, H>(OP, span, host, stream, Some(words), core.part_of(span))
     }
 
+    /// Writes elements `offset..offset + len` in chunks on `streams`: every stream first waits
+    /// (device-side) for the uses the range's write conflicts with, `work` queues the chunks
+    /// through the lent [`StagedWrite`](super::StagedWrite) (plain copies, no use tracking per
+    /// chunk), and when it returns, or unwinds, the range's write is recorded on every stream.
+    /// What a pipelined upload of many chunks needs: the tracker is locked twice per stream per
+    /// transfer instead of once per chunk.
+    ///
+    /// # Errors
+    /// `ZeroLength` / `OutOfRange` for a bad range, `WrongDevice` for a stream of another
+    /// device, `ReadOnlyView` for a shared view (all before `work` runs); a failure to record
+    /// the use afterwards (each stream is then synchronised).
+    fn staged_write<'s, R>(
+        &mut self,
+        offset: usize,
+        len: usize,
+        streams: &'s [Stream],
+        work: impl FnOnce(&super::StagedWrite<'s, T>) -> R,
+    ) -> Result<R> {
+        const OP: &str = "Buffer::staged_write";
+        let core = self.core();
+        let span = core.span(OP, offset, len)?;
+        let staged = super::StagedWrite::new(span, len, streams);
+        super::staged::run(OP, core.part_of(span), Access::Write, streams, || {
+            work(&staged)
+        })
+    }
+
+    /// Reads elements `offset..offset + len` in chunks on `streams`: every stream first waits
+    /// for the range's last write, `work` queues the chunks through the lent
+    /// [`StagedRead`](super::StagedRead), and the range's read is then recorded on every stream.
+    ///
+    /// # Errors
+    /// As [`staged_write`](Self::staged_write), but shared views are accepted.
+    fn staged_read<'s, R>(
+        &self,
+        offset: usize,
+        len: usize,
+        streams: &'s [Stream],
+        work: impl FnOnce(&super::StagedRead<'s, T>) -> R,
+    ) -> Result<R> {
+        const OP: &str = "Buffer::staged_read";
+        let core = self.core();
+        let span = core.span(OP, offset, len)?;
+        let staged = super::StagedRead::new(span, len, streams);
+        super::staged::run(OP, core.part_of(span), Access::Read, streams, || {
+            work(&staged)
+        })
+    }
+
     /// Queues a copy of the buffer into `host` (exactly [`len`](Self::len) elements) on
     /// `stream`; [`PendingCopy::wait`] returns `host` holding the data.
     fn copy_to_host_async<H: HostSink<T>>(

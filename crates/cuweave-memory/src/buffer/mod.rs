@@ -71,6 +71,7 @@ pub(crate) mod range;
 // pointers, and managed memory becomes a host slice only through a raw pointer.
 #[allow(unsafe_code)]
 pub(crate) mod raw;
+mod staged;
 mod staging;
 pub(crate) mod tracker;
 mod unified;
@@ -83,6 +84,7 @@ pub use host::{HostSink, HostSource};
 pub use peer::copy_peer;
 pub use pending::PendingCopy;
 pub use pinned::PinnedBuffer;
+pub use staged::{FromDevice, Staged, StagedRead, StagedWrite, ToDevice};
 pub use tracker::Access;
 pub use unified::UnifiedBuffer;
 pub use view::{BufferSlice, BufferSliceMut};

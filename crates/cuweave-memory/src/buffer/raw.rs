@@ -334,3 +334,74 @@ fn check_host_layout<T>(allocation: &ManagedAllocation, len: usize) -> Result<()
     }
     Ok(())
 }
+
+/// Queues `cuMemcpyHtoDAsync` of `host` into `dst` on `stream` and records an event behind it,
+/// *without* touching the buffer's tracker: the caller ([`super::staged`]) ordered `stream`
+/// after the buffer's earlier uses for the whole range before, and records the whole range's
+/// use after, its chunks. A host side with a tracker of its own is ordered and recorded as usual.
+pub(crate) fn write_chunk<T: Element, H: HostSource<T>>(
+    operation: &'static str,
+    dst: DeviceSpan,
+    host: H,
+    stream: &Stream,
+) -> Result<PendingCopy<H>> {
+    debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
+    let done = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
+    let src = host.host_ptr();
+    let copy = || {
+        // SAFETY: `src` is `host`'s memory, valid for `dst.bytes()` bytes; `host` moves into the
+        // returned PendingCopy (its memory does not move), which frees it only after `done`,
+        // recorded behind this copy, has completed. `dst` lies in a live span whose buffer is
+        // exclusively borrowed by the `StagedWrite` that calls this, and that records the span's
+        // use on this stream before the borrow ends (super::staged).
+        unsafe { memory::copy_htod_async(dst.ptr(), src, dst.bytes(), stream) }?;
+        done.record(stream)?;
+        Ok(())
+    };
+    let outcome = match host.host_tracker() {
+        Some(own) => {
+            tracker::run_uses(operation, stream, &[(Part::whole(own), Access::Read)], copy)
+        }
+        None => copy().map_err(|error| tracker::OpFailure {
+            settled: tracker::settle(stream),
+            error,
+        }),
+    };
+    finish(outcome, host, done, dst.bytes())
+}
+
+/// Queues `cuMemcpyDtoHAsync` of `src` into `host` on `stream` and records an event behind it,
+/// without touching the buffer's tracker (see [`write_chunk`]).
+pub(crate) fn read_chunk<T: Element, H: HostSink<T>>(
+    operation: &'static str,
+    src: DeviceSpan,
+    mut host: H,
+    stream: &Stream,
+) -> Result<PendingCopy<H>> {
+    debug_assert_eq!(host.host_len() * size_of::<T>(), src.bytes());
+    let done = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
+    let dst = host.host_mut_ptr();
+    let copy = || {
+        // SAFETY: `dst` is `host`'s memory, writable for `src.bytes()` bytes and reachable only
+        // through `host`, which moves (without its memory moving) into the returned PendingCopy;
+        // that frees or returns it only after `done` has completed. `src` lies in a live span of
+        // a buffer borrowed by the `StagedRead` that calls this, which records the span's read on
+        // this stream before the borrow ends (super::staged).
+        unsafe { memory::copy_dtoh_async(dst, src.ptr(), src.bytes(), stream) }?;
+        done.record(stream)?;
+        Ok(())
+    };
+    let outcome = match host.host_tracker() {
+        Some(own) => tracker::run_uses(
+            operation,
+            stream,
+            &[(Part::whole(own), Access::Write)],
+            copy,
+        ),
+        None => copy().map_err(|error| tracker::OpFailure {
+            settled: tracker::settle(stream),
+            error,
+        }),
+    };
+    finish(outcome, host, done, src.bytes())
+}
