@@ -346,7 +346,8 @@ pub(crate) fn write_chunk<T: Element, H: HostSource<T>>(
     stream: &Stream,
 ) -> Result<PendingCopy<H>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
-    let done = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
+    // From the context's event pool, which every layer shares: no event created per chunk.
+    let done = EventPool::for_context(stream.context())?.acquire_owned(false)?;
     let src = host.host_ptr();
     let copy = || {
         // SAFETY: `src` is `host`'s memory, valid for `dst.bytes()` bytes; `host` moves into the
@@ -379,7 +380,8 @@ pub(crate) fn read_chunk<T: Element, H: HostSink<T>>(
     stream: &Stream,
 ) -> Result<PendingCopy<H>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), src.bytes());
-    let done = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
+    // From the context's event pool, which every layer shares: no event created per chunk.
+    let done = EventPool::for_context(stream.context())?.acquire_owned(false)?;
     let dst = host.host_mut_ptr();
     let copy = || {
         // SAFETY: `dst` is `host`'s memory, writable for `src.bytes()` bytes and reachable only
