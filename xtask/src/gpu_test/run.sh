@@ -14,6 +14,8 @@
 #   ./run --info [ARGS...]      bin/cuweave info ARGS
 #
 # CUWEAVE_REQUIRE_GPU=1 is exported, so a test that finds no GPU fails instead of skipping.
+# Each test binary may run CUWEAVE_BINARY_TIMEOUT seconds (default 600) before it is killed and
+# counted as failed.
 # Logs go to logs/ beside this script and, when $OUT is set, into one $OUT/gpu-<mode>.log
 # (test, sanitize, bench or info).
 set -u
@@ -130,6 +132,15 @@ mem_re='^========= (Invalid |Misaligned |Out-of-range |Hardware [Ee]xception|Mal
 leak_re='^========= Leaked [0-9,]+ bytes'
 api_re='^========= Program hit '
 
+# A hung binary (a collective whose peer never comes, a kernel that never ends) must not eat the
+# whole run: each binary gets CUWEAVE_BINARY_TIMEOUT seconds (default 600), then is killed and
+# counted as failed, naming the test that was running.
+limit="${CUWEAVE_BINARY_TIMEOUT:-600}"
+guard=()
+if command -v timeout >/dev/null 2>&1; then
+  guard=(timeout -k 10 "$limit")
+fi
+
 tests=("$here"/tests/*)
 passed=0
 failed=0
@@ -143,10 +154,10 @@ for bin in ${tests[@]+"${tests[@]}"}; do
   echo "== $name"
   start=$(now_ms)
   if [ "$quiet" = 1 ]; then
-    ${runner[@]+"${runner[@]}"} "$bin" --test-threads=1 "$@" >"$log" 2>&1
+    ${guard[@]+"${guard[@]}"} ${runner[@]+"${runner[@]}"} "$bin" --test-threads=1 "$@" >"$log" 2>&1
     code=$?
   else
-    ${runner[@]+"${runner[@]}"} "$bin" --test-threads=1 "$@" 2>&1 | tee "$log"
+    ${guard[@]+"${guard[@]}"} ${runner[@]+"${runner[@]}"} "$bin" --test-threads=1 "$@" 2>&1 | tee "$log"
     code=${PIPESTATUS[0]}
     # A binary that died mid-line (after "test NAME ... ") would glue our verdict onto that line.
     [ -z "$(tail -c 1 "$log")" ] || echo
@@ -186,7 +197,9 @@ for bin in ${tests[@]+"${tests[@]}"}; do
       note=" (no libtest summary; counted by exit status)"
     else
       f=$(( f + 1 ))
-      if [ -n "$running" ]; then
+      if [ "$code" -eq 124 ] || [ "$code" -eq 137 ]; then
+        failures+=("$name: killed after ${limit}s (CUWEAVE_BINARY_TIMEOUT) during ${running:-its start}")
+      elif [ -n "$running" ]; then
         failures+=("$name: exited with status $code during $running")
       else
         failures+=("$name: exited with status $code before reporting a result")
