@@ -712,7 +712,7 @@ impl Communicator {
 }
 
 fn chunk_of(len: usize, size: usize, operation: &'static str) -> Result<usize> {
-    if len % size != 0 {
+    if !len.is_multiple_of(size) {
         return Err(CollectiveError::invalid(
             operation,
             format!("{len} elements do not split into {size} equal slots"),

@@ -365,10 +365,10 @@ impl Drop for AsyncEventWaiter {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
         self.shared.inbox.ring(&self.reactor);
-        if let Some(handle) = self.handle.take() {
-            if handle.join().is_err() {
-                tracing::error!("the event reactor thread panicked");
-            }
+        if let Some(handle) = self.handle.take()
+            && handle.join().is_err()
+        {
+            tracing::error!("the event reactor thread panicked");
         }
     }
 }

@@ -83,10 +83,10 @@ impl WordSlab {
     /// (it naps instead).
     fn wake_event(&self, stream: &Stream) -> Option<Arc<OwnedPooledEvent>> {
         let mut wakes = self.wakes.lock();
-        if let Some(pending) = wakes.get(&stream.id()).and_then(Weak::upgrade) {
-            if pending.query().ok() == Some(false) {
-                return None;
-            }
+        if let Some(pending) = wakes.get(&stream.id()).and_then(Weak::upgrade)
+            && pending.query().ok() == Some(false)
+        {
+            return None;
         }
         let event = self
             .events

@@ -37,7 +37,7 @@ impl FillPlan {
             .iter()
             .enumerate()
             .all(|(index, &byte)| byte == value[index % period]);
-        if periodic && total_bytes % 4 == 0 {
+        if periodic && total_bytes.is_multiple_of(4) {
             let word = [0, 1, 2, 3].map(|index| value[index % period]);
             return Self::Words(u32::from_le_bytes(word));
         }

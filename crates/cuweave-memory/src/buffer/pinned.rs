@@ -118,7 +118,7 @@ impl<T: Element> PinnedBuffer<T> {
         const OPERATION: &str = "PinnedBuffer::from_pool";
         let bytes = allocation_bytes::<T>(OPERATION, len)?;
         let block = pool.get(bytes)?;
-        if block.as_slice().as_ptr() as usize % align_of::<T>() != 0 {
+        if !(block.as_slice().as_ptr() as usize).is_multiple_of(align_of::<T>()) {
             return Err(MemoryError::Misaligned {
                 operation: OPERATION,
                 bytes,

@@ -245,7 +245,7 @@ pub(crate) fn memset_d8(dst: DeviceSpan, value: u8, stream: &Stream) -> Result<(
 
 /// Queues a 32-bit memset of `dst` (4-byte aligned, a whole number of words) on `stream`.
 pub(crate) fn memset_d32(dst: DeviceSpan, value: u32, stream: &Stream) -> Result<()> {
-    debug_assert!(dst.ptr() % 4 == 0 && dst.bytes() % 4 == 0);
+    debug_assert!(dst.ptr().is_multiple_of(4) && dst.bytes().is_multiple_of(4));
     // SAFETY: a live, 4-byte-aligned span (crate invariant; allocations are at least 256-byte
     // aligned and fills cover whole buffers), ordered by the caller's `tracker::run`.
     unsafe { memory::memset_d32_async(dst.ptr(), value, dst.bytes() / 4, stream) }?;
@@ -325,7 +325,7 @@ fn check_host_layout<T>(allocation: &ManagedAllocation, len: usize) -> Result<()
     let fits = len
         .checked_mul(size_of::<T>())
         .is_some_and(|bytes| bytes <= allocation.len());
-    if !fits || allocation.ptr() as usize % align_of::<T>() != 0 {
+    if !fits || !(allocation.ptr() as usize).is_multiple_of(align_of::<T>()) {
         return Err(MemoryError::Misaligned {
             operation: "UnifiedBuffer host slice",
             bytes: allocation.len(),

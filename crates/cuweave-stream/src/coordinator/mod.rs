@@ -273,10 +273,10 @@ impl MultiStreamCoordinator {
             let remaining = Arc::clone(&remaining);
             let callback = Arc::clone(&callback);
             stream.add_callback(move || {
-                if remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-                    if let Some(callback) = callback.lock().take() {
-                        callback();
-                    }
+                if remaining.fetch_sub(1, Ordering::AcqRel) == 1
+                    && let Some(callback) = callback.lock().take()
+                {
+                    callback();
                 }
             })?;
         }

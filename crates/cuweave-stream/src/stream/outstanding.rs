@@ -45,12 +45,12 @@ impl<M> OutstandingWork<M> {
         record: impl Fn(&M) -> Result<(), E>,
     ) -> Result<(), E> {
         let mut inner = self.inner.lock();
-        if inner.pending.len() >= MAX_MARKERS {
-            if let Some((marker, covered)) = inner.pending.back_mut() {
-                record(marker)?;
-                *covered += ops;
-                return Ok(());
-            }
+        if inner.pending.len() >= MAX_MARKERS
+            && let Some((marker, covered)) = inner.pending.back_mut()
+        {
+            record(marker)?;
+            *covered += ops;
+            return Ok(());
         }
         let marker = make()?;
         record(&marker)?;
