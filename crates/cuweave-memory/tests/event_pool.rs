@@ -98,7 +98,10 @@ fn an_untouched_buffer_takes_no_event() {
     assert_eq!(created(&events), before, "no event for a buffer never used");
     assert_eq!(events.utilization().in_use, 0);
     let stats = allocator.stats();
-    assert_eq!(stats.cache_misses, 1, "one segment, every other buffer a hit");
+    assert_eq!(
+        stats.cache_misses, 1,
+        "one segment, every other buffer a hit"
+    );
     assert_eq!(allocator.pending_frees(), 0);
 }
 
@@ -128,7 +131,10 @@ fn pinned_pool_buffers_staging_uploads_create_only_the_events_held_at_once() {
             on.synchronize().expect("synchronize");
         }
     }
-    assert_eq!(device.to_vec().expect("read back"), vec![UPLOADS - 1; WORDS]);
+    assert_eq!(
+        device.to_vec().expect("read back"),
+        vec![UPLOADS - 1; WORDS]
+    );
     let made = created(&events) - before;
     // The pinned side's read per upload in flight, the device buffer's one write event
     // (re-recorded each time), and one the pool may make before a poll returns the others.

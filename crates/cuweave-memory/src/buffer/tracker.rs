@@ -524,7 +524,10 @@ pub(crate) fn settle(stream: &Stream) -> bool {
 }
 
 /// The locked state of one tracker.
-type Locked<'a> = (&'a StreamTracker, MutexGuard<'a, UseState<OwnedPooledEvent>>);
+type Locked<'a> = (
+    &'a StreamTracker,
+    MutexGuard<'a, UseState<OwnedPooledEvent>>,
+);
 
 /// Locks each distinct tracker once, in address order, so that two operations locking the same
 /// trackers cannot deadlock; returns the guards and, for each use, its guard's index, range and

@@ -366,7 +366,11 @@ fn markers_go_back_to_their_pool_so_it_never_makes_more_than_are_held_at_once() 
     }
     engine.process_pending();
     assert_eq!(events.held(), 0, "every marker went back");
-    assert_eq!(upstream.allocations.load(Ordering::SeqCst), 1, "one segment, reused");
+    assert_eq!(
+        upstream.allocations.load(Ordering::SeqCst),
+        1,
+        "one segment, reused"
+    );
     engine.release_cached(&upstream).unwrap();
     assert_eq!(upstream.outstanding_bytes(), 0);
 }
