@@ -362,7 +362,11 @@ fn a_completed_blocking_write_leaves_nothing_to_wait_for() {
     assert_eq!(events.held(), 0, "their events went back to the pool");
     // The next use on any stream waits for nothing, and reuses a pooled event.
     assert!(use_on(&mut state, &events, &a, Access::Read).is_empty());
-    assert_eq!(events.made.get(), 2, "no new event: a pooled one was reused");
+    assert_eq!(
+        events.made.get(),
+        2,
+        "no new event: a pooled one was reused"
+    );
 }
 
 #[test]
@@ -472,7 +476,11 @@ fn a_buffer_written_in_ever_new_ranges_keeps_a_bounded_number_of_uses() {
         "events are reused: {} made",
         events.made.get()
     );
-    assert_eq!(events.held(), state.tracked(), "the state holds no spare events");
+    assert_eq!(
+        events.held(),
+        state.tracked(),
+        "the state holds no spare events"
+    );
     // Nothing was forgotten: a writer of everything waits for what is left.
     let last = FakeStream::own(99);
     let waits = use_range(&mut state, &events, &last, (0, 1 << 31), Access::Write);
@@ -499,7 +507,11 @@ fn buffers_made_used_and_freed_in_a_loop_hold_their_events_only_while_tracked() 
             drop(freed.pop_front());
         }
     }
-    assert!(events.made.get() <= 2 * 5, "{} events made", events.made.get());
+    assert!(
+        events.made.get() <= 2 * 5,
+        "{} events made",
+        events.made.get()
+    );
     drop(freed);
     assert_eq!(events.held(), 0);
     // A buffer nothing was queued on takes no event at all.
