@@ -60,6 +60,7 @@ pub mod buffer;
 pub mod caching;
 pub mod element;
 pub mod error;
+mod events;
 pub mod host_copy;
 // Unsafe is allowed here: the launch is the driver's unsafe kernel launch, with its contract.
 #[allow(unsafe_code)]

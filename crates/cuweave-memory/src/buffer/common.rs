@@ -27,14 +27,23 @@ pub struct BufferCore {
 }
 
 impl BufferCore {
-    /// A core for `len` elements of `element_size` bytes at device address `ptr`.
+    /// A core for `len` elements of `element_size` bytes at device address `ptr`, whose
+    /// tracker takes its events from the context's event pool.
+    ///
+    /// # Errors
+    /// As [`EventPool::for_context`](cuweave_driver::EventPool::for_context).
     pub(crate) fn new(
         context: &Arc<Context>,
         ptr: DevicePtr,
         len: usize,
         element_size: usize,
-    ) -> Self {
-        Self::with_tracker(StreamTracker::new(context), ptr, len, element_size)
+    ) -> Result<Self> {
+        Ok(Self::with_tracker(
+            StreamTracker::new(context)?,
+            ptr,
+            len,
+            element_size,
+        ))
     }
 
     /// A core whose uses `tracker` records.

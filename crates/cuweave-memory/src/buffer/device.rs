@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cuweave_driver::memory::DevicePtr;
-use cuweave_driver::{Context, Event, Stream};
+use cuweave_driver::{Context, OwnedPooledEvent, Stream};
 
 use super::common::{Buffer, BufferCore, CoreRef, sealed::Sealed};
 use super::range::allocation_bytes;
@@ -194,7 +194,7 @@ impl<T: Element> DeviceBuffer<T> {
             });
         }
         let ptr = resource.allocate(bytes, stream)?;
-        let tracker = StreamTracker::new(resource.context());
+        let tracker = StreamTracker::new(resource.context())?;
         let buffer = Self {
             core: BufferCore::with_tracker(tracker, ptr, len, size_of::<T>()),
             memory: Memory::Resource {
@@ -280,7 +280,7 @@ fn deallocate_after(
     resource: &dyn MemoryResource,
     ptr: DevicePtr,
     bytes: usize,
-    events: &[Event],
+    events: &[OwnedPooledEvent],
 ) -> Result<()> {
     let legacy = legacy_stream(resource.context());
     for event in events {
@@ -294,11 +294,11 @@ fn deallocate_after(
 impl<T: Element> Drop for DeviceBuffer<T> {
     #[inline]
     fn drop(&mut self) {
-        let (markers, spare) = self.core.tracker_mut().take_for_free();
+        let markers = self.core.tracker_mut().take_for_free();
         match std::mem::replace(&mut self.memory, Memory::Freed) {
             Memory::Cached(block) => match self.core.tracker().shard() {
                 Some(shard) => {
-                    if let Err(error) = block.free(shard, markers, spare) {
+                    if let Err(error) = block.free(shard, markers) {
                         tracing::error!(%error, "returning a DeviceBuffer's block to its allocator failed");
                     }
                 }

@@ -95,7 +95,7 @@ impl<T: Element> PinnedBuffer<T> {
         allocation.as_bytes_mut().fill(0);
         let device_ptr = allocation.device_ptr()?;
         Ok(Self {
-            core: BufferCore::new(context, device_ptr, len, size_of::<T>()),
+            core: BufferCore::new(context, device_ptr, len, size_of::<T>())?,
             allocation: HostMemory::Own(allocation),
             _element: PhantomData,
         })
@@ -139,8 +139,9 @@ impl<T: Element> PinnedBuffer<T> {
             }
             .into());
         };
+        let tracker = StreamTracker::with_events(pool.event_pool()?.clone());
         Ok(Self {
-            core: BufferCore::new(pool.context(), device_ptr, len, size_of::<T>()),
+            core: BufferCore::with_tracker(tracker, device_ptr, len, size_of::<T>()),
             allocation: HostMemory::Pool(block),
             _element: PhantomData,
         })
@@ -284,8 +285,7 @@ impl<T: Element> Drop for PinnedBuffer<T> {
         match std::mem::replace(&mut self.allocation, HostMemory::Gone) {
             HostMemory::Pool(mut block) => {
                 // The pool gates the block's reuse on the tracker's events: no wait here.
-                let (markers, _spare) = self.core.tracker_mut().take_for_free();
-                block.add_events(markers);
+                block.add_events(self.core.tracker_mut().take_for_free());
             }
             own => {
                 self.core.tracker().synchronize_for_drop("PinnedBuffer");

@@ -40,22 +40,22 @@
 use std::sync::Arc;
 
 use cuweave_driver::graph::{CaptureStatus, active_captures, capture_is_active};
-use cuweave_driver::{Context, Event, EventFlags, Stream};
+use cuweave_driver::{Context, EventPool, OwnedPooledEvent, Stream};
 use parking_lot::{Mutex, MutexGuard};
 
 use super::uses::{ByteRange, CaptureView, Capturing, UseState};
 use crate::caching::ShardHandle;
 use crate::error::{MemoryError, Result};
 
-/// Where a tracked buffer's context comes from: its own `Arc`, or the caching allocator's shard
-/// handle its memory came from (so that making a cached buffer writes no reference count that
-/// other threads share: every thread on its own stream has its own shard).
+/// Where a tracked buffer's context and events come from: the context's event pool, or the
+/// caching allocator's shard handle its memory came from (so that making a cached buffer writes
+/// no reference count that other threads share: every thread on its own stream has its own
+/// shard), whose allocator holds the same pool.
 #[derive(Clone)]
 pub(crate) enum Owner {
-    /// A context of its own.
-    Context(Arc<Context>),
-    /// The context of the caching allocator the memory came from, whose spare events the
-    /// tracker also uses.
+    /// The event pool of the buffer's context (which it names).
+    Events(EventPool),
+    /// The caching allocator the memory came from: its context, and that context's event pool.
     Cache(Arc<ShardHandle>),
 }
 
@@ -63,7 +63,7 @@ impl Owner {
     #[inline]
     fn context(&self) -> &Arc<Context> {
         match self {
-            Self::Context(context) => context,
+            Self::Events(pool) => pool.context(),
             Self::Cache(shard) => shard.shared.context(),
         }
     }
@@ -72,7 +72,7 @@ impl Owner {
 impl std::fmt::Debug for Owner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Context(_) => f.write_str("Context"),
+            Self::Events(_) => f.write_str("EventPool"),
             Self::Cache(_) => f.write_str("CachingAllocator"),
         }
     }
@@ -99,13 +99,24 @@ pub enum Access {
 #[derive(Debug)]
 pub struct StreamTracker {
     owner: Owner,
-    state: Mutex<UseState<Event>>,
+    state: Mutex<UseState<OwnedPooledEvent>>,
 }
 
 impl StreamTracker {
-    /// A tracker for a buffer of `context` that has not been used yet.
-    pub(crate) fn new(context: &Arc<Context>) -> Self {
-        Self::with_owner(Owner::Context(Arc::clone(context)))
+    /// A tracker for a buffer of `context` that has not been used yet, taking its events from
+    /// the context's pool.
+    ///
+    /// # Errors
+    /// As [`EventPool::for_context`].
+    pub(crate) fn new(context: &Arc<Context>) -> Result<Self> {
+        Ok(Self::with_owner(Owner::Events(EventPool::for_context(
+            context,
+        )?)))
+    }
+
+    /// A tracker for a buffer of `pool`'s context that takes its events from `pool`.
+    pub(crate) fn with_events(pool: EventPool) -> Self {
+        Self::with_owner(Owner::Events(pool))
     }
 
     /// A tracker for a buffer whose context comes from `owner`.
@@ -123,18 +134,14 @@ impl StreamTracker {
         self.owner.context()
     }
 
-    /// An event for a new use: a spare one of the caching allocator the memory came from, else
-    /// a new one.
-    fn new_event(&self) -> Result<Arc<Event>> {
-        if let Owner::Cache(shard) = &self.owner
-            && let Some(event) = shard.shared.engine.take_one_spare()
-        {
-            return Ok(Arc::new(event));
-        }
-        Ok(Arc::new(Event::new(
-            self.context(),
-            EventFlags::DISABLE_TIMING,
-        )?))
+    /// An event for a new use, from the context's event pool (which creates one only when
+    /// every event it made is held).
+    fn new_event(&self) -> Result<Arc<OwnedPooledEvent>> {
+        let event = match &self.owner {
+            Owner::Events(pool) => pool.acquire_owned(false)?,
+            Owner::Cache(shard) => shard.shared.event_pool()?.acquire_owned(false)?,
+        };
+        Ok(Arc::new(event))
     }
 
     /// The caching allocator shard the buffer's memory came from, if it did.
@@ -142,26 +149,27 @@ impl StreamTracker {
     pub(crate) fn shard(&self) -> Option<&ShardHandle> {
         match &self.owner {
             Owner::Cache(shard) => Some(shard),
-            Owner::Context(_) => None,
+            Owner::Events(_) => None,
         }
     }
 
-    /// Takes every event out of the tracker when its buffer is freed: the events recorded
-    /// behind uses (the memory may be reused only once they have all completed) and the spare
-    /// ones. Empty vectors (no allocation, no lock: the buffer is being dropped) when nothing
-    /// was ever tracked.
+    /// Takes the events recorded behind uses out of the tracker when its buffer is freed: the
+    /// memory may be reused only once they have all completed, so they travel with the block
+    /// (to the caching allocator's pending list or the pinned pool) and go back to the event
+    /// pool when dropped there. An empty vector (no allocation, no lock: the buffer is being
+    /// dropped) when nothing is tracked.
     ///
     /// A recorded event that is still shared (only a host wait on this tracker clones one, and
     /// a buffer being freed has no borrower left) is waited for here instead.
     #[inline]
-    pub(crate) fn take_for_free(&mut self) -> (Vec<Event>, Vec<Event>) {
+    pub(crate) fn take_for_free(&mut self) -> Vec<OwnedPooledEvent> {
         let state = self.state.get_mut();
         if state.is_empty() {
-            return (Vec::new(), Vec::new());
+            return Vec::new();
         }
         // Uses of an ended capture are never queried: with no capture active, every one has ended.
         let none_active = active_captures() == 0;
-        let (recorded, spare) = state.take_all(|id| none_active || !capture_is_active(id));
+        let recorded = state.take_all(|id| none_active || !capture_is_active(id));
         let mut markers = Vec::with_capacity(recorded.len());
         for event in recorded {
             match Arc::try_unwrap(event) {
@@ -173,11 +181,7 @@ impl StreamTracker {
                 }
             }
         }
-        let spare = spare
-            .into_iter()
-            .filter_map(|event| Arc::try_unwrap(event).ok())
-            .collect();
-        (markers, spare)
+        markers
     }
 
     /// The raw handle of the stream that last used the buffer (0 is the legacy default stream,
@@ -520,7 +524,10 @@ pub(crate) fn settle(stream: &Stream) -> bool {
 }
 
 /// The locked state of one tracker.
-type Locked<'a> = (&'a StreamTracker, MutexGuard<'a, UseState<Event>>);
+type Locked<'a> = (
+    &'a StreamTracker,
+    MutexGuard<'a, UseState<OwnedPooledEvent>>,
+);
 
 /// Locks each distinct tracker once, in address order, so that two operations locking the same
 /// trackers cannot deadlock; returns the guards and, for each use, its guard's index, range and

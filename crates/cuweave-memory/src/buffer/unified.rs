@@ -92,7 +92,7 @@ impl<T: Element> UnifiedBuffer<T> {
         capabilities.require_managed_memory("UnifiedBuffer::new")?;
         let allocation = ManagedAllocation::new(context, bytes)?;
         Ok(Self {
-            core: BufferCore::new(context, allocation.ptr(), len, size_of::<T>()),
+            core: BufferCore::new(context, allocation.ptr(), len, size_of::<T>())?,
             allocation,
             concurrent_managed_access: capabilities.concurrent_managed_access,
             _element: PhantomData,

@@ -3,7 +3,12 @@
 //! The state is generic over the stream ([`UseStream`]) and the event ([`UseEvent`]), so that
 //! the rules (which uses a read or a write waits for, which event a use records, when a wait is
 //! skipped, when finished reads are dropped) are unit-tested here with fake streams and events;
-//! [`super::tracker`] plugs in the driver's `Stream` and `Event`.
+//! [`super::tracker`] plugs in the driver's `Stream` and the pooled events of the context's
+//! [`EventPool`](cuweave_driver::EventPool).
+//!
+//! The state keeps no spare events: an event whose use is retired is dropped, which for a pooled
+//! handle means it goes back to the context's pool (once no host wait still holds a clone), and
+//! a new use takes one from there (and records it before anything waits on it).
 //!
 //! **Capture.** Each use carries the capture epoch read just after it was recorded and, when
 //! its stream was capturing, the capture's id. A [`CaptureView`] tells each operation whether
@@ -22,7 +27,7 @@
 use std::sync::Arc;
 
 use cuweave_driver::graph::GraphError;
-use cuweave_driver::{Event, Stream};
+use cuweave_driver::{OwnedPooledEvent, Stream};
 
 use super::tracker::Access;
 use crate::error::{MemoryError, Result};
@@ -81,14 +86,14 @@ impl CaptureView {
     }
 }
 
-impl UseEvent for Event {
+impl UseEvent for OwnedPooledEvent {
     fn is_complete(&self) -> Result<bool> {
         Ok(self.query()?)
     }
 }
 
 impl UseStream for Stream {
-    type Event = Event;
+    type Event = OwnedPooledEvent;
 
     fn raw(&self) -> usize {
         self.as_raw() as usize
@@ -98,11 +103,11 @@ impl UseStream for Stream {
         Stream::id(self)
     }
 
-    fn wait_for(&self, event: &Event) -> Result<()> {
+    fn wait_for(&self, event: &OwnedPooledEvent) -> Result<()> {
         Ok(self.wait_event(event)?)
     }
 
-    fn record(&self, event: &Event) -> Result<()> {
+    fn record(&self, event: &OwnedPooledEvent) -> Result<()> {
         Ok(event.record(self)?)
     }
 
@@ -248,8 +253,6 @@ pub(crate) struct UseState<E> {
     writes: Vec<Use<E>>,
     /// One event per stream and range that read the buffer since the writes of that range.
     reads: Vec<Use<E>>,
-    /// Events no longer needed, for reuse.
-    spare: Vec<Arc<E>>,
     /// Raw handle of the stream of the latest use (`None`: never used).
     pub(crate) last_stream: Option<usize>,
     /// Whether a use recorded in a capture may still be tracked.
@@ -261,7 +264,6 @@ impl<E> Default for UseState<E> {
         Self {
             writes: Vec::new(),
             reads: Vec::new(),
-            spare: Vec::new(),
             last_stream: None,
             has_captured: false,
         }
@@ -274,22 +276,15 @@ impl<E: UseEvent> UseState<E> {
         self.reads.len()
     }
 
-    /// Whether nothing is tracked and no event is held.
+    /// Whether nothing is tracked (and so no event is held).
     #[inline]
     pub(crate) fn is_empty(&self) -> bool {
-        self.writes.is_empty() && self.reads.is_empty() && self.spare.is_empty()
+        self.writes.is_empty() && self.reads.is_empty()
     }
 
     /// How many uses are tracked (writes and reads).
     pub(crate) fn tracked(&self) -> usize {
         self.writes.len() + self.reads.len()
-    }
-
-    fn take_event(&mut self, make: impl FnOnce() -> Result<Arc<E>>) -> Result<Arc<E>> {
-        match self.spare.pop() {
-            Some(event) => Ok(event),
-            None => make(),
-        }
     }
 
     /// [`wait_on_range`](Self::wait_on_range) for the whole buffer.
@@ -356,22 +351,20 @@ impl<E: UseEvent> UseState<E> {
 
     /// Forgets, without querying any event, the uses `view` shows need no wait: uses of
     /// captures that have ended and, for a capturing stream, eager uses stamped before its
-    /// capture's known-complete bound. Their events become spare (recording resets an event).
+    /// capture's known-complete bound. Their events go back to the pool (whoever takes one
+    /// records it again, which resets it).
     fn reconcile<S: UseStream<Event = E>>(&mut self, stream: &S, view: &CaptureView) {
         if !view.any_active && !self.has_captured {
             return;
         }
         let complete_before = view.capture.map_or(0, |capture| capture.complete_before);
-        let spare = &mut self.spare;
         let mut has_captured = false;
         let mut keep = |used: &Use<E>| {
             let finished = match used.capture {
                 Some(id) => !view.any_active || !stream.capture_is_active(id),
                 None => used.epoch < complete_before,
             };
-            if finished {
-                spare.push(Arc::clone(&used.event));
-            } else {
+            if !finished {
                 has_captured |= used.capture.is_some();
             }
             !finished
@@ -382,8 +375,8 @@ impl<E: UseEvent> UseState<E> {
     }
 
     /// Records an `access` of `range` by `stream`, behind the work just queued there (which
-    /// waited, by [`wait_on_range`](Self::wait_on_range), for what it conflicts with). New
-    /// events come from the spare ones, else from `make`.
+    /// waited, by [`wait_on_range`](Self::wait_on_range), for what it conflicts with). A new
+    /// event, when the use needs one, comes from `make` (the context's event pool).
     ///
     /// Bounded: past [`MAX_USES`] uses, the finished ones are dropped; if that is not enough,
     /// `stream` waits for every remaining use and one event recorded on it then stands for all
@@ -413,13 +406,10 @@ impl<E: UseEvent> UseState<E> {
                     self.retire_inside(range);
                     self.writes.push(write);
                 } else {
-                    let event = self.take_event(make)?;
-                    if let Err(error) = stream.record(&event) {
-                        // Nothing changed: the earlier uses stay tracked (and the caller drains
-                        // the stream, which waited for them).
-                        self.spare.push(event);
-                        return Err(error);
-                    }
+                    let event = make()?;
+                    // On failure nothing changed: the earlier uses stay tracked (and the caller
+                    // drains the stream, which waited for them); the event goes back.
+                    stream.record(&event)?;
                     self.retire_inside(range);
                     self.writes.push(Use {
                         event,
@@ -447,11 +437,8 @@ impl<E: UseEvent> UseState<E> {
                     if self.reads.len() >= PRUNE_READS_AT {
                         self.prune_finished(view);
                     }
-                    let event = self.take_event(make)?;
-                    if let Err(error) = stream.record(&event) {
-                        self.spare.push(event);
-                        return Err(error);
-                    }
+                    let event = make()?;
+                    stream.record(&event)?;
                     self.reads.push(Use {
                         event,
                         stream: identity,
@@ -473,18 +460,11 @@ impl<E: UseEvent> UseState<E> {
         Ok(())
     }
 
-    /// Retires every use inside `range` (the writer waited for them).
+    /// Retires every use inside `range` (the writer waited for them); their events go back.
     fn retire_inside(&mut self, range: ByteRange) {
-        let spare = &mut self.spare;
-        let mut outside = |used: &Use<E>| {
-            let inside = range.contains(used.range);
-            if inside {
-                spare.push(Arc::clone(&used.event));
-            }
-            !inside
-        };
-        self.writes.retain(&mut outside);
-        self.reads.retain(&mut outside);
+        let outside = |used: &Use<E>| !range.contains(used.range);
+        self.writes.retain(outside);
+        self.reads.retain(outside);
     }
 
     /// Makes `stream` wait for every use it is not ordered after, then records one event there
@@ -528,7 +508,8 @@ impl<E: UseEvent> UseState<E> {
         };
         match (recorded, merged) {
             (Ok(()), Some(event)) => {
-                self.spare.extend(uses.map(|used| used.event));
+                // The merged uses' other events go back.
+                drop(uses);
                 self.writes.push(Use {
                     event,
                     stream: identity,
@@ -565,17 +546,9 @@ impl<E: UseEvent> UseState<E> {
         if view.any_active {
             return;
         }
-        let spare = &mut self.spare;
-        let mut keep = |used: &Use<E>| {
-            if matches!(used.event.is_complete(), Ok(true)) {
-                spare.push(Arc::clone(&used.event));
-                false
-            } else {
-                true
-            }
-        };
-        self.reads.retain(&mut keep);
-        self.writes.retain(&mut keep);
+        let keep = |used: &Use<E>| !matches!(used.event.is_complete(), Ok(true));
+        self.reads.retain(keep);
+        self.writes.retain(keep);
     }
 
     /// Forgets what a *completed* `access` of `range` made unnecessary to track: called after
@@ -589,37 +562,27 @@ impl<E: UseEvent> UseState<E> {
         range: ByteRange,
         access: Access,
     ) {
-        let spare = &mut self.spare;
-        let mut finished = |used: &Use<E>| {
-            let done = used.range.overlaps(range);
-            if done {
-                spare.push(Arc::clone(&used.event));
-            }
-            !done
-        };
-        self.writes.retain(&mut finished);
+        let unfinished = |used: &Use<E>| !used.range.overlaps(range);
+        self.writes.retain(unfinished);
         if access == Access::Write {
-            self.reads.retain(&mut finished);
+            self.reads.retain(unfinished);
         }
         self.last_stream = Some(stream.raw());
     }
 
-    /// Takes every event out, leaving the state as new: those recorded behind uses, and the
-    /// spare ones. Events of uses whose capture has ended (`ended` says which) go with the
-    /// spare ones: they can never be queried, and the graph holds what it needs.
-    pub(crate) fn take_all(&mut self, ended: impl Fn(u64) -> bool) -> (Vec<Arc<E>>, Vec<Arc<E>>) {
-        let mut spare = std::mem::take(&mut self.spare);
+    /// Takes every event recorded behind a use out, leaving the state as new. Events of uses
+    /// whose capture has ended (`ended` says which) are dropped, back to their pool: they can
+    /// never be queried, and the graph holds what it needs.
+    pub(crate) fn take_all(&mut self, ended: impl Fn(u64) -> bool) -> Vec<Arc<E>> {
         let mut recorded = Vec::with_capacity(self.tracked());
         for used in self.writes.drain(..).chain(self.reads.drain(..)) {
-            if used.capture.is_some_and(&ended) {
-                spare.push(used.event);
-            } else {
+            if !used.capture.is_some_and(&ended) {
                 recorded.push(used.event);
             }
         }
         self.last_stream = None;
         self.has_captured = false;
-        (recorded, spare)
+        recorded
     }
 
     /// Every event a host access must wait for: uses of ended captures are left out (their

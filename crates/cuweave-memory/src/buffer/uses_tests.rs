@@ -1,9 +1,13 @@
 //! The read/write rules with fake streams and events: who waits for what, which event is
-//! recorded, when a wait is skipped, and when finished reads are dropped.
+//! recorded, when a wait is skipped, and when finished reads are dropped. The fake events come
+//! from a fake pool, as the real ones come from the context's event pool: a retired event goes
+//! back there, and the pool makes a new one only when every one it made is held.
 
 use std::cell::{Cell, RefCell};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+
+use parking_lot::Mutex;
 
 use super::*;
 use crate::error::MemoryError;
@@ -17,11 +21,18 @@ thread_local! {
     pub(super) static QUERIES: Cell<usize> = const { Cell::new(0) };
 }
 
-/// An event with a number, completed by hand.
+/// An event with a number, completed by hand; its number goes back to its pool on drop.
 #[derive(Debug)]
 pub(super) struct FakeEvent {
     pub(super) number: usize,
     pub(super) complete: AtomicBool,
+    free: Arc<Mutex<Vec<usize>>>,
+}
+
+impl Drop for FakeEvent {
+    fn drop(&mut self) {
+        self.free.lock().push(self.number);
+    }
 }
 
 impl UseEvent for FakeEvent {
@@ -100,22 +111,33 @@ impl UseStream for FakeStream {
     }
 }
 
-/// Makes numbered events and counts them.
+/// A fake event pool: lends a free numbered event, or makes one (and counts it) when none is
+/// free.
 #[derive(Default)]
 pub(super) struct Events {
     pub(super) made: Cell<usize>,
+    free: Arc<Mutex<Vec<usize>>>,
 }
 
 impl Events {
     pub(super) fn make(&self) -> impl FnOnce() -> Result<Arc<FakeEvent>> + '_ {
         || {
-            let number = self.made.get() + 1;
-            self.made.set(number);
+            let reused = self.free.lock().pop();
+            let number = reused.unwrap_or_else(|| {
+                self.made.set(self.made.get() + 1);
+                self.made.get()
+            });
             Ok(Arc::new(FakeEvent {
                 number,
                 complete: AtomicBool::new(false),
+                free: Arc::clone(&self.free),
             }))
         }
+    }
+
+    /// Events lent out now.
+    pub(super) fn held(&self) -> usize {
+        self.made.get() - self.free.lock().len()
     }
 }
 
@@ -224,7 +246,7 @@ fn events_of_finished_reads_are_reused_after_a_write() {
     assert_eq!(
         events.made.get(),
         3,
-        "the two read events came back as spares"
+        "the two read events went back to the pool and were lent again"
     );
 }
 
@@ -337,9 +359,14 @@ fn a_completed_blocking_write_leaves_nothing_to_wait_for() {
         legacy.recorded.borrow().is_empty(),
         "a finished use records nothing"
     );
-    // The next use on any stream waits for nothing, and reuses a spare event.
+    assert_eq!(events.held(), 0, "their events went back to the pool");
+    // The next use on any stream waits for nothing, and reuses a pooled event.
     assert!(use_on(&mut state, &events, &a, Access::Read).is_empty());
-    assert_eq!(events.made.get(), 2, "no new event: a spare one was reused");
+    assert_eq!(
+        events.made.get(),
+        2,
+        "no new event: a pooled one was reused"
+    );
 }
 
 #[test]
@@ -445,12 +472,49 @@ fn a_buffer_written_in_ever_new_ranges_keeps_a_bounded_number_of_uses() {
         );
     }
     assert!(
-        events.made.get() <= 2 * MAX_USES + 2,
+        events.made.get() <= MAX_USES + 2,
         "events are reused: {} made",
         events.made.get()
+    );
+    assert_eq!(
+        events.held(),
+        state.tracked(),
+        "the state holds no spare events"
     );
     // Nothing was forgotten: a writer of everything waits for what is left.
     let last = FakeStream::own(99);
     let waits = use_range(&mut state, &events, &last, (0, 1 << 31), Access::Write);
     assert!(!waits.is_empty());
+}
+
+#[test]
+fn buffers_made_used_and_freed_in_a_loop_hold_their_events_only_while_tracked() {
+    // A buffer's state per cycle, as a typed buffer's tracker sees it: written on one stream,
+    // read on another, its events taken out for the free (`take_all`), which hands them on
+    // until the uses complete, then drops them. A new state per cycle, 10^5 times: the pool
+    // makes only the events held at once.
+    let events = Events::default();
+    let (w, r) = (FakeStream::own(1), FakeStream::own(2));
+    let mut freed: std::collections::VecDeque<Vec<Arc<FakeEvent>>> = Default::default();
+    for _ in 0..100_000 {
+        let mut state = UseState::default();
+        use_on(&mut state, &events, &w, Access::Write);
+        use_on(&mut state, &events, &r, Access::Read);
+        freed.push_back(state.take_all(|_| true));
+        assert!(state.is_empty());
+        if freed.len() > 4 {
+            // The uses of the oldest freed buffer have completed: its events go back.
+            drop(freed.pop_front());
+        }
+    }
+    assert!(
+        events.made.get() <= 2 * 5,
+        "{} events made",
+        events.made.get()
+    );
+    drop(freed);
+    assert_eq!(events.held(), 0);
+    // A buffer nothing was queued on takes no event at all.
+    let mut untouched = UseState::<FakeEvent>::default();
+    assert!(untouched.take_all(|_| true).is_empty());
 }

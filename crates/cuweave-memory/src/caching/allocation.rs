@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use cuweave_driver::memory::DevicePtr;
-use cuweave_driver::{Device, Event, Stream};
+use cuweave_driver::{Device, OwnedPooledEvent, Stream};
 
 use super::allocator::ShardHandle;
 use super::block::BlockId;
@@ -173,12 +173,10 @@ impl CachedAllocation {
     /// The slow path of a free: record events on the other streams the memory was used on.
     #[cold]
     fn release_recorded(&mut self) -> Result<()> {
-        let engine = &self.shard.shared.engine;
+        let shared = &self.shard.shared;
+        let engine = &shared.engine;
         let uses = std::mem::take(&mut self.uses);
-        let mut spare = engine.take_spare(uses.len());
-        let recorded = record_uses(&uses, &mut spare);
-        engine.recycle(spare);
-        match recorded {
+        match record_uses(&uses, shared.context(), &shared.events) {
             Ok(events) => engine.free_after(self.stream, self.id, self.ptr, events),
             Err(error) => {
                 engine.free_never_reuse(self.stream, self.id, self.ptr)?;
@@ -251,15 +249,10 @@ impl CachedBlock {
 
     /// Returns the block to `shard`'s cache, to be handed out again only once every one of
     /// `events` (recorded behind the uses a typed buffer's tracker saw, on any stream) has
-    /// completed; `spare` events go to the allocator's spares. With no events this is the plain
+    /// completed; the events then go back to their pool. With no events this is the plain
     /// lock-protected free.
     #[inline]
-    pub(crate) fn free(
-        self,
-        shard: &ShardHandle,
-        events: Vec<Event>,
-        spare: Vec<Event>,
-    ) -> Result<()> {
+    pub(crate) fn free(self, shard: &ShardHandle, events: Vec<OwnedPooledEvent>) -> Result<()> {
         if cuweave_driver::graph::active_captures() != 0 {
             return super::graph_pool::release_block_during_capture(
                 shard,
@@ -267,14 +260,12 @@ impl CachedBlock {
                 self.ptr,
                 self.stream,
                 events,
-                spare,
             );
         }
         let engine = &shard.shared.engine;
-        if events.is_empty() && spare.is_empty() {
+        if events.is_empty() {
             return engine.free(self.stream, self.id, self.ptr);
         }
-        engine.recycle(spare);
         engine.free_after(self.stream, self.id, self.ptr, events)
     }
 }

@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::{Arc, OnceLock};
 
 use cuweave_driver::graph::active_captures;
-use cuweave_driver::{Context, Device, Event, Stream, StreamFlags};
+use cuweave_driver::{Context, Device, EventPool, OwnedPooledEvent, Stream, StreamFlags};
 
 use super::allocation::CachedAllocation;
 use super::engine::{Engine, Release, SHARDS, Upstream};
@@ -12,13 +12,20 @@ use super::pool::{Grant, Segment};
 use super::stats::MemoryStats;
 use super::stream_uses::StreamKey;
 use crate::error::Result;
+use crate::events::ContextEvents;
 use crate::resource::{DriverResource, MemoryResource, check_stream};
 
 /// What the allocator and every allocation it handed out share.
 pub(crate) struct Shared {
-    pub(crate) engine: Engine<Event>,
+    /// The cache; a pending block's markers are events of the context's pool, which go back
+    /// there once they complete.
+    pub(crate) engine: Engine<OwnedPooledEvent>,
     upstream: Arc<dyn MemoryResource>,
     pub(crate) device: Device,
+    /// The context's event pool: events recorded behind uses of the memory (by `record_stream`
+    /// frees and typed buffers' trackers) come from it. Held here so that it lives as long as
+    /// the allocator, and a pending marker's return is never the pool's last reference.
+    pub(crate) events: ContextEvents,
     /// The stream cached segments are handed back to the upstream on, made on first use.
     release_stream: OnceLock<Stream>,
 }
@@ -32,6 +39,12 @@ impl Shared {
     /// The upstream resource.
     pub(super) fn upstream(&self) -> &Arc<dyn MemoryResource> {
         &self.upstream
+    }
+
+    /// The context's event pool (looked up on first use).
+    #[inline]
+    pub(crate) fn event_pool(&self) -> Result<&EventPool> {
+        self.events.pool(self.context())
     }
 
     pub(super) fn release_stream(&self) -> Result<&Stream> {
@@ -174,6 +187,7 @@ impl CachingAllocator {
             engine: Engine::with_shards(shards),
             upstream,
             device,
+            events: ContextEvents::default(),
             release_stream: OnceLock::new(),
         });
         let shards = (0..shards)

@@ -4,7 +4,11 @@
 //!
 //! The upstream and the stream-use markers are traits, so the whole algorithm, out-of-memory
 //! retry and pending blocks included, is tested here with fakes; [`super::allocator`] plugs in
-//! the real [`MemoryResource`](crate::resource::MemoryResource) and CUDA events.
+//! the real [`MemoryResource`](crate::resource::MemoryResource) and pooled CUDA events.
+//!
+//! The engine keeps no spare markers: a completed marker is dropped (after the shard's lock is
+//! released), which returns a pooled event to its context's pool; whoever records the next use
+//! takes one from there.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -71,15 +75,12 @@ struct Totals {
 /// The allocator's shared state: per-stream shards of the pools, each under its own short lock,
 /// and the totals that span them.
 ///
-/// Lock order: shards by index, then `totals`; `spare` alone. A hit (allocate or free of a
-/// block of the caller's stream) takes one shard's lock and touches nothing another shard's
-/// thread writes.
+/// Lock order: shards by index, then `totals`. A hit (allocate or free of a block of the
+/// caller's stream) takes one shard's lock and touches nothing another shard's thread writes.
 #[derive(Debug)]
 pub(crate) struct Engine<E> {
     shards: Box<[Shard<E>]>,
     totals: Mutex<Totals>,
-    /// Completed markers, for reuse.
-    spare: Mutex<Vec<E>>,
 }
 
 impl<E> Default for Engine<E> {
@@ -95,7 +96,6 @@ impl<E> Engine<E> {
         Self {
             shards: (0..shards).map(|_| Shard::default()).collect(),
             totals: Mutex::default(),
-            spare: Mutex::new(Vec::new()),
         }
     }
 
@@ -280,11 +280,11 @@ impl<E: Marker> Engine<E> {
         let Some(mut pending) = shard.pending.try_lock() else {
             return;
         };
-        let mut spare = Vec::new();
+        let mut completed = Vec::new();
         let mut ready = Vec::new();
         let mut index = 0;
         while index < pending.len() {
-            if pending[index].poll(&mut spare) {
+            if pending[index].poll(&mut completed) {
                 ready.push(pending.swap_remove(index).block);
             } else {
                 index += 1;
@@ -292,7 +292,8 @@ impl<E: Marker> Engine<E> {
         }
         shard.pending_count.store(pending.len(), Ordering::Release);
         drop(pending);
-        self.recycle(spare);
+        // Back to their pool, outside the lock.
+        drop(completed);
         if !ready.is_empty() {
             let mut pools = shard.pools.lock();
             for id in ready {
@@ -316,21 +317,16 @@ impl<E: Marker> Engine<E> {
             if taken.is_empty() {
                 continue;
             }
-            let mut spare = Vec::new();
             let mut ready = Vec::new();
             for entry in taken {
                 match entry.markers.iter().try_for_each(Marker::wait) {
-                    Ok(()) => {
-                        spare.extend(entry.markers);
-                        ready.push(entry.block);
-                    }
+                    Ok(()) => ready.push(entry.block),
                     Err(error) => {
                         tracing::error!(%error, "waiting for a block's stream use failed; the block is never reused");
                         first_error.get_or_insert(error);
                     }
                 }
             }
-            self.recycle(spare);
             let mut pools = shard.pools.lock();
             for id in ready {
                 pools.release_pending(id);
@@ -371,26 +367,6 @@ impl<E: Marker> Engine<E> {
             release.release_segments(&segments)
         };
         waited.and(released).map(|()| bytes)
-    }
-
-    /// Up to `count` spare markers, for recording new stream uses.
-    pub fn take_spare(&self, count: usize) -> Vec<E> {
-        let mut spare = self.spare.lock();
-        let keep = spare.len().saturating_sub(count);
-        spare.split_off(keep)
-    }
-
-    /// One spare marker, if there is one (a typed buffer's tracker takes its events here, and
-    /// gives them back through the pending list when the buffer is freed).
-    pub fn take_one_spare(&self) -> Option<E> {
-        self.spare.lock().pop()
-    }
-
-    /// Keeps `markers` (completed, or not used) for reuse.
-    pub fn recycle(&self, markers: Vec<E>) {
-        if !markers.is_empty() {
-            self.spare.lock().extend(markers);
-        }
     }
 
     /// Runs `f` with every shard's pools and the totals locked (in lock order), so that what it

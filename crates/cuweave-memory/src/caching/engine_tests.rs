@@ -9,7 +9,7 @@ use parking_lot::Mutex;
 
 use super::*;
 use crate::caching::size_class::{LARGE_SEGMENT, SMALL_SEGMENT};
-use crate::caching::stream_uses::fake::Flag;
+use crate::caching::stream_uses::fake::{FakePool, Flag, Pooled};
 
 const MIB: usize = 1 << 20;
 
@@ -189,13 +189,13 @@ fn zero_and_impossible_requests_are_typed_errors() {
 
 #[test]
 fn a_pending_block_is_reused_only_after_its_markers_complete() {
-    let engine = Engine::<Flag>::default();
+    let engine = Engine::<Pooled>::default();
     let upstream = FakeUpstream::unlimited();
+    let events = FakePool::default();
     let a = engine.allocate(key(1), 64 * 1024, &upstream).unwrap();
-    let (first, second) = (Flag::default(), Flag::default());
-    engine
-        .free_after(a.stream, a.id, a.ptr, vec![first.clone(), second.clone()])
-        .unwrap();
+    let markers = vec![events.acquire(), events.acquire()];
+    let (first, second) = (markers[0].flag(), markers[1].flag());
+    engine.free_after(a.stream, a.id, a.ptr, markers).unwrap();
     assert_eq!(engine.pending_blocks(), 1);
     let stats = engine.stats();
     assert_eq!(stats.allocated_bytes.current, 0, "freed by its holder");
@@ -215,10 +215,11 @@ fn a_pending_block_is_reused_only_after_its_markers_complete() {
     assert_eq!(d.ptr, a.ptr, "reused once every marker completed");
     assert_eq!(engine.pending_blocks(), 0);
     assert_eq!(
-        engine.take_spare(8).len(),
-        2,
-        "completed markers are kept for reuse"
+        events.held(),
+        0,
+        "completed markers went back to their pool"
     );
+    assert_eq!(events.created(), 2);
     for grant in [b, c, d] {
         engine.free(grant.stream, grant.id, grant.ptr).unwrap();
     }
@@ -329,5 +330,47 @@ fn eight_threads_lose_nothing() {
     let stats = engine.stats();
     assert_eq!(stats.active_bytes.current, 0);
     assert_eq!(stats.reserved_bytes.current, 0);
+    assert_eq!(upstream.outstanding_bytes(), 0);
+}
+
+#[test]
+fn markers_go_back_to_their_pool_so_it_never_makes_more_than_are_held_at_once() {
+    // 10^5 blocks freed behind a use each, whose markers complete 8 frees later (a GPU that
+    // lags the host): the pool makes only as many markers as are pending at once, the engine
+    // keeps none, and every block is reused.
+    const LAG: usize = 8;
+    let engine = Engine::<Pooled>::default();
+    let upstream = FakeUpstream::unlimited();
+    let events = FakePool::default();
+    let mut in_flight = std::collections::VecDeque::new();
+    for _ in 0..100_000 {
+        let grant = engine.allocate(key(1), 4096, &upstream).unwrap();
+        let marker = events.acquire();
+        in_flight.push_back(marker.flag());
+        engine
+            .free_after(grant.stream, grant.id, grant.ptr, vec![marker])
+            .unwrap();
+        if in_flight.len() > LAG {
+            in_flight.pop_front().expect("one in flight").complete();
+        }
+        assert!(engine.pending_blocks() <= LAG + 1);
+    }
+    assert!(
+        events.created() <= LAG + 2,
+        "{} markers made for 10^5 frees",
+        events.created()
+    );
+    assert_eq!(events.created(), events.peak_held());
+    for flag in in_flight {
+        flag.complete();
+    }
+    engine.process_pending();
+    assert_eq!(events.held(), 0, "every marker went back");
+    assert_eq!(
+        upstream.allocations.load(Ordering::SeqCst),
+        1,
+        "one segment, reused"
+    );
+    engine.release_cached(&upstream).unwrap();
     assert_eq!(upstream.outstanding_bytes(), 0);
 }

@@ -459,7 +459,8 @@ pub(super) fn release_during_capture(
 
 /// Frees a typed buffer's block while some capture is active. `markers` are the events its
 /// tracker recorded behind its uses; some may have been recorded inside the capture (they can
-/// never be queried), so none is waited on or polled: they go back to the spares, and a block
+/// never be queried), so none is waited on or polled: they go back to the context's event pool
+/// (whoever takes one records it again before using it), and a block
 /// that was used is held instead of freed. A private block waits for the capture to end (its
 /// uses may be on streams forked into the capture, not ordered with the next allocation); a block
 /// of the general cache is graph memory from now on, held by the pool of a capture that has its
@@ -472,13 +473,11 @@ pub(crate) fn release_block_during_capture(
     id: BlockId,
     ptr: u64,
     stream: StreamKey,
-    markers: Vec<cuweave_driver::Event>,
-    spare: Vec<cuweave_driver::Event>,
+    markers: Vec<cuweave_driver::OwnedPooledEvent>,
 ) -> Result<()> {
     let engine = &shard.shared.engine;
     let used = !markers.is_empty();
-    engine.recycle(markers);
-    engine.recycle(spare);
+    drop(markers);
     if !used {
         return engine.free(stream, id, ptr);
     }
@@ -536,10 +535,8 @@ fn return_block(block: HeldBlock, synced: &mut Vec<Arc<Context>>) -> Result<()> 
         }
         return engine.free(block.stream, block.id, block.ptr);
     }
-    let mut spare = engine.take_spare(block.uses.len());
-    let recorded = record_uses(&block.uses, &mut spare);
-    engine.recycle(spare);
-    match recorded {
+    let shared = &block.shared;
+    match record_uses(&block.uses, shared.context(), &shared.events) {
         Ok(events) => engine.free_after(block.stream, block.id, block.ptr, events),
         Err(error) => {
             engine.free_never_reuse(block.stream, block.id, block.ptr)?;

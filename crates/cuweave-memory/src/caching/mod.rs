@@ -24,10 +24,12 @@
 //!   queued after the old. No event is recorded on this path: allocation and free stay a
 //!   lock-protected lookup (about 0.1 µs).
 //! - **Other streams.** Memory used on another stream must be recorded there with
-//!   [`CachedAllocation::record_stream`]. When it is freed, a pooled `DISABLE_TIMING` event is
-//!   recorded on each such stream and the block waits in a pending list; it is handed out again
-//!   only once every one of those events has completed (polled with `cuEventQuery`, without
-//!   blocking, at the next allocation; never while none are pending).
+//!   [`CachedAllocation::record_stream`]. When it is freed, a `DISABLE_TIMING` event of the
+//!   context's [`EventPool`](cuweave_driver::EventPool) is recorded on each such stream and the
+//!   block waits in a pending list; it is handed out again only once every one of those events
+//!   has completed (polled with `cuEventQuery`, without blocking, at the next allocation; never
+//!   while none are pending), and the events then go back to the pool. A typed buffer's drop
+//!   hands the events of its tracked uses to its block the same way.
 //! - **Out of memory.** When the upstream runs out, the allocator waits for its pending blocks,
 //!   returns every wholly free cached segment to the upstream, and retries once; then it fails
 //!   with [`MemoryError::OutOfMemory`](crate::MemoryError::OutOfMemory) carrying the request,

@@ -3,10 +3,11 @@
 
 use std::sync::Arc;
 
-use cuweave_driver::{Context, Event, EventFlags, Stream};
+use cuweave_driver::{Context, OwnedPooledEvent, Stream};
 
 use super::block::BlockId;
 use crate::error::{MemoryError, Result};
+use crate::events::ContextEvents;
 
 /// The raw value of `CU_STREAM_PER_THREAD`.
 pub(crate) const PER_THREAD_STREAM: usize = 2;
@@ -70,8 +71,8 @@ impl From<&Stream> for StreamKey {
     }
 }
 
-/// A marker of queued work that can be polled and waited for: a CUDA event in the allocator, a
-/// flag in the unit tests.
+/// A marker of queued work that can be polled and waited for: a pooled CUDA event in the
+/// allocator (dropping it returns it to its pool), a flag in the unit tests.
 pub(crate) trait Marker: Send + 'static {
     /// Whether the marked work has finished; never blocks.
     fn is_complete(&self) -> Result<bool>;
@@ -79,7 +80,7 @@ pub(crate) trait Marker: Send + 'static {
     fn wait(&self) -> Result<()>;
 }
 
-impl Marker for Event {
+impl Marker for OwnedPooledEvent {
     fn is_complete(&self) -> Result<bool> {
         Ok(self.query()?)
     }
@@ -99,13 +100,15 @@ pub(crate) struct Pending<E> {
 }
 
 impl<E: Marker> Pending<E> {
-    /// Moves every completed marker into `spare`; `true` when none is left to wait for.
+    /// Moves every completed marker into `completed` (for the caller to drop once it has let
+    /// go of its lock: dropping a pooled event returns it to its pool); `true` when none is left
+    /// to wait for.
     ///
     /// A marker whose query fails stays: a block is never handed out on a guess.
-    pub fn poll(&mut self, spare: &mut Vec<E>) -> bool {
+    pub fn poll(&mut self, completed: &mut Vec<E>) -> bool {
         while let Some(marker) = self.markers.first() {
             match marker.is_complete() {
-                Ok(true) => spare.push(self.markers.swap_remove(0)),
+                Ok(true) => completed.push(self.markers.swap_remove(0)),
                 Ok(false) => return false,
                 Err(error) => {
                     tracing::warn!(%error, "querying a block's stream-use event failed; keeping the block");
@@ -118,54 +121,49 @@ impl<E: Marker> Pending<E> {
 }
 
 /// Records, on each of `streams`, an event that completes when the work queued there so far has;
-/// events come from `spare` where one of the stream's context is there, else are created.
+/// events come from the event pool of the stream's context (`events`, the allocator's, for
+/// streams of `context`).
 ///
-/// When an event cannot be created or recorded on a stream, that stream is synchronised instead
+/// When an event cannot be taken or recorded on a stream, that stream is synchronised instead
 /// (its work is then done, so no event is needed); only if that fails too is the error returned,
 /// and the caller must then never hand the block out again.
-pub(crate) fn record_uses(streams: &[Arc<Stream>], spare: &mut Vec<Event>) -> Result<Vec<Event>> {
-    let mut events = Vec::with_capacity(streams.len());
+pub(crate) fn record_uses(
+    streams: &[Arc<Stream>],
+    context: &Arc<Context>,
+    events: &ContextEvents,
+) -> Result<Vec<OwnedPooledEvent>> {
+    let mut recorded = Vec::with_capacity(streams.len());
     for stream in streams {
-        match record_one(stream, spare) {
-            Ok(event) => events.push(event),
+        match record_one(stream, context, events) {
+            Ok(event) => recorded.push(event),
             Err(error) => {
                 tracing::warn!(%error, "recording a stream-use event failed; synchronising the stream");
                 stream.synchronize()?;
             }
         }
     }
-    Ok(events)
+    Ok(recorded)
 }
 
-fn record_one(stream: &Stream, spare: &mut Vec<Event>) -> Result<Event> {
-    let event = match take_spare(stream.context(), spare) {
-        Some(event) => event,
-        None => Event::new(stream.context(), EventFlags::DISABLE_TIMING)?,
-    };
-    match event.record(stream) {
-        Ok(()) => Ok(event),
-        Err(error) => {
-            spare.push(event);
-            Err(error.into())
-        }
-    }
-}
-
-/// A spare event of `context`, if there is one.
-fn take_spare(context: &Arc<Context>, spare: &mut Vec<Event>) -> Option<Event> {
-    let raw = context.as_raw();
-    let index = spare
-        .iter()
-        .rposition(|event| event.context().as_raw() == raw)?;
-    Some(spare.swap_remove(index))
+fn record_one(
+    stream: &Stream,
+    context: &Arc<Context>,
+    events: &ContextEvents,
+) -> Result<OwnedPooledEvent> {
+    let event = events.for_stream(context, stream)?;
+    event.record(stream)?;
+    Ok(event)
 }
 
 #[cfg(test)]
 pub(crate) mod fake {
-    //! A marker the tests complete by hand.
+    //! Markers the tests complete by hand: a bare flag, and flags lent by a CUDA-free stand-in
+    //! for the driver's event pool, which takes them back when dropped and counts what it made.
 
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
+
+    use parking_lot::Mutex;
 
     use super::Marker;
     use crate::error::Result;
@@ -190,6 +188,88 @@ pub(crate) mod fake {
             Ok(())
         }
     }
+
+    #[derive(Debug, Default)]
+    struct PoolState {
+        /// Numbers of the "events" free in the pool.
+        free: Vec<usize>,
+        created: usize,
+        held: usize,
+        peak_held: usize,
+    }
+
+    /// The pool's rules without CUDA: hands out a free item or, when none is free, a new one;
+    /// an item comes back when its handle is dropped. Each lending is a fresh recording (a new
+    /// [`Flag`]) of a reused item, as re-recording a pooled event is.
+    #[derive(Debug, Clone, Default)]
+    pub struct FakePool(Arc<Mutex<PoolState>>);
+
+    impl FakePool {
+        /// An item of the pool, recorded afresh (not complete).
+        pub fn acquire(&self) -> Pooled {
+            let mut state = self.0.lock();
+            let number = state.free.pop().unwrap_or_else(|| {
+                state.created += 1;
+                state.created
+            });
+            state.held += 1;
+            state.peak_held = state.peak_held.max(state.held);
+            Pooled {
+                number,
+                flag: Flag::default(),
+                pool: self.clone(),
+            }
+        }
+
+        /// Items made so far.
+        pub fn created(&self) -> usize {
+            self.0.lock().created
+        }
+
+        /// Items lent out now.
+        pub fn held(&self) -> usize {
+            self.0.lock().held
+        }
+
+        /// The most items lent out at once.
+        pub fn peak_held(&self) -> usize {
+            self.0.lock().peak_held
+        }
+    }
+
+    /// An item lent by a [`FakePool`]: a marker that completes when its flag is set, and goes
+    /// back to the pool when dropped.
+    #[derive(Debug)]
+    pub struct Pooled {
+        number: usize,
+        flag: Flag,
+        pool: FakePool,
+    }
+
+    impl Pooled {
+        /// The flag of this lending (a test completes it by hand).
+        pub fn flag(&self) -> Flag {
+            self.flag.clone()
+        }
+    }
+
+    impl Drop for Pooled {
+        fn drop(&mut self) {
+            let mut state = self.pool.0.lock();
+            state.held -= 1;
+            state.free.push(self.number);
+        }
+    }
+
+    impl Marker for Pooled {
+        fn is_complete(&self) -> Result<bool> {
+            self.flag.is_complete()
+        }
+
+        fn wait(&self) -> Result<()> {
+            self.flag.wait()
+        }
+    }
 }
 
 #[cfg(test)]
@@ -204,16 +284,16 @@ mod tests {
             block: 7,
             markers: vec![a.clone(), b.clone()],
         };
-        let mut spare = Vec::new();
-        assert!(!pending.poll(&mut spare));
+        let mut completed = Vec::new();
+        assert!(!pending.poll(&mut completed));
         b.complete();
         assert!(
-            !pending.poll(&mut spare),
+            !pending.poll(&mut completed),
             "the first marker is still running"
         );
         a.complete();
-        assert!(pending.poll(&mut spare));
-        assert_eq!(spare.len(), 2, "completed markers are recycled");
+        assert!(pending.poll(&mut completed));
+        assert_eq!(completed.len(), 2, "completed markers are handed back");
         assert!(pending.markers.is_empty());
     }
 

@@ -6,7 +6,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cuweave_driver::memory::{DevicePtr, HostAllocation};
-use cuweave_driver::{Event, Stream};
+use cuweave_driver::{OwnedPooledEvent, Stream};
 
 use super::pool::Inner;
 use crate::element::Element;
@@ -45,8 +45,9 @@ pub struct PinnedBlock {
     /// `Some` from creation until `drop` hands it back.
     allocation: Option<HostAllocation>,
     len: usize,
-    /// Events marking the last use on each recorded stream.
-    events: Vec<Event>,
+    /// Events marking the last use on each recorded stream (pooled: back to the context's
+    /// event pool once the block is ready again).
+    events: Vec<OwnedPooledEvent>,
     pool: Arc<Inner>,
 }
 
@@ -132,7 +133,7 @@ impl PinnedBlock {
 
     /// Adds events recorded behind uses of the block (a typed buffer's tracked uses): it goes
     /// back to the pool's ready list only once they have completed.
-    pub(crate) fn add_events(&mut self, events: Vec<Event>) {
+    pub(crate) fn add_events(&mut self, events: Vec<OwnedPooledEvent>) {
         self.events.extend(events);
     }
 

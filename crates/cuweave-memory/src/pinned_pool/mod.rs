@@ -18,6 +18,11 @@
 //! - [`PinnedPool::stats`] reports bytes in use, cached, pending and pinned (current and peak),
 //!   and the gets, returns, hits, misses and frees behind them.
 //!
+//! The events recorded behind blocks' uses come from the context's event pool
+//! ([`EventPool::for_context`](cuweave_driver::EventPool::for_context)); a returned block keeps
+//! them until they have completed, then drops them, which gives them back to the pool. The pool
+//! keeps no spare events of its own.
+//!
 //! Pinning, freeing, and creating or destroying events never happen under the pool's lock.
 //!
 //! ```no_run

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use cuweave_driver::graph::CaptureMode;
 use cuweave_driver::memory::HostAllocation;
-use cuweave_driver::{Context, DriverError, Event, EventFlags, Stream};
+use cuweave_driver::{Context, DriverError, EventPool, OwnedPooledEvent, Stream};
 use parking_lot::Mutex;
 
 use super::block::{PinnedBlock, TypedPinnedBlock};
@@ -16,9 +16,7 @@ use super::size_class::block_size;
 use super::stats::PinnedPoolStats;
 use crate::element::{Element, byte_len};
 use crate::error::{MemoryError, Result};
-
-/// Most idle events kept for reuse by [`PinnedBlock::record`]; more are destroyed.
-const MAX_SPARE_EVENTS: usize = 256;
+use crate::events::ContextEvents;
 
 impl Capacity for HostAllocation {
     fn capacity(&self) -> usize {
@@ -26,7 +24,7 @@ impl Capacity for HostAllocation {
     }
 }
 
-impl Fence for Event {
+impl Fence for OwnedPooledEvent {
     /// Never queries while a stream capture is active anywhere: a query of an event recorded
     /// before a capture invalidates it (from the capturing thread, or any thread in global
     /// mode), and one recorded inside a capture cannot be queried at all. The block stays
@@ -83,13 +81,14 @@ pub struct PinnedPool {
 pub(super) struct Inner {
     context: Arc<Context>,
     config: PinnedPoolConfig,
+    /// The context's event pool, where the events recorded behind blocks' uses come from and
+    /// go back to (once the block they guard is ready again).
+    events: ContextEvents,
     state: Mutex<State>,
 }
 
 struct State {
-    cache: BlockCache<HostAllocation, Event>,
-    /// Idle events of the pool's context, recorded again by later blocks.
-    spare_events: Vec<Event>,
+    cache: BlockCache<HostAllocation, OwnedPooledEvent>,
 }
 
 impl PinnedPool {
@@ -104,9 +103,9 @@ impl PinnedPool {
             inner: Arc::new(Inner {
                 context: Arc::clone(context),
                 config,
+                events: ContextEvents::default(),
                 state: Mutex::new(State {
                     cache: BlockCache::new(config.max_cached_bytes),
-                    spare_events: Vec::new(),
                 }),
             }),
         }
@@ -115,6 +114,12 @@ impl PinnedPool {
     /// The context blocks are pinned in.
     pub fn context(&self) -> &Arc<Context> {
         &self.inner.context
+    }
+
+    /// The event pool of the pool's context, which the events recorded behind blocks' uses come
+    /// from (typed buffers from the pool track their uses with it too).
+    pub(crate) fn event_pool(&self) -> Result<&EventPool> {
+        self.inner.events.pool(&self.inner.context)
     }
 
     /// The configuration the pool was made with.
@@ -181,16 +186,15 @@ impl PinnedPool {
         TypedPinnedBlock::new(self.get(bytes)?).ok_or_else(|| misaligned(bytes))
     }
 
-    /// Gives every cached block that is ready for reuse back to the driver, and the idle events;
-    /// returns the bytes unpinned.
+    /// Gives every cached block that is ready for reuse back to the driver; returns the bytes
+    /// unpinned.
     ///
     /// Blocks whose last use is still running stay pending (they are freed by a later `trim`,
     /// or when the pool goes away); blocks in use are untouched.
     pub fn trim(&self) -> usize {
-        let freed = self.inner.with_state(|state, released| {
-            released.fences.append(&mut state.spare_events);
-            state.cache.drain_ready(released)
-        });
+        let freed = self
+            .inner
+            .with_state(|state, released| state.cache.drain_ready(released));
         if freed > 0 {
             tracing::debug!(freed, "pinned pool trimmed");
         }
@@ -222,26 +226,15 @@ impl fmt::Debug for PinnedPool {
 }
 
 impl Inner {
-    /// Runs `f` under the lock, recycles the events it released, and frees what it released
-    /// after unlocking: freeing pinned memory and destroying events are driver calls.
+    /// Runs `f` under the lock, and drops what it released after unlocking: freeing pinned
+    /// memory is a driver call, and so is destroying events when a passed fence was the last
+    /// handle of another context's pool (fences of this pool's context just go back to it).
     fn with_state<R>(
         &self,
-        f: impl FnOnce(&mut State, &mut Released<HostAllocation, Event>) -> R,
+        f: impl FnOnce(&mut State, &mut Released<HostAllocation, OwnedPooledEvent>) -> R,
     ) -> R {
         let mut released = Released::default();
-        let result = {
-            let mut state = self.state.lock();
-            let result = f(&mut state, &mut released);
-            for event in std::mem::take(&mut released.fences) {
-                let ours = event.context().as_raw() == self.context.as_raw();
-                if ours && state.spare_events.len() < MAX_SPARE_EVENTS {
-                    state.spare_events.push(event);
-                } else {
-                    released.fences.push(event);
-                }
-            }
-            result
-        };
+        let result = f(&mut self.state.lock(), &mut released);
         drop(released);
         result
     }
@@ -296,20 +289,14 @@ impl Inner {
         Ok(allocation)
     }
 
-    /// An event for marking a use on `stream`: a spare one when `stream` is of the pool's
-    /// context, else a new one in the stream's context (created outside the lock).
-    pub(super) fn event_for(&self, stream: &Stream) -> Result<Event> {
-        if stream.context().as_raw() == self.context.as_raw() {
-            let spare = self.state.lock().spare_events.pop();
-            if let Some(event) = spare {
-                return Ok(event);
-            }
-        }
-        Ok(Event::new(stream.context(), EventFlags::DISABLE_TIMING)?)
+    /// An event for marking a use on `stream`, from the event pool of the stream's context
+    /// (the pool's own for streams of its context), never under the pool's lock.
+    pub(super) fn event_for(&self, stream: &Stream) -> Result<OwnedPooledEvent> {
+        self.events.for_stream(&self.context, stream)
     }
 
     /// Takes back a block from a dropped [`PinnedBlock`] with the events of its last use.
-    pub(super) fn give_back(&self, allocation: HostAllocation, events: Vec<Event>) {
+    pub(super) fn give_back(&self, allocation: HostAllocation, events: Vec<OwnedPooledEvent>) {
         self.with_state(|state, released| state.cache.give_back(allocation, events, released));
     }
 
