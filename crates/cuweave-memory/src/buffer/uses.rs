@@ -113,6 +113,8 @@ impl UseStream for Stream {
 
     #[inline]
     fn capture_epoch(&self) -> u64 {
+        // The record just made is ordered before the epoch read that stamps it.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         cuweave_driver::graph::capture_state().epoch
     }
 
@@ -332,7 +334,13 @@ impl<E: UseEvent> UseState<E> {
     ) -> Result<()> {
         self.reconcile(stream, view);
         let identity = stream_identity(stream);
-        let conflicting = |used: &&Use<E>| used.range.overlaps(range) && !used.covers(identity);
+        // A use on this very stream is ordered by stream order only on the same side of a
+        // capture: an eager use on a stream that now captures is not part of the graph, so it
+        // goes through the capture check like any other (and is never re-recorded away).
+        let tag = view.tag();
+        let conflicting = |used: &&Use<E>| {
+            used.range.overlaps(range) && !(used.covers(identity) && used.capture == tag)
+        };
         let reads = self
             .reads
             .iter()
@@ -396,7 +404,11 @@ impl<E: UseEvent> UseState<E> {
         match access {
             Access::Write => {
                 // Re-record a write this one overwrites, else take an event.
-                if let Some(index) = self.writes.iter().position(|w| range.contains(w.range)) {
+                if let Some(index) = self
+                    .writes
+                    .iter()
+                    .position(|w| range.contains(w.range) && w.capture == tag)
+                {
                     stream.record(&self.writes[index].event)?;
                     let mut write = self.writes.swap_remove(index);
                     write.stream = identity;

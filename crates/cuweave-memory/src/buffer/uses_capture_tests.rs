@@ -97,6 +97,32 @@ fn eager_uses_before_the_capture_are_dropped_unwaited_and_unqueried() {
 }
 
 #[test]
+fn an_eager_use_on_the_stream_that_then_captures_is_refused_not_forgotten() {
+    // A capture begun without synchronising (raw `begin_capture`): the bound knows nothing.
+    let (mut state, events) = (UseState::default(), Events::default());
+    let stream = FakeStream::own(1);
+    state
+        .op(&events, &stream, Access::Write, &CaptureView::NONE)
+        .unwrap();
+    begin(CAPTURE);
+    let view = capturing(CAPTURE, 0);
+    // Stream order does not order a graph after the eager write: refused, nothing queued.
+    assert_capturing(state.op(&events, &stream, Access::Write, &view));
+    assert_capturing(state.op(&events, &stream, Access::Read, &view));
+    assert!(
+        stream.take_waits().is_empty(),
+        "a refused use queued a wait"
+    );
+    end(CAPTURE);
+    // The eager write is still tracked: another stream still waits for it.
+    let other = FakeStream::own(2);
+    let waits = state
+        .op(&events, &other, Access::Read, &CaptureView::NONE)
+        .unwrap();
+    assert_eq!(waits.len(), 1, "the eager write's record was lost");
+}
+
+#[test]
 fn eager_work_after_the_capture_began_is_refused_for_the_capturing_stream() {
     let (mut state, events) = (UseState::default(), Events::default());
     let (other_thread, cap) = (FakeStream::own(1), FakeStream::own(2));
