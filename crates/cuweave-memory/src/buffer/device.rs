@@ -275,7 +275,9 @@ impl<T: Element> Sealed for DeviceBuffer<T> {
 impl<T: Element> Buffer<T> for DeviceBuffer<T> {}
 
 /// Deallocates a resource's memory on the legacy default stream once it has waited for every
-/// event; if a wait cannot be queued, the event is waited for on the host instead.
+/// event; if a wait cannot be queued, the event is waited for on the host instead. Only with
+/// no capture involved: during one the free is deferred
+/// ([`release_resource_during_capture`](crate::caching::release_resource_during_capture)).
 fn deallocate_after(
     resource: &dyn MemoryResource,
     ptr: DevicePtr,
@@ -311,7 +313,12 @@ impl<T: Element> Drop for DeviceBuffer<T> {
                 ptr,
                 bytes,
             } => {
-                if let Err(error) = deallocate_after(&*resource, ptr, bytes, &markers) {
+                if markers.during_capture() {
+                    // No wait nor query may run during a capture (one on a captured event
+                    // fails, one on an eager event breaks a global-mode capture).
+                    crate::caching::release_resource_during_capture(resource, ptr, bytes, markers);
+                } else if let Err(error) = deallocate_after(&*resource, ptr, bytes, &markers.events)
+                {
                     tracing::error!(%error, ptr, bytes, "deallocating a DeviceBuffer failed; the memory is leaked");
                 }
             }

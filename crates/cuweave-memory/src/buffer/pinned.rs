@@ -285,7 +285,7 @@ impl<T: Element> Drop for PinnedBuffer<T> {
         match std::mem::replace(&mut self.allocation, HostMemory::Gone) {
             HostMemory::Pool(mut block) => {
                 // The pool gates the block's reuse on the tracker's events: no wait here.
-                block.add_events(self.core.tracker_mut().take_for_free());
+                block.add_events(self.core.tracker_mut().take_for_free().events);
             }
             own => {
                 self.core.tracker().synchronize_for_drop("PinnedBuffer");

@@ -78,6 +78,24 @@ impl std::fmt::Debug for Owner {
     }
 }
 
+/// What a freed buffer's tracker hands over ([`StreamTracker::take_for_free`]).
+#[derive(Debug, Default)]
+pub(crate) struct FreeMarkers {
+    /// The events recorded behind its uses.
+    pub(crate) events: Vec<OwnedPooledEvent>,
+    /// The ids of the captures, active when the uses were taken, that recorded one of them.
+    pub(crate) captures: Vec<u64>,
+}
+
+impl FreeMarkers {
+    /// Whether the free must take the capture path: a capture is active now, or one that
+    /// used the buffer was active when its uses were taken.
+    #[inline]
+    pub(crate) fn during_capture(&self) -> bool {
+        !self.captures.is_empty() || active_captures() != 0
+    }
+}
+
 /// How an operation uses a buffer: whether it only reads the memory or may write it.
 ///
 /// Reads on different streams overlap; a write is ordered after every earlier use.
@@ -156,24 +174,28 @@ impl StreamTracker {
     /// Takes the events recorded behind uses out of the tracker when its buffer is freed: the
     /// memory may be reused only once they have all completed, so they travel with the block
     /// (to the caching allocator's pending list or the pinned pool) and go back to the event
-    /// pool when dropped there. An empty vector (no allocation, no lock: the buffer is being
-    /// dropped) when nothing is tracked.
+    /// pool when dropped there. Nothing (no allocation, no lock: the buffer is being dropped)
+    /// when nothing is tracked.
+    ///
+    /// [`FreeMarkers::captures`] names the active captures that used the buffer: the free must
+    /// then go to the capture path even if those captures end before it runs (their events
+    /// can never be queried).
     ///
     /// A recorded event that is still shared (only a host wait on this tracker clones one, and
     /// a buffer being freed has no borrower left) is waited for here instead.
     #[inline]
-    pub(crate) fn take_for_free(&mut self) -> Vec<OwnedPooledEvent> {
+    pub(crate) fn take_for_free(&mut self) -> FreeMarkers {
         let state = self.state.get_mut();
         if state.is_empty() {
-            return Vec::new();
+            return FreeMarkers::default();
         }
         // Uses of an ended capture are never queried: with no capture active, every one has ended.
         let none_active = active_captures() == 0;
-        let recorded = state.take_all(|id| none_active || !capture_is_active(id));
-        let mut markers = Vec::with_capacity(recorded.len());
-        for event in recorded {
+        let taken = state.take_all(|id| none_active || !capture_is_active(id));
+        let mut events = Vec::with_capacity(taken.events.len());
+        for event in taken.events {
             match Arc::try_unwrap(event) {
-                Ok(event) => markers.push(event),
+                Ok(event) => events.push(event),
                 Err(shared) => {
                     if let Err(error) = shared.synchronize() {
                         tracing::error!(%error, "waiting for a shared use event of a freed buffer failed");
@@ -181,7 +203,10 @@ impl StreamTracker {
                 }
             }
         }
-        markers
+        FreeMarkers {
+            events,
+            captures: taken.captures,
+        }
     }
 
     /// The raw handle of the stream that last used the buffer (0 is the legacy default stream,

@@ -65,6 +65,15 @@ pub(crate) struct CaptureView {
     pub(crate) capture: Option<Capturing>,
 }
 
+/// What [`UseState::take_all`] hands over when a buffer is freed.
+#[derive(Debug)]
+pub(crate) struct Taken<E> {
+    /// The events recorded behind the uses that are kept.
+    pub(crate) events: Vec<Arc<E>>,
+    /// The distinct ids of the active captures that recorded one of those uses.
+    pub(crate) captures: Vec<u64>,
+}
+
 /// The capture a stream records into.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Capturing {
@@ -582,19 +591,32 @@ impl<E: UseEvent> UseState<E> {
         self.last_stream = Some(stream.raw());
     }
 
-    /// Takes every event recorded behind a use out, leaving the state as new. Events of uses
-    /// whose capture has ended (`ended` says which) are dropped, back to their pool: they can
-    /// never be queried, and the graph holds what it needs.
-    pub(crate) fn take_all(&mut self, ended: impl Fn(u64) -> bool) -> Vec<Arc<E>> {
-        let mut recorded = Vec::with_capacity(self.tracked());
+    /// Takes every event recorded behind a use out, leaving the state as new, with the ids of
+    /// the still-active captures (`ended` says which have ended) that recorded a kept use: a
+    /// block with such a use is graph memory of that capture and must be held for its graph,
+    /// whatever the capture count reads by the time the block is freed. Events of uses whose
+    /// capture has ended are dropped, back to their pool: they can never be queried. (A graph
+    /// does not keep the memory it was captured with alive: see `docs/graphs.md`.)
+    pub(crate) fn take_all(&mut self, ended: impl Fn(u64) -> bool) -> Taken<E> {
+        let mut taken = Taken {
+            events: Vec::with_capacity(self.tracked()),
+            captures: Vec::new(),
+        };
         for used in self.writes.drain(..).chain(self.reads.drain(..)) {
-            if !used.capture.is_some_and(&ended) {
-                recorded.push(used.event);
+            match used.capture {
+                Some(id) if ended(id) => {}
+                Some(id) => {
+                    if !taken.captures.contains(&id) {
+                        taken.captures.push(id);
+                    }
+                    taken.events.push(used.event);
+                }
+                None => taken.events.push(used.event),
             }
         }
         self.last_stream = None;
         self.has_captured = false;
-        recorded
+        taken
     }
 
     /// Every event a host access must wait for: uses of ended captures are left out (their

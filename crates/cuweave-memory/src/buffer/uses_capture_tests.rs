@@ -239,8 +239,54 @@ fn freeing_after_a_capture_never_hands_captured_events_to_be_polled() {
         .unwrap_err();
     end(CAPTURE);
     let recorded = state.take_all(|_| true);
-    assert!(recorded.is_empty(), "a captured event would be polled");
+    assert!(
+        recorded.events.is_empty(),
+        "a captured event would be polled"
+    );
+    assert!(
+        recorded.captures.is_empty(),
+        "an ended capture is not reported"
+    );
     assert_eq!(events.held(), 0, "the captured event went back to the pool");
+}
+
+#[test]
+fn freeing_during_a_capture_names_the_live_captures_that_used_the_buffer() {
+    // The free reads the live captures from the uses themselves, so a capture that ends
+    // between this hand-off and the block's release cannot send a captured event to be polled,
+    // and the block is held for the capture that wrote it, not guessed from the bindings.
+    const OTHER: u64 = CAPTURE + 1;
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (cap, cap2) = (FakeStream::own(2), FakeStream::own(3));
+    let view = capturing(CAPTURE, begin(CAPTURE));
+    begin(OTHER);
+    state.op(&events, &cap, Access::Write, &view).unwrap();
+    state.op(&events, &cap, Access::Read, &view).unwrap();
+    let taken = state.take_all(|_| false);
+    assert_eq!(
+        taken.captures,
+        vec![CAPTURE],
+        "only the capture that used it, once"
+    );
+    assert!(!taken.events.is_empty());
+    drop(taken);
+    // Read by two captures after an eager write both know complete: both are named.
+    let (mut shared, events2, _eager, cap) = written_eagerly();
+    let first = capturing(CAPTURE, begin(CAPTURE));
+    let second = capturing(OTHER, begin(OTHER));
+    shared.op(&events2, &cap, Access::Read, &first).unwrap();
+    shared.op(&events2, &cap2, Access::Read, &second).unwrap();
+    let mut named = shared.take_all(|_| false).captures;
+    named.sort_unstable();
+    assert_eq!(named, vec![CAPTURE, OTHER]);
+    // The capture ended before the free: nothing of it is reported nor kept.
+    let mut ended = UseState::default();
+    ended.op(&events, &cap, Access::Write, &view).unwrap();
+    let taken = ended.take_all(|id| id == CAPTURE);
+    assert!(taken.captures.is_empty() && taken.events.is_empty());
+    end(OTHER);
+    end(OTHER);
+    end(CAPTURE);
 }
 
 #[test]

@@ -500,7 +500,7 @@ fn buffers_made_used_and_freed_in_a_loop_hold_their_events_only_while_tracked() 
         let mut state = UseState::default();
         use_on(&mut state, &events, &w, Access::Write);
         use_on(&mut state, &events, &r, Access::Read);
-        freed.push_back(state.take_all(|_| true));
+        freed.push_back(state.take_all(|_| true).events);
         assert!(state.is_empty());
         if freed.len() > 4 {
             // The uses of the oldest freed buffer have completed: its events go back.
@@ -516,5 +516,5 @@ fn buffers_made_used_and_freed_in_a_loop_hold_their_events_only_while_tracked() 
     assert_eq!(events.held(), 0);
     // A buffer nothing was queued on takes no event at all.
     let mut untouched = UseState::<FakeEvent>::default();
-    assert!(untouched.take_all(|_| true).is_empty());
+    assert!(untouched.take_all(|_| true).events.is_empty());
 }

@@ -4,12 +4,13 @@ use std::fmt;
 use std::sync::Arc;
 
 use cuweave_driver::memory::DevicePtr;
-use cuweave_driver::{Device, OwnedPooledEvent, Stream};
+use cuweave_driver::{Device, Stream};
 
 use super::allocator::ShardHandle;
 use super::block::BlockId;
 use super::pool::Grant;
 use super::stream_uses::{StreamKey, record_uses};
+use crate::buffer::tracker::FreeMarkers;
 use crate::error::Result;
 use crate::resource::check_stream;
 
@@ -248,24 +249,25 @@ impl CachedBlock {
     }
 
     /// Returns the block to `shard`'s cache, to be handed out again only once every one of
-    /// `events` (recorded behind the uses a typed buffer's tracker saw, on any stream) has
+    /// `markers.events` (recorded behind the uses a typed buffer's tracker saw, on any stream) has
     /// completed; the events then go back to their pool. With no events this is the plain
     /// lock-protected free.
     #[inline]
-    pub(crate) fn free(self, shard: &ShardHandle, events: Vec<OwnedPooledEvent>) -> Result<()> {
-        if cuweave_driver::graph::active_captures() != 0 {
+    pub(crate) fn free(self, shard: &ShardHandle, markers: FreeMarkers) -> Result<()> {
+        if markers.during_capture() {
             return super::graph_pool::release_block_during_capture(
                 shard,
                 self.id,
                 self.ptr,
+                self.block_size,
                 self.stream,
-                events,
+                markers,
             );
         }
         let engine = &shard.shared.engine;
-        if events.is_empty() {
+        if markers.events.is_empty() {
             return engine.free(self.stream, self.id, self.ptr);
         }
-        engine.free_after(self.stream, self.id, self.ptr, events)
+        engine.free_after(self.stream, self.id, self.ptr, markers.events)
     }
 }

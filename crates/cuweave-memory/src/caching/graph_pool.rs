@@ -18,7 +18,13 @@
 //! - A free during a capture that would record events (a block used on other streams) is
 //!   deferred until no capture is active. A block of the general cache freed during the capture
 //!   of its stream (or used there) is graph memory from then on: it is held by the pool and
-//!   returns to the general cache, after the device has finished, when the pool is dropped.
+//!   returns to the general cache, after the device has finished, when the pool is dropped. A
+//!   typed buffer's free names the captures that used it (its tracker stamps each use with its
+//!   capture): the pools bound to them hold it; with no pool known for one of them, it is
+//!   stranded for good ([`stranded_graph_memory`]), never handed out again.
+//! - A typed buffer of another memory resource freed during a capture is deallocated once no
+//!   capture is active and the device has finished (or held like a block, when a capture used
+//!   it).
 //! - A pool lives as long as its last holder: the [`GraphPool`] handles and every graph and
 //!   executable it is attached to ([`GraphPool::keep_alive`]). Until then
 //!   [`CachingAllocator::empty_cache`] leaves its segments alone; after, they are released like
@@ -28,9 +34,10 @@
 
 use std::any::Any;
 use std::collections::HashSet;
+use std::collections::VecDeque;
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 use cuweave_driver::graph::{
     CaptureMode, CaptureModeGuard, GraphError, KeepAlive, active_captures,
@@ -43,7 +50,9 @@ use super::block::BlockId;
 use super::engine::Upstream;
 use super::pool::{Grant, Segment};
 use super::stream_uses::{StreamKey, record_uses};
+use crate::buffer::tracker::FreeMarkers;
 use crate::error::{MemoryError, Result};
+use crate::resource::MemoryResource;
 
 /// The high bit of a [`StreamKey`] marks a private pool's free list.
 const PRIVATE_BIT: usize = 1 << (usize::BITS - 1);
@@ -94,11 +103,43 @@ struct HeldBlock {
     after_device: bool,
 }
 
+/// Memory whose return waits for captures to end or for pools to die.
+enum HeldMemory {
+    /// A block of a caching allocator.
+    Block(HeldBlock),
+    /// An allocation of another memory resource, deallocated (on the legacy stream) once the
+    /// device has finished with it.
+    Resource {
+        resource: Arc<dyn MemoryResource>,
+        ptr: u64,
+        bytes: usize,
+    },
+    /// Counts its return (tests).
+    #[cfg(test)]
+    Probe(Arc<std::sync::atomic::AtomicUsize>),
+}
+
+/// Held memory, and the other pools whose graphs may still use it: when the pool holding it
+/// dies it passes to one of those still alive, and returns only once none is.
+struct Held {
+    memory: HeldMemory,
+    also: Vec<Weak<PoolToken>>,
+}
+
+impl From<HeldBlock> for Held {
+    fn from(block: HeldBlock) -> Self {
+        Self {
+            memory: HeldMemory::Block(block),
+            also: Vec::new(),
+        }
+    }
+}
+
 /// What keeps a pool alive; dropping the last one retires the pool.
 struct PoolToken {
     id: u32,
-    /// General-cache blocks freed during captures into this pool: graph memory until it dies.
-    held: Mutex<Vec<HeldBlock>>,
+    /// Memory freed while it was graph memory of this pool's captures: held until it dies.
+    held: Mutex<Vec<Held>>,
 }
 
 impl Drop for PoolToken {
@@ -107,8 +148,28 @@ impl Drop for PoolToken {
             live.remove(&self.id);
         }
         let held = std::mem::take(&mut *self.held.lock());
-        if !held.is_empty() {
-            DEFERRED.lock().extend(held);
+        if held.is_empty() {
+            return;
+        }
+        let mut free = Vec::new();
+        for mut item in held {
+            let next = loop {
+                match item.also.pop() {
+                    None => break None,
+                    Some(weak) => {
+                        if let Some(token) = weak.upgrade() {
+                            break Some(token);
+                        }
+                    }
+                }
+            };
+            match next {
+                Some(token) => token.held.lock().push(item),
+                None => free.push(item),
+            }
+        }
+        if !free.is_empty() {
+            DEFERRED.lock().extend(free);
             flush_deferred();
         }
     }
@@ -203,7 +264,14 @@ static BINDINGS: RwLock<Vec<Binding>> = RwLock::new(Vec::new());
 /// Bumped whenever a binding comes or goes, so per-thread route caches know to look again.
 static EPOCH: AtomicU64 = AtomicU64::new(0);
 /// Frees waiting for no capture to be active.
-static DEFERRED: Mutex<Vec<HeldBlock>> = Mutex::new(Vec::new());
+static DEFERRED: Mutex<Vec<Held>> = Mutex::new(Vec::new());
+/// Bindings of ended captures, newest last (at most [`RECENT_BOUND`]): a block whose free
+/// names a capture that ended just before still finds its pool.
+static RECENT: Mutex<VecDeque<(u64, Weak<PoolToken>)>> = Mutex::new(VecDeque::new());
+const RECENT_BOUND: usize = 64;
+/// Allocations used by a capture no pool could be found for, kept out of every cache for the
+/// process's life (a graph of that capture may still write them): how many, and their bytes.
+static STRANDED: Mutex<(u64, u64)> = Mutex::new((0, 0));
 
 thread_local! {
     /// The last route this thread took during a capture: (epoch, stream id, pool, policy).
@@ -248,6 +316,7 @@ impl Drop for AllocateToPool {
             .write()
             .retain(|binding| binding.capture != self.capture);
         EPOCH.fetch_add(1, Ordering::AcqRel);
+        remember_ended(self.capture, &self.pool);
         flush_deferred();
     }
 }
@@ -441,43 +510,51 @@ pub(super) fn release_during_capture(
         if uses.is_empty() {
             return engine.free(stream, id, ptr);
         }
-        DEFERRED.lock().push(held(false));
+        DEFERRED.lock().push(held(false).into());
         return Ok(());
     }
     let owner = capturing_pool_of(stream.as_usize() as u64)
         .or_else(|| uses.iter().find_map(|used| capturing_pool_of(used.id())));
     if let Some(pool) = owner {
-        pool.token.held.lock().push(held(true));
+        pool.token.held.lock().push(held(true).into());
         return Ok(());
     }
     if uses.is_empty() {
         return engine.free(stream, id, ptr);
     }
-    DEFERRED.lock().push(held(false));
+    DEFERRED.lock().push(held(false).into());
     Ok(())
 }
 
-/// Frees a typed buffer's block while some capture is active. `markers` are the events its
-/// tracker recorded behind its uses; some may have been recorded inside the capture (they can
-/// never be queried), so none is waited on or polled: they go back to the context's event pool
-/// (whoever takes one records it again before using it), and a block
-/// that was used is held instead of freed. A private block waits for the capture to end (its
-/// uses may be on streams forked into the capture, not ordered with the next allocation); a block
-/// of the general cache is graph memory from now on, held by the pool of a capture that has its
-/// stream (or, failing that, of the only bound capture) until that pool dies, else returned once
-/// no capture is active and the device has finished.
+/// Frees a typed buffer's block while some capture is active, or after a capture that used it
+/// (`markers.captures`) was still active when its uses were taken. Its events may have been
+/// recorded inside a capture (they can never be queried), so none is waited on or polled: they
+/// go back to the context's event pool (whoever takes one records it again before using it),
+/// and a block that was used is held instead of freed.
+///
+/// - A block of the general cache used by captures is graph memory: it is held by the pools
+///   bound to those captures (until the last of them dies), or, when one of them has no known
+///   pool (a raw capture), kept out of the cache for the process's life
+///   ([`stranded_graph_memory`]).
+/// - A private block waits for the captures to end (its uses may be on streams forked into
+///   the capture, not ordered with the next allocation).
+/// - A general-cache block used only eagerly is held by the pool of a capture that has its
+///   stream (or, failing that, of the only bound capture), else returned once no capture is
+///   active and the device has finished.
 #[cold]
 #[inline(never)]
 pub(crate) fn release_block_during_capture(
     shard: &ShardHandle,
     id: BlockId,
     ptr: u64,
+    bytes: usize,
     stream: StreamKey,
-    markers: Vec<cuweave_driver::OwnedPooledEvent>,
+    markers: FreeMarkers,
 ) -> Result<()> {
     let engine = &shard.shared.engine;
-    let used = !markers.is_empty();
-    drop(markers);
+    let FreeMarkers { events, captures } = markers;
+    let used = !events.is_empty();
+    drop(events);
     if !used {
         return engine.free(stream, id, ptr);
     }
@@ -490,6 +567,11 @@ pub(crate) fn release_block_during_capture(
         uses: Vec::new(),
         after_device: !private,
     };
+    if !private && !captures.is_empty() {
+        hold_for_captures(held.into(), &captures, bytes);
+        flush_deferred();
+        return Ok(());
+    }
     if !private {
         let owner = capturing_pool_of(stream.as_usize() as u64).or_else(|| {
             let bindings = BINDINGS.read();
@@ -499,12 +581,117 @@ pub(crate) fn release_block_during_capture(
             }
         });
         if let Some(pool) = owner {
-            pool.token.held.lock().push(held);
+            pool.token.held.lock().push(held.into());
             return Ok(());
         }
     }
-    DEFERRED.lock().push(held);
+    DEFERRED.lock().push(held.into());
+    flush_deferred();
     Ok(())
+}
+
+/// Frees a resource's allocation (a typed buffer not from a caching allocator) while some
+/// capture is active, or after one that used it: nothing is waited on or queried. Used by
+/// captures, it is held as [`release_block_during_capture`] holds a general-cache block; else
+/// it is deallocated once no capture is active and the device has finished.
+#[cold]
+#[inline(never)]
+pub(crate) fn release_resource_during_capture(
+    resource: Arc<dyn MemoryResource>,
+    ptr: u64,
+    bytes: usize,
+    markers: FreeMarkers,
+) {
+    let FreeMarkers { events, captures } = markers;
+    drop(events);
+    let held = Held {
+        memory: HeldMemory::Resource {
+            resource,
+            ptr,
+            bytes,
+        },
+        also: Vec::new(),
+    };
+    if captures.is_empty() {
+        DEFERRED.lock().push(held);
+    } else {
+        hold_for_captures(held, &captures, bytes);
+    }
+    flush_deferred();
+}
+
+/// Notes that `capture`'s binding to `pool` ended, keeping the last [`RECENT_BOUND`].
+fn remember_ended(capture: u64, pool: &GraphPool) {
+    remember_in(&mut RECENT.lock(), capture, pool);
+}
+
+fn remember_in(recent: &mut VecDeque<(u64, Weak<PoolToken>)>, capture: u64, pool: &GraphPool) {
+    recent.retain(|(id, _)| *id != capture);
+    if recent.len() == RECENT_BOUND {
+        recent.pop_front();
+    }
+    recent.push_back((capture, Arc::downgrade(&pool.token)));
+}
+
+/// The pools whose graphs may use memory that `captures` used: `None` when one of them has no
+/// known pool. A capture whose pool has died needs nothing (no graph of it is left).
+fn pools_of(captures: &[u64]) -> Option<Vec<Arc<PoolToken>>> {
+    let mut pools: Vec<Arc<PoolToken>> = Vec::new();
+    for &capture in captures {
+        let bound = BINDINGS
+            .read()
+            .iter()
+            .find(|binding| binding.capture == capture)
+            .map(|binding| Arc::clone(&binding.pool.token));
+        let token = match bound {
+            Some(token) => Some(token),
+            None => {
+                let recent = RECENT.lock();
+                let (_, weak) = recent.iter().rev().find(|(id, _)| *id == capture)?;
+                weak.upgrade()
+            }
+        };
+        if let Some(token) = token
+            && !pools.iter().any(|pool| pool.id == token.id)
+        {
+            pools.push(token);
+        }
+    }
+    Some(pools)
+}
+
+/// Holds `held` (used by `captures`) for their graphs: in their pools, deferred when all of
+/// them have died, or stranded for good when one has no known pool.
+fn hold_for_captures(mut held: Held, captures: &[u64], bytes: usize) {
+    match pools_of(captures) {
+        Some(mut pools) => match pools.pop() {
+            Some(first) => {
+                held.also = pools.iter().map(Arc::downgrade).collect();
+                first.held.lock().push(held);
+            }
+            None => DEFERRED.lock().push(held),
+        },
+        None => {
+            tracing::warn!(
+                bytes,
+                "memory used by a capture with no graph pool is kept out of every cache for good"
+            );
+            let mut stranded = STRANDED.lock();
+            stranded.0 += 1;
+            stranded.1 += bytes as u64;
+            // Never returned: forgetting keeps the block allocated (and counted in the
+            // allocator's statistics) and the resource's memory untouched.
+            std::mem::forget(held);
+        }
+    }
+}
+
+/// Allocations freed after a capture used them that no graph pool could hold (a capture begun
+/// without [`begin_allocate_to_pool`], or whose binding ended long before): a graph of that
+/// capture may still write them, so they are never reused nor released. How many, and their
+/// bytes, since the process started.
+pub fn stranded_graph_memory() -> (u64, u64) {
+    *STRANDED.lock()
 }
 
 /// Carries out deferred frees once no capture is active (else leaves them for the last
@@ -525,14 +712,27 @@ fn flush_deferred() {
     }
 }
 
-fn return_block(block: HeldBlock, synced: &mut Vec<Arc<Context>>) -> Result<()> {
+fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result<()> {
+    let block = match held.memory {
+        HeldMemory::Block(block) => block,
+        HeldMemory::Resource {
+            resource,
+            ptr,
+            bytes,
+        } => {
+            synchronize_once(resource.context(), synced)?;
+            let legacy = crate::buffer::raw::legacy_stream(resource.context());
+            return resource.deallocate(ptr, bytes, &legacy);
+        }
+        #[cfg(test)]
+        HeldMemory::Probe(count) => {
+            count.fetch_add(1, Ordering::SeqCst);
+            return Ok(());
+        }
+    };
     let engine = &block.shared.engine;
     if block.after_device {
-        let context = block.shared.context();
-        if !synced.iter().any(|done| Arc::ptr_eq(done, context)) {
-            context.synchronize()?;
-            synced.push(Arc::clone(context));
-        }
+        synchronize_once(block.shared.context(), synced)?;
         return engine.free(block.stream, block.id, block.ptr);
     }
     let shared = &block.shared;
@@ -543,6 +743,15 @@ fn return_block(block: HeldBlock, synced: &mut Vec<Arc<Context>>) -> Result<()> 
             Err(error)
         }
     }
+}
+
+/// Synchronises `context` unless `synced` says it already was.
+fn synchronize_once(context: &Arc<Context>, synced: &mut Vec<Arc<Context>>) -> Result<()> {
+    if !synced.iter().any(|done| Arc::ptr_eq(done, context)) {
+        context.synchronize()?;
+        synced.push(Arc::clone(context));
+    }
+    Ok(())
 }
 
 /// Refuses an operation of the allocator that would wait for the device or free memory while
@@ -576,6 +785,135 @@ mod tests {
         assert!(is_retained(key), "a graph still holds the pool");
         drop(keep);
         assert!(!is_retained(key));
+    }
+
+    use std::sync::atomic::AtomicUsize;
+
+    /// A held probe, and the count its return bumps.
+    fn probe() -> (Held, Arc<AtomicUsize>) {
+        let count = Arc::new(AtomicUsize::new(0));
+        let held = Held {
+            memory: HeldMemory::Probe(Arc::clone(&count)),
+            also: Vec::new(),
+        };
+        (held, count)
+    }
+
+    /// Binds `capture` to `pool` as `begin_allocate_to_pool` does (capture ids here are far
+    /// from any other test's).
+    fn bind(capture: u64, pool: &GraphPool) -> AllocateToPool {
+        BINDINGS.write().push(Binding {
+            capture,
+            pool: pool.clone(),
+            misses: MissPolicy::AllocateRelaxed,
+            streams: Vec::new(),
+        });
+        AllocateToPool {
+            capture,
+            pool: pool.clone(),
+        }
+    }
+
+    #[test]
+    fn memory_used_by_two_captures_is_held_until_both_pools_die() {
+        let (first, second) = (GraphPool::new(), GraphPool::new());
+        let (c1, c2) = (u64::MAX - 10, u64::MAX - 11);
+        let (b1, b2) = (bind(c1, &first), bind(c2, &second));
+        let (held, returned) = probe();
+        hold_for_captures(held, &[c1, c2], 512);
+        // The captures end (their bindings go): the pools, still alive, keep holding.
+        drop((b1, b2));
+        flush_deferred();
+        drop(second);
+        flush_deferred();
+        assert_eq!(
+            returned.load(Ordering::SeqCst),
+            0,
+            "the first graph may still replay"
+        );
+        drop(first);
+        assert_eq!(
+            returned.load(Ordering::SeqCst),
+            1,
+            "returned once both pools died"
+        );
+        // Whichever dies first, the other holds it.
+        let (first, second) = (GraphPool::new(), GraphPool::new());
+        let (b1, b2) = (bind(c1 - 100, &first), bind(c2 - 100, &second));
+        let (held, returned) = probe();
+        hold_for_captures(held, &[c1 - 100, c2 - 100], 512);
+        drop((b1, b2));
+        drop(first);
+        assert_eq!(returned.load(Ordering::SeqCst), 0);
+        drop(second);
+        assert_eq!(returned.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_capture_that_ended_before_the_free_still_finds_its_pool() {
+        // The capture ends (and its binding goes) between the tracker's hand-off and the
+        // block's release: the block is still held for the capture's graph.
+        let pool = GraphPool::new();
+        let capture = u64::MAX - 20;
+        drop(bind(capture, &pool));
+        let (held, returned) = probe();
+        hold_for_captures(held, &[capture], 512);
+        flush_deferred();
+        assert_eq!(
+            returned.load(Ordering::SeqCst),
+            0,
+            "held while the pool lives"
+        );
+        drop(pool);
+        assert_eq!(returned.load(Ordering::SeqCst), 1);
+        // A capture whose pool has already died has no graph left: returned at once.
+        let (held, returned) = probe();
+        hold_for_captures(held, &[capture], 512);
+        flush_deferred();
+        assert_eq!(returned.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn memory_of_a_capture_with_no_pool_is_never_returned_and_is_counted() {
+        let (count, bytes) = stranded_graph_memory();
+        let (held, returned) = probe();
+        hold_for_captures(held, &[u64::MAX - 30], 4096);
+        flush_deferred();
+        assert_eq!(returned.load(Ordering::SeqCst), 0, "never handed out again");
+        let (count_after, bytes_after) = stranded_graph_memory();
+        assert!(count_after > count && bytes_after >= bytes + 4096);
+    }
+
+    #[test]
+    fn a_free_after_its_capture_ended_still_takes_the_capture_path() {
+        let markers = FreeMarkers {
+            events: Vec::new(),
+            captures: vec![u64::MAX - 40],
+        };
+        assert_eq!(active_captures(), 0);
+        assert!(
+            markers.during_capture(),
+            "a captured event must never be polled"
+        );
+        assert!(!FreeMarkers::default().during_capture());
+    }
+
+    #[test]
+    fn ended_bindings_are_remembered_within_a_bound() {
+        let mut recent = VecDeque::new();
+        let pool = GraphPool::new();
+        for capture in 0..100_000u64 {
+            remember_in(&mut recent, capture, &pool);
+            remember_in(&mut recent, capture, &pool);
+        }
+        assert_eq!(recent.len(), RECENT_BOUND);
+        drop(pool);
+        remember_in(&mut recent, 0, &GraphPool::new());
+        assert_eq!(recent.len(), RECENT_BOUND);
+        assert!(
+            recent.back().is_some_and(|(id, _)| *id == 0),
+            "the newest is kept"
+        );
     }
 
     #[test]

@@ -111,9 +111,10 @@ pub use allocation::CachedAllocation;
 pub(crate) use allocation::CachedBlock;
 pub use allocator::CachingAllocator;
 pub(crate) use allocator::ShardHandle;
+pub(crate) use graph_pool::release_resource_during_capture;
 pub use graph_pool::{
     AllocateToPool, GraphPool, GraphPoolId, MissPolicy, begin_allocate_to_pool, graph_pool_handle,
-    note_capture_stream,
+    note_capture_stream, stranded_graph_memory,
 };
 pub(crate) use pool::Grant;
 pub use size_class::PoolKind;
