@@ -83,13 +83,13 @@ impl std::fmt::Debug for Owner {
 pub(crate) struct FreeMarkers {
     /// The events recorded behind its uses.
     pub(crate) events: Vec<OwnedPooledEvent>,
-    /// The ids of the captures, active when the uses were taken, that recorded one of them.
+    /// The ids of the captures that used the buffer (ended ones too).
     pub(crate) captures: Vec<u64>,
 }
 
 impl FreeMarkers {
-    /// Whether the free must take the capture path: a capture is active now, or one that
-    /// used the buffer was active when its uses were taken.
+    /// Whether the free must take the capture path: a capture is active now, or one used the
+    /// buffer.
     #[inline]
     pub(crate) fn during_capture(&self) -> bool {
         !self.captures.is_empty() || active_captures() != 0
@@ -177,16 +177,16 @@ impl StreamTracker {
     /// pool when dropped there. Nothing (no allocation, no lock: the buffer is being dropped)
     /// when nothing is tracked.
     ///
-    /// [`FreeMarkers::captures`] names the active captures that used the buffer: the free must
-    /// then go to the capture path even if those captures end before it runs (their events
-    /// can never be queried).
+    /// [`FreeMarkers::captures`] names the captures that used the buffer: the free must then go
+    /// to the capture path, which holds the memory for their graphs, even if those captures have
+    /// ended (their events can never be queried, and their graphs may replay).
     ///
     /// A recorded event that is still shared (only a host wait on this tracker clones one, and
     /// a buffer being freed has no borrower left) is waited for here instead.
     #[inline]
     pub(crate) fn take_for_free(&mut self) -> FreeMarkers {
         let state = self.state.get_mut();
-        if state.is_empty() {
+        if state.is_empty() && !state.used_in_graphs() {
             return FreeMarkers::default();
         }
         // Uses of an ended capture are never queried: with no capture active, every one has ended.

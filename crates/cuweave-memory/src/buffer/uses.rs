@@ -18,8 +18,9 @@
 //!   was synchronised after them: they have finished); it refuses, with
 //!   [`GraphError::Capturing`], to wait for an eager use stamped later (another thread's work
 //!   after the capture began) or for a use captured by another capture;
-//! - uses recorded on a capturing stream order later work of the same capture as usual; once
-//!   their capture has ended they are dropped (the graph's launches are ordered by the stream
+//! - uses recorded on a capturing stream order later work of the same capture as usual (and the
+//!   capture's id is remembered, bounded, for the free: its graph may replay with the memory);
+//!   once their capture has ended they are dropped (the graph's launches are ordered by the stream
 //!   the graph is launched on); while it is active, eager work that would wait for one is
 //!   refused with [`GraphError::Capturing`];
 //! - while any capture is active, finished uses are not pruned (that would query events).
@@ -70,7 +71,8 @@ pub(crate) struct CaptureView {
 pub(crate) struct Taken<E> {
     /// The events recorded behind the uses that are kept.
     pub(crate) events: Vec<Arc<E>>,
-    /// The distinct ids of the active captures that recorded one of those uses.
+    /// The distinct ids of the captures that used the buffer (ended ones too; the last may be
+    /// [`UNKNOWN_CAPTURE`]).
     pub(crate) captures: Vec<u64>,
 }
 
@@ -268,7 +270,17 @@ pub(crate) struct UseState<E> {
     pub(crate) last_stream: Option<usize>,
     /// Whether a use recorded in a capture may still be tracked.
     has_captured: bool,
+    /// The captures that ever used the buffer (at most [`GRAPH_CAPTURES`], the last slot
+    /// [`UNKNOWN_CAPTURE`] once more did): their graphs may replay with the memory until they
+    /// die, so a free hands them on ([`UseState::take_all`]).
+    graphs: Vec<u64>,
 }
+
+/// How many captures that used a buffer are remembered by id.
+pub(crate) const GRAPH_CAPTURES: usize = 16;
+/// Stands for the captures past [`GRAPH_CAPTURES`]: no pool is known for it, so a buffer used
+/// by that many captures is never reused after its free.
+pub(crate) const UNKNOWN_CAPTURE: u64 = u64::MAX;
 
 impl<E> Default for UseState<E> {
     fn default() -> Self {
@@ -277,6 +289,7 @@ impl<E> Default for UseState<E> {
             reads: Vec::new(),
             last_stream: None,
             has_captured: false,
+            graphs: Vec::new(),
         }
     }
 }
@@ -291,6 +304,25 @@ impl<E: UseEvent> UseState<E> {
     #[inline]
     pub(crate) fn is_empty(&self) -> bool {
         self.writes.is_empty() && self.reads.is_empty()
+    }
+
+    /// Whether a capture ever used the buffer.
+    #[inline]
+    pub(crate) fn used_in_graphs(&self) -> bool {
+        !self.graphs.is_empty()
+    }
+
+    /// Remembers that the capture `id` used the buffer.
+    #[cold]
+    fn note_graph(&mut self, id: u64) {
+        if self.graphs.contains(&id) || self.graphs.contains(&UNKNOWN_CAPTURE) {
+            return;
+        }
+        if self.graphs.len() + 1 < GRAPH_CAPTURES {
+            self.graphs.push(id);
+        } else {
+            self.graphs.push(UNKNOWN_CAPTURE);
+        }
     }
 
     /// How many uses are tracked (writes and reads).
@@ -409,7 +441,10 @@ impl<E: UseEvent> UseState<E> {
     ) -> Result<()> {
         let identity = stream_identity(stream);
         let tag = view.tag();
-        self.has_captured |= tag.is_some();
+        if let Some(id) = tag {
+            self.has_captured = true;
+            self.note_graph(id);
+        }
         match access {
             Access::Write => {
                 // Re-record a write this one overwrites, else take an event.
@@ -592,31 +627,23 @@ impl<E: UseEvent> UseState<E> {
     }
 
     /// Takes every event recorded behind a use out, leaving the state as new, with the ids of
-    /// the still-active captures (`ended` says which have ended) that recorded a kept use: a
-    /// block with such a use is graph memory of that capture and must be held for its graph,
-    /// whatever the capture count reads by the time the block is freed. Events of uses whose
-    /// capture has ended are dropped, back to their pool: they can never be queried. (A graph
-    /// does not keep the memory it was captured with alive: see `docs/graphs.md`.)
+    /// every capture that used the buffer, ended or not: its graphs may replay with the memory,
+    /// so the free hands the block to those captures' pools (whatever the capture count reads by
+    /// then) instead of the general cache. Events of uses whose capture has ended (`ended` says
+    /// which) are dropped, back to their pool: they can never be queried.
     pub(crate) fn take_all(&mut self, ended: impl Fn(u64) -> bool) -> Taken<E> {
-        let mut taken = Taken {
-            events: Vec::with_capacity(self.tracked()),
-            captures: Vec::new(),
-        };
+        let mut events = Vec::with_capacity(self.tracked());
         for used in self.writes.drain(..).chain(self.reads.drain(..)) {
-            match used.capture {
-                Some(id) if ended(id) => {}
-                Some(id) => {
-                    if !taken.captures.contains(&id) {
-                        taken.captures.push(id);
-                    }
-                    taken.events.push(used.event);
-                }
-                None => taken.events.push(used.event),
+            if !used.capture.is_some_and(&ended) {
+                events.push(used.event);
             }
         }
         self.last_stream = None;
         self.has_captured = false;
-        taken
+        Taken {
+            events,
+            captures: std::mem::take(&mut self.graphs),
+        }
     }
 
     /// Every event a host access must wait for: uses of ended captures are left out (their

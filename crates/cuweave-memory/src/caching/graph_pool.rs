@@ -265,10 +265,10 @@ static BINDINGS: RwLock<Vec<Binding>> = RwLock::new(Vec::new());
 static EPOCH: AtomicU64 = AtomicU64::new(0);
 /// Frees waiting for no capture to be active.
 static DEFERRED: Mutex<Vec<Held>> = Mutex::new(Vec::new());
-/// Bindings of ended captures, newest last (at most [`RECENT_BOUND`]): a block whose free
-/// names a capture that ended just before still finds its pool.
+/// Bindings of ended captures, newest last (at most [`RECENT_BOUND`]): memory freed after a
+/// capture that used it ended still finds the pool its graphs hold (or learns it has died).
 static RECENT: Mutex<VecDeque<(u64, Weak<PoolToken>)>> = Mutex::new(VecDeque::new());
-const RECENT_BOUND: usize = 64;
+const RECENT_BOUND: usize = 1024;
 /// Allocations used by a capture no pool could be found for, kept out of every cache for the
 /// process's life (a graph of that capture may still write them): how many, and their bytes.
 static STRANDED: Mutex<(u64, u64)> = Mutex::new((0, 0));
@@ -526,8 +526,8 @@ pub(super) fn release_during_capture(
     Ok(())
 }
 
-/// Frees a typed buffer's block while some capture is active, or after a capture that used it
-/// (`markers.captures`) was still active when its uses were taken. Its events may have been
+/// Frees a typed buffer's block while some capture is active, or one that a capture used
+/// (`markers.captures`, ended captures too: their graphs may replay with it). Its events may have been
 /// recorded inside a capture (they can never be queried), so none is waited on or polled: they
 /// go back to the context's event pool (whoever takes one records it again before using it),
 /// and a block that was used is held instead of freed.
@@ -555,9 +555,6 @@ pub(crate) fn release_block_during_capture(
     let FreeMarkers { events, captures } = markers;
     let used = !events.is_empty();
     drop(events);
-    if !used {
-        return engine.free(stream, id, ptr);
-    }
     let private = stream.as_usize() & PRIVATE_BIT != 0;
     let held = HeldBlock {
         shared: Arc::clone(&shard.shared),
@@ -571,6 +568,9 @@ pub(crate) fn release_block_during_capture(
         hold_for_captures(held.into(), &captures, bytes);
         flush_deferred();
         return Ok(());
+    }
+    if !used {
+        return engine.free(stream, id, ptr);
     }
     if !private {
         let owner = capturing_pool_of(stream.as_usize() as u64).or_else(|| {
@@ -687,8 +687,9 @@ fn hold_for_captures(mut held: Held, captures: &[u64], bytes: usize) {
 }
 
 /// Allocations freed after a capture used them that no graph pool could hold (a capture begun
-/// without [`begin_allocate_to_pool`], or whose binding ended long before): a graph of that
-/// capture may still write them, so they are never reused nor released. How many, and their
+/// without [`begin_allocate_to_pool`], one whose binding ended more than 1024 bindings before,
+/// or a buffer used by more than 16 captures): a graph of that capture may still use them, so
+/// they are never reused nor released. How many, and their
 /// bytes, since the process started.
 pub fn stranded_graph_memory() -> (u64, u64) {
     *STRANDED.lock()
