@@ -50,11 +50,21 @@ impl ContextEvents {
         context: &Arc<Context>,
         stream: &Stream,
     ) -> Result<OwnedPooledEvent> {
-        let event = if stream.context().as_raw() == context.as_raw() {
-            self.pool(context)?.acquire_owned(false)?
-        } else {
-            EventPool::for_context(stream.context())?.acquire_owned(false)?
-        };
-        Ok(event)
+        event_on(self.pool(context)?, stream)
     }
+}
+
+/// A non-timing event to record on `stream`: from `pool` when the stream is of `pool`'s context
+/// (no process-wide lookup), else from the pool of the stream's own context.
+///
+/// # Errors
+/// The driver's error when the pool had to grow and creating the event failed.
+#[inline]
+pub(crate) fn event_on(pool: &EventPool, stream: &Stream) -> Result<OwnedPooledEvent> {
+    let event = if stream.context().as_raw() == pool.context().as_raw() {
+        pool.acquire_owned(false)?
+    } else {
+        EventPool::for_context(stream.context())?.acquire_owned(false)?
+    };
+    Ok(event)
 }

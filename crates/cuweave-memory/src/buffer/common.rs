@@ -562,7 +562,8 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         const OP: &str = "Buffer::staged_write";
         let core = self.core();
         let span = core.span(OP, offset, len)?;
-        let staged = super::StagedWrite::new(span, len, streams);
+        let events = core.tracker().event_pool()?.clone();
+        let staged = super::StagedWrite::new(span, len, streams, events);
         super::staged::run(OP, core.part_of(span), Access::Write, streams, || {
             work(&staged)
         })
@@ -584,7 +585,8 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         const OP: &str = "Buffer::staged_read";
         let core = self.core();
         let span = core.span(OP, offset, len)?;
-        let staged = super::StagedRead::new(span, len, streams);
+        let events = core.tracker().event_pool()?.clone();
+        let staged = super::StagedRead::new(span, len, streams, events);
         super::staged::run(OP, core.part_of(span), Access::Read, streams, || {
             work(&staged)
         })

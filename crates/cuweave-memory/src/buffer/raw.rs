@@ -113,7 +113,7 @@ pub(crate) fn write_async<T: Element, H: HostSource<T>>(
     debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
     tracker::ensure_same_device(operation, buffer.tracker.context(), stream)?;
     // From the context's event pool, which every layer shares: no event created per copy.
-    let done = EventPool::for_context(stream.context())?.acquire_owned(false)?;
+    let done = buffer.tracker.event_for(stream)?;
     let src = host.host_ptr();
     let uses: Vec<(Part<'_>, Access)> = [
         Some((buffer, Access::Write)),
@@ -183,7 +183,7 @@ pub(crate) fn read_async<T: Element, H: HostSink<T>>(
     debug_assert_eq!(host.host_len() * size_of::<T>(), src.bytes());
     tracker::ensure_same_device(operation, buffer.tracker.context(), stream)?;
     // From the context's event pool, which every layer shares: no event created per copy.
-    let done = EventPool::for_context(stream.context())?.acquire_owned(false)?;
+    let done = buffer.tracker.event_for(stream)?;
     let dst = host.host_mut_ptr();
     let uses: Vec<(Part<'_>, Access)> = [
         Some((buffer, Access::Read)),
@@ -344,10 +344,11 @@ pub(crate) fn write_chunk<T: Element, H: HostSource<T>>(
     dst: DeviceSpan,
     host: H,
     stream: &Stream,
+    events: &EventPool,
 ) -> Result<PendingCopy<H>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
-    // From the context's event pool, which every layer shares: no event created per chunk.
-    let done = EventPool::for_context(stream.context())?.acquire_owned(false)?;
+    // From the buffer's context's event pool: no event created, and no lookup, per chunk.
+    let done = crate::events::event_on(events, stream)?;
     let src = host.host_ptr();
     let copy = || {
         // SAFETY: `src` is `host`'s memory, valid for `dst.bytes()` bytes; `host` moves into the
@@ -378,10 +379,11 @@ pub(crate) fn read_chunk<T: Element, H: HostSink<T>>(
     src: DeviceSpan,
     mut host: H,
     stream: &Stream,
+    events: &EventPool,
 ) -> Result<PendingCopy<H>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), src.bytes());
-    // From the context's event pool, which every layer shares: no event created per chunk.
-    let done = EventPool::for_context(stream.context())?.acquire_owned(false)?;
+    // From the buffer's context's event pool: no event created, and no lookup, per chunk.
+    let done = crate::events::event_on(events, stream)?;
     let dst = host.host_mut_ptr();
     let copy = || {
         // SAFETY: `dst` is `host`'s memory, writable for `src.bytes()` bytes and reachable only

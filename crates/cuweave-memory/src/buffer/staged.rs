@@ -16,7 +16,7 @@
 //! The handle is only lent, never returned, so it cannot be leaked past the recording: the
 //! buffer's borrow (exclusive for a write) ends only after every queued chunk is tracked.
 
-use cuweave_driver::Stream;
+use cuweave_driver::{EventPool, Stream};
 
 use super::host::{HostSink, HostSource};
 use super::pending::PendingCopy;
@@ -34,6 +34,8 @@ pub struct Staged<'a, T, D> {
     span: DeviceSpan,
     len: usize,
     streams: &'a [Stream],
+    /// The buffer's context's event pool, which every chunk's event comes from.
+    events: EventPool,
     _marker: std::marker::PhantomData<fn() -> (T, D)>,
 }
 
@@ -52,11 +54,17 @@ pub type StagedWrite<'a, T> = Staged<'a, T, ToDevice>;
 pub type StagedRead<'a, T> = Staged<'a, T, FromDevice>;
 
 impl<'a, T: Element, D> Staged<'a, T, D> {
-    pub(crate) fn new(span: DeviceSpan, len: usize, streams: &'a [Stream]) -> Self {
+    pub(crate) fn new(
+        span: DeviceSpan,
+        len: usize,
+        streams: &'a [Stream],
+        events: EventPool,
+    ) -> Self {
         Self {
             span,
             len,
             streams,
+            events,
             _marker: std::marker::PhantomData,
         }
     }
@@ -119,7 +127,7 @@ impl<T: Element> Staged<'_, T, ToDevice> {
     ) -> Result<PendingCopy<H>> {
         const OP: &str = "StagedWrite::copy_in";
         let (span, stream) = self.locate(OP, lane, offset, host.host_len())?;
-        raw::write_chunk::<T, H>(OP, span, host, stream)
+        raw::write_chunk::<T, H>(OP, span, host, stream, &self.events)
     }
 }
 
@@ -137,7 +145,7 @@ impl<T: Element> Staged<'_, T, FromDevice> {
     ) -> Result<PendingCopy<H>> {
         const OP: &str = "StagedRead::copy_out";
         let (span, stream) = self.locate(OP, lane, offset, host.host_len())?;
-        raw::read_chunk::<T, H>(OP, span, host, stream)
+        raw::read_chunk::<T, H>(OP, span, host, stream, &self.events)
     }
 }
 

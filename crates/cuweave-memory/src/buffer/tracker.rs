@@ -155,11 +155,26 @@ impl StreamTracker {
     /// An event for a new use, from the context's event pool (which creates one only when
     /// every event it made is held).
     fn new_event(&self) -> Result<Arc<OwnedPooledEvent>> {
-        let event = match &self.owner {
-            Owner::Events(pool) => pool.acquire_owned(false)?,
-            Owner::Cache(shard) => shard.shared.event_pool()?.acquire_owned(false)?,
-        };
-        Ok(Arc::new(event))
+        Ok(Arc::new(self.event_pool()?.acquire_owned(false)?))
+    }
+
+    /// The event pool of the buffer's context: its own, or its caching allocator's.
+    ///
+    /// # Errors
+    /// As [`EventPool::for_context`], the first time an allocator needs its pool.
+    pub(crate) fn event_pool(&self) -> Result<&EventPool> {
+        match &self.owner {
+            Owner::Events(pool) => Ok(pool),
+            Owner::Cache(shard) => shard.shared.event_pool(),
+        }
+    }
+
+    /// A non-timing event to record on `stream` (see [`crate::events::event_on`]).
+    ///
+    /// # Errors
+    /// The driver's error when the pool had to grow and creating the event failed.
+    pub(crate) fn event_for(&self, stream: &Stream) -> Result<OwnedPooledEvent> {
+        crate::events::event_on(self.event_pool()?, stream)
     }
 
     /// The caching allocator shard the buffer's memory came from, if it did.
