@@ -16,6 +16,7 @@
 //! | [`graph`]: [`Graph`], [`GraphExec`], capture on [`Stream`] | CUDA graphs: stream capture, instantiate, upload, launch, update |
 //! | [`Module`], [`Kernel`] | PTX / cubin loading and (`unsafe`) kernel launch |
 //! | [`memory`] | raw allocations, copies, memsets, pools, managed memory, advice, prefetch |
+//! | [`empty_process_caches`] | empties every process-wide cache of driver memory the layers above keep ([`process_caches`]) |
 //! | [`sys`] | the raw bindgen types, for interop with other CUDA crates |
 //!
 //! Every handle is `Send + Sync`, frees itself on drop (errors in drop go to `tracing`), holds
@@ -45,6 +46,7 @@ pub mod graph;
 pub mod loader;
 pub mod memory;
 pub mod module;
+pub mod process_caches;
 pub mod stream;
 pub mod sys;
 
@@ -56,4 +58,5 @@ pub use event_pool::{EventPool, OwnedPooledEvent, PoolCounters, PoolUtilization,
 pub use graph::{CaptureMode, CaptureStatus, Graph, GraphError, GraphExec, InstantiateOptions};
 pub use loader::{DriverApi, driver, driver_version, is_available};
 pub use module::{Kernel, KernelArgs, LaunchConfig, Module};
+pub use process_caches::empty_process_caches;
 pub use stream::{Stream, StreamFlags, WaitCondition, WriteOrdering};

@@ -15,6 +15,14 @@ use cuweave_test_support::require_gpu;
 #[test]
 fn futures_on_a_context_killed_by_a_trap_resolve_with_an_error() {
     let gpu = require_gpu!();
+    // The dead context's completion-word page is leaked on purpose (its queued writes can never
+    // be waited for, so freeing it could race them), which memcheck's leak check reports.
+    if cuweave_test_support::skip_under_sanitizer(
+        "futures_on_a_context_killed_by_a_trap_resolve_with_an_error",
+        "a dead context's mapped words are leaked by design",
+    ) {
+        return;
+    }
     let kernels = TestKernels::load(&gpu.context).unwrap();
     let event_kernels = EventKernels::load(&gpu.context).unwrap();
     let waiter = AsyncEventWaiter::new().unwrap();

@@ -373,3 +373,60 @@ fn every_mechanism_serves_many_sequential_waits() {
         }
     }
 }
+
+/// Waits until `release` frees something (the reactor recycles a word just after its future
+/// resolves), at most a second; returns what it freed.
+fn released_within_a_second(mut release: impl FnMut() -> usize) -> usize {
+    let start = Instant::now();
+    loop {
+        let bytes = release();
+        if bytes > 0 || start.elapsed() > Duration::from_secs(1) {
+            return bytes;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn unused_completion_words_are_freed_on_request_and_made_again_on_demand() {
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let stream = common::stream(&gpu.context);
+    let flags = Flags::new(&gpu.context, 1);
+    let wait = |waiter: &AsyncEventWaiter, round: u32| {
+        // SAFETY: `flags` is mapped pinned memory of this context, alive past the stream's last
+        // use (each round waits for its store), and read on the host with volatile reads.
+        unsafe {
+            kernels
+                .spin_then_store_u32(&stream, 0, flags.device(0), round)
+                .unwrap()
+        };
+        let future = waiter
+            .stream_idle_with(&stream, WaitOptions::new(WakeMechanism::CompletionWord))
+            .unwrap();
+        futures::executor::block_on(future).unwrap();
+        assert_eq!(flags.read(0), round);
+    };
+    let waiter = AsyncEventWaiter::new().unwrap();
+    assert_eq!(
+        waiter.release_free_words(),
+        0,
+        "no chunk before the first wait"
+    );
+    for round in 1..=3 {
+        wait(&waiter, round);
+        // One 4 KiB page of words, lent once and returned, then freed; the next wait makes one
+        // again.
+        assert_eq!(
+            released_within_a_second(|| waiter.release_free_words()),
+            4096
+        );
+        assert_eq!(waiter.release_free_words(), 0);
+    }
+    // The global waiter's words are one of the process caches the driver empties.
+    let global = AsyncEventWaiter::global().unwrap();
+    wait(global, 4);
+    assert!(released_within_a_second(cuweave_driver::empty_process_caches) >= 4096);
+    wait(global, 5);
+}

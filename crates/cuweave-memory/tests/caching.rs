@@ -9,9 +9,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cuweave_driver::memory;
 use cuweave_driver::{Context, Event, EventFlags, Stream, StreamFlags};
-use cuweave_memory::MemoryError;
 use cuweave_memory::caching::{CachedAllocation, CachingAllocator};
 use cuweave_memory::resource::{DriverResource, LimitAdaptor, StatisticsAdaptor};
+use cuweave_memory::{Buffer, MemoryError};
 mod common;
 
 use common::{counter, read_u32};
@@ -422,5 +422,39 @@ fn fill_and_check_existing(block: &CachedAllocation, stream: &Stream, tag: u32) 
         [tag, tag],
         "block {:#x} kept its own contents",
         block.ptr()
+    );
+}
+
+#[test]
+fn emptying_the_process_caches_gives_the_default_allocators_memory_back_to_the_driver() {
+    let gpu = require_gpu!();
+    let _gpu = exclusive();
+    let stream = stream(&gpu.context);
+    let default = CachingAllocator::for_device(gpu.device).unwrap();
+    cuweave_driver::empty_process_caches();
+    let before = gpu.context.memory_info().unwrap().free;
+    let reserved_before = default.stats().reserved_bytes.current;
+    {
+        let mut buffer = cuweave_memory::DeviceBuffer::<u8>::new_on(&stream, 64 * MIB).unwrap();
+        buffer.fill_async(7, &stream).unwrap();
+        let mut back = vec![0u8; 64 * MIB];
+        buffer.copy_to_host(&mut back).unwrap();
+        assert!(back.iter().all(|&b| b == 7));
+    }
+    // Dropped: its block stays cached (that is the point of the cache) ...
+    let cached = default.stats().reserved_bytes.current;
+    assert!(cached >= reserved_before + 64 * MIB, "{cached}");
+    // ... until the process caches are emptied, which waits for the queued work and frees it.
+    assert!(cuweave_driver::empty_process_caches() >= 64 * MIB);
+    assert_eq!(default.stats().reserved_bytes.current, 0);
+    let after = gpu.context.memory_info().unwrap().free;
+    assert!(
+        after + 2 * MIB >= before,
+        "cuMemGetInfo free went from {before} to {after}"
+    );
+    assert!(
+        cuweave_driver::process_caches::process_cache_names()
+            .iter()
+            .any(|name| name.contains("default caching allocators"))
     );
 }

@@ -111,8 +111,9 @@ pub fn sanitizer_active() -> bool {
 }
 
 /// `true` (after printing `SKIPPED <test>: <why>` to stderr, as a missing GPU does) when the
-/// tests run under compute-sanitizer and `test` needs kernels on different streams to run at
-/// once, which memcheck's serialisation of kernels makes impossible; `false` otherwise.
+/// tests run under compute-sanitizer and `test` cannot be judged there: it needs kernels on
+/// different streams to run at once, which memcheck's serialisation of kernels makes impossible,
+/// or it leaks on purpose what memcheck's leak check would report; `false` otherwise.
 ///
 /// ```no_run
 /// #[test]

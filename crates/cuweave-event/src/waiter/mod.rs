@@ -25,6 +25,9 @@ use crate::wake::WaitCell;
 use reactor::{Callback, Cell, Registration, Shared, Source};
 use words::WordSlab;
 
+/// The process-wide waiter ([`AsyncEventWaiter::global`]).
+static GLOBAL: OnceLock<Result<AsyncEventWaiter>> = OnceLock::new();
+
 /// Identifies a callback wait, for [`AsyncEventWaiter::cancel_wait`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WaitId(u64);
@@ -176,8 +179,29 @@ impl AsyncEventWaiter {
     /// # Errors
     /// As [`new`](Self::new), on first use.
     pub fn global() -> Result<&'static Self> {
-        static GLOBAL: OnceLock<Result<AsyncEventWaiter>> = OnceLock::new();
-        GLOBAL.get_or_init(Self::new).as_ref().map_err(Clone::clone)
+        GLOBAL
+            .get_or_init(|| {
+                cuweave_driver::process_caches::register_process_cache(
+                    "cuweave-event: the global waiter's completion words",
+                    || {
+                        GLOBAL
+                            .get()
+                            .and_then(|waiter| waiter.as_ref().ok())
+                            .map_or(0, AsyncEventWaiter::release_free_words)
+                    },
+                );
+                Self::new()
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    /// Frees the chunks of completion words no wait is using (they are made again on demand);
+    /// returns the bytes freed. Part of [`cuweave_driver::empty_process_caches`] for the
+    /// [global](Self::global) waiter.
+    pub fn release_free_words(&self) -> usize {
+        let slabs: Vec<Arc<WordSlab>> = self.slabs.lock().values().cloned().collect();
+        slabs.iter().map(|slab| slab.release_free_chunks()).sum()
     }
 
     fn register(&self, registration: Registration) {

@@ -113,6 +113,34 @@ impl WordSlab {
         Ok((words, 0))
     }
 
+    /// Frees every chunk whose words are all back on the free list (nothing lent, nothing
+    /// abandoned); returns the bytes freed. A lease taken meanwhile grows a new chunk.
+    pub(crate) fn release_free_chunks(&self) -> usize {
+        let mut taken = Vec::new();
+        while let Some(entry) = self.free.pop() {
+            taken.push(entry);
+        }
+        let mut free_words: HashMap<*const MappedWords, usize> = HashMap::new();
+        for (words, _) in &taken {
+            *free_words.entry(Arc::as_ptr(words)).or_default() += 1;
+        }
+        let mut released = 0;
+        for (words, index) in taken {
+            let key = Arc::as_ptr(&words);
+            if free_words[&key] == CHUNK_WORDS {
+                // The chunk's last free entry drops its last reference: MappedWords' drop
+                // waits for any queued write, then frees the page.
+                if Arc::strong_count(&words) == 1 {
+                    released += CHUNK_WORDS * size_of::<u64>();
+                }
+                drop(words);
+            } else {
+                self.free.push((words, index));
+            }
+        }
+        released
+    }
+
     /// `Err` with the driver's sticky error once the context has died (a kernel fault); the
     /// reactor asks this only now and then, while words stay unwritten.
     pub(crate) fn probe(&self) -> Result<(), DriverError> {

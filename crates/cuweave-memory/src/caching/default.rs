@@ -41,11 +41,32 @@ pub(crate) fn for_device(device: Device) -> Result<CachingAllocator> {
     // Retaining the primary context is a driver call, but a rare one (once per device), and
     // holding the lock keeps two threads from making two defaults.
     let allocator = CachingAllocator::with_driver(&Context::primary(device)?);
+    cuweave_driver::process_caches::register_process_cache(
+        "cuweave-memory: the default caching allocators",
+        empty_defaults,
+    );
     if defaults.len() <= index {
         defaults.resize(index + 1, None);
     }
     defaults[index] = Some(allocator.clone());
     Ok(allocator)
+}
+
+/// Empties every device's default allocator ([`CachingAllocator::empty_cache`]); returns the
+/// bytes given back. Registered with the driver's process caches
+/// ([`cuweave_driver::empty_process_caches`]).
+fn empty_defaults() -> usize {
+    let defaults: Vec<CachingAllocator> = DEFAULTS.lock().iter().flatten().cloned().collect();
+    defaults
+        .iter()
+        .map(|allocator| match allocator.empty_cache() {
+            Ok(bytes) => bytes,
+            Err(error) => {
+                tracing::warn!(%error, "emptying a default caching allocator failed");
+                0
+            }
+        })
+        .sum()
 }
 
 /// Makes `allocator` the default of its device; returns the one it replaces, if any.
