@@ -1,7 +1,7 @@
 //! Sweeps the pipelined staging configuration (chunk size, participants) per transfer size on
 //! device 0 and prints the pageable upload and download bandwidth of each, beside the plain
 //! driver calls and the pinned copy (the bus limit); then the host's copy ceiling, and the
-//! calibration the manager measures (JSON). The source of `StagingConfig::for_size` and of
+//! calibration the manager measures (JSON). The source of `StagingConfig::for_upload` / `for_download` and of
 //! `CalibrationTable::h100_defaults` (see docs/transfer.md).
 //!
 //! `SWEEP_CALIBRATE=1 cargo run --release -p cuweave-transfer --example staging_sweep [SIZE...]`
@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use cuweave_driver::{Context, Device};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer, copy_streaming};
 use cuweave_transfer::{
-    Destination, Source, StagingConfig, TransferManager, TransferMethod, host_threads,
+    Destination, HostCopy, Source, StagingConfig, TransferManager, TransferMethod, host_threads,
 };
 
 fn best(runs: usize, mut run: impl FnMut()) -> Duration {
@@ -97,9 +97,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             gbps(ph2d),
             gbps(pd2h)
         );
-        println!("   chunk_KiB threads   h2d_GB/s  d2h_GB/s");
-        let mut best_up = (0.0, StagingConfig::for_size(bytes));
-        let mut best_down = best_up;
+        println!("   chunk_KiB threads  h2d_stream h2d_cached  d2h_stream d2h_cached  (GB/s)");
+        let mut best_up = (0.0, StagingConfig::for_upload(bytes));
+        let mut best_down = (0.0, StagingConfig::for_download(bytes));
         for chunk_kib in [64usize, 128, 256, 512, 1024, 2048, 4096, 8192] {
             // At most 1024 chunks: smaller ones only cost time to sweep.
             if chunk_kib << 10 >= bytes || bytes / (chunk_kib << 10) > 1024 {
@@ -109,42 +109,46 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 if t > threads || (bytes / (chunk_kib << 10)) < t {
                     continue;
                 }
-                let config = StagingConfig {
-                    chunk_bytes: chunk_kib << 10,
-                    depth: 2,
-                    threads: t,
-                };
-                let manager = TransferManager::with_staging(config)?;
-                let up = gbps(best(runs, || {
-                    manager
-                        .transfer_with(
-                            TransferMethod::HostStaged,
-                            &host[..bytes],
-                            Destination::device(&mut device, 0),
-                        )
-                        .map(drop)
-                        .unwrap()
-                }));
-                let down = gbps(best(runs, || {
-                    manager
-                        .transfer_with(
-                            TransferMethod::HostStaged,
-                            Source::device(&device, 0, bytes),
-                            &mut host[..bytes],
-                        )
-                        .map(drop)
-                        .unwrap()
-                }));
-                if up > best_up.0 {
-                    best_up = (up, config);
+                let mut row = Vec::new();
+                for up in [true, false] {
+                    for host_copy in [HostCopy::Streaming, HostCopy::Cached] {
+                        let config = StagingConfig {
+                            chunk_bytes: chunk_kib << 10,
+                            depth: 2,
+                            threads: t,
+                            host_copy,
+                        };
+                        let manager = TransferManager::with_staging(config)?;
+                        let figure = gbps(best(runs, || {
+                            if up {
+                                manager.transfer_with(
+                                    TransferMethod::HostStaged,
+                                    &host[..bytes],
+                                    Destination::device(&mut device, 0),
+                                )
+                            } else {
+                                manager.transfer_with(
+                                    TransferMethod::HostStaged,
+                                    Source::device(&device, 0, bytes),
+                                    &mut host[..bytes],
+                                )
+                            }
+                            .map(drop)
+                            .unwrap()
+                        }));
+                        let best = if up { &mut best_up } else { &mut best_down };
+                        if figure > best.0 {
+                            *best = (figure, config);
+                        }
+                        row.push(figure);
+                    }
                 }
-                if down > best_down.0 {
-                    best_down = (down, config);
-                }
-                println!("   {chunk_kib:>9} {t:>7} {up:>10.2} {down:>9.2}");
+                println!(
+                    "   {chunk_kib:>9} {t:>7} {:>11.2} {:>10.2} {:>11.2} {:>10.2}",
+                    row[0], row[1], row[2], row[3]
+                );
             }
         }
-        let default = StagingConfig::for_size(bytes);
         let manager = TransferManager::new()?;
         let up = gbps(best(runs, || {
             manager
@@ -156,9 +160,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .map(drop)
                 .unwrap()
         }));
+        let down = gbps(best(runs, || {
+            manager
+                .transfer_with(
+                    TransferMethod::HostStaged,
+                    Source::device(&device, 0, bytes),
+                    &mut host[..bytes],
+                )
+                .map(drop)
+                .unwrap()
+        }));
         println!(
-            "   best h2d {:.2} GB/s at {:?}; best d2h {:.2} at {:?}; for_size {:?}: h2d {up:.2}",
-            best_up.0, best_up.1, best_down.0, best_down.1, default
+            "   best h2d {:.2} GB/s at {:?}\n   best d2h {:.2} at {:?}\n   defaults: h2d {up:.2} ({:?}), d2h {down:.2} ({:?})",
+            best_up.0,
+            best_up.1,
+            best_down.0,
+            best_down.1,
+            StagingConfig::for_upload(bytes),
+            StagingConfig::for_download(bytes),
         );
     }
     // Host copy ceiling: threads copying disjoint parts with streaming stores.
@@ -218,6 +237,7 @@ fn concurrent(
                 chunk_bytes: 4 << 20,
                 depth: 2,
                 threads: t,
+                host_copy: HostCopy::Cached,
             })
         })
         .chain([None])

@@ -68,15 +68,16 @@ fn best_gbps(bytes: usize, mut run: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(bytes as f64 / best.as_secs_f64().max(1e-9) / 1e9)
 }
 
-/// The staging configurations tried at `bytes`: the size's default
-/// ([`StagingConfig::for_size`]) with half, the same and double its chunk, each with half, the
-/// same and double its participants (at most this machine's host threads).
-pub fn staging_candidates(bytes: usize) -> Vec<StagingConfig> {
-    let base = StagingConfig::for_size(bytes);
+/// The staging configurations tried for `path` at `bytes`: the default
+/// ([`StagingConfig::for_path`]) with half, the same and double its chunk, each with half, the
+/// same and double its participants (at most this machine's host threads), then the default
+/// with the other [`HostCopy`](crate::HostCopy) (which one wins depends on the host's cache).
+pub fn staging_candidates(path: TransferPath, bytes: usize) -> Vec<StagingConfig> {
+    let base = StagingConfig::for_path(path, bytes);
     let most = crate::staging::host_threads();
     let mut out = Vec::new();
     for chunk in [base.chunk_bytes / 2, base.chunk_bytes, base.chunk_bytes * 2] {
-        if chunk < (256 << 10) || chunk >= bytes {
+        if chunk < (64 << 10) || chunk >= bytes {
             continue;
         }
         for threads in [base.threads.div_ceil(2), base.threads, base.threads * 2] {
@@ -93,6 +94,17 @@ pub fn staging_candidates(bytes: usize) -> Vec<StagingConfig> {
     if out.is_empty() {
         out.push(base);
     }
+    // The other host copy at the default (or, when the default's chunk does not fit the size,
+    // at the first candidate).
+    let pivot = if out.contains(&base) { base } else { out[0] };
+    let other = StagingConfig {
+        host_copy: match pivot.host_copy {
+            crate::HostCopy::Streaming => crate::HostCopy::Cached,
+            crate::HostCopy::Cached => crate::HostCopy::Streaming,
+        },
+        ..pivot
+    };
+    out.push(other);
     out
 }
 
@@ -279,7 +291,7 @@ impl TransferManager {
     ) -> Result<f64> {
         let lane = self.lane(d)?;
         let mut best: Option<(StagingConfig, f64)> = None;
-        for config in staging_candidates(bytes) {
+        for config in staging_candidates(path, bytes) {
             let gbps = best_gbps(bytes, || {
                 let pipe = pipeline(&lane, config);
                 if path == TransferPath::PAGEABLE_TO_DEVICE {
@@ -429,9 +441,17 @@ mod tests {
 
     #[test]
     fn staging_candidates_are_distinct_and_fit_the_size() {
-        for &bytes in &CALIBRATION_SIZES {
-            let candidates = staging_candidates(bytes);
-            assert!(!candidates.is_empty());
+        for (&bytes, path) in CALIBRATION_SIZES.iter().flat_map(|b| {
+            [
+                TransferPath::PAGEABLE_TO_DEVICE,
+                TransferPath::DEVICE_TO_PAGEABLE,
+            ]
+            .map(|p| (b, p))
+        }) {
+            let candidates = staging_candidates(path, bytes);
+            assert!(candidates.len() >= 2);
+            let kinds = |k| candidates.iter().filter(|c| c.host_copy == k).count();
+            assert!(kinds(crate::HostCopy::Streaming) >= 1 && kinds(crate::HostCopy::Cached) >= 1);
             for (i, c) in candidates.iter().enumerate() {
                 assert!(c.chunk_bytes > 0 && c.threads > 0 && c.depth > 0);
                 assert!(!candidates[..i].contains(c));

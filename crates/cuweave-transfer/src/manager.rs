@@ -204,7 +204,7 @@ impl TransferManager {
 
     /// The staging configuration a pipelined transfer of `bytes` on `path` to or from `device`
     /// uses: the fixed one, else the one calibration measured fastest nearest that size, else
-    /// [`StagingConfig::for_size`].
+    /// [`StagingConfig::for_path`].
     pub fn staging_for(&self, path: TransferPath, device: usize, bytes: usize) -> StagingConfig {
         if let Some(fixed) = self.staging {
             return fixed;
@@ -213,7 +213,7 @@ impl TransferManager {
             .read()
             .table
             .staging_for(path, device, bytes)
-            .unwrap_or_else(|| StagingConfig::for_size(bytes))
+            .unwrap_or_else(|| StagingConfig::for_path(path, bytes))
     }
 
     /// The statistics kept so far.

@@ -66,6 +66,39 @@ pub struct StagingConfig {
     /// Host threads copying between user memory and pinned blocks (the caller included; at most
     /// one per chunk, and at most the staging pool's workers plus the caller).
     pub threads: usize,
+    /// How the host side of each chunk is copied.
+    #[serde(default)]
+    pub host_copy: HostCopy,
+}
+
+/// How a participant copies a chunk between user memory and its pinned block.
+///
+/// Which one wins depends on the direction and on the host's last-level cache, so it is part of
+/// the swept and calibrated configuration: on the H100 host (300 MiB of L3) large uploads ran at
+/// 51 GB/s with [`Cached`](Self::Cached) stores, where the copy engine reads the chunk back from
+/// the cache, against 43 GB/s with streaming stores, which send every chunk through DRAM first;
+/// downloads, which write the caller's memory, are faster with [`Streaming`](Self::Streaming).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum HostCopy {
+    /// Non-temporal stores ([`copy_streaming`]): the destination's lines are written without
+    /// being read first and bypass the caches.
+    #[default]
+    Streaming,
+    /// A plain `memcpy`: the destination's lines go through the caches.
+    Cached,
+}
+
+impl HostCopy {
+    /// Copies `src` into `dst` (equal lengths) this way; `CUWEAVE_STAGING_PLAIN_COPY` in the
+    /// environment forces [`Cached`](Self::Cached) (for sweeps).
+    pub(crate) fn copy<T: Element>(self, dst: &mut [T], src: &[T]) -> Result<()> {
+        if self == Self::Cached || plain_copy() {
+            dst.copy_from_slice(src);
+        } else {
+            copy_streaming(dst, src)?;
+        }
+        Ok(())
+    }
 }
 
 impl StagingConfig {
@@ -84,35 +117,87 @@ impl StagingConfig {
         self.threads.max(1) * self.depth.max(1) * self.chunk_bytes
     }
 
-    /// The configuration used for a transfer of `bytes` until calibration measured one: the
-    /// fastest uploads of the staging sweep on the H100 host (16 host threads; see
-    /// `docs/transfer.md`) at the nearest swept size, with no more participants than this
-    /// machine has host threads.
-    pub fn for_size(bytes: usize) -> Self {
+    /// The configuration an upload (pageable host to device, and the peer bounce) of `bytes`
+    /// uses until calibration measured one: the fastest of the staging sweep on the H100 host
+    /// (16 host threads; see `docs/transfer.md`) at the nearest swept size, with no more
+    /// participants than this machine has host threads.
+    pub fn for_upload(bytes: usize) -> Self {
+        Self::nearest(&SWEPT_UPLOADS, bytes)
+    }
+
+    /// The configuration a download (device to pageable host) of `bytes` uses until calibration
+    /// measured one; as [`for_upload`](Self::for_upload), from the sweep's downloads.
+    pub fn for_download(bytes: usize) -> Self {
+        Self::nearest(&SWEPT_DOWNLOADS, bytes)
+    }
+
+    /// The default for a pipelined copy of `bytes` on `path`: [`for_download`](Self::for_download)
+    /// when the pipeline writes pageable host memory, [`for_upload`](Self::for_upload) otherwise
+    /// (uploads, and the peer bounce, whose chunks are uploaded from the blocks they were
+    /// downloaded into).
+    pub fn for_path(path: crate::TransferPath, bytes: usize) -> Self {
+        if path.dst == crate::LocationKind::Pageable {
+            Self::for_download(bytes)
+        } else {
+            Self::for_upload(bytes)
+        }
+    }
+
+    fn nearest(swept: &[Swept], bytes: usize) -> Self {
         let ratio = |at: usize| crate::calibration::size_distance(at, bytes);
-        let &(_, chunk_bytes, threads) = SWEPT
+        let row = swept
             .iter()
-            .min_by(|a, b| ratio(a.0).total_cmp(&ratio(b.0)))
+            .min_by(|a, b| ratio(a.bytes).total_cmp(&ratio(b.bytes)))
             .expect("the sweep has rows");
         Self {
-            chunk_bytes,
+            chunk_bytes: row.chunk_bytes,
             depth: 2,
-            threads: threads.min(host_threads()).max(1),
+            threads: row.threads.min(host_threads()).max(1),
+            host_copy: row.host_copy,
         }
     }
 }
 
-/// (size, chunk bytes, participants): the fastest pageable uploads of the staging sweep on the
-/// H100 host (`examples/staging_sweep.rs`, issue 15). Each copy costs the memory layer a few
-/// microseconds to queue and track, so chunks under 512 KiB lose, and a participant wants about
-/// two chunks.
-const SWEPT: [(usize, usize, usize); 6] = [
-    (1 << 20, 512 << 10, 2),
-    (4 << 20, 512 << 10, 4),
-    (16 << 20, 1 << 20, 6),
-    (64 << 20, 2 << 20, 6),
-    (256 << 20, 2 << 20, 12),
-    (1 << 30, 4 << 20, 12),
+/// One row of the staging sweep: at `bytes`, the fastest chunk size, participant count and host
+/// copy.
+struct Swept {
+    bytes: usize,
+    chunk_bytes: usize,
+    threads: usize,
+    host_copy: HostCopy,
+}
+
+const fn swept(bytes: usize, chunk_bytes: usize, threads: usize, host_copy: HostCopy) -> Swept {
+    Swept {
+        bytes,
+        chunk_bytes,
+        threads,
+        host_copy,
+    }
+}
+
+/// The fastest pageable uploads of the staging sweep on the H100 host
+/// (`examples/staging_sweep.rs`, issue 15, run 3; see `docs/transfer.md`). Mid sizes want chunks
+/// small enough that every participant starts copying at once; large uploads copy with cached
+/// stores, so the copy engine reads the chunks back from the 300 MiB L3.
+const SWEPT_UPLOADS: [Swept; 6] = [
+    swept(1 << 20, 256 << 10, 2, HostCopy::Streaming),
+    swept(4 << 20, 512 << 10, 6, HostCopy::Streaming),
+    swept(16 << 20, 1 << 20, 8, HostCopy::Streaming),
+    swept(64 << 20, 1 << 20, 8, HostCopy::Streaming),
+    swept(256 << 20, 2 << 20, 16, HostCopy::Cached),
+    swept(1 << 30, 4 << 20, 8, HostCopy::Cached),
+];
+
+/// The fastest pageable downloads of the same sweep: streaming stores into the caller's memory
+/// (at 1 MiB cached stores measured faster: 12.2 against 11.5 GB/s, within the sweep's noise).
+const SWEPT_DOWNLOADS: [Swept; 6] = [
+    swept(1 << 20, 256 << 10, 2, HostCopy::Cached),
+    swept(4 << 20, 512 << 10, 4, HostCopy::Streaming),
+    swept(16 << 20, 1 << 20, 12, HostCopy::Streaming),
+    swept(64 << 20, 2 << 20, 12, HostCopy::Streaming),
+    swept(256 << 20, 4 << 20, 12, HostCopy::Streaming),
+    swept(1 << 30, 4 << 20, 16, HostCopy::Streaming),
 ];
 
 /// Logical host threads this process may run on: what the staging pool is sized from.
@@ -121,9 +206,9 @@ pub fn host_threads() -> usize {
 }
 
 impl Default for StagingConfig {
-    /// The configuration for a 1 GiB transfer on this machine ([`for_size`](Self::for_size)).
+    /// The configuration for a 1 GiB upload on this machine ([`for_upload`](Self::for_upload)).
     fn default() -> Self {
-        Self::for_size(1 << 30)
+        Self::for_upload(1 << 30)
     }
 }
 
@@ -191,7 +276,7 @@ impl Pipeline<'_> {
                                 spare = Some(pending.wait()?);
                             }
                             let mut block = block_of(self.pool, spare.take(), piece.len())?;
-                            host_copy(block.as_mut_slice(), piece)?;
+                            self.config.host_copy.copy(block.as_mut_slice(), piece)?;
                             in_flight.push_back(staged.copy_in(w, start, block)?);
                         }
                         for pending in in_flight.drain(..) {
@@ -229,7 +314,7 @@ impl Pipeline<'_> {
                 let drain = |pending: PendingCopy<TypedPinnedBlock<T>>, i: usize| -> Result<_> {
                     let block = pending.wait()?;
                     let out = pieces[i].lock().take().expect("each chunk is claimed once");
-                    host_copy(out, block.as_slice())?;
+                    self.config.host_copy.copy(out, block.as_slice())?;
                     Ok(block)
                 };
                 let outcome = (|| {
@@ -253,17 +338,6 @@ impl Pipeline<'_> {
             })
         })?
     }
-}
-
-/// The host side of a staged chunk: streaming stores (`copy_streaming`) unless
-/// `CUWEAVE_STAGING_PLAIN_COPY` is set, then a plain `memcpy` (for the GPU sweep).
-fn host_copy<T: Element>(dst: &mut [T], src: &[T]) -> Result<()> {
-    if plain_copy() {
-        dst.copy_from_slice(src);
-    } else {
-        copy_streaming(dst, src)?;
-    }
-    Ok(())
 }
 
 fn plain_copy() -> bool {
@@ -418,6 +492,7 @@ mod tests {
             chunk_bytes: 10,
             depth: 2,
             threads: 8,
+            host_copy: HostCopy::Streaming,
         };
         assert_eq!(config.chunk_elements::<u32>(), 2);
         assert_eq!(config.chunk_elements::<[u8; 64]>(), 1);
@@ -433,21 +508,51 @@ mod tests {
 
     #[test]
     fn sizes_get_the_swept_configuration_capped_by_the_machine() {
-        for &(bytes, chunk, threads) in &SWEPT {
-            for probe in [bytes, bytes + bytes / 4, bytes - bytes / 4] {
-                let config = StagingConfig::for_size(probe);
-                assert_eq!(config.chunk_bytes, chunk, "{probe}");
-                assert_eq!(config.threads, threads.min(host_threads()));
+        type ForSize = fn(usize) -> StagingConfig;
+        let tables: [(&[Swept], ForSize); 2] = [
+            (&SWEPT_UPLOADS, StagingConfig::for_upload),
+            (&SWEPT_DOWNLOADS, StagingConfig::for_download),
+        ];
+        for (swept, for_size) in tables {
+            for row in swept {
+                let bytes = row.bytes;
+                for probe in [bytes, bytes + bytes / 4, bytes - bytes / 4] {
+                    let config = for_size(probe);
+                    assert_eq!(config.chunk_bytes, row.chunk_bytes, "{probe}");
+                    assert_eq!(config.threads, row.threads.min(host_threads()));
+                    assert_eq!(config.host_copy, row.host_copy);
+                }
+            }
+            assert_eq!(for_size(0).chunk_bytes, swept[0].chunk_bytes);
+            assert_eq!(
+                for_size(64 << 30).chunk_bytes,
+                swept[swept.len() - 1].chunk_bytes
+            );
+            // Larger transfers never get smaller chunks, and a chunk never exceeds the size it
+            // was swept at.
+            let mut last = 0;
+            for shift in 10..=34 {
+                let chunk = for_size(1 << shift).chunk_bytes;
+                assert!(chunk >= last);
+                last = chunk;
+            }
+            for row in swept {
+                assert!(row.chunk_bytes < row.bytes);
             }
         }
-        assert_eq!(StagingConfig::for_size(0).chunk_bytes, 512 << 10);
-        assert_eq!(StagingConfig::for_size(64 << 30).chunk_bytes, 4 << 20);
-        // Larger transfers never get smaller chunks.
-        let mut last = 0;
-        for shift in 10..=34 {
-            let chunk = StagingConfig::for_size(1 << shift).chunk_bytes;
-            assert!(chunk >= last);
-            last = chunk;
+    }
+
+    #[test]
+    fn both_host_copies_move_the_bytes_and_old_configurations_default_to_streaming() {
+        let src: Vec<u32> = (0..10_000).collect();
+        for way in [HostCopy::Streaming, HostCopy::Cached] {
+            let mut dst = vec![0u32; src.len()];
+            way.copy(&mut dst, &src).unwrap();
+            assert_eq!(dst, src);
         }
+        let old = r#"{"chunk_bytes":1048576,"depth":2,"threads":4}"#;
+        let config: StagingConfig = serde_json::from_str(old).unwrap();
+        assert_eq!(config.host_copy, HostCopy::Streaming);
+        assert_eq!(config.chunk_bytes, 1 << 20);
     }
 }

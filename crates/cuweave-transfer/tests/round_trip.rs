@@ -11,8 +11,8 @@ use cuweave_driver::{Context, Device};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer, UnifiedBuffer};
 use cuweave_test_support::require_gpu;
 use cuweave_transfer::{
-    CalibrationTable, Destination, Location, LocationKind, PlanReason, RegisteredHost, SizeClass,
-    Source, StagingConfig, TransferError, TransferManager, TransferMethod, TransferPath,
+    CalibrationTable, Destination, HostCopy, Location, LocationKind, PlanReason, RegisteredHost,
+    SizeClass, Source, StagingConfig, TransferError, TransferManager, TransferMethod, TransferPath,
 };
 
 const MIB: usize = 1 << 20;
@@ -234,6 +234,8 @@ fn typed_slices_move_through_the_pipeline_with_a_short_last_chunk() {
         chunk_bytes: 256 << 10,
         depth: 3,
         threads: 4,
+        // The plain-memcpy chunk copy (the other is covered by the async tests).
+        host_copy: HostCopy::Cached,
     })
     .unwrap();
     let data: Vec<u64> = (0..(3 * MIB + 11) as u64)
