@@ -248,10 +248,10 @@ impl Pipeline<'_> {
                 dst_offset,
             );
         }
-        let chunks = src.len().div_ceil(chunk);
-        let claims = Claims::new(chunks);
+        let participants = self.participants(src.len().div_ceil(chunk));
+        let ranges = chunk_ranges(src.len(), chunk, participants, Ramp::First);
+        let claims = Claims::new(ranges.len());
         let depth = self.config.depth.max(1);
-        let participants = self.participants(chunks);
         // The destination range is ordered once per stream and its write recorded once per
         // stream at the end (`Buffer::staged_write`); the chunks in between are plain copies.
         dst.staged_write(
@@ -268,8 +268,8 @@ impl Pipeline<'_> {
                     let mut spare: Option<TypedPinnedBlock<T>> = None;
                     let outcome = (|| {
                         while let Some(i) = claims.next_for(w) {
-                            let start = i * chunk;
-                            let piece = &src[start..(start + chunk).min(src.len())];
+                            let start = ranges[i].start;
+                            let piece = &src[ranges[i].clone()];
                             if in_flight.len() >= depth
                                 && let Some(pending) = in_flight.pop_front()
                             {
@@ -301,11 +301,17 @@ impl Pipeline<'_> {
             return download_one(self.pool, src, src_offset, dst);
         }
         let total = dst.len();
-        let pieces: Vec<Mutex<Option<&mut [T]>>> =
-            dst.chunks_mut(chunk).map(|p| Mutex::new(Some(p))).collect();
+        let participants = self.participants(total.div_ceil(chunk));
+        let ranges = chunk_ranges(total, chunk, participants, Ramp::Last);
+        let mut pieces: Vec<Mutex<Option<&mut [T]>>> = Vec::with_capacity(ranges.len());
+        let mut rest = dst;
+        for range in &ranges {
+            let (piece, tail) = rest.split_at_mut(range.len());
+            pieces.push(Mutex::new(Some(piece)));
+            rest = tail;
+        }
         let claims = Claims::new(pieces.len());
         let depth = self.config.depth.max(1);
-        let participants = self.participants(pieces.len());
         src.staged_read(src_offset, total, &self.streams[..participants], |staged| {
             workers::shared().run(participants, |w| {
                 let mut in_flight: VecDeque<(PendingCopy<TypedPinnedBlock<T>>, usize)> =
@@ -324,10 +330,9 @@ impl Pipeline<'_> {
                         {
                             spare = Some(drain(pending, j)?);
                         }
-                        let start = i * chunk;
-                        let len = chunk.min(total - start);
-                        let block = block_of(self.pool, spare.take(), len)?;
-                        in_flight.push_back((staged.copy_out(w, start, block)?, i));
+                        let range = ranges[i].clone();
+                        let block = block_of(self.pool, spare.take(), range.len())?;
+                        in_flight.push_back((staged.copy_out(w, range.start, block)?, i));
                     }
                     for (pending, j) in in_flight.drain(..) {
                         drop(drain(pending, j)?);
@@ -338,6 +343,60 @@ impl Pipeline<'_> {
             })
         })?
     }
+}
+
+/// Where a pipelined copy's short chunks go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ramp {
+    /// At the start (uploads): the copy engine waits for the first host copies, so the first
+    /// chunk of each participant is short and the bus starts sooner.
+    First,
+    /// At the end (downloads): the last host copies wait for the copy engine, so the last chunk
+    /// of each participant is short and the transfer ends sooner.
+    Last,
+}
+
+/// The element ranges a pipelined copy of `total` elements is cut into: chunks of `chunk`,
+/// except that when there is more than one chunk per participant, `participants` of them (at
+/// the `ramp` end) are cut to a quarter, so the pipeline fills (or drains) four times faster.
+/// `CUWEAVE_STAGING_NO_RAMP` turns the short chunks off (for measuring).
+fn chunk_ranges(
+    total: usize,
+    chunk: usize,
+    participants: usize,
+    ramp: Ramp,
+) -> Vec<std::ops::Range<usize>> {
+    let chunk = chunk.max(1);
+    let short = (chunk / 4).max(1);
+    let ramped = if total.div_ceil(chunk) > participants && short < chunk && !no_ramp() {
+        participants.min(total / short)
+    } else {
+        0
+    };
+    let mut lengths = vec![short; ramped];
+    let mut left = total - ramped * short;
+    while left > 0 {
+        let len = chunk.min(left);
+        lengths.push(len);
+        left -= len;
+    }
+    if ramp == Ramp::Last {
+        lengths.reverse();
+    }
+    let mut start = 0;
+    lengths
+        .into_iter()
+        .map(|len| {
+            let range = start..start + len;
+            start += len;
+            range
+        })
+        .collect()
+}
+
+fn no_ramp() -> bool {
+    static NO_RAMP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *NO_RAMP.get_or_init(|| std::env::var_os("CUWEAVE_STAGING_NO_RAMP").is_some())
 }
 
 fn plain_copy() -> bool {
@@ -538,6 +597,42 @@ mod tests {
             }
             for row in swept {
                 assert!(row.chunk_bytes < row.bytes);
+            }
+        }
+    }
+
+    #[rstest::rstest]
+    #[case(16 << 20, 1 << 20, 8)]
+    #[case(16 << 20, 1 << 20, 16)]
+    #[case((4 << 20) + 7, 512 << 10, 6)]
+    #[case(1000, 300, 2)]
+    #[case(1000, 1, 3)]
+    #[case(10, 3, 1)]
+    fn chunk_ranges_cover_the_copy_once_with_short_chunks_at_the_ramp_end(
+        #[case] total: usize,
+        #[case] chunk: usize,
+        #[case] participants: usize,
+    ) {
+        for ramp in [Ramp::First, Ramp::Last] {
+            let ranges = chunk_ranges(total, chunk, participants, ramp);
+            let mut next = 0;
+            for range in &ranges {
+                assert_eq!(range.start, next);
+                assert!(!range.is_empty() && range.len() <= chunk);
+                next = range.end;
+            }
+            assert_eq!(next, total);
+            let waves = total.div_ceil(chunk) > participants;
+            let short = ranges.iter().filter(|r| r.len() == chunk / 4).count();
+            if waves && chunk >= 4 && !no_ramp() {
+                assert!(short >= participants, "{ranges:?}");
+                let at_ramp_end = match ramp {
+                    Ramp::First => &ranges[..participants],
+                    Ramp::Last => &ranges[ranges.len() - participants..],
+                };
+                assert!(at_ramp_end.iter().all(|r| r.len() == chunk / 4));
+            } else if !waves {
+                assert_eq!(ranges.len(), total.div_ceil(chunk));
             }
         }
     }
