@@ -702,3 +702,45 @@ fn typed_buffers_allocate_and_drop_inside_a_capture() {
         "graph memory went to eager work"
     );
 }
+
+#[test]
+fn a_graph_of_another_device_is_refused_on_this_devices_stream_and_both_stay_usable() {
+    const TEST: &str =
+        "a_graph_of_another_device_is_refused_on_this_devices_stream_and_both_stay_usable";
+    let Some(Fixture {
+        gpu,
+        kernels,
+        _serial,
+        ..
+    }) = fixture(TEST)
+    else {
+        return;
+    };
+    let count = cuweave_driver::Device::count().unwrap();
+    if count < 2 {
+        cuweave_test_support::skip(TEST, &format!("needs two GPUs, this machine has {count}"));
+        return;
+    }
+    let other = Context::primary(cuweave_driver::Device::get(1).unwrap()).unwrap();
+    let other_stream = Stream::new(&other, StreamFlags::NON_BLOCKING).unwrap();
+    let other_kernels = TestKernels::load(&other).unwrap();
+    let capture = StreamCapture::begin(&other_stream, CaptureOptions::default()).unwrap();
+    other_kernels.spin_ns(&other_stream, 1000).unwrap();
+    let exec = capture
+        .finish()
+        .unwrap()
+        .instantiate(&InstantiateOptions::default())
+        .unwrap();
+    let main = stream(&gpu);
+    let error = exec.launch(&main).unwrap_err();
+    assert!(
+        matches!(error, cuweave_driver::DriverError::InvalidArgument { .. }),
+        "{error}"
+    );
+    assert_eq!(exec.launch_count(), 0);
+    kernels.spin_ns(&main, 1000).unwrap();
+    main.synchronize().unwrap();
+    exec.launch(&other_stream).unwrap();
+    other_stream.synchronize().unwrap();
+    assert_eq!(exec.launch_count(), 1);
+}
