@@ -181,6 +181,8 @@ pub struct AsyncTransfer<'a, T: Element> {
     blocks: Option<Blocks<T>>,
     requested: Option<Arc<Handoff<Result<Blocks<T>>>>>,
     waiting: Option<(usize, WaitFuture)>,
+    /// The lane's context's event pool, fetched once here, not per chunk in a poll.
+    events: EventPool,
     started: Option<Instant>,
     finished: bool,
 }
@@ -266,7 +268,7 @@ impl<T: Element> AsyncTransfer<'_, T> {
             }
         };
         // From the context's event pool (the one every layer shares): no event created per chunk.
-        let done = Arc::new(EventPool::for_context(stream.context())?.acquire_owned(false)?);
+        let done = Arc::new(self.events.acquire_owned(false)?);
         done.record(stream)?;
         self.in_flight.push_back(InFlight { index, copy, done });
         Ok(())
@@ -567,9 +569,14 @@ impl TransferManager {
             None => (ASYNC_CHUNK_BYTES / size_of::<T>().max(1)).max(1),
         };
         let depth = self.fixed_staging().map_or(3, |f| f.depth).max(2);
+        let lane = self.lane(device)?;
+        // What a first poll would otherwise pay once (the global waiter's reactor thread, the
+        // context's event pool), paid here, so that no poll costs more than its bounded copy.
+        cuweave_event::AsyncEventWaiter::global()?;
+        let events = EventPool::for_context(lane.stream().context())?;
         Ok(AsyncTransfer {
             direction,
-            lane: self.lane(device)?,
+            lane,
             plan,
             chunk,
             depth,
@@ -580,6 +587,7 @@ impl TransferManager {
             blocks: None,
             requested: None,
             waiting: None,
+            events,
             started: None,
             finished: false,
         })
