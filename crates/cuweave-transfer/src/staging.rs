@@ -6,15 +6,16 @@
 //! [`StagingConfig::threads`] participants (the calling thread and workers of the process's
 //! persistent staging pool, which is sized from the machine) claim chunks from a shared counter;
 //! for each, a participant takes a pinned block (its own, once the copy engine has finished
-//! with it, or one from the pool), copies the chunk in with streaming stores ([`copy_streaming`]),
-//! and queues `cuMemcpyHtoDAsync` from the block on its own stream of the transfer's *lane*.
+//! with it, or one from the pool), copies the chunk in ([`HostCopy`]: streaming stores,
+//! [`copy_streaming`], or a cached `memcpy`), and queues `cuMemcpyHtoDAsync` from the block on
+//! its own stream of the transfer's *lane*.
 //! Each participant keeps up to [`StagingConfig::depth`] blocks in flight, so while the copy
 //! engine moves earlier chunks the participants fill the next ones: the transfer runs at the
 //! slower of the host's aggregate copy bandwidth and the bus, instead of at the driver's own
 //! staging speed (a pageable `cuMemcpyHtoD` copies through one small bounce buffer on one
 //! thread). Downloads run the same pipeline backwards: queue copies into blocks, then copy each
-//! finished block out with streaming stores, which write the caller's memory without first
-//! reading every line of it.
+//! finished block out (with streaming stores by default, which write the caller's memory
+//! without first reading every line of it).
 //!
 //! The destination (or, for downloads, the source) range is ordered once per stream for the
 //! whole transfer, through the memory layer's `Buffer::staged_write` / `staged_read`: each lane
@@ -26,8 +27,8 @@
 //! transfers from different threads, to one device or in opposite directions, queue on
 //! different streams and never wait behind each other's copies.
 //!
-//! The chunk size and participant count come per transfer size from the calibration (or from
-//! [`StagingConfig::for_size`] until measured): mid-size copies use small chunks so that every
+//! The chunk size, participant count and host copy come per direction and size from the
+//! calibration (or from [`StagingConfig::for_path`] until measured): mid-size copies use small chunks so that every
 //! participant has work at once, large ones bigger chunks to amortise the per-copy overhead.
 //!
 //! A transfer of at most one chunk takes a shortcut: one pinned block, no worker; an upload
@@ -54,8 +55,8 @@ use crate::workers;
 
 /// How one pipelined copy is cut up and how many host threads feed it.
 ///
-/// The manager picks one per transfer size from its calibration ([`for_size`](Self::for_size)
-/// until one is measured); [`TransferManager::with_staging`](crate::TransferManager::with_staging)
+/// The manager picks one per direction and size from its calibration
+/// ([`for_path`](Self::for_path) until one is measured); [`TransferManager::with_staging`](crate::TransferManager::with_staging)
 /// fixes one for every size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StagingConfig {
