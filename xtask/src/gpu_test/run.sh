@@ -16,7 +16,8 @@
 #   ./run --bench [FILTER...]   every criterion binary in benches/ with --bench FILTER
 #   ./run --info [ARGS...]      bin/cuweave info ARGS
 #
-# CUWEAVE_REQUIRE_GPU=1 is exported, so a test that finds no GPU fails instead of skipping.
+# CUWEAVE_REQUIRE_GPU=1 is exported, so a test that finds no GPU fails instead of skipping, and
+# NCCL_NVLS_ENABLE=0 unless set, so NCCL never turns NVLink multicast on.
 # Each test binary may run CUWEAVE_BINARY_TIMEOUT seconds (default 600) before it is killed and
 # counted as failed.
 # Logs go to logs/ beside this script and, when $OUT is set, into one $OUT/gpu-<mode>.log
@@ -24,6 +25,8 @@
 set -u
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export CUWEAVE_REQUIRE_GPU=1
+# NVLink multicast (NVLink SHARP) stays off on the lent machines; NCCL would use it on its own.
+export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"
 export CRITERION_HOME="${CRITERION_HOME:-$here/criterion}"
 logs="$here/logs"
 
