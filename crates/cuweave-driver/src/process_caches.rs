@@ -49,7 +49,14 @@ pub fn process_cache_names() -> Vec<&'static str> {
 
 /// Empties every registered process-wide cache; returns the bytes given back to the driver.
 /// Each cache waits for the queued work of the blocks it frees, as its own `empty_cache` does.
+///
+/// While any stream capture is running in the process this empties nothing and returns 0:
+/// freeing waits for the device, which would break the capture.
 pub fn empty_process_caches() -> usize {
+    if crate::graph::active_captures() > 0 {
+        tracing::debug!("a stream capture is running: the process caches are not emptied");
+        return 0;
+    }
     // Copied out, so an emptier may register another cache without deadlocking.
     let caches: Vec<EmptyCache> = CACHES.lock().iter().map(|(_, empty)| *empty).collect();
     caches.into_iter().map(|empty| empty()).sum()
