@@ -31,6 +31,27 @@ fn best(runs: usize, mut run: impl FnMut()) -> Duration {
         .unwrap()
 }
 
+/// One pipelined pageable copy of all of `host`: an upload into the start of `device`, or a
+/// download from it.
+fn staged(manager: &TransferManager, up: bool, host: &mut [u8], device: &mut DeviceBuffer<u8>) {
+    let bytes = host.len();
+    if up {
+        manager.transfer_with(
+            TransferMethod::HostStaged,
+            &*host,
+            Destination::device(device, 0),
+        )
+    } else {
+        manager.transfer_with(
+            TransferMethod::HostStaged,
+            Source::device(&*device, 0, bytes),
+            host,
+        )
+    }
+    .map(drop)
+    .unwrap()
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     if !cuweave_driver::is_available() {
         println!("no CUDA driver: nothing to sweep");
@@ -120,21 +141,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         };
                         let manager = TransferManager::with_staging(config)?;
                         let figure = gbps(best(runs, || {
-                            if up {
-                                manager.transfer_with(
-                                    TransferMethod::HostStaged,
-                                    &host[..bytes],
-                                    Destination::device(&mut device, 0),
-                                )
-                            } else {
-                                manager.transfer_with(
-                                    TransferMethod::HostStaged,
-                                    Source::device(&device, 0, bytes),
-                                    &mut host[..bytes],
-                                )
-                            }
-                            .map(drop)
-                            .unwrap()
+                            staged(&manager, up, &mut host[..bytes], &mut device)
                         }));
                         let best = if up { &mut best_up } else { &mut best_down };
                         if figure > best.0 {
@@ -151,24 +158,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         let manager = TransferManager::new()?;
         let up = gbps(best(runs, || {
-            manager
-                .transfer_with(
-                    TransferMethod::HostStaged,
-                    &host[..bytes],
-                    Destination::device(&mut device, 0),
-                )
-                .map(drop)
-                .unwrap()
+            staged(&manager, true, &mut host[..bytes], &mut device)
         }));
         let down = gbps(best(runs, || {
-            manager
-                .transfer_with(
-                    TransferMethod::HostStaged,
-                    Source::device(&device, 0, bytes),
-                    &mut host[..bytes],
-                )
-                .map(drop)
-                .unwrap()
+            staged(&manager, false, &mut host[..bytes], &mut device)
         }));
         println!(
             "   best h2d {:.2} GB/s at {:?}\n   best d2h {:.2} at {:?}\n   defaults: h2d {up:.2} ({:?}), d2h {down:.2} ({:?})",

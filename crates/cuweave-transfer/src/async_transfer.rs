@@ -570,8 +570,8 @@ impl TransferManager {
         };
         let depth = self.fixed_staging().map_or(3, |f| f.depth).max(2);
         let lane = self.lane(device)?;
-        // What a first poll would otherwise pay once (the global waiter's reactor thread, the
-        // context's event pool), paid here, so that no poll costs more than its bounded copy.
+        // What a first poll would otherwise pay once (starting the global waiter's reactor
+        // thread, looking up the context's event pool), paid here instead, outside any poll.
         cuweave_event::AsyncEventWaiter::global()?;
         let events = EventPool::for_context(lane.stream().context())?;
         Ok(AsyncTransfer {

@@ -28,8 +28,9 @@
 //! different streams and never wait behind each other's copies.
 //!
 //! The chunk size, participant count and host copy come per direction and size from the
-//! calibration (or from [`StagingConfig::for_path`] until measured): mid-size copies use small chunks so that every
-//! participant has work at once, large ones bigger chunks to amortise the per-copy overhead.
+//! calibration (or from [`StagingConfig::for_path`] until measured): mid-size copies use small
+//! chunks so that every participant has work at once, large ones bigger chunks to amortise the
+//! per-copy overhead.
 //!
 //! A transfer of at most one chunk takes a shortcut: one pinned block, no worker; an upload
 //! copies it on the lane's first stream and watches that stream's completion word, a download
@@ -56,8 +57,9 @@ use crate::workers;
 /// How one pipelined copy is cut up and how many host threads feed it.
 ///
 /// The manager picks one per direction and size from its calibration
-/// ([`for_path`](Self::for_path) until one is measured); [`TransferManager::with_staging`](crate::TransferManager::with_staging)
-/// fixes one for every size.
+/// ([`for_path`](Self::for_path) until one is measured);
+/// [`TransferManager::with_staging`](crate::TransferManager::with_staging) fixes one for every
+/// size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StagingConfig {
     /// Bytes per chunk (rounded down to whole elements; at least one element).
@@ -397,12 +399,12 @@ fn chunk_ranges(
 
 fn no_ramp() -> bool {
     static NO_RAMP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *NO_RAMP.get_or_init(|| std::env::var_os("CUWEAVE_STAGING_NO_RAMP").is_some())
+    workers::env_switch(&NO_RAMP, "CUWEAVE_STAGING_NO_RAMP")
 }
 
 fn plain_copy() -> bool {
     static PLAIN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *PLAIN.get_or_init(|| std::env::var_os("CUWEAVE_STAGING_PLAIN_COPY").is_some())
+    workers::env_switch(&PLAIN, "CUWEAVE_STAGING_PLAIN_COPY")
 }
 
 /// Chunks handed out to participants one at a time; after a failure nobody claims more.

@@ -51,12 +51,18 @@ pub fn host_threads() -> usize {
     *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(4, usize::from))
 }
 
+/// Whether the tuning switch `name` is set in the environment (to anything), read once into
+/// `cell`: the staging pipeline's switches for measuring alternatives (see `docs/transfer.md`).
+pub(crate) fn env_switch(cell: &'static OnceLock<bool>, name: &str) -> bool {
+    *cell.get_or_init(|| std::env::var_os(name).is_some())
+}
+
 /// Whether transfers run their participants on threads spawned for the transfer (the design
 /// before the pool: `CUWEAVE_STAGING_SPAWN` set) instead of the pool's workers; read once. A
 /// tuning switch for comparing the two on a machine (see `docs/transfer.md`).
 fn spawn_per_transfer() -> bool {
     static SPAWN: OnceLock<bool> = OnceLock::new();
-    *SPAWN.get_or_init(|| std::env::var_os("CUWEAVE_STAGING_SPAWN").is_some())
+    env_switch(&SPAWN, "CUWEAVE_STAGING_SPAWN")
 }
 
 /// Runs `work(0..participants)` with `work(0)` here and the others on threads spawned for this
@@ -116,9 +122,8 @@ impl Workers {
     /// chunks go to the others: they are claimed, not dealt). Off with `CUWEAVE_STAGING_NO_SHARE`
     /// (a tuning switch, read once).
     pub(crate) fn keeps(&self, w: usize) -> bool {
-        static SHARE: OnceLock<bool> = OnceLock::new();
-        if w == 0 || !*SHARE.get_or_init(|| std::env::var_os("CUWEAVE_STAGING_NO_SHARE").is_none())
-        {
+        static NO_SHARE: OnceLock<bool> = OnceLock::new();
+        if w == 0 || env_switch(&NO_SHARE, "CUWEAVE_STAGING_NO_SHARE") {
             return true;
         }
         w < self.participants() / self.active.load(Ordering::Relaxed).max(1)
