@@ -619,13 +619,20 @@ fn invalidated_since(start: u64) -> DriverError {
     .into()
 }
 
+/// Held by the unit tests that raise the capture count by hand, and by those that need it at
+/// zero: the test harness runs them on parallel threads.
+#[cfg(test)]
+pub(crate) static CAPTURE_COUNT_TEST_LOCK: Mutex<()> = Mutex::new(());
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn the_failure_log_is_bounded_and_finds_the_first_after_a_point() {
-        // Not noted while no capture is active (no other test touches the counters).
+        let _count = CAPTURE_COUNT_TEST_LOCK.lock();
+        // Not noted while no capture is active (the other tests that touch the count hold the
+        // lock too).
         let before = FAILURE_SEQ.load(Ordering::Acquire);
         note_driver_failure(
             sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
@@ -682,8 +689,9 @@ mod tests {
 
     #[test]
     fn no_capture_means_nothing_is_refused() {
-        if active_captures() == 0 {
-            assert!(refuse_while_capturing(None, "op").is_ok());
-        }
+        let _count = CAPTURE_COUNT_TEST_LOCK.lock();
+        // No unit test of this crate begins a real capture.
+        assert_eq!(active_captures(), 0);
+        assert!(refuse_while_capturing(None, "op").is_ok());
     }
 }

@@ -31,6 +31,8 @@ mod exec;
 mod handle;
 mod memory;
 
+#[cfg(test)]
+pub(crate) use capture::CAPTURE_COUNT_TEST_LOCK;
 pub use capture::{
     CaptureMode, CaptureModeGuard, CaptureState, CaptureStatus, active_captures, capture_is_active,
     capture_state, known_complete_before, refuse_while_capturing,
