@@ -248,3 +248,80 @@ fn dropping_mapped_words_waits_for_the_writes_queued_into_them() {
         assert_eq!(stream.query(), Ok(true));
     }
 }
+
+#[test]
+fn stream_marks_are_reached_in_order_only_after_the_work_before_them() {
+    use cuweave_driver::memory::{MappedWords, StreamMarks};
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let other = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let words = std::sync::Arc::new(MappedWords::new(&gpu.context, 4).unwrap());
+    let marks = StreamMarks::new(words.clone(), 3, &stream, 0).unwrap();
+
+    // Three spins of 10, 20 and 30 ms, a mark behind each: each mark is reached only once its
+    // spin has run, and a later one never before an earlier one.
+    let started = Instant::now();
+    let mut queued = Vec::new();
+    for step in 1..=3u64 {
+        kernels.spin_ns(&stream, 10 * step * MS).unwrap();
+        queued.push(marks.mark(&stream).unwrap());
+    }
+    assert!(queued.windows(2).all(|pair| pair[0] < pair[1]));
+    assert!(!marks.is_reached(queued[0]), "a mark overtook its spin");
+    for (step, mark) in queued.iter().enumerate() {
+        marks.wait(*mark, &stream).unwrap();
+        let floor = Duration::from_millis(10 * [1, 3, 6][step] - 2);
+        assert!(
+            started.elapsed() >= floor,
+            "mark {step} reached after {:?}, before its spins could end",
+            started.elapsed()
+        );
+        // The next mark waits behind a spin of at least 20 ms more.
+        if let Some(later) = queued.get(step + 1) {
+            assert!(
+                !marks.is_reached(*later),
+                "mark {} overtook its spin",
+                step + 1
+            );
+        }
+    }
+
+    // Another stream is refused, for marking and for waiting.
+    assert!(matches!(
+        marks.mark(&other),
+        Err(DriverError::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        marks.wait(queued[0], &other),
+        Err(DriverError::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        StreamMarks::new(words.clone(), 4, &stream, 0),
+        Err(DriverError::InvalidArgument { .. })
+    ));
+
+    // The word handed on with its last number: the next owner's marks start above it, so a
+    // mark of the new owner is never reached by what the old one wrote.
+    let (words, index, last) = marks.into_parts();
+    assert_eq!(last, 3);
+    let next = StreamMarks::new(words, index, &other, last).unwrap();
+    kernels.spin_ns(&other, 20 * MS).unwrap();
+    let mark = next.mark(&other).unwrap();
+    assert_eq!(mark.value(), 4);
+    assert!(
+        !next.is_reached(mark),
+        "the old owner's word reached a new mark"
+    );
+    next.wait(mark, &other).unwrap();
+    assert!(next.is_reached(mark));
+
+    // Thousands of marks in a row: waits that return as each lands, none early.
+    let many: Vec<_> = (0..2000).map(|_| next.mark(&other).unwrap()).collect();
+    for mark in &many {
+        next.wait(*mark, &other).unwrap();
+    }
+    assert!(many.iter().all(|mark| next.is_reached(*mark)));
+    other.synchronize().unwrap();
+}

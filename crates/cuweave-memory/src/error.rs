@@ -101,8 +101,9 @@ pub enum MemoryError {
         /// The operation.
         operation: &'static str,
     },
-    /// A stream handle that cannot key stream-ordered memory: `CU_STREAM_PER_THREAD`, whose one
-    /// handle names a different stream on each thread.
+    /// A stream handle that cannot key stream-ordered memory (`CU_STREAM_PER_THREAD`, whose one
+    /// handle names a different stream on each thread), or a chunk queued with progress marks
+    /// of another stream.
     #[error("{operation}: {reason}")]
     InvalidStream {
         /// The operation.

@@ -113,3 +113,55 @@ fn chunks_outside_the_range_or_the_streams_are_typed_errors() {
         Err(MemoryError::ZeroLength { .. })
     ));
 }
+
+#[test]
+fn marked_chunks_land_in_order_behind_earlier_work_and_wrong_marks_are_refused() {
+    use cuweave_driver::memory::{MappedWords, StreamMarks};
+    let gpu = require_gpu!();
+    let context = &gpu.context;
+    let kernels = TestKernels::load(context).expect("test kernels");
+    let (len, chunk) = (1 << 20, 65_536);
+    let data = pattern(len, 3);
+    let buffer = DeviceBuffer::<u32>::from_slice(context, &data).unwrap();
+    // A 50 ms spin on the marks' stream before the chunks: no chunk may be reported landed
+    // before the stream has passed it. (A pageable upload queued on another stream would not
+    // do: the driver waits for that stream before it returns.)
+    let lanes = streams(context, 2);
+    kernels.spin_ns(&lanes[0], 50 * MS).unwrap();
+    let words = Arc::new(MappedWords::new(context, 1).unwrap());
+    let marks = StreamMarks::new(words.clone(), 0, &lanes[0], 0).unwrap();
+    let wrong = StreamMarks::new(words, 0, &lanes[1], 0).unwrap();
+    // Pinned host sides: a copy into pageable memory returns only once it has landed.
+    let pool = cuweave_memory::PinnedPool::new(context);
+    let back = buffer
+        .staged_read(0, len, &lanes, |staged| {
+            // Marks of lane 1 for a chunk on lane 0: refused before anything is queued.
+            assert!(matches!(
+                staged.copy_out_marked(0, 0, vec![0u32; chunk], &wrong),
+                Err(MemoryError::InvalidStream { .. })
+            ));
+            assert!(matches!(
+                staged.copy_out_marked(0, len - 10, vec![0u32; 20], &marks),
+                Err(MemoryError::OutOfRange { .. })
+            ));
+            let copies: Vec<_> = (0..len)
+                .step_by(chunk)
+                .map(|start| {
+                    let block = pool.get_typed::<u32>(chunk).unwrap();
+                    staged.copy_out_marked(0, start, block, &marks).unwrap()
+                })
+                .collect();
+            assert!(
+                !copies[0].is_complete(),
+                "a chunk landed before the spin ended"
+            );
+            // Waited for from the back: the last mark covers every chunk before it.
+            let mut out: Vec<Vec<u32>> = Vec::new();
+            for copy in copies.into_iter().rev() {
+                out.push(copy.wait().unwrap().as_slice().to_vec());
+            }
+            out.into_iter().rev().flatten().collect::<Vec<u32>>()
+        })
+        .unwrap();
+    assert_eq!(back, data);
+}

@@ -15,6 +15,7 @@ mod managed;
 mod mapped_words;
 mod pointer;
 mod pool;
+mod stream_marks;
 
 pub use address_range::address_range;
 pub use completion_words::CompletionWords;
@@ -32,6 +33,7 @@ pub use managed::{
 pub use mapped_words::MappedWords;
 pub use pointer::{MemoryType, PointerAttributes, pointer_attributes};
 pub use pool::MemoryPool;
+pub use stream_marks::{Mark, StreamMarks};
 
 /// A device address (`CUdeviceptr`).
 pub type DevicePtr = crate::sys::CUdeviceptr;

@@ -82,7 +82,7 @@ pub use common::Buffer;
 pub use device::DeviceBuffer;
 pub use host::{HostSink, HostSource};
 pub use peer::copy_peer;
-pub use pending::PendingCopy;
+pub use pending::{MarkedCopy, PendingCopy};
 pub use pinned::PinnedBuffer;
 pub use staged::{FromDevice, Staged, StagedRead, StagedWrite, ToDevice};
 pub use tracker::Access;

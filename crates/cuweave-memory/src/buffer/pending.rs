@@ -1,6 +1,7 @@
 //! [`PendingCopy`]: an asynchronous copy in flight, owning its host side until it has finished.
 
-use cuweave_driver::OwnedPooledEvent;
+use cuweave_driver::memory::{Mark, StreamMarks};
+use cuweave_driver::{OwnedPooledEvent, Stream};
 
 /// An asynchronous copy queued on a stream, holding the host side (`H`) until the stream has
 /// passed it.
@@ -74,6 +75,82 @@ impl<H> Drop for PendingCopy<H> {
             Ok(()) => drop(host),
             Err(error) => {
                 tracing::error!(%error, bytes = self.bytes, "waiting for an async copy failed; leaking its host memory");
+                std::mem::forget(host);
+            }
+        }
+    }
+}
+
+/// A copy queued on a stream with a [`StreamMarks`] mark behind it, holding the host side (`H`)
+/// until the stream has passed the mark ([`StagedRead::copy_out_marked`](super::StagedRead::copy_out_marked)).
+///
+/// Like [`PendingCopy`], but its completion is learnt from the marks' word with atomic loads
+/// instead of an event: no `cuEventRecord` per copy, and no driver call while a waiting thread
+/// spins ([`StreamMarks::wait`]). [`wait`](Self::wait) hands the host side back; dropping also
+/// waits first, and a failed wait leaks the host side rather than freeing it under the copy
+/// engine; `std::mem::forget` leaks it, which is safe.
+#[derive(Debug)]
+#[must_use = "dropping a MarkedCopy blocks until the copy has finished; call `wait` to get the host side back"]
+pub struct MarkedCopy<'s, H> {
+    host: Option<H>,
+    marks: &'s StreamMarks,
+    mark: Mark,
+    stream: &'s Stream,
+    bytes: usize,
+}
+
+impl<'s, H> MarkedCopy<'s, H> {
+    pub(crate) fn new(
+        host: H,
+        marks: &'s StreamMarks,
+        mark: Mark,
+        stream: &'s Stream,
+        bytes: usize,
+    ) -> Self {
+        Self {
+            host: Some(host),
+            marks,
+            mark,
+            stream,
+            bytes,
+        }
+    }
+
+    /// Blocks until the stream has passed the copy's mark and returns the host side.
+    ///
+    /// # Errors
+    /// The stream's error if it failed; the host side is then leaked, not freed.
+    pub fn wait(mut self) -> crate::Result<H> {
+        self.marks.wait(self.mark, self.stream)?;
+        Ok(self
+            .host
+            .take()
+            .expect("the host side is present until wait or drop"))
+    }
+
+    /// The mark behind the copy.
+    pub fn mark(&self) -> Mark {
+        self.mark
+    }
+
+    /// Whether the copy has finished (one atomic load; then [`wait`](Self::wait) returns at once).
+    pub fn is_complete(&self) -> bool {
+        self.marks.is_reached(self.mark)
+    }
+
+    /// How many bytes the copy moves.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl<H> Drop for MarkedCopy<'_, H> {
+    fn drop(&mut self) {
+        let Some(host) = self.host.take() else { return };
+        match self.marks.wait(self.mark, self.stream) {
+            Ok(()) => drop(host),
+            Err(error) => {
+                tracing::error!(%error, bytes = self.bytes, "waiting for a marked copy failed; leaking its host memory");
                 std::mem::forget(host);
             }
         }

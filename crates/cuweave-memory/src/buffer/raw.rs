@@ -17,12 +17,12 @@
 
 use std::sync::Arc;
 
-use cuweave_driver::memory::{self, CompletionWords, ManagedAllocation};
+use cuweave_driver::memory::{self, CompletionWords, ManagedAllocation, StreamMarks};
 use cuweave_driver::{Context, EventPool, OwnedPooledEvent, Stream};
 
 use super::fill::{doubling_steps, pattern_chunk_len};
 use super::host::{HostSink, HostSource};
-use super::pending::PendingCopy;
+use super::pending::{MarkedCopy, PendingCopy};
 use super::range::DeviceSpan;
 use super::tracker::{self, Access, Part};
 use crate::element::Element;
@@ -370,6 +370,51 @@ pub(crate) fn write_chunk<T: Element, H: HostSource<T>>(
         }),
     };
     finish(outcome, host, done, dst.bytes())
+}
+
+/// Queues `cuMemcpyDtoHAsync` of `src` into `host` on `stream` and a mark of `marks` behind it,
+/// without touching the buffer's tracker (see [`write_chunk`]): the returned copy learns that it
+/// landed from the marks' word, with no event.
+pub(crate) fn read_chunk_marked<'s, T: Element, H: HostSink<T>>(
+    operation: &'static str,
+    src: DeviceSpan,
+    mut host: H,
+    stream: &'s Stream,
+    marks: &'s StreamMarks,
+) -> Result<MarkedCopy<'s, H>> {
+    debug_assert_eq!(host.host_len() * size_of::<T>(), src.bytes());
+    if !marks.belongs_to(stream) {
+        return Err(MemoryError::InvalidStream {
+            operation,
+            reason: "the marks belong to another stream than the chunk's",
+        });
+    }
+    let dst = host.host_mut_ptr();
+    let copy = || {
+        // SAFETY: `dst` is `host`'s memory, writable for `src.bytes()` bytes and reachable only
+        // through `host`, which moves (without its memory moving) into the returned MarkedCopy;
+        // that frees or returns it only after the stream has passed the mark queued behind this
+        // copy (or leaks it). `src` lies in a live span of a buffer borrowed by the `StagedRead`
+        // that calls this, which records the span's read on this stream before the borrow ends.
+        unsafe { memory::copy_dtoh_async(dst, src.ptr(), src.bytes(), stream) }?;
+        Ok(marks.mark(stream)?)
+    };
+    let outcome = match host.host_tracker() {
+        Some(own) => tracker::run_uses(
+            operation,
+            stream,
+            &[(Part::whole(own), Access::Write)],
+            copy,
+        ),
+        None => copy().map_err(|error| tracker::OpFailure {
+            settled: tracker::settle(stream),
+            error,
+        }),
+    };
+    match outcome {
+        Ok(mark) => Ok(MarkedCopy::new(host, marks, mark, stream, src.bytes())),
+        Err(failure) => Err(give_up_host(failure, host)),
+    }
 }
 
 /// Queues `cuMemcpyDtoHAsync` of `src` into `host` on `stream` and records an event behind it,

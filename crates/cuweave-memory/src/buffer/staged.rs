@@ -16,10 +16,11 @@
 //! The handle is only lent, never returned, so it cannot be leaked past the recording: the
 //! buffer's borrow (exclusive for a write) ends only after every queued chunk is tracked.
 
+use cuweave_driver::memory::StreamMarks;
 use cuweave_driver::{EventPool, Stream};
 
 use super::host::{HostSink, HostSource};
-use super::pending::PendingCopy;
+use super::pending::{MarkedCopy, PendingCopy};
 use super::range::DeviceSpan;
 use super::raw;
 use super::tracker::{self, Access, Part};
@@ -131,7 +132,7 @@ impl<T: Element> Staged<'_, T, ToDevice> {
     }
 }
 
-impl<T: Element> Staged<'_, T, FromDevice> {
+impl<'a, T: Element> Staged<'a, T, FromDevice> {
     /// Queues a copy of elements `offset..offset + host_len` of the staged range into `host` on
     /// stream `lane` of the set; [`PendingCopy::wait`] returns `host` holding the data.
     ///
@@ -146,6 +147,28 @@ impl<T: Element> Staged<'_, T, FromDevice> {
         const OP: &str = "StagedRead::copy_out";
         let (span, stream) = self.locate(OP, lane, offset, host.host_len())?;
         raw::read_chunk::<T, H>(OP, span, host, stream, &self.events)
+    }
+
+    /// Queues a copy of elements `offset..offset + host_len` of the staged range into `host` on
+    /// stream `lane`, with a mark of `marks` (which must belong to that stream) behind it instead
+    /// of an event: chunks queued on one stream land in order, and threads waiting for them
+    /// ([`MarkedCopy::wait`]) spin on the marks' word with no driver call.
+    ///
+    /// # Errors
+    /// As [`copy_out`](Self::copy_out); `InvalidStream` when `marks` belong to another stream.
+    pub fn copy_out_marked<'m, H: HostSink<T>>(
+        &self,
+        lane: usize,
+        offset: usize,
+        host: H,
+        marks: &'m StreamMarks,
+    ) -> Result<MarkedCopy<'m, H>>
+    where
+        'a: 'm,
+    {
+        const OP: &str = "StagedRead::copy_out_marked";
+        let (span, stream) = self.locate(OP, lane, offset, host.host_len())?;
+        raw::read_chunk_marked::<T, H>(OP, span, host, stream, marks)
     }
 }
 
