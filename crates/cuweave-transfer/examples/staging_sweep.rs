@@ -10,6 +10,9 @@
 //! and a 1 GiB download at once, and four 256 MiB uploads at once, each transfer with the same
 //! fixed participant count (the staging switches `CUWEAVE_STAGING_NO_SHARE`,
 //! `CUWEAVE_STAGING_SPAWN` and `CUWEAVE_STAGING_PLAIN_COPY` apply, see `docs/transfer.md`).
+//! `SWEEP_DOWN_ONLY=1` sweeps downloads alone and skips the host copy ceiling (with
+//! `CUWEAVE_STAGING_UNORDERED_DOWNLOADS=1`, the downloads that queue on every participant's
+//! stream).
 
 use std::time::{Duration, Instant};
 
@@ -90,6 +93,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         concurrent(&context, &host)?;
         return Ok(());
     }
+    let down_only = std::env::var_os("SWEEP_DOWN_ONLY").is_some();
     for &kib in &sizes {
         let bytes = kib << 10;
         let mib = bytes as f64 / (1 << 20) as f64;
@@ -132,6 +136,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }
                 let mut row = Vec::new();
                 for up in [true, false] {
+                    if up && down_only {
+                        row.extend([0.0, 0.0]);
+                        continue;
+                    }
                     for host_copy in [HostCopy::Streaming, HostCopy::Cached] {
                         let config = StagingConfig {
                             chunk_bytes: chunk_kib << 10,
@@ -157,6 +165,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         }
         let manager = TransferManager::new()?;
+        if down_only {
+            let down = gbps(best(runs, || {
+                staged(&manager, false, &mut host[..bytes], &mut device)
+            }));
+            println!(
+                "   best d2h {:.2} at {:?}\n   default d2h {down:.2} ({:?})",
+                best_down.0,
+                best_down.1,
+                StagingConfig::for_download(bytes),
+            );
+            continue;
+        }
         let up = gbps(best(runs, || {
             staged(&manager, true, &mut host[..bytes], &mut device)
         }));
@@ -172,6 +192,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             StagingConfig::for_upload(bytes),
             StagingConfig::for_download(bytes),
         );
+    }
+    if down_only {
+        return Ok(());
     }
     // Host copy ceiling: threads copying disjoint parts with streaming stores.
     let bytes = largest.min(256 << 20);

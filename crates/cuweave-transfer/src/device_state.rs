@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use cuweave_driver::memory::CompletionWords;
+use cuweave_driver::memory::{CompletionWords, MappedWords, StreamMarks};
 use cuweave_driver::{Context, Device, DeviceCapabilities, Stream, StreamFlags};
 use cuweave_memory::PinnedPool;
 use parking_lot::Mutex;
@@ -81,6 +81,10 @@ impl DeviceSlot {
     }
 }
 
+/// Words of the page that lanes' first streams write their progress marks into: one per lane
+/// alive at once (more lanes than this run their downloads without marks).
+const MARK_WORDS: usize = 512;
+
 /// A device's transfer state: context, staging pool, completion words and idle lanes.
 pub(crate) struct DeviceState {
     pub(crate) context: Arc<Context>,
@@ -88,7 +92,11 @@ pub(crate) struct DeviceState {
     /// Words for learning that a small upload landed without a driver call (`None` when the
     /// device cannot map host memory).
     pub(crate) completion: Option<CompletionWords>,
-    lanes: Mutex<Vec<Vec<Stream>>>,
+    /// The page lanes' progress marks live in (`None` when the device cannot map host memory).
+    mark_words: Option<Arc<MappedWords>>,
+    /// Words of `mark_words` no lane holds, each with the last number written into it.
+    free_marks: Mutex<Vec<(usize, u64)>>,
+    lanes: Mutex<Vec<(Vec<Stream>, Option<StreamMarks>)>>,
 }
 
 impl DeviceState {
@@ -100,12 +108,38 @@ impl DeviceState {
                 tracing::debug!(%error, "no completion words: small uploads use cuStreamSynchronize");
             })
             .ok();
+        let mark_words = MappedWords::new(&context, MARK_WORDS)
+            .inspect_err(|error| {
+                tracing::debug!(%error, "no mark words: downloads wait on an event per chunk");
+            })
+            .ok()
+            .map(Arc::new);
+        let free_marks = match mark_words {
+            Some(_) => (0..MARK_WORDS).rev().map(|index| (index, 0)).collect(),
+            None => Vec::new(),
+        };
         Ok(Self {
             pool: PinnedPool::new(&context),
             context,
             completion,
+            mark_words,
+            free_marks: Mutex::new(free_marks),
             lanes: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Progress marks for `stream` (a new lane's first stream) in a free word, if any is left.
+    fn marks_for(&self, stream: &Stream) -> Option<StreamMarks> {
+        let words = self.mark_words.as_ref()?;
+        let (index, last) = self.free_marks.lock().pop()?;
+        match StreamMarks::new(Arc::clone(words), index, stream, last) {
+            Ok(marks) => Some(marks),
+            Err(error) => {
+                tracing::debug!(%error, "no progress marks for a new lane");
+                self.free_marks.lock().push((index, last));
+                None
+            }
+        }
     }
 
     /// A lane this caller holds alone until it drops it: one stream per staging participant.
@@ -113,16 +147,26 @@ impl DeviceState {
     /// caller pays for its streams once).
     pub(crate) fn lane(self: &Arc<Self>) -> Result<Lane> {
         let idle = self.lanes.lock().pop();
-        let streams = match idle {
-            Some(streams) => streams,
-            None => (0..workers::shared().participants())
-                .map(|_| Stream::new(&self.context, StreamFlags::NON_BLOCKING))
-                .collect::<cuweave_driver::Result<Vec<_>>>()?,
+        let (streams, marks) = match idle {
+            Some(lane) => lane,
+            None => {
+                let streams = (0..workers::shared().participants())
+                    .map(|_| Stream::new(&self.context, StreamFlags::NON_BLOCKING))
+                    .collect::<cuweave_driver::Result<Vec<_>>>()?;
+                let marks = self.marks_for(&streams[0]);
+                (streams, marks)
+            }
         };
         Ok(Lane {
             streams,
+            marks,
             state: Arc::clone(self),
         })
+    }
+
+    /// Progress-mark words no lane holds.
+    pub(crate) fn free_mark_words(&self) -> usize {
+        self.free_marks.lock().len()
     }
 
     /// Idle lanes kept for reuse (at most [`MAX_IDLE_LANES`]).
@@ -134,6 +178,9 @@ impl DeviceState {
 /// Streams one transfer holds alone; back to the device's idle lanes on drop.
 pub(crate) struct Lane {
     pub(crate) streams: Vec<Stream>,
+    /// Progress marks of the first stream, for ordered downloads (`None`: none were free, or
+    /// the device cannot map host memory).
+    pub(crate) marks: Option<StreamMarks>,
     pub(crate) state: Arc<DeviceState>,
 }
 
@@ -146,9 +193,19 @@ impl Lane {
 
 impl Drop for Lane {
     fn drop(&mut self) {
+        let streams = std::mem::take(&mut self.streams);
+        let marks = self.marks.take();
         let mut idle = self.state.lanes.lock();
         if idle.len() < MAX_IDLE_LANES {
-            idle.push(std::mem::take(&mut self.streams));
+            idle.push((streams, marks));
+            return;
+        }
+        drop(idle);
+        // The streams are destroyed; their word goes back with its last number, so the next
+        // lane's marks start above anything these streams may still write.
+        if let Some(marks) = marks {
+            let (_, index, last) = marks.into_parts();
+            self.state.free_marks.lock().push((index, last));
         }
     }
 }

@@ -197,6 +197,17 @@ impl TransferManager {
             .map_or(0, |state| state.idle_lanes())
     }
 
+    /// How many of `device`'s progress-mark words no lane holds (each lane's first stream holds
+    /// one, for ordered downloads; a lane dropped past the idle bound gives its word back).
+    /// 0 for a device not opened, or one that cannot map host memory.
+    pub fn free_mark_words(&self, device: usize) -> usize {
+        self.slot(device)
+            .ok()
+            .filter(|slot| slot.is_open())
+            .and_then(|slot| slot.state().ok())
+            .map_or(0, |state| state.free_mark_words())
+    }
+
     /// The staging configuration fixed by [`with_staging`](Self::with_staging), if any.
     pub fn fixed_staging(&self) -> Option<StagingConfig> {
         self.staging
@@ -505,6 +516,7 @@ pub(crate) fn pipeline<'a>(lane: &'a Lane, config: StagingConfig) -> Pipeline<'a
         pool: &lane.state.pool,
         streams: &lane.streams,
         completion: lane.state.completion.as_ref(),
+        marks: lane.marks.as_ref(),
         config,
     }
 }

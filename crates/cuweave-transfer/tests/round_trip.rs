@@ -542,3 +542,70 @@ fn calibration_counts_in_its_own_statistics_and_labels_its_machine() {
     assert!(plan.to_string().contains("NVIDIA A100-SXM4-40GB"), "{plan}");
     assert!(manager.set_calibration(table).is_none());
 }
+
+#[test]
+fn ordered_downloads_round_trip_with_tiny_rings_and_recycle_their_mark_words() {
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    // One block per participant: the queuing participant runs out of blocks at once and must
+    // copy chunks out itself while it waits, with short chunks at the end and an odd length.
+    let tiny = TransferManager::with_staging(StagingConfig {
+        chunk_bytes: 64 << 10,
+        depth: 1,
+        threads: 3,
+        host_copy: HostCopy::Streaming,
+    })
+    .unwrap();
+    for len in [(64 << 10) + 1, 5 * MIB + 13, 17 * MIB + 4097] {
+        let data = common::pattern(len, len as u32);
+        let device = DeviceBuffer::<u8>::from_slice(&gpu.context, &data).unwrap();
+        for _ in 0..3 {
+            let mut back = vec![0u8; len];
+            tiny.transfer_with(
+                TransferMethod::HostStaged,
+                Source::device(&device, 0, len),
+                &mut back,
+            )
+            .unwrap();
+            assert!(back == data, "{len} bytes came back changed");
+        }
+    }
+
+    // Bursts of concurrent downloads: each burst makes lanes past the idle bound, which are
+    // dropped afterwards and give their mark words back. Over 600 lanes are dropped in all,
+    // more than the device's 512 words, so without the recycling the later lanes would have
+    // none.
+    let manager = TransferManager::new().unwrap();
+    let threads = cuweave_transfer::MAX_IDLE_LANES + 8;
+    let len = 3 * MIB + 5;
+    let sources: Vec<DeviceBuffer<u8>> = (0..threads)
+        .map(|t| DeviceBuffer::from_slice(&gpu.context, &common::pattern(len, t as u32)).unwrap())
+        .collect();
+    for round in 0..80 {
+        std::thread::scope(|s| {
+            for (t, src) in sources.iter().enumerate() {
+                let manager = &manager;
+                s.spawn(move || {
+                    let mut back = vec![0u8; len];
+                    manager
+                        .transfer_with(
+                            TransferMethod::HostStaged,
+                            Source::device(src, 0, len),
+                            &mut back,
+                        )
+                        .unwrap();
+                    assert!(
+                        back == common::pattern(len, t as u32),
+                        "round {round}, thread {t}: the download came back changed"
+                    );
+                });
+            }
+        });
+        let held = 512 - manager.free_mark_words(0);
+        assert!(
+            held <= cuweave_transfer::MAX_IDLE_LANES,
+            "round {round}: {held} mark words held by {} idle lanes",
+            manager.idle_lanes(0)
+        );
+    }
+}
