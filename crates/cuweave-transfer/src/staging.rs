@@ -13,9 +13,11 @@
 //! engine moves earlier chunks the participants fill the next ones: the transfer runs at the
 //! slower of the host's aggregate copy bandwidth and the bus, instead of at the driver's own
 //! staging speed (a pageable `cuMemcpyHtoD` copies through one small bounce buffer on one
-//! thread). Downloads run the same pipeline backwards: queue copies into blocks, then copy each
-//! finished block out (with streaming stores by default, which write the caller's memory
-//! without first reading every line of it).
+//! thread). Downloads under 3 MiB run the same pipeline backwards: queue copies into blocks,
+//! then copy each finished block out. Larger ones run *ordered* (`Pipeline::download_ordered`):
+//! the caller queues large chunks in order on the lane's first stream, each with a
+//! [`StreamMarks`] mark behind it, so they land one after another. Every participant copies
+//! landed chunks out in pieces, waiting on the mark word with atomic loads.
 //!
 //! The destination (or, for downloads, the source) range is ordered once per stream for the
 //! whole transfer, through the memory layer's `Buffer::staged_write` / `staged_read`: each lane
