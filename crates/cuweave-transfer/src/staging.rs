@@ -406,6 +406,9 @@ impl Pipeline<'_> {
         };
         src.staged_read(src_offset, total, &self.streams[..1], |staged| {
             workers::shared().run(participants, |w| {
+                // A participant that panics (a bug) marks the transfer failed as it unwinds, so
+                // the queuing one does not wait forever for the blocks of its pieces.
+                let _unwinding = FailOnUnwind(&claims);
                 let outcome = (|| {
                     // A piece this participant claimed before its chunk was queued.
                     let mut owed = None;
@@ -697,6 +700,17 @@ fn plain_copy() -> bool {
     workers::env_switch(&PLAIN, "CUWEAVE_STAGING_PLAIN_COPY")
 }
 
+/// Marks a transfer failed when dropped during a panic.
+struct FailOnUnwind<'c>(&'c Claims);
+
+impl Drop for FailOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.failed.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
 /// Chunks handed out to participants one at a time; after a failure nobody claims more.
 struct Claims {
     next: AtomicUsize,
@@ -954,6 +968,22 @@ mod tests {
         };
         assert_eq!(pieces, expected);
         assert!(pieces >= 1 && pieces <= chunk);
+    }
+
+    #[test]
+    fn a_participant_that_panics_marks_the_transfer_failed_and_one_that_returns_does_not() {
+        let claims = Claims::new(4);
+        {
+            let _guard = FailOnUnwind(&claims);
+        }
+        assert!(!claims.has_failed());
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _guard = FailOnUnwind(&claims);
+            panic!("a participant's bug");
+        }));
+        assert!(unwound.is_err());
+        assert!(claims.has_failed());
+        assert_eq!(claims.next_for(0), None);
     }
 
     #[test]
