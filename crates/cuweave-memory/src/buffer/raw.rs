@@ -24,7 +24,7 @@ use super::fill::{doubling_steps, pattern_chunk_len};
 use super::host::{HostSink, HostSource};
 use super::pending::{MarkedCopy, PendingCopy};
 use super::range::DeviceSpan;
-use super::tracker::{self, Access, Part, StreamTracker};
+use super::tracker::{self, Access, Part};
 use crate::element::Element;
 use crate::error::{MemoryError, Result};
 
@@ -335,25 +335,6 @@ fn check_host_layout<T>(allocation: &ManagedAllocation, len: usize) -> Result<()
     Ok(())
 }
 
-/// Runs the queuing of one staged chunk: ordered after, and recorded in, the host side's own
-/// tracker as `access` when it has one; otherwise plainly, with the stream settled if queuing
-/// fails part way.
-fn run_chunk<R>(
-    operation: &'static str,
-    stream: &Stream,
-    own: Option<&StreamTracker>,
-    access: Access,
-    copy: impl FnOnce() -> Result<R>,
-) -> Result<R, tracker::OpFailure> {
-    match own {
-        Some(own) => tracker::run_uses(operation, stream, &[(Part::whole(own), access)], copy),
-        None => copy().map_err(|error| tracker::OpFailure {
-            settled: tracker::settle(stream),
-            error,
-        }),
-    }
-}
-
 /// Queues `cuMemcpyHtoDAsync` of `host` into `dst` on `stream` and records an event behind it,
 /// *without* touching the buffer's tracker: the caller ([`super::staged`]) ordered `stream`
 /// after the buffer's earlier uses for the whole range before, and records the whole range's
@@ -379,7 +360,15 @@ pub(crate) fn write_chunk<T: Element, H: HostSource<T>>(
         done.record(stream)?;
         Ok(())
     };
-    let outcome = run_chunk(operation, stream, host.host_tracker(), Access::Read, copy);
+    let outcome = match host.host_tracker() {
+        Some(own) => {
+            tracker::run_uses(operation, stream, &[(Part::whole(own), Access::Read)], copy)
+        }
+        None => copy().map_err(|error| tracker::OpFailure {
+            settled: tracker::settle(stream),
+            error,
+        }),
+    };
     finish(outcome, host, done, dst.bytes())
 }
 
@@ -410,7 +399,18 @@ pub(crate) fn read_chunk_marked<'s, T: Element, H: HostSink<T>>(
         unsafe { memory::copy_dtoh_async(dst, src.ptr(), src.bytes(), stream) }?;
         Ok(marks.mark(stream)?)
     };
-    let outcome = run_chunk(operation, stream, host.host_tracker(), Access::Write, copy);
+    let outcome = match host.host_tracker() {
+        Some(own) => tracker::run_uses(
+            operation,
+            stream,
+            &[(Part::whole(own), Access::Write)],
+            copy,
+        ),
+        None => copy().map_err(|error| tracker::OpFailure {
+            settled: tracker::settle(stream),
+            error,
+        }),
+    };
     match outcome {
         Ok(mark) => Ok(MarkedCopy::new(host, marks, mark, stream, src.bytes())),
         Err(failure) => Err(give_up_host(failure, host)),
@@ -440,6 +440,17 @@ pub(crate) fn read_chunk<T: Element, H: HostSink<T>>(
         done.record(stream)?;
         Ok(())
     };
-    let outcome = run_chunk(operation, stream, host.host_tracker(), Access::Write, copy);
+    let outcome = match host.host_tracker() {
+        Some(own) => tracker::run_uses(
+            operation,
+            stream,
+            &[(Part::whole(own), Access::Write)],
+            copy,
+        ),
+        None => copy().map_err(|error| tracker::OpFailure {
+            settled: tracker::settle(stream),
+            error,
+        }),
+    };
     finish(outcome, host, done, src.bytes())
 }
