@@ -65,6 +65,9 @@ pub mod host_copy;
 // Unsafe is allowed here: the launch is the driver's unsafe kernel launch, with its contract.
 #[allow(unsafe_code)]
 pub mod launch;
+// Unsafe is allowed here: lending disjoint parts of one owned slice to several threads.
+#[allow(unsafe_code)]
+pub mod parts;
 pub mod pinned_pool;
 #[cfg(test)]
 mod proptest_config;

@@ -165,3 +165,66 @@ fn marked_chunks_land_in_order_behind_earlier_work_and_wrong_marks_are_refused()
         .unwrap();
     assert_eq!(back, data);
 }
+
+#[test]
+fn marked_uploads_of_blocks_filled_in_parts_by_threads_land_whole_and_in_order() {
+    use cuweave_driver::memory::{MappedWords, StreamMarks};
+    use cuweave_memory::parts::SharedParts;
+    let gpu = require_gpu!();
+    let context = &gpu.context;
+    let kernels = TestKernels::load(context).expect("test kernels");
+    let (len, chunk, part) = (1 << 20, 1 << 18, 10_000);
+    let data = pattern(len, 4);
+    let mut buffer = DeviceBuffer::<u32>::zeroed(context, len).unwrap();
+    let lanes = streams(context, 2);
+    // A 50 ms spin on the marks' stream: no chunk is reported landed before it ends.
+    kernels.spin_ns(&lanes[0], 50 * MS).unwrap();
+    let words = Arc::new(MappedWords::new(context, 1).unwrap());
+    let marks = StreamMarks::new(words.clone(), 0, &lanes[0], 0).unwrap();
+    let wrong = StreamMarks::new(words, 0, &lanes[1], 0).unwrap();
+    let pool = cuweave_memory::PinnedPool::new(context);
+    buffer
+        .staged_write(0, len, &lanes, |staged| {
+            assert!(matches!(
+                staged.copy_in_marked(0, 0, vec![0u32; 16], &wrong),
+                Err(MemoryError::InvalidStream { .. })
+            ));
+            assert!(matches!(
+                staged.copy_in_marked(0, len - 10, vec![0u32; 20], &marks),
+                Err(MemoryError::OutOfRange { .. })
+            ));
+            let copies: Vec<_> = (0..len)
+                .step_by(chunk)
+                .map(|start| {
+                    // Four threads fill one pinned block in parts, then it goes as one copy.
+                    let parts = SharedParts::new(pool.get_typed::<u32>(chunk).unwrap(), part);
+                    std::thread::scope(|scope| {
+                        for t in 0..4 {
+                            let (parts, data) = (&parts, &data);
+                            scope.spawn(move || {
+                                for i in (t..parts.count()).step_by(4) {
+                                    let range = parts.range(i).unwrap();
+                                    parts.take(i).unwrap().copy_from_slice(
+                                        &data[start + range.start..start + range.end],
+                                    );
+                                }
+                            });
+                        }
+                    });
+                    staged
+                        .copy_in_marked(0, start, parts.into_inner(), &marks)
+                        .unwrap()
+                })
+                .collect();
+            assert!(
+                !copies[0].is_complete(),
+                "a chunk landed before the spin ended"
+            );
+            for copy in copies.into_iter().rev() {
+                drop(copy.wait().unwrap());
+            }
+        })
+        .unwrap();
+    // Recorded on the lanes: a blocking read sees every chunk.
+    assert_eq!(buffer.to_vec().unwrap(), data);
+}

@@ -82,7 +82,8 @@ impl<H> Drop for PendingCopy<H> {
 }
 
 /// A copy queued on a stream with a [`StreamMarks`] mark behind it, holding the host side (`H`)
-/// until the stream has passed the mark ([`StagedRead::copy_out_marked`](super::StagedRead::copy_out_marked)).
+/// until the stream has passed the mark ([`StagedRead::copy_out_marked`](super::StagedRead::copy_out_marked),
+/// [`StagedWrite::copy_in_marked`](super::StagedWrite::copy_in_marked)).
 ///
 /// Like [`PendingCopy`], but its completion is learnt from the marks' word with atomic loads
 /// instead of an event: no `cuEventRecord` per copy, and no driver call while a waiting thread

@@ -24,7 +24,7 @@ use super::fill::{doubling_steps, pattern_chunk_len};
 use super::host::{HostSink, HostSource};
 use super::pending::{MarkedCopy, PendingCopy};
 use super::range::DeviceSpan;
-use super::tracker::{self, Access, Part};
+use super::tracker::{self, Access, Part, StreamTracker};
 use crate::element::Element;
 use crate::error::{MemoryError, Result};
 
@@ -335,6 +335,25 @@ fn check_host_layout<T>(allocation: &ManagedAllocation, len: usize) -> Result<()
     Ok(())
 }
 
+/// Runs the queuing of one staged chunk: ordered after, and recorded in, the host side's own
+/// tracker as `access` when it has one; otherwise plainly, with the stream settled if queuing
+/// fails part way.
+fn run_chunk<R>(
+    operation: &'static str,
+    stream: &Stream,
+    own: Option<&StreamTracker>,
+    access: Access,
+    copy: impl FnOnce() -> Result<R>,
+) -> Result<R, tracker::OpFailure> {
+    match own {
+        Some(own) => tracker::run_uses(operation, stream, &[(Part::whole(own), access)], copy),
+        None => copy().map_err(|error| tracker::OpFailure {
+            settled: tracker::settle(stream),
+            error,
+        }),
+    }
+}
+
 /// Queues `cuMemcpyHtoDAsync` of `host` into `dst` on `stream` and records an event behind it,
 /// *without* touching the buffer's tracker: the caller ([`super::staged`]) ordered `stream`
 /// after the buffer's earlier uses for the whole range before, and records the whole range's
@@ -360,16 +379,42 @@ pub(crate) fn write_chunk<T: Element, H: HostSource<T>>(
         done.record(stream)?;
         Ok(())
     };
-    let outcome = match host.host_tracker() {
-        Some(own) => {
-            tracker::run_uses(operation, stream, &[(Part::whole(own), Access::Read)], copy)
-        }
-        None => copy().map_err(|error| tracker::OpFailure {
-            settled: tracker::settle(stream),
-            error,
-        }),
-    };
+    let outcome = run_chunk(operation, stream, host.host_tracker(), Access::Read, copy);
     finish(outcome, host, done, dst.bytes())
+}
+
+/// Queues `cuMemcpyHtoDAsync` of `host` into `dst` on `stream` and a mark of `marks` behind it,
+/// without touching the buffer's tracker (see [`write_chunk`]): the returned copy learns that it
+/// landed from the marks' word, with no event.
+pub(crate) fn write_chunk_marked<'s, T: Element, H: HostSource<T>>(
+    operation: &'static str,
+    dst: DeviceSpan,
+    host: H,
+    stream: &'s Stream,
+    marks: &'s StreamMarks,
+) -> Result<MarkedCopy<'s, H>> {
+    debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
+    if !marks.belongs_to(stream) {
+        return Err(MemoryError::InvalidStream {
+            operation,
+            reason: "the marks belong to another stream than the chunk's",
+        });
+    }
+    let src = host.host_ptr();
+    let copy = || {
+        // SAFETY: `src` is `host`'s memory, valid for `dst.bytes()` bytes; `host` moves (without
+        // its memory moving) into the returned MarkedCopy, which frees or returns it only after
+        // the stream has passed the mark queued behind this copy (or leaks it). `dst` lies in a
+        // live span whose buffer is exclusively borrowed by the `StagedWrite` that calls this,
+        // and that records the span's use on this stream before the borrow ends.
+        unsafe { memory::copy_htod_async(dst.ptr(), src, dst.bytes(), stream) }?;
+        Ok(marks.mark(stream)?)
+    };
+    let outcome = run_chunk(operation, stream, host.host_tracker(), Access::Read, copy);
+    match outcome {
+        Ok(mark) => Ok(MarkedCopy::new(host, marks, mark, stream, dst.bytes())),
+        Err(failure) => Err(give_up_host(failure, host)),
+    }
 }
 
 /// Queues `cuMemcpyDtoHAsync` of `src` into `host` on `stream` and a mark of `marks` behind it,
@@ -399,18 +444,7 @@ pub(crate) fn read_chunk_marked<'s, T: Element, H: HostSink<T>>(
         unsafe { memory::copy_dtoh_async(dst, src.ptr(), src.bytes(), stream) }?;
         Ok(marks.mark(stream)?)
     };
-    let outcome = match host.host_tracker() {
-        Some(own) => tracker::run_uses(
-            operation,
-            stream,
-            &[(Part::whole(own), Access::Write)],
-            copy,
-        ),
-        None => copy().map_err(|error| tracker::OpFailure {
-            settled: tracker::settle(stream),
-            error,
-        }),
-    };
+    let outcome = run_chunk(operation, stream, host.host_tracker(), Access::Write, copy);
     match outcome {
         Ok(mark) => Ok(MarkedCopy::new(host, marks, mark, stream, src.bytes())),
         Err(failure) => Err(give_up_host(failure, host)),
@@ -440,17 +474,6 @@ pub(crate) fn read_chunk<T: Element, H: HostSink<T>>(
         done.record(stream)?;
         Ok(())
     };
-    let outcome = match host.host_tracker() {
-        Some(own) => tracker::run_uses(
-            operation,
-            stream,
-            &[(Part::whole(own), Access::Write)],
-            copy,
-        ),
-        None => copy().map_err(|error| tracker::OpFailure {
-            settled: tracker::settle(stream),
-            error,
-        }),
-    };
+    let outcome = run_chunk(operation, stream, host.host_tracker(), Access::Write, copy);
     finish(outcome, host, done, src.bytes())
 }

@@ -111,7 +111,7 @@ impl<'a, T: Element, D> Staged<'a, T, D> {
     }
 }
 
-impl<T: Element> Staged<'_, T, ToDevice> {
+impl<'a, T: Element> Staged<'a, T, ToDevice> {
     /// Queues a copy of `host` into elements `offset..offset + host_len` of the staged range
     /// (relative to its start) on stream `lane` of the set; the returned [`PendingCopy`] owns
     /// `host` until the copy has finished.
@@ -129,6 +129,28 @@ impl<T: Element> Staged<'_, T, ToDevice> {
         const OP: &str = "StagedWrite::copy_in";
         let (span, stream) = self.locate(OP, lane, offset, host.host_len())?;
         raw::write_chunk::<T, H>(OP, span, host, stream, &self.events)
+    }
+
+    /// Queues a copy of `host` into elements `offset..offset + host_len` of the staged range on
+    /// stream `lane`, with a mark of `marks` (which must belong to that stream) behind it instead
+    /// of an event: chunks queued on one stream land in order, and whoever waits for one
+    /// ([`MarkedCopy::wait`]) spins on the marks' word with no driver call.
+    ///
+    /// # Errors
+    /// As [`copy_in`](Self::copy_in); `InvalidStream` when `marks` belong to another stream.
+    pub fn copy_in_marked<'m, H: HostSource<T>>(
+        &self,
+        lane: usize,
+        offset: usize,
+        host: H,
+        marks: &'m StreamMarks,
+    ) -> Result<MarkedCopy<'m, H>>
+    where
+        'a: 'm,
+    {
+        const OP: &str = "StagedWrite::copy_in_marked";
+        let (span, stream) = self.locate(OP, lane, offset, host.host_len())?;
+        raw::write_chunk_marked::<T, H>(OP, span, host, stream, marks)
     }
 }
 
