@@ -12,7 +12,7 @@
 //! `CUWEAVE_STAGING_SPAWN` and `CUWEAVE_STAGING_PLAIN_COPY` apply, see `docs/transfer.md`).
 //! `SWEEP_DOWN_ONLY=1` sweeps downloads alone and skips the host copy ceiling (with
 //! `CUWEAVE_STAGING_UNORDERED_DOWNLOADS=1`, the downloads that queue on every participant's
-//! stream).
+//! stream); `SWEEP_UP_ONLY=1` the same for uploads (`CUWEAVE_STAGING_UNORDERED_UPLOADS=1`).
 
 use std::time::{Duration, Instant};
 
@@ -94,6 +94,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     }
     let down_only = std::env::var_os("SWEEP_DOWN_ONLY").is_some();
+    let up_only = std::env::var_os("SWEEP_UP_ONLY").is_some();
     for &kib in &sizes {
         let bytes = kib << 10;
         let mib = bytes as f64 / (1 << 20) as f64;
@@ -136,7 +137,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 }
                 let mut row = Vec::new();
                 for up in [true, false] {
-                    if up && down_only {
+                    if (up && down_only) || (!up && up_only) {
                         row.extend([0.0, 0.0]);
                         continue;
                     }
@@ -180,6 +181,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let up = gbps(best(runs, || {
             staged(&manager, true, &mut host[..bytes], &mut device)
         }));
+        if up_only {
+            println!(
+                "   best h2d {:.2} at {:?}\n   default h2d {up:.2} ({:?})",
+                best_up.0,
+                best_up.1,
+                StagingConfig::for_upload(bytes),
+            );
+            continue;
+        }
         let down = gbps(best(runs, || {
             staged(&manager, false, &mut host[..bytes], &mut device)
         }));
@@ -193,7 +203,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             StagingConfig::for_download(bytes),
         );
     }
-    if down_only {
+    if down_only || up_only {
         return Ok(());
     }
     // Host copy ceiling: threads copying disjoint parts with streaming stores.

@@ -609,3 +609,52 @@ fn ordered_downloads_round_trip_with_tiny_rings_and_recycle_their_mark_words() {
         );
     }
 }
+
+#[test]
+fn ordered_uploads_round_trip_with_tiny_rings_and_land_after_earlier_writes() {
+    use cuweave_driver::{Stream, StreamFlags};
+    use cuweave_test_support::kernels::TestKernels;
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let kernels = TestKernels::load(&gpu.context).expect("test kernels");
+    let other = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    // (chunk, depth, threads): one block per participant with four pieces a chunk, so chunks
+    // wait for the oldest queued one's block; a deeper ring; one participant, one piece a chunk.
+    let configs = [(256 << 10, 1, 3), (1 << 20, 2, 6), (64 << 10, 1, 1)];
+    for (chunk_bytes, depth, threads) in configs {
+        let manager = TransferManager::with_staging(StagingConfig {
+            chunk_bytes,
+            depth,
+            threads,
+            host_copy: HostCopy::Cached,
+        })
+        .unwrap();
+        // u32 elements from 3 MiB + 4 bytes (ordered from 3 MiB) to past 17 MiB.
+        for len in [(3 * MIB) / 4 + 1, (17 * MIB) / 4 + 1027] {
+            let data: Vec<u32> = (0..len as u32)
+                .map(|i| i.wrapping_mul(2_654_435_761))
+                .collect();
+            let old = vec![0xdead_beef_u32; len + 2 * SLACK];
+            let mut device = DeviceBuffer::<u32>::zeroed(&gpu.context, len + 2 * SLACK).unwrap();
+            // An earlier write of the whole buffer, behind a 20 ms spin on another stream: the
+            // upload's chunks, queued on the lane's stream, must land after it.
+            kernels.spin_ns(&other, 20_000_000).unwrap();
+            let earlier = device.copy_from_host_async(old.clone(), &other).unwrap();
+            manager
+                .transfer_with(
+                    TransferMethod::HostStaged,
+                    &data[..],
+                    Destination::device(&mut device, SLACK),
+                )
+                .unwrap();
+            drop(earlier.wait().unwrap());
+            let back = device.to_vec().unwrap();
+            assert!(
+                back[SLACK..SLACK + len] == data[..],
+                "{chunk_bytes}x{threads}, {len} elements: the upload landed changed or too early"
+            );
+            assert!(back[..SLACK].iter().all(|&x| x == 0xdead_beef));
+            assert!(back[SLACK + len..].iter().all(|&x| x == 0xdead_beef));
+        }
+    }
+}

@@ -44,18 +44,19 @@
 //! before the error is returned.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use cuweave_driver::Stream;
-use cuweave_driver::memory::{CompletionWords, Mark, StreamMarks};
-use cuweave_memory::buffer::{MarkedCopy, PendingCopy};
+use cuweave_driver::memory::{CompletionWords, StreamMarks};
+use cuweave_memory::buffer::PendingCopy;
 use cuweave_memory::{Buffer, Element, PinnedPool, TypedPinnedBlock, copy_streaming};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
 use crate::workers;
+
+mod ordered;
 
 /// How one pipelined copy is cut up and how many host threads feed it.
 ///
@@ -208,8 +209,9 @@ const SWEPT_DOWNLOADS: [Swept; 6] = [
     swept(1 << 30, 8 << 20, 6, HostCopy::Streaming),
 ];
 
-/// Downloads from this size run ordered ([`Pipeline::download_ordered`]) when the lane has
-/// progress marks: between the swept 1 MiB (interleaved) and 4 MiB (ordered) rows.
+/// Uploads and downloads from this size run ordered ([`Pipeline::upload_ordered`],
+/// [`Pipeline::download_ordered`]) when the lane has progress marks: between the swept 1 MiB
+/// (interleaved) and 4 MiB (ordered) rows.
 pub(crate) const ORDERED_FROM: usize = 3 << 20;
 
 /// Logical host threads this process may run on: what the staging pool is sized from.
@@ -246,7 +248,10 @@ impl Pipeline<'_> {
             .max(1)
     }
 
-    /// Copies `src` into `dst` at element `dst_offset` (range already checked), pipelined.
+    /// Copies `src` into `dst` at element `dst_offset` (range already checked), pipelined:
+    /// from [`ORDERED_FROM`] bytes in order on the lane's first stream when it has progress
+    /// marks ([`upload_ordered`](Self::upload_ordered)), else on every participant's stream
+    /// with an event per chunk.
     pub(crate) fn upload<T, B>(&self, src: &[T], dst: &mut B, dst_offset: usize) -> Result<()>
     where
         T: Element,
@@ -263,6 +268,23 @@ impl Pipeline<'_> {
                 dst_offset,
             );
         }
+        match self.marks {
+            Some(marks) if size_of_val(src) >= ORDERED_FROM && !unordered_uploads() => {
+                self.upload_ordered(marks, src, dst, dst_offset)
+            }
+            _ => self.upload_interleaved(src, dst, dst_offset),
+        }
+    }
+
+    /// An upload with every participant filling its own chunks and queueing them on its own
+    /// stream, an event behind each: for lanes without progress marks (and
+    /// `CUWEAVE_STAGING_UNORDERED_UPLOADS`).
+    fn upload_interleaved<T, B>(&self, src: &[T], dst: &mut B, dst_offset: usize) -> Result<()>
+    where
+        T: Element,
+        B: Buffer<T> + Send + ?Sized,
+    {
+        let chunk = self.config.chunk_elements::<T>();
         let participants = self.participants(src.len().div_ceil(chunk));
         let ranges = chunk_ranges(src.len(), chunk, participants, Ramp::First);
         let claims = Claims::new(ranges.len());
@@ -326,141 +348,6 @@ impl Pipeline<'_> {
         }
     }
 
-    /// A download whose chunks are queued by one participant, in order, on the lane's first
-    /// stream, each with a progress mark behind it, while every participant (the queuing one
-    /// too, whenever it waits for a block, and once all is queued) copies landed chunks out in
-    /// pieces.
-    ///
-    /// Chunks queued on one stream land one after another at the bus's speed, so the first is
-    /// ready after one chunk's bus time and the copies out overlap the bus from there on (on
-    /// the participants' own streams, the interleaved pipeline, the copy engine serves every
-    /// stream's first chunk at once and none lands before most of them have). The chunks stay
-    /// large, so one thread queues them faster than the bus moves them (a copy and a mark cost
-    /// the queuing thread a few microseconds each), while each landed chunk is copied out in
-    /// [`piece_elements`] pieces claimed by all participants, so the last chunk's copy out is
-    /// shared too and the download ends a piece's copy after the bus. Waiting is an atomic load
-    /// of the marks' word: no `cuEventRecord` per chunk, and no waiting thread inside the driver
-    /// while the queuing one calls it. At most `participants * depth` blocks are in flight.
-    fn download_ordered<T, B>(
-        &self,
-        marks: &StreamMarks,
-        src: &B,
-        src_offset: usize,
-        dst: &mut [T],
-    ) -> Result<()>
-    where
-        T: Element,
-        B: Buffer<T> + Sync + ?Sized,
-    {
-        let chunk = self.config.chunk_elements::<T>();
-        let total = dst.len();
-        let participants = self.participants(total.div_ceil(chunk));
-        // One short chunk at the end: the bus time the last pieces wait for is cut to a quarter.
-        let ranges = chunk_ranges(total, chunk, 1, Ramp::Last);
-        let piece = piece_elements::<T>(chunk);
-        // Piece q of the download: chunk `chunk_of[q]`, elements `pieces[q]` of the download.
-        let mut chunk_of = Vec::new();
-        let mut piece_ranges = Vec::new();
-        for (k, range) in ranges.iter().enumerate() {
-            let mut start = range.start;
-            while start < range.end {
-                let end = (start + piece).min(range.end);
-                chunk_of.push(k);
-                piece_ranges.push(start..end);
-                start = end;
-            }
-        }
-        let outs = split_pieces(dst, &piece_ranges);
-        let pieces_in = |k: usize| ranges[k].len().div_ceil(piece);
-        let claims = Claims::new(piece_ranges.len());
-        let ring = participants * self.config.depth.max(1);
-        let slots: Vec<ChunkSlot<'_, T>> = (0..ranges.len()).map(|_| ChunkSlot::new()).collect();
-        let copied: Vec<AtomicUsize> = (0..ranges.len()).map(|_| AtomicUsize::new(0)).collect();
-        let free: Mutex<Vec<TypedPinnedBlock<T>>> = Mutex::new(Vec::with_capacity(ring));
-        // Chunks queued and not yet copied out: the blocks in use.
-        let in_flight = AtomicUsize::new(0);
-        // Copies piece q out once its chunk has landed; `false` when the transfer failed first.
-        let copy_piece = |q: usize| -> Result<bool> {
-            let k = chunk_of[q];
-            let Some(block) = slots[k].landed(marks, &claims)? else {
-                return Ok(false);
-            };
-            let within =
-                piece_ranges[q].start - ranges[k].start..piece_ranges[q].end - ranges[k].start;
-            let out = outs[q].lock().take().expect("each piece is claimed once");
-            let copied_out = self.config.host_copy.copy(out, &block.as_slice()[within]);
-            drop(block);
-            copied_out?;
-            // The participant that copies a chunk's last piece out hands its block back (every
-            // other one has dropped its handle on the block by then).
-            if copied[k].fetch_add(1, Ordering::AcqRel) + 1 == pieces_in(k) {
-                let slot = std::mem::replace(&mut *slots[k].state.lock(), Slot::Empty);
-                if let Slot::Landed(block) = slot
-                    && let Ok(block) = Arc::try_unwrap(block)
-                {
-                    free.lock().push(block);
-                }
-                in_flight.fetch_sub(1, Ordering::AcqRel);
-            }
-            Ok(true)
-        };
-        src.staged_read(src_offset, total, &self.streams[..1], |staged| {
-            workers::shared().run(participants, |w| {
-                // A participant that panics (a bug) marks the transfer failed as it unwinds, so
-                // the queuing one does not wait forever for the blocks of its pieces.
-                let _unwinding = FailOnUnwind(&claims);
-                let outcome = (|| {
-                    // A piece this participant claimed before its chunk was queued.
-                    let mut owed = None;
-                    if w == 0 {
-                        for (k, range) in ranges.iter().enumerate() {
-                            let mut backoff = Backoff::default();
-                            let block = loop {
-                                if claims.has_failed() {
-                                    return Ok(());
-                                }
-                                if in_flight.load(Ordering::Acquire) < ring {
-                                    break free.lock().pop();
-                                }
-                                // Every block is in flight: copy a piece out meanwhile (one this
-                                // participant claims; one of a chunk not queued yet is owed until
-                                // it is). Chunks below `k` are all queued, so whoever claimed
-                                // their pieces frees their blocks.
-                                match owed {
-                                    Some(q) if chunk_of[q] < k => {
-                                        owed = None;
-                                        copy_piece(q)?;
-                                    }
-                                    Some(_) => backoff.snooze(),
-                                    None => match claims.next_for(w) {
-                                        Some(q) => owed = Some(q),
-                                        None => backoff.snooze(),
-                                    },
-                                }
-                            };
-                            let block = block_of(self.pool, block, range.len())?;
-                            let copy = staged.copy_out_marked(0, range.start, block, marks)?;
-                            in_flight.fetch_add(1, Ordering::AcqRel);
-                            slots[k].queue(copy);
-                        }
-                    }
-                    if let Some(q) = owed
-                        && !copy_piece(q)?
-                    {
-                        return Ok(());
-                    }
-                    while let Some(q) = claims.next_for(w) {
-                        if !copy_piece(q)? {
-                            break;
-                        }
-                    }
-                    Ok(())
-                })();
-                claims.settle(outcome)
-            })
-        })?
-    }
-
     /// A download with every participant queueing its own chunks on its own stream, an event
     /// behind each: for lanes without progress marks (and `CUWEAVE_STAGING_UNORDERED_DOWNLOADS`).
     fn download_interleaved<T, B>(&self, src: &B, src_offset: usize, dst: &mut [T]) -> Result<()>
@@ -508,94 +395,6 @@ impl Pipeline<'_> {
     }
 }
 
-/// A chunk of an ordered download: not queued yet, queued (its copy, until a participant waits
-/// for it), being waited for, or landed (its block, shared by the participants copying its pieces out).
-enum Slot<'s, T: Element> {
-    Empty,
-    Queued(MarkedCopy<'s, TypedPinnedBlock<T>>),
-    /// A participant is waiting for the chunk's mark.
-    Waiting,
-    Landed(Arc<TypedPinnedBlock<T>>),
-}
-
-/// One chunk of an ordered download: its state, and its mark once queued (read without the
-/// lock, so the participants waiting for the chunk spin on the marks' word, not on the lock).
-struct ChunkSlot<'s, T: Element> {
-    state: Mutex<Slot<'s, T>>,
-    mark: std::sync::OnceLock<Mark>,
-}
-
-impl<'s, T: Element> ChunkSlot<'s, T> {
-    fn new() -> Self {
-        Self {
-            state: Mutex::new(Slot::Empty),
-            mark: std::sync::OnceLock::new(),
-        }
-    }
-
-    fn queue(&self, copy: MarkedCopy<'s, TypedPinnedBlock<T>>) {
-        let mark = copy.mark();
-        *self.state.lock() = Slot::Queued(copy);
-        let _ = self.mark.set(mark);
-    }
-
-    /// The chunk's block once it has landed: participants spin on the chunk's mark, then the
-    /// first to take the lock waits for the copy (which returns at once, or reports the
-    /// stream's error) and shares the block; `None` when the transfer failed before the chunk
-    /// was queued or landed.
-    fn landed(
-        &self,
-        marks: &StreamMarks,
-        claims: &Claims,
-    ) -> Result<Option<Arc<TypedPinnedBlock<T>>>> {
-        let mut backoff = Backoff::default();
-        loop {
-            // Without the lock: not queued yet, or queued and still on the bus.
-            let ready = self
-                .mark
-                .get()
-                .is_some_and(|mark| marks.is_reached(*mark) || backoff.is_long());
-            if !ready {
-                if claims.has_failed() {
-                    return Ok(None);
-                }
-                backoff.snooze();
-                continue;
-            }
-            let mut state = self.state.lock();
-            match std::mem::replace(&mut *state, Slot::Waiting) {
-                Slot::Landed(block) => {
-                    *state = Slot::Landed(Arc::clone(&block));
-                    return Ok(Some(block));
-                }
-                Slot::Queued(copy) => {
-                    // Waited for outside the lock (the others see `Waiting` and spin): at once
-                    // when the mark is reached, else the marks' wait with its fallback to the
-                    // stream, which reports a failed stream's error.
-                    drop(state);
-                    let block = Arc::new(copy.wait()?);
-                    *self.state.lock() = Slot::Landed(Arc::clone(&block));
-                    return Ok(Some(block));
-                }
-                other => *state = other,
-            }
-            drop(state);
-            if claims.has_failed() {
-                return Ok(None);
-            }
-            backoff.snooze();
-        }
-    }
-}
-
-/// Elements per piece an ordered download's landed chunk is copied out in: an eighth of the
-/// chunk, between 64 KiB and 512 KiB, so every participant shares each chunk's copy out.
-fn piece_elements<T>(chunk: usize) -> usize {
-    let element = size_of::<T>().max(1);
-    let bytes = (chunk * element / 8).clamp(64 << 10, 512 << 10);
-    (bytes / element).clamp(1, chunk.max(1))
-}
-
 /// `dst` cut at `ranges` (consecutive, covering it), each piece for the participant that claims
 /// its chunk.
 fn split_pieces<'d, T>(
@@ -610,30 +409,6 @@ fn split_pieces<'d, T>(
         rest = tail;
     }
     pieces
-}
-
-/// Spins briefly, then yields: for participants waiting on one another for a few microseconds.
-#[derive(Default)]
-struct Backoff {
-    step: u32,
-}
-
-impl Backoff {
-    /// Whether this wait has gone on past its spinning (it yields now).
-    fn is_long(&self) -> bool {
-        self.step >= 64
-    }
-
-    fn snooze(&mut self) {
-        if self.step < 64 {
-            self.step += 1;
-            for _ in 0..(1 << self.step.min(6)) {
-                std::hint::spin_loop();
-            }
-        } else {
-            std::thread::yield_now();
-        }
-    }
 }
 
 /// Where a pipelined copy's short chunks go.
@@ -693,6 +468,11 @@ fn no_ramp() -> bool {
 fn unordered_downloads() -> bool {
     static UNORDERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     workers::env_switch(&UNORDERED, "CUWEAVE_STAGING_UNORDERED_DOWNLOADS")
+}
+
+fn unordered_uploads() -> bool {
+    static UNORDERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    workers::env_switch(&UNORDERED, "CUWEAVE_STAGING_UNORDERED_UPLOADS")
 }
 
 fn plain_copy() -> bool {
@@ -946,28 +726,6 @@ mod tests {
                 assert_eq!(ranges.len(), total.div_ceil(chunk));
             }
         }
-    }
-
-    #[rstest::rstest]
-    #[case::u8_1mib(1 << 20, 1, 128 << 10)]
-    #[case::u8_4mib(4 << 20, 1, 512 << 10)]
-    #[case::u8_64mib_capped(64 << 20, 1, 512 << 10)]
-    #[case::u8_256kib_floored(256 << 10, 1, 64 << 10)]
-    #[case::u8_tiny_chunk(1000, 1, 1000)]
-    #[case::u64_1mib(128 << 10, 8, 16 << 10)]
-    #[case::huge_elements(3, 1 << 20, 1)]
-    fn pieces_are_an_eighth_of_a_chunk_within_bounds(
-        #[case] chunk: usize,
-        #[case] element: usize,
-        #[case] expected: usize,
-    ) {
-        let pieces = match element {
-            1 => piece_elements::<u8>(chunk),
-            8 => piece_elements::<u64>(chunk),
-            _ => piece_elements::<[u8; 1 << 20]>(chunk),
-        };
-        assert_eq!(pieces, expected);
-        assert!(pieces >= 1 && pieces <= chunk);
     }
 
     #[test]

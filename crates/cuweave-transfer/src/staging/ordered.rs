@@ -1,0 +1,565 @@
+//! Ordered pipelines: chunks go to or from the device in order, one copy each on the lane's
+//! first stream with a [`StreamMarks`] mark behind it, while every participant copies pieces of
+//! them between the caller's memory and their pinned blocks.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use cuweave_driver::memory::{Mark, StreamMarks};
+use cuweave_memory::buffer::MarkedCopy;
+use cuweave_memory::parts::SharedParts;
+use cuweave_memory::{Buffer, Element, TypedPinnedBlock};
+use parking_lot::Mutex;
+
+use super::{Claims, FailOnUnwind, Pipeline, Ramp, block_of, chunk_ranges, split_pieces};
+use crate::error::Result;
+use crate::workers;
+
+impl Pipeline<'_> {
+    /// A download whose chunks are queued by one participant, in order, on the lane's first
+    /// stream, each with a progress mark behind it, while every participant (the queuing one
+    /// too, whenever it waits for a block, and once all is queued) copies landed chunks out in
+    /// pieces.
+    ///
+    /// Chunks queued on one stream land one after another at the bus's speed, so the first is
+    /// ready after one chunk's bus time and the copies out overlap the bus from there on (on
+    /// the participants' own streams, the interleaved pipeline, the copy engine serves every
+    /// stream's first chunk at once and none lands before most of them have). The chunks stay
+    /// large, so one thread queues them faster than the bus moves them (a copy and a mark cost
+    /// the queuing thread a few microseconds each), while each landed chunk is copied out in
+    /// [`piece_elements`] pieces claimed by all participants, so the last chunk's copy out is
+    /// shared too and the download ends a piece's copy after the bus. Waiting is an atomic load
+    /// of the marks' word: no `cuEventRecord` per chunk, and no waiting thread inside the driver
+    /// while the queuing one calls it. At most `participants * depth` blocks are in flight.
+    pub(super) fn download_ordered<T, B>(
+        &self,
+        marks: &StreamMarks,
+        src: &B,
+        src_offset: usize,
+        dst: &mut [T],
+    ) -> Result<()>
+    where
+        T: Element,
+        B: Buffer<T> + Sync + ?Sized,
+    {
+        let chunk = self.config.chunk_elements::<T>();
+        let total = dst.len();
+        let participants = self.participants(total.div_ceil(chunk));
+        // One short chunk at the end: the bus time the last pieces wait for is cut to a quarter.
+        let ranges = chunk_ranges(total, chunk, 1, Ramp::Last);
+        let pieces = Pieces::new(&ranges, piece_elements::<T>(chunk));
+        let Pieces {
+            chunk_of,
+            ranges: piece_ranges,
+            ..
+        } = &pieces;
+        let outs = split_pieces(dst, piece_ranges);
+        let pieces_in = |k: usize| pieces.in_chunk(&ranges[k]);
+        let claims = Claims::new(piece_ranges.len());
+        let ring = participants * self.config.depth.max(1);
+        let slots: Vec<ChunkSlot<'_, T>> = (0..ranges.len()).map(|_| ChunkSlot::new()).collect();
+        let copied: Vec<AtomicUsize> = (0..ranges.len()).map(|_| AtomicUsize::new(0)).collect();
+        let free: Mutex<Vec<TypedPinnedBlock<T>>> = Mutex::new(Vec::with_capacity(ring));
+        // Chunks queued and not yet copied out: the blocks in use.
+        let in_flight = AtomicUsize::new(0);
+        // Copies piece q out once its chunk has landed; `false` when the transfer failed first.
+        let copy_piece = |q: usize| -> Result<bool> {
+            let k = chunk_of[q];
+            let Some(block) = slots[k].landed(marks, &claims)? else {
+                return Ok(false);
+            };
+            let within =
+                piece_ranges[q].start - ranges[k].start..piece_ranges[q].end - ranges[k].start;
+            let out = outs[q].lock().take().expect("each piece is claimed once");
+            let copied_out = self.config.host_copy.copy(out, &block.as_slice()[within]);
+            drop(block);
+            copied_out?;
+            // The participant that copies a chunk's last piece out hands its block back (every
+            // other one has dropped its handle on the block by then).
+            if copied[k].fetch_add(1, Ordering::AcqRel) + 1 == pieces_in(k) {
+                let slot = std::mem::replace(&mut *slots[k].state.lock(), Slot::Empty);
+                if let Slot::Landed(block) = slot
+                    && let Ok(block) = Arc::try_unwrap(block)
+                {
+                    free.lock().push(block);
+                }
+                in_flight.fetch_sub(1, Ordering::AcqRel);
+            }
+            Ok(true)
+        };
+        src.staged_read(src_offset, total, &self.streams[..1], |staged| {
+            workers::shared().run(participants, |w| {
+                // A participant that panics (a bug) marks the transfer failed as it unwinds, so
+                // the queuing one does not wait forever for the blocks of its pieces.
+                let _unwinding = FailOnUnwind(&claims);
+                let outcome = (|| {
+                    // A piece this participant claimed before its chunk was queued.
+                    let mut owed = None;
+                    if w == 0 {
+                        for (k, range) in ranges.iter().enumerate() {
+                            let mut backoff = Backoff::default();
+                            let block = loop {
+                                if claims.has_failed() {
+                                    return Ok(());
+                                }
+                                if in_flight.load(Ordering::Acquire) < ring {
+                                    break free.lock().pop();
+                                }
+                                // Every block is in flight: copy a piece out meanwhile (one this
+                                // participant claims; one of a chunk not queued yet is owed until
+                                // it is). Chunks below `k` are all queued, so whoever claimed
+                                // their pieces frees their blocks.
+                                match owed {
+                                    Some(q) if chunk_of[q] < k => {
+                                        owed = None;
+                                        copy_piece(q)?;
+                                    }
+                                    Some(_) => backoff.snooze(),
+                                    None => match claims.next_for(w) {
+                                        Some(q) => owed = Some(q),
+                                        None => backoff.snooze(),
+                                    },
+                                }
+                            };
+                            let block = block_of(self.pool, block, range.len())?;
+                            let copy = staged.copy_out_marked(0, range.start, block, marks)?;
+                            in_flight.fetch_add(1, Ordering::AcqRel);
+                            slots[k].queue(copy);
+                        }
+                    }
+                    if let Some(q) = owed
+                        && !copy_piece(q)?
+                    {
+                        return Ok(());
+                    }
+                    while let Some(q) = claims.next_for(w) {
+                        if !copy_piece(q)? {
+                            break;
+                        }
+                    }
+                    Ok(())
+                })();
+                claims.settle(outcome)
+            })
+        })?
+    }
+
+    /// An upload whose chunks every participant fills in pieces, each chunk's pinned block
+    /// shared as [`SharedParts`], and which go to the device in order, one copy per chunk on
+    /// the lane's first stream with a progress mark behind it, queued by whichever participant
+    /// completes the next chunk in order.
+    ///
+    /// The mirror of [`download_ordered`](Self::download_ordered): on the participants' own
+    /// streams (the interleaved pipeline) each chunk waits for one thread's `memcpy` of it and
+    /// the copy engine for the first wave of them, while here the first chunk is filled by every
+    /// participant at once and the copy engine starts after a fraction of a chunk's host copy,
+    /// then moves chunks back to back, each one large, so no per-copy gap caps the bus. Blocks
+    /// are handed to chunks in order, at most `participants * depth` at a time; a chunk that
+    /// needs one when all are out takes the oldest queued chunk's, once its mark has passed.
+    /// Chunks are queued through [`InOrder`], by whichever participant completes the next one.
+    pub(super) fn upload_ordered<T, B>(
+        &self,
+        marks: &StreamMarks,
+        src: &[T],
+        dst: &mut B,
+        dst_offset: usize,
+    ) -> Result<()>
+    where
+        T: Element,
+        B: Buffer<T> + Send + ?Sized,
+    {
+        let chunk = self.config.chunk_elements::<T>();
+        let total = src.len();
+        let participants = self.participants(total.div_ceil(chunk));
+        // One short chunk at the start: the copy engine starts after a quarter chunk's fill.
+        let ranges = chunk_ranges(total, chunk, 1, Ramp::First);
+        let pieces = Pieces::new(&ranges, piece_elements::<T>(chunk));
+        let claims = Claims::new(pieces.ranges.len());
+        let ring = participants * self.config.depth.max(1);
+        let chunks: Vec<Filling<T>> = (0..ranges.len()).map(|_| Filling::new()).collect();
+        // Chunks that have had a block (blocks go to chunks in order), and blocks out of the pool.
+        let assigned = AtomicUsize::new(0);
+        let blocks_out = AtomicUsize::new(0);
+        let in_order = InOrder::default();
+        let filled = |k: usize| {
+            k < ranges.len()
+                && chunks[k].filled.load(Ordering::SeqCst) == pieces.in_chunk(&ranges[k])
+        };
+        dst.staged_write(dst_offset, total, &self.streams[..1], |staged| {
+            let queued: Mutex<VecDeque<MarkedCopy<'_, TypedPinnedBlock<T>>>> =
+                Mutex::new(VecDeque::with_capacity(ring));
+            // Chunk k's block, shared by the participants filling its pieces: the first one to
+            // need it takes one, after every earlier chunk has had its own; `None` when the
+            // transfer failed first.
+            let block_for = |k: usize| -> Result<Option<Arc<BlockParts<T>>>> {
+                let mut slot = chunks[k].parts.lock();
+                if let Some(parts) = &*slot {
+                    return Ok(Some(Arc::clone(parts)));
+                }
+                let mut backoff = Backoff::default();
+                let block = loop {
+                    if claims.has_failed() {
+                        return Ok(None);
+                    }
+                    if assigned.load(Ordering::Acquire) == k {
+                        if blocks_out.load(Ordering::Acquire) < ring {
+                            blocks_out.fetch_add(1, Ordering::AcqRel);
+                            break None;
+                        }
+                        // Waited for outside the lock, so queuing goes on meanwhile.
+                        let oldest = queued.lock().pop_front();
+                        if let Some(copy) = oldest {
+                            break Some(copy.wait()?);
+                        }
+                    }
+                    backoff.snooze();
+                };
+                let block = block_of(self.pool, block, ranges[k].len())?;
+                let parts = Arc::new(SharedParts::new(block, pieces.piece));
+                *slot = Some(Arc::clone(&parts));
+                assigned.store(k + 1, Ordering::Release);
+                Ok(Some(parts))
+            };
+            // Queues chunk k: its block, no longer shared (every participant dropped its handle
+            // before counting its piece), as one copy with a mark behind it.
+            let queue = |k: usize| -> Result<()> {
+                let parts = chunks[k].parts.lock().take();
+                let parts = parts.expect("a filled chunk has its block");
+                let block = Arc::into_inner(parts)
+                    .expect("a filled chunk's block is no longer shared")
+                    .into_inner();
+                let copy = staged.copy_in_marked(0, ranges[k].start, block, marks)?;
+                queued.lock().push_back(copy);
+                Ok(())
+            };
+            let outcome = workers::shared().run(participants, |w| {
+                let _unwinding = FailOnUnwind(&claims);
+                let outcome = (|| {
+                    while let Some(q) = claims.next_for(w) {
+                        let k = pieces.chunk_of[q];
+                        let Some(parts) = block_for(k)? else {
+                            return Ok(());
+                        };
+                        let range = pieces.ranges[q].clone();
+                        let index = (range.start - ranges[k].start) / pieces.piece;
+                        let into = parts.take(index).expect("each piece is claimed once");
+                        let copied = self.config.host_copy.copy(into, &src[range]);
+                        drop(parts);
+                        copied?;
+                        chunks[k].filled.fetch_add(1, Ordering::SeqCst);
+                        in_order.drain(filled, queue)?;
+                    }
+                    Ok(())
+                })();
+                claims.settle(outcome)
+            });
+            // Every chunk is queued (or the transfer failed): the upload is done when the last
+            // has landed; the blocks go back to the pool then (on failure, as each copy drops).
+            let mut landed = Ok(());
+            for copy in queued.into_inner() {
+                if let Err(error) = copy.wait()
+                    && landed.is_ok()
+                {
+                    landed = Err(error.into());
+                }
+            }
+            outcome.and(landed)
+        })?
+    }
+}
+
+/// A chunk of an ordered download: not queued yet, queued (its copy, until a participant waits
+/// for it), being waited for, or landed (its block, shared by the participants copying its pieces out).
+enum Slot<'s, T: Element> {
+    Empty,
+    Queued(MarkedCopy<'s, TypedPinnedBlock<T>>),
+    /// A participant is waiting for the chunk's mark.
+    Waiting,
+    Landed(Arc<TypedPinnedBlock<T>>),
+}
+
+/// One chunk of an ordered download: its state, and its mark once queued (read without the
+/// lock, so the participants waiting for the chunk spin on the marks' word, not on the lock).
+struct ChunkSlot<'s, T: Element> {
+    state: Mutex<Slot<'s, T>>,
+    mark: std::sync::OnceLock<Mark>,
+}
+
+impl<'s, T: Element> ChunkSlot<'s, T> {
+    fn new() -> Self {
+        Self {
+            state: Mutex::new(Slot::Empty),
+            mark: std::sync::OnceLock::new(),
+        }
+    }
+
+    fn queue(&self, copy: MarkedCopy<'s, TypedPinnedBlock<T>>) {
+        let mark = copy.mark();
+        *self.state.lock() = Slot::Queued(copy);
+        let _ = self.mark.set(mark);
+    }
+
+    /// The chunk's block once it has landed: participants spin on the chunk's mark, then the
+    /// first to take the lock waits for the copy (which returns at once, or reports the
+    /// stream's error) and shares the block; `None` when the transfer failed before the chunk
+    /// was queued or landed.
+    fn landed(
+        &self,
+        marks: &StreamMarks,
+        claims: &Claims,
+    ) -> Result<Option<Arc<TypedPinnedBlock<T>>>> {
+        let mut backoff = Backoff::default();
+        loop {
+            // Without the lock: not queued yet, or queued and still on the bus.
+            let ready = self
+                .mark
+                .get()
+                .is_some_and(|mark| marks.is_reached(*mark) || backoff.is_long());
+            if !ready {
+                if claims.has_failed() {
+                    return Ok(None);
+                }
+                backoff.snooze();
+                continue;
+            }
+            let mut state = self.state.lock();
+            match std::mem::replace(&mut *state, Slot::Waiting) {
+                Slot::Landed(block) => {
+                    *state = Slot::Landed(Arc::clone(&block));
+                    return Ok(Some(block));
+                }
+                Slot::Queued(copy) => {
+                    // Waited for outside the lock (the others see `Waiting` and spin): at once
+                    // when the mark is reached, else the marks' wait with its fallback to the
+                    // stream, which reports a failed stream's error.
+                    drop(state);
+                    let block = Arc::new(copy.wait()?);
+                    *self.state.lock() = Slot::Landed(Arc::clone(&block));
+                    return Ok(Some(block));
+                }
+                other => *state = other,
+            }
+            drop(state);
+            if claims.has_failed() {
+                return Ok(None);
+            }
+            backoff.snooze();
+        }
+    }
+}
+
+/// Work items (chunks) handed on strictly in order, each once, by whichever thread finds the
+/// next ones ready, with no thread ever waiting for another: a try-lock that nobody waits on.
+/// A thread that makes an item ready while another is handing items on leaves it to that one,
+/// which looks again after letting go; after a failure nothing more is handed on.
+#[derive(Default)]
+struct InOrder {
+    handing: AtomicBool,
+    next: AtomicUsize,
+}
+
+impl InOrder {
+    /// Hands on (`hand(k)`) every item from the next one while `ready(k)`, unless another thread
+    /// is at it. Call it after making any item ready.
+    fn drain(
+        &self,
+        ready: impl Fn(usize) -> bool,
+        mut hand: impl FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        // Sequentially consistent throughout: a thread's "made ready, then found it taken" and the
+        // holder's "let go, then looked again" must not both miss each other.
+        while ready(self.next.load(Ordering::SeqCst))
+            && self
+                .handing
+                .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        {
+            let mut k = self.next.load(Ordering::SeqCst);
+            let mut outcome = Ok(());
+            while ready(k) {
+                outcome = hand(k);
+                if outcome.is_err() {
+                    break;
+                }
+                k += 1;
+            }
+            self.next.store(k, Ordering::SeqCst);
+            // After a failure the lock stays taken: nothing more is handed on.
+            outcome?;
+            self.handing.store(false, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+}
+
+/// The pieces an ordered pipeline's chunks are cut into: piece q is elements `ranges[q]` of the
+/// transfer, within chunk `chunk_of[q]`; every piece is `piece` elements but a chunk's last.
+struct Pieces {
+    chunk_of: Vec<usize>,
+    ranges: Vec<std::ops::Range<usize>>,
+    piece: usize,
+}
+
+impl Pieces {
+    fn new(chunks: &[std::ops::Range<usize>], piece: usize) -> Self {
+        let piece = piece.max(1);
+        let (mut chunk_of, mut ranges) = (Vec::new(), Vec::new());
+        for (k, chunk) in chunks.iter().enumerate() {
+            let mut start = chunk.start;
+            while start < chunk.end {
+                let end = (start + piece).min(chunk.end);
+                chunk_of.push(k);
+                ranges.push(start..end);
+                start = end;
+            }
+        }
+        Self {
+            chunk_of,
+            ranges,
+            piece,
+        }
+    }
+
+    /// How many pieces `chunk` is cut into.
+    fn in_chunk(&self, chunk: &std::ops::Range<usize>) -> usize {
+        chunk.len().div_ceil(self.piece)
+    }
+}
+
+/// A pinned block whose pieces several participants fill at once.
+type BlockParts<T> = SharedParts<TypedPinnedBlock<T>, T>;
+
+/// A chunk of an ordered upload being filled: its block, shared while participants write its
+/// pieces, and how many pieces are written.
+struct Filling<T: Element> {
+    parts: Mutex<Option<Arc<BlockParts<T>>>>,
+    filled: AtomicUsize,
+}
+
+impl<T: Element> Filling<T> {
+    fn new() -> Self {
+        Self {
+            parts: Mutex::new(None),
+            filled: AtomicUsize::new(0),
+        }
+    }
+}
+
+/// Elements per piece an ordered pipeline's chunk is copied in or out in: an eighth of the chunk,
+/// between 64 KiB and 512 KiB, so every participant shares each chunk's host copy.
+fn piece_elements<T>(chunk: usize) -> usize {
+    let element = size_of::<T>().max(1);
+    let bytes = (chunk * element / 8).clamp(64 << 10, 512 << 10);
+    (bytes / element).clamp(1, chunk.max(1))
+}
+
+/// Spins briefly, then yields: for participants waiting on one another for a few microseconds.
+#[derive(Default)]
+struct Backoff {
+    step: u32,
+}
+
+impl Backoff {
+    /// Whether this wait has gone on past its spinning (it yields now).
+    fn is_long(&self) -> bool {
+        self.step >= 64
+    }
+
+    fn snooze(&mut self) {
+        if self.step < 64 {
+            self.step += 1;
+            for _ in 0..(1 << self.step.min(6)) {
+                std::hint::spin_loop();
+            }
+        } else {
+            std::thread::yield_now();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[rstest::rstest]
+    #[case::u8_1mib(1 << 20, 1, 128 << 10)]
+    #[case::u8_4mib(4 << 20, 1, 512 << 10)]
+    #[case::u8_64mib_capped(64 << 20, 1, 512 << 10)]
+    #[case::u8_256kib_floored(256 << 10, 1, 64 << 10)]
+    #[case::u8_tiny_chunk(1000, 1, 1000)]
+    #[case::u64_1mib(128 << 10, 8, 16 << 10)]
+    #[case::huge_elements(3, 1 << 20, 1)]
+    fn pieces_are_an_eighth_of_a_chunk_within_bounds(
+        #[case] chunk: usize,
+        #[case] element: usize,
+        #[case] expected: usize,
+    ) {
+        let pieces = match element {
+            1 => piece_elements::<u8>(chunk),
+            8 => piece_elements::<u64>(chunk),
+            _ => piece_elements::<[u8; 1 << 20]>(chunk),
+        };
+        assert_eq!(pieces, expected);
+        assert!(pieces >= 1 && pieces <= chunk);
+    }
+
+    #[test]
+    fn items_made_ready_in_any_order_by_many_threads_are_handed_on_once_in_order() {
+        for round in 0..200 {
+            let items = 64;
+            let ready: Vec<AtomicBool> = (0..items).map(|_| AtomicBool::new(false)).collect();
+            let handed = Mutex::new(Vec::new());
+            let in_order = InOrder::default();
+            let claims = AtomicUsize::new(0);
+            std::thread::scope(|scope| {
+                for t in 0..4 {
+                    let (ready, handed, in_order, claims) = (&ready, &handed, &in_order, &claims);
+                    scope.spawn(move || {
+                        loop {
+                            let i = claims.fetch_add(1, Ordering::Relaxed);
+                            if i >= items {
+                                break;
+                            }
+                            // Items finish out of order: every fourth one late.
+                            if (i + t + round) % 4 == 0 {
+                                std::thread::yield_now();
+                            }
+                            ready[i].store(true, Ordering::SeqCst);
+                            in_order
+                                .drain(
+                                    |k| k < items && ready[k].load(Ordering::SeqCst),
+                                    |k| {
+                                        handed.lock().push(k);
+                                        Ok(())
+                                    },
+                                )
+                                .unwrap();
+                        }
+                    });
+                }
+            });
+            assert_eq!(
+                *handed.lock(),
+                (0..items).collect::<Vec<_>>(),
+                "round {round}"
+            );
+        }
+    }
+
+    #[test]
+    fn after_a_failure_nothing_more_is_handed_on() {
+        let in_order = InOrder::default();
+        let handed = Mutex::new(Vec::new());
+        let hand = |k: usize| {
+            if k == 2 {
+                return Err(crate::TransferError::WorkerPanicked);
+            }
+            handed.lock().push(k);
+            Ok(())
+        };
+        assert!(in_order.drain(|k| k < 5, hand).is_err());
+        assert!(in_order.drain(|k| k < 5, hand).is_ok());
+        assert_eq!(*handed.lock(), [0, 1]);
+    }
+}
