@@ -190,14 +190,23 @@ impl Pipeline<'_> {
             let queued: Mutex<VecDeque<MarkedCopy<'_, TypedPinnedBlock<T>>>> =
                 Mutex::new(VecDeque::with_capacity(ring));
             // Chunk k's block, shared by the participants filling its pieces: the first one to
-            // need it takes one, after every earlier chunk has had its own; `None` when the
-            // transfer failed first.
+            // need it takes one, after every earlier chunk has had its own, while the others spin
+            // (no lock is held while a block is waited for: parked waiters woken one by one
+            // would stall every participant behind the bus); `None` when the transfer failed.
             let block_for = |k: usize| -> Result<Option<Arc<BlockParts<T>>>> {
-                let mut slot = chunks[k].parts.lock();
-                if let Some(parts) = &*slot {
-                    return Ok(Some(Arc::clone(parts)));
-                }
+                let filling = &chunks[k];
                 let mut backoff = Backoff::default();
+                if filling.taker.swap(true, Ordering::AcqRel) {
+                    loop {
+                        if let Some(parts) = &*filling.parts.lock() {
+                            return Ok(Some(Arc::clone(parts)));
+                        }
+                        if claims.has_failed() {
+                            return Ok(None);
+                        }
+                        backoff.snooze();
+                    }
+                }
                 let block = loop {
                     if claims.has_failed() {
                         return Ok(None);
@@ -207,7 +216,6 @@ impl Pipeline<'_> {
                             blocks_out.fetch_add(1, Ordering::AcqRel);
                             break None;
                         }
-                        // Waited for outside the lock, so queuing goes on meanwhile.
                         let oldest = queued.lock().pop_front();
                         if let Some(copy) = oldest {
                             break Some(copy.wait()?);
@@ -217,7 +225,7 @@ impl Pipeline<'_> {
                 };
                 let block = block_of(self.pool, block, ranges[k].len())?;
                 let parts = Arc::new(SharedParts::new(block, pieces.piece));
-                *slot = Some(Arc::clone(&parts));
+                *filling.parts.lock() = Some(Arc::clone(&parts));
                 assigned.store(k + 1, Ordering::Release);
                 Ok(Some(parts))
             };
@@ -434,6 +442,8 @@ type BlockParts<T> = SharedParts<TypedPinnedBlock<T>, T>;
 /// pieces, and how many pieces are written.
 struct Filling<T: Element> {
     parts: Mutex<Option<Arc<BlockParts<T>>>>,
+    /// Whether a participant has set out to take the chunk's block.
+    taker: AtomicBool,
     filled: AtomicUsize,
 }
 
@@ -441,6 +451,7 @@ impl<T: Element> Filling<T> {
     fn new() -> Self {
         Self {
             parts: Mutex::new(None),
+            taker: AtomicBool::new(false),
             filled: AtomicUsize::new(0),
         }
     }
