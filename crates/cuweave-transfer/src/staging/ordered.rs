@@ -5,6 +5,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use cuweave_driver::memory::{Mark, StreamMarks};
 use cuweave_memory::buffer::MarkedCopy;
@@ -15,6 +16,13 @@ use parking_lot::Mutex;
 use super::{Claims, FailOnUnwind, Pipeline, Ramp, block_of, chunk_ranges, split_pieces};
 use crate::error::Result;
 use crate::workers;
+
+/// How long a participant waits for a chunk's mark with atomic loads alone before it waits on
+/// the stream ([`MarkedCopy::wait`], which asks the driver and reports a failed stream's error).
+/// A waiter that calls the driver while the queuing participant queues copies on the same stream
+/// delays that queuing, and the bus with it, so the driver is asked only when a chunk is
+/// overdue by far more than the bus needs for a ring of them.
+const STALLED: Duration = Duration::from_millis(20);
 
 impl Pipeline<'_> {
     /// A download whose chunks are queued by one participant, in order, on the lane's first
@@ -207,6 +215,7 @@ impl Pipeline<'_> {
                         backoff.snooze();
                     }
                 }
+                let started = Instant::now();
                 let block = loop {
                     if claims.has_failed() {
                         return Ok(None);
@@ -216,7 +225,15 @@ impl Pipeline<'_> {
                             blocks_out.fetch_add(1, Ordering::AcqRel);
                             break None;
                         }
-                        let oldest = queued.lock().pop_front();
+                        // The oldest queued chunk's block once its mark has passed: atomic loads
+                        // until then, no driver call (see `STALLED`).
+                        let oldest = {
+                            let mut queued = queued.lock();
+                            let landed = queued.front().is_some_and(|copy| {
+                                copy.is_complete() || started.elapsed() >= STALLED
+                            });
+                            if landed { queued.pop_front() } else { None }
+                        };
                         if let Some(copy) = oldest {
                             break Some(copy.wait()?);
                         }
@@ -318,12 +335,14 @@ impl<'s, T: Element> ChunkSlot<'s, T> {
         claims: &Claims,
     ) -> Result<Option<Arc<TypedPinnedBlock<T>>>> {
         let mut backoff = Backoff::default();
+        let started = Instant::now();
         loop {
-            // Without the lock: not queued yet, or queued and still on the bus.
+            // Without the lock: not queued yet, or queued and still on the bus (atomic loads
+            // alone until `STALLED`).
             let ready = self
                 .mark
                 .get()
-                .is_some_and(|mark| marks.is_reached(*mark) || backoff.is_long());
+                .is_some_and(|mark| marks.is_reached(*mark) || started.elapsed() >= STALLED);
             if !ready {
                 if claims.has_failed() {
                     return Ok(None);
@@ -472,11 +491,6 @@ struct Backoff {
 }
 
 impl Backoff {
-    /// Whether this wait has gone on past its spinning (it yields now).
-    fn is_long(&self) -> bool {
-        self.step >= 64
-    }
-
     fn snooze(&mut self) {
         if self.step < 64 {
             self.step += 1;
