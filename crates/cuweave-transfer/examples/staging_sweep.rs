@@ -89,6 +89,50 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("calibration took {:.2} s", start.elapsed().as_secs_f64());
         println!("{}", table.to_json());
     }
+    if std::env::var_os("SWEEP_TIMES").is_some() {
+        // Every run's figure, not the best: a calibrated manager's uploads and downloads at each
+        // size, 15 runs each, interleaved with raw pageable calls as the bench does.
+        let manager = TransferManager::new()?;
+        manager.calibrate()?;
+        for &kib in &sizes {
+            let bytes = kib << 10;
+            for up in [true, false] {
+                let mut figures: Vec<f64> = (0..15)
+                    .map(|_| {
+                        if up {
+                            device.copy_range_from_host(0, &host[..bytes]).unwrap();
+                        } else {
+                            device.copy_range_to_host(0, &mut host[..bytes]).unwrap();
+                        }
+                        let start = Instant::now();
+                        staged(&manager, up, &mut host[..bytes], &mut device);
+                        bytes as f64 / start.elapsed().as_secs_f64() / 1e9
+                    })
+                    .collect();
+                let order: Vec<String> = figures.iter().map(|g| format!("{g:.1}")).collect();
+                figures.sort_by(f64::total_cmp);
+                println!(
+                    "times {} {} KiB ({:?}): median {:.1}, min {:.1}, max {:.1}; in order {}",
+                    if up { "h2d" } else { "d2h" },
+                    kib,
+                    manager.staging_for(
+                        if up {
+                            cuweave_transfer::TransferPath::PAGEABLE_TO_DEVICE
+                        } else {
+                            cuweave_transfer::TransferPath::DEVICE_TO_PAGEABLE
+                        },
+                        0,
+                        bytes
+                    ),
+                    figures[7],
+                    figures[0],
+                    figures[14],
+                    order.join(" ")
+                );
+            }
+        }
+        return Ok(());
+    }
     if std::env::var_os("SWEEP_CONCURRENT").is_some() {
         concurrent(&context, &host)?;
         return Ok(());

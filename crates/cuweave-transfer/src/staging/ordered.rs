@@ -13,7 +13,9 @@ use cuweave_memory::parts::SharedParts;
 use cuweave_memory::{Buffer, Element, TypedPinnedBlock};
 use parking_lot::Mutex;
 
-use super::{Claims, FailOnUnwind, Pipeline, Ramp, block_of, chunk_ranges, split_pieces};
+use super::{
+    Claims, FailOnUnwind, ORDERED_MOST, Pipeline, Ramp, block_of, chunk_ranges, split_pieces,
+};
 use crate::error::Result;
 use crate::workers;
 
@@ -53,7 +55,7 @@ impl Pipeline<'_> {
     {
         let chunk = self.config.chunk_elements::<T>();
         let total = dst.len();
-        let participants = self.participants(total.div_ceil(chunk));
+        let participants = self.participants(total.div_ceil(chunk)).min(ORDERED_MOST);
         // One short chunk at the end: the bus time the last pieces wait for is cut to a quarter.
         let ranges = chunk_ranges(total, chunk, 1, Ramp::Last);
         let pieces = Pieces::new(&ranges, piece_elements::<T>(chunk));
@@ -179,7 +181,7 @@ impl Pipeline<'_> {
     {
         let chunk = self.config.chunk_elements::<T>();
         let total = src.len();
-        let participants = self.participants(total.div_ceil(chunk));
+        let participants = self.participants(total.div_ceil(chunk)).min(ORDERED_MOST);
         // One short chunk at the start: the copy engine starts after a quarter chunk's fill.
         let ranges = chunk_ranges(total, chunk, 1, Ramp::First);
         let pieces = Pieces::new(&ranges, piece_elements::<T>(chunk));
