@@ -52,8 +52,7 @@ const REGISTRATION_RUNS: usize = 2;
 fn repetitions(bytes: usize) -> usize {
     match bytes {
         b if b <= 1 << 20 => 9,
-        b if b <= 64 << 20 => 5,
-        _ => 3,
+        _ => 5,
     }
 }
 
