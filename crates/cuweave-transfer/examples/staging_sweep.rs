@@ -89,6 +89,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("calibration took {:.2} s", start.elapsed().as_secs_f64());
         println!("{}", table.to_json());
     }
+    if std::env::var_os("SWEEP_PARALLEL_RAW").is_some() {
+        parallel_raw(&context, &sizes)?;
+        return Ok(());
+    }
     if std::env::var_os("SWEEP_TIMES").is_some() {
         // Every run's figure, not the best: a calibrated manager's uploads and downloads at each
         // size, 15 runs each, interleaved with raw pageable calls as the bench does.
@@ -353,6 +357,57 @@ fn concurrent(
             gbps(2 * GIB, both),
             gbps(GIB, four)
         );
+    }
+    Ok(())
+}
+
+/// The driver's own pageable copies from `t` threads at once, each on its own stream and its own
+/// part of the size: whether the driver's staging scales with the calling threads.
+fn parallel_raw(
+    context: &std::sync::Arc<Context>,
+    sizes: &[usize],
+) -> Result<(), Box<dyn std::error::Error>> {
+    use cuweave_driver::{Stream, StreamFlags};
+    for &kib in sizes {
+        let bytes = kib << 10;
+        for t in [1usize, 2, 4, 8] {
+            let part = bytes / t;
+            let streams: Vec<Stream> = (0..t)
+                .map(|_| Stream::new(context, StreamFlags::NON_BLOCKING))
+                .collect::<Result<_, _>>()?;
+            let mut devices: Vec<DeviceBuffer<u8>> = (0..t)
+                .map(|_| DeviceBuffer::<u8>::zeroed(context, part))
+                .collect::<Result<_, _>>()?;
+            let mut hosts: Vec<Vec<u8>> = (0..t).map(|_| vec![1u8; part]).collect();
+            let mut figures = [0.0; 2];
+            for (i, up) in [true, false].into_iter().enumerate() {
+                let d = best(7, || {
+                    std::thread::scope(|s| {
+                        for ((device, host), stream) in
+                            devices.iter_mut().zip(hosts.iter_mut()).zip(&streams)
+                        {
+                            s.spawn(move || {
+                                let vec = std::mem::take(host);
+                                let back = if up {
+                                    device.copy_range_from_host_async(0, vec, stream)
+                                } else {
+                                    device.copy_range_to_host_async(0, vec, stream)
+                                }
+                                .unwrap()
+                                .wait()
+                                .unwrap();
+                                *host = back;
+                            });
+                        }
+                    });
+                });
+                figures[i] = (part * t) as f64 / d.as_secs_f64() / 1e9;
+            }
+            println!(
+                "parallel raw pageable {kib} KiB x{t} threads: h2d {:.2}, d2h {:.2} GB/s",
+                figures[0], figures[1]
+            );
+        }
     }
     Ok(())
 }

@@ -190,19 +190,29 @@ impl Workers {
     }
 
     /// Keeps `workers` workers spinning for [`WARM`] or until the next transfer starts. They
-    /// have just finished and are still awake, so queueing these wakes nobody.
+    /// have just finished and are still awake. As when a transfer starts, the caller hands the
+    /// pool one job, which hands out the others from inside it, so the caller returns after one
+    /// hand-off instead of one per worker.
     fn keep_hot(&'static self, pool: &rayon::ThreadPool, workers: usize) {
+        if workers == 0 {
+            return;
+        }
         let generation = self.generation.load(Ordering::Acquire);
         let deadline = Instant::now() + WARM;
-        for _ in 0..workers {
-            pool.spawn(move || {
-                while self.generation.load(Ordering::Acquire) == generation
-                    && Instant::now() < deadline
-                {
-                    std::hint::spin_loop();
-                }
-            });
-        }
+        let spin = move || {
+            while self.generation.load(Ordering::Acquire) == generation
+                && Instant::now() < deadline
+            {
+                std::hint::spin_loop();
+            }
+        };
+        pool.spawn(move || {
+            for _ in 1..workers {
+                // On a worker of `pool`: spawned into `pool`.
+                rayon::spawn(spin);
+            }
+            spin();
+        });
     }
 
     /// Runs `job` on a worker in the background (on this thread when there are no workers).
