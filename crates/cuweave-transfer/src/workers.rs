@@ -200,8 +200,7 @@ impl Workers {
         let generation = self.generation.load(Ordering::Acquire);
         let deadline = Instant::now() + WARM;
         let spin = move || {
-            while self.generation.load(Ordering::Acquire) == generation
-                && Instant::now() < deadline
+            while self.generation.load(Ordering::Acquire) == generation && Instant::now() < deadline
             {
                 std::hint::spin_loop();
             }
