@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 use cuweave_driver::{Context, Device};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer, copy_streaming};
 use cuweave_transfer::{
-    Destination, HostCopy, Source, StagingConfig, TransferManager, TransferMethod, host_threads,
+    ChunkOrder, Destination, HostCopy, Source, StagingConfig, TransferManager, TransferMethod,
+    host_threads,
 };
 
 fn best(runs: usize, mut run: impl FnMut()) -> Duration {
@@ -195,6 +196,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                             depth: 2,
                             threads: t,
                             host_copy,
+                            order: ChunkOrder::Ordered,
                         };
                         let manager = TransferManager::with_staging(config)?;
                         let figure = gbps(best(runs, || {
@@ -312,6 +314,7 @@ fn concurrent(
                 depth: 2,
                 threads: t,
                 host_copy: HostCopy::Cached,
+                order: ChunkOrder::Ordered,
             })
         })
         .chain([None])

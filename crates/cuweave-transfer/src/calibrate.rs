@@ -15,7 +15,7 @@ use crate::location::{Location, TransferPath};
 use crate::manager::{TransferManager, pipeline};
 use crate::method::TransferMethod;
 use crate::planner;
-use crate::staging::StagingConfig;
+use crate::staging::{ChunkOrder, StagingConfig};
 use crate::stats::TransferStats;
 
 /// The calibration measured in this process, shared by every manager created after it.
@@ -75,11 +75,14 @@ fn typical_gbps(bytes: usize, mut run: impl FnMut() -> Result<()>) -> Result<f64
 
 /// The staging configurations tried for `path` at `bytes`: the default
 /// ([`StagingConfig::for_path`]) with half, the same and double its chunk, each with half, the
-/// same and double its participants (at most this machine's host threads), then the default
-/// with the other [`HostCopy`](crate::HostCopy) (which one wins depends on the host's cache).
+/// same and double its participants (at most this machine's host threads, and at most
+/// [`ORDERED_MOST`](crate::staging::ORDERED_MOST) ordered), then the default with the other
+/// [`HostCopy`](crate::HostCopy) (which one wins depends on the host's cache), and, for sizes
+/// that run ordered, the default [`Interleaved`](ChunkOrder::Interleaved) with its participants
+/// and half as many again (which order wins depends on the size and the host).
 pub fn staging_candidates(path: TransferPath, bytes: usize) -> Vec<StagingConfig> {
     let base = StagingConfig::for_path(path, bytes);
-    let most = crate::staging::most_participants(bytes);
+    let most = crate::staging::most_participants(bytes, base.order);
     let mut out = Vec::new();
     for chunk in [base.chunk_bytes / 2, base.chunk_bytes, base.chunk_bytes * 2] {
         if chunk < (64 << 10) || chunk >= bytes {
@@ -110,6 +113,19 @@ pub fn staging_candidates(path: TransferPath, bytes: usize) -> Vec<StagingConfig
         ..pivot
     };
     out.push(other);
+    if bytes >= crate::staging::ORDERED_FROM && pivot.order == ChunkOrder::Ordered {
+        let all = crate::staging::most_participants(bytes, ChunkOrder::Interleaved);
+        for threads in [pivot.threads, pivot.threads + pivot.threads / 2] {
+            let interleaved = StagingConfig {
+                order: ChunkOrder::Interleaved,
+                threads: threads.clamp(1, all),
+                ..pivot
+            };
+            if !out.contains(&interleaved) {
+                out.push(interleaved);
+            }
+        }
+    }
     out
 }
 
@@ -460,6 +476,14 @@ mod tests {
             for (i, c) in candidates.iter().enumerate() {
                 assert!(c.chunk_bytes > 0 && c.threads > 0 && c.depth > 0);
                 assert!(!candidates[..i].contains(c));
+                if c.order == ChunkOrder::Ordered && bytes >= crate::staging::ORDERED_FROM {
+                    assert!(c.threads <= crate::staging::ORDERED_MOST, "{c:?}");
+                }
+            }
+            // From the ordered sizes both orders are measured.
+            let orders = |o| candidates.iter().filter(|c| c.order == o).count();
+            if bytes >= crate::staging::ORDERED_FROM {
+                assert!(orders(ChunkOrder::Ordered) >= 1 && orders(ChunkOrder::Interleaved) >= 1);
             }
         }
     }

@@ -687,6 +687,7 @@ mod machine_tests {
             depth: 2,
             threads: 8,
             host_copy: crate::HostCopy::Cached,
+            order: crate::ChunkOrder::Ordered,
         };
         let h2d = TransferPath::PAGEABLE_TO_DEVICE;
         for (bytes, chunk) in [(4 << 20, 256 << 10), (256 << 20, 4 << 20)] {

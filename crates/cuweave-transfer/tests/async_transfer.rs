@@ -11,7 +11,7 @@ use std::thread::Thread;
 use cuweave_memory::{Buffer, DeviceBuffer};
 use cuweave_test_support::{require_gpu, sanitizer_active, skip_under_sanitizer};
 use cuweave_transfer::{
-    HostCopy, POLL_BYTES, StagingConfig, TransferError, TransferManager, TransferMethod,
+    ChunkOrder, HostCopy, POLL_BYTES, StagingConfig, TransferError, TransferManager, TransferMethod,
 };
 
 /// Wakes the thread that polls.
@@ -53,6 +53,7 @@ fn async_uploads_and_downloads_round_trip_through_pinned_chunks() {
         depth: 3,
         threads: 2,
         host_copy: HostCopy::Streaming,
+        order: ChunkOrder::Ordered,
     })
     .unwrap();
     let data = pattern((9 << 20) / 4 + 5);

@@ -11,8 +11,9 @@ use cuweave_driver::{Context, Device};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer, UnifiedBuffer};
 use cuweave_test_support::require_gpu;
 use cuweave_transfer::{
-    CalibrationTable, Destination, HostCopy, Location, LocationKind, PlanReason, RegisteredHost,
-    SizeClass, Source, StagingConfig, TransferError, TransferManager, TransferMethod, TransferPath,
+    CalibrationTable, ChunkOrder, Destination, HostCopy, Location, LocationKind, PlanReason,
+    RegisteredHost, SizeClass, Source, StagingConfig, TransferError, TransferManager,
+    TransferMethod, TransferPath,
 };
 
 const MIB: usize = 1 << 20;
@@ -236,6 +237,7 @@ fn typed_slices_move_through_the_pipeline_with_a_short_last_chunk() {
         threads: 4,
         // The plain-memcpy chunk copy (the other is covered by the async tests).
         host_copy: HostCopy::Cached,
+        order: ChunkOrder::Ordered,
     })
     .unwrap();
     let data: Vec<u64> = (0..(3 * MIB + 11) as u64)
@@ -554,6 +556,7 @@ fn ordered_downloads_round_trip_with_tiny_rings_and_recycle_their_mark_words() {
         depth: 1,
         threads: 3,
         host_copy: HostCopy::Streaming,
+        order: ChunkOrder::Ordered,
     })
     .unwrap();
     for len in [(64 << 10) + 1, 5 * MIB + 13, 17 * MIB + 4097] {
@@ -611,7 +614,7 @@ fn ordered_downloads_round_trip_with_tiny_rings_and_recycle_their_mark_words() {
 }
 
 #[test]
-fn ordered_uploads_round_trip_with_tiny_rings_and_land_after_earlier_writes() {
+fn ordered_and_interleaved_uploads_round_trip_with_tiny_rings_and_land_after_earlier_writes() {
     use cuweave_driver::{Stream, StreamFlags};
     use cuweave_test_support::kernels::TestKernels;
     let gpu = require_gpu!();
@@ -620,13 +623,20 @@ fn ordered_uploads_round_trip_with_tiny_rings_and_land_after_earlier_writes() {
     let other = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
     // (chunk, depth, threads): one block per participant with four pieces a chunk, so chunks
     // wait for the oldest queued one's block; a deeper ring; one participant, one piece a chunk.
-    let configs = [(256 << 10, 1, 3), (1 << 20, 2, 6), (64 << 10, 1, 1)];
-    for (chunk_bytes, depth, threads) in configs {
+    // The same, interleaved, for comparison: each order comes back through a download too.
+    let configs = [
+        (256 << 10, 1, 3, ChunkOrder::Ordered),
+        (1 << 20, 2, 6, ChunkOrder::Ordered),
+        (64 << 10, 1, 1, ChunkOrder::Ordered),
+        (1 << 20, 2, 6, ChunkOrder::Interleaved),
+    ];
+    for (chunk_bytes, depth, threads, order) in configs {
         let manager = TransferManager::with_staging(StagingConfig {
             chunk_bytes,
             depth,
             threads,
             host_copy: HostCopy::Cached,
+            order,
         })
         .unwrap();
         // u32 elements from 3 MiB + 4 bytes (ordered from 3 MiB) to past 17 MiB.
@@ -655,6 +665,15 @@ fn ordered_uploads_round_trip_with_tiny_rings_and_land_after_earlier_writes() {
             );
             assert!(back[..SLACK].iter().all(|&x| x == 0xdead_beef));
             assert!(back[SLACK + len..].iter().all(|&x| x == 0xdead_beef));
+            let mut down = vec![0u32; len];
+            manager
+                .transfer_with(
+                    TransferMethod::HostStaged,
+                    Source::device(&device, SLACK, len),
+                    &mut down[..],
+                )
+                .unwrap();
+            assert!(down == data, "{order:?}: the download came back changed");
         }
     }
 }

@@ -76,6 +76,30 @@ pub struct StagingConfig {
     /// How the host side of each chunk is copied.
     #[serde(default)]
     pub host_copy: HostCopy,
+    /// How the chunks of a copy of [`ORDERED_FROM`] bytes or more reach the bus (smaller copies
+    /// always run [`Interleaved`](ChunkOrder::Interleaved)).
+    #[serde(default)]
+    pub order: ChunkOrder,
+}
+
+/// How the chunks of a pipelined copy reach the bus: one after another on one stream, or on
+/// every participant's own stream.
+///
+/// Which one wins depends on the size and the host, so it is part of the calibrated
+/// configuration. On the H100 host [`Ordered`](Self::Ordered) won clearly at 4-16 MiB in both
+/// directions (uploads 27-28 against 22.6 GB/s at 4 MiB), while from 256 MiB the two were
+/// within the host's run-to-run noise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum ChunkOrder {
+    /// Chunks go in order, one copy each on the lane's first stream with a progress mark behind
+    /// it, while every participant copies pieces of them in or out
+    /// (`Pipeline::upload_ordered` / `download_ordered`); at most [`ORDERED_MOST`] participants.
+    /// Needs a lane with progress marks (else the copy runs interleaved).
+    #[default]
+    Ordered,
+    /// Each participant copies whole chunks and queues them on its own stream of the lane, an
+    /// event behind each.
+    Interleaved,
 }
 
 /// How a participant copies a chunk between user memory and its pinned block.
@@ -161,6 +185,7 @@ impl StagingConfig {
             depth: 2,
             threads: row.threads.min(host_threads()).max(1),
             host_copy: row.host_copy,
+            order: ChunkOrder::Ordered,
         }
     }
 }
@@ -223,11 +248,11 @@ pub(crate) const ORDERED_FROM: usize = 3 << 20;
 /// (1 GiB uploads with 16: a median of 30 GB/s against a best of 40; with 8: 46-49).
 pub(crate) const ORDERED_MOST: usize = 8;
 
-/// The most participants a pipelined copy of `bytes` uses on this machine: the host threads,
-/// and [`ORDERED_MOST`] from the size that runs ordered.
-pub(crate) fn most_participants(bytes: usize) -> usize {
+/// The most participants a pipelined copy of `bytes` in `order` uses on this machine: the host
+/// threads, and [`ORDERED_MOST`] when it runs ordered.
+pub(crate) fn most_participants(bytes: usize, order: ChunkOrder) -> usize {
     let threads = host_threads();
-    if bytes >= ORDERED_FROM {
+    if bytes >= ORDERED_FROM && order == ChunkOrder::Ordered {
         threads.min(ORDERED_MOST)
     } else {
         threads
@@ -260,6 +285,12 @@ pub(crate) struct Pipeline<'a> {
 }
 
 impl Pipeline<'_> {
+    /// Whether a copy of `bytes` runs ordered (given progress marks): from [`ORDERED_FROM`]
+    /// bytes, when the configuration says so.
+    fn runs_ordered(&self, bytes: usize) -> bool {
+        bytes >= ORDERED_FROM && self.config.order == ChunkOrder::Ordered
+    }
+
     fn participants(&self, chunks: usize) -> usize {
         self.config
             .workers(chunks)
@@ -289,7 +320,7 @@ impl Pipeline<'_> {
             );
         }
         match self.marks {
-            Some(marks) if size_of_val(src) >= ORDERED_FROM && !unordered_uploads() => {
+            Some(marks) if self.runs_ordered(size_of_val(src)) && !unordered_uploads() => {
                 self.upload_ordered(marks, src, dst, dst_offset)
             }
             _ => self.upload_interleaved(src, dst, dst_offset),
@@ -361,7 +392,7 @@ impl Pipeline<'_> {
             return download_one(self.pool, src, src_offset, dst);
         }
         match self.marks {
-            Some(marks) if size_of_val(dst) >= ORDERED_FROM && !unordered_downloads() => {
+            Some(marks) if self.runs_ordered(size_of_val(dst)) && !unordered_downloads() => {
                 self.download_ordered(marks, src, src_offset, dst)
             }
             _ => self.download_interleaved(src, src_offset, dst),
@@ -663,6 +694,7 @@ mod tests {
             depth: 2,
             threads: 8,
             host_copy: HostCopy::Streaming,
+            order: ChunkOrder::Ordered,
         };
         assert_eq!(config.chunk_elements::<u32>(), 2);
         assert_eq!(config.chunk_elements::<[u8; 64]>(), 1);
@@ -775,6 +807,7 @@ mod tests {
         let old = r#"{"chunk_bytes":1048576,"depth":2,"threads":4}"#;
         let config: StagingConfig = serde_json::from_str(old).unwrap();
         assert_eq!(config.host_copy, HostCopy::Streaming);
+        assert_eq!(config.order, ChunkOrder::Ordered);
         assert_eq!(config.chunk_bytes, 1 << 20);
     }
 }
