@@ -76,7 +76,7 @@ fn typical_gbps(bytes: usize, mut run: impl FnMut() -> Result<()>) -> Result<f64
 /// The staging configurations tried for `path` at `bytes`: the default
 /// ([`StagingConfig::for_path`]) with half, the same and double its chunk, each with half, the
 /// same and double its participants (at most this machine's host threads, and at most
-/// [`ORDERED_MOST`](crate::staging::ORDERED_MOST) ordered), then the default with the other
+/// [`ORDERED_MOST`](crate::ORDERED_MOST) ordered), then the default with the other
 /// [`HostCopy`](crate::HostCopy) (which one wins depends on the host's cache), and, for sizes
 /// that run ordered, the default [`Interleaved`](ChunkOrder::Interleaved) with its participants
 /// and half as many again (which order wins depends on the size and the host).

@@ -105,6 +105,6 @@ pub use manager::{TransferManager, TransferReport};
 pub use method::TransferMethod;
 pub use planner::{PathFacts, Plan, PlanReason, Query, Skipped};
 pub use registered::{RegisteredHost, RegisteredSlice, RegisteredSliceMut};
-pub use staging::{ChunkOrder, HostCopy, StagingConfig, host_threads};
+pub use staging::{ChunkOrder, HostCopy, ORDERED_FROM, ORDERED_MOST, StagingConfig, host_threads};
 pub use stats::{PathStats, TransferStats};
 pub use workers::MAX_WORKERS;

@@ -13,11 +13,17 @@
 //! engine moves earlier chunks the participants fill the next ones: the transfer runs at the
 //! slower of the host's aggregate copy bandwidth and the bus, instead of at the driver's own
 //! staging speed (a pageable `cuMemcpyHtoD` copies through one small bounce buffer on one
-//! thread). Downloads under 3 MiB run the same pipeline backwards: queue copies into blocks,
-//! then copy each finished block out. Larger ones run *ordered* (`Pipeline::download_ordered`):
-//! the caller queues large chunks in order on the lane's first stream, each with a
-//! [`StreamMarks`] mark behind it, so they land one after another. Every participant copies
-//! landed chunks out in pieces, waiting on the mark word with atomic loads.
+//! thread). Downloads run the same pipeline backwards: queue copies into blocks, then copy each
+//! finished block out.
+//!
+//! That is the *interleaved* order. Copies of 3 MiB or more run *ordered* by default
+//! ([`ChunkOrder`], part of the configuration, so calibration can pick either): the chunks go
+//! in order, one copy each on the lane's first stream with a [`StreamMarks`] mark behind it, so
+//! they move one after another, and every participant copies pieces of them
+//! (`ordered::upload_ordered`, `ordered::download_ordered`). An upload's chunk is filled by all
+//! participants at once and queued by whichever completes it in order; a download's chunks are
+//! queued by the caller and copied out by all. Waiting for a chunk is an atomic load of the mark
+//! word.
 //!
 //! The destination (or, for downloads, the source) range is ordered once per stream for the
 //! whole transfer, through the memory layer's `Buffer::staged_write` / `staged_read`: each lane
@@ -237,16 +243,15 @@ const SWEPT_DOWNLOADS: [Swept; 6] = [
     swept(1 << 30, 8 << 20, 6, HostCopy::Streaming),
 ];
 
-/// Uploads and downloads from this size run ordered ([`Pipeline::upload_ordered`],
-/// [`Pipeline::download_ordered`]) when the lane has progress marks: between the swept 1 MiB
-/// (interleaved) and 4 MiB (ordered) rows.
-pub(crate) const ORDERED_FROM: usize = 3 << 20;
+/// Pipelined copies from this size run in their configuration's [`ChunkOrder`] (smaller ones
+/// always interleaved): between the swept 1 MiB (interleaved) and 4 MiB (ordered) rows.
+pub const ORDERED_FROM: usize = 3 << 20;
 
 /// The most participants an ordered pipeline uses: every chunk waits for all of its pieces (or,
 /// downloading, for the one participant queueing), so one participant the scheduler stalls
 /// stalls the whole transfer, and on the H100 host runs with more than eight scattered widely
 /// (1 GiB uploads with 16: a median of 30 GB/s against a best of 40; with 8: 46-49).
-pub(crate) const ORDERED_MOST: usize = 8;
+pub const ORDERED_MOST: usize = 8;
 
 /// The most participants a pipelined copy of `bytes` in `order` uses on this machine: the host
 /// threads, and [`ORDERED_MOST`] when it runs ordered.
