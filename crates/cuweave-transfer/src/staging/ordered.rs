@@ -26,7 +26,29 @@ use crate::workers;
 /// overdue by far more than the bus needs for a ring of them.
 const STALLED: Duration = Duration::from_millis(20);
 
+/// How an ordered pipeline of `total` elements is cut up: its participants, its chunks (one
+/// short one at the ramp's end), their pieces, and how many blocks may be out at once.
+struct Layout {
+    participants: usize,
+    ranges: Vec<std::ops::Range<usize>>,
+    pieces: Pieces,
+    ring: usize,
+}
+
 impl Pipeline<'_> {
+    fn ordered_layout<T>(&self, total: usize, ramp: Ramp) -> Layout {
+        let chunk = self.config.chunk_elements::<T>();
+        let participants = self.participants(total.div_ceil(chunk)).min(ORDERED_MOST);
+        let ranges = chunk_ranges(total, chunk, 1, ramp);
+        let pieces = Pieces::new(&ranges, piece_elements::<T>(chunk));
+        Layout {
+            participants,
+            ranges,
+            pieces,
+            ring: participants * self.config.depth.max(1),
+        }
+    }
+
     /// A download whose chunks are queued by one participant, in order, on the lane's first
     /// stream, each with a progress mark behind it, while every participant (the queuing one
     /// too, whenever it waits for a block, and once all is queued) copies landed chunks out in
@@ -53,12 +75,14 @@ impl Pipeline<'_> {
         T: Element,
         B: Buffer<T> + Sync + ?Sized,
     {
-        let chunk = self.config.chunk_elements::<T>();
         let total = dst.len();
-        let participants = self.participants(total.div_ceil(chunk)).min(ORDERED_MOST);
         // One short chunk at the end: the bus time the last pieces wait for is cut to a quarter.
-        let ranges = chunk_ranges(total, chunk, 1, Ramp::Last);
-        let pieces = Pieces::new(&ranges, piece_elements::<T>(chunk));
+        let Layout {
+            participants,
+            ranges,
+            pieces,
+            ring,
+        } = self.ordered_layout::<T>(total, Ramp::Last);
         let Pieces {
             chunk_of,
             ranges: piece_ranges,
@@ -67,7 +91,6 @@ impl Pipeline<'_> {
         let outs = split_pieces(dst, piece_ranges);
         let pieces_in = |k: usize| pieces.in_chunk(&ranges[k]);
         let claims = Claims::new(piece_ranges.len());
-        let ring = participants * self.config.depth.max(1);
         let slots: Vec<ChunkSlot<'_, T>> = (0..ranges.len()).map(|_| ChunkSlot::new()).collect();
         let copied: Vec<AtomicUsize> = (0..ranges.len()).map(|_| AtomicUsize::new(0)).collect();
         let free: Mutex<Vec<TypedPinnedBlock<T>>> = Mutex::new(Vec::with_capacity(ring));
@@ -179,14 +202,15 @@ impl Pipeline<'_> {
         T: Element,
         B: Buffer<T> + Send + ?Sized,
     {
-        let chunk = self.config.chunk_elements::<T>();
         let total = src.len();
-        let participants = self.participants(total.div_ceil(chunk)).min(ORDERED_MOST);
         // One short chunk at the start: the copy engine starts after a quarter chunk's fill.
-        let ranges = chunk_ranges(total, chunk, 1, Ramp::First);
-        let pieces = Pieces::new(&ranges, piece_elements::<T>(chunk));
+        let Layout {
+            participants,
+            ranges,
+            pieces,
+            ring,
+        } = self.ordered_layout::<T>(total, Ramp::First);
         let claims = Claims::new(pieces.ranges.len());
-        let ring = participants * self.config.depth.max(1);
         let chunks: Vec<Filling<T>> = (0..ranges.len()).map(|_| Filling::new()).collect();
         // Chunks that have had a block (blocks go to chunks in order), and blocks out of the pool.
         let assigned = AtomicUsize::new(0);
