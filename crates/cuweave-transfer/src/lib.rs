@@ -87,6 +87,7 @@ pub mod planner;
 pub mod registered;
 pub mod staging;
 pub mod stats;
+mod sync;
 mod workers;
 
 pub use advice::{RegistrationAdvice, TransferDirection};

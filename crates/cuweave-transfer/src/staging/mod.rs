@@ -62,6 +62,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::Result;
 use crate::workers;
 
+mod in_order;
 mod ordered;
 
 /// How one pipelined copy is cut up and how many host threads feed it.

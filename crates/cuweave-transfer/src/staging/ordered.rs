@@ -13,6 +13,7 @@ use cuweave_memory::parts::SharedParts;
 use cuweave_memory::{Buffer, Element, TypedPinnedBlock};
 use parking_lot::Mutex;
 
+use super::in_order::InOrder;
 use super::{
     Claims, FailOnUnwind, ORDERED_MOST, Pipeline, Ramp, block_of, chunk_ranges, split_pieces,
 };
@@ -402,50 +403,6 @@ impl<'s, T: Element> ChunkSlot<'s, T> {
     }
 }
 
-/// Work items (chunks) handed on strictly in order, each once, by whichever thread finds the
-/// next ones ready, with no thread ever waiting for another: a try-lock that nobody waits on.
-/// A thread that makes an item ready while another is handing items on leaves it to that one,
-/// which looks again after letting go; after a failure nothing more is handed on.
-#[derive(Default)]
-struct InOrder {
-    handing: AtomicBool,
-    next: AtomicUsize,
-}
-
-impl InOrder {
-    /// Hands on (`hand(k)`) every item from the next one while `ready(k)`, unless another thread
-    /// is at it. Call it after making any item ready.
-    fn drain(
-        &self,
-        ready: impl Fn(usize) -> bool,
-        mut hand: impl FnMut(usize) -> Result<()>,
-    ) -> Result<()> {
-        // Sequentially consistent throughout: a thread's "made ready, then found it taken" and the
-        // holder's "let go, then looked again" must not both miss each other.
-        while ready(self.next.load(Ordering::SeqCst))
-            && self
-                .handing
-                .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
-                .is_ok()
-        {
-            let mut k = self.next.load(Ordering::SeqCst);
-            let mut outcome = Ok(());
-            while ready(k) {
-                outcome = hand(k);
-                if outcome.is_err() {
-                    break;
-                }
-                k += 1;
-            }
-            self.next.store(k, Ordering::SeqCst);
-            // After a failure the lock stays taken: nothing more is handed on.
-            outcome?;
-            self.handing.store(false, Ordering::SeqCst);
-        }
-        Ok(())
-    }
-}
-
 /// The pieces an ordered pipeline's chunks are cut into: piece q is elements `ranges[q]` of the
 /// transfer, within chunk `chunk_of[q]`; every piece is `piece` elements but a chunk's last.
 struct Pieces {
@@ -553,64 +510,5 @@ mod tests {
         };
         assert_eq!(pieces, expected);
         assert!(pieces >= 1 && pieces <= chunk);
-    }
-
-    #[test]
-    fn items_made_ready_in_any_order_by_many_threads_are_handed_on_once_in_order() {
-        for round in 0..200 {
-            let items = 64;
-            let ready: Vec<AtomicBool> = (0..items).map(|_| AtomicBool::new(false)).collect();
-            let handed = Mutex::new(Vec::new());
-            let in_order = InOrder::default();
-            let claims = AtomicUsize::new(0);
-            std::thread::scope(|scope| {
-                for t in 0..4 {
-                    let (ready, handed, in_order, claims) = (&ready, &handed, &in_order, &claims);
-                    scope.spawn(move || {
-                        loop {
-                            let i = claims.fetch_add(1, Ordering::Relaxed);
-                            if i >= items {
-                                break;
-                            }
-                            // Items finish out of order: every fourth one late.
-                            if (i + t + round) % 4 == 0 {
-                                std::thread::yield_now();
-                            }
-                            ready[i].store(true, Ordering::SeqCst);
-                            in_order
-                                .drain(
-                                    |k| k < items && ready[k].load(Ordering::SeqCst),
-                                    |k| {
-                                        handed.lock().push(k);
-                                        Ok(())
-                                    },
-                                )
-                                .unwrap();
-                        }
-                    });
-                }
-            });
-            assert_eq!(
-                *handed.lock(),
-                (0..items).collect::<Vec<_>>(),
-                "round {round}"
-            );
-        }
-    }
-
-    #[test]
-    fn after_a_failure_nothing_more_is_handed_on() {
-        let in_order = InOrder::default();
-        let handed = Mutex::new(Vec::new());
-        let hand = |k: usize| {
-            if k == 2 {
-                return Err(crate::TransferError::WorkerPanicked);
-            }
-            handed.lock().push(k);
-            Ok(())
-        };
-        assert!(in_order.drain(|k| k < 5, hand).is_err());
-        assert!(in_order.drain(|k| k < 5, hand).is_ok());
-        assert_eq!(*handed.lock(), [0, 1]);
     }
 }
