@@ -1,12 +1,10 @@
 //! The atomics of the transfer layer's lock-free protocols ([`staging`](crate::staging)'s
-//! in-order hand-off): `std`'s normally, `loom`'s under `--cfg transfer_loom`, so the same code
-//! is model-checked. (A cfg of its own: under the workspace's `--cfg loom` the event layer
-//! builds only its CUDA-free core, which this crate cannot build against.)
+//! in-order hand-off): `std`'s normally, `loom`'s in tests under `--cfg transfer_loom`, so the
+//! same code is model-checked. (A cfg of its own: under the workspace's `--cfg loom` the event
+//! layer builds only its CUDA-free core, which this crate cannot build against.)
 
 #[cfg(all(test, transfer_loom))]
-pub(crate) use loom::sync::atomic::AtomicBool;
-#[cfg(transfer_loom)]
-pub(crate) use loom::sync::atomic::{AtomicUsize, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-#[cfg(not(transfer_loom))]
+#[cfg(not(all(test, transfer_loom)))]
 pub(crate) use std::sync::atomic::{AtomicUsize, Ordering};

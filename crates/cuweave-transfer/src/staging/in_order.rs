@@ -130,49 +130,28 @@ mod tests {
 mod loom_models {
     use super::*;
 
-    /// Three items made ready by two threads in either order (the second thread's item between
-    /// the first's two): every interleaving hands all three on, each once, in order.
-    #[test]
-    fn loom_every_item_is_handed_on_once_in_order() {
-        loom::model(|| {
-            let state = loom::sync::Arc::new((
-                InOrder::default(),
-                [
-                    AtomicBool::new(false),
-                    AtomicBool::new(false),
-                    AtomicBool::new(false),
-                ],
-                AtomicUsize::new(0),
-            ));
-            let make_ready = |state: &(InOrder, [AtomicBool; 3], AtomicUsize), item: usize| {
-                let (in_order, ready, handed) = state;
-                ready[item].store(true, Ordering::SeqCst);
-                in_order
-                    .drain(
-                        |k| k < 3 && ready[k].load(Ordering::SeqCst),
-                        |k| {
-                            // Handed on in order, each once.
-                            assert_eq!(handed.fetch_add(1, Ordering::SeqCst), k);
-                            Ok(())
-                        },
-                    )
-                    .unwrap();
-            };
-            let other = {
-                let state = loom::sync::Arc::clone(&state);
-                loom::thread::spawn(move || make_ready(&state, 1))
-            };
-            make_ready(&state, 0);
-            make_ready(&state, 2);
-            other.join().unwrap();
-            assert_eq!(state.2.load(Ordering::SeqCst), 3);
-        });
+    type State = (InOrder, [AtomicBool; 3], AtomicUsize);
+
+    /// Marks `item` ready and hands on what is ready, checking that each item is handed on
+    /// once, in order.
+    fn make_ready(state: &State, item: usize) {
+        let (in_order, ready, handed) = state;
+        ready[item].store(true, Ordering::Release);
+        in_order
+            .drain(
+                |k| k < 3 && ready[k].load(Ordering::Acquire),
+                |k| {
+                    assert_eq!(handed.fetch_add(1, Ordering::Relaxed), k);
+                    Ok(())
+                },
+            )
+            .unwrap();
     }
 
-    /// Three threads, one item each, made ready in any order: all three handed on, in order.
-    #[test]
-    fn loom_three_threads_one_item_each() {
-        loom::model(|| {
+    /// Items 0..3 made ready by spawned threads (one each, `spawned`) and by the model's own
+    /// thread (`here`, in that order): in every interleaving all three are handed on.
+    fn check(spawned: &'static [usize], here: &'static [usize]) {
+        loom::model(move || {
             let state = loom::sync::Arc::new((
                 InOrder::default(),
                 [
@@ -182,31 +161,32 @@ mod loom_models {
                 ],
                 AtomicUsize::new(0),
             ));
-            let make_ready = |state: &(InOrder, [AtomicBool; 3], AtomicUsize), item: usize| {
-                let (in_order, ready, handed) = state;
-                ready[item].store(true, Ordering::Release);
-                in_order
-                    .drain(
-                        |k| k < 3 && ready[k].load(Ordering::Acquire),
-                        |k| {
-                            assert_eq!(handed.fetch_add(1, Ordering::Relaxed), k);
-                            Ok(())
-                        },
-                    )
-                    .unwrap();
-            };
-            let others: Vec<_> = [2, 0]
-                .into_iter()
-                .map(|item| {
+            let others: Vec<_> = spawned
+                .iter()
+                .map(|&item| {
                     let state = loom::sync::Arc::clone(&state);
                     loom::thread::spawn(move || make_ready(&state, item))
                 })
                 .collect();
-            make_ready(&state, 1);
+            for &item in here {
+                make_ready(&state, item);
+            }
             for other in others {
                 other.join().unwrap();
             }
             assert_eq!(state.2.load(Ordering::Relaxed), 3);
         });
+    }
+
+    /// Two threads, the second's item between the first's two.
+    #[test]
+    fn loom_every_item_is_handed_on_once_in_order() {
+        check(&[1], &[0, 2]);
+    }
+
+    /// Three threads, one item each, made ready in any order.
+    #[test]
+    fn loom_three_threads_one_item_each() {
+        check(&[2, 0], &[1]);
     }
 }
