@@ -82,7 +82,7 @@ impl DeviceSlot {
 }
 
 /// Words of the page that lanes' first streams write their progress marks into: one per lane
-/// alive at once (more lanes than this run their downloads without marks).
+/// alive at once (more lanes than this run their copies interleaved, without marks).
 const MARK_WORDS: usize = 512;
 
 /// A device's transfer state: context, staging pool, completion words and idle lanes.
@@ -110,7 +110,7 @@ impl DeviceState {
             .ok();
         let mark_words = MappedWords::new(&context, MARK_WORDS)
             .inspect_err(|error| {
-                tracing::debug!(%error, "no mark words: downloads wait on an event per chunk");
+                tracing::debug!(%error, "no mark words: pipelined copies run interleaved");
             })
             .ok()
             .map(Arc::new);
@@ -178,8 +178,8 @@ impl DeviceState {
 /// Streams one transfer holds alone; back to the device's idle lanes on drop.
 pub(crate) struct Lane {
     pub(crate) streams: Vec<Stream>,
-    /// Progress marks of the first stream, for ordered downloads (`None`: none were free, or
-    /// the device cannot map host memory).
+    /// Progress marks of the first stream, for ordered copies (`None`: none were free, or the
+    /// device cannot map host memory).
     pub(crate) marks: Option<StreamMarks>,
     pub(crate) state: Arc<DeviceState>,
 }

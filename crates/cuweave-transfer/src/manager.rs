@@ -198,7 +198,7 @@ impl TransferManager {
     }
 
     /// How many of `device`'s progress-mark words no lane holds (each lane's first stream holds
-    /// one, for ordered downloads; a lane dropped past the idle bound gives its word back).
+    /// one, for ordered copies; a lane dropped past the idle bound gives its word back).
     /// 0 for a device not opened, or one that cannot map host memory.
     pub fn free_mark_words(&self, device: usize) -> usize {
         self.slot(device)

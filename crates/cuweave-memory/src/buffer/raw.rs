@@ -383,6 +383,35 @@ pub(crate) fn write_chunk<T: Element, H: HostSource<T>>(
     finish(outcome, host, done, dst.bytes())
 }
 
+/// Queues a chunk copy (`copy`, touching `host`'s memory) on `stream` with a mark of `marks`
+/// behind it, ordered in `host`'s own tracker as `access` when it has one: the shared part of
+/// [`write_chunk_marked`] and [`read_chunk_marked`]. Marks of another stream are refused before
+/// anything is queued.
+fn queue_marked<'s, T, H: super::host::sealed::HostSide<T>>(
+    operation: &'static str,
+    host: H,
+    bytes: usize,
+    stream: &'s Stream,
+    marks: &'s StreamMarks,
+    access: Access,
+    copy: impl FnOnce() -> Result<()>,
+) -> Result<MarkedCopy<'s, H>> {
+    if !marks.belongs_to(stream) {
+        return Err(MemoryError::InvalidStream {
+            operation,
+            reason: "the marks belong to another stream than the chunk's",
+        });
+    }
+    let outcome = run_chunk(operation, stream, host.host_tracker(), access, || {
+        copy()?;
+        Ok(marks.mark(stream)?)
+    });
+    match outcome {
+        Ok(mark) => Ok(MarkedCopy::new(host, marks, mark, stream, bytes)),
+        Err(failure) => Err(give_up_host(failure, host)),
+    }
+}
+
 /// Queues `cuMemcpyHtoDAsync` of `host` into `dst` on `stream` and a mark of `marks` behind it,
 /// without touching the buffer's tracker (see [`write_chunk`]): the returned copy learns that it
 /// landed from the marks' word, with no event.
@@ -394,27 +423,24 @@ pub(crate) fn write_chunk_marked<'s, T: Element, H: HostSource<T>>(
     marks: &'s StreamMarks,
 ) -> Result<MarkedCopy<'s, H>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
-    if !marks.belongs_to(stream) {
-        return Err(MemoryError::InvalidStream {
-            operation,
-            reason: "the marks belong to another stream than the chunk's",
-        });
-    }
     let src = host.host_ptr();
-    let copy = || {
-        // SAFETY: `src` is `host`'s memory, valid for `dst.bytes()` bytes; `host` moves (without
-        // its memory moving) into the returned MarkedCopy, which frees or returns it only after
-        // the stream has passed the mark queued behind this copy (or leaks it). `dst` lies in a
-        // live span whose buffer is exclusively borrowed by the `StagedWrite` that calls this,
-        // and that records the span's use on this stream before the borrow ends.
-        unsafe { memory::copy_htod_async(dst.ptr(), src, dst.bytes(), stream) }?;
-        Ok(marks.mark(stream)?)
-    };
-    let outcome = run_chunk(operation, stream, host.host_tracker(), Access::Read, copy);
-    match outcome {
-        Ok(mark) => Ok(MarkedCopy::new(host, marks, mark, stream, dst.bytes())),
-        Err(failure) => Err(give_up_host(failure, host)),
-    }
+    queue_marked(
+        operation,
+        host,
+        dst.bytes(),
+        stream,
+        marks,
+        Access::Read,
+        || {
+            // SAFETY: `src` is `host`'s memory, valid for `dst.bytes()` bytes; `host` moves (without
+            // its memory moving) into the returned MarkedCopy, which frees or returns it only after
+            // the stream has passed the mark queued behind this copy (or leaks it). `dst` lies in a
+            // live span whose buffer is exclusively borrowed by the `StagedWrite` that calls this,
+            // and that records the span's use on this stream before the borrow ends.
+            unsafe { memory::copy_htod_async(dst.ptr(), src, dst.bytes(), stream) }?;
+            Ok(())
+        },
+    )
 }
 
 /// Queues `cuMemcpyDtoHAsync` of `src` into `host` on `stream` and a mark of `marks` behind it,
@@ -428,27 +454,24 @@ pub(crate) fn read_chunk_marked<'s, T: Element, H: HostSink<T>>(
     marks: &'s StreamMarks,
 ) -> Result<MarkedCopy<'s, H>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), src.bytes());
-    if !marks.belongs_to(stream) {
-        return Err(MemoryError::InvalidStream {
-            operation,
-            reason: "the marks belong to another stream than the chunk's",
-        });
-    }
     let dst = host.host_mut_ptr();
-    let copy = || {
-        // SAFETY: `dst` is `host`'s memory, writable for `src.bytes()` bytes and reachable only
-        // through `host`, which moves (without its memory moving) into the returned MarkedCopy;
-        // that frees or returns it only after the stream has passed the mark queued behind this
-        // copy (or leaks it). `src` lies in a live span of a buffer borrowed by the `StagedRead`
-        // that calls this, which records the span's read on this stream before the borrow ends.
-        unsafe { memory::copy_dtoh_async(dst, src.ptr(), src.bytes(), stream) }?;
-        Ok(marks.mark(stream)?)
-    };
-    let outcome = run_chunk(operation, stream, host.host_tracker(), Access::Write, copy);
-    match outcome {
-        Ok(mark) => Ok(MarkedCopy::new(host, marks, mark, stream, src.bytes())),
-        Err(failure) => Err(give_up_host(failure, host)),
-    }
+    queue_marked(
+        operation,
+        host,
+        src.bytes(),
+        stream,
+        marks,
+        Access::Write,
+        || {
+            // SAFETY: `dst` is `host`'s memory, writable for `src.bytes()` bytes and reachable only
+            // through `host`, which moves (without its memory moving) into the returned MarkedCopy;
+            // that frees or returns it only after the stream has passed the mark queued behind this
+            // copy (or leaks it). `src` lies in a live span of a buffer borrowed by the `StagedRead`
+            // that calls this, which records the span's read on this stream before the borrow ends.
+            unsafe { memory::copy_dtoh_async(dst, src.ptr(), src.bytes(), stream) }?;
+            Ok(())
+        },
+    )
 }
 
 /// Queues `cuMemcpyDtoHAsync` of `src` into `host` on `stream` and records an event behind it,

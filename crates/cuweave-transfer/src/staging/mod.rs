@@ -284,8 +284,8 @@ pub(crate) struct Pipeline<'a> {
     pub(crate) streams: &'a [Stream],
     /// Completion words for one-chunk uploads (else they synchronise the stream).
     pub(crate) completion: Option<&'a CompletionWords>,
-    /// Progress marks of the first stream, for ordered downloads (else an event per chunk on
-    /// every participant's stream).
+    /// Progress marks of the first stream, for ordered copies (without them every copy runs
+    /// interleaved, an event per chunk on every participant's stream).
     pub(crate) marks: Option<&'a StreamMarks>,
     pub(crate) config: StagingConfig,
 }
@@ -306,9 +306,9 @@ impl Pipeline<'_> {
     }
 
     /// Copies `src` into `dst` at element `dst_offset` (range already checked), pipelined:
-    /// from [`ORDERED_FROM`] bytes in order on the lane's first stream when it has progress
-    /// marks ([`upload_ordered`](Self::upload_ordered)), else on every participant's stream
-    /// with an event per chunk.
+    /// from [`ORDERED_FROM`] bytes in the configuration's [`ChunkOrder`] when the lane has
+    /// progress marks ([`upload_ordered`](Self::upload_ordered)), else on every participant's
+    /// stream with an event per chunk.
     pub(crate) fn upload<T, B>(&self, src: &[T], dst: &mut B, dst_offset: usize) -> Result<()>
     where
         T: Element,
@@ -334,8 +334,8 @@ impl Pipeline<'_> {
     }
 
     /// An upload with every participant filling its own chunks and queueing them on its own
-    /// stream, an event behind each: for lanes without progress marks (and
-    /// `CUWEAVE_STAGING_UNORDERED_UPLOADS`).
+    /// stream, an event behind each: under [`ORDERED_FROM`], for [`ChunkOrder::Interleaved`],
+    /// for lanes without progress marks (and `CUWEAVE_STAGING_UNORDERED_UPLOADS`).
     fn upload_interleaved<T, B>(&self, src: &[T], dst: &mut B, dst_offset: usize) -> Result<()>
     where
         T: Element,
@@ -385,9 +385,9 @@ impl Pipeline<'_> {
     }
 
     /// Copies `src` elements from `src_offset` into `dst` (range already checked), pipelined:
-    /// from [`ORDERED_FROM`] bytes in order on the lane's first stream when it has progress
-    /// marks ([`download_ordered`](Self::download_ordered)), else on every participant's stream
-    /// with an event per chunk.
+    /// from [`ORDERED_FROM`] bytes in the configuration's [`ChunkOrder`] when the lane has
+    /// progress marks ([`download_ordered`](Self::download_ordered)), else on every
+    /// participant's stream with an event per chunk.
     pub(crate) fn download<T, B>(&self, src: &B, src_offset: usize, dst: &mut [T]) -> Result<()>
     where
         T: Element,
@@ -406,7 +406,8 @@ impl Pipeline<'_> {
     }
 
     /// A download with every participant queueing its own chunks on its own stream, an event
-    /// behind each: for lanes without progress marks (and `CUWEAVE_STAGING_UNORDERED_DOWNLOADS`).
+    /// behind each: under [`ORDERED_FROM`], for [`ChunkOrder::Interleaved`], for lanes without
+    /// progress marks (and `CUWEAVE_STAGING_UNORDERED_DOWNLOADS`).
     fn download_interleaved<T, B>(&self, src: &B, src_offset: usize, dst: &mut [T]) -> Result<()>
     where
         T: Element,

@@ -299,8 +299,11 @@ impl Pipeline<'_> {
                         let copied = self.config.host_copy.copy(into, &src[range]);
                         drop(parts);
                         copied?;
-                        chunks[k].filled.fetch_add(1, Ordering::SeqCst);
-                        in_order.drain(filled, queue)?;
+                        // The participant that fills a chunk's last piece has made it ready.
+                        let done = chunks[k].filled.fetch_add(1, Ordering::SeqCst) + 1;
+                        if done == pieces.in_chunk(&ranges[k]) {
+                            in_order.drain(filled, queue)?;
+                        }
                     }
                     Ok(())
                 })();
