@@ -200,6 +200,12 @@ impl ByteRange {
         self.start < other.end && other.start < self.end
     }
 
+    /// Whether the two ranges overlap or meet end to start: their hull is their union.
+    #[inline]
+    fn touches(self, other: Self) -> bool {
+        self.start <= other.end && other.start <= self.end
+    }
+
     #[inline]
     fn contains(self, other: Self) -> bool {
         self.start <= other.start && other.end <= self.end
@@ -447,16 +453,24 @@ impl<E: UseEvent> UseState<E> {
         }
         match access {
             Access::Write => {
-                // Re-record a write this one overwrites, else take an event.
-                if let Some(index) = self
-                    .writes
-                    .iter()
-                    .position(|w| range.contains(w.range) && w.capture == tag)
-                {
+                // Re-record a write this one overwrites, or one of the same stream that it
+                // extends (stream order: the event recorded now also stands for the earlier
+                // write, so a stream writing a buffer chunk after chunk keeps one use, not one
+                // per chunk that a later record must query to prune); else take an event.
+                if let Some(index) = self.writes.iter().position(|w| {
+                    w.capture == tag
+                        && (range.contains(w.range)
+                            || (w.covers(identity) && w.range.touches(range)))
+                }) {
                     stream.record(&self.writes[index].event)?;
                     let mut write = self.writes.swap_remove(index);
+                    let tracked = if write.covers(identity) {
+                        write.range.hull(range)
+                    } else {
+                        range
+                    };
                     write.stream = identity;
-                    write.range = range;
+                    write.range = tracked;
                     write.epoch = stream.capture_epoch();
                     write.capture = tag;
                     self.retire_inside(range);
@@ -483,7 +497,7 @@ impl<E: UseEvent> UseState<E> {
                     slot.is_some()
                         && read.slot == slot
                         && read.capture == tag
-                        && (read.range.contains(range) || range.contains(read.range))
+                        && read.range.touches(range)
                 }) {
                     // Stream order: the event recorded now also covers the earlier read there.
                     stream.record(&read.event)?;
@@ -684,3 +698,7 @@ mod tests;
 #[cfg(test)]
 #[path = "uses_capture_tests.rs"]
 mod capture_tests;
+
+#[cfg(test)]
+#[path = "uses_model_tests.rs"]
+mod model_tests;

@@ -453,6 +453,94 @@ fn a_partly_overwritten_range_stays_tracked_for_its_other_bytes() {
 }
 
 #[test]
+fn chunks_written_in_turn_on_one_stream_keep_one_use_and_query_nothing() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (a, b) = (FakeStream::own(1), FakeStream::own(2));
+    QUERIES.with(|queries| queries.set(0));
+    for chunk in 0..1000usize {
+        use_range(
+            &mut state,
+            &events,
+            &a,
+            (chunk * 64, (chunk + 1) * 64),
+            Access::Write,
+        );
+        assert_eq!(
+            state.tracked(),
+            1,
+            "chunk {chunk}: one write stands for them all"
+        );
+    }
+    assert_eq!(QUERIES.with(Cell::get), 0, "no event queried to prune");
+    assert_eq!(
+        events.made.get(),
+        1,
+        "one event, re-recorded behind each chunk"
+    );
+    // Another stream's read of the first chunk waits for the event behind the last one
+    // (recorded later on the same stream: it stands for the first chunk's write too).
+    assert_eq!(
+        use_range(&mut state, &events, &b, (0, 64), Access::Read),
+        [last_recorded(&a)]
+    );
+}
+
+#[test]
+fn chunks_read_in_turn_on_one_stream_keep_one_read() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (a, b) = (FakeStream::own(1), FakeStream::own(2));
+    use_range(&mut state, &events, &a, (0, 64_000), Access::Write);
+    QUERIES.with(|queries| queries.set(0));
+    for chunk in 0..1000usize {
+        use_range(
+            &mut state,
+            &events,
+            &b,
+            (chunk * 64, (chunk + 1) * 64),
+            Access::Read,
+        );
+    }
+    assert_eq!(state.readers(), 1);
+    assert_eq!(QUERIES.with(Cell::get), 0, "no event queried to prune");
+    // A writer of the middle waits for the reads (their one event) and the write.
+    let waits = use_range(&mut state, &events, &a, (100, 200), Access::Write);
+    assert_eq!(
+        waits,
+        [last_recorded(&b)],
+        "the write is on this stream: no wait"
+    );
+}
+
+#[test]
+fn extending_a_write_keeps_other_streams_reads_of_its_earlier_bytes() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (a, b, c) = (FakeStream::own(1), FakeStream::own(2), FakeStream::own(3));
+    use_range(&mut state, &events, &a, (0, 100), Access::Write);
+    use_range(&mut state, &events, &b, (0, 100), Access::Read);
+    let read = last_recorded(&b);
+    // The next chunk on the write's stream: merged with the first write, but the read of the
+    // first chunk was not waited for by it and must stay.
+    assert!(use_range(&mut state, &events, &a, (100, 200), Access::Write).is_empty());
+    let waits = use_range(&mut state, &events, &c, (0, 50), Access::Write);
+    assert!(waits.contains(&read), "{waits:?}");
+    assert!(waits.contains(&last_recorded(&a)), "{waits:?}");
+}
+
+#[test]
+fn adjacent_writes_on_two_streams_stay_apart() {
+    let (mut state, events) = (UseState::default(), Events::default());
+    let (a, b, c) = (FakeStream::own(1), FakeStream::own(2), FakeStream::own(3));
+    use_range(&mut state, &events, &a, (0, 100), Access::Write);
+    use_range(&mut state, &events, &b, (100, 200), Access::Write);
+    assert_eq!(state.tracked(), 2, "no stream order between them");
+    assert_eq!(
+        use_range(&mut state, &events, &c, (0, 50), Access::Read),
+        [last_recorded(&a)],
+        "the first half waits for its own writer only"
+    );
+}
+
+#[test]
 fn a_buffer_written_in_ever_new_ranges_keeps_a_bounded_number_of_uses() {
     let (mut state, events) = (UseState::default(), Events::default());
     let streams: Vec<FakeStream> = (0..7).map(|id| FakeStream::own(id + 1)).collect();
