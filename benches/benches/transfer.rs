@@ -943,6 +943,22 @@ fn async_polls(f: &mut Fixture) {
     report.expect("download");
     let down_rate = gbps(GIB, started.elapsed());
     let longest = up_longest.max(down_longest);
+    // The host's own jitter beside it: as many 64 KiB copies (about one poll's work) as the
+    // two transfers polled, each timed alike, with no GPU work.
+    let (from, mut to) = (vec![1u8; 64 << 10], vec![0u8; 64 << 10]);
+    let host_longest = (0..up_polls + down_polls)
+        .map(|_| {
+            let start = Instant::now();
+            cuweave_memory::copy_streaming(&mut to, black_box(&from)).expect("same lengths");
+            start.elapsed()
+        })
+        .max()
+        .unwrap_or_default();
+    println!(
+        "  host jitter: the longest of {} plain 64 KiB copies on this thread: {:.1} us",
+        up_polls + down_polls,
+        host_longest.as_secs_f64() * 1e6
+    );
     println!(
         "  AsyncTransfer 1 GiB (borrowed): longest poll {:.1} us (up {up_polls} polls at {up_rate:.2} GB/s, down {down_polls} polls at {down_rate:.2} GB/s); target <= 50 us: {}",
         longest.as_secs_f64() * 1e6,

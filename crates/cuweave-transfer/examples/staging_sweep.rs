@@ -6,7 +6,7 @@
 //!
 //! `SWEEP_CALIBRATE=1 cargo run --release -p cuweave-transfer --example staging_sweep [SIZE...]`
 //! (a size in MiB, or in KiB with a `k` suffix: `256k`; default: 1, 4, 16, 64, 256 and
-//! 1024 MiB). `SWEEP_CONCURRENT=1` measures only the concurrent cases instead: a 1 GiB upload
+//! 1024 MiB). `SWEEP_CONCURRENT=1` measures only the concurrent cases instead (median of 5): a 1 GiB upload
 //! and a 1 GiB download at once, and four 256 MiB uploads at once, each transfer with the same
 //! fixed participant count (the staging switches `CUWEAVE_STAGING_NO_SHARE`,
 //! `CUWEAVE_STAGING_SPAWN` and `CUWEAVE_STAGING_PLAIN_COPY` apply, see `docs/transfer.md`).
@@ -22,6 +22,20 @@ use cuweave_transfer::{
     ChunkOrder, Destination, HostCopy, Source, StagingConfig, TransferManager, TransferMethod,
     host_threads,
 };
+
+/// The median of `runs` runs after a warm-up one.
+fn median(runs: usize, mut run: impl FnMut()) -> Duration {
+    run();
+    let mut times: Vec<Duration> = (0..runs)
+        .map(|_| {
+            let start = Instant::now();
+            run();
+            start.elapsed()
+        })
+        .collect();
+    times.sort_unstable();
+    times[runs / 2]
+}
 
 fn best(runs: usize, mut run: impl FnMut()) -> Duration {
     run();
@@ -306,7 +320,7 @@ fn concurrent(
         .map(|_| DeviceBuffer::<u8>::zeroed(context, GIB / 4))
         .collect::<Result<_, _>>()?;
     let gbps = |bytes: usize, d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
-    let configs: Vec<Option<StagingConfig>> = [4usize, 6, 8, 12, 16]
+    let configs: Vec<Option<StagingConfig>> = [4usize, 5, 6, 7, 8, 12]
         .iter()
         .map(|&t| {
             Some(StagingConfig {
@@ -324,7 +338,7 @@ fn concurrent(
             Some(config) => TransferManager::with_staging(config)?,
             None => TransferManager::new()?,
         };
-        let both = best(3, || {
+        let both = median(5, || {
             std::thread::scope(|s| {
                 s.spawn(|| {
                     manager
@@ -340,7 +354,7 @@ fn concurrent(
                 });
             });
         });
-        let four = best(3, || {
+        let four = median(5, || {
             std::thread::scope(|s| {
                 for (i, quarter) in quarters.iter_mut().enumerate() {
                     let manager = &manager;

@@ -81,6 +81,11 @@ pub const POLL_BYTES: usize = 64 << 10;
 /// poll that has worked this long returns `Pending` (waking itself) at the next step.
 pub const POLL_TIME: std::time::Duration = std::time::Duration::from_micros(20);
 
+/// A poll queues a copy (a few driver calls: the copy, the buffer's use, the completion word)
+/// only if it has worked less than this so far; otherwise it leaves the copy to the next poll,
+/// so that no poll does both most of its copy budget and a queueing.
+const QUEUE_WITHIN: std::time::Duration = std::time::Duration::from_micros(8);
+
 /// The chunk an [`AsyncTransfer`] moves per copy: large enough that queueing a copy is cheap
 /// beside moving it, small enough that a few in flight cost little pinned memory.
 const ASYNC_CHUNK_BYTES: usize = 1 << 20;
@@ -139,7 +144,17 @@ enum Direction<'a, T: Element> {
 struct InFlight<T: Element> {
     index: usize,
     copy: PendingCopy<TypedPinnedBlock<T>>,
-    done: Arc<OwnedPooledEvent>,
+    landed: Landed,
+}
+
+/// How a poll learns that an in-flight chunk has landed.
+enum Landed {
+    /// A completion word written behind the chunk (the default): the waiter's reactor watches
+    /// it with plain loads, so no driver call of the reactor contends with a poll's.
+    Word(WaitFuture),
+    /// An event recorded behind the chunk, polled by the reactor with `cuEventQuery`: where the
+    /// stream cannot write a completion word.
+    Event(Arc<OwnedPooledEvent>),
 }
 
 /// A chunk whose host side is being copied over several polls: `done` elements so far.
@@ -162,8 +177,10 @@ struct Blocks<T: Element> {
 /// It does nothing until polled. Its first poll asks a staging worker for its pinned blocks;
 /// then each poll copies at most [`POLL_BYTES`] between the caller's memory and a block, queues
 /// finished upload chunks (or download copies into free blocks) on its own lane's stream, up to
-/// [`StagingConfig::depth`](crate::StagingConfig::depth) chunks in flight, and registers the
-/// task's waker with the event layer's [`WaitFuture`] for the oldest chunk. It moves about as
+/// [`StagingConfig::depth`](crate::StagingConfig::depth) chunks in flight, each with a
+/// completion word behind it (the event layer's [`stream_idle`](cuweave_event::stream_idle);
+/// an event where the stream cannot write one), and waits on the oldest chunk's
+/// [`WaitFuture`]. It moves about as
 /// fast as one core copies; [`OwnedTransfer`] uses every staging worker. Works under any
 /// executor. Dropping it before it completes waits for the chunks in flight (briefly
 /// blocking) and leaves the destination partly written.
@@ -178,9 +195,14 @@ pub struct AsyncTransfer<'a, T: Element> {
     next: usize,
     in_flight: VecDeque<InFlight<T>>,
     partial: Option<Partial<T>>,
+    /// An upload chunk whose block is filled, to be queued by the next poll with time for it.
+    filled: Option<(usize, TypedPinnedBlock<T>)>,
     blocks: Option<Blocks<T>>,
     requested: Option<Arc<Handoff<Result<Blocks<T>>>>>,
+    /// Where chunks land behind [`Landed::Event`]s: the reactor's registration of the oldest.
     waiting: Option<(usize, WaitFuture)>,
+    /// Whether chunks still get completion words ([`Landed::Word`]).
+    words: bool,
     /// The lane's context's event pool, fetched once here, not per chunk in a poll.
     events: EventPool,
     started: Option<Instant>,
@@ -268,14 +290,31 @@ impl<T: Element> AsyncTransfer<'_, T> {
             }
         };
         // From the context's event pool (the one every layer shares): no event created per chunk.
-        let done = Arc::new(self.events.acquire_owned(false)?);
-        done.record(stream)?;
-        self.in_flight.push_back(InFlight { index, copy, done });
+        let landed = match self.words.then(|| cuweave_event::stream_idle(stream)) {
+            Some(Ok(word)) => Landed::Word(word),
+            outcome => {
+                if let Some(Err(error)) = outcome {
+                    // Not retried per chunk: this transfer watches events from here on.
+                    tracing::debug!(%error, "no completion word behind an async chunk; using events");
+                    self.words = false;
+                }
+                // From the context's event pool (the one every layer shares).
+                let done = Arc::new(self.events.acquire_owned(false)?);
+                done.record(stream)?;
+                Landed::Event(done)
+            }
+        };
+        self.in_flight.push_back(InFlight {
+            index,
+            copy,
+            landed,
+        });
         Ok(())
     }
 
     /// Copies up to `*budget` elements of the partial chunk's host side; `true` once it is
-    /// complete (then it is queued, for uploads, or its block freed, for downloads).
+    /// complete (then it waits in `filled` to be queued, for uploads, or its block is freed,
+    /// for downloads).
     fn advance_partial(&mut self, budget: &mut usize) -> Result<bool> {
         let Some(mut partial) = self.partial.take() else {
             return Ok(true);
@@ -300,7 +339,7 @@ impl<T: Element> AsyncTransfer<'_, T> {
             return Ok(false);
         }
         match self.direction {
-            Direction::Upload { .. } => self.queue(partial.index, partial.block)?,
+            Direction::Upload { .. } => self.filled = Some((partial.index, partial.block)),
             Direction::Download { .. } => self.give_back(partial.block),
         }
         Ok(true)
@@ -326,11 +365,23 @@ impl<T: Element> AsyncTransfer<'_, T> {
             }
         }
         let mut budget = (POLL_BYTES / size_of::<T>().max(1)).max(1);
-        let deadline = Instant::now() + POLL_TIME;
+        let started = Instant::now();
+        // Whether this poll still has time to queue a copy; if not, it comes back for it.
+        let may_queue = || started.elapsed() < QUEUE_WITHIN;
         loop {
-            if Instant::now() >= deadline {
+            if started.elapsed() >= POLL_TIME {
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
+            }
+            if let Some((index, block)) = self.filled.take() {
+                if !may_queue() {
+                    self.filled = Some((index, block));
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
+                if let Err(error) = self.queue(index, block) {
+                    return Poll::Ready(Err(error));
+                }
             }
             match self.advance_partial(&mut budget) {
                 Err(error) => return Poll::Ready(Err(error)),
@@ -339,6 +390,8 @@ impl<T: Element> AsyncTransfer<'_, T> {
                     cx.waker().wake_by_ref();
                     return Poll::Pending;
                 }
+                // A filled upload chunk is queued at the top, when there is time for it.
+                Ok(true) if self.filled.is_some() => continue,
                 Ok(true) => {}
             }
             if budget == 0 {
@@ -347,6 +400,11 @@ impl<T: Element> AsyncTransfer<'_, T> {
             }
             // Start the next chunk where a block is free.
             if self.next < self.chunks && self.in_flight.len() < self.depth {
+                if matches!(self.direction, Direction::Download { .. }) && !may_queue() {
+                    // A download starts its chunk by queueing its copy: next poll.
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
                 let index = self.next;
                 if let Some(block) = self.free_block(index) {
                     self.next += 1;
@@ -371,14 +429,21 @@ impl<T: Element> AsyncTransfer<'_, T> {
                 return Poll::Ready(Ok(()));
             };
             let index = front.index;
-            if !matches!(&self.waiting, Some((i, _)) if *i == index) {
-                match cuweave_event::event_done(Arc::clone(&front.done)) {
-                    Ok(future) => self.waiting = Some((index, future)),
-                    Err(error) => return Poll::Ready(Err(error.into())),
+            let polled = match &mut self.in_flight.front_mut().expect("looked at above").landed {
+                Landed::Word(future) => Pin::new(future).poll(cx),
+                Landed::Event(event) => {
+                    let event = Arc::clone(event);
+                    if !matches!(&self.waiting, Some((i, _)) if *i == index) {
+                        match cuweave_event::event_done(event) {
+                            Ok(future) => self.waiting = Some((index, future)),
+                            Err(error) => return Poll::Ready(Err(error.into())),
+                        }
+                    }
+                    let (_, future) = self.waiting.as_mut().expect("set just above");
+                    Pin::new(future).poll(cx)
                 }
-            }
-            let (_, future) = self.waiting.as_mut().expect("set just above");
-            match Pin::new(future).poll(cx) {
+            };
+            match polled {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Err(error)) => return Poll::Ready(Err(error.into())),
                 Poll::Ready(Ok(())) => {
@@ -584,9 +649,11 @@ impl TransferManager {
             next: 0,
             in_flight: VecDeque::new(),
             partial: None,
+            filled: None,
             blocks: None,
             requested: None,
             waiting: None,
+            words: true,
             events,
             started: None,
             finished: false,

@@ -1,0 +1,116 @@
+//! Times every poll of borrowed 1 GiB async transfers ([`TransferManager::upload_async`] /
+//! [`TransferManager::download_async`]) on device 0, beside the host's own jitter: the same
+//! number of 64 KiB copies with no GPU work, each timed alike. Prints, per direction and round,
+//! the longest poll, the 99.9th percentile and how many polls took over 50 µs.
+//!
+//! `cargo run --release -p cuweave-transfer --example async_polls [ROUNDS]` (default 3).
+
+use std::sync::Arc;
+use std::task::{Context as TaskContext, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
+
+use cuweave_driver::{Context, Device};
+use cuweave_memory::{DeviceBuffer, copy_streaming};
+use cuweave_transfer::TransferManager;
+
+const GIB: usize = 1 << 30;
+const SLOW: Duration = Duration::from_micros(50);
+
+struct Unpark(std::thread::Thread);
+
+impl Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Polls `future` to completion on this thread, parking until woken; every poll's duration.
+fn timed_block_on<F: Future + Unpin>(mut future: F) -> (F::Output, Vec<Duration>) {
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut cx = TaskContext::from_waker(&waker);
+    let mut polls = Vec::with_capacity(1 << 15);
+    loop {
+        let start = Instant::now();
+        let outcome = std::pin::Pin::new(&mut future).poll(&mut cx);
+        polls.push(start.elapsed());
+        if let Poll::Ready(output) = outcome {
+            return (output, polls);
+        }
+        std::thread::park();
+    }
+}
+
+fn summary(what: &str, mut times: Vec<Duration>, elapsed: Option<Duration>) {
+    times.sort_unstable();
+    let n = times.len();
+    let at = |q: f64| times[((n as f64 * q) as usize).min(n - 1)];
+    let slow = times.iter().filter(|t| **t > SLOW).count();
+    let top: Vec<String> = times
+        .iter()
+        .rev()
+        .take(5)
+        .map(|t| format!("{:.0}", t.as_secs_f64() * 1e6))
+        .collect();
+    let rate = elapsed.map_or(String::new(), |e| {
+        format!(", {:.2} GB/s", GIB as f64 / e.as_secs_f64() / 1e9)
+    });
+    println!(
+        "  {what:<22} {n:>6} polls: longest {:>7.1} us, p99.9 {:>6.1}, p99 {:>6.1}, median {:>5.1}, over 50 us: {slow:>3} (top {}){rate}",
+        times[n - 1].as_secs_f64() * 1e6,
+        at(0.999).as_secs_f64() * 1e6,
+        at(0.99).as_secs_f64() * 1e6,
+        at(0.5).as_secs_f64() * 1e6,
+        top.join(" "),
+    );
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    if !cuweave_driver::is_available() {
+        println!("no CUDA driver: nothing to measure");
+        return Ok(());
+    }
+    let rounds: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(3);
+    let context = Context::primary(Device::get(0)?)?;
+    let manager = TransferManager::new()?;
+    let mut host: Vec<u8> = (0..GIB).map(|i| (i % 251) as u8).collect();
+    let mut device = DeviceBuffer::<u8>::zeroed(&context, GIB)?;
+
+    // The host's jitter: 64 KiB copies (about what a poll copies), no GPU work.
+    let mut from = vec![1u8; 64 << 10];
+    let mut to = vec![0u8; 64 << 10];
+    let mut times = Vec::with_capacity(20_000);
+    for i in 0..20_000 {
+        from[i % (64 << 10)] = i as u8;
+        let start = Instant::now();
+        copy_streaming(&mut to, &from)?;
+        times.push(start.elapsed());
+    }
+    summary("host 64 KiB copies", times, None);
+
+    // Warm the lane, the pinned pool and the waiter.
+    let (warm, _) = timed_block_on(manager.upload_async(&host, &mut device, 0)?);
+    warm?;
+    for round in 0..rounds {
+        let start = Instant::now();
+        let (report, polls) = timed_block_on(manager.upload_async(&host, &mut device, 0)?);
+        report?;
+        summary(
+            &format!("round {round} upload"),
+            polls,
+            Some(start.elapsed()),
+        );
+        let start = Instant::now();
+        let (report, polls) = timed_block_on(manager.download_async(&device, 0, &mut host)?);
+        report?;
+        summary(
+            &format!("round {round} download"),
+            polls,
+            Some(start.elapsed()),
+        );
+    }
+    assert!(host.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
+    Ok(())
+}
