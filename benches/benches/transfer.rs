@@ -22,7 +22,8 @@
 //! After criterion's report, under `--bench`, the manager calibrates this machine and a summary
 //! re-measures each case (median of several runs, host clock) and prints it against the
 //! targets of issue 15 (every size from 64 KiB, with the pinned copy, the bus limit, beside it;
-//! both directions at once; four threads; the longest poll of a 1 GiB async transfer), then the registration
+//! both directions at once; four threads; the longest poll of a 1 GiB async transfer, beside the
+//! host's own jitter: as many plain 64 KiB copies, timed alike), then the registration
 //! figures: its one-off cost, the registered and pageable speeds, and from how many transfers
 //! registering pays (measured here, and as `TransferManager::registration_advice` says after
 //! calibrating).
