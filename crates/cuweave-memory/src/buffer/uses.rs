@@ -200,12 +200,6 @@ impl ByteRange {
         self.start < other.end && other.start < self.end
     }
 
-    /// Whether the two ranges overlap or meet end to start: their hull is their union.
-    #[inline]
-    fn touches(self, other: Self) -> bool {
-        self.start <= other.end && other.start <= self.end
-    }
-
     #[inline]
     fn contains(self, other: Self) -> bool {
         self.start <= other.start && other.end <= self.end
@@ -234,6 +228,9 @@ struct Use<E> {
     epoch: u64,
     /// The capture the event was recorded in (`None`: recorded eagerly).
     capture: Option<u64>,
+    /// When the event was last recorded, in the state's count of records: of two uses with the
+    /// same stream, the one with the larger `seq` was recorded later on that stream.
+    seq: u64,
 }
 
 impl<E> Use<E> {
@@ -280,6 +277,8 @@ pub(crate) struct UseState<E> {
     /// [`UNKNOWN_CAPTURE`] once more did): their graphs may replay with the memory until they
     /// die, so a free hands them on ([`UseState::take_all`]).
     graphs: Vec<u64>,
+    /// Records so far (each use's `seq` is the count when it was last recorded).
+    records: u64,
 }
 
 /// How many captures that used a buffer are remembered by id.
@@ -296,6 +295,7 @@ impl<E> Default for UseState<E> {
             last_stream: None,
             has_captured: false,
             graphs: Vec::new(),
+            records: 0,
         }
     }
 }
@@ -451,28 +451,23 @@ impl<E: UseEvent> UseState<E> {
             self.has_captured = true;
             self.note_graph(id);
         }
+        self.records += 1;
+        let seq = self.records;
         match access {
             Access::Write => {
-                // Re-record a write this one overwrites, or one of the same stream that it
-                // extends (stream order: the event recorded now also stands for the earlier
-                // write, so a stream writing a buffer chunk after chunk keeps one use, not one
-                // per chunk that a later record must query to prune); else take an event.
-                if let Some(index) = self.writes.iter().position(|w| {
-                    w.capture == tag
-                        && (range.contains(w.range)
-                            || (w.covers(identity) && w.range.touches(range)))
-                }) {
+                // Re-record a write this one overwrites, else take an event.
+                if let Some(index) = self
+                    .writes
+                    .iter()
+                    .position(|w| range.contains(w.range) && w.capture == tag)
+                {
                     stream.record(&self.writes[index].event)?;
                     let mut write = self.writes.swap_remove(index);
-                    let tracked = if write.covers(identity) {
-                        write.range.hull(range)
-                    } else {
-                        range
-                    };
                     write.stream = identity;
-                    write.range = tracked;
+                    write.range = range;
                     write.epoch = stream.capture_epoch();
                     write.capture = tag;
+                    write.seq = seq;
                     self.retire_inside(range);
                     self.writes.push(write);
                 } else {
@@ -488,6 +483,7 @@ impl<E: UseEvent> UseState<E> {
                         range,
                         epoch: stream.capture_epoch(),
                         capture: tag,
+                        seq,
                     });
                 }
             }
@@ -497,12 +493,13 @@ impl<E: UseEvent> UseState<E> {
                     slot.is_some()
                         && read.slot == slot
                         && read.capture == tag
-                        && read.range.touches(range)
+                        && (read.range.contains(range) || range.contains(read.range))
                 }) {
                     // Stream order: the event recorded now also covers the earlier read there.
                     stream.record(&read.event)?;
                     read.range = read.range.hull(range);
                     read.epoch = stream.capture_epoch();
+                    read.seq = seq;
                 } else {
                     if self.reads.len() >= PRUNE_READS_AT {
                         self.prune_finished(view);
@@ -516,6 +513,7 @@ impl<E: UseEvent> UseState<E> {
                         range,
                         epoch: stream.capture_epoch(),
                         capture: tag,
+                        seq,
                     });
                 }
             }
@@ -567,7 +565,9 @@ impl<E: UseEvent> UseState<E> {
             }
         }
         let Some(range) = hull else { return };
-        let first_epoch = all.first().map_or(0, |first| first.epoch);
+        let (first_epoch, first_seq) = all.first().map_or((0, 0), |first| (first.epoch, first.seq));
+        self.records += 1;
+        let seq = self.records;
         let mut uses = all.into_iter();
         let merged = uses.next().map(|first| first.event);
         let recorded = match (&waited, &merged) {
@@ -587,6 +587,7 @@ impl<E: UseEvent> UseState<E> {
                     range,
                     epoch: stream.capture_epoch(),
                     capture: tag,
+                    seq,
                 });
             }
             (_, merged) => {
@@ -602,6 +603,7 @@ impl<E: UseEvent> UseState<E> {
                         range,
                         epoch: first_epoch,
                         capture: tag,
+                        seq: first_seq,
                     });
                 }
                 self.writes.extend(rest);
@@ -612,13 +614,57 @@ impl<E: UseEvent> UseState<E> {
     /// Drops the uses whose events have completed (nothing need wait for them); a use whose
     /// event cannot be queried is kept. Queries nothing while any capture is active (a query of
     /// an event recorded before a capture can invalidate it, one recorded in a capture fails).
+    ///
+    /// Events recorded on one stream complete in the order they were recorded, so the finished
+    /// eager uses of a stream are its oldest ones: a binary search over them finds where they
+    /// end in a handful of queries (a buffer written chunk after chunk on one stream holds up to
+    /// [`MAX_USES`] of them, and querying each cost a poll of an async transfer 30-100 µs). Uses
+    /// of the default streams (no identity) and captured ones are queried one by one.
     fn prune_finished(&mut self, view: &CaptureView) {
         if view.any_active {
             return;
         }
-        let keep = |used: &Use<E>| !matches!(used.event.is_complete(), Ok(true));
-        self.reads.retain(keep);
-        self.writes.retain(keep);
+        let mut ordered: Vec<(u64, u64, &Arc<E>)> = self
+            .writes
+            .iter()
+            .chain(&self.reads)
+            .filter(|used| used.capture.is_none())
+            .filter_map(|used| used.stream.map(|stream| (stream, used.seq, &used.event)))
+            .collect();
+        ordered.sort_unstable_by_key(|&(stream, seq, _)| (stream, seq));
+        // Per stream, the `seq` of its newest use known to have finished.
+        let mut finished_through: Vec<(u64, u64)> = Vec::new();
+        for uses in ordered.chunk_by(|a, b| a.0 == b.0) {
+            let done = |i: usize| matches!(uses[i].2.is_complete(), Ok(true));
+            let newest = uses.len() - 1;
+            let finished = if done(newest) {
+                Some(newest)
+            } else {
+                // Uses before `low` have finished, those from `high` on have not (a failed
+                // query counts as not finished: fewer uses dropped, never one too many).
+                let (mut low, mut high) = (0, newest);
+                while low < high {
+                    let middle = (low + high) / 2;
+                    if done(middle) {
+                        low = middle + 1;
+                    } else {
+                        high = middle;
+                    }
+                }
+                low.checked_sub(1)
+            };
+            if let Some(last) = finished {
+                finished_through.push((uses[last].0, uses[last].1));
+            }
+        }
+        let finished = |used: &Use<E>| match (used.capture, used.stream) {
+            (None, Some(stream)) => finished_through
+                .iter()
+                .any(|&(done, seq)| done == stream && used.seq <= seq),
+            _ => matches!(used.event.is_complete(), Ok(true)),
+        };
+        self.reads.retain(|used| !finished(used));
+        self.writes.retain(|used| !finished(used));
     }
 
     /// Forgets what a *completed* `access` of `range` made unnecessary to track: called after
