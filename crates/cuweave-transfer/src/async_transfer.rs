@@ -289,7 +289,6 @@ impl<T: Element> AsyncTransfer<'_, T> {
                 src.copy_range_to_host_async(*offset + start, block, stream)?
             }
         };
-        // From the context's event pool (the one every layer shares): no event created per chunk.
         let landed = match self.words.then(|| cuweave_event::stream_idle(stream)) {
             Some(Ok(word)) => Landed::Word(word),
             outcome => {
@@ -425,16 +424,16 @@ impl<T: Element> AsyncTransfer<'_, T> {
                     continue;
                 }
             }
-            let Some(front) = self.in_flight.front() else {
+            let Some(front) = self.in_flight.front_mut() else {
                 return Poll::Ready(Ok(()));
             };
             let index = front.index;
-            let polled = match &mut self.in_flight.front_mut().expect("looked at above").landed {
+            let polled = match &mut front.landed {
                 Landed::Word(future) => Pin::new(future).poll(cx),
                 Landed::Event(event) => {
-                    let event = Arc::clone(event);
+                    // Registered with the reactor once, on the first poll that waits for it.
                     if !matches!(&self.waiting, Some((i, _)) if *i == index) {
-                        match cuweave_event::event_done(event) {
+                        match cuweave_event::event_done(Arc::clone(event)) {
                             Ok(future) => self.waiting = Some((index, future)),
                             Err(error) => return Poll::Ready(Err(error.into())),
                         }
