@@ -585,3 +585,59 @@ fn typed_buffers_from_the_pool_stage_copies_and_go_back_behind_them() {
     assert!(pool.stats().pending_blocks >= 1, "{:?}", pool.stats());
     s.synchronize().expect("sync");
 }
+
+#[test]
+fn cold_blocks_rotate_through_the_pool_and_carry_downloads_byte_for_byte() {
+    // A download loop: each block is written by the device, read by the host, given back. The
+    // warm `get` would hand the just-read block straight back; `get_cold` reuses a block only
+    // after the rotation's others have been returned since, and then pins nothing more.
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let pool = PinnedPool::new(&gpu.context);
+    const BYTES: usize = 64 * KIB;
+    let rotation = (PinnedPool::COLD_ROTATION_BYTES / BYTES).min(PinnedPool::COLD_ROTATION_BLOCKS);
+    let device = DeviceAllocation::new(&gpu.context, BYTES).unwrap();
+    let mut last_seen: std::collections::HashMap<usize, usize> = Default::default();
+    const ROUNDS: usize = 1000;
+    for round in 0..ROUNDS {
+        let value = (round as u32).wrapping_mul(0x9E37_79B9) | 1;
+        // SAFETY: `device` holds BYTES bytes, BYTES / 4 words.
+        unsafe { memory::memset_d32(&gpu.context, device.ptr(), value, BYTES / 4) }.unwrap();
+        let mut block = pool.get_typed_cold::<u32>(BYTES / 4).unwrap();
+        block.as_mut_slice().fill(0);
+        // SAFETY: `block` holds BYTES bytes and is exclusively borrowed; the copy is blocking.
+        unsafe {
+            memory::copy_dtoh(
+                &gpu.context,
+                block.as_mut_slice().as_mut_ptr().cast(),
+                device.ptr(),
+                BYTES,
+            )
+        }
+        .unwrap();
+        assert!(
+            block.as_slice().iter().all(|&word| word == value),
+            "round {round}: the download landed whole"
+        );
+        let at = block.as_slice().as_ptr() as usize;
+        if let Some(before) = last_seen.insert(at, round) {
+            assert!(
+                round - before > rotation,
+                "round {round}: block reused after {} rounds, within the rotation of {rotation}",
+                round - before
+            );
+        }
+        drop(block);
+    }
+    let stats = pool.stats();
+    assert_balanced(&stats);
+    // One block in use at a time: the rotation pins `rotation + 1` ready blocks and the one out.
+    assert_eq!(stats.misses as usize, rotation + 1, "{stats:?}");
+    assert_eq!(stats.pinned_bytes, (rotation + 1) * BYTES, "{stats:?}");
+    assert_eq!(stats.gets as usize, ROUNDS);
+    assert_eq!(
+        pool.trim(),
+        (rotation + 1) * BYTES,
+        "trim unpins the rotation"
+    );
+}

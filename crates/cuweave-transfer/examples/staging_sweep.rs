@@ -190,8 +190,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut best_up = (0.0, StagingConfig::for_upload(bytes));
         let mut best_down = (0.0, StagingConfig::for_download(bytes));
         for chunk_kib in [64usize, 128, 256, 512, 1024, 2048, 4096, 8192] {
-            // At most 1024 chunks: smaller ones only cost time to sweep.
-            if chunk_kib << 10 >= bytes || bytes / (chunk_kib << 10) > 1024 {
+            // At most 1024 chunks: smaller ones only cost time to sweep. One chunk of the whole
+            // size is a single block (no pipeline), which small copies may want.
+            if chunk_kib << 10 > bytes || bytes / (chunk_kib << 10) > 1024 {
                 continue;
             }
             for t in [1usize, 2, 4, 6, 8, 12, 16] {

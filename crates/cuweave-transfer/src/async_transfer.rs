@@ -164,9 +164,11 @@ struct Partial<T: Element> {
     done: usize,
 }
 
-/// The pinned blocks of one transfer: full chunks, and one for a short last chunk.
+/// The pinned blocks of one transfer: full chunks, and one for a short last chunk. Full blocks
+/// are reused oldest first: a download's block just copied out is the slowest for the copy
+/// engine to write again (`PinnedPool::get_cold`).
 struct Blocks<T: Element> {
-    full: Vec<TypedPinnedBlock<T>>,
+    full: VecDeque<TypedPinnedBlock<T>>,
     tail: Option<TypedPinnedBlock<T>>,
 }
 
@@ -242,13 +244,22 @@ impl<T: Element> AsyncTransfer<'_, T> {
         let full = depth.min(len / chunk);
         let tail = len % chunk;
         let back = Arc::clone(&handoff);
+        let download = matches!(self.direction, Direction::Download { .. });
         workers::shared().spawn(move || {
+            // Downloads land in the pool's coldest blocks, uploads fill its warmest.
+            let get = |len| {
+                if download {
+                    pool.get_typed_cold::<T>(len)
+                } else {
+                    pool.get_typed::<T>(len)
+                }
+            };
             let blocks = (|| {
                 Ok(Blocks {
                     full: (0..full)
-                        .map(|_| pool.get_typed::<T>(chunk))
+                        .map(|_| get(chunk))
                         .collect::<cuweave_memory::Result<_>>()?,
-                    tail: (tail > 0).then(|| pool.get_typed::<T>(tail)).transpose()?,
+                    tail: (tail > 0).then(|| get(tail)).transpose()?,
                 })
             })();
             back.fill(blocks);
@@ -261,7 +272,7 @@ impl<T: Element> AsyncTransfer<'_, T> {
         let full = self.range(index).len() == self.chunk;
         let blocks = self.blocks.as_mut()?;
         if full {
-            blocks.full.pop()
+            blocks.full.pop_front()
         } else {
             blocks.tail.take()
         }
@@ -270,7 +281,7 @@ impl<T: Element> AsyncTransfer<'_, T> {
     fn give_back(&mut self, block: TypedPinnedBlock<T>) {
         if let Some(blocks) = self.blocks.as_mut() {
             if block.len() == self.chunk {
-                blocks.full.push(block);
+                blocks.full.push_back(block);
             } else {
                 blocks.tail = Some(block);
             }

@@ -138,15 +138,68 @@ impl PinnedPool {
     /// cannot be rounded to a size class or the host cannot pin that much even after the cache
     /// was freed; the driver's error when pinning fails otherwise.
     pub fn get(&self, bytes: usize) -> Result<PinnedBlock> {
+        self.get_from_cache("PinnedPool::get", bytes, |cache, class, released| {
+            cache.take(class, released)
+        })
+    }
+
+    /// A block of at least `bytes` bytes for the device to write and the host to read, such as a
+    /// download's staging block: the cached block of the size class returned longest ago, once
+    /// [`COLD_ROTATION_BYTES`](Self::COLD_ROTATION_BYTES) of others of its class (at most
+    /// [`COLD_ROTATION_BLOCKS`](Self::COLD_ROTATION_BLOCKS)) have been returned since; until
+    /// then, a newly pinned one.
+    ///
+    /// A device-to-host copy into memory that host cores have just read runs at about half the
+    /// bus speed: the lines are still in those cores' private caches, and every write the copy
+    /// engine makes must take them back first (H100 host, 2 MiB blocks read by four threads: 18.9
+    /// GB/s into the block just read, 45 GB/s into another). [`get`](Self::get) hands out the
+    /// warmest block, which for a download loop is exactly the one just copied out. Blocks from
+    /// here rotate instead. The rotation costs up to `COLD_ROTATION_BYTES` of pinned memory
+    /// per size class in use this way, pinned by the first requests of the class (a 4 MiB
+    /// download in 512 KiB blocks fills its rotation in four transfers) (kept within
+    /// [`max_cached_bytes`](PinnedPoolConfig::max_cached_bytes), and freed by [`trim`](Self::trim)).
+    ///
+    /// # Errors
+    /// As [`get`](Self::get).
+    pub fn get_cold(&self, bytes: usize) -> Result<PinnedBlock> {
+        self.get_from_cache("PinnedPool::get_cold", bytes, |cache, class, released| {
+            cache.take_cold(class, cold_rotation(class), released)
+        })
+    }
+
+    /// The pinned bytes, per size class, that [`get_cold`](Self::get_cold) keeps ready besides
+    /// the blocks in use: about what the private caches of the threads that read a download's
+    /// blocks can hold of them (2 MiB of L2 a core on the H100 host, which each reading core
+    /// shares between the blocks it reads and the memory it writes; up to eight such cores), so
+    /// a block's lines have left them before the device writes it again. On that host a 4 MiB
+    /// download loop reading through four threads ran the copy engine at half speed with no
+    /// rotation, and at full speed through one of this size.
+    pub const COLD_ROTATION_BYTES: usize = 16 << 20;
+
+    /// The most blocks of one size class [`get_cold`](Self::get_cold) keeps ready, whatever their
+    /// size: small classes (whose copies are short, and mostly latency) stay few blocks, and a
+    /// new rotation fills within a few transfers.
+    pub const COLD_ROTATION_BLOCKS: usize = 32;
+
+    /// A block of `bytes` bytes' size class: the one `take` hands out from the cache, or else a
+    /// newly pinned one.
+    fn get_from_cache(
+        &self,
+        operation: &'static str,
+        bytes: usize,
+        take: impl FnOnce(
+            &mut BlockCache<HostAllocation, OwnedPooledEvent>,
+            usize,
+            &mut Released<HostAllocation, OwnedPooledEvent>,
+        ) -> Option<HostAllocation>,
+    ) -> Result<PinnedBlock> {
         if bytes == 0 {
-            return Err(MemoryError::ZeroLength {
-                operation: "PinnedPool::get",
-            });
+            return Err(MemoryError::ZeroLength { operation });
         }
         let class = block_size(bytes).ok_or_else(|| self.inner.out_of_memory(bytes))?;
         let cached = self
             .inner
-            .with_state(|state, released| state.cache.take(class, released));
+            .with_state(|state, released| take(&mut state.cache, class, released));
         let allocation = match cached {
             Some(allocation) => allocation,
             None => self.inner.pin(class)?,
@@ -171,19 +224,36 @@ impl PinnedPool {
     /// [`MemoryError::Misaligned`] when the byte size overflows or `T` needs more than page
     /// alignment; otherwise as [`get`](Self::get).
     pub fn get_typed<T: Element>(&self, len: usize) -> Result<TypedPinnedBlock<T>> {
-        const OPERATION: &str = "PinnedPool::get_typed";
+        self.typed("PinnedPool::get_typed", len, |bytes| self.get(bytes))
+    }
+
+    /// A block holding `len` elements of `T` from the cold rotation (see
+    /// [`get_cold`](Self::get_cold)): for staging downloads.
+    ///
+    /// # Errors
+    /// As [`get_typed`](Self::get_typed).
+    pub fn get_typed_cold<T: Element>(&self, len: usize) -> Result<TypedPinnedBlock<T>> {
+        self.typed("PinnedPool::get_typed_cold", len, |bytes| {
+            self.get_cold(bytes)
+        })
+    }
+
+    fn typed<T: Element>(
+        &self,
+        operation: &'static str,
+        len: usize,
+        get: impl FnOnce(usize) -> Result<PinnedBlock>,
+    ) -> Result<TypedPinnedBlock<T>> {
         let misaligned = |bytes| MemoryError::Misaligned {
-            operation: OPERATION,
+            operation,
             bytes,
             element_size: size_of::<T>(),
         };
         let bytes = byte_len::<T>(len).ok_or_else(|| misaligned(usize::MAX))?;
         if bytes == 0 {
-            return Err(MemoryError::ZeroLength {
-                operation: OPERATION,
-            });
+            return Err(MemoryError::ZeroLength { operation });
         }
-        TypedPinnedBlock::new(self.get(bytes)?).ok_or_else(|| misaligned(bytes))
+        TypedPinnedBlock::new(get(bytes)?).ok_or_else(|| misaligned(bytes))
     }
 
     /// Gives every cached block that is ready for reuse back to the driver; returns the bytes
@@ -223,6 +293,11 @@ impl fmt::Debug for PinnedPool {
             .field("stats", &self.stats())
             .finish()
     }
+}
+
+/// How many ready blocks of `class` bytes [`PinnedPool::get_cold`] leaves in the cache.
+fn cold_rotation(class: usize) -> usize {
+    (PinnedPool::COLD_ROTATION_BYTES / class.max(1)).clamp(1, PinnedPool::COLD_ROTATION_BLOCKS)
 }
 
 impl Inner {

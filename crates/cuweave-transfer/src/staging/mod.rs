@@ -424,26 +424,27 @@ impl Pipeline<'_> {
             workers::shared().run(participants, |w| {
                 let mut in_flight: VecDeque<(PendingCopy<TypedPinnedBlock<T>>, usize)> =
                     VecDeque::with_capacity(depth);
-                let mut spare: Option<TypedPinnedBlock<T>> = None;
-                let drain = |pending: PendingCopy<TypedPinnedBlock<T>>, i: usize| -> Result<_> {
+                // A block copied out goes back to the pool, and each chunk lands in the pool's
+                // coldest block (`PinnedPool::get_cold`): one this participant just read would
+                // take the copy engine's writes at half speed.
+                let drain = |pending: PendingCopy<TypedPinnedBlock<T>>, i: usize| -> Result<()> {
                     let block = pending.wait()?;
                     let out = pieces[i].lock().take().expect("each chunk is claimed once");
-                    self.config.host_copy.copy(out, block.as_slice())?;
-                    Ok(block)
+                    self.config.host_copy.copy(out, block.as_slice())
                 };
                 let outcome = (|| {
                     while let Some(i) = claims.next_for(w) {
                         if in_flight.len() >= depth
                             && let Some((pending, j)) = in_flight.pop_front()
                         {
-                            spare = Some(drain(pending, j)?);
+                            drain(pending, j)?;
                         }
                         let range = ranges[i].clone();
-                        let block = block_of(self.pool, spare.take(), range.len())?;
+                        let block = self.pool.get_typed_cold::<T>(range.len())?;
                         in_flight.push_back((staged.copy_out(w, range.start, block)?, i));
                     }
                     for (pending, j) in in_flight.drain(..) {
-                        drop(drain(pending, j)?);
+                        drain(pending, j)?;
                     }
                     Ok(())
                 })();
@@ -599,7 +600,7 @@ where
     T: Element,
     B: Buffer<T> + ?Sized,
 {
-    let mut block = pool.get_typed::<T>(dst.len())?;
+    let mut block = pool.get_typed_cold::<T>(dst.len())?;
     src.copy_range_to_host(src_offset, block.as_mut_slice())?;
     dst.copy_from_slice(block.as_slice());
     Ok(())

@@ -94,7 +94,6 @@ impl Pipeline<'_> {
         let claims = Claims::new(piece_ranges.len());
         let slots: Vec<ChunkSlot<'_, T>> = (0..ranges.len()).map(|_| ChunkSlot::new()).collect();
         let copied: Vec<AtomicUsize> = (0..ranges.len()).map(|_| AtomicUsize::new(0)).collect();
-        let free: Mutex<Vec<TypedPinnedBlock<T>>> = Mutex::new(Vec::with_capacity(ring));
         // Chunks queued and not yet copied out: the blocks in use.
         let in_flight = AtomicUsize::new(0);
         // Copies piece q out once its chunk has landed; `false` when the transfer failed first.
@@ -109,15 +108,13 @@ impl Pipeline<'_> {
             let copied_out = self.config.host_copy.copy(out, &block.as_slice()[within]);
             drop(block);
             copied_out?;
-            // The participant that copies a chunk's last piece out hands its block back (every
-            // other one has dropped its handle on the block by then).
+            // The participant that copies a chunk's last piece out gives its block back to the
+            // pool (every other one has dropped its handle on the block by then). Not to this
+            // transfer: the block's lines are in the copying cores' caches, and a download into
+            // it now would run at half speed (`PinnedPool::get_cold`).
             if copied[k].fetch_add(1, Ordering::AcqRel) + 1 == pieces_in(k) {
                 let slot = std::mem::replace(&mut *slots[k].state.lock(), Slot::Empty);
-                if let Slot::Landed(block) = slot
-                    && let Ok(block) = Arc::try_unwrap(block)
-                {
-                    free.lock().push(block);
-                }
+                drop(slot);
                 in_flight.fetch_sub(1, Ordering::AcqRel);
             }
             Ok(true)
@@ -133,12 +130,12 @@ impl Pipeline<'_> {
                     if w == 0 {
                         for (k, range) in ranges.iter().enumerate() {
                             let mut backoff = Backoff::default();
-                            let block = loop {
+                            loop {
                                 if claims.has_failed() {
                                     return Ok(());
                                 }
                                 if in_flight.load(Ordering::Acquire) < ring {
-                                    break free.lock().pop();
+                                    break;
                                 }
                                 // Every block is in flight: copy a piece out meanwhile (one this
                                 // participant claims; one of a chunk not queued yet is owed until
@@ -155,8 +152,8 @@ impl Pipeline<'_> {
                                         None => backoff.snooze(),
                                     },
                                 }
-                            };
-                            let block = block_of(self.pool, block, range.len())?;
+                            }
+                            let block = self.pool.get_typed_cold::<T>(range.len())?;
                             let copy = staged.copy_out_marked(0, range.start, block, marks)?;
                             in_flight.fetch_add(1, Ordering::AcqRel);
                             slots[k].queue(copy);

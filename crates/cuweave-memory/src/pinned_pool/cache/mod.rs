@@ -7,7 +7,7 @@
 //! after unlocking, because freeing pinned memory and destroying events are driver calls that
 //! must not run under the pool's lock.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use cuweave_driver::DriverError;
 
@@ -59,9 +59,9 @@ struct Pending<B, F> {
 /// Ready blocks by size class, pending blocks, and the statistics that track them.
 #[derive(Debug)]
 pub(crate) struct BlockCache<B, F> {
-    /// Blocks ready for reuse, by capacity; each list is a stack, so the most recently returned
-    /// (warmest) block goes out first.
-    ready: BTreeMap<usize, Vec<B>>,
+    /// Blocks ready for reuse, by capacity, oldest return first: [`take`](Self::take) hands out
+    /// the most recently returned (warmest) block, [`take_cold`](Self::take_cold) the oldest.
+    ready: BTreeMap<usize, VecDeque<B>>,
     pending: Vec<Pending<B, F>>,
     max_cached_bytes: usize,
     stats: PinnedPoolStats,
@@ -97,14 +97,53 @@ impl<B: Capacity, F: Fence> BlockCache<B, F> {
         if !self.has_ready(class) && !self.pending.is_empty() {
             self.poll(released);
         }
-        let block = self.ready.get_mut(&class)?.pop()?;
+        let block = self.ready.get_mut(&class)?.pop_back()?;
+        self.count_hit(class);
+        Some(block)
+    }
+
+    /// Hands out the ready block of `class` returned longest ago, but only while more than `keep`
+    /// others of its class are ready, counting a get and a hit; `None` means the caller must pin
+    /// a new block (and report it with [`add_pinned`](Self::add_pinned)).
+    ///
+    /// So every block handed out this way was returned before at least `keep` others of its class
+    /// that were returned since: with `keep` blocks' worth of host reads in between, the lines a
+    /// host copy read out of it have left the reading cores' private caches. A device-to-host DMA
+    /// into lines still held there ran at half the bus speed (the pool's `get_cold`). The class
+    /// settles at `keep + 1` ready blocks plus those in use. When the cache has no room for
+    /// another block of the class (the cap on cached bytes), the oldest ready one goes out
+    /// whatever `keep` says: a rotation that cannot grow must not pin a block per request.
+    pub(crate) fn take_cold(
+        &mut self,
+        class: usize,
+        keep: usize,
+        released: &mut Released<B, F>,
+    ) -> Option<B> {
+        if self.ready_count(class) <= keep && !self.pending.is_empty() {
+            self.poll(released);
+        }
+        let full = self
+            .stats
+            .cached_bytes
+            .checked_add(class)
+            .is_none_or(|cached| cached > self.max_cached_bytes);
+        let ready = self.ready.get_mut(&class)?;
+        if ready.len() <= keep && !full {
+            return None;
+        }
+        let block = ready.pop_front()?;
+        self.count_hit(class);
+        Some(block)
+    }
+
+    /// Counts a ready block of `class` handed out: a get and a hit.
+    fn count_hit(&mut self, class: usize) {
         let stats = &mut self.stats;
         stats.cached_bytes -= class;
         stats.cached_blocks -= 1;
         stats.gets += 1;
         stats.hits += 1;
         self.hand_out(class);
-        Some(block)
     }
 
     /// Counts a newly pinned block of `capacity` bytes handed out: a get and a miss.
@@ -211,9 +250,11 @@ impl<B: Capacity, F: Fence> BlockCache<B, F> {
     }
 
     fn has_ready(&self, class: usize) -> bool {
-        self.ready
-            .get(&class)
-            .is_some_and(|blocks| !blocks.is_empty())
+        self.ready_count(class) > 0
+    }
+
+    fn ready_count(&self, class: usize) -> usize {
+        self.ready.get(&class).map_or(0, VecDeque::len)
     }
 
     /// Counts `capacity` bytes handed to a user.
@@ -235,7 +276,7 @@ impl<B: Capacity, F: Fence> BlockCache<B, F> {
         if fits {
             self.stats.cached_bytes += capacity;
             self.stats.cached_blocks += 1;
-            self.ready.entry(capacity).or_default().push(block);
+            self.ready.entry(capacity).or_default().push_back(block);
         } else {
             self.free(block, released);
         }

@@ -1,4 +1,5 @@
-//! The pinned pool's cache against a model, with proptest: random gets, returns with fences,
+//! The pinned pool's cache against a model, with proptest: random gets (warmest block first, or
+//! from the cold rotation), returns with fences,
 //! fences passing or faulting, polls and trims. After every step: a block handed out is of the
 //! class asked for and is neither held by someone else, nor waiting for a fence, nor freed; a
 //! block freed is neither held nor waiting (a faulted one is never freed or reused); and the
@@ -60,6 +61,7 @@ impl Fence for TestFence {
 #[derive(Debug, Clone)]
 enum Op {
     Get { class: usize },
+    GetCold { class: usize, keep: usize },
     Return { index: usize, fences: usize },
     Pass { index: usize },
     Fault { index: usize },
@@ -72,6 +74,8 @@ const CLASSES: [usize; 4] = [4 << 10, 8 << 10, 64 << 10, 1 << 20];
 fn ops() -> impl Strategy<Value = Op> {
     prop_oneof![
         6 => prop::sample::select(CLASSES.to_vec()).prop_map(|class| Op::Get { class }),
+        3 => (prop::sample::select(CLASSES.to_vec()), 0usize..4)
+            .prop_map(|(class, keep)| Op::GetCold { class, keep }),
         5 => (any::<usize>(), 0usize..=2).prop_map(|(index, fences)| Op::Return { index, fences }),
         4 => any::<usize>().prop_map(|index| Op::Pass { index }),
         1 => any::<usize>().prop_map(|index| Op::Fault { index }),
@@ -125,9 +129,13 @@ fn run(ops: Vec<Op>, max_cached: usize) {
     for op in ops {
         let mut released = Released::default();
         match op {
-            Op::Get { class } => {
+            Op::Get { class } | Op::GetCold { class, .. } => {
                 model.gets += 1;
-                match cache.take(class, &mut released) {
+                let taken = match op {
+                    Op::GetCold { keep, .. } => cache.take_cold(class, keep, &mut released),
+                    _ => cache.take(class, &mut released),
+                };
+                match taken {
                     Some(block) => {
                         model.hits += 1;
                         assert_eq!(block.capacity, class);

@@ -1,6 +1,7 @@
 //! The bookkeeping with fake blocks and fences whose passing each test controls.
 
 use std::cell::Cell;
+use std::collections::VecDeque;
 use std::rc::Rc;
 
 use cuweave_driver::DriverError;
@@ -108,6 +109,20 @@ impl Harness {
         }
     }
 
+    /// What the pool's `get_cold` does: the cold rotation's oldest block, or a newly "pinned" one.
+    fn get_cold(&mut self, class: usize, keep: usize, out: &mut Out) -> FakeBlock {
+        if let Some(block) = self.cache.take_cold(class, keep, out) {
+            return block;
+        }
+        self.cache.add_pinned(class);
+        self.next_id += 1;
+        FakeBlock {
+            id: self.next_id,
+            capacity: class,
+            drops: Rc::clone(&self.drops),
+        }
+    }
+
     fn fence(&self, work: Work) -> (FakeFence, Rc<Cell<Work>>) {
         let work = Rc::new(Cell::new(work));
         let fence = FakeFence {
@@ -174,6 +189,88 @@ fn most_recently_returned_block_goes_out_first() {
     h.cache.give_back(a, Vec::new(), &mut out);
     h.cache.give_back(b, Vec::new(), &mut out);
     assert_eq!(h.get(PAGE, &mut out).id, b_id);
+}
+
+#[test]
+fn cold_blocks_go_out_oldest_first_once_the_rotation_is_full() {
+    let mut h = Harness::new(usize::MAX);
+    let mut out = Out::default();
+    let keep = 3;
+    // A download loop with two blocks in flight: the rotation grows to `keep + 1` ready blocks
+    // (plus the two in use), then every block handed out is the one returned longest ago.
+    let mut in_use: VecDeque<FakeBlock> = VecDeque::new();
+    let mut returned_order: VecDeque<u32> = VecDeque::new();
+    for step in 0..100_000 {
+        let block = h.get_cold(PAGE, keep, &mut out);
+        if step > keep + 2 {
+            assert_eq!(
+                Some(block.id),
+                returned_order.pop_front(),
+                "step {step}: the oldest returned block goes out"
+            );
+        } else {
+            returned_order.retain(|&id| id != block.id);
+        }
+        in_use.push_back(block);
+        if in_use.len() > 2 {
+            let done = in_use.pop_front().unwrap();
+            returned_order.push_back(done.id);
+            h.cache.give_back(done, Vec::new(), &mut out);
+        }
+    }
+    let stats = h.stats();
+    assert_eq!(
+        h.next_id as usize,
+        keep + 1 + 2,
+        "pinned once, then rotated"
+    );
+    assert_eq!(stats.cached_blocks, keep + 1);
+    assert_eq!(stats.allocated_blocks, 2);
+    assert_eq!(stats.misses, (keep + 1 + 2) as u64);
+}
+
+#[test]
+fn warm_and_cold_takes_share_the_class_from_opposite_ends() {
+    let mut h = Harness::new(usize::MAX);
+    let mut out = Out::default();
+    let blocks: Vec<FakeBlock> = (0..3).map(|_| h.get(PAGE, &mut out)).collect();
+    let ids: Vec<u32> = blocks.iter().map(|b| b.id).collect();
+    for block in blocks {
+        h.cache.give_back(block, Vec::new(), &mut out);
+    }
+    // Three ready, returned in the order ids[0], ids[1], ids[2].
+    assert!(
+        h.cache.take_cold(PAGE, 3, &mut out).is_none(),
+        "keep 3: none out of three"
+    );
+    let cold = h.cache.take_cold(PAGE, 2, &mut out).unwrap();
+    assert_eq!(cold.id, ids[0], "the cold take hands out the oldest");
+    let warm = h.get(PAGE, &mut out);
+    assert_eq!(warm.id, ids[2], "the warm take hands out the newest");
+    assert!(
+        h.cache.take_cold(2 * PAGE, 0, &mut out).is_none(),
+        "no block of another class"
+    );
+}
+
+#[test]
+fn a_cold_rotation_that_cannot_grow_reuses_its_oldest_block() {
+    // Room for two cached pages: with `keep` 8 the rotation can never hold nine, so once the
+    // cache is full the oldest ready block goes out instead of a page being pinned per request.
+    let mut h = Harness::new(2 * PAGE);
+    let mut out = Out::default();
+    let first = h.get_cold(PAGE, 8, &mut out);
+    let second = h.get_cold(PAGE, 8, &mut out);
+    let (a, b) = (first.id, second.id);
+    h.cache.give_back(first, Vec::new(), &mut out);
+    h.cache.give_back(second, Vec::new(), &mut out);
+    for _ in 0..1000 {
+        let block = h.get_cold(PAGE, 8, &mut out);
+        assert!(block.id == a || block.id == b, "a full cache is reused");
+        h.cache.give_back(block, Vec::new(), &mut out);
+    }
+    assert_eq!(h.next_id, 2);
+    assert_eq!(h.stats().pinned_bytes, 2 * PAGE);
 }
 
 #[test]
