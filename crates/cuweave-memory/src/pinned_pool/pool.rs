@@ -89,6 +89,9 @@ pub(super) struct Inner {
 
 struct State {
     cache: BlockCache<HostAllocation, OwnedPooledEvent>,
+    /// Until when [`PinnedPool::get_cold`] hands out the oldest ready block rather than pinning
+    /// one more for a rotation that is not full yet.
+    next_growth: Instant,
 }
 
 impl PinnedPool {
@@ -106,6 +109,7 @@ impl PinnedPool {
                 events: ContextEvents::default(),
                 state: Mutex::new(State {
                     cache: BlockCache::new(config.max_cached_bytes),
+                    next_growth: Instant::now(),
                 }),
             }),
         }
@@ -138,73 +142,82 @@ impl PinnedPool {
     /// cannot be rounded to a size class or the host cannot pin that much even after the cache
     /// was freed; the driver's error when pinning fails otherwise.
     pub fn get(&self, bytes: usize) -> Result<PinnedBlock> {
-        self.get_from_cache("PinnedPool::get", bytes, |cache, class, released| {
-            cache.take(class, released)
-        })
+        let class = self.class_of("PinnedPool::get", bytes)?;
+        let cached = self
+            .inner
+            .with_state(|state, released| state.cache.take(class, released));
+        let allocation = match cached {
+            Some(allocation) => allocation,
+            None => self.inner.pin(class)?,
+        };
+        Ok(PinnedBlock::new(allocation, bytes, Arc::clone(&self.inner)))
     }
 
     /// A block of at least `bytes` bytes for the device to write and the host to read, such as a
     /// download's staging block: the cached block of the size class returned longest ago, once
     /// [`COLD_ROTATION_BYTES`](Self::COLD_ROTATION_BYTES) of others of its class (at most
-    /// [`COLD_ROTATION_BLOCKS`](Self::COLD_ROTATION_BLOCKS)) have been returned since; until
-    /// then, a newly pinned one.
+    /// [`COLD_ROTATION_BLOCKS`](Self::COLD_ROTATION_BLOCKS)) have been returned since.
     ///
     /// A device-to-host copy into memory that host cores have just read runs at about half the
     /// bus speed: the lines are still in those cores' private caches, and every write the copy
     /// engine makes must take them back first (H100 host, 2 MiB blocks read by four threads: 18.9
     /// GB/s into the block just read, 45 GB/s into another). [`get`](Self::get) hands out the
     /// warmest block, which for a download loop is exactly the one just copied out. Blocks from
-    /// here rotate instead. The rotation costs up to `COLD_ROTATION_BYTES` of pinned memory
-    /// per size class in use this way, pinned by the first requests of the class (a 4 MiB
-    /// download in 512 KiB blocks fills its rotation in four transfers) (kept within
-    /// [`max_cached_bytes`](PinnedPoolConfig::max_cached_bytes), and freed by [`trim`](Self::trim)).
+    /// here rotate instead.
+    ///
+    /// The rotation costs up to `COLD_ROTATION_BYTES` of pinned memory per size class used this
+    /// way (within [`max_cached_bytes`](PinnedPoolConfig::max_cached_bytes); [`trim`](Self::trim)
+    /// frees it). It fills without holding up the first requests: while it is short, a request
+    /// pins one more block only if pinning has taken at most half the time since the last
+    /// block this pinned, and otherwise gets the oldest ready block; one with no ready block of
+    /// its class pins, as [`get`](Self::get) does.
     ///
     /// # Errors
     /// As [`get`](Self::get).
     pub fn get_cold(&self, bytes: usize) -> Result<PinnedBlock> {
-        self.get_from_cache("PinnedPool::get_cold", bytes, |cache, class, released| {
-            cache.take_cold(class, cold_rotation(class), released)
-        })
+        let class = self.class_of("PinnedPool::get_cold", bytes)?;
+        let now = Instant::now();
+        let cached = self.inner.with_state(|state, released| {
+            let cache = &mut state.cache;
+            cache
+                .take_cold(class, cold_rotation(class), released)
+                .or_else(|| {
+                    (now < state.next_growth)
+                        .then(|| cache.take_cold(class, 0, released))
+                        .flatten()
+                })
+        });
+        let allocation = match cached {
+            Some(allocation) => allocation,
+            None => {
+                let allocation = self.inner.pin(class)?;
+                let pinning = now.elapsed();
+                self.inner.state.lock().next_growth = Instant::now() + pinning * GROWTH_PAUSE;
+                allocation
+            }
+        };
+        Ok(PinnedBlock::new(allocation, bytes, Arc::clone(&self.inner)))
     }
 
     /// The pinned bytes, per size class, that [`get_cold`](Self::get_cold) keeps ready besides
-    /// the blocks in use: about what the private caches of the threads that read a download's
-    /// blocks can hold of them (2 MiB of L2 a core on the H100 host, which each reading core
-    /// shares between the blocks it reads and the memory it writes; up to eight such cores), so
-    /// a block's lines have left them before the device writes it again. On that host a 4 MiB
-    /// download loop reading through four threads ran the copy engine at half speed with no
-    /// rotation, and at full speed through one of this size.
-    pub const COLD_ROTATION_BYTES: usize = 16 << 20;
+    /// the blocks in use, so that the host has read this much of the class's other blocks since
+    /// it last read a block it hands out. Each core that copies a download out keeps what it
+    /// read and what it wrote in its 2 MiB of L2 (H100 host); with up to eight such cores, 8 MiB
+    /// more of reads, besides the transfer's own blocks in flight, has pushed a block's lines out
+    /// of them. On that host a 4 MiB download loop read by four threads ran the copy engine at
+    /// about half speed into blocks 4 MiB of reads old, and at full speed into blocks 16 MiB old.
+    pub const COLD_ROTATION_BYTES: usize = 8 << 20;
 
     /// The most blocks of one size class [`get_cold`](Self::get_cold) keeps ready, whatever their
-    /// size: small classes (whose copies are short, and mostly latency) stay few blocks, and a
-    /// new rotation fills within a few transfers.
+    /// size: small classes (whose copies are short, and mostly latency) stay few blocks.
     pub const COLD_ROTATION_BLOCKS: usize = 32;
 
-    /// A block of `bytes` bytes' size class: the one `take` hands out from the cache, or else a
-    /// newly pinned one.
-    fn get_from_cache(
-        &self,
-        operation: &'static str,
-        bytes: usize,
-        take: impl FnOnce(
-            &mut BlockCache<HostAllocation, OwnedPooledEvent>,
-            usize,
-            &mut Released<HostAllocation, OwnedPooledEvent>,
-        ) -> Option<HostAllocation>,
-    ) -> Result<PinnedBlock> {
+    /// The size class of a request of `bytes`.
+    fn class_of(&self, operation: &'static str, bytes: usize) -> Result<usize> {
         if bytes == 0 {
             return Err(MemoryError::ZeroLength { operation });
         }
-        let class = block_size(bytes).ok_or_else(|| self.inner.out_of_memory(bytes))?;
-        let cached = self
-            .inner
-            .with_state(|state, released| take(&mut state.cache, class, released));
-        let allocation = match cached {
-            Some(allocation) => allocation,
-            None => self.inner.pin(class)?,
-        };
-        Ok(PinnedBlock::new(allocation, bytes, Arc::clone(&self.inner)))
+        block_size(bytes).ok_or_else(|| self.inner.out_of_memory(bytes))
     }
 
     /// A typed pinned buffer of `len` elements in a block of this pool (see
@@ -294,6 +307,12 @@ impl fmt::Debug for PinnedPool {
             .finish()
     }
 }
+
+/// After pinning a block, how many times as long [`PinnedPool::get_cold`] hands out ready blocks
+/// before it pins one more to grow a rotation: growing takes at most half the time, so a
+/// rotation fills within a few dozen transfers (about 30 of 4 MiB on the H100 host) and no
+/// transfer while it fills takes more than about twice its time.
+const GROWTH_PAUSE: u32 = 1;
 
 /// How many ready blocks of `class` bytes [`PinnedPool::get_cold`] leaves in the cache.
 fn cold_rotation(class: usize) -> usize {
