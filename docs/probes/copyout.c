@@ -1,0 +1,68 @@
+// Probe: how fast can T host threads copy a just-DMA'd 4 MiB pinned block out to pageable memory,
+// with 4 KiB pages or transparent huge pages on either side? (issue 15, seventh pass)
+#define _GNU_SOURCE
+#include <cuda.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#define CK(x) do { CUresult r = (x); if (r) { printf("%s failed %d\n", #x, r); exit(1); } } while (0)
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+static int cmp(const void *a, const void *b) { double x = *(double *)a, y = *(double *)b; return x < y ? -1 : x > y; }
+
+static void *map(size_t n, int huge) {
+  void *p = mmap(0, n + (2 << 20), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  p = (void *)(((size_t)p + (2 << 20) - 1) & ~((size_t)(2 << 20) - 1));
+  madvise(p, n, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+  memset(p, 1, n);
+  return p;
+}
+static void stream_copy(char *d, const char *s, size_t n) {
+  for (size_t i = 0; i < n; i += 64) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)(s + i)), b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+    _mm256_stream_si256((__m256i *)(d + i), a); _mm256_stream_si256((__m256i *)(d + i + 32), b);
+  }
+  _mm_sfence();
+}
+
+int main(int argc, char **argv) {
+  size_t n = (argc > 1 ? atol(argv[1]) : 4) << 20;
+  CK(cuInit(0)); CUdevice dev; CK(cuDeviceGet(&dev, 0)); CUcontext ctx; CK(cuDevicePrimaryCtxRetain(&ctx, dev)); CK(cuCtxSetCurrent(ctx));
+  CUdeviceptr d; CK(cuMemAlloc(&d, n)); CK(cuMemsetD8(d, 7, n));
+  void *pin_plain; CK(cuMemHostAlloc(&pin_plain, n, 0));
+  void *pin_huge = map(n, 1); CK(cuMemHostRegister(pin_huge, n, 0));
+  void *dst4k = map(n, 0), *dsthuge = map(n, 1);
+  char line[256]; FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+  if (f && fgets(line, sizeof line, f)) printf("THP: %s", line);
+  f = fopen("/proc/self/smaps_rollup", "r");
+  while (f && fgets(line, sizeof line, f)) if (strstr(line, "AnonHugePages")) printf("%s", line);
+  printf("size %zu KiB; median GB/s of the copy-out alone (100 runs), after a DMA into the pinned block\n", n >> 10);
+  printf("pinned     dst   copy     T=1    T=2    T=4    T=6    T=8   T=12\n");
+  int ts[] = {1, 2, 4, 6, 8, 12};
+  for (int p = 0; p < 2; p++) for (int q = 0; q < 2; q++) for (int s = 0; s < 2; s++) {
+    char *src = p ? pin_huge : pin_plain, *dst = q ? dsthuge : dst4k;
+    printf("%-10s %-5s %-7s", p ? "thp+reg" : "hostalloc", q ? "thp" : "4k", s ? "stream" : "memcpy");
+    for (int ti = 0; ti < 6; ti++) {
+      int t = ts[ti]; double times[100];
+      for (int it = 0; it < 100; it++) {
+        CK(cuMemcpyDtoH(src, d, n));
+        double t0 = now();
+#pragma omp parallel num_threads(t)
+        {
+          int w = omp_get_thread_num(); size_t part = (n / t + 63) & ~(size_t)63, a = w * part, e = a + part > n ? n : a + part;
+          if (a < e) { if (s) stream_copy(dst + a, src + a, e - a); else memcpy(dst + a, src + a, e - a); }
+        }
+        times[it] = now() - t0;
+      }
+      qsort(times, 100, sizeof(double), cmp);
+      printf(" %6.1f", n / times[50] / 1e9);
+    }
+    printf("\n");
+  }
+  // The whole download as the pipeline would like it: DMA of chunk k+1 overlaps the copy-out of chunk k.
+  return 0;
+}

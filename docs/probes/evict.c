@@ -1,0 +1,62 @@
+// Probe: after host threads copy a pinned block out, which way of reading (or evicting) leaves the
+// block cold for the next DMA into it, and what does each cost the host copy?
+#define _GNU_SOURCE
+#include <cuda.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#define CK(x) do { CUresult r = (x); if (r) { printf("%s failed %d\n", #x, r); exit(1); } } while (0)
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+static int cmp(const void *a, const void *b) { double x = *(double *)a, y = *(double *)b; return x < y ? -1 : x > y; }
+
+static void copy_mode(char *d, const char *s, size_t n, int mode) {
+  switch (mode) {
+  case 0: memcpy(d, s, n); break;
+  case 1: memcpy(d, s, n); for (size_t i = 0; i < n; i += 64) _mm_clflushopt((void *)(s + i)); _mm_sfence(); break;
+  case 2: memcpy(d, s, n); for (size_t i = 0; i < n; i += 64) _cldemote((void *)(s + i)); break;
+  case 3: // prefetchnta ahead, loads, plain stores
+    for (size_t i = 0; i < n; i += 64) {
+      _mm_prefetch(s + i + 512, _MM_HINT_NTA);
+      __m256i x = _mm256_loadu_si256((const __m256i *)(s + i)), y = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+      _mm256_storeu_si256((__m256i *)(d + i), x); _mm256_storeu_si256((__m256i *)(d + i + 32), y);
+    }
+    break;
+  case 4: // memcpy in 4 KiB steps, each followed by clflushopt of the step just read
+    for (size_t o = 0; o < n; o += 4096) { size_t m = n - o < 4096 ? n - o : 4096; memcpy(d + o, s + o, m);
+      for (size_t i = 0; i < m; i += 64) _mm_clflushopt((void *)(s + o + i)); }
+    _mm_sfence(); break;
+  case 5: // streaming stores with plain loads (the HostCopy::Streaming shape)
+    for (size_t i = 0; i < n; i += 64) {
+      __m256i x = _mm256_loadu_si256((const __m256i *)(s + i)), y = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+      _mm256_stream_si256((__m256i *)(d + i), x); _mm256_stream_si256((__m256i *)(d + i + 32), y);
+    }
+    _mm_sfence(); break;
+  }
+}
+static const char *names[] = {"memcpy", "memcpy+clflushopt", "memcpy+cldemote", "prefetchnta copy", "memcpy 4K+clflushopt", "stream stores"};
+
+int main(void) {
+  CK(cuInit(0)); CUdevice dev; CK(cuDeviceGet(&dev, 0)); CUcontext ctx; CK(cuDevicePrimaryCtxRetain(&ctx, dev)); CK(cuCtxSetCurrent(ctx));
+  CUstream st; CK(cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
+  size_t big = 16 << 20; CUdeviceptr d; CK(cuMemAlloc(&d, big));
+  char *a; CK(cuMemHostAlloc((void **)&a, big, 0));
+  char *dst = aligned_alloc(64, big); memset(dst, 1, big); memset(a, 2, big);
+  size_t sizes[] = {512 << 10, 2 << 20, 4 << 20};
+  for (int si = 0; si < 3; si++) for (int T = 4; T <= 8; T *= 2) for (int mode = 0; mode < 6; mode++) {
+    size_t n = sizes[si]; double cp[41], dm[41];
+    for (int it = 0; it < 41; it++) {
+      CK(cuMemcpyDtoHAsync(a, d, n, st)); CK(cuStreamSynchronize(st));
+      double t0 = now();
+#pragma omp parallel num_threads(T)
+      { int w = omp_get_thread_num(); size_t part = n / T; copy_mode(dst + w * part, a + w * part, part, mode); }
+      double t1 = now(); CK(cuMemcpyDtoHAsync(a, d, n, st)); CK(cuStreamSynchronize(st));
+      cp[it] = t1 - t0; dm[it] = now() - t1;
+    }
+    qsort(cp, 41, 8, cmp); qsort(dm, 41, 8, cmp);
+    printf("%5zu KiB, T=%d, %-22s host copy %6.1f GB/s, then DMA into the block %5.1f GB/s\n", n >> 10, T, names[mode], n / cp[20] / 1e9, n / dm[20] / 1e9);
+  }
+  return 0;
+}

@@ -1,0 +1,51 @@
+// Probe: uploads. After host threads fill a pinned block from pageable memory, how fast does the
+// copy engine read it (host-to-device), by how the block was written and what was in cache?
+#define _GNU_SOURCE
+#include <cuda.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#define CK(x) do { CUresult r = (x); if (r) { printf("%s failed %d\n", #x, r); exit(1); } } while (0)
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+static int cmp(const void *a, const void *b) { double x = *(double *)a, y = *(double *)b; return x < y ? -1 : x > y; }
+static void fill(char *d, const char *s, size_t n, int mode) {
+  switch (mode) {
+  case 0: memcpy(d, s, n); break;
+  case 1: for (size_t i = 0; i < n; i += 64) { __m256i x = _mm256_loadu_si256((const __m256i *)(s + i)), y = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+            _mm256_stream_si256((__m256i *)(d + i), x); _mm256_stream_si256((__m256i *)(d + i + 32), y); } _mm_sfence(); break;
+  case 2: memcpy(d, s, n); for (size_t i = 0; i < n; i += 64) _cldemote(d + i); break;
+  case 3: memcpy(d, s, n); for (size_t i = 0; i < n; i += 64) _mm_clwb(d + i); _mm_sfence(); break;
+  }
+}
+static const char *names[] = {"memcpy", "stream stores", "memcpy+cldemote", "memcpy+clwb"};
+int main(void) {
+  CK(cuInit(0)); CUdevice dev; CK(cuDeviceGet(&dev, 0)); CUcontext ctx; CK(cuDevicePrimaryCtxRetain(&ctx, dev)); CK(cuCtxSetCurrent(ctx));
+  CUstream st; CK(cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
+  size_t big = 64 << 20; CUdeviceptr d; CK(cuMemAlloc(&d, big));
+  char *a, *b; CK(cuMemHostAlloc((void **)&a, big, 0)); CK(cuMemHostAlloc((void **)&b, big, 0));
+  char *src = aligned_alloc(64, big); memset(src, 3, big); memset(a, 2, big); memset(b, 2, big);
+  size_t sizes[] = {512 << 10, 2 << 20, 8 << 20};
+  for (int si = 0; si < 3; si++) for (int T = 4; T <= 8; T *= 4) for (int mode = 0; mode < 4; mode++) for (int warm = 0; warm < 2; warm++) {
+    size_t n = sizes[si]; double cp[31], dm[31];
+    for (int it = 0; it < 31; it++) {
+      // warm: the block was filled (and uploaded) just before, so its lines are in the fillers' caches;
+      // cold: the fillers last wrote another 32 MiB since.
+      if (!warm) {
+#pragma omp parallel num_threads(T)
+        { int w = omp_get_thread_num(); size_t part = (32 << 20) / T; memcpy(b + w * part, src + w * part, part); }
+      }
+      double t0 = now();
+#pragma omp parallel num_threads(T)
+      { int w = omp_get_thread_num(); size_t part = n / T; fill(a + w * part, src + w * part, part, mode); }
+      double t1 = now(); CK(cuMemcpyHtoDAsync(d, a, n, st)); CK(cuStreamSynchronize(st));
+      cp[it] = t1 - t0; dm[it] = now() - t1;
+    }
+    qsort(cp, 31, 8, cmp); qsort(dm, 31, 8, cmp);
+    printf("%5zu KiB, T=%d, %-16s %s block: fill %6.1f GB/s, then DMA from it %5.1f GB/s, both %5.1f GB/s\n", n >> 10, T, names[mode], warm ? "warm" : "cold",
+           n / cp[15] / 1e9, n / dm[15] / 1e9, n / (cp[15] + dm[15]) / 1e9);
+  }
+  return 0;
+}
