@@ -1,18 +1,6 @@
 // Probe: how fast can T host threads copy a just-DMA'd 4 MiB pinned block out to pageable memory,
 // with 4 KiB pages or transparent huge pages on either side? (issue 15, seventh pass)
-#define _GNU_SOURCE
-#include <cuda.h>
-#include <immintrin.h>
-#include <omp.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-#include <time.h>
-
-#define CK(x) do { CUresult r = (x); if (r) { printf("%s failed %d\n", #x, r); exit(1); } } while (0)
-static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
-static int cmp(const void *a, const void *b) { double x = *(double *)a, y = *(double *)b; return x < y ? -1 : x > y; }
+#include "probe.h"
 
 static void *map(size_t n, int huge) {
   void *p = mmap(0, n + (2 << 20), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -31,7 +19,7 @@ static void stream_copy(char *d, const char *s, size_t n) {
 
 int main(int argc, char **argv) {
   size_t n = (argc > 1 ? atol(argv[1]) : 4) << 20;
-  CK(cuInit(0)); CUdevice dev; CK(cuDeviceGet(&dev, 0)); CUcontext ctx; CK(cuDevicePrimaryCtxRetain(&ctx, dev)); CK(cuCtxSetCurrent(ctx));
+  init_device();
   CUdeviceptr d; CK(cuMemAlloc(&d, n)); CK(cuMemsetD8(d, 7, n));
   void *pin_plain; CK(cuMemHostAlloc(&pin_plain, n, 0));
   void *pin_huge = map(n, 1); CK(cuMemHostRegister(pin_huge, n, 0));

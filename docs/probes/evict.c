@@ -1,16 +1,6 @@
 // Probe: after host threads copy a pinned block out, which way of reading (or evicting) leaves the
 // block cold for the next DMA into it, and what does each cost the host copy?
-#define _GNU_SOURCE
-#include <cuda.h>
-#include <immintrin.h>
-#include <omp.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-#define CK(x) do { CUresult r = (x); if (r) { printf("%s failed %d\n", #x, r); exit(1); } } while (0)
-static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
-static int cmp(const void *a, const void *b) { double x = *(double *)a, y = *(double *)b; return x < y ? -1 : x > y; }
+#include "probe.h"
 
 static void copy_mode(char *d, const char *s, size_t n, int mode) {
   switch (mode) {
@@ -39,7 +29,7 @@ static void copy_mode(char *d, const char *s, size_t n, int mode) {
 static const char *names[] = {"memcpy", "memcpy+clflushopt", "memcpy+cldemote", "prefetchnta copy", "memcpy 4K+clflushopt", "stream stores"};
 
 int main(void) {
-  CK(cuInit(0)); CUdevice dev; CK(cuDeviceGet(&dev, 0)); CUcontext ctx; CK(cuDevicePrimaryCtxRetain(&ctx, dev)); CK(cuCtxSetCurrent(ctx));
+  init_device();
   CUstream st; CK(cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
   size_t big = 16 << 20; CUdeviceptr d; CK(cuMemAlloc(&d, big));
   char *a; CK(cuMemHostAlloc((void **)&a, big, 0));

@@ -1,17 +1,8 @@
 // Probe: is a DMA into a pinned block slower right after host threads have read the block
 // (its lines in their private caches) than into a block the host has not touched lately?
-#define _GNU_SOURCE
-#include <cuda.h>
-#include <omp.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-#define CK(x) do { CUresult r = (x); if (r) { printf("%s failed %d\n", #x, r); exit(1); } } while (0)
-static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
-static int cmp(const void *a, const void *b) { double x = *(double *)a, y = *(double *)b; return x < y ? -1 : x > y; }
+#include "probe.h"
 int main(void) {
-  CK(cuInit(0)); CUdevice dev; CK(cuDeviceGet(&dev, 0)); CUcontext ctx; CK(cuDevicePrimaryCtxRetain(&ctx, dev)); CK(cuCtxSetCurrent(ctx));
+  init_device();
   CUstream st; CK(cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
   size_t big = 64 << 20; CUdeviceptr d; CK(cuMemAlloc(&d, big));
   char *a, *b; CK(cuMemHostAlloc((void **)&a, big, 0)); CK(cuMemHostAlloc((void **)&b, big, 0));

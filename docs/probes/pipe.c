@@ -3,25 +3,13 @@
 // block on one stream, each followed by cuStreamWriteValue32 of the iteration into that chunk's
 // mapped flag; T threads (OpenMP, spinning) claim pieces in order, wait for their chunk's flag
 // and copy the piece out to a warm pageable destination.
-#define _GNU_SOURCE
-#include <cuda.h>
-#include <omp.h>
-#include <stdatomic.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-#include <time.h>
-
-#define CK(x) do { CUresult r = (x); if (r) { printf("%s failed %d\n", #x, r); exit(1); } } while (0)
-static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
-static int cmp(const void *a, const void *b) { double x = *(double *)a, y = *(double *)b; return x < y ? -1 : x > y; }
+#include "probe.h"
 
 int main(int argc, char **argv) {
   size_t total = (size_t)(argc > 1 ? atol(argv[1]) : 4) << 20;
   int huge = argc > 2 && atoi(argv[2]);
   int pmode = argc > 3 ? atoi(argv[3]) : 0; // 0: one stream, marks; 1: two streams, marks; 2: one stream, events
-  CK(cuInit(0)); CUdevice dev; CK(cuDeviceGet(&dev, 0)); CUcontext ctx; CK(cuDevicePrimaryCtxRetain(&ctx, dev)); CK(cuCtxSetCurrent(ctx));
+  init_device();
   CUstream st; CK(cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
   CUdeviceptr d; CK(cuMemAlloc(&d, total)); CK(cuMemsetD8(d, 7, total));
   char *pin; CK(cuMemHostAlloc((void **)&pin, total, 0));

@@ -97,23 +97,22 @@ impl Harness {
 
     /// What the pool's `get` does: a cached block, or a newly "pinned" one.
     fn get(&mut self, class: usize, out: &mut Out) -> FakeBlock {
-        if let Some(block) = self.cache.take(class, out) {
-            return block;
-        }
-        self.cache.add_pinned(class);
-        self.next_id += 1;
-        FakeBlock {
-            id: self.next_id,
-            capacity: class,
-            drops: Rc::clone(&self.drops),
+        match self.cache.take(class, out) {
+            Some(block) => block,
+            None => self.pin(class),
         }
     }
 
     /// What the pool's `get_cold` does: the cold rotation's oldest block, or a newly "pinned" one.
     fn get_cold(&mut self, class: usize, keep: usize, out: &mut Out) -> FakeBlock {
-        if let Some(block) = self.cache.take_cold(class, keep, out) {
-            return block;
+        match self.cache.take_cold(class, keep, out) {
+            Some(block) => block,
+            None => self.pin(class),
         }
+    }
+
+    /// A newly "pinned" block of `class`, counted by the cache.
+    fn pin(&mut self, class: usize) -> FakeBlock {
         self.cache.add_pinned(class);
         self.next_id += 1;
         FakeBlock {

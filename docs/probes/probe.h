@@ -1,0 +1,37 @@
+// What every probe here shares: includes, a checked driver call, a clock, and a median's sort.
+#ifndef CUWEAVE_PROBE_H
+#define CUWEAVE_PROBE_H
+#define _GNU_SOURCE
+#include <cuda.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#define CK(x) do { CUresult r = (x); if (r) { printf("%s failed %d\n", #x, r); exit(1); } } while (0)
+
+static inline double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static inline int cmp(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+// Device 0's primary context, current on this thread.
+static inline void init_device(void) {
+  CK(cuInit(0));
+  CUdevice dev;
+  CK(cuDeviceGet(&dev, 0));
+  CUcontext ctx;
+  CK(cuDevicePrimaryCtxRetain(&ctx, dev));
+  CK(cuCtxSetCurrent(ctx));
+}
+#endif
