@@ -73,13 +73,17 @@ fn typical_gbps(bytes: usize, mut run: impl FnMut() -> Result<()>) -> Result<f64
     Ok(bytes as f64 / median.as_secs_f64().max(1e-9) / 1e9)
 }
 
+/// The largest size whose calibration also tries a single block of the whole size.
+const ONE_BLOCK_MOST: usize = 1 << 20;
+
 /// The staging configurations tried for `path` at `bytes`: the default
 /// ([`StagingConfig::for_path`]) with half, the same and double its chunk, each with half, the
 /// same and double its participants (at most this machine's host threads, and at most
 /// [`ORDERED_MOST`](crate::ORDERED_MOST) ordered), then the default with the other
 /// [`HostCopy`](crate::HostCopy) (which one wins depends on the host's cache), and, for sizes
 /// that run ordered, the default [`Interleaved`](ChunkOrder::Interleaved) with its participants
-/// and half as many again (which order wins depends on the size and the host).
+/// and half as many again (which order wins depends on the size and the host); up to 1 MiB, one
+/// block of the whole size with each host copy.
 pub fn staging_candidates(path: TransferPath, bytes: usize) -> Vec<StagingConfig> {
     let base = StagingConfig::for_path(path, bytes);
     let most = crate::staging::most_participants(bytes, base.order);
@@ -113,6 +117,24 @@ pub fn staging_candidates(path: TransferPath, bytes: usize) -> Vec<StagingConfig
         ..pivot
     };
     out.push(other);
+    // Small sizes also try one block of the whole size (no pipeline, no worker), with each host
+    // copy: at 256 KiB on the H100 host it matched the plain call where two chunks lost to it.
+    if bytes <= ONE_BLOCK_MOST {
+        for host_copy in [crate::HostCopy::Streaming, crate::HostCopy::Cached] {
+            // A chunk of at least the whole size runs as one block already.
+            if !out
+                .iter()
+                .any(|c| c.chunk_bytes >= bytes && c.host_copy == host_copy)
+            {
+                out.push(StagingConfig {
+                    chunk_bytes: bytes,
+                    threads: 1,
+                    host_copy,
+                    ..base
+                });
+            }
+        }
+    }
     if bytes >= crate::staging::ORDERED_FROM && pivot.order == ChunkOrder::Ordered {
         let all = crate::staging::most_participants(bytes, ChunkOrder::Interleaved);
         for threads in [pivot.threads, pivot.threads + pivot.threads / 2] {
@@ -479,6 +501,20 @@ mod tests {
                 if c.order == ChunkOrder::Ordered && bytes >= crate::staging::ORDERED_FROM {
                     assert!(c.threads <= crate::staging::ORDERED_MOST, "{c:?}");
                 }
+            }
+            // Small sizes measure one block of the whole size, with both host copies.
+            let one_block = |k| {
+                candidates
+                    .iter()
+                    .filter(|c| c.chunk_bytes >= bytes && c.host_copy == k)
+                    .count()
+            };
+            for k in [crate::HostCopy::Streaming, crate::HostCopy::Cached] {
+                assert_eq!(
+                    one_block(k),
+                    usize::from(bytes <= ONE_BLOCK_MOST),
+                    "{bytes} {k:?}"
+                );
             }
             // From the ordered sizes both orders are measured.
             let orders = |o| candidates.iter().filter(|c| c.order == o).count();

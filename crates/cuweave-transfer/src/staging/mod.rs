@@ -320,6 +320,7 @@ impl Pipeline<'_> {
                 self.pool,
                 &self.streams[0],
                 self.completion,
+                one_block_copy(self.config.host_copy, size_of_val(src)),
                 src,
                 dst,
                 dst_offset,
@@ -395,7 +396,8 @@ impl Pipeline<'_> {
     {
         let chunk = self.config.chunk_elements::<T>();
         if dst.len() <= chunk {
-            return download_one(self.pool, src, src_offset, dst);
+            let host_copy = one_block_copy(self.config.host_copy, size_of_val(dst));
+            return download_one(self.pool, host_copy, src, src_offset, dst);
         }
         match self.marks {
             Some(marks) if self.runs_ordered(size_of_val(dst)) && !unordered_downloads() => {
@@ -595,15 +597,36 @@ impl Claims {
 /// H100: 4 KiB in 84% of a plain `cuMemcpyDtoH`'s time, 64 KiB in 77%). Uploads of one chunk
 /// take [`upload_one`] instead: there a blocking DMA from pinned memory measured slower than a
 /// copy queued on a stream and that stream's synchronisation.
-fn download_one<T, B>(pool: &PinnedPool, src: &B, src_offset: usize, dst: &mut [T]) -> Result<()>
+fn download_one<T, B>(
+    pool: &PinnedPool,
+    host_copy: HostCopy,
+    src: &B,
+    src_offset: usize,
+    dst: &mut [T],
+) -> Result<()>
 where
     T: Element,
     B: Buffer<T> + ?Sized,
 {
     let mut block = pool.get_typed_cold::<T>(dst.len())?;
     src.copy_range_to_host(src_offset, block.as_mut_slice())?;
-    dst.copy_from_slice(block.as_slice());
-    Ok(())
+    host_copy.copy(dst, block.as_slice())
+}
+
+/// Below this many bytes a one-block copy is latency, not bandwidth, and its host copy is a plain
+/// `memcpy` whatever the configuration says.
+const SMALL_BLOCK: usize = 128 << 10;
+
+/// The host copy of a one-block transfer of `bytes`: the configuration's from [`SMALL_BLOCK`] up.
+/// An upload's block filled with `memcpy` is dirty in the filling core's cache, and the copy
+/// engine reads such lines slowly (docs/probes/upload.c, 512 KiB: 15.5 GB/s after `memcpy`, 27
+/// after streaming stores), so the streaming stores calibration may choose matter here too.
+fn one_block_copy(configured: HostCopy, bytes: usize) -> HostCopy {
+    if bytes < SMALL_BLOCK {
+        HostCopy::Cached
+    } else {
+        configured
+    }
 }
 
 /// An upload of one chunk: nothing to overlap, so no worker. The bytes go into one pinned
@@ -618,6 +641,7 @@ fn upload_one<T, B>(
     pool: &PinnedPool,
     stream: &Stream,
     completion: Option<&CompletionWords>,
+    host_copy: HostCopy,
     src: &[T],
     dst: &mut B,
     dst_offset: usize,
@@ -627,7 +651,7 @@ where
     B: Buffer<T> + ?Sized,
 {
     let mut block = pool.get_typed::<T>(src.len())?;
-    block.as_mut_slice().copy_from_slice(src);
+    host_copy.copy(block.as_mut_slice(), src)?;
     let block = match completion {
         Some(words) => dst.copy_range_from_host_watched(dst_offset, block, stream, words)?,
         None => dst.copy_range_from_host_on(dst_offset, block, stream)?,
