@@ -635,25 +635,17 @@ impl<E: UseEvent> UseState<E> {
         // Per stream, the `seq` of its newest use known to have finished.
         let mut finished_through: Vec<(u64, u64)> = Vec::new();
         for uses in ordered.chunk_by(|a, b| a.0 == b.0) {
-            let done = |i: usize| matches!(uses[i].2.is_complete(), Ok(true));
+            // A failed query counts as not finished: fewer uses dropped, never one too many.
+            let done = |used: &(u64, u64, &Arc<E>)| matches!(used.2.is_complete(), Ok(true));
             let newest = uses.len() - 1;
-            let finished = if done(newest) {
-                Some(newest)
+            // The newest first (a stream that has caught up costs one query), else a binary
+            // search of the others for where the finished ones end.
+            let finished = if done(&uses[newest]) {
+                uses.len()
             } else {
-                // Uses before `low` have finished, those from `high` on have not (a failed
-                // query counts as not finished: fewer uses dropped, never one too many).
-                let (mut low, mut high) = (0, newest);
-                while low < high {
-                    let middle = (low + high) / 2;
-                    if done(middle) {
-                        low = middle + 1;
-                    } else {
-                        high = middle;
-                    }
-                }
-                low.checked_sub(1)
+                uses[..newest].partition_point(done)
             };
-            if let Some(last) = finished {
+            if let Some(last) = finished.checked_sub(1) {
                 finished_through.push((uses[last].0, uses[last].1));
             }
         }
