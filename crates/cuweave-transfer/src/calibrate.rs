@@ -135,7 +135,7 @@ pub fn staging_candidates(path: TransferPath, bytes: usize) -> Vec<StagingConfig
             }
         }
     }
-    if bytes >= crate::staging::ORDERED_FROM && pivot.order == ChunkOrder::Ordered {
+    if pivot.order.runs_ordered(bytes) {
         let all = crate::staging::most_participants(bytes, ChunkOrder::Interleaved);
         for threads in [pivot.threads, pivot.threads + pivot.threads / 2] {
             let interleaved = StagingConfig {
@@ -498,7 +498,7 @@ mod tests {
             for (i, c) in candidates.iter().enumerate() {
                 assert!(c.chunk_bytes > 0 && c.threads > 0 && c.depth > 0);
                 assert!(!candidates[..i].contains(c));
-                if c.order == ChunkOrder::Ordered && bytes >= crate::staging::ORDERED_FROM {
+                if c.order.runs_ordered(bytes) {
                     assert!(c.threads <= crate::staging::ORDERED_MOST, "{c:?}");
                 }
             }

@@ -109,6 +109,14 @@ pub enum ChunkOrder {
     Interleaved,
 }
 
+impl ChunkOrder {
+    /// Whether a pipelined copy of `bytes` in this order runs ordered (on a lane with progress
+    /// marks): from [`ORDERED_FROM`] bytes, when the order is [`Ordered`](Self::Ordered).
+    pub(crate) fn runs_ordered(self, bytes: usize) -> bool {
+        bytes >= ORDERED_FROM && self == Self::Ordered
+    }
+}
+
 /// How a participant copies a chunk between user memory and its pinned block.
 ///
 /// Which one wins depends on the direction and on the host's last-level cache, so it is part of
@@ -258,7 +266,7 @@ pub const ORDERED_MOST: usize = 8;
 /// threads, and [`ORDERED_MOST`] when it runs ordered.
 pub(crate) fn most_participants(bytes: usize, order: ChunkOrder) -> usize {
     let threads = host_threads();
-    if bytes >= ORDERED_FROM && order == ChunkOrder::Ordered {
+    if order.runs_ordered(bytes) {
         threads.min(ORDERED_MOST)
     } else {
         threads
@@ -291,12 +299,6 @@ pub(crate) struct Pipeline<'a> {
 }
 
 impl Pipeline<'_> {
-    /// Whether a copy of `bytes` runs ordered (given progress marks): from [`ORDERED_FROM`]
-    /// bytes, when the configuration says so.
-    fn runs_ordered(&self, bytes: usize) -> bool {
-        bytes >= ORDERED_FROM && self.config.order == ChunkOrder::Ordered
-    }
-
     fn participants(&self, chunks: usize) -> usize {
         self.config
             .workers(chunks)
@@ -327,7 +329,9 @@ impl Pipeline<'_> {
             );
         }
         match self.marks {
-            Some(marks) if self.runs_ordered(size_of_val(src)) && !unordered_uploads() => {
+            Some(marks)
+                if self.config.order.runs_ordered(size_of_val(src)) && !unordered_uploads() =>
+            {
                 self.upload_ordered(marks, src, dst, dst_offset)
             }
             _ => self.upload_interleaved(src, dst, dst_offset),
@@ -400,7 +404,9 @@ impl Pipeline<'_> {
             return download_one(self.pool, host_copy, src, src_offset, dst);
         }
         match self.marks {
-            Some(marks) if self.runs_ordered(size_of_val(dst)) && !unordered_downloads() => {
+            Some(marks)
+                if self.config.order.runs_ordered(size_of_val(dst)) && !unordered_downloads() =>
+            {
                 self.download_ordered(marks, src, src_offset, dst)
             }
             _ => self.download_interleaved(src, src_offset, dst),
