@@ -4,13 +4,17 @@
 //! the longest poll, the 99.9th percentile and how many polls took over 50 µs.
 //!
 //! `cargo run --release -p cuweave-transfer --example async_polls [ROUNDS]` (default 3).
+//! `ASYNC_PARTS=1` then times, alone, each step a poll of an upload is made of (a 64 KiB
+//! streaming copy into a pinned block, queueing the chunk's copy, queueing its completion word,
+//! polling the word, taking the landed block back), over as many 1 MiB chunks: the longest of
+//! each and how many took over 50 µs, to tell which step a slow poll spent its time in.
 
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-use cuweave_driver::{Context, Device};
-use cuweave_memory::{DeviceBuffer, copy_streaming};
+use cuweave_driver::{Context, Device, Stream, StreamFlags};
+use cuweave_memory::{Buffer, DeviceBuffer, PinnedPool, copy_streaming};
 use cuweave_transfer::TransferManager;
 
 const GIB: usize = 1 << 30;
@@ -112,5 +116,94 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     assert!(host.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
+    if std::env::var_os("ASYNC_PARTS").is_some() {
+        for round in 0..rounds {
+            parts(round, &context, &host, &mut device)?;
+        }
+    }
     Ok(())
+}
+
+/// The longest time each step of a borrowed upload's polls takes, timed one by one: `depth`
+/// 1 MiB blocks in flight on one stream, as [`TransferManager::upload_async`] runs them.
+fn parts(
+    round: usize,
+    context: &Arc<Context>,
+    host: &[u8],
+    device: &mut DeviceBuffer<u8>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    const CHUNK: usize = 1 << 20;
+    const PIECE: usize = 64 << 10;
+    const DEPTH: usize = 4;
+    let stream = Stream::new(context, StreamFlags::NON_BLOCKING)?;
+    let pool = PinnedPool::new(context);
+    let mut free: Vec<_> = (0..DEPTH)
+        .map(|_| pool.get_typed::<u8>(CHUNK))
+        .collect::<Result<_, _>>()?;
+    let names = [
+        "fill 64 KiB",
+        "queue copy",
+        "queue word",
+        "poll word",
+        "take block",
+    ];
+    let mut times: Vec<Vec<Duration>> = names.iter().map(|_| Vec::new()).collect();
+    let waker = Waker::noop();
+    let mut cx = TaskContext::from_waker(waker);
+    let mut in_flight = std::collections::VecDeque::new();
+    let timed = |times: &mut Vec<Duration>, start: Instant| times.push(start.elapsed());
+    for (index, chunk) in host.chunks(CHUNK).enumerate() {
+        let mut block = loop {
+            if let Some(block) = free.pop() {
+                break block;
+            }
+            let (copy, mut word): (_, cuweave_event::WaitFuture) =
+                in_flight.pop_front().expect("a block is out");
+            loop {
+                let start = Instant::now();
+                let polled = std::pin::Pin::new(&mut word).poll(&mut cx);
+                timed(&mut times[3], start);
+                if let Poll::Ready(done) = polled {
+                    done?;
+                    break;
+                }
+                std::thread::yield_now();
+            }
+            let start = Instant::now();
+            let block = cuweave_memory::buffer::PendingCopy::wait(copy)?;
+            timed(&mut times[4], start);
+            free.push(block);
+        };
+        for (to, from) in block
+            .as_mut_slice()
+            .chunks_mut(PIECE)
+            .zip(chunk.chunks(PIECE))
+        {
+            let start = Instant::now();
+            copy_streaming(to, from)?;
+            timed(&mut times[0], start);
+        }
+        let start = Instant::now();
+        let copy = device.copy_range_from_host_async(index * CHUNK, block, &stream)?;
+        timed(&mut times[1], start);
+        let start = Instant::now();
+        let word = cuweave_event::stream_idle(&stream)?;
+        timed(&mut times[2], start);
+        in_flight.push_back((copy, word));
+    }
+    for (copy, word) in in_flight {
+        block_on(word)?;
+        drop(cuweave_memory::buffer::PendingCopy::wait(copy)?);
+    }
+    for (name, times) in names.iter().zip(times) {
+        if !times.is_empty() {
+            summary(&format!("parts {round}: {name}"), times, None);
+        }
+    }
+    Ok(())
+}
+
+/// Waits for `future` on this thread.
+fn block_on<F: Future + Unpin>(future: F) -> F::Output {
+    timed_block_on(future).0
 }

@@ -4,9 +4,9 @@
 //!
 //! # Neither blocks the executor
 //! A poll of an [`AsyncTransfer`] copies at most [`POLL_BYTES`] of host memory, and works at
-//! most about [`POLL_TIME`], then (if there
-//! is more to do) wakes its own task and returns `Pending`, so an executor thread is never held
-//! for long; its pinned blocks are taken from the pool by a staging worker, never pinned on the
+//! most about [`POLL_TIME`], or makes one driver call (queueing a chunk's copy or the mark
+//! behind it, or taking a landed chunk back) and nothing else, then (if there is more to do)
+//! wakes its own task and returns `Pending`, so an executor thread is never held for long; its pinned blocks are taken from the pool by a staging worker, never pinned on the
 //! polling thread. A poll of an [`OwnedTransfer`] only looks at a completion slot.
 //!
 //! # Why borrowed host memory is safe here
@@ -76,15 +76,10 @@ use crate::workers;
 /// core of the H100 host, 9.2 GB/s) before it yields to the executor.
 pub const POLL_BYTES: usize = 64 << 10;
 
-/// The most time one poll of an [`AsyncTransfer`] spends before it yields, whatever its byte
-/// budget: queueing a copy and taking events cost driver calls of several microseconds, so a
-/// poll that has worked this long returns `Pending` (waking itself) at the next step.
+/// The most time one poll of an [`AsyncTransfer`] spends copying host bytes before it yields,
+/// whatever its byte budget. Driver calls (several microseconds each, tens on a busy host) get
+/// polls of their own: one per poll, in a poll that copies nothing.
 pub const POLL_TIME: std::time::Duration = std::time::Duration::from_micros(20);
-
-/// A poll queues a copy (a few driver calls: the copy, the buffer's use, the completion word)
-/// only if it has worked less than this so far; otherwise it leaves the copy to the next poll,
-/// so that no poll does both most of its copy budget and a queueing.
-const QUEUE_WITHIN: std::time::Duration = std::time::Duration::from_micros(8);
 
 /// The chunk an [`AsyncTransfer`] moves per copy: large enough that queueing a copy is cheap
 /// beside moving it, small enough that a few in flight cost little pinned memory.
@@ -144,7 +139,8 @@ enum Direction<'a, T: Element> {
 struct InFlight<T: Element> {
     index: usize,
     copy: PendingCopy<TypedPinnedBlock<T>>,
-    landed: Landed,
+    /// `None` from the poll that queued the copy until the next poll queues the mark.
+    landed: Option<Landed>,
 }
 
 /// How a poll learns that an in-flight chunk has landed.
@@ -182,8 +178,8 @@ struct Blocks<T: Element> {
 /// [`StagingConfig::depth`](crate::StagingConfig::depth) chunks in flight, each with a
 /// completion word behind it (the event layer's [`stream_idle`](cuweave_event::stream_idle);
 /// an event where the stream cannot write one), and waits on the oldest chunk's
-/// [`WaitFuture`]. It moves about as
-/// fast as one core copies; [`OwnedTransfer`] uses every staging worker. Works under any
+/// [`WaitFuture`]. A poll that queues a copy or a word, or takes a landed chunk back, does
+/// nothing else. It moves about as fast as one core copies; [`OwnedTransfer`] uses every staging worker. Works under any
 /// executor. Dropping it before it completes waits for the chunks in flight (briefly
 /// blocking) and leaves the destination partly written.
 #[must_use = "futures do nothing unless polled"]
@@ -288,8 +284,9 @@ impl<T: Element> AsyncTransfer<'_, T> {
         }
     }
 
-    /// Queues chunk `index`'s copy (an upload's block is filled already).
-    fn queue(&mut self, index: usize, block: TypedPinnedBlock<T>) -> Result<()> {
+    /// Queues chunk `index`'s copy (an upload's block is filled already); the chunk is watched
+    /// from the next poll on, which queues its [`Landed`] mark ([`mark_newest`](Self::mark_newest)).
+    fn queue_copy(&mut self, index: usize, block: TypedPinnedBlock<T>) -> Result<()> {
         let start = self.range(index).start;
         let stream = self.lane.stream();
         let copy = match &mut self.direction {
@@ -300,6 +297,26 @@ impl<T: Element> AsyncTransfer<'_, T> {
                 src.copy_range_to_host_async(*offset + start, block, stream)?
             }
         };
+        self.in_flight.push_back(InFlight {
+            index,
+            copy,
+            landed: None,
+        });
+        Ok(())
+    }
+
+    /// Whether the newest chunk queued still needs its [`Landed`] mark.
+    fn newest_unmarked(&self) -> bool {
+        self.in_flight
+            .back()
+            .is_some_and(|chunk| chunk.landed.is_none())
+    }
+
+    /// Queues the mark the newest chunk is watched by: a completion word behind it on the
+    /// lane's stream (an event where the stream cannot write one). Queued after the copy, on
+    /// the same stream, so it passes only once the copy has landed.
+    fn mark_newest(&mut self) -> Result<()> {
+        let stream = self.lane.stream();
         let landed = match self.words.then(|| cuweave_event::stream_idle(stream)) {
             Some(Ok(word)) => Landed::Word(word),
             outcome => {
@@ -314,12 +331,22 @@ impl<T: Element> AsyncTransfer<'_, T> {
                 Landed::Event(done)
             }
         };
-        self.in_flight.push_back(InFlight {
-            index,
-            copy,
-            landed,
-        });
+        if let Some(chunk) = self.in_flight.back_mut() {
+            chunk.landed = Some(landed);
+        }
         Ok(())
+    }
+
+    /// Whether a block is free for chunk `index`.
+    fn has_free_block(&self, index: usize) -> bool {
+        let full = self.range(index).len() == self.chunk;
+        self.blocks.as_ref().is_some_and(|blocks| {
+            if full {
+                !blocks.full.is_empty()
+            } else {
+                blocks.tail.is_some()
+            }
+        })
     }
 
     /// Copies up to `*budget` elements of the partial chunk's host side; `true` once it is
@@ -374,72 +401,90 @@ impl<T: Element> AsyncTransfer<'_, T> {
                 }
             }
         }
-        let mut budget = (POLL_BYTES / size_of::<T>().max(1)).max(1);
+        let full_budget = (POLL_BYTES / size_of::<T>().max(1)).max(1);
+        let mut budget = full_budget;
         let started = Instant::now();
-        // Whether this poll still has time to queue a copy; if not, it comes back for it.
-        let may_queue = || started.elapsed() < QUEUE_WITHIN;
+        // Comes back for the rest in the next poll.
+        let again = |cx: &mut Context<'_>| {
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        };
+        // A poll makes at most one of its driver calls (queueing a chunk's copy, queueing its
+        // mark, taking a landed chunk back), and only if it has not copied host bytes: each
+        // can take tens of microseconds on a busy host, so a poll doing two, or one after its
+        // copy budget, is what ran past the poll target.
         loop {
+            let worked = budget < full_budget;
             if started.elapsed() >= POLL_TIME {
-                cx.waker().wake_by_ref();
-                return Poll::Pending;
+                return again(cx);
             }
-            if let Some((index, block)) = self.filled.take() {
-                if !may_queue() {
-                    self.filled = Some((index, block));
-                    cx.waker().wake_by_ref();
-                    return Poll::Pending;
+            if self.newest_unmarked() {
+                if worked {
+                    return again(cx);
                 }
-                if let Err(error) = self.queue(index, block) {
+                if let Err(error) = self.mark_newest() {
                     return Poll::Ready(Err(error));
                 }
+                return again(cx);
+            }
+            if let Some((index, block)) = self.filled.take() {
+                if worked {
+                    self.filled = Some((index, block));
+                    return again(cx);
+                }
+                if let Err(error) = self.queue_copy(index, block) {
+                    return Poll::Ready(Err(error));
+                }
+                return again(cx);
             }
             match self.advance_partial(&mut budget) {
                 Err(error) => return Poll::Ready(Err(error)),
-                Ok(false) => {
-                    // Out of budget: let the executor run others, and come back.
-                    cx.waker().wake_by_ref();
-                    return Poll::Pending;
-                }
-                // A filled upload chunk is queued at the top, when there is time for it.
-                Ok(true) if self.filled.is_some() => continue,
+                // Out of budget: let the executor run others, and come back.
+                Ok(false) => return again(cx),
+                // A filled upload chunk is queued by the next poll.
+                Ok(true) if self.filled.is_some() => return again(cx),
                 Ok(true) => {}
             }
+            let worked = budget < full_budget;
             if budget == 0 {
-                cx.waker().wake_by_ref();
-                return Poll::Pending;
+                return again(cx);
             }
             // Start the next chunk where a block is free.
-            if self.next < self.chunks && self.in_flight.len() < self.depth {
-                if matches!(self.direction, Direction::Download { .. }) && !may_queue() {
+            let index = self.next;
+            if index < self.chunks
+                && self.in_flight.len() < self.depth
+                && self.has_free_block(index)
+            {
+                let download = matches!(self.direction, Direction::Download { .. });
+                if download && worked {
                     // A download starts its chunk by queueing its copy: next poll.
-                    cx.waker().wake_by_ref();
-                    return Poll::Pending;
+                    return again(cx);
                 }
-                let index = self.next;
-                if let Some(block) = self.free_block(index) {
-                    self.next += 1;
-                    let outcome = match self.direction {
-                        Direction::Upload { .. } => {
-                            self.partial = Some(Partial {
-                                index,
-                                block,
-                                done: 0,
-                            });
-                            Ok(())
-                        }
-                        Direction::Download { .. } => self.queue(index, block),
-                    };
-                    if let Err(error) = outcome {
-                        return Poll::Ready(Err(error));
-                    }
+                let block = self.free_block(index).expect("checked just above");
+                self.next += 1;
+                if !download {
+                    self.partial = Some(Partial {
+                        index,
+                        block,
+                        done: 0,
+                    });
                     continue;
                 }
+                if let Err(error) = self.queue_copy(index, block) {
+                    return Poll::Ready(Err(error));
+                }
+                return again(cx);
             }
-            let Some(front) = self.in_flight.front_mut() else {
+            if self.in_flight.is_empty() {
                 return Poll::Ready(Ok(()));
-            };
+            }
+            if worked {
+                // Taking the oldest chunk back, once landed, is a driver call.
+                return again(cx);
+            }
+            let front = self.in_flight.front_mut().expect("not empty");
             let index = front.index;
-            let polled = match &mut front.landed {
+            let polled = match front.landed.as_mut().expect("marked at the top") {
                 Landed::Word(future) => Pin::new(future).poll(cx),
                 Landed::Event(event) => {
                     // Registered with the reactor once, on the first poll that waits for it.
@@ -459,7 +504,7 @@ impl<T: Element> AsyncTransfer<'_, T> {
                 Poll::Ready(Ok(())) => {
                     self.waiting = None;
                     let front = self.in_flight.pop_front().expect("looked at above");
-                    // The event has passed: this returns at once.
+                    // The mark has passed: this returns at once.
                     let block = match front.copy.wait() {
                         Ok(block) => block,
                         Err(error) => return Poll::Ready(Err(error.into())),
@@ -474,6 +519,7 @@ impl<T: Element> AsyncTransfer<'_, T> {
                             });
                         }
                     }
+                    return again(cx);
                 }
             }
         }
