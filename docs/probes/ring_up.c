@@ -1,0 +1,87 @@
+// Probe: an ordered pageable upload in C through a ring of pinned staging memory, as the staged
+// pipeline runs it, against one with no reuse; with more filling threads than pipe_up.c tries.
+// T threads (OpenMP, spinning) claim pieces (an eighth of a chunk) in order and fill them from
+// pageable memory (memcpy or streaming stores); whoever completes the next chunks in order queues
+// their host-to-device copies on one stream. With a ring (argument 2, MiB), chunk k lands in the
+// ring at (k * chunk) % ring, and a piece of it is filled only once the copy of the chunk that
+// last used that part of the ring has passed: a cuStreamWriteValue32 mark behind each copy,
+// read with plain loads. Arguments: size in MiB (default 64), ring in MiB (default 0: as large
+// as the upload, no reuse and no marks).
+#include "probe.h"
+
+static void fill(char *d, const char *s, size_t n, int streaming) {
+  if (!streaming) { memcpy(d, s, n); return; }
+  for (size_t i = 0; i < n; i += 64) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)(s + i)), y = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+    _mm256_stream_si256((__m256i *)(d + i), x); _mm256_stream_si256((__m256i *)(d + i + 32), y);
+  }
+  _mm_sfence();
+}
+
+int main(int argc, char **argv) {
+  size_t total = (size_t)(argc > 1 ? atol(argv[1]) : 64) << 20;
+  size_t ring = (size_t)(argc > 2 ? atol(argv[2]) : 0) << 20;
+  if (ring == 0 || ring > total) ring = total;
+  int marks = ring < total;
+  init_device();
+  CUcontext ctx; CK(cuCtxGetCurrent(&ctx));
+  CUstream st; CK(cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
+  CUdeviceptr d; CK(cuMemAlloc(&d, total));
+  char *pin; CK(cuMemHostAlloc((void **)&pin, ring, 0));
+  volatile unsigned *flags; CK(cuMemHostAlloc((void **)&flags, 1024 * 64, CU_MEMHOSTALLOC_DEVICEMAP));
+  CUdeviceptr dflags; CK(cuMemHostGetDevicePointer(&dflags, (void *)flags, 0));
+  memset((void *)flags, 0, 1024 * 64);
+  char *src = aligned_alloc(64, total); memset(src, 3, total); memset(pin, 1, ring);
+  double tb[41];
+  for (int i = 0; i < 41; i++) { double t0 = now(); CK(cuMemcpyHtoDAsync(d, pin, ring, st)); CK(cuStreamSynchronize(st)); tb[i] = now() - t0; }
+  qsort(tb, 41, sizeof(double), cmp);
+  printf("%zu MiB upload, ring %zu MiB: pinned HtoD %.1f GB/s\n", total >> 20, ring >> 20, ring / tb[20] / 1e9);
+  printf("chunk_KiB fill     T=6    T=8   T=12   T=16   (GB/s, median of 41, end to end)\n");
+  size_t chunks_kib[] = {1024, 2048, 4096};
+  int ts[] = {6, 8, 12, 16};
+  unsigned iter = 0;
+  for (int ci = 0; ci < 3; ci++) for (int streaming = 0; streaming < 2; streaming++) {
+    size_t chunk = chunks_kib[ci] << 10, piece = chunk / 8;
+    size_t nchunks = total / chunk, npieces = total / piece, ring_chunks = ring / chunk;
+    if (nchunks > 1000 || ring % chunk) continue;
+    printf("%9zu %-7s", chunk >> 10, streaming ? "stream" : "memcpy");
+    for (int ti = 0; ti < 4; ti++) {
+      int T = ts[ti]; double times[41];
+      for (int it = 0; it < 41; it++) {
+        iter++;
+        atomic_size_t next = 0;
+        atomic_int done[1000];
+        for (size_t k = 0; k < nchunks; k++) atomic_store(&done[k], 0);
+        size_t queued = 0;
+        double t0 = now();
+#pragma omp parallel num_threads(T)
+        {
+          CK(cuCtxSetCurrent(ctx));
+          for (;;) {
+            size_t p = atomic_fetch_add(&next, 1);
+            if (p >= npieces) break;
+            size_t k = p * piece / chunk;
+            if (k >= ring_chunks)  // the ring's part is free once the copy that last read it passed
+              while (flags[16 * ((k - ring_chunks) % 1000)] != iter) _mm_pause();
+            fill(pin + (p * piece) % ring, src + p * piece, piece, streaming);
+            if (atomic_fetch_add(&done[k], 1) + 1 == (int)(chunk / piece)) {
+#pragma omp critical
+              while (queued < nchunks && atomic_load(&done[queued]) == (int)(chunk / piece)) {
+                CK(cuMemcpyHtoDAsync(d + queued * chunk, pin + (queued * chunk) % ring, chunk, st));
+                if (marks) CK(cuStreamWriteValue32(st, dflags + 64 * (queued % 1000), iter, 0));
+                atomic_store(&done[queued], -1000000);
+                queued++;
+              }
+            }
+          }
+        }
+        CK(cuStreamSynchronize(st));
+        times[it] = now() - t0;
+      }
+      qsort(times, 41, sizeof(double), cmp);
+      printf(" %6.1f", total / times[20] / 1e9);
+    }
+    printf("\n");
+  }
+  return 0;
+}
