@@ -9,13 +9,6 @@ static void *map(size_t n, int huge) {
   memset(p, 1, n);
   return p;
 }
-static void stream_copy(char *d, const char *s, size_t n) {
-  for (size_t i = 0; i < n; i += 64) {
-    __m256i a = _mm256_loadu_si256((const __m256i *)(s + i)), b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
-    _mm256_stream_si256((__m256i *)(d + i), a); _mm256_stream_si256((__m256i *)(d + i + 32), b);
-  }
-  _mm_sfence();
-}
 
 int main(int argc, char **argv) {
   size_t n = (argc > 1 ? atol(argv[1]) : 4) << 20;

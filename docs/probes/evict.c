@@ -18,12 +18,7 @@ static void copy_mode(char *d, const char *s, size_t n, int mode) {
     for (size_t o = 0; o < n; o += 4096) { size_t m = n - o < 4096 ? n - o : 4096; memcpy(d + o, s + o, m);
       for (size_t i = 0; i < m; i += 64) _mm_clflushopt((void *)(s + o + i)); }
     _mm_sfence(); break;
-  case 5: // streaming stores with plain loads (the HostCopy::Streaming shape)
-    for (size_t i = 0; i < n; i += 64) {
-      __m256i x = _mm256_loadu_si256((const __m256i *)(s + i)), y = _mm256_loadu_si256((const __m256i *)(s + i + 32));
-      _mm256_stream_si256((__m256i *)(d + i), x); _mm256_stream_si256((__m256i *)(d + i + 32), y);
-    }
-    _mm_sfence(); break;
+  case 5: stream_copy(d, s, n); break; // the HostCopy::Streaming shape
   }
 }
 static const char *names[] = {"memcpy", "memcpy+clflushopt", "memcpy+cldemote", "prefetchnta copy", "memcpy 4K+clflushopt", "stream stores"};

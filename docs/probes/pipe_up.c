@@ -1,43 +1,46 @@
 // Probe: an ideal ordered pageable upload in C, to bound what the staged pipeline can reach on
-// this host. T threads (OpenMP, spinning) claim pieces of a pinned buffer as large as the upload
-// in order and fill them from pageable memory (memcpy or streaming stores); whoever completes the
+// this host. T threads (OpenMP, spinning) claim pieces (an eighth of a chunk) in order and fill
+// them from pageable memory (memcpy or streaming stores) into pinned memory; whoever completes the
 // next chunks in order queues their host-to-device copies, on one stream or alternating two, with
-// or without a cuStreamWriteValue32 mark behind each. No block is reused (an upper bound).
+// or without a cuStreamWriteValue32 mark behind each. Arguments: size in MiB (default 16), ring
+// in MiB (default 0: pinned memory as large as the upload, no block reused, an upper bound). With
+// a ring, chunk k lands at (k * chunk) % ring, as the pipeline reuses its blocks, and a piece is
+// filled only once the mark of the chunk that last used that part of the ring has passed (plain
+// loads; marks are then always on).
 #include "probe.h"
 
 static void fill(char *d, const char *s, size_t n, int streaming) {
-  if (!streaming) { memcpy(d, s, n); return; }
-  for (size_t i = 0; i < n; i += 64) {
-    __m256i x = _mm256_loadu_si256((const __m256i *)(s + i)), y = _mm256_loadu_si256((const __m256i *)(s + i + 32));
-    _mm256_stream_si256((__m256i *)(d + i), x); _mm256_stream_si256((__m256i *)(d + i + 32), y);
-  }
-  _mm_sfence();
+  if (streaming) stream_copy(d, s, n); else memcpy(d, s, n);
 }
 
 int main(int argc, char **argv) {
   size_t total = (size_t)(argc > 1 ? atol(argv[1]) : 16) << 20;
+  size_t ring = (size_t)(argc > 2 ? atol(argv[2]) : 0) << 20;
+  if (ring == 0 || ring > total) ring = total;
   init_device();
+  CUcontext ctx; CK(cuCtxGetCurrent(&ctx));
   CUstream st[2]; CK(cuStreamCreate(&st[0], CU_STREAM_NON_BLOCKING)); CK(cuStreamCreate(&st[1], CU_STREAM_NON_BLOCKING));
   CUdeviceptr d; CK(cuMemAlloc(&d, total));
-  char *pin; CK(cuMemHostAlloc((void **)&pin, total, 0));
+  char *pin; CK(cuMemHostAlloc((void **)&pin, ring, 0));
   volatile unsigned *flags; CK(cuMemHostAlloc((void **)&flags, 65536, CU_MEMHOSTALLOC_DEVICEMAP));
   CUdeviceptr dflags; CK(cuMemHostGetDevicePointer(&dflags, (void *)flags, 0));
-  char *src = aligned_alloc(64, total); memset(src, 3, total); memset(pin, 1, total);
+  memset((void *)flags, 0, 65536);
+  char *src = aligned_alloc(64, total); memset(src, 3, total); memset(pin, 1, ring);
   double tb[41];
-  for (int i = 0; i < 41; i++) { double t0 = now(); CK(cuMemcpyHtoDAsync(d, pin, total, st[0])); CK(cuStreamSynchronize(st[0])); tb[i] = now() - t0; }
+  for (int i = 0; i < 41; i++) { double t0 = now(); CK(cuMemcpyHtoDAsync(d, pin, ring, st[0])); CK(cuStreamSynchronize(st[0])); tb[i] = now() - t0; }
   qsort(tb, 41, sizeof(double), cmp);
-  printf("%zu MiB upload: pinned HtoD %.1f GB/s\n", total >> 20, total / tb[20] / 1e9);
-  printf("chunk_KiB fill    streams marks   T=4    T=6    T=8   (GB/s, median of 41, end to end)\n");
+  printf("%zu MiB upload, ring %zu MiB: pinned HtoD %.1f GB/s\n", total >> 20, ring >> 20, ring / tb[20] / 1e9);
+  printf("chunk_KiB fill    streams marks   T=4    T=6    T=8   T=12   T=16   (GB/s, median of 41, end to end)\n");
   size_t chunks_kib[] = {1024, 2048, 4096};
-  int ts[] = {4, 6, 8};
+  int ts[] = {4, 6, 8, 12, 16};
   unsigned iter = 0;
   for (int ci = 0; ci < 3; ci++) for (int streaming = 0; streaming < 2; streaming++)
-  for (int S = 1; S <= 2; S++) for (int marks = 0; marks < 2; marks++) {
+  for (int S = 1; S <= 2; S++) for (int marks = ring < total; marks < 2; marks++) {
     size_t chunk = chunks_kib[ci] << 10, piece = chunk / 8;
-    size_t nchunks = total / chunk, npieces = total / piece;
-    if (nchunks > 1000) continue;
+    size_t nchunks = total / chunk, npieces = total / piece, ring_chunks = ring / chunk;
+    if (nchunks > 1000 || ring % chunk) continue;
     printf("%9zu %-7s %7d %5s", chunk >> 10, streaming ? "stream" : "memcpy", S, marks ? "yes" : "no");
-    for (int ti = 0; ti < 3; ti++) {
+    for (int ti = 0; ti < 5; ti++) {
       int T = ts[ti]; double times[41];
       for (int it = 0; it < 41; it++) {
         iter++;
@@ -48,16 +51,19 @@ int main(int argc, char **argv) {
         double t0 = now();
 #pragma omp parallel num_threads(T)
         {
+          CK(cuCtxSetCurrent(ctx));
           for (;;) {
             size_t p = atomic_fetch_add(&next, 1);
             if (p >= npieces) break;
-            fill(pin + p * piece, src + p * piece, piece, streaming);
             size_t k = p * piece / chunk;
+            if (k >= ring_chunks)  // that part of the ring is free once its last copy has passed
+              while (flags[16 * ((k - ring_chunks) % 1000)] != iter) _mm_pause();
+            fill(pin + (p * piece) % ring, src + p * piece, piece, streaming);
             if (atomic_fetch_add(&done[k], 1) + 1 == (int)(chunk / piece)) {
 #pragma omp critical
               while (queued < nchunks && atomic_load(&done[queued]) == (int)(chunk / piece)) {
                 CUstream s = st[queued % S];
-                CK(cuMemcpyHtoDAsync(d + queued * chunk, pin + queued * chunk, chunk, s));
+                CK(cuMemcpyHtoDAsync(d + queued * chunk, pin + (queued * chunk) % ring, chunk, s));
                 if (marks) CK(cuStreamWriteValue32(s, dflags + 64 * (queued % 1000), iter, 0));
                 atomic_store(&done[queued], -1000000);
                 queued++;

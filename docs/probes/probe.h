@@ -1,4 +1,5 @@
-// What every probe here shares: includes, a checked driver call, a clock, and a median's sort.
+// What every probe here shares: includes, a checked driver call, a clock, a median's sort and a
+// streaming copy.
 #ifndef CUWEAVE_PROBE_H
 #define CUWEAVE_PROBE_H
 #define _GNU_SOURCE
@@ -23,6 +24,15 @@ static inline double now(void) {
 static inline int cmp(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return x < y ? -1 : x > y;
+}
+
+// Copies n bytes (a multiple of 64) with streaming stores: the shape of HostCopy::Streaming.
+static inline void stream_copy(char *d, const char *s, size_t n) {
+  for (size_t i = 0; i < n; i += 64) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)(s + i)), y = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+    _mm256_stream_si256((__m256i *)(d + i), x); _mm256_stream_si256((__m256i *)(d + i + 32), y);
+  }
+  _mm_sfence();
 }
 
 // Device 0's primary context, current on this thread.

@@ -4,8 +4,7 @@
 static void fill(char *d, const char *s, size_t n, int mode) {
   switch (mode) {
   case 0: memcpy(d, s, n); break;
-  case 1: for (size_t i = 0; i < n; i += 64) { __m256i x = _mm256_loadu_si256((const __m256i *)(s + i)), y = _mm256_loadu_si256((const __m256i *)(s + i + 32));
-            _mm256_stream_si256((__m256i *)(d + i), x); _mm256_stream_si256((__m256i *)(d + i + 32), y); } _mm_sfence(); break;
+  case 1: stream_copy(d, s, n); break;
   case 2: memcpy(d, s, n); for (size_t i = 0; i < n; i += 64) _cldemote(d + i); break;
   case 3: memcpy(d, s, n); for (size_t i = 0; i < n; i += 64) _mm_clwb(d + i); _mm_sfence(); break;
   }
