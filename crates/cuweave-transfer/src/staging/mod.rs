@@ -487,11 +487,6 @@ enum Ramp {
     /// At the end (downloads): the last host copies wait for the copy engine, so the last chunk
     /// of each participant is short and the transfer ends sooner.
     Last,
-    /// None: every chunk full size but the remainder at the end. Ordered uploads: all
-    /// participants fill each chunk's pieces at once, so the first chunk is ready after a
-    /// piece's fill anyway; a short first chunk (and so a short last one) measured no faster
-    /// on the H100 host, and at 64 MiB with cached stores often slower (see docs/transfer.md).
-    None,
 }
 
 /// The element ranges a pipelined copy of `total` elements is cut into: chunks of `chunk`,
@@ -506,11 +501,7 @@ fn chunk_ranges(
 ) -> Vec<std::ops::Range<usize>> {
     let chunk = chunk.max(1);
     let short = (chunk / 4).max(1);
-    let ramped = if ramp != Ramp::None
-        && total.div_ceil(chunk) > participants
-        && short < chunk
-        && !no_ramp()
-    {
+    let ramped = if total.div_ceil(chunk) > participants && short < chunk && !no_ramp() {
         participants.min(total / short)
     } else {
         0
@@ -803,7 +794,7 @@ mod tests {
         #[case] chunk: usize,
         #[case] participants: usize,
     ) {
-        for ramp in [Ramp::First, Ramp::Last, Ramp::None] {
+        for ramp in [Ramp::First, Ramp::Last] {
             let ranges = chunk_ranges(total, chunk, participants, ramp);
             let mut next = 0;
             for range in &ranges {
@@ -814,16 +805,11 @@ mod tests {
             assert_eq!(next, total);
             let waves = total.div_ceil(chunk) > participants;
             let short = ranges.iter().filter(|r| r.len() == chunk / 4).count();
-            if ramp == Ramp::None {
-                // Full chunks, then the remainder.
-                assert_eq!(ranges.len(), total.div_ceil(chunk), "{ranges:?}");
-                assert!(ranges[..ranges.len() - 1].iter().all(|r| r.len() == chunk));
-            } else if waves && chunk >= 4 && !no_ramp() {
+            if waves && chunk >= 4 && !no_ramp() {
                 assert!(short >= participants, "{ranges:?}");
                 let at_ramp_end = match ramp {
                     Ramp::First => &ranges[..participants],
                     Ramp::Last => &ranges[ranges.len() - participants..],
-                    Ramp::None => unreachable!("checked above"),
                 };
                 assert!(at_ramp_end.iter().all(|r| r.len() == chunk / 4));
             } else if !waves {

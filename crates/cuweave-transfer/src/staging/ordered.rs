@@ -201,14 +201,13 @@ impl Pipeline<'_> {
         B: Buffer<T> + Send + ?Sized,
     {
         let total = src.len();
-        // No short chunk at the start (`Ramp::None`): the first chunk's pieces are filled by
-        // every participant at once.
+        // One short chunk at the start: the copy engine starts after a quarter chunk's fill.
         let Layout {
             participants,
             ranges,
             pieces,
             ring,
-        } = self.ordered_layout::<T>(total, Ramp::None);
+        } = self.ordered_layout::<T>(total, Ramp::First);
         let claims = Claims::new(pieces.ranges.len());
         let chunks: Vec<Filling<T>> = (0..ranges.len()).map(|_| Filling::new()).collect();
         // Chunks that have had a block (blocks go to chunks in order), and blocks out of the pool.
