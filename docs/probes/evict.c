@@ -35,8 +35,7 @@ int main(void) {
     for (int it = 0; it < 41; it++) {
       CK(cuMemcpyDtoHAsync(a, d, n, st)); CK(cuStreamSynchronize(st));
       double t0 = now();
-#pragma omp parallel num_threads(T)
-      { int w = omp_get_thread_num(); size_t part = n / T; copy_mode(dst + w * part, a + w * part, part, mode); }
+      copy_in_parts(T, dst, a, n, copy_mode, mode);
       double t1 = now(); CK(cuMemcpyDtoHAsync(a, d, n, st)); CK(cuStreamSynchronize(st));
       cp[it] = t1 - t0; dm[it] = now() - t1;
     }

@@ -13,8 +13,7 @@ int main(void) {
     for (int it = 0; it < 41; it++) for (int mode = 0; mode < 3; mode++) {
       char *readbuf = mode == 0 ? a : b; // mode 0: read a then DMA into a; 1: read b then DMA into a; 2: no read
       if (mode < 2) {
-#pragma omp parallel num_threads(T)
-        { int w = omp_get_thread_num(); size_t part = n / T; memcpy(dst + w * part, readbuf + w * part, part); }
+        copy_in_parts(T, dst, readbuf, n, plain_copy, 0);
       }
       double t0 = now(); CK(cuMemcpyDtoHAsync(a, d, n, st)); CK(cuStreamSynchronize(st));
       double t = now() - t0; if (mode == 0) hot[it] = t; else if (mode == 1) cold[it] = t; else none[it] = t;

@@ -1,5 +1,5 @@
-// What every probe here shares: includes, a checked driver call, a clock, a median's sort and a
-// streaming copy.
+// What every probe here shares: includes, a checked driver call, a clock, a median's sort, a
+// streaming copy and a copy split across threads.
 #ifndef CUWEAVE_PROBE_H
 #define CUWEAVE_PROBE_H
 #define _GNU_SOURCE
@@ -33,6 +33,21 @@ static inline void stream_copy(char *d, const char *s, size_t n) {
     _mm256_stream_si256((__m256i *)(d + i), x); _mm256_stream_si256((__m256i *)(d + i + 32), y);
   }
   _mm_sfence();
+}
+
+// A host copy of n bytes with a mode the probe defines (0 is a plain memcpy in each).
+typedef void (*copy_fn)(char *d, const char *s, size_t n, int mode);
+
+// memcpy as a copy_fn (its mode is ignored).
+static inline void plain_copy(char *d, const char *s, size_t n, int mode) {
+  (void)mode;
+  memcpy(d, s, n);
+}
+
+// T threads each copy an equal part (n / T bytes) of s to d with copy(..., mode).
+static inline void copy_in_parts(int T, char *d, const char *s, size_t n, copy_fn copy, int mode) {
+#pragma omp parallel num_threads(T)
+  { int w = omp_get_thread_num(); size_t part = n / T; copy(d + w * part, s + w * part, part, mode); }
 }
 
 // Device 0's primary context, current on this thread.

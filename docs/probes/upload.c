@@ -23,12 +23,10 @@ int main(void) {
       // warm: the block was filled (and uploaded) just before, so its lines are in the fillers' caches;
       // cold: the fillers last wrote another 32 MiB since.
       if (!warm) {
-#pragma omp parallel num_threads(T)
-        { int w = omp_get_thread_num(); size_t part = (32 << 20) / T; memcpy(b + w * part, src + w * part, part); }
+        copy_in_parts(T, b, src, 32 << 20, plain_copy, 0);
       }
       double t0 = now();
-#pragma omp parallel num_threads(T)
-      { int w = omp_get_thread_num(); size_t part = n / T; fill(a + w * part, src + w * part, part, mode); }
+      copy_in_parts(T, a, src, n, fill, mode);
       double t1 = now(); CK(cuMemcpyHtoDAsync(d, a, n, st)); CK(cuStreamSynchronize(st));
       cp[it] = t1 - t0; dm[it] = now() - t1;
     }
