@@ -192,7 +192,7 @@ fn parts(
         in_flight.push_back((copy, word));
     }
     for (copy, word) in in_flight {
-        block_on(word)?;
+        timed_block_on(word).0?;
         drop(cuweave_memory::buffer::PendingCopy::wait(copy)?);
     }
     for (name, times) in names.iter().zip(times) {
@@ -201,9 +201,4 @@ fn parts(
         }
     }
     Ok(())
-}
-
-/// Waits for `future` on this thread.
-fn block_on<F: Future + Unpin>(future: F) -> F::Output {
-    timed_block_on(future).0
 }

@@ -6,8 +6,9 @@
 //! A poll of an [`AsyncTransfer`] copies at most [`POLL_BYTES`] of host memory, and works at
 //! most about [`POLL_TIME`], or makes one driver call (queueing a chunk's copy or the mark
 //! behind it, or taking a landed chunk back) and nothing else, then (if there is more to do)
-//! wakes its own task and returns `Pending`, so an executor thread is never held for long; its pinned blocks are taken from the pool by a staging worker, never pinned on the
-//! polling thread. A poll of an [`OwnedTransfer`] only looks at a completion slot.
+//! wakes its own task and returns `Pending`, so an executor thread is never held for long; its
+//! pinned blocks are taken from the pool by a staging worker, never pinned on the polling
+//! thread. A poll of an [`OwnedTransfer`] only looks at a completion slot.
 //!
 //! # Why borrowed host memory is safe here
 //! The copy engine never touches the caller's memory: it reads and writes pinned blocks that
@@ -179,8 +180,8 @@ struct Blocks<T: Element> {
 /// completion word behind it (the event layer's [`stream_idle`](cuweave_event::stream_idle);
 /// an event where the stream cannot write one), and waits on the oldest chunk's
 /// [`WaitFuture`]. A poll that queues a copy or a word, or takes a landed chunk back, does
-/// nothing else. It moves about as fast as one core copies; [`OwnedTransfer`] uses every staging worker. Works under any
-/// executor. Dropping it before it completes waits for the chunks in flight (briefly
+/// nothing else. It moves about as fast as one core copies; [`OwnedTransfer`] uses every
+/// staging worker. Works under any executor. Dropping it before it completes waits for the chunks in flight (briefly
 /// blocking) and leaves the destination partly written.
 #[must_use = "futures do nothing unless polled"]
 pub struct AsyncTransfer<'a, T: Element> {
@@ -285,7 +286,8 @@ impl<T: Element> AsyncTransfer<'_, T> {
     }
 
     /// Queues chunk `index`'s copy (an upload's block is filled already); the chunk is watched
-    /// from the next poll on, which queues its [`Landed`] mark ([`mark_newest`](Self::mark_newest)).
+    /// from the next poll on, which queues its [`Landed`] mark
+    /// ([`mark_newest`](Self::mark_newest)).
     fn queue_copy(&mut self, index: usize, block: TypedPinnedBlock<T>) -> Result<()> {
         let start = self.range(index).start;
         let stream = self.lane.stream();
