@@ -81,9 +81,14 @@ impl DeviceSlot {
     }
 }
 
-/// Words of the page that lanes' first streams write their progress marks into: one per lane
-/// alive at once (more lanes than this run their copies interleaved, without marks).
+/// Words of the page that lanes' first streams write their progress marks into: one per marked
+/// stream of each lane alive at once (lanes past these run their copies interleaved, without
+/// marks).
 const MARK_WORDS: usize = 512;
+
+/// How many of a lane's streams have progress marks: ordered uploads alternate their chunks
+/// between these, so two copy engines read host memory at once (see `upload_ordered`).
+pub const MARKED_STREAMS: usize = 2;
 
 /// A device's transfer state: context, staging pool, completion words and idle lanes.
 pub(crate) struct DeviceState {
@@ -96,7 +101,7 @@ pub(crate) struct DeviceState {
     mark_words: Option<Arc<MappedWords>>,
     /// Words of `mark_words` no lane holds, each with the last number written into it.
     free_marks: Mutex<Vec<(usize, u64)>>,
-    lanes: Mutex<Vec<(Vec<Stream>, Option<StreamMarks>)>>,
+    lanes: Mutex<Vec<(Vec<Stream>, Vec<StreamMarks>)>>,
 }
 
 impl DeviceState {
@@ -128,7 +133,8 @@ impl DeviceState {
         })
     }
 
-    /// Progress marks for `stream` (a new lane's first stream) in a free word, if any is left.
+    /// Progress marks for `stream` (one of a new lane's first streams) in a free word, if any is
+    /// left.
     fn marks_for(&self, stream: &Stream) -> Option<StreamMarks> {
         let words = self.mark_words.as_ref()?;
         let (index, last) = self.free_marks.lock().pop()?;
@@ -153,7 +159,15 @@ impl DeviceState {
                 let streams = (0..workers::shared().participants())
                     .map(|_| Stream::new(&self.context, StreamFlags::NON_BLOCKING))
                     .collect::<cuweave_driver::Result<Vec<_>>>()?;
-                let marks = self.marks_for(&streams[0]);
+                // All of the first streams marked, or none: a word left alone goes back.
+                let mut marks: Vec<StreamMarks> = streams
+                    .iter()
+                    .take(MARKED_STREAMS)
+                    .map_while(|stream| self.marks_for(stream))
+                    .collect();
+                if marks.len() < MARKED_STREAMS.min(streams.len()) {
+                    self.give_back_marks(&mut marks);
+                }
                 (streams, marks)
             }
         };
@@ -162,6 +176,16 @@ impl DeviceState {
             marks,
             state: Arc::clone(self),
         })
+    }
+
+    /// Gives `marks`' words back, each with its last number, so the next lane's marks on them
+    /// start above anything their streams may still write.
+    fn give_back_marks(&self, marks: &mut Vec<StreamMarks>) {
+        let mut free = self.free_marks.lock();
+        for marks in marks.drain(..) {
+            let (_, index, last) = marks.into_parts();
+            free.push((index, last));
+        }
     }
 
     /// Progress-mark words no lane holds.
@@ -178,9 +202,9 @@ impl DeviceState {
 /// Streams one transfer holds alone; back to the device's idle lanes on drop.
 pub(crate) struct Lane {
     pub(crate) streams: Vec<Stream>,
-    /// Progress marks of the first stream, for ordered copies (`None`: none were free, or the
-    /// device cannot map host memory).
-    pub(crate) marks: Option<StreamMarks>,
+    /// Progress marks of the first [`MARKED_STREAMS`] streams, for ordered copies (empty: none
+    /// were free, or the device cannot map host memory).
+    pub(crate) marks: Vec<StreamMarks>,
     pub(crate) state: Arc<DeviceState>,
 }
 
@@ -194,18 +218,14 @@ impl Lane {
 impl Drop for Lane {
     fn drop(&mut self) {
         let streams = std::mem::take(&mut self.streams);
-        let marks = self.marks.take();
+        let mut marks = std::mem::take(&mut self.marks);
         let mut idle = self.state.lanes.lock();
         if idle.len() < MAX_IDLE_LANES {
             idle.push((streams, marks));
             return;
         }
         drop(idle);
-        // The streams are destroyed; their word goes back with its last number, so the next
-        // lane's marks start above anything these streams may still write.
-        if let Some(marks) = marks {
-            let (_, index, last) = marks.into_parts();
-            self.state.free_marks.lock().push((index, last));
-        }
+        // The streams are destroyed; their words go back.
+        self.state.give_back_marks(&mut marks);
     }
 }

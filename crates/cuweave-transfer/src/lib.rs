@@ -88,6 +88,8 @@ pub mod registered;
 pub mod staging;
 pub mod stats;
 mod sync;
+#[cfg(feature = "timeline")]
+pub mod timeline;
 mod workers;
 
 pub use advice::{RegistrationAdvice, TransferDirection};
@@ -98,7 +100,7 @@ pub use calibration::{
     CalibrationEntry, CalibrationTable, DEFAULT_MACHINE, MachineMismatch, Measure,
     RegistrationCost, StagingChoice,
 };
-pub use device_state::MAX_IDLE_LANES;
+pub use device_state::{MARKED_STREAMS, MAX_IDLE_LANES};
 pub use endpoint::{Destination, Source};
 pub use error::{Result, TransferError};
 pub use location::{Location, LocationKind, SizeClass, TransferPath};
@@ -106,6 +108,8 @@ pub use manager::{TransferManager, TransferReport};
 pub use method::TransferMethod;
 pub use planner::{PathFacts, Plan, PlanReason, Query, Skipped};
 pub use registered::{RegisteredHost, RegisteredSlice, RegisteredSliceMut};
-pub use staging::{ChunkOrder, HostCopy, ORDERED_FROM, ORDERED_MOST, StagingConfig, host_threads};
+pub use staging::{
+    ChunkOrder, HostCopy, ORDERED_FROM, ORDERED_MOST, StagingConfig, TWO_STREAMS_FROM, host_threads,
+};
 pub use stats::{PathStats, TransferStats};
 pub use workers::MAX_WORKERS;

@@ -197,8 +197,9 @@ impl TransferManager {
             .map_or(0, |state| state.idle_lanes())
     }
 
-    /// How many of `device`'s progress-mark words no lane holds (each lane's first stream holds
-    /// one, for ordered copies; a lane dropped past the idle bound gives its word back).
+    /// How many of `device`'s progress-mark words no lane holds (each lane's first
+    /// [`MARKED_STREAMS`](crate::MARKED_STREAMS) streams hold one each, for ordered copies; a
+    /// lane dropped past the idle bound gives its words back).
     /// 0 for a device not opened, or one that cannot map host memory.
     pub fn free_mark_words(&self, device: usize) -> usize {
         self.slot(device)
@@ -516,7 +517,7 @@ pub(crate) fn pipeline<'a>(lane: &'a Lane, config: StagingConfig) -> Pipeline<'a
         pool: &lane.state.pool,
         streams: &lane.streams,
         completion: lane.state.completion.as_ref(),
-        marks: lane.marks.as_ref(),
+        marks: &lane.marks,
         config,
     }
 }

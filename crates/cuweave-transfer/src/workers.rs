@@ -4,11 +4,13 @@
 //! A transfer never spawns a thread. Its calling thread takes part itself (it starts on the
 //! first chunk at once) while it hands the other participants to the pool; a worker that wakes
 //! late simply claims fewer chunks, because chunks are claimed from a shared counter rather than
-//! dealt out in advance. After a transfer, the workers it used stay hot for [`WARM`]: each
-//! spins on the pool's generation counter until the next transfer bumps it or the time is up,
-//! and only then parks. So back-to-back transfers (the mid-size tensors a training loop moves)
-//! find their workers running, with no futex wake and no scheduler latency on the critical
-//! path; a pool idle for longer costs no CPU.
+//! dealt out in advance. A worker that has done its part of a transfer stays hot: at once, on
+//! its own thread (no wake, no hand-off), it spins on the pool's generation counter until the
+//! next transfer bumps it, or until [`WARM`] after the last transfer returned (the caller's
+//! wait for the copy engine to drain counts as part of the transfer), and only then parks. So
+//! back-to-back transfers (the mid-size tensors a training loop moves) find their workers
+//! running, with no futex wake and no scheduler latency on the critical path; a pool idle for
+//! longer costs no CPU.
 //!
 //! Borrowed host memory can be handed to the pool safely because [`Workers::run`] returns only
 //! once every participant has finished (rayon's scoped spawns): the borrow outlives the work.
@@ -27,13 +29,18 @@ use crate::error::{Result, TransferError};
 /// bandwidth, not the thread count, limits staging.
 pub const MAX_WORKERS: usize = 32;
 
-/// How long workers stay hot (spinning, ready for the next transfer) after a transfer.
-pub const WARM: Duration = Duration::from_micros(300);
+/// How long workers stay hot (spinning, ready for the next transfer) after a transfer returns.
+pub const WARM: Duration = Duration::from_micros(500);
 
 /// The process's staging workers.
 pub(crate) struct Workers {
     /// Bumped by every transfer that starts: hot workers stop spinning and take its work.
     generation: AtomicU64,
+    /// Nanoseconds after `epoch` until which finished workers stay hot.
+    hot_until: AtomicU64,
+    epoch: Instant,
+    /// Workers spinning hot now.
+    spinning: AtomicUsize,
     /// `None` when the operating system refused the threads: transfers then run on the caller.
     pool: Option<rayon::ThreadPool>,
     /// Pipelined transfers running now (those with more than one participant).
@@ -102,6 +109,9 @@ pub(crate) fn shared() -> &'static Workers {
         tracing::debug!(threads, "staging workers started");
         Workers {
             generation: AtomicU64::new(0),
+            hot_until: AtomicU64::new(0),
+            epoch: Instant::now(),
+            spinning: AtomicUsize::new(0),
             active: AtomicUsize::new(0),
             pool,
             threads,
@@ -161,7 +171,7 @@ impl Workers {
         participants: usize,
         guarded: &(impl Fn(usize) -> Result<()> + Sync),
     ) -> Result<()> {
-        self.generation.fetch_add(1, Ordering::Release);
+        let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
         let first_error: Mutex<Option<TransferError>> = Mutex::new(None);
         let keep = |outcome: Result<()>| {
             if let Err(error) = outcome {
@@ -173,45 +183,73 @@ impl Workers {
         // sleeping worker (a futex call, a few microseconds each), which on the caller's thread
         // delayed its first chunk by about 20 µs with three workers (H100 host); from a worker,
         // those wakes are off the caller's path, and hot workers take the jobs first anyway.
+        // Each worker stays hot once its part is done ([`stay_hot`](Self::stay_hot)).
         pool.in_place_scope(|scope| {
             if participants > 1 {
                 let (guarded, keep) = (&guarded, &keep);
                 scope.spawn(move |scope| {
                     for w in 2..participants {
-                        scope.spawn(move |_| keep(guarded(w)));
+                        scope.spawn(move |_| {
+                            keep(guarded(w));
+                            self.stay_hot(generation);
+                        });
                     }
                     keep(guarded(1));
+                    self.stay_hot(generation);
                 });
             }
             keep(guarded(0));
         });
-        self.keep_hot(pool, participants - 1);
+        self.extend_hot();
         first_error.into_inner().map_or(Ok(()), Err)
     }
 
-    /// Keeps `workers` workers spinning for [`WARM`] or until the next transfer starts. They
-    /// have just finished and are still awake. As when a transfer starts, the caller hands the
-    /// pool one job, which hands out the others from inside it, so the caller returns after one
-    /// hand-off instead of one per worker.
-    fn keep_hot(&'static self, pool: &rayon::ThreadPool, workers: usize) {
-        if workers == 0 {
+    /// Keeps finished workers hot until [`WARM`] from now: called as each transfer returns
+    /// (one atomic store), so the workers of a transfer whose caller waited for the copy engine
+    /// after they finished are still spinning when the next one starts.
+    pub(crate) fn extend_hot(&self) {
+        let until = self.epoch.elapsed() + WARM;
+        self.hot_until.fetch_max(
+            u64::try_from(until.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// On a worker that has just done its part of the transfer of `generation`: keeps it
+    /// spinning, ready for the next transfer, until one starts (the generation changes) or
+    /// the hot time ([`extend_hot`](Self::extend_hot)) is up. Spawned into the worker's own
+    /// queue, so the worker runs it next, with no wake and no other thread involved; it only
+    /// stops rayon from putting the worker to sleep in between. A job queued on this worker
+    /// meanwhile (a participant of its transfer that no other worker has taken) is run, and the
+    /// spin ends, so no job waits behind it.
+    fn stay_hot(&'static self, generation: u64) {
+        static COLD: OnceLock<bool> = OnceLock::new();
+        if env_switch(&COLD, "CUWEAVE_STAGING_COLD") {
             return;
         }
-        let generation = self.generation.load(Ordering::Acquire);
-        let deadline = Instant::now() + WARM;
-        let spin = move || {
-            while self.generation.load(Ordering::Acquire) == generation && Instant::now() < deadline
+        self.extend_hot();
+        rayon::spawn(move || {
+            self.spinning.fetch_add(1, Ordering::AcqRel);
+            let mut spins = 0u32;
+            while self.generation.load(Ordering::Acquire) == generation
+                && u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+                    < self.hot_until.load(Ordering::Relaxed)
             {
+                spins = spins.wrapping_add(1);
+                if spins.is_multiple_of(64) && rayon::yield_local() == Some(rayon::Yield::Executed)
+                {
+                    break;
+                }
                 std::hint::spin_loop();
             }
-        };
-        pool.spawn(move || {
-            for _ in 1..workers {
-                // On a worker of `pool`: spawned into `pool`.
-                rayon::spawn(spin);
-            }
-            spin();
+            self.spinning.fetch_sub(1, Ordering::AcqRel);
         });
+    }
+
+    /// Workers spinning hot now (each stops within [`WARM`] of the last transfer's return).
+    #[cfg(test)]
+    pub(crate) fn spinning(&self) -> usize {
+        self.spinning.load(Ordering::Acquire)
     }
 
     /// Runs `job` on a worker in the background (on this thread when there are no workers).
@@ -260,6 +298,34 @@ mod tests {
         if workers.participants() >= 2 {
             assert!(matches!(panicked, Err(TransferError::WorkerPanicked)));
         }
+    }
+
+    #[test]
+    fn hot_workers_stop_spinning_within_the_warm_time_after_the_last_run() {
+        let workers = shared();
+        for _ in 0..100 {
+            workers.run(workers.participants(), |_| Ok(())).unwrap();
+        }
+        // The spinners stop WARM after the last run returned (a few more for the scheduler on a
+        // loaded two-core machine), and no transfer's state keeps them going.
+        let deadline = Instant::now() + WARM * 2 + Duration::from_secs(2);
+        while workers.spinning() > 0 {
+            assert!(
+                Instant::now() < deadline,
+                "{} workers still spinning long after the last run",
+                workers.spinning()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // And the pool still runs work afterwards (a parked worker is woken for it).
+        let seen = AtomicUsize::new(0);
+        workers
+            .run(workers.participants(), |_| {
+                seen.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(seen.load(Ordering::Relaxed), workers.participants());
     }
 
     #[test]

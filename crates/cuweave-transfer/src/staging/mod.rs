@@ -18,8 +18,9 @@
 //!
 //! That is the *interleaved* order. Copies of 3 MiB or more run *ordered* by default
 //! ([`ChunkOrder`], part of the configuration, so calibration can pick either): the chunks go
-//! in order, one copy each on the lane's first stream with a [`StreamMarks`] mark behind it, so
-//! they move one after another, and every participant copies pieces of them
+//! in order, one copy each with a [`StreamMarks`] mark behind it (a download's on the lane's
+//! first stream; an upload's alternating between its first two, so two copy engines read host
+//! memory), so they move one after another, and every participant copies pieces of them
 //! (`ordered::upload_ordered`, `ordered::download_ordered`). An upload's chunk is filled by all
 //! participants at once and queued by whichever completes it in order; a download's chunks are
 //! queued by the caller and copied out by all. Waiting for a chunk is an atomic load of the mark
@@ -65,6 +66,15 @@ use crate::workers;
 mod in_order;
 mod ordered;
 
+/// Records a step in the diagnostic timeline (the `timeline` feature; nothing without it).
+macro_rules! step {
+    ($what:expr, $k:expr, $w:expr) => {
+        #[cfg(feature = "timeline")]
+        crate::timeline::mark($what, $k, $w);
+    };
+}
+pub(crate) use step;
+
 /// How one pipelined copy is cut up and how many host threads feed it.
 ///
 /// The manager picks one per direction and size from its calibration
@@ -98,8 +108,8 @@ pub struct StagingConfig {
 /// within the host's run-to-run noise.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum ChunkOrder {
-    /// Chunks go in order, one copy each on the lane's first stream with a progress mark behind
-    /// it, while every participant copies pieces of them in or out
+    /// Chunks go in order, one copy each with a progress mark behind it (on the lane's marked
+    /// streams), while every participant copies pieces of them in or out
     /// (`Pipeline::upload_ordered` / `download_ordered`); at most [`ORDERED_MOST`] participants.
     /// Needs a lane with progress marks (else the copy runs interleaved).
     #[default]
@@ -256,6 +266,13 @@ const SWEPT_DOWNLOADS: [Swept; 6] = [
 /// always interleaved): between the swept 1 MiB (interleaved) and 4 MiB (ordered) rows.
 pub const ORDERED_FROM: usize = 3 << 20;
 
+/// Ordered uploads from this size alternate their chunks between the lane's two marked streams
+/// and taper their last chunk (`ordered::taper_last`). Below it, with a handful of 1 MiB chunks,
+/// both measured slower on the H100 host (4 MiB: 25.8 GB/s with them, 27.9 without; 8 MiB: 29.6
+/// against 31.2, three runs each), from it faster (16 MiB: 34.8 against 32.9 on one stream and
+/// 33.5 untapered; 256 MiB: 44.3 against 43.2 and 41.1); see docs/transfer.md.
+pub const TWO_STREAMS_FROM: usize = 16 << 20;
+
 /// The most participants an ordered pipeline uses: every chunk waits for all of its pieces (or,
 /// downloading, for the one participant queueing), so one participant the scheduler stalls
 /// stalls the whole transfer, and on the H100 host runs with more than eight scattered widely
@@ -292,9 +309,9 @@ pub(crate) struct Pipeline<'a> {
     pub(crate) streams: &'a [Stream],
     /// Completion words for one-chunk uploads (else they synchronise the stream).
     pub(crate) completion: Option<&'a CompletionWords>,
-    /// Progress marks of the first stream, for ordered copies (without them every copy runs
-    /// interleaved, an event per chunk on every participant's stream).
-    pub(crate) marks: Option<&'a StreamMarks>,
+    /// Progress marks of the first streams, one each, for ordered copies (without them every
+    /// copy runs interleaved, an event per chunk on every participant's stream).
+    pub(crate) marks: &'a [StreamMarks],
     pub(crate) config: StagingConfig,
 }
 
@@ -328,14 +345,25 @@ impl Pipeline<'_> {
                 dst_offset,
             );
         }
-        match self.marks {
-            Some(marks)
+        let outcome = match self.marks {
+            [first, ..]
                 if self.config.order.runs_ordered(size_of_val(src)) && !unordered_uploads() =>
             {
+                // Chunks alternate between the marked streams from `TWO_STREAMS_FROM` (the
+                // first alone with `CUWEAVE_STAGING_ONE_STREAM`, a tuning switch).
+                let marks = if one_upload_stream() || size_of_val(src) < TWO_STREAMS_FROM {
+                    std::slice::from_ref(first)
+                } else {
+                    self.marks
+                };
                 self.upload_ordered(marks, src, dst, dst_offset)
             }
             _ => self.upload_interleaved(src, dst, dst_offset),
-        }
+        };
+        // The workers stay hot from here, not from when they finished: the wait for the copy
+        // engine to drain the last chunks is part of the transfer.
+        workers::shared().extend_hot();
+        outcome
     }
 
     /// An upload with every participant filling its own chunks and queueing them on its own
@@ -403,14 +431,16 @@ impl Pipeline<'_> {
             let host_copy = one_block_copy(self.config.host_copy, size_of_val(dst));
             return download_one(self.pool, host_copy, src, src_offset, dst);
         }
-        match self.marks {
-            Some(marks)
+        let outcome = match self.marks {
+            [marks, ..]
                 if self.config.order.runs_ordered(size_of_val(dst)) && !unordered_downloads() =>
             {
                 self.download_ordered(marks, src, src_offset, dst)
             }
             _ => self.download_interleaved(src, src_offset, dst),
-        }
+        };
+        workers::shared().extend_hot();
+        outcome
     }
 
     /// A download with every participant queueing its own chunks on its own stream, an event
@@ -527,6 +557,11 @@ fn chunk_ranges(
         .collect()
 }
 
+fn no_taper() -> bool {
+    static NO_TAPER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    workers::env_switch(&NO_TAPER, "CUWEAVE_STAGING_NO_TAPER")
+}
+
 fn no_ramp() -> bool {
     static NO_RAMP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     workers::env_switch(&NO_RAMP, "CUWEAVE_STAGING_NO_RAMP")
@@ -540,6 +575,11 @@ fn unordered_downloads() -> bool {
 fn unordered_uploads() -> bool {
     static UNORDERED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     workers::env_switch(&UNORDERED, "CUWEAVE_STAGING_UNORDERED_UPLOADS")
+}
+
+fn one_upload_stream() -> bool {
+    static ONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    workers::env_switch(&ONE, "CUWEAVE_STAGING_ONE_STREAM")
 }
 
 fn plain_copy() -> bool {
