@@ -23,7 +23,7 @@
 //! re-measures each case (median of several runs, host clock) and prints it against the
 //! targets of issue 15 (every size from 64 KiB, with the pinned copy, the bus limit, beside it;
 //! both directions at once; four threads; the longest poll of a 1 GiB async transfer, beside the
-//! host's own jitter: as many plain 64 KiB copies, timed alike), then the registration
+//! host's own jitter: as many plain copies of one poll's bytes, timed alike), then the registration
 //! figures: its one-off cost, the registered and pageable speeds, and from how many transfers
 //! registering pays (measured here, and as `TransferManager::registration_advice` says after
 //! calibrating).
@@ -944,9 +944,10 @@ fn async_polls(f: &mut Fixture) {
     report.expect("download");
     let down_rate = gbps(GIB, started.elapsed());
     let longest = up_longest.max(down_longest);
-    // The host's own jitter beside it: as many 64 KiB copies (about one poll's work) as the
-    // two transfers polled, each timed alike, with no GPU work.
-    let (from, mut to) = (vec![1u8; 64 << 10], vec![0u8; 64 << 10]);
+    // The host's own jitter beside it: as many copies of one poll's bytes as the two transfers
+    // polled, each timed alike, with no GPU work.
+    let poll_bytes = cuweave_transfer::POLL_BYTES;
+    let (from, mut to) = (vec![1u8; poll_bytes], vec![0u8; poll_bytes]);
     let host_longest = (0..up_polls + down_polls)
         .map(|_| {
             let start = Instant::now();
@@ -956,8 +957,9 @@ fn async_polls(f: &mut Fixture) {
         .max()
         .unwrap_or_default();
     println!(
-        "  host jitter: the longest of {} plain 64 KiB copies on this thread: {:.1} us",
+        "  host jitter: the longest of {} plain {} KiB copies on this thread: {:.1} us",
         up_polls + down_polls,
+        poll_bytes >> 10,
         host_longest.as_secs_f64() * 1e6
     );
     println!(

@@ -1,10 +1,10 @@
 //! Times every poll of borrowed 1 GiB async transfers ([`TransferManager::upload_async`] /
 //! [`TransferManager::download_async`]) on device 0, beside the host's own jitter: the same
-//! number of 64 KiB copies with no GPU work, each timed alike. Prints, per direction and round,
+//! number of copies of one poll's bytes ([`POLL_BYTES`](cuweave_transfer::POLL_BYTES)) with no GPU work, each timed alike. Prints, per direction and round,
 //! the longest poll, the 99.9th percentile and how many polls took over 50 µs.
 //!
 //! `cargo run --release -p cuweave-transfer --example async_polls [ROUNDS]` (default 3).
-//! `ASYNC_PARTS=1` then times, alone, each step a poll of an upload is made of (a 64 KiB
+//! `ASYNC_PARTS=1` then times, alone, each step a poll of an upload is made of (a `POLL_BYTES`
 //! streaming copy into a pinned block, queueing the chunk's copy, queueing its completion word,
 //! polling the word, taking the landed block back), over as many 1 MiB chunks: the longest of
 //! each and how many took over 50 µs, to tell which step a slow poll spent its time in.
@@ -82,17 +82,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut host: Vec<u8> = (0..GIB).map(|i| (i % 251) as u8).collect();
     let mut device = DeviceBuffer::<u8>::zeroed(&context, GIB)?;
 
-    // The host's jitter: 64 KiB copies (about what a poll copies), no GPU work.
-    let mut from = vec![1u8; 64 << 10];
-    let mut to = vec![0u8; 64 << 10];
-    let mut times = Vec::with_capacity(20_000);
-    for i in 0..20_000 {
-        from[i % (64 << 10)] = i as u8;
+    // The host's jitter: copies of what a poll copies at most, no GPU work.
+    let poll_bytes = cuweave_transfer::POLL_BYTES;
+    let mut from = vec![1u8; poll_bytes];
+    let mut to = vec![0u8; poll_bytes];
+    let mut times = Vec::with_capacity(40_000);
+    for i in 0..40_000 {
+        from[i % poll_bytes] = i as u8;
         let start = Instant::now();
         copy_streaming(&mut to, &from)?;
         times.push(start.elapsed());
     }
-    summary("host 64 KiB copies", times, None);
+    summary(
+        &format!("host {} KiB copies", poll_bytes >> 10),
+        times,
+        None,
+    );
 
     // Warm the lane, the pinned pool and the waiter.
     let (warm, _) = timed_block_on(manager.upload_async(&host, &mut device, 0)?);
@@ -133,7 +138,7 @@ fn parts(
     device: &mut DeviceBuffer<u8>,
 ) -> Result<(), Box<dyn std::error::Error>> {
     const CHUNK: usize = 1 << 20;
-    const PIECE: usize = 64 << 10;
+    const PIECE: usize = cuweave_transfer::POLL_BYTES;
     const DEPTH: usize = 4;
     let stream = Stream::new(context, StreamFlags::NON_BLOCKING)?;
     let pool = PinnedPool::new(context);
@@ -141,7 +146,7 @@ fn parts(
         .map(|_| pool.get_typed::<u8>(CHUNK))
         .collect::<Result<_, _>>()?;
     let names = [
-        "fill 64 KiB",
+        "fill a poll's bytes",
         "queue copy",
         "queue word",
         "poll word",
