@@ -229,7 +229,36 @@ fn the_advice_follows_the_calibrated_figures() {
     let _gpu = require_gpu!();
     let _serial = cuweave_test_support::serial();
     let manager = TransferManager::new().unwrap();
-    let table = manager.calibrate().unwrap();
+    let pairs = [
+        (
+            TransferPath::REGISTERED_TO_DEVICE,
+            TransferPath::PINNED_TO_DEVICE,
+        ),
+        (
+            TransferPath::DEVICE_TO_REGISTERED,
+            TransferPath::DEVICE_TO_PINNED,
+        ),
+    ];
+    // A large registered copy measured under 75 % of the pinned one, if any: on a disturbed
+    // host (a lease's first minute) one median has come out at 45 %, so such a calibration is
+    // measured again, twice at most, before the assertion below.
+    let slow = |table: &cuweave_transfer::CalibrationTable| {
+        [SizeClass::Large, SizeClass::Huge]
+            .into_iter()
+            .find_map(|class| {
+                pairs.into_iter().find_map(|(registered, pinned)| {
+                    let r = table.gbps(registered, class, TransferMethod::DirectCopy)?;
+                    let p = table.gbps(pinned, class, TransferMethod::DirectCopy)?;
+                    (r < 0.75 * p).then(|| format!("{registered} {class}: {r:.2} vs pinned {p:.2}"))
+                })
+            })
+    };
+    let mut table = manager.calibrate().unwrap();
+    for _ in 0..2 {
+        let Some(what) = slow(&table) else { break };
+        eprintln!("{what} GB/s: measuring again");
+        table = manager.calibrate().unwrap();
+    }
     let cost = table.registration.expect("registration measured");
     eprintln!(
         "registration: {:.3} ms + {:.4} ms/MiB ({:.2} ms for 64 MiB)",
@@ -240,16 +269,7 @@ fn the_advice_follows_the_calibrated_figures() {
     assert!(cost.fixed_ms >= 0.0 && cost.ms_per_mib >= 0.0);
     assert!(cost.millis(64 * MIB) > 0.0);
     for class in SizeClass::ALL {
-        for (registered, pinned) in [
-            (
-                TransferPath::REGISTERED_TO_DEVICE,
-                TransferPath::PINNED_TO_DEVICE,
-            ),
-            (
-                TransferPath::DEVICE_TO_REGISTERED,
-                TransferPath::DEVICE_TO_PINNED,
-            ),
-        ] {
+        for (registered, pinned) in pairs {
             let r = table
                 .gbps(registered, class, TransferMethod::DirectCopy)
                 .expect("registered path measured");
