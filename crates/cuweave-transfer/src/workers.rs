@@ -221,10 +221,13 @@ impl Workers {
     /// queue, so the worker runs it next, with no wake and no other thread involved; it only
     /// stops rayon from putting the worker to sleep in between. A job queued on this worker
     /// meanwhile (a participant of its transfer that no other worker has taken) is run, and the
-    /// spin ends, so no job waits behind it.
+    /// spin ends, so no job waits behind it. Only while its transfer is the only one running:
+    /// concurrent transfers need the host threads (a participant over its transfer's share
+    /// finishes at once, and spinning it would take a core from another transfer's
+    /// participants, or keep their queued jobs waiting).
     fn stay_hot(&'static self, generation: u64) {
         static COLD: OnceLock<bool> = OnceLock::new();
-        if env_switch(&COLD, "CUWEAVE_STAGING_COLD") {
+        if env_switch(&COLD, "CUWEAVE_STAGING_COLD") || self.active.load(Ordering::Acquire) > 1 {
             return;
         }
         self.extend_hot();
@@ -232,6 +235,7 @@ impl Workers {
             self.spinning.fetch_add(1, Ordering::AcqRel);
             let mut spins = 0u32;
             while self.generation.load(Ordering::Acquire) == generation
+                && self.active.load(Ordering::Acquire) <= 1
                 && u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
                     < self.hot_until.load(Ordering::Relaxed)
             {
@@ -270,8 +274,12 @@ mod tests {
 
     use super::*;
 
+    /// The pool is the process's: tests that watch its spinning workers run one at a time.
+    static SERIAL: Mutex<()> = Mutex::new(());
+
     #[test]
     fn every_participant_runs_once_and_errors_and_panics_come_back() {
+        let _serial = SERIAL.lock();
         let workers = shared();
         assert!(workers.participants() >= 1);
         let seen = AtomicUsize::new(0);
@@ -302,6 +310,7 @@ mod tests {
 
     #[test]
     fn hot_workers_stop_spinning_within_the_warm_time_after_the_last_run() {
+        let _serial = SERIAL.lock();
         let workers = shared();
         for _ in 0..100 {
             workers.run(workers.participants(), |_| Ok(())).unwrap();
@@ -329,7 +338,52 @@ mod tests {
     }
 
     #[test]
+    fn workers_do_not_stay_hot_while_another_transfer_runs() {
+        let _serial = SERIAL.lock();
+        let workers = shared();
+        if workers.participants() < 2 {
+            return;
+        }
+        let release = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            // A long transfer: its caller's part waits until released.
+            let long = s.spawn(|| {
+                workers.run(2, |w| {
+                    while w == 0 && !release.load(Ordering::Acquire) {
+                        std::thread::sleep(Duration::from_micros(100));
+                    }
+                    Ok(())
+                })
+            });
+            while workers.active.load(Ordering::Acquire) == 0 {
+                std::thread::yield_now();
+            }
+            // Short transfers meanwhile: their workers finish while the long one runs.
+            for _ in 0..20 {
+                workers.run(2, |_| Ok(())).unwrap();
+            }
+            // Kept hot by the clock (as a draining caller would), nobody spins.
+            let until = Instant::now() + Duration::from_millis(20);
+            let mut spinning_late = 0;
+            while Instant::now() < until {
+                workers.extend_hot();
+                if until - Instant::now() < Duration::from_millis(10) {
+                    spinning_late = spinning_late.max(workers.spinning());
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            release.store(true, Ordering::Release);
+            long.join().unwrap().unwrap();
+            assert_eq!(
+                spinning_late, 0,
+                "workers spun while another transfer was running"
+            );
+        });
+    }
+
+    #[test]
     fn many_runs_reuse_the_same_threads() {
+        let _serial = SERIAL.lock();
         // 10^4 runs: no thread is spawned per run (the pool's size stays what it was).
         let workers = shared();
         let before = workers.threads;
