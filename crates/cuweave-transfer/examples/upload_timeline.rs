@@ -4,6 +4,8 @@
 //!
 //! `cargo run --release -p cuweave-transfer --features timeline --example upload_timeline [MiB] [runs] [gap_us]`
 //! (defaults 64, 15, 0: `gap_us` sleeps between uploads, so the workers have parked).
+//! `TIMELINE_CONFIG=chunk_kib,depth,threads,cached|streaming[,interleaved]` fixes the staging
+//! configuration (an interleaved upload records no steps).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -25,7 +27,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let runs = args.get(1).copied().unwrap_or(15).max(1);
     let gap = Duration::from_micros(args.get(2).copied().unwrap_or(0) as u64);
     let context = Context::primary(Device::get(0)?)?;
-    // TIMELINE_CONFIG=chunk_kib,depth,threads,cached|streaming fixes the staging configuration.
+    // TIMELINE_CONFIG=chunk_kib,depth,threads,cached|streaming[,interleaved] fixes the staging
+    // configuration.
     let manager = match std::env::var("TIMELINE_CONFIG") {
         Ok(config) => {
             let parts: Vec<&str> = config.split(',').collect();
@@ -38,7 +41,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     Some(&"cached") => cuweave_transfer::HostCopy::Cached,
                     _ => cuweave_transfer::HostCopy::Streaming,
                 },
-                order: cuweave_transfer::ChunkOrder::Ordered,
+                order: match parts.get(4) {
+                    Some(&"interleaved") => cuweave_transfer::ChunkOrder::Interleaved,
+                    _ => cuweave_transfer::ChunkOrder::Ordered,
+                },
             };
             println!("staging {config:?}");
             TransferManager::with_staging(config)?

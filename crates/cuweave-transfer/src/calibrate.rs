@@ -163,6 +163,21 @@ pub fn staging_candidates(path: TransferPath, bytes: usize) -> Vec<StagingConfig
                 out.push(interleaved);
             }
         }
+    } else if ChunkOrder::Ordered.runs_ordered(bytes) {
+        // An interleaved default at a size that could run ordered: the ordered pipeline too,
+        // with as many participants as it takes and two thirds of that.
+        let most = crate::staging::most_participants(bytes, ChunkOrder::Ordered);
+        let threads = pivot.threads.clamp(1, most);
+        for threads in [threads, (threads * 2).div_ceil(3)] {
+            let ordered = StagingConfig {
+                order: ChunkOrder::Ordered,
+                threads,
+                ..pivot
+            };
+            if !out.contains(&ordered) {
+                out.push(ordered);
+            }
+        }
     }
     out
 }

@@ -210,18 +210,19 @@ impl StagingConfig {
             depth: 2,
             threads: row.threads.min(host_threads()).max(1),
             host_copy: row.host_copy,
-            order: ChunkOrder::Ordered,
+            order: row.order,
         }
     }
 }
 
-/// One row of the staging sweep: at `bytes`, the fastest chunk size, participant count and host
-/// copy.
+/// One row of the staging sweep: at `bytes`, the fastest chunk size, participant count, host
+/// copy and chunk order.
 struct Swept {
     bytes: usize,
     chunk_bytes: usize,
     threads: usize,
     host_copy: HostCopy,
+    order: ChunkOrder,
 }
 
 const fn swept(bytes: usize, chunk_bytes: usize, threads: usize, host_copy: HostCopy) -> Swept {
@@ -230,23 +231,39 @@ const fn swept(bytes: usize, chunk_bytes: usize, threads: usize, host_copy: Host
         chunk_bytes,
         threads,
         host_copy,
+        order: ChunkOrder::Ordered,
+    }
+}
+
+/// A row of the staging sweep whose fastest chunk order was [`ChunkOrder::Interleaved`].
+const fn swept_interleaved(
+    bytes: usize,
+    chunk_bytes: usize,
+    threads: usize,
+    host_copy: HostCopy,
+) -> Swept {
+    Swept {
+        order: ChunkOrder::Interleaved,
+        ..swept(bytes, chunk_bytes, threads, host_copy)
     }
 }
 
 /// The fastest pageable uploads of the staging sweep on the H100 host
 /// (`examples/staging_sweep.rs`; see `docs/transfer.md`): at 1 MiB the interleaved pipeline's
-/// (issue 15, run 3), from 4 MiB the ordered pipeline's (`upload_ordered`; issue 15, fifth pass).
-/// Mid sizes want few participants on 1-2 MiB chunks, since each chunk is filled by all of them;
-/// large uploads copy with cached stores, so the copy engine reads the chunks back from the
-/// 300 MiB L3. Where two rows were within the sweep's noise, the one with fewer participants,
-/// which leaves host threads to concurrent transfers.
+/// (issue 15, run 3), at 4-64 MiB the ordered pipeline's (`upload_ordered`; issue 15, fifth
+/// pass), from 256 MiB the interleaved pipeline's with twelve participants again (ninth pass:
+/// six rounds on one lease, 256 MiB at 44.3-44.9 GB/s against 37.9-44.3 ordered, 1 GiB at
+/// 47.0-50.3 against 38.9-47.3). Mid sizes want few participants on 1-2 MiB chunks, since each
+/// chunk is filled by all of them; large uploads copy with cached stores, so the copy engine
+/// reads the chunks back from the 300 MiB L3. Where two rows were within the sweep's noise, the
+/// one with fewer participants, which leaves host threads to concurrent transfers.
 const SWEPT_UPLOADS: [Swept; 6] = [
     swept(1 << 20, 256 << 10, 2, HostCopy::Streaming),
     swept(4 << 20, 1 << 20, 4, HostCopy::Streaming),
     swept(16 << 20, 2 << 20, 6, HostCopy::Streaming),
     swept(64 << 20, 2 << 20, 8, HostCopy::Streaming),
-    swept(256 << 20, 2 << 20, 8, HostCopy::Cached),
-    swept(1 << 30, 2 << 20, 8, HostCopy::Cached),
+    swept_interleaved(256 << 20, 2 << 20, 12, HostCopy::Cached),
+    swept_interleaved(1 << 30, 4 << 20, 12, HostCopy::Cached),
 ];
 
 /// The fastest pageable downloads of the staging sweep on the H100 host: at 1 MiB the
@@ -801,6 +818,7 @@ mod tests {
                     assert_eq!(config.chunk_bytes, row.chunk_bytes, "{probe}");
                     assert_eq!(config.threads, row.threads.min(host_threads()));
                     assert_eq!(config.host_copy, row.host_copy);
+                    assert_eq!(config.order, row.order);
                 }
             }
             assert_eq!(for_size(0).chunk_bytes, swept[0].chunk_bytes);
