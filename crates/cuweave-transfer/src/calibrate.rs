@@ -68,9 +68,14 @@ fn typical_gbps(bytes: usize, mut run: impl FnMut() -> Result<()>) -> Result<f64
         run()?;
         times.push(start.elapsed());
     }
+    Ok(median_gbps(bytes, &mut times))
+}
+
+/// The bandwidth of moving `bytes` in the median of `times` (sorted here; not empty).
+fn median_gbps(bytes: usize, times: &mut [Duration]) -> f64 {
     times.sort();
     let median = times[times.len() / 2];
-    Ok(bytes as f64 / median.as_secs_f64().max(1e-9) / 1e9)
+    bytes as f64 / median.as_secs_f64().max(1e-9) / 1e9
 }
 
 /// How much faster than the default another staging configuration must measure to replace it:
@@ -151,31 +156,32 @@ pub fn staging_candidates(path: TransferPath, bytes: usize) -> Vec<StagingConfig
             }
         }
     }
-    if pivot.order.runs_ordered(bytes) {
+    // At sizes that can run ordered, the other chunk order too: beside an ordered default the
+    // interleaved pipeline with its participants and half as many again; beside an interleaved
+    // one the ordered pipeline with as many as it takes and two thirds of that.
+    let other_order = if pivot.order.runs_ordered(bytes) {
         let all = crate::staging::most_participants(bytes, ChunkOrder::Interleaved);
-        for threads in [pivot.threads, pivot.threads + pivot.threads / 2] {
-            let interleaved = StagingConfig {
-                order: ChunkOrder::Interleaved,
-                threads: threads.clamp(1, all),
-                ..pivot
-            };
-            if !out.contains(&interleaved) {
-                out.push(interleaved);
-            }
-        }
+        let more = pivot.threads + pivot.threads / 2;
+        Some((
+            ChunkOrder::Interleaved,
+            [pivot.threads, more].map(|t| t.clamp(1, all)),
+        ))
     } else if ChunkOrder::Ordered.runs_ordered(bytes) {
-        // An interleaved default at a size that could run ordered: the ordered pipeline too,
-        // with as many participants as it takes and two thirds of that.
         let most = crate::staging::most_participants(bytes, ChunkOrder::Ordered);
         let threads = pivot.threads.clamp(1, most);
-        for threads in [threads, (threads * 2).div_ceil(3)] {
-            let ordered = StagingConfig {
-                order: ChunkOrder::Ordered,
+        Some((ChunkOrder::Ordered, [threads, (threads * 2).div_ceil(3)]))
+    } else {
+        None
+    };
+    if let Some((order, counts)) = other_order {
+        for threads in counts {
+            let config = StagingConfig {
+                order,
                 threads,
                 ..pivot
             };
-            if !out.contains(&ordered) {
-                out.push(ordered);
+            if !out.contains(&config) {
+                out.push(config);
             }
         }
     }
@@ -388,13 +394,7 @@ impl TransferManager {
                 times[i].push(start.elapsed());
             }
         }
-        let medians: Vec<f64> = times
-            .iter_mut()
-            .map(|t| {
-                t.sort();
-                bytes as f64 / t[t.len() / 2].as_secs_f64().max(1e-9) / 1e9
-            })
-            .collect();
+        let medians: Vec<f64> = times.iter_mut().map(|t| median_gbps(bytes, t)).collect();
         let base = StagingConfig::for_path(path, bytes);
         let chosen = choose_staging(&medians, candidates.iter().position(|&c| c == base));
         let (config, gbps) = (candidates[chosen], medians[chosen]);
