@@ -1,7 +1,8 @@
 //! Times every poll of borrowed 1 GiB async transfers ([`TransferManager::upload_async`] /
 //! [`TransferManager::download_async`]) on device 0, beside the host's own jitter: the same
-//! number of copies of one poll's bytes ([`POLL_BYTES`](cuweave_transfer::POLL_BYTES)) with no GPU work, each timed alike. Prints, per direction and round,
-//! the longest poll, the 99.9th percentile and how many polls took over 50 µs.
+//! number of copies of one poll's bytes ([`POLL_BYTES`](cuweave_transfer::POLL_BYTES)) with no
+//! GPU work, each timed alike. Prints, per direction and round, the longest poll, the 99.9th
+//! percentile and how many polls took over 50 µs.
 //!
 //! `cargo run --release -p cuweave-transfer --example async_polls [ROUNDS]` (default 3).
 //! `ASYNC_PARTS=1` then times, alone, each step a poll of an upload is made of (a `POLL_BYTES`

@@ -183,8 +183,8 @@ struct Blocks<T: Element> {
 /// an event where the stream cannot write one), and waits on the oldest chunk's
 /// [`WaitFuture`]. A poll that queues a copy or a word, or takes a landed chunk back, does
 /// nothing else. It moves about as fast as one core copies; [`OwnedTransfer`] uses every
-/// staging worker. Works under any executor. Dropping it before it completes waits for the chunks in flight (briefly
-/// blocking) and leaves the destination partly written.
+/// staging worker. Works under any executor. Dropping it before it completes waits for the
+/// chunks in flight (briefly blocking) and leaves the destination partly written.
 #[must_use = "futures do nothing unless polled"]
 pub struct AsyncTransfer<'a, T: Element> {
     direction: Direction<'a, T>,

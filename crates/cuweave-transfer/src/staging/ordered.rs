@@ -41,7 +41,6 @@ impl Pipeline<'_> {
     fn ordered_layout<T>(&self, total: usize, ramp: Ramp) -> Layout {
         let chunk = self.config.chunk_elements::<T>();
         let participants = self.participants(total.div_ceil(chunk)).min(ORDERED_MOST);
-        super::step!("participants", 0, 0);
         let mut ranges = chunk_ranges(total, chunk, 1, ramp);
         if ramp == Ramp::First
             && total * size_of::<T>() >= super::TWO_STREAMS_FROM
@@ -49,7 +48,6 @@ impl Pipeline<'_> {
         {
             taper_last(&mut ranges);
         }
-        super::step!("ranges", 0, 0);
         let pieces = Pieces::new(&ranges, piece_elements::<T>(chunk));
         Layout {
             participants,
@@ -223,7 +221,6 @@ impl Pipeline<'_> {
             pieces,
             ring,
         } = self.ordered_layout::<T>(total, Ramp::First);
-        super::step!("layout", 0, 0);
         let claims = Claims::new(pieces.ranges.len());
         let chunks: Vec<Filling<T>> = (0..ranges.len()).map(|_| Filling::new()).collect();
         // Chunks that have had a block (blocks go to chunks in order), and blocks out of the pool.
