@@ -250,21 +250,19 @@ const fn swept_interleaved(
 
 /// The fastest pageable uploads of the staging sweep on the H100 host
 /// (`examples/staging_sweep.rs`; see `docs/transfer.md`): at 1 MiB the interleaved pipeline's
-/// (issue 15, run 3), at 4-256 MiB the ordered pipeline's (`upload_ordered`; issue 15, fifth
-/// pass; at 256 MiB the tenth pass: 4 MiB chunks, eight participants, cached, 49.2-49.9 GB/s
-/// against 46.3-46.8 for the interleaved pipeline's 2 MiB x 12 in three rounds on one lease),
-/// at 1 GiB the interleaved pipeline's with twelve participants (ninth pass: 47.0-50.3 against
-/// 38.9-47.3 ordered; tenth: 50.9-51.6 against 46.1-52.0 for 4 MiB x 8 ordered). Mid sizes want
-/// few participants on 1-2 MiB chunks, since each chunk is filled by all of them; large uploads
-/// copy with cached stores, so the copy engine reads the chunks back from the 300 MiB L3. Where
-/// two rows were within the sweep's noise, the one with fewer participants, which leaves host
-/// threads to concurrent transfers.
+/// (issue 15, run 3), at 4-64 MiB the ordered pipeline's (`upload_ordered`; issue 15, fifth
+/// pass), from 256 MiB the interleaved pipeline's with twelve participants again (ninth pass:
+/// six rounds on one lease, 256 MiB at 44.3-44.9 GB/s against 37.9-44.3 ordered, 1 GiB at
+/// 47.0-50.3 against 38.9-47.3). Mid sizes want few participants on 1-2 MiB chunks, since each
+/// chunk is filled by all of them; large uploads copy with cached stores, so the copy engine
+/// reads the chunks back from the 300 MiB L3. Where two rows were within the sweep's noise, the
+/// one with fewer participants, which leaves host threads to concurrent transfers.
 const SWEPT_UPLOADS: [Swept; 6] = [
     swept(1 << 20, 256 << 10, 2, HostCopy::Streaming),
     swept(4 << 20, 1 << 20, 4, HostCopy::Streaming),
     swept(16 << 20, 2 << 20, 6, HostCopy::Streaming),
     swept(64 << 20, 2 << 20, 8, HostCopy::Streaming),
-    swept(256 << 20, 4 << 20, 8, HostCopy::Cached),
+    swept_interleaved(256 << 20, 2 << 20, 12, HostCopy::Cached),
     swept_interleaved(1 << 30, 4 << 20, 12, HostCopy::Cached),
 ];
 
