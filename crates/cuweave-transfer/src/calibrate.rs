@@ -164,31 +164,26 @@ pub fn staging_candidates(path: TransferPath, bytes: usize) -> Vec<StagingConfig
     // on chunks twice as large (all participants fill each ordered chunk, so it wants larger
     // ones: at 256 MiB on the H100 host, 4 MiB x 8 ordered ran 49.2-49.9 GB/s against 46.3-46.8
     // for the interleaved default on a calm lease, and less steadily on a disturbed one).
-    let other_order: Vec<(ChunkOrder, usize, usize)> = if pivot.order.runs_ordered(bytes) {
+    let (order, tried): (ChunkOrder, Vec<(usize, usize)>) = if pivot.order.runs_ordered(bytes) {
         let all = crate::staging::most_participants(bytes, ChunkOrder::Interleaved);
         let more = pivot.threads + pivot.threads / 2;
-        [pivot.threads, more]
-            .map(|t| (ChunkOrder::Interleaved, pivot.chunk_bytes, t.clamp(1, all)))
-            .into()
+        let tried = [pivot.threads, more].map(|t| (pivot.chunk_bytes, t.clamp(1, all)));
+        (ChunkOrder::Interleaved, tried.into())
     } else if ChunkOrder::Ordered.runs_ordered(bytes) {
         let most = crate::staging::most_participants(bytes, ChunkOrder::Ordered);
         let threads = pivot.threads.clamp(1, most);
         let mut tried = vec![
-            (ChunkOrder::Ordered, pivot.chunk_bytes, threads),
-            (
-                ChunkOrder::Ordered,
-                pivot.chunk_bytes,
-                (threads * 2).div_ceil(3),
-            ),
+            (pivot.chunk_bytes, threads),
+            (pivot.chunk_bytes, (threads * 2).div_ceil(3)),
         ];
         if pivot.chunk_bytes * 2 < bytes {
-            tried.push((ChunkOrder::Ordered, pivot.chunk_bytes * 2, threads));
+            tried.push((pivot.chunk_bytes * 2, threads));
         }
-        tried
+        (ChunkOrder::Ordered, tried)
     } else {
-        Vec::new()
+        (pivot.order, Vec::new())
     };
-    for (order, chunk_bytes, threads) in other_order {
+    for (chunk_bytes, threads) in tried {
         let config = StagingConfig {
             order,
             chunk_bytes,
