@@ -21,7 +21,8 @@ int main(int argc, char **argv) {
   CUcontext ctx; CK(cuCtxGetCurrent(&ctx));
   CUstream st[2]; CK(cuStreamCreate(&st[0], CU_STREAM_NON_BLOCKING)); CK(cuStreamCreate(&st[1], CU_STREAM_NON_BLOCKING));
   CUdeviceptr d; CK(cuMemAlloc(&d, total));
-  char *pin; CK(cuMemHostAlloc((void **)&pin, ring, 0));
+  unsigned pin_flags = getenv("PROBE_WC") ? CU_MEMHOSTALLOC_WRITECOMBINED : 0;  // write-combined staging
+  char *pin; CK(cuMemHostAlloc((void **)&pin, ring, pin_flags));
   volatile unsigned *flags; CK(cuMemHostAlloc((void **)&flags, 65536, CU_MEMHOSTALLOC_DEVICEMAP));
   CUdeviceptr dflags; CK(cuMemHostGetDevicePointer(&dflags, (void *)flags, 0));
   memset((void *)flags, 0, 65536);
@@ -29,7 +30,7 @@ int main(int argc, char **argv) {
   double tb[41];
   for (int i = 0; i < 41; i++) { double t0 = now(); CK(cuMemcpyHtoDAsync(d, pin, ring, st[0])); CK(cuStreamSynchronize(st[0])); tb[i] = now() - t0; }
   qsort(tb, 41, sizeof(double), cmp);
-  printf("%zu MiB upload, ring %zu MiB: pinned HtoD %.1f GB/s\n", total >> 20, ring >> 20, ring / tb[20] / 1e9);
+  printf("%s%zu MiB upload, ring %zu MiB: pinned HtoD %.1f GB/s\n", pin_flags ? "write-combined: " : "", total >> 20, ring >> 20, ring / tb[20] / 1e9);
   printf("chunk_KiB fill    streams marks   T=4    T=6    T=8   T=12   T=16   (GB/s, median of 41, end to end)\n");
   size_t chunks_kib[] = {1024, 2048, 4096};
   int ts[] = {4, 6, 8, 12, 16};

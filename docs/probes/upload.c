@@ -14,7 +14,8 @@ int main(void) {
   init_device();
   CUstream st; CK(cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
   size_t big = 64 << 20; CUdeviceptr d; CK(cuMemAlloc(&d, big));
-  char *a, *b; CK(cuMemHostAlloc((void **)&a, big, 0)); CK(cuMemHostAlloc((void **)&b, big, 0));
+  unsigned pin_flags = getenv("PROBE_WC") ? CU_MEMHOSTALLOC_WRITECOMBINED : 0;  // write-combined blocks
+  char *a, *b; CK(cuMemHostAlloc((void **)&a, big, pin_flags)); CK(cuMemHostAlloc((void **)&b, big, pin_flags));
   char *src = aligned_alloc(64, big); memset(src, 3, big); memset(a, 2, big); memset(b, 2, big);
   size_t sizes[] = {512 << 10, 2 << 20, 8 << 20};
   for (int si = 0; si < 3; si++) for (int T = 4; T <= 8; T *= 4) for (int mode = 0; mode < 4; mode++) for (int warm = 0; warm < 2; warm++) {

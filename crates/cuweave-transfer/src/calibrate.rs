@@ -78,6 +78,50 @@ fn median_gbps(bytes: usize, times: &mut [Duration]) -> f64 {
     bytes as f64 / median.as_secs_f64().max(1e-9) / 1e9
 }
 
+/// How a calibration round measures each staging candidate at one size: `runs` runs in a row,
+/// the first `untimed` of them not timed, in each of `rounds` rounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RoundShape {
+    rounds: usize,
+    runs: usize,
+    untimed: usize,
+}
+
+/// The largest size whose calibration rounds run each candidate several times in a row.
+const RUNS_IN_A_ROW_MOST: usize = 1 << 20;
+
+impl RoundShape {
+    /// Up to [`RUNS_IN_A_ROW_MOST`], three rounds of one untimed and three timed runs of each
+    /// candidate; above it, [`repetitions`] rounds of one timed run each.
+    ///
+    /// A copy of a few tens of microseconds is slowed by whatever ran just before it: on the
+    /// H100 host, a 256 KiB one-block upload measured 4.5 GB/s one run a round, after the
+    /// pipelined candidates (whose workers spin on for a while, whose blocks and streams it
+    /// shares), and 8.5 GB/s run after run, as a loop of such uploads runs; calibration then
+    /// chose the plain call, 3-8 % under itself through the manager, where staging was 10 %
+    /// over it. At 4 MiB both ways measured alike.
+    fn at(bytes: usize) -> Self {
+        if bytes <= RUNS_IN_A_ROW_MOST {
+            Self {
+                rounds: 3,
+                runs: 4,
+                untimed: 1,
+            }
+        } else {
+            Self {
+                rounds: repetitions(bytes),
+                runs: 1,
+                untimed: 0,
+            }
+        }
+    }
+
+    /// Timed runs per candidate.
+    fn timed(self) -> usize {
+        self.rounds * (self.runs - self.untimed)
+    }
+}
+
 /// How much faster than the default another staging configuration must measure to replace it:
 /// the defaults come from many runs of the staging sweep, a calibration from a few.
 const DEFAULT_KEPT_WITHIN: f64 = 0.03;
@@ -388,22 +432,34 @@ impl TransferManager {
                 pipe.download(&*device, 0, &mut host[..bytes])
             }
         };
-        // Round by round, each candidate once a round (after an untimed round): a disturbed
+        // Round by round, each candidate in every round (after an untimed round): a disturbed
         // stretch of a shared host slows every candidate alike, where measuring one candidate
         // after another let one measured in a calm moment win (a 64 MiB upload calibrated to
-        // 4 MiB x 4 ran at 21-31 GB/s, against about 40 for the default).
+        // 4 MiB x 4 ran at 21-31 GB/s, against about 40 for the default). Small sizes run each
+        // candidate a few times in a row within a round, the first untimed (`RoundShape`).
         for &config in &candidates {
             run(config)?;
         }
-        let mut times = vec![Vec::with_capacity(repetitions(bytes)); candidates.len()];
-        for _ in 0..repetitions(bytes) {
+        let shape = RoundShape::at(bytes);
+        let mut times = vec![Vec::with_capacity(shape.timed()); candidates.len()];
+        for _ in 0..shape.rounds {
             for (i, &config) in candidates.iter().enumerate() {
-                let start = Instant::now();
-                run(config)?;
-                times[i].push(start.elapsed());
+                for timed in (0..shape.runs).map(|run| run >= shape.untimed) {
+                    let start = Instant::now();
+                    run(config)?;
+                    if timed {
+                        times[i].push(start.elapsed());
+                    }
+                }
             }
         }
         let medians: Vec<f64> = times.iter_mut().map(|t| median_gbps(bytes, t)).collect();
+        for (config, gbps) in candidates.iter().zip(&medians) {
+            tracing::debug!(device = d, %path, bytes, ?config, gbps, "staging candidate measured");
+        }
+        for (config, gbps) in candidates.iter().zip(&medians) {
+            tracing::debug!(device = d, %path, bytes, ?config, gbps, "staging candidate measured");
+        }
         let base = StagingConfig::for_path(path, bytes);
         let chosen = choose_staging(&medians, candidates.iter().position(|&c| c == base));
         let (config, gbps) = (candidates[chosen], medians[chosen]);
@@ -528,6 +584,24 @@ fn host_location(kind: crate::LocationKind, d: usize) -> Location {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn small_sizes_time_runs_in_a_row_after_an_untimed_one() {
+        for bytes in [64 << 10, 256 << 10, 1 << 20] {
+            let shape = RoundShape::at(bytes);
+            assert!(
+                shape.untimed >= 1 && shape.runs > shape.untimed,
+                "{shape:?}"
+            );
+            assert!(shape.rounds >= 3, "{shape:?}");
+            assert_eq!(shape.timed(), repetitions(bytes));
+        }
+        for bytes in [4 << 20, 64 << 20, 1 << 30] {
+            let shape = RoundShape::at(bytes);
+            assert_eq!((shape.runs, shape.untimed), (1, 0), "{shape:?}");
+            assert_eq!(shape.timed(), repetitions(bytes));
+        }
+    }
 
     #[test]
     fn every_size_class_is_measured_at_its_own_size() {
