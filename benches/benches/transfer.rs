@@ -683,7 +683,7 @@ fn verdict(met: bool) -> &'static str {
 fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
     println!();
     println!(
-        "summary: median of 7 runs (small sizes: of 201), host clock, separate from criterion"
+        "summary: median of 21 runs (from 256 MiB: of 7), host clock, separate from criterion"
     );
     // (direction, raw call, cuweave) for pageable host memory, at large and small sizes.
     let pageable: [(&str, Op, Op); 2] = [

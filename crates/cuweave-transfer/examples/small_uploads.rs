@@ -4,6 +4,10 @@
 //! staged pipeline with one block or with chunks, right after a pipelined transfer or not.
 //!
 //! `cargo run --release -p cuweave-transfer --example small_uploads [KIB...]` (default 256).
+//! `SMALL_CALIBRATE=1` first calibrates a manager (with `RUST_LOG=cuweave_transfer=debug`, every
+//! staging candidate's median is logged) and times its planned pageable transfers from 64 KiB to
+//! 4 MiB against the plain calls, as the transfer bench's summary does; `SMALL_PLANNED_ONLY=1`
+//! stops there.
 
 use std::time::Instant;
 
@@ -43,13 +47,68 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // With RUST_LOG=cuweave_transfer=debug: every staging candidate's median.
         let manager = TransferManager::new()?;
         manager.calibrate()?;
+        // The planned transfers as the transfer bench's summary times them: the plain call 21
+        // times, then the manager's 21 times, medians.
+        let context = Context::primary(Device::get(0)?)?;
+        let mut host = vec![1u8; 4 << 20];
+        let mut device = DeviceBuffer::<u8>::zeroed(&context, 4 << 20)?;
+        let median = |op: &mut dyn FnMut()| {
+            op();
+            let mut times: Vec<f64> = (0..21)
+                .map(|_| {
+                    let start = Instant::now();
+                    op();
+                    start.elapsed().as_secs_f64()
+                })
+                .collect();
+            times.sort_by(f64::total_cmp);
+            times[10]
+        };
         for bytes in [64 << 10, 256 << 10, 1 << 20, 4 << 20] {
-            for (src, dst) in [
-                (Location::PageableHost, Location::Device(0)),
-                (Location::Device(0), Location::PageableHost),
-            ] {
-                println!("plan: {}", manager.plan(src, dst, bytes));
+            for up in [true, false] {
+                let (src, dst) = if up {
+                    (Location::PageableHost, Location::Device(0))
+                } else {
+                    (Location::Device(0), Location::PageableHost)
+                };
+                let raw = if up {
+                    median(&mut || device.copy_range_from_host(0, &host[..bytes]).unwrap())
+                } else {
+                    median(&mut || device.copy_range_to_host(0, &mut host[..bytes]).unwrap())
+                };
+                let ours = if up {
+                    median(&mut || {
+                        manager
+                            .transfer(&host[..bytes], Destination::device(&mut device, 0))
+                            .map(drop)
+                            .unwrap()
+                    })
+                } else {
+                    median(&mut || {
+                        manager
+                            .transfer(
+                                cuweave_transfer::Source::device(&device, 0, bytes),
+                                &mut host[..bytes],
+                            )
+                            .map(drop)
+                            .unwrap()
+                    })
+                };
+                let path = cuweave_transfer::TransferPath::between(src, dst);
+                println!(
+                    "planned {} {:>5} KiB: raw {:6.2}, cuweave {:6.2} GB/s ({:.2}x): {} {:?}",
+                    if up { "h2d" } else { "d2h" },
+                    bytes >> 10,
+                    bytes as f64 / raw / 1e9,
+                    bytes as f64 / ours / 1e9,
+                    raw / ours,
+                    manager.plan(src, dst, bytes).method,
+                    manager.staging_for(path, 0, bytes),
+                );
             }
+        }
+        if std::env::var_os("SMALL_PLANNED_ONLY").is_some() {
+            return Ok(());
         }
     }
     let context = Context::primary(Device::get(0)?)?;
