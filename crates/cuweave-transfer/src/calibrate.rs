@@ -353,37 +353,31 @@ impl TransferManager {
                     (host_location(path.src, d), Location::Device(d))
                 };
                 let at = planner::Query::new(src, dst, bytes).measure;
+                if path.src == crate::LocationKind::Pageable
+                    || path.dst == crate::LocationKind::Pageable
+                {
+                    // The pipeline's candidates and the plain call, in the same rounds.
+                    let (staged, direct) =
+                        self.tune_staging(d, path, bytes, &mut host, &mut device, table, stats)?;
+                    table.record_at(at, TransferMethod::HostStaged, staged);
+                    table.record_at(at, TransferMethod::DirectCopy, direct);
+                    continue;
+                }
                 for &method in TransferMethod::candidates(path) {
-                    let gbps = if method == TransferMethod::HostStaged {
-                        self.tune_staging(d, path, bytes, &mut host, &mut device, table)
-                    } else {
-                        typical_gbps(bytes, || match path {
-                            p if p == TransferPath::PAGEABLE_TO_DEVICE => self.run_with(
-                                method,
-                                Source::Host(&host[..bytes]),
-                                Destination::Device(&mut device, 0),
-                                stats,
-                            ),
-                            p if p == TransferPath::DEVICE_TO_PAGEABLE => self.run_with(
-                                method,
-                                Source::device(&device, 0, bytes),
-                                Destination::Host(&mut host[..bytes]),
-                                stats,
-                            ),
-                            p if p == TransferPath::PINNED_TO_DEVICE => self.run_with(
-                                method,
-                                Source::pinned(&pinned, 0, bytes),
-                                Destination::Device(&mut device, 0),
-                                stats,
-                            ),
-                            _ => self.run_with(
-                                method,
-                                Source::device(&device, 0, bytes),
-                                Destination::Pinned(&mut pinned, 0),
-                                stats,
-                            ),
-                        })
-                    };
+                    let gbps = typical_gbps(bytes, || match path {
+                        p if p == TransferPath::PINNED_TO_DEVICE => self.run_with(
+                            method,
+                            Source::pinned(&pinned, 0, bytes),
+                            Destination::Device(&mut device, 0),
+                            stats,
+                        ),
+                        _ => self.run_with(
+                            method,
+                            Source::device(&device, 0, bytes),
+                            Destination::Pinned(&mut pinned, 0),
+                            stats,
+                        ),
+                    });
                     match gbps {
                         Ok(gbps) => table.record_at(at, method, gbps),
                         // A method the devices cannot do is not a candidate; skip it.
@@ -412,7 +406,10 @@ impl TransferManager {
     }
 
     /// Tries every [`staging_candidates`] configuration for a pageable `path` at `bytes` on
-    /// device `d`, records the fastest as the size's staging choice, and returns its figure.
+    /// device `d`, and the plain call ([`TransferMethod::DirectCopy`]) in the same rounds;
+    /// records the fastest configuration as the size's staging choice, and returns its figure
+    /// and the plain call's.
+    #[allow(clippy::too_many_arguments)]
     fn tune_staging(
         &self,
         d: usize,
@@ -421,39 +418,58 @@ impl TransferManager {
         host: &mut [u8],
         device: &mut DeviceBuffer<u8>,
         table: &mut CalibrationTable,
-    ) -> Result<f64> {
+        stats: &TransferStats,
+    ) -> Result<(f64, f64)> {
         let lane = self.lane(d)?;
         let candidates = staging_candidates(path, bytes);
-        let mut run = |config: StagingConfig| {
-            let pipe = pipeline(&lane, config);
-            if path == TransferPath::PAGEABLE_TO_DEVICE {
-                pipe.upload(&host[..bytes], &mut *device, 0)
-            } else {
-                pipe.download(&*device, 0, &mut host[..bytes])
+        let upload = path == TransferPath::PAGEABLE_TO_DEVICE;
+        // `None` is the plain call, through the manager as a planned transfer runs it.
+        let mut run = |way: Option<StagingConfig>| match way {
+            Some(config) if upload => {
+                pipeline(&lane, config).upload(&host[..bytes], &mut *device, 0)
             }
+            Some(config) => pipeline(&lane, config).download(&*device, 0, &mut host[..bytes]),
+            None if upload => self.run_with(
+                TransferMethod::DirectCopy,
+                Source::Host(&host[..bytes]),
+                Destination::Device(&mut *device, 0),
+                stats,
+            ),
+            None => self.run_with(
+                TransferMethod::DirectCopy,
+                Source::device(&*device, 0, bytes),
+                Destination::Host(&mut host[..bytes]),
+                stats,
+            ),
         };
-        // Round by round, each candidate in every round (after an untimed round): a disturbed
-        // stretch of a shared host slows every candidate alike, where measuring one candidate
-        // after another let one measured in a calm moment win (a 64 MiB upload calibrated to
-        // 4 MiB x 4 ran at 21-31 GB/s, against about 40 for the default). Small sizes run each
-        // candidate a few times in a row within a round, the first untimed (`RoundShape`).
-        for &config in &candidates {
-            run(config)?;
+        let ways: Vec<Option<StagingConfig>> =
+            candidates.iter().copied().map(Some).chain([None]).collect();
+        // Round by round, every way in every round (after an untimed round): a disturbed
+        // stretch of a shared host slows every candidate, and the plain call, alike, where
+        // measuring one after another let one measured in a calm moment win (a 64 MiB upload
+        // calibrated to 4 MiB x 4 ran at 21-31 GB/s, against about 40 for the default; a 1 MiB
+        // upload, staged at 1.05-1.35x the plain call, was planned as the plain call). Small
+        // sizes run each way a few times in a row within a round, the first untimed
+        // (`RoundShape`).
+        for &way in &ways {
+            run(way)?;
         }
         let shape = RoundShape::at(bytes);
-        let mut times = vec![Vec::with_capacity(shape.timed()); candidates.len()];
+        let mut times = vec![Vec::with_capacity(shape.timed()); ways.len()];
         for _ in 0..shape.rounds {
-            for (i, &config) in candidates.iter().enumerate() {
+            for (i, &way) in ways.iter().enumerate() {
                 for timed in (0..shape.runs).map(|run| run >= shape.untimed) {
                     let start = Instant::now();
-                    run(config)?;
+                    run(way)?;
                     if timed {
                         times[i].push(start.elapsed());
                     }
                 }
             }
         }
-        let medians: Vec<f64> = times.iter_mut().map(|t| median_gbps(bytes, t)).collect();
+        let mut medians: Vec<f64> = times.iter_mut().map(|t| median_gbps(bytes, t)).collect();
+        let direct = medians.pop().expect("the plain call is measured");
+        tracing::debug!(device = d, %path, bytes, gbps = direct, "plain call measured");
         for (config, gbps) in candidates.iter().zip(&medians) {
             tracing::debug!(device = d, %path, bytes, ?config, gbps, "staging candidate measured");
         }
@@ -470,7 +486,7 @@ impl TransferManager {
             config,
             gbps: (gbps * 100.0).round() / 100.0,
         });
-        Ok(gbps)
+        Ok((gbps, direct))
     }
 
     /// The cost of registering host memory, fitted through [`REGISTRATION_SIZES`].
