@@ -19,6 +19,27 @@ use cuweave_transfer::{
 
 const RUNS: usize = 201;
 
+/// A way of uploading, by name: a closure that uploads into the start of a device buffer.
+type Way<'a> = (&'a str, Box<dyn Fn(&mut DeviceBuffer<u8>) + 'a>);
+
+/// The upload of `host` by `manager` with `method`.
+fn upload_with<'a>(
+    name: &'a str,
+    manager: &'a TransferManager,
+    method: TransferMethod,
+    host: &'a [u8],
+) -> Way<'a> {
+    (
+        name,
+        Box::new(move |device: &mut DeviceBuffer<u8>| {
+            manager
+                .transfer_with(method, host, Destination::device(device, 0))
+                .map(drop)
+                .unwrap()
+        }),
+    )
+}
+
 fn percentiles(bytes: usize, mut times: Vec<f64>) -> String {
     times.sort_by(f64::total_cmp);
     let at = |q: f64| bytes as f64 / times[((times.len() - 1) as f64 * q) as usize] / 1e9;
@@ -130,7 +151,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let halves = staged(bytes / 2, 2)?;
         let plain = TransferManager::new()?;
         let big = staged(2 << 20, 8)?;
-        type Way<'a> = (&'a str, Box<dyn Fn(&mut DeviceBuffer<u8>) + 'a>);
         let ways: Vec<Way<'_>> = vec![
             (
                 "raw cuMemcpyHtoD + sync",
@@ -138,44 +158,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     d.copy_range_from_host(0, &host[..bytes]).unwrap()
                 }),
             ),
-            (
+            upload_with(
                 "manager DirectCopy",
-                Box::new(|d: &mut DeviceBuffer<u8>| {
-                    plain
-                        .transfer_with(
-                            TransferMethod::DirectCopy,
-                            &host[..bytes],
-                            Destination::device(d, 0),
-                        )
-                        .map(drop)
-                        .unwrap()
-                }),
+                &plain,
+                TransferMethod::DirectCopy,
+                &host[..bytes],
             ),
-            (
+            upload_with(
                 "staged one block",
-                Box::new(|d: &mut DeviceBuffer<u8>| {
-                    one_block
-                        .transfer_with(
-                            TransferMethod::HostStaged,
-                            &host[..bytes],
-                            Destination::device(d, 0),
-                        )
-                        .map(drop)
-                        .unwrap()
-                }),
+                &one_block,
+                TransferMethod::HostStaged,
+                &host[..bytes],
             ),
-            (
+            upload_with(
                 "staged two chunks x 2",
-                Box::new(|d: &mut DeviceBuffer<u8>| {
-                    halves
-                        .transfer_with(
-                            TransferMethod::HostStaged,
-                            &host[..bytes],
-                            Destination::device(d, 0),
-                        )
-                        .map(drop)
-                        .unwrap()
-                }),
+                &halves,
+                TransferMethod::HostStaged,
+                &host[..bytes],
             ),
         ];
         println!("== {kib} KiB upload, {RUNS} runs each (GB/s)");
