@@ -478,9 +478,6 @@ impl TransferManager {
         for (config, gbps) in candidates.iter().zip(&medians) {
             tracing::debug!(device = d, %path, bytes, ?config, gbps, "staging candidate measured");
         }
-        for (config, gbps) in candidates.iter().zip(&medians) {
-            tracing::debug!(device = d, %path, bytes, ?config, gbps, "staging candidate measured");
-        }
         let base = StagingConfig::for_path(path, bytes);
         let chosen = choose_staging(&medians, candidates.iter().position(|&c| c == base));
         let (config, gbps) = (candidates[chosen], medians[chosen]);

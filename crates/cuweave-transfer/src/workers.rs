@@ -215,6 +215,12 @@ impl Workers {
         );
     }
 
+    /// Whether the hot time ([`extend_hot`](Self::extend_hot)) is still running.
+    fn in_hot_time(&self) -> bool {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+            < self.hot_until.load(Ordering::Relaxed)
+    }
+
     /// On a worker that has just done its part of the transfer of `generation`: keeps it
     /// spinning, ready for the next transfer, until one starts (the generation changes) or
     /// the hot time ([`extend_hot`](Self::extend_hot)) is up. Spawned into the worker's own
@@ -236,8 +242,7 @@ impl Workers {
             let mut spins = 0u32;
             while self.generation.load(Ordering::Acquire) == generation
                 && self.active.load(Ordering::Acquire) <= 1
-                && u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
-                    < self.hot_until.load(Ordering::Relaxed)
+                && self.in_hot_time()
             {
                 spins = spins.wrapping_add(1);
                 if spins.is_multiple_of(64) && rayon::yield_local() == Some(rayon::Yield::Executed)
@@ -262,8 +267,7 @@ impl Workers {
     pub(crate) fn wait_cold(&self, most: Duration) -> bool {
         let deadline = Instant::now() + most;
         loop {
-            let now = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            if now >= self.hot_until.load(Ordering::Relaxed) && self.spinning() == 0 {
+            if !self.in_hot_time() && self.spinning() == 0 {
                 return true;
             }
             if Instant::now() >= deadline {
