@@ -2,21 +2,13 @@
 // with 4 KiB pages or transparent huge pages on either side? (issue 15, seventh pass)
 #include "probe.h"
 
-static void *map(size_t n, int huge) {
-  void *p = mmap(0, n + (2 << 20), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  p = (void *)(((size_t)p + (2 << 20) - 1) & ~((size_t)(2 << 20) - 1));
-  madvise(p, n, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
-  memset(p, 1, n);
-  return p;
-}
-
 int main(int argc, char **argv) {
   size_t n = (argc > 1 ? atol(argv[1]) : 4) << 20;
   init_device();
   CUdeviceptr d; CK(cuMemAlloc(&d, n)); CK(cuMemsetD8(d, 7, n));
   void *pin_plain; CK(cuMemHostAlloc(&pin_plain, n, 0));
-  void *pin_huge = map(n, 1); CK(cuMemHostRegister(pin_huge, n, 0));
-  void *dst4k = map(n, 0), *dsthuge = map(n, 1);
+  void *pin_huge = huge_map(n, 1); CK(cuMemHostRegister(pin_huge, n, 0));
+  void *dst4k = huge_map(n, 0), *dsthuge = huge_map(n, 1);
   char line[256]; FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
   if (f && fgets(line, sizeof line, f)) printf("THP: %s", line);
   f = fopen("/proc/self/smaps_rollup", "r");

@@ -6,7 +6,9 @@
 // in MiB (default 0: pinned memory as large as the upload, no block reused, an upper bound). With
 // a ring, chunk k lands at (k * chunk) % ring, as the pipeline reuses its blocks, and a piece is
 // filled only once the mark of the chunk that last used that part of the ring has passed (plain
-// loads; marks are then always on).
+// loads; marks are then always on). PROBE_WC=1: write-combined staging; PROBE_HUGE=1: staging on
+// transparent huge pages (registered); PROBE_SRC_HUGE=1: the pageable source on huge pages;
+// PROBE_ROW=chunk_kib,stream|memcpy,streams: that row alone.
 #include "probe.h"
 
 static void fill(char *d, const char *s, size_t n, int streaming) {
@@ -22,15 +24,18 @@ int main(int argc, char **argv) {
   CUstream st[2]; CK(cuStreamCreate(&st[0], CU_STREAM_NON_BLOCKING)); CK(cuStreamCreate(&st[1], CU_STREAM_NON_BLOCKING));
   CUdeviceptr d; CK(cuMemAlloc(&d, total));
   unsigned pin_flags = getenv("PROBE_WC") ? CU_MEMHOSTALLOC_WRITECOMBINED : 0;  // write-combined staging
-  char *pin; CK(cuMemHostAlloc((void **)&pin, ring, pin_flags));
+  int huge = getenv("PROBE_HUGE") != NULL;  // staging on transparent huge pages, registered
+  char *pin;
+  if (huge) { pin = huge_map(ring, 1); CK(cuMemHostRegister(pin, ring, 0)); }
+  else CK(cuMemHostAlloc((void **)&pin, ring, pin_flags));
   volatile unsigned *flags; CK(cuMemHostAlloc((void **)&flags, 65536, CU_MEMHOSTALLOC_DEVICEMAP));
   CUdeviceptr dflags; CK(cuMemHostGetDevicePointer(&dflags, (void *)flags, 0));
   memset((void *)flags, 0, 65536);
-  char *src = aligned_alloc(64, total); memset(src, 3, total); memset(pin, 1, ring);
+  char *src = getenv("PROBE_SRC_HUGE") ? huge_map(total, 1) : aligned_alloc(64, total); memset(src, 3, total); memset(pin, 1, ring);
   double tb[41];
   for (int i = 0; i < 41; i++) { double t0 = now(); CK(cuMemcpyHtoDAsync(d, pin, ring, st[0])); CK(cuStreamSynchronize(st[0])); tb[i] = now() - t0; }
   qsort(tb, 41, sizeof(double), cmp);
-  printf("%s%zu MiB upload, ring %zu MiB: pinned HtoD %.1f GB/s\n", pin_flags ? "write-combined: " : "", total >> 20, ring >> 20, ring / tb[20] / 1e9);
+  printf("%s%s%s%zu MiB upload, ring %zu MiB: pinned HtoD %.1f GB/s\n", pin_flags ? "write-combined: " : "", huge ? "huge-page staging: " : "", getenv("PROBE_SRC_HUGE") ? "huge-page source: " : "", total >> 20, ring >> 20, ring / tb[20] / 1e9);
   printf("chunk_KiB fill    streams marks   T=4    T=6    T=8   T=12   T=16   (GB/s, median of 41, end to end)\n");
   size_t chunks_kib[] = {1024, 2048, 4096};
   int ts[] = {4, 6, 8, 12, 16};
@@ -40,6 +45,8 @@ int main(int argc, char **argv) {
     size_t chunk = chunks_kib[ci] << 10, piece = chunk / 8;
     size_t nchunks = total / chunk, npieces = total / piece, ring_chunks = ring / chunk;
     if (nchunks > 1000 || ring % chunk) continue;
+    char row[64]; snprintf(row, sizeof row, "%zu,%s,%d", chunk >> 10, streaming ? "stream" : "memcpy", S);
+    if (getenv("PROBE_ROW") && strcmp(getenv("PROBE_ROW"), row)) continue;  // one row only
     printf("%9zu %-7s %7d %5s", chunk >> 10, streaming ? "stream" : "memcpy", S, marks ? "yes" : "no");
     for (int ti = 0; ti < 5; ti++) {
       int T = ts[ti]; double times[41];

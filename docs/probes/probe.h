@@ -50,6 +50,16 @@ static inline void copy_in_parts(int T, char *d, const char *s, size_t n, copy_f
   { int w = omp_get_thread_num(); size_t part = n / T; copy(d + w * part, s + w * part, part, mode); }
 }
 
+// n bytes of anonymous memory, 2 MiB aligned, on transparent huge pages (huge = 1) or 4 KiB
+// pages (huge = 0), touched.
+static inline char *huge_map(size_t n, int huge) {
+  char *p = mmap(0, n + (2 << 20), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  p = (char *)(((size_t)p + (2 << 20) - 1) & ~((size_t)(2 << 20) - 1));
+  madvise(p, n, huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+  memset(p, 1, n);
+  return p;
+}
+
 // Device 0's primary context, current on this thread.
 static inline void init_device(void) {
   CK(cuInit(0));
