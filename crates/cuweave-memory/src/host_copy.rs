@@ -45,9 +45,9 @@ fn copy_bytes(dst: &mut [u8], src: &[u8]) {
 ///
 /// The lines go with AVX2 (two 32-byte loads and streaming stores a line) where the CPU has it,
 /// else with SSE2 (four 16-byte ones). On the H100 host (a Xeon VM, issue 15's twelfth pass) one
-/// thread streamed 64 MiB into a 16 MiB ring at 9-11 GB/s with AVX2 against 7-8 with SSE2, and
-/// two to four threads 15-35 % faster too: a line's write-combining buffer fills in two stores
-/// instead of four.
+/// thread streamed 64 MiB into a 16 MiB ring at 8.5-10.7 GB/s with AVX2 against 7.4-8.1 with
+/// SSE2, two threads at 15.5-21.5 against 13.7-15.7; from four threads on, the host's memory
+/// bandwidth decides and the two were within noise.
 ///
 /// `avx2` asks for the AVX2 lines; a CPU without AVX2 gets the SSE2 ones anyway.
 #[cfg(target_arch = "x86_64")]
