@@ -64,13 +64,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .init();
+    let context = Context::primary(Device::get(0)?)?;
     if std::env::var_os("SMALL_CALIBRATE").is_some() {
         // With RUST_LOG=cuweave_transfer=debug: every staging candidate's median.
         let manager = TransferManager::new()?;
         manager.calibrate()?;
         // The planned transfers as the transfer bench's summary times them: the plain call 21
         // times, then the manager's 21 times, medians.
-        let context = Context::primary(Device::get(0)?)?;
         let mut host = vec![1u8; 4 << 20];
         let mut device = DeviceBuffer::<u8>::zeroed(&context, 4 << 20)?;
         let median = |op: &mut dyn FnMut()| {
@@ -132,7 +132,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             return Ok(());
         }
     }
-    let context = Context::primary(Device::get(0)?)?;
     let largest = 64 << 20;
     let host = vec![1u8; largest];
     let mut device = DeviceBuffer::<u8>::zeroed(&context, largest)?;
