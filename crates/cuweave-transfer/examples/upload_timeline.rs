@@ -103,6 +103,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "last participant joined (µs after the call), per run: {}",
         lags.join(" ")
     );
+    // The runs whose last participant joined late (after 300 µs): who joined when.
+    for (_, start, _, events) in &timed {
+        let joins: Vec<(usize, f64)> = events
+            .iter()
+            .filter(|e| e.1 == "join")
+            .map(|e| (e.3, (e.0 - *start).as_secs_f64() * 1e6))
+            .collect();
+        if joins.iter().any(|j| j.1 > 300.0) {
+            let list: Vec<String> = joins.iter().map(|(w, t)| format!("{w}@{t:.0}")).collect();
+            println!("late join: {}", list.join(" "));
+        }
+    }
     let (elapsed, start, end, events) = &timed[order[order.len() / 2]];
     let at = |t: Instant| (t - *start).as_secs_f64() * 1e6;
     println!(

@@ -4,17 +4,22 @@
 //! A transfer never spawns a thread. Its calling thread takes part itself (it starts on the
 //! first chunk at once) while it hands the other participants to the pool; a worker that wakes
 //! late simply claims fewer chunks, because chunks are claimed from a shared counter rather than
-//! dealt out in advance. A worker that has done its part of a transfer stays hot: at once, on
-//! its own thread (no wake, no hand-off), it spins on the pool's generation counter until the
-//! next transfer bumps it, or until [`WARM`] after the last transfer returned (the caller's
-//! wait for the copy engine to drain counts as part of the transfer), and only then parks. So
-//! back-to-back transfers (the mid-size tensors a training loop moves) find their workers
-//! running, with no futex wake and no scheduler latency on the critical path; a pool idle for
-//! longer costs no CPU.
+//! dealt out in advance.
+//!
+//! Each worker runs one *resident* loop for the life of the process ([`residency`]): it takes
+//! jobs from the pool's queues itself (rayon's `yield_now`), stays hot (spinning, looking for
+//! the next transfer's jobs) until [`WARM`] after the last transfer returned (the caller's wait
+//! for the copy engine to drain counts as part of the transfer) and after its own last job,
+//! and only then parks. So back-to-back transfers (the mid-size tensors a training loop moves)
+//! find their workers running: handing a participant out is a queue push with no futex call,
+//! and a hot worker takes it within a microsecond or so. A pool idle for longer costs no CPU;
+//! a transfer that finds too few workers awake wakes the others ([`Residency::handed_out`]).
 //!
 //! Borrowed host memory can be handed to the pool safely because [`Workers::run`] returns only
 //! once every participant has finished (rayon's scoped spawns): the borrow outlives the work.
 //! Work that must outlive its caller ([`Workers::spawn`]) owns everything it touches.
+
+mod residency;
 
 use std::panic::AssertUnwindSafe;
 use std::sync::OnceLock;
@@ -24,23 +29,25 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::error::{Result, TransferError};
+use residency::Residency;
 
 /// The most worker threads the pool starts, whatever the machine: beyond this the host's memory
 /// bandwidth, not the thread count, limits staging.
 pub const MAX_WORKERS: usize = 32;
 
-/// How long workers stay hot (spinning, ready for the next transfer) after a transfer returns.
+/// How long workers stay hot (spinning, ready for the next transfer) after a transfer returns,
+/// and after their own last job.
 pub const WARM: Duration = Duration::from_micros(500);
 
 /// The process's staging workers.
 pub(crate) struct Workers {
-    /// Bumped by every transfer that starts: hot workers stop spinning and take its work.
-    generation: AtomicU64,
-    /// Nanoseconds after `epoch` until which finished workers stay hot.
+    /// Nanoseconds after `epoch` until which the last run's workers stay hot.
     hot_until: AtomicU64,
+    /// Runs handed out so far: the last one's workers stay hot in the hot time.
+    runs: AtomicU64,
     epoch: Instant,
-    /// Workers spinning hot now.
-    spinning: AtomicUsize,
+    /// When the workers look for work, park and are woken.
+    residency: Residency,
     /// `None` when the operating system refused the threads: transfers then run on the caller.
     pool: Option<rayon::ThreadPool>,
     /// Pipelined transfers running now (those with more than one participant).
@@ -49,6 +56,11 @@ pub(crate) struct Workers {
 }
 
 static WORKERS: OnceLock<Workers> = OnceLock::new();
+
+thread_local! {
+    /// On a worker: the run whose participant it last was.
+    static LAST_RUN: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
 
 /// Host threads the machine offers (logical CPUs this process may run on), read once:
 /// `available_parallelism` reads the scheduler affinity and cgroup quota files on Linux, tens of
@@ -95,7 +107,9 @@ fn spawned(participants: usize, work: &(impl Fn(usize) -> Result<()> + Sync)) ->
 /// The shared pool, started on first use with one worker per host thread but one (the caller
 /// of a transfer is the last participant), at most [`MAX_WORKERS`].
 pub(crate) fn shared() -> &'static Workers {
-    WORKERS.get_or_init(|| {
+    let mut started = false;
+    let workers = WORKERS.get_or_init(|| {
+        started = true;
         let threads = host_threads().saturating_sub(1).clamp(1, MAX_WORKERS);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -108,15 +122,20 @@ pub(crate) fn shared() -> &'static Workers {
         let threads = if pool.is_some() { threads } else { 0 };
         tracing::debug!(threads, "staging workers started");
         Workers {
-            generation: AtomicU64::new(0),
             hot_until: AtomicU64::new(0),
+            runs: AtomicU64::new(0),
             epoch: Instant::now(),
-            spinning: AtomicUsize::new(0),
+            residency: Residency::new(threads),
             active: AtomicUsize::new(0),
             pool,
             threads,
         }
-    })
+    });
+    if started && let Some(pool) = &workers.pool {
+        // Once the pool is in its static home: every worker takes up its resident loop.
+        pool.spawn_broadcast(move |_| workers.reside());
+    }
+    workers
 }
 
 impl Workers {
@@ -171,42 +190,41 @@ impl Workers {
         participants: usize,
         guarded: &(impl Fn(usize) -> Result<()> + Sync),
     ) -> Result<()> {
-        let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
         let first_error: Mutex<Option<TransferError>> = Mutex::new(None);
         let keep = |outcome: Result<()>| {
             if let Err(error) = outcome {
                 first_error.lock().get_or_insert(error);
             }
         };
-        // The caller hands the pool one job, which hands out the others from inside the pool,
-        // and starts its own part at once: each job handed in from outside the pool may wake a
-        // sleeping worker (a futex call, a few microseconds each), which on the caller's thread
-        // delayed its first chunk by about 20 µs with three workers (H100 host); from a worker,
-        // those wakes are off the caller's path, and hot workers take the jobs first anyway.
-        // Each worker stays hot once its part is done ([`stay_hot`](Self::stay_hot)).
+        // The caller queues the other participants (no rayon worker sleeps, so a push wakes
+        // nobody), tells the residents, and starts its own part at once; hot residents take
+        // the jobs from the queue, parked ones are woken as many as are short.
+        // The run whose workers stay hot in the hot time: not one that runs beside another.
+        let run = self.runs.fetch_add(1, Ordering::Relaxed) + 1;
+        let run = if self.active.load(Ordering::Acquire) > 1 {
+            0
+        } else {
+            run
+        };
         pool.in_place_scope(|scope| {
-            if participants > 1 {
-                let (guarded, keep) = (&guarded, &keep);
-                scope.spawn(move |scope| {
-                    for w in 2..participants {
-                        scope.spawn(move |_| {
-                            keep(guarded(w));
-                            self.stay_hot(generation);
-                        });
-                    }
-                    keep(guarded(1));
-                    self.stay_hot(generation);
+            let (guarded, keep) = (&guarded, &keep);
+            for w in 1..participants {
+                scope.spawn(move |_| {
+                    let _busy = self.residency.busy();
+                    LAST_RUN.set(run);
+                    keep(guarded(w));
                 });
             }
+            self.residency.handed_out(participants - 1);
             keep(guarded(0));
         });
         self.extend_hot();
         first_error.into_inner().map_or(Ok(()), Err)
     }
 
-    /// Keeps finished workers hot until [`WARM`] from now: called as each transfer returns
-    /// (one atomic store), so the workers of a transfer whose caller waited for the copy engine
-    /// after they finished are still spinning when the next one starts.
+    /// Keeps the last run's workers hot until [`WARM`] from now: called as each transfer
+    /// returns (one atomic store), so the workers of a transfer whose caller waited for the copy
+    /// engine after they finished are still looking when the next one starts.
     pub(crate) fn extend_hot(&self) {
         let until = self.epoch.elapsed() + WARM;
         self.hot_until.fetch_max(
@@ -221,53 +239,71 @@ impl Workers {
             < self.hot_until.load(Ordering::Relaxed)
     }
 
-    /// On a worker that has just done its part of the transfer of `generation`: keeps it
-    /// spinning, ready for the next transfer, until one starts (the generation changes) or
-    /// the hot time ([`extend_hot`](Self::extend_hot)) is up. Spawned into the worker's own
-    /// queue, so the worker runs it next, with no wake and no other thread involved; it only
-    /// stops rayon from putting the worker to sleep in between. A job queued on this worker
-    /// meanwhile (a participant of its transfer that no other worker has taken) is run, and the
-    /// spin ends, so no job waits behind it. Only while its transfer is the only one running:
-    /// concurrent transfers need the host threads (a participant over its transfer's share
-    /// finishes at once, and spinning it would take a core from another transfer's
-    /// participants, or keep their queued jobs waiting).
-    fn stay_hot(&'static self, generation: u64) {
+    /// Whether an idle worker whose last job (or wake) was at `last_work`, and whose last
+    /// participant was of run `last_run`, stays hot: within [`WARM`] of its last job, or in
+    /// the hot time when it took part in the last run; and only while at most one transfer
+    /// runs (concurrent transfers need the host threads: a participant over its transfer's
+    /// share finishes at once, and spinning it would take a core from another transfer's
+    /// participants). Never with `CUWEAVE_STAGING_COLD` (a tuning switch, read once). So the
+    /// workers that spin are about those of the last transfer: a pool whose every worker spun
+    /// through back-to-back transfers left no core to the caller and the driver's threads (on
+    /// the H100 host a participant then waited milliseconds for a time slice).
+    fn stays_hot(&self, last_work: Instant, last_run: u64) -> bool {
         static COLD: OnceLock<bool> = OnceLock::new();
-        if env_switch(&COLD, "CUWEAVE_STAGING_COLD") || self.active.load(Ordering::Acquire) > 1 {
-            return;
-        }
-        self.extend_hot();
-        rayon::spawn(move || {
-            self.spinning.fetch_add(1, Ordering::AcqRel);
-            let mut spins = 0u32;
-            while self.generation.load(Ordering::Acquire) == generation
-                && self.active.load(Ordering::Acquire) <= 1
-                && self.in_hot_time()
-            {
-                spins = spins.wrapping_add(1);
-                if spins.is_multiple_of(64) && rayon::yield_local() == Some(rayon::Yield::Executed)
-                {
-                    break;
-                }
-                std::hint::spin_loop();
+        !env_switch(&COLD, "CUWEAVE_STAGING_COLD")
+            && self.active.load(Ordering::Acquire) <= 1
+            && (last_work.elapsed() < WARM
+                || (last_run == self.runs.load(Ordering::Relaxed) && self.in_hot_time()))
+    }
+
+    /// A worker's resident loop, for the life of the process: looks for a job whenever a
+    /// hand-out moves the residency's generation (and every few dozen spins), runs it, stays
+    /// hot while [`stays_hot`](Self::stays_hot), then parks until a hand-out wakes it.
+    fn reside(&'static self) {
+        let residency = &self.residency;
+        let mut seen = residency.generation();
+        let mut last_work = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            let now = residency.generation();
+            let moved = now != seen;
+            if moved {
+                seen = now;
+                residency.wake_wanted();
             }
-            self.spinning.fetch_sub(1, Ordering::AcqRel);
-        });
+            if (moved || spins.is_multiple_of(32))
+                && rayon::yield_now() == Some(rayon::Yield::Executed)
+            {
+                last_work = Instant::now();
+                spins = 0;
+                continue;
+            }
+            spins = spins.wrapping_add(1);
+            if !spins.is_multiple_of(32) || self.stays_hot(last_work, LAST_RUN.get()) {
+                std::hint::spin_loop();
+                continue;
+            }
+            if residency.park(seen) {
+                last_work = Instant::now();
+            }
+            spins = 0;
+        }
     }
 
-    /// Workers spinning hot now (each stops within [`WARM`] of the last transfer's return).
-    pub(crate) fn spinning(&self) -> usize {
-        self.spinning.load(Ordering::Acquire)
+    /// Workers not parked now: running a job, or hot (each parks within [`WARM`] of the last
+    /// transfer's return and of its own last job).
+    pub(crate) fn awake(&self) -> usize {
+        self.residency.awake()
     }
 
-    /// Waits, spinning on this thread for at most `most`, until the hot time is up and no worker
-    /// spins; whether it got there. Calibration calls this before it times a short copy, which
+    /// Waits, spinning on this thread for at most `most`, until the hot time is up and every
+    /// worker has parked; whether it got there. Calibration calls this before it times a short copy, which
     /// the spinners of a different configuration's transfer would otherwise slow (on the H100
     /// host a 256 KiB upload ran about a fifth slower right after a pipelined 16 MiB one).
     pub(crate) fn wait_cold(&self, most: Duration) -> bool {
         let deadline = Instant::now() + most;
         loop {
-            if !self.in_hot_time() && self.spinning() == 0 {
+            if !self.in_hot_time() && self.awake() == 0 {
                 return true;
             }
             if Instant::now() >= deadline {
@@ -278,11 +314,14 @@ impl Workers {
     }
 
     /// Runs `job` on a worker in the background (on this thread when there are no workers).
-    pub(crate) fn spawn(&self, job: impl FnOnce() + Send + 'static) {
+    pub(crate) fn spawn(&'static self, job: impl FnOnce() + Send + 'static) {
         match &self.pool {
             Some(pool) => {
-                self.generation.fetch_add(1, Ordering::Release);
-                pool.spawn(job);
+                pool.spawn(move || {
+                    let _busy = self.residency.busy();
+                    job();
+                });
+                self.residency.handed_out(1);
             }
             None => job(),
         }
@@ -339,11 +378,11 @@ mod tests {
         // The spinners stop WARM after the last run returned (a few more for the scheduler on a
         // loaded two-core machine), and no transfer's state keeps them going.
         let deadline = Instant::now() + WARM * 2 + Duration::from_secs(2);
-        while workers.spinning() > 0 {
+        while workers.awake() > 0 {
             assert!(
                 Instant::now() < deadline,
                 "{} workers still spinning long after the last run",
-                workers.spinning()
+                workers.awake()
             );
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -369,7 +408,7 @@ mod tests {
         assert!(
             started.elapsed() + Duration::from_micros(50) >= WARM || workers.participants() < 2
         );
-        assert_eq!(workers.spinning(), 0);
+        assert_eq!(workers.awake(), 0);
         // Nothing keeps it waiting when nothing ran.
         let again = Instant::now();
         assert!(workers.wait_cold(WARM));
@@ -401,13 +440,14 @@ mod tests {
             for _ in 0..20 {
                 workers.run(2, |_| Ok(())).unwrap();
             }
-            // Kept hot by the clock (as a draining caller would), nobody spins.
+            // Kept hot by the clock (as a draining caller would), nobody spins: the short
+            // transfers ran beside another.
             let until = Instant::now() + Duration::from_millis(20);
             let mut spinning_late = 0;
             while Instant::now() < until {
                 workers.extend_hot();
                 if until - Instant::now() < Duration::from_millis(10) {
-                    spinning_late = spinning_late.max(workers.spinning());
+                    spinning_late = spinning_late.max(workers.awake());
                 }
                 std::thread::sleep(Duration::from_micros(200));
             }
