@@ -245,9 +245,9 @@ impl Workers {
     /// runs (concurrent transfers need the host threads: a participant over its transfer's
     /// share finishes at once, and spinning it would take a core from another transfer's
     /// participants). Never with `CUWEAVE_STAGING_COLD` (a tuning switch, read once). So the
-    /// workers that spin are about those of the last transfer: a pool whose every worker spun
-    /// through back-to-back transfers left no core to the caller and the driver's threads (on
-    /// the H100 host a participant then waited milliseconds for a time slice).
+    /// workers that spin are about those of the last transfer, not every worker of the pool
+    /// (through back-to-back transfers that would leave no core to the caller and the driver's
+    /// threads).
     fn stays_hot(&self, last_work: Instant, last_run: u64) -> bool {
         static COLD: OnceLock<bool> = OnceLock::new();
         !env_switch(&COLD, "CUWEAVE_STAGING_COLD")
