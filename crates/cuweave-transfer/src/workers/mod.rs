@@ -8,9 +8,9 @@
 //!
 //! Each worker runs one *resident* loop for the life of the process ([`residency`]): it takes
 //! jobs from the pool's queues itself (rayon's `yield_now`), stays hot (spinning, looking for
-//! the next transfer's jobs) until [`WARM`] after the last transfer returned (the caller's wait
-//! for the copy engine to drain counts as part of the transfer) and after its own last job,
-//! and only then parks. So back-to-back transfers (the mid-size tensors a training loop moves)
+//! the next transfer's jobs) for [`WARM`] after its own last job, and, if it took part in the
+//! last transfer, until [`WARM`] after that transfer returned (the caller's wait for the copy
+//! engine to drain counts as part of the transfer), and only then parks. So back-to-back transfers (the mid-size tensors a training loop moves)
 //! find their workers running: handing a participant out is a queue push with no futex call,
 //! and a hot worker takes it within a microsecond or so. A pool idle for longer costs no CPU;
 //! a transfer that finds too few workers awake wakes the others ([`Residency::handed_out`]).
