@@ -15,8 +15,8 @@ use crate::element::Element;
 use crate::error::Result;
 
 /// Copies `src` into `dst` (the same length), writing `dst` with non-temporal stores where the
-/// CPU has them (AVX2, else SSE2, on x86-64; elsewhere an ordinary copy), and fences before returning so the
-/// bytes are visible to any thread that synchronises with this one afterwards.
+/// CPU has them (AVX2, else SSE2, on x86-64; elsewhere an ordinary copy), and fences before
+/// returning so the bytes are visible to any thread that synchronises with this one afterwards.
 ///
 /// # Errors
 /// `MemoryError::SizeMismatch` when the lengths differ (nothing is copied).

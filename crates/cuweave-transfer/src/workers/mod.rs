@@ -10,10 +10,11 @@
 //! jobs from the pool's queues itself (rayon's `yield_now`), stays hot (spinning, looking for
 //! the next transfer's jobs) for [`WARM`] after its own last job, and, if it took part in the
 //! last transfer, until [`WARM`] after that transfer returned (the caller's wait for the copy
-//! engine to drain counts as part of the transfer), and only then parks. So back-to-back transfers (the mid-size tensors a training loop moves)
-//! find their workers running: handing a participant out is a queue push with no futex call,
-//! and a hot worker takes it within a microsecond or so. A pool idle for longer costs no CPU;
-//! a transfer that finds too few workers awake wakes the others ([`Residency::handed_out`]).
+//! engine to drain counts as part of the transfer), and only then parks. So back-to-back
+//! transfers (the mid-size tensors a training loop moves) find their workers running: handing a
+//! participant out is a queue push with no futex call, and a hot worker takes it within a
+//! microsecond or so. A pool idle for longer costs no CPU; a transfer that finds too few workers
+//! awake wakes the others ([`Residency::handed_out`]).
 //!
 //! Borrowed host memory can be handed to the pool safely because [`Workers::run`] returns only
 //! once every participant has finished (rayon's scoped spawns): the borrow outlives the work.
@@ -196,9 +197,6 @@ impl Workers {
                 first_error.lock().get_or_insert(error);
             }
         };
-        // The caller queues the other participants (no rayon worker sleeps, so a push wakes
-        // nobody), tells the residents, and starts its own part at once; hot residents take
-        // the jobs from the queue, parked ones are woken as many as are short.
         // The run whose workers stay hot in the hot time: not one that runs beside another.
         let run = self.runs.fetch_add(1, Ordering::Relaxed) + 1;
         let run = if self.active.load(Ordering::Acquire) > 1 {
@@ -206,6 +204,9 @@ impl Workers {
         } else {
             run
         };
+        // The caller queues the other participants (no rayon worker sleeps, so a push wakes
+        // nobody), tells the residents, and starts its own part at once; hot residents take
+        // the jobs from the queue, parked ones are woken as many as are short.
         pool.in_place_scope(|scope| {
             let (guarded, keep) = (&guarded, &keep);
             for w in 1..participants {
@@ -297,9 +298,10 @@ impl Workers {
     }
 
     /// Waits, spinning on this thread for at most `most`, until the hot time is up and every
-    /// worker has parked; whether it got there. Calibration calls this before it times a short copy, which
-    /// the spinners of a different configuration's transfer would otherwise slow (on the H100
-    /// host a 256 KiB upload ran about a fifth slower right after a pipelined 16 MiB one).
+    /// worker has parked; whether it got there. Calibration calls this before it times a short
+    /// copy, which the spinners of a different configuration's transfer would otherwise slow (on
+    /// the H100 host a 256 KiB upload ran about a fifth slower right after a pipelined 16 MiB
+    /// one).
     pub(crate) fn wait_cold(&self, most: Duration) -> bool {
         let deadline = Instant::now() + most;
         loop {

@@ -232,6 +232,14 @@ mod tests {
                     }
                 });
             }
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let wait_for = |done: &dyn Fn() -> bool, what: &str| {
+                while !done() {
+                    assert!(Instant::now() < deadline, "{what}");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            };
+            let all_ran = |jobs: usize| ran[..jobs].iter().all(|r| r.load(Ordering::Relaxed) > 0);
             for round in 0..100 {
                 // Jobs in the queue first, then the hand-out.
                 for job in 4 * round..4 * round + 4 {
@@ -239,20 +247,16 @@ mod tests {
                 }
                 residency.handed_out(4);
                 if round % 10 == 0 {
-                    // Long enough for every resident to park between hand-outs.
-                    std::thread::sleep(Duration::from_millis(5));
+                    // Every tenth hand-out finds every resident parked: the next one must wake.
+                    wait_for(
+                        &|| all_ran(4 * round + 4) && residency.awake() == 0,
+                        "residents never parked between hand-outs",
+                    );
                 }
             }
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while ran.iter().any(|r| r.load(Ordering::Relaxed) == 0) {
-                assert!(Instant::now() < deadline, "a job handed out never ran");
-                std::thread::sleep(Duration::from_millis(1));
-            }
+            wait_for(&|| all_ran(ran.len()), "a job handed out never ran");
             // With nothing left to do, every resident parks.
-            while residency.awake() > 0 {
-                assert!(Instant::now() < deadline, "residents never parked");
-                std::thread::sleep(Duration::from_millis(1));
-            }
+            wait_for(&|| residency.awake() == 0, "residents never parked");
             stop.store(true, Ordering::Release);
             residency.close();
         });
