@@ -525,17 +525,18 @@ const DEFAULTS: &[DefaultRow] = {
         (H2D, MIB, D, 11.62),
         (H2D, MIB, S, 16.01),
         (H2D, 4 * MIB, D, 11.45),
-        // At 4-64 MiB the ordered uploads of the staging sweep (issue 15, fifth pass) at the
-        // configurations `StagingConfig::for_upload` picks; from 256 MiB its interleaved
-        // uploads (ninth pass, `examples/upload_timeline.rs`, the median of six rounds' medians
-        // at 256 MiB, of three at 1 GiB).
+        // At 4 and 16 MiB the ordered uploads of the staging sweep (issue 15, fifth pass) at
+        // the configurations `StagingConfig::for_upload` picks; at 64 and 256 MiB its ordered
+        // uploads at the configurations the fourteenth pass chose (`examples/upload_timeline.rs`,
+        // the median of twelve rounds' medians on three leases); at 1 GiB its interleaved
+        // uploads (ninth pass, the median of three rounds' medians).
         (H2D, 4 * MIB, S, 28.23),
         (H2D, 16 * MIB, D, 12.01),
         (H2D, 16 * MIB, S, 38.16),
         (H2D, 64 * MIB, D, 5.27),
-        (H2D, 64 * MIB, S, 42.98),
+        (H2D, 64 * MIB, S, 42.45),
         (H2D, 256 * MIB, D, 5.87),
-        (H2D, 256 * MIB, S, 44.6),
+        (H2D, 256 * MIB, S, 49.35),
         (H2D, GIB, D, 6.0),
         (H2D, GIB, S, 49.3),
         (D2H, 64 * KIB, D, 4.18),

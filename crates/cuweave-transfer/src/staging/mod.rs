@@ -207,7 +207,7 @@ impl StagingConfig {
             .expect("the sweep has rows");
         Self {
             chunk_bytes: row.chunk_bytes,
-            depth: 2,
+            depth: row.depth,
             threads: row.threads.min(host_threads()).max(1),
             host_copy: row.host_copy,
             order: row.order,
@@ -216,15 +216,17 @@ impl StagingConfig {
 }
 
 /// One row of the staging sweep: at `bytes`, the fastest chunk size, participant count, host
-/// copy and chunk order.
+/// copy, chunk order and blocks in flight per participant.
 struct Swept {
     bytes: usize,
     chunk_bytes: usize,
     threads: usize,
     host_copy: HostCopy,
     order: ChunkOrder,
+    depth: usize,
 }
 
+/// A row of the staging sweep that ran ordered with two blocks per participant.
 const fn swept(bytes: usize, chunk_bytes: usize, threads: usize, host_copy: HostCopy) -> Swept {
     Swept {
         bytes,
@@ -232,6 +234,14 @@ const fn swept(bytes: usize, chunk_bytes: usize, threads: usize, host_copy: Host
         threads,
         host_copy,
         order: ChunkOrder::Ordered,
+        depth: 2,
+    }
+}
+
+impl Swept {
+    /// The same row with `depth` blocks per participant.
+    const fn with_depth(self, depth: usize) -> Swept {
+        Swept { depth, ..self }
     }
 }
 
@@ -249,20 +259,25 @@ const fn swept_interleaved(
 }
 
 /// The fastest pageable uploads of the staging sweep on the H100 host
-/// (`examples/staging_sweep.rs`; see `docs/transfer.md`): at 1 MiB the interleaved pipeline's
-/// (issue 15, run 3), at 4-64 MiB the ordered pipeline's (`upload_ordered`; issue 15, fifth
-/// pass), from 256 MiB the interleaved pipeline's with twelve participants again (ninth pass:
-/// six rounds on one lease, 256 MiB at 44.3-44.9 GB/s against 37.9-44.3 ordered, 1 GiB at
-/// 47.0-50.3 against 38.9-47.3). Mid sizes want few participants on 1-2 MiB chunks, since each
-/// chunk is filled by all of them; large uploads copy with cached stores, so the copy engine
-/// reads the chunks back from the 300 MiB L3. Where two rows were within the sweep's noise, the
-/// one with fewer participants, which leaves host threads to concurrent transfers.
+/// (`examples/staging_sweep.rs`, `examples/upload_timeline.rs`; see `docs/transfer.md`): at
+/// 1 MiB the interleaved pipeline's (issue 15, run 3), at 4-256 MiB the ordered pipeline's
+/// (`upload_ordered`), at 1 GiB the interleaved pipeline's with twelve participants (ninth
+/// pass). Mid sizes want few participants on 1-4 MiB chunks, since each chunk is filled by all
+/// of them and the copy engine reads host memory more slowly the harder the host's threads load
+/// it (`docs/probes/ce.c`); large uploads copy with cached stores, so the copy engine reads the
+/// chunks back from the 300 MiB L3. The fourteenth pass, with resident workers, re-measured
+/// 16-256 MiB (four rounds of each configuration on each of three leases, the median of the
+/// twelve rounds' medians): 64 MiB 4 MiB x 5 at 42.5 GB/s against 42.3 for 2 MiB x 8, 256 MiB
+/// ordered 4 MiB x 8 with cached stores into a 32 MiB ring (one block per participant) at 49.4
+/// against 45.2 interleaved, 16 MiB 2 MiB x 4 at 37.1 against 38.3 for x 6 (kept). Where two
+/// rows were within the noise, the one with fewer participants, which leaves host threads to
+/// concurrent transfers.
 const SWEPT_UPLOADS: [Swept; 6] = [
     swept(1 << 20, 256 << 10, 2, HostCopy::Streaming),
     swept(4 << 20, 1 << 20, 4, HostCopy::Streaming),
     swept(16 << 20, 2 << 20, 6, HostCopy::Streaming),
-    swept(64 << 20, 2 << 20, 8, HostCopy::Streaming),
-    swept_interleaved(256 << 20, 2 << 20, 12, HostCopy::Cached),
+    swept(64 << 20, 4 << 20, 5, HostCopy::Streaming),
+    swept(256 << 20, 4 << 20, 8, HostCopy::Cached).with_depth(1),
     swept_interleaved(1 << 30, 4 << 20, 12, HostCopy::Cached),
 ];
 
@@ -819,6 +834,7 @@ mod tests {
                     assert_eq!(config.threads, row.threads.min(host_threads()));
                     assert_eq!(config.host_copy, row.host_copy);
                     assert_eq!(config.order, row.order);
+                    assert_eq!(config.depth, row.depth);
                 }
             }
             assert_eq!(for_size(0).chunk_bytes, swept[0].chunk_bytes);
