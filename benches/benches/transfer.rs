@@ -44,7 +44,7 @@ use cuweave_driver::{Context, Device, Stream, StreamFlags};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer};
 use cuweave_transfer::{
     Destination, Location, RegisteredHost, Source, TransferDirection, TransferManager,
-    TransferMethod,
+    TransferMethod, TransferPath,
 };
 
 fn main() {
@@ -735,8 +735,25 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
                 (Location::Device(0), Location::PageableHost)
             };
             let method = f.manager.plan(src, dst, bytes).method;
+            // The staging configuration calibration chose: the one timed above when staged.
+            let path = if i == 0 {
+                TransferPath::PAGEABLE_TO_DEVICE
+            } else {
+                TransferPath::DEVICE_TO_PAGEABLE
+            };
+            let staging = match f.manager.calibration().staging_for(path, 0, bytes) {
+                Some(c) if method == TransferMethod::HostStaged => format!(
+                    " {} KiB x {} {:?} {:?} depth {}",
+                    c.chunk_bytes >> 10,
+                    c.threads,
+                    c.host_copy,
+                    c.order,
+                    c.depth
+                ),
+                _ => String::new(),
+            };
             println!(
-                "  pageable {dir} {:>6}: pinned limit {:6.2}, raw {r:6.2}, cuweave {o:6.2} GB/s ({:.2}x raw, {:.0}% of pinned, {method}); target >= raw{}: {}",
+                "  pageable {dir} {:>6}: pinned limit {:6.2}, raw {r:6.2}, cuweave {o:6.2} GB/s ({:.2}x raw, {:.0}% of pinned, {method}{staging}); target >= raw{}: {}",
                 label(bytes),
                 limit[i],
                 o / r,
