@@ -123,20 +123,59 @@ impl RoundShape {
     }
 }
 
-/// How much faster than the default another staging configuration must measure to replace it:
-/// the defaults come from many runs of the staging sweep, a calibration from a few.
+/// How much faster than the default another staging configuration must measure, round by
+/// round, to replace it: the defaults come from many runs of the staging sweep, a calibration
+/// from a few.
 const DEFAULT_KEPT_WITHIN: f64 = 0.03;
 
-/// Which of the staging candidates with median bandwidths `medians` calibration keeps: the
-/// fastest, unless the default (candidate `default`) is within [`DEFAULT_KEPT_WITHIN`] of it.
-fn choose_staging(medians: &[f64], default: Option<usize>) -> usize {
-    let fastest = (0..medians.len())
-        .max_by(|&a, &b| medians[a].total_cmp(&medians[b]))
+/// In how many of the rounds (a fraction, rounded up) another staging configuration must beat
+/// the default by more than [`DEFAULT_KEPT_WITHIN`] to replace it.
+const REPLACING_ROUNDS: f64 = 0.8;
+
+/// Which of the staging candidates calibration keeps, from each candidate's bandwidth in each
+/// round (`rounds[i][r]`; every candidate ran once in every round, one after another): the
+/// default (candidate `default`) unless another beat it by more than [`DEFAULT_KEPT_WITHIN`]
+/// in [`REPLACING_ROUNDS`] of the rounds, then the one of those with the highest median ratio
+/// to the default; with no default among them, the one with the highest median.
+///
+/// Round by round, because a disturbed stretch of a shared host slows every candidate of a
+/// round alike, and the ratio to the default that ran beside it cancels that out; most rounds,
+/// because with a dozen candidates of about equal speed the highest of a dozen noisy medians
+/// is a few percent over the default by chance alone. In eight bench runs on the H100 host
+/// (fourteenth pass, three leases; the summary names the configuration calibration chose), the
+/// highest-median rule replaced the default in 19 of 24 choices at 16, 64 and 256 MiB uploads,
+/// with ten different winners (at 64 MiB 8 MiB x 8, 4 MiB x 8, 4 MiB x 7 interleaved, 8 MiB
+/// x 5; see docs/transfer.md).
+fn choose_staging(rounds: &[Vec<f64>], default: Option<usize>) -> usize {
+    let median = |values: &[f64]| {
+        let mut values = values.to_vec();
+        values.sort_by(f64::total_cmp);
+        values.get(values.len() / 2).copied().unwrap_or(0.0)
+    };
+    let fastest = (0..rounds.len())
+        .max_by(|&a, &b| median(&rounds[a]).total_cmp(&median(&rounds[b])))
         .expect("at least one candidate");
-    match default {
-        Some(d) if medians[d] * (1.0 + DEFAULT_KEPT_WITHIN) >= medians[fastest] => d,
-        _ => fastest,
-    }
+    let Some(d) = default else {
+        return fastest;
+    };
+    let base = &rounds[d];
+    let needed = ((base.len() as f64 * REPLACING_ROUNDS).ceil() as usize).max(1);
+    (0..rounds.len())
+        .filter(|&i| i != d)
+        .filter_map(|i| {
+            let ratios: Vec<f64> = rounds[i]
+                .iter()
+                .zip(base)
+                .map(|(candidate, default)| candidate / default.max(f64::MIN_POSITIVE))
+                .collect();
+            let wins = ratios
+                .iter()
+                .filter(|&&ratio| ratio > 1.0 + DEFAULT_KEPT_WITHIN)
+                .count();
+            (wins >= needed).then(|| (i, median(&ratios)))
+        })
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .map_or(d, |(i, _)| i)
 }
 
 /// The largest size whose calibration also tries a single block of the whole size.
@@ -472,6 +511,15 @@ impl TransferManager {
                 }
             }
         }
+        // Each way's bandwidth per round (the median of its timed runs there), in round order.
+        let per_round: Vec<Vec<f64>> = times
+            .iter()
+            .map(|t| {
+                t.chunks(shape.runs - shape.untimed)
+                    .map(|round| median_gbps(bytes, &mut round.to_vec()))
+                    .collect()
+            })
+            .collect();
         let mut medians: Vec<f64> = times.iter_mut().map(|t| median_gbps(bytes, t)).collect();
         let direct = medians.pop().expect("the plain call is measured");
         tracing::debug!(device = d, %path, bytes, gbps = direct, "plain call measured");
@@ -479,7 +527,10 @@ impl TransferManager {
             tracing::debug!(device = d, %path, bytes, ?config, gbps, "staging candidate measured");
         }
         let base = StagingConfig::for_path(path, bytes);
-        let chosen = choose_staging(&medians, candidates.iter().position(|&c| c == base));
+        let chosen = choose_staging(
+            &per_round[..candidates.len()],
+            candidates.iter().position(|&c| c == base),
+        );
         let (config, gbps) = (candidates[chosen], medians[chosen]);
         table.record_staging(StagingChoice {
             path,
@@ -634,18 +685,43 @@ mod tests {
     }
 
     #[rstest::rstest]
-    // The default within 3 % of the fastest stays; further behind, the fastest wins.
-    #[case::default_close(vec![40.0, 41.0, 30.0], Some(0), 0)]
-    #[case::default_behind(vec![40.0, 42.0, 30.0], Some(0), 1)]
-    #[case::default_fastest(vec![40.0, 39.0, 38.0], Some(0), 0)]
-    #[case::no_default(vec![40.0, 41.0, 30.0], None, 1)]
-    #[case::one_candidate(vec![12.0], Some(0), 0)]
-    fn calibration_keeps_the_default_unless_another_is_clearly_faster(
-        #[case] medians: Vec<f64>,
+    // Another ahead of the default by more than 3 % in every round, or in four of five, wins.
+    #[case::default_behind(vec![vec![40.0; 5], vec![42.0; 5], vec![30.0; 5]], Some(0), 1)]
+    #[case::four_of_five(
+        vec![vec![40.0; 5], vec![42.0, 42.0, 42.0, 42.0, 39.0]],
+        Some(0),
+        1
+    )]
+    // Within 3 %, or ahead in three rounds of five only (a median 10 % over the default, which
+    // the highest-median rule took), the default stays.
+    #[case::default_close(vec![vec![40.0; 5], vec![41.0; 5], vec![30.0; 5]], Some(0), 0)]
+    #[case::lucky_rounds(
+        vec![vec![40.0; 5], vec![48.0, 47.0, 44.0, 38.0, 36.0]],
+        Some(0),
+        0
+    )]
+    #[case::default_fastest(vec![vec![40.0; 5], vec![39.0; 5], vec![38.0; 5]], Some(0), 0)]
+    // A round that slowed every way alike does not hide a candidate ahead in each.
+    #[case::disturbed_round(
+        vec![vec![40.0, 40.0, 20.0, 40.0, 40.0], vec![44.0, 44.0, 22.0, 44.0, 44.0]],
+        Some(0),
+        1
+    )]
+    // Of two that qualify, the one further ahead of the default.
+    #[case::two_qualify(
+        vec![vec![40.0; 5], vec![44.0; 5], vec![46.0, 46.0, 46.0, 46.0, 40.0]],
+        Some(0),
+        2
+    )]
+    #[case::no_default(vec![vec![40.0; 5], vec![41.0; 5], vec![30.0; 5]], None, 1)]
+    #[case::one_candidate(vec![vec![12.0; 5]], Some(0), 0)]
+    #[case::one_round(vec![vec![40.0], vec![42.0]], Some(0), 1)]
+    fn calibration_keeps_the_default_unless_another_is_faster_round_after_round(
+        #[case] rounds: Vec<Vec<f64>>,
         #[case] default: Option<usize>,
         #[case] chosen: usize,
     ) {
-        assert_eq!(choose_staging(&medians, default), chosen);
+        assert_eq!(choose_staging(&rounds, default), chosen);
     }
 
     #[test]
