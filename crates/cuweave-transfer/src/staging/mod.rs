@@ -245,40 +245,29 @@ impl Swept {
     }
 }
 
-/// A row of the staging sweep whose fastest chunk order was [`ChunkOrder::Interleaved`].
-const fn swept_interleaved(
-    bytes: usize,
-    chunk_bytes: usize,
-    threads: usize,
-    host_copy: HostCopy,
-) -> Swept {
-    Swept {
-        order: ChunkOrder::Interleaved,
-        ..swept(bytes, chunk_bytes, threads, host_copy)
-    }
-}
-
 /// The fastest pageable uploads of the staging sweep on the H100 host
 /// (`examples/staging_sweep.rs`, `examples/upload_timeline.rs`; see `docs/transfer.md`): at
-/// 1 MiB the interleaved pipeline's (issue 15, run 3), at 4-256 MiB the ordered pipeline's
-/// (`upload_ordered`), at 1 GiB the interleaved pipeline's with twelve participants (ninth
-/// pass). Mid sizes want few participants on 1-4 MiB chunks, since each chunk is filled by all
-/// of them and the copy engine reads host memory more slowly the harder the host's threads load
-/// it (`docs/probes/ce.c`); large uploads copy with cached stores, so the copy engine reads the
-/// chunks back from the 300 MiB L3. The fourteenth pass, with resident workers, re-measured
-/// 16-256 MiB (four rounds of each configuration on each of three leases, the median of the
-/// twelve rounds' medians): 64 MiB 4 MiB x 5 at 42.5 GB/s against 42.3 for 2 MiB x 8, 256 MiB
-/// ordered 4 MiB x 8 with cached stores into a 32 MiB ring (one block per participant) at 49.4
-/// against 45.2 interleaved, 16 MiB 2 MiB x 4 at 37.1 against 38.3 for x 6 (kept). Where two
-/// rows were within the noise, the one with fewer participants, which leaves host threads to
-/// concurrent transfers.
+/// 1 MiB the interleaved pipeline's (issue 15, run 3; below [`ORDERED_FROM`] every copy runs
+/// interleaved), from 4 MiB the ordered pipeline's (`upload_ordered`). Mid sizes want few
+/// participants on 1-4 MiB chunks, since each chunk is filled by all of them and the copy
+/// engine reads host memory more slowly the harder the host's threads load it
+/// (`docs/probes/ce.c`); large uploads copy with cached stores into a 32 MiB ring (one 4 MiB
+/// block per participant) that stays in the 300 MiB L3, where the copy engine reads it back.
+/// The fourteenth pass, with resident workers, re-measured 16 MiB-1 GiB (four rounds of each
+/// configuration on each of three leases, the median of the twelve rounds' medians): 64 MiB
+/// 4 MiB x 5 at 42.5 GB/s against 42.3 for 2 MiB x 8, 256 MiB ordered 4 MiB x 8 cached at 49.4
+/// against 45.2 interleaved (2 MiB x 12), 16 MiB 2 MiB x 4 at 37.1 against 38.3 for x 6
+/// (kept); at 1 GiB ordered 4 MiB x 8 cached and interleaved 4 MiB x 12 were within the noise
+/// (50.8 against 51.5 on one lease, 51.4 / 52.0 against 50.8 / 50.8 in the bench on another),
+/// as were both directions at once beside it. Where two rows were within the noise, the one
+/// with fewer participants, which leaves host threads to concurrent transfers.
 const SWEPT_UPLOADS: [Swept; 6] = [
     swept(1 << 20, 256 << 10, 2, HostCopy::Streaming),
     swept(4 << 20, 1 << 20, 4, HostCopy::Streaming),
     swept(16 << 20, 2 << 20, 6, HostCopy::Streaming),
     swept(64 << 20, 4 << 20, 5, HostCopy::Streaming),
     swept(256 << 20, 4 << 20, 8, HostCopy::Cached).with_depth(1),
-    swept_interleaved(1 << 30, 4 << 20, 12, HostCopy::Cached),
+    swept(1 << 30, 4 << 20, 8, HostCopy::Cached).with_depth(1),
 ];
 
 /// The fastest pageable downloads of the staging sweep on the H100 host: at 1 MiB the
@@ -814,7 +803,7 @@ mod tests {
         let default = StagingConfig::default();
         assert_eq!(
             default.staging_bytes(),
-            default.threads * 2 * default.chunk_bytes
+            default.threads * default.depth * default.chunk_bytes
         );
     }
 
