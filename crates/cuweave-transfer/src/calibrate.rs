@@ -1,5 +1,5 @@
 //! Measuring this machine: [`TransferManager::calibrate`] times each candidate method per path,
-//! device (or device pair) and size, and the fastest staging configuration per size, once per
+//! device (or device pair) and size, and chooses a staging configuration per size, once per
 //! process.
 
 use std::sync::OnceLock;
@@ -287,8 +287,9 @@ impl TransferManager {
     ///
     /// For every device the manager serves: each candidate method of the pageable, pinned and
     /// registered host paths at each of [`CALIBRATION_SIZES`] (each size class at its own
-    /// sizes, 1 GiB included), and for pageable copies the fastest [`StagingConfig`] of
-    /// [`staging_candidates`] per size; for every ordered pair of devices, the peer path's
+    /// sizes, 1 GiB included), and for pageable copies a [`StagingConfig`] of
+    /// [`staging_candidates`] per size (the default unless another was faster round after round;
+    /// see `choose_staging`); for every ordered pair of devices, the peer path's
     /// candidates; and once, the cost of registering host memory (`cuMemHostRegister` +
     /// `cuMemHostUnregister` of 4 MiB and 64 MiB). A few seconds per device on an H100; save
     /// the table ([`CalibrationTable::save`]) to skip it next time.
@@ -447,8 +448,8 @@ impl TransferManager {
 
     /// Tries every [`staging_candidates`] configuration for a pageable `path` at `bytes` on
     /// device `d`, and the plain call ([`TransferMethod::DirectCopy`]) in the same rounds;
-    /// records the fastest configuration as the size's staging choice, and returns its figure
-    /// and the plain call's.
+    /// records the configuration `choose_staging` keeps as the size's staging choice, and
+    /// returns its figure and the plain call's.
     #[allow(clippy::too_many_arguments)]
     fn tune_staging(
         &self,

@@ -71,7 +71,8 @@ pub struct Measure {
     pub bytes: usize,
 }
 
-/// The staging configuration calibration found fastest for one path, device and size.
+/// The staging configuration calibration chose for one path, device and size: the size's default
+/// unless another measured faster than it round after round.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct StagingChoice {
     /// The path (pageable to device, or device to pageable).
@@ -80,7 +81,7 @@ pub struct StagingChoice {
     pub device: usize,
     /// The size measured.
     pub bytes: usize,
-    /// The fastest configuration there.
+    /// The configuration chosen there.
     pub config: StagingConfig,
     /// Its bandwidth, GB/s.
     pub gbps: f64,
@@ -146,7 +147,7 @@ pub struct CalibrationTable {
     /// Every device of the machine measured, by ordinal (empty in older files).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub devices: Vec<String>,
-    /// The fastest staging configuration per path, device and size.
+    /// The staging configuration chosen per path, device and size.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub staging: Vec<StagingChoice>,
     /// The measurements.
@@ -333,14 +334,14 @@ impl CalibrationTable {
         self.best_at(at, &[method]).map(|(_, gbps, _)| gbps)
     }
 
-    /// Records the fastest staging configuration measured for `path` on `device` at `bytes`.
+    /// Records the staging configuration chosen for `path` on `device` at `bytes`.
     pub fn record_staging(&mut self, choice: StagingChoice) {
         self.staging
             .retain(|c| (c.path, c.device, c.bytes) != (choice.path, choice.device, choice.bytes));
         self.staging.push(choice);
     }
 
-    /// The staging configuration measured fastest for `path` on `device` at the size nearest
+    /// The staging configuration chosen for `path` on `device` at the size nearest
     /// `bytes` (log scale), if any was measured.
     pub fn staging_for(
         &self,

@@ -215,7 +215,7 @@ impl TransferManager {
     }
 
     /// The staging configuration a pipelined transfer of `bytes` on `path` to or from `device`
-    /// uses: the fixed one, else the one calibration measured fastest nearest that size, else
+    /// uses: the fixed one, else the one calibration chose nearest that size, else
     /// [`StagingConfig::for_path`].
     pub fn staging_for(&self, path: TransferPath, device: usize, bytes: usize) -> StagingConfig {
         if let Some(fixed) = self.staging {
