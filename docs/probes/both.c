@@ -9,6 +9,7 @@
 // threads claim pieces in order, wait for their chunk's mark and copy the piece out with
 // streaming stores. Both run at once on their own streams; each alone for reference. Median of
 // 7, GB/s of both directions together. Arguments: size of each in MiB (default 1024).
+// PROBE_SPLIT=Tu,Td runs that split alone, with the memcpy fill.
 #include "probe.h"
 
 #define MOST_CHUNKS 1024
@@ -52,10 +53,13 @@ int main(int argc, char **argv) {
          "ring, streaming out\n",
          total >> 20, up_chunk >> 10, up_ring >> 20, down_chunk >> 10, down_ring >> 20);
   int splits[][2] = {{8, 0}, {0, 8}, {8, 8}, {6, 6}, {4, 4}, {8, 6}, {6, 8}, {4, 8}, {8, 4}, {5, 5}, {7, 7}};
+  int one[2];
+  const char *split = getenv("PROBE_SPLIT");
+  int only = split && sscanf(split, "%d,%d", &one[0], &one[1]) == 2;
   unsigned iter = 0;
-  for (int streaming_up = 0; streaming_up < 2; streaming_up++)
-    for (size_t si = 0; si < sizeof splits / sizeof splits[0]; si++) {
-      int Tu = splits[si][0], Td = splits[si][1];
+  for (int streaming_up = 0; streaming_up < 2 - only; streaming_up++)
+    for (size_t si = 0; si < (only ? 1 : sizeof splits / sizeof splits[0]); si++) {
+      int Tu = only ? one[0] : splits[si][0], Td = only ? one[1] : splits[si][1];
       double times[7];
       for (int it = 0; it < 8; it++) {
         iter++;
