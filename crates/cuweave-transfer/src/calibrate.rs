@@ -516,7 +516,7 @@ impl TransferManager {
         let per_round: Vec<Vec<f64>> = times
             .iter()
             .map(|t| {
-                t.chunks(shape.runs - shape.untimed)
+                t.chunks((shape.runs - shape.untimed).max(1))
                     .map(|round| median_gbps(bytes, &mut round.to_vec()))
                     .collect()
             })
