@@ -44,7 +44,7 @@ use cuweave_driver::{Context, Device, Stream, StreamFlags};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer};
 use cuweave_transfer::{
     Destination, Location, RegisteredHost, Source, TransferDirection, TransferManager,
-    TransferMethod, TransferPath,
+    TransferMethod,
 };
 
 fn main() {
@@ -734,23 +734,22 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
             } else {
                 (Location::Device(0), Location::PageableHost)
             };
-            let method = f.manager.plan(src, dst, bytes).method;
-            // The staging configuration calibration chose: the one timed above when staged.
-            let path = if i == 0 {
-                TransferPath::PAGEABLE_TO_DEVICE
-            } else {
-                TransferPath::DEVICE_TO_PAGEABLE
-            };
-            let staging = match f.manager.calibration().staging_for(path, 0, bytes) {
-                Some(c) if method == TransferMethod::HostStaged => format!(
+            let plan = f.manager.plan(src, dst, bytes);
+            let method = plan.method;
+            // The staging configuration the staged transfer timed above ran with (calibration's
+            // choice, after the calibration above).
+            let staging = if method == TransferMethod::HostStaged {
+                let c = f.manager.staging_for(plan.path, 0, bytes);
+                format!(
                     " {} KiB x {} {:?} {:?} depth {}",
                     c.chunk_bytes >> 10,
                     c.threads,
                     c.host_copy,
                     c.order,
                     c.depth
-                ),
-                _ => String::new(),
+                )
+            } else {
+                String::new()
             };
             println!(
                 "  pageable {dir} {:>6}: pinned limit {:6.2}, raw {r:6.2}, cuweave {o:6.2} GB/s ({:.2}x raw, {:.0}% of pinned, {method}{staging}); target >= raw{}: {}",
