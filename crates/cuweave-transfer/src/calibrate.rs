@@ -152,11 +152,10 @@ fn choose_staging(rounds: &[Vec<f64>], default: Option<usize>) -> usize {
         values.sort_by(f64::total_cmp);
         values.get(values.len() / 2).copied().unwrap_or(0.0)
     };
-    let fastest = (0..rounds.len())
-        .max_by(|&a, &b| median(&rounds[a]).total_cmp(&median(&rounds[b])))
-        .expect("at least one candidate");
     let Some(d) = default else {
-        return fastest;
+        return (0..rounds.len())
+            .max_by(|&a, &b| median(&rounds[a]).total_cmp(&median(&rounds[b])))
+            .expect("at least one candidate");
     };
     let base = &rounds[d];
     let needed = ((base.len() as f64 * REPLACING_ROUNDS).ceil() as usize).max(1);
