@@ -9,7 +9,9 @@
 // threads claim pieces in order, wait for their chunk's mark and copy the piece out with
 // streaming stores. Both run at once on their own streams; each alone for reference. Median of
 // 7, GB/s of both directions together. Arguments: size of each in MiB (default 1024).
-// PROBE_SPLIT=Tu,Td runs that split alone, with the memcpy fill.
+// PROBE_SPLIT=Tu,Td runs that split alone, with the memcpy fill. PROBE_UP_STREAMS=2 alternates the
+// upload's chunks between two streams (as cuweave's ordered uploads do), to see whether a second
+// upload stream takes a copy engine from the download.
 #include "probe.h"
 
 #define MOST_CHUNKS 1024
@@ -27,6 +29,10 @@ int main(int argc, char **argv) {
   CUstream su, sd;
   CK(cuStreamCreate(&su, CU_STREAM_NON_BLOCKING));
   CK(cuStreamCreate(&sd, CU_STREAM_NON_BLOCKING));
+  CUstream sus[2] = {su, 0};
+  CK(cuStreamCreate(&sus[1], CU_STREAM_NON_BLOCKING));
+  const char *up_streams_env = getenv("PROBE_UP_STREAMS");
+  size_t up_streams = up_streams_env && atoi(up_streams_env) == 2 ? 2 : 1;
   CUdeviceptr dup, ddown;
   CK(cuMemAlloc(&dup, total));
   CK(cuMemAlloc(&ddown, total));
@@ -105,8 +111,8 @@ int main(int argc, char **argv) {
 #pragma omp critical
                 while (queued < up_chunks && atomic_load(&filled[queued]) == 8) {
                   CK(cuMemcpyHtoDAsync(dup + queued * up_chunk, pin_up + (queued * up_chunk) % up_ring,
-                                       up_chunk, su));
-                  CK(cuStreamWriteValue32(su, dflags + 64 * queued, iter, 0));
+                                       up_chunk, sus[queued % up_streams]));
+                  CK(cuStreamWriteValue32(sus[queued % up_streams], dflags + 64 * queued, iter, 0));
                   atomic_store(&filled[queued], -1000000);
                   queued++;
                 }
@@ -115,6 +121,7 @@ int main(int argc, char **argv) {
           }
         }
         CK(cuStreamSynchronize(su));
+        CK(cuStreamSynchronize(sus[1]));
         CK(cuStreamSynchronize(sd));
         if (it > 0) times[it - 1] = now() - t0;
       }

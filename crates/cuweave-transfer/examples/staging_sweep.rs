@@ -13,6 +13,8 @@
 //! `SWEEP_DOWN_ONLY=1` sweeps downloads alone and skips the host copy ceiling (with
 //! `CUWEAVE_STAGING_UNORDERED_DOWNLOADS=1`, the downloads that queue on every participant's
 //! stream); `SWEEP_UP_ONLY=1` the same for uploads (`CUWEAVE_STAGING_UNORDERED_UPLOADS=1`).
+//! `SWEEP_BOTH=1` runs only a 1 GiB upload and a 1 GiB download at once with the default
+//! configurations, nine times, printing each run: both together, and each side's own rate.
 
 use std::time::{Duration, Instant};
 
@@ -98,11 +100,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let threads = host_threads();
     println!("host threads: {threads}");
     if std::env::var_os("SWEEP_CALIBRATE").is_some() {
+        // `RUST_LOG=cuweave_transfer=debug` shows every candidate's figure in every round.
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .init();
         let manager = TransferManager::new()?;
         let start = Instant::now();
         let table = manager.calibrate()?;
         println!("calibration took {:.2} s", start.elapsed().as_secs_f64());
         println!("{}", table.to_json());
+        // `SWEEP_CALIBRATE=N` (N > 1): N - 1 more calibrations, then stop.
+        let again: usize = std::env::var("SWEEP_CALIBRATE")?.parse().unwrap_or(1);
+        if again > 1 {
+            for _ in 1..again {
+                manager.recalibrate()?;
+            }
+            return Ok(());
+        }
     }
     if std::env::var_os("SWEEP_PARALLEL_RAW").is_some() {
         parallel_raw(&context, &sizes)?;
@@ -150,6 +164,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 );
             }
         }
+        return Ok(());
+    }
+    if std::env::var_os("SWEEP_BOTH").is_some() {
+        both_directions(&context, &host)?;
         return Ok(());
     }
     if std::env::var_os("SWEEP_CONCURRENT").is_some() {
@@ -376,6 +394,69 @@ fn concurrent(
             gbps(GIB, four)
         );
     }
+    Ok(())
+}
+
+/// A 1 GiB upload and a 1 GiB download at once on two threads, with the default configurations:
+/// each run's rate together and each side's own (bytes over that thread's own time), then the
+/// medians.
+fn both_directions(
+    context: &std::sync::Arc<Context>,
+    host: &[u8],
+) -> Result<(), Box<dyn std::error::Error>> {
+    const GIB: usize = 1 << 30;
+    let mut up = DeviceBuffer::<u8>::zeroed(context, GIB)?;
+    let down_src = DeviceBuffer::<u8>::zeroed(context, GIB)?;
+    let mut down = vec![0u8; GIB];
+    let manager = TransferManager::new()?;
+    let gbps = |bytes: usize, d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
+    let mut rows = Vec::new();
+    for run in 0..10 {
+        let start = Instant::now();
+        let (up_time, down_time) = std::thread::scope(|s| {
+            let upload = s.spawn(|| {
+                let start = Instant::now();
+                manager
+                    .transfer(&host[..GIB], Destination::device(&mut up, 0))
+                    .map(drop)
+                    .unwrap();
+                start.elapsed()
+            });
+            let download = s.spawn(|| {
+                let start = Instant::now();
+                manager
+                    .transfer(Source::device(&down_src, 0, GIB), &mut down[..])
+                    .map(drop)
+                    .unwrap();
+                start.elapsed()
+            });
+            (upload.join().unwrap(), download.join().unwrap())
+        });
+        let row = [
+            gbps(2 * GIB, start.elapsed()),
+            gbps(GIB, up_time),
+            gbps(GIB, down_time),
+        ];
+        // The first run warms the pages and the pools.
+        if run > 0 {
+            println!(
+                "both run {run}: {:.1} GB/s together; upload {:.1}, download {:.1}",
+                row[0], row[1], row[2]
+            );
+            rows.push(row);
+        }
+    }
+    let median_of = |i: usize| {
+        let mut column: Vec<f64> = rows.iter().map(|row| row[i]).collect();
+        column.sort_by(f64::total_cmp);
+        column[column.len() / 2]
+    };
+    println!(
+        "both median: {:.1} GB/s together; upload {:.1}, download {:.1}",
+        median_of(0),
+        median_of(1),
+        median_of(2)
+    );
     Ok(())
 }
 
