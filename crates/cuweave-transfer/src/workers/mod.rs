@@ -207,16 +207,22 @@ impl Workers {
         // The caller queues the other participants (no rayon worker sleeps, so a push wakes
         // nobody), tells the residents, and starts its own part at once; hot residents take
         // the jobs from the queue, parked ones are woken as many as are short.
+        let helpers = participants - 1;
+        let started = AtomicUsize::new(0);
         pool.in_place_scope(|scope| {
-            let (guarded, keep) = (&guarded, &keep);
+            let (guarded, keep, started) = (&guarded, &keep, &started);
             for w in 1..participants {
                 scope.spawn(move |_| {
                     let _busy = self.residency.busy();
+                    // A resident may have taken this job before it saw the hand-out: wake for
+                    // the others while they wait (`Residency::job_started`).
+                    let now_started = started.fetch_add(1, Ordering::AcqRel) + 1;
+                    self.residency.job_started(helpers - now_started);
                     LAST_RUN.set(run);
                     keep(guarded(w));
                 });
             }
-            self.residency.handed_out(participants - 1);
+            self.residency.handed_out(helpers);
             keep(guarded(0));
         });
         self.extend_hot();
@@ -460,6 +466,52 @@ mod tests {
                 "workers spun while another transfer was running"
             );
         });
+    }
+
+    #[test]
+    fn every_participant_joins_while_the_caller_still_works() {
+        let _serial = SERIAL.lock();
+        let workers = shared();
+        // Runs of alternating sizes back to back, as calibration and a training loop make them:
+        // the workers of each run are hot when the next is handed out, and may take its jobs
+        // before they see the hand-out. Each helper stays in its job until the caller lets it
+        // go (a transfer's participants claim chunks until it is done), and the caller waits
+        // for every helper to join: one the pool never woke would join only after the caller's
+        // own part returned (a 1 GiB download ran on three of six participants that way).
+        let most = workers.participants();
+        for round in 0..200 {
+            let participants = [3, 6, most, 2, 8, 4][round % 6].min(most);
+            let joined = AtomicUsize::new(0);
+            let release = std::sync::atomic::AtomicBool::new(false);
+            let waited = std::sync::atomic::AtomicBool::new(true);
+            workers
+                .run(participants, |w| {
+                    if w == 0 {
+                        let deadline = Instant::now() + Duration::from_secs(5);
+                        while joined.load(Ordering::Acquire) < participants - 1 {
+                            if Instant::now() > deadline {
+                                waited.store(false, Ordering::Release);
+                                break;
+                            }
+                            std::thread::yield_now();
+                        }
+                        release.store(true, Ordering::Release);
+                    } else {
+                        joined.fetch_add(1, Ordering::AcqRel);
+                        while !release.load(Ordering::Acquire) {
+                            std::thread::yield_now();
+                        }
+                    }
+                    Ok(())
+                })
+                .unwrap();
+            assert!(
+                waited.load(Ordering::Acquire),
+                "round {round}: {} of {} helpers joined while the caller worked",
+                joined.load(Ordering::Acquire),
+                participants - 1
+            );
+        }
     }
 
     #[test]

@@ -102,9 +102,7 @@ impl Residency {
     /// ([`wake_wanted`](Self::wake_wanted)), off the caller's path.
     pub(crate) fn handed_out(&self, helpers: usize) {
         let mut parking = self.lock();
-        let idle = parking
-            .awake
-            .saturating_sub(self.busy.load(Ordering::Relaxed));
+        let idle = self.idle(&parking);
         let short = helpers.saturating_sub(idle);
         let here = usize::from(short > 0 && idle == 0);
         // The wakes wanted before the generation moves: an idle resident that sees it move
@@ -117,6 +115,40 @@ impl Residency {
         let woken = Self::unpark(&mut parking, here);
         drop(parking);
         self.notify(woken);
+    }
+
+    /// Called by each job of a hand-out as it starts (counted [`busy`](Self::busy)), with the
+    /// number of that hand-out's jobs not started yet: while some wait and no resident is idle
+    /// to take them, wakes one parked resident, whose job does the same when it starts, and so
+    /// on until every job has started.
+    ///
+    /// The hand-out's own wakes are not enough: a hot resident also looks for jobs every few
+    /// dozen spins, so it can take one of them before it sees the generation move, and then
+    /// runs it (a whole transfer) without making the wakes the hand-out left to idle residents
+    /// (which counted it idle). On the H100 host that left three of a 1 GiB download's six
+    /// participants, or four of an upload's eight, unstarted until the transfer was over.
+    pub(crate) fn job_started(&self, not_started: usize) {
+        if not_started == 0 {
+            return;
+        }
+        let mut parking = self.lock();
+        if self.idle(&parking) > 0 {
+            return;
+        }
+        let woken = Self::unpark(&mut parking, 1);
+        drop(parking);
+        self.notify(woken);
+    }
+
+    /// Residents awake and not running a job, under the lock. The busy count is read with a
+    /// read-modify-write, which sees every job's start before it in the count's order: two
+    /// jobs starting at once, each reading the count with a plain load, could each miss the
+    /// other's start and count it idle, and neither would wake for the jobs left (the loom
+    /// model `check_long_jobs` found that with the plain `awake` copy and loads).
+    fn idle(&self, parking: &Parking) -> usize {
+        parking
+            .awake
+            .saturating_sub(self.busy.fetch_add(0, Ordering::AcqRel))
     }
 
     /// On a resident that has just seen the generation move (or been woken): makes the wakes a
@@ -373,6 +405,86 @@ mod loom_models {
             }
             assert_eq!(model.ran.load(Ordering::Acquire), jobs);
         });
+    }
+
+    /// One hand-out of `helpers` long jobs (a transfer's participants: each runs until every
+    /// job of the hand-out has started) to `residents` residents that, like the staging
+    /// workers, look for a job whether or not they saw the generation move, and make the
+    /// hand-out's wakes only when they see it move. A job counts its resident busy and calls
+    /// [`Residency::job_started`]. In every interleaving (up to `preemptions` preemptions)
+    /// every job starts; a resident left inside its job while a parked one is never woken for
+    /// the others blocks every thread, which loom reports (without `job_started`, or with it
+    /// reading the counts with plain loads, it did). Three residents took eight minutes at two
+    /// preemptions (they pass), too long for CI.
+    fn check_long_jobs(residents: usize, helpers: usize, preemptions: usize) {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(preemptions);
+        builder.check(move || {
+            let model = Arc::new(Model {
+                residency: Residency::new(residents),
+                queued: AtomicUsize::new(0),
+                ran: AtomicUsize::new(0),
+                jobs: helpers,
+            });
+            // How many jobs have started, and the wait for all of them.
+            let started = Arc::new((Mutex::new(0usize), Condvar::new()));
+            let threads: Vec<_> = (0..residents)
+                .map(|_| {
+                    let (model, started) = (Arc::clone(&model), Arc::clone(&started));
+                    loom::thread::spawn(move || {
+                        let mut seen = model.residency.generation();
+                        loop {
+                            if model.ran.load(Ordering::Acquire) == model.jobs {
+                                model.residency.close();
+                                return;
+                            }
+                            let now = model.residency.generation();
+                            if now != seen {
+                                seen = now;
+                                model.residency.wake_wanted();
+                            }
+                            let took = model
+                                .queued
+                                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                                    n.checked_sub(1)
+                                })
+                                .is_ok();
+                            if !took {
+                                model.residency.park(seen);
+                                continue;
+                            }
+                            let busy = model.residency.busy();
+                            let (count, all) = &*started;
+                            let mut count_now = count.lock().unwrap();
+                            *count_now += 1;
+                            let not_started = model.jobs - *count_now;
+                            drop(count_now);
+                            model.residency.job_started(not_started);
+                            let mut count_now = count.lock().unwrap();
+                            all.notify_all();
+                            while *count_now < model.jobs {
+                                count_now = all.wait(count_now).unwrap();
+                            }
+                            drop(count_now);
+                            drop(busy);
+                            model.ran.fetch_add(1, Ordering::AcqRel);
+                        }
+                    })
+                })
+                .collect();
+            // The jobs are queued first, then handed out, as `Workers::run` does.
+            model.queued.fetch_add(helpers, Ordering::AcqRel);
+            model.residency.handed_out(helpers);
+            for thread in threads {
+                thread.join().unwrap();
+            }
+            assert_eq!(model.ran.load(Ordering::Acquire), helpers);
+        });
+    }
+
+    #[test]
+    fn loom_long_jobs_all_start_with_two_residents() {
+        check_long_jobs(2, 2, 3);
     }
 
     #[test]
