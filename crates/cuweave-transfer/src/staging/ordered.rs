@@ -104,7 +104,8 @@ impl Pipeline<'_> {
         // Chunks queued and not yet copied out: the blocks in use.
         let in_flight = AtomicUsize::new(0);
         // Copies piece q out once its chunk has landed; `false` when the transfer failed first.
-        let copy_piece = |q: usize| -> Result<bool> {
+        // `_w`, the participant copying, is only recorded (the `timeline` feature).
+        let copy_piece = |q: usize, _w: usize| -> Result<bool> {
             let k = chunk_of[q];
             let Some(block) = slots[k].landed(marks, &claims)? else {
                 return Ok(false);
@@ -115,6 +116,7 @@ impl Pipeline<'_> {
             let copied_out = self.config.host_copy.copy(out, &block.as_slice()[within]);
             drop(block);
             copied_out?;
+            super::step!("piece", k, _w);
             // The participant that copies a chunk's last piece out gives its block back to the
             // pool (every other one has dropped its handle on the block by then). Not to this
             // transfer: the block's lines are in the copying cores' caches, and a download into
@@ -131,6 +133,7 @@ impl Pipeline<'_> {
                 // A participant that panics (a bug) marks the transfer failed as it unwinds, so
                 // the queuing one does not wait forever for the blocks of its pieces.
                 let _unwinding = FailOnUnwind(&claims);
+                super::step!("join", 0, w);
                 let outcome = (|| {
                     // A piece this participant claimed before its chunk was queued.
                     let mut owed = None;
@@ -151,7 +154,7 @@ impl Pipeline<'_> {
                                 match owed {
                                     Some(q) if chunk_of[q] < k => {
                                         owed = None;
-                                        copy_piece(q)?;
+                                        copy_piece(q, w)?;
                                     }
                                     Some(_) => backoff.snooze(),
                                     None => match claims.next_for(w) {
@@ -160,24 +163,28 @@ impl Pipeline<'_> {
                                     },
                                 }
                             }
+                            super::step!("block", k, 0);
                             let block = self.pool.get_typed_cold::<T>(range.len())?;
+                            super::step!("queue", k, 0);
                             let copy = staged.copy_out_marked(0, range.start, block, marks)?;
                             in_flight.fetch_add(1, Ordering::AcqRel);
                             slots[k].queue(copy);
+                            super::step!("queued", k, 0);
                         }
                     }
                     if let Some(q) = owed
-                        && !copy_piece(q)?
+                        && !copy_piece(q, w)?
                     {
                         return Ok(());
                     }
                     while let Some(q) = claims.next_for(w) {
-                        if !copy_piece(q)? {
+                        if !copy_piece(q, w)? {
                             break;
                         }
                     }
                     Ok(())
                 })();
+                super::step!("leave", 0, w);
                 claims.settle(outcome)
             })
         })?
