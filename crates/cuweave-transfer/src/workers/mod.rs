@@ -474,27 +474,33 @@ mod tests {
         let workers = shared();
         // Runs of alternating sizes back to back, as calibration and a training loop make them:
         // the workers of each run are hot when the next is handed out, and may take its jobs
-        // before they see the hand-out. Each helper stays in its job until the caller lets it
-        // go (a transfer's participants claim chunks until it is done), and the caller waits
-        // for every helper to join: one the pool never woke would join only after the caller's
-        // own part returned (a 1 GiB download ran on three of six participants that way).
+        // before they see the hand-out, while the others have parked during the run (each
+        // lasts longer than the warm time, as a large transfer does). Each helper stays in its
+        // job until the caller lets it go (a transfer's participants claim chunks until it is
+        // done), and the caller waits for every helper to join: one the pool never woke would
+        // join only after the caller's own part returned (a 1 GiB download ran on three of six
+        // participants that way).
         let most = workers.participants();
         for round in 0..200 {
             let participants = [3, 6, most, 2, 8, 4][round % 6].min(most);
             let joined = AtomicUsize::new(0);
             let release = std::sync::atomic::AtomicBool::new(false);
-            let waited = std::sync::atomic::AtomicBool::new(true);
+            // How many had joined when the caller gave up waiting (none gave up: all).
+            let joined_in_time = AtomicUsize::new(usize::MAX);
             workers
                 .run(participants, |w| {
                     if w == 0 {
                         let deadline = Instant::now() + Duration::from_secs(5);
                         while joined.load(Ordering::Acquire) < participants - 1 {
                             if Instant::now() > deadline {
-                                waited.store(false, Ordering::Release);
+                                joined_in_time
+                                    .store(joined.load(Ordering::Acquire), Ordering::Release);
                                 break;
                             }
                             std::thread::yield_now();
                         }
+                        // Long enough for the workers outside this run to park.
+                        std::thread::sleep(WARM * 3);
                         release.store(true, Ordering::Release);
                     } else {
                         joined.fetch_add(1, Ordering::AcqRel);
@@ -505,10 +511,10 @@ mod tests {
                     Ok(())
                 })
                 .unwrap();
+            let in_time = joined_in_time.load(Ordering::Acquire);
             assert!(
-                waited.load(Ordering::Acquire),
-                "round {round}: {} of {} helpers joined while the caller worked",
-                joined.load(Ordering::Acquire),
+                in_time == usize::MAX,
+                "round {round}: {in_time} of {} helpers joined while the caller worked",
                 participants - 1
             );
         }
