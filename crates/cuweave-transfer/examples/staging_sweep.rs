@@ -332,9 +332,7 @@ fn concurrent(
     host: &[u8],
 ) -> Result<(), Box<dyn std::error::Error>> {
     const GIB: usize = 1 << 30;
-    let mut up = DeviceBuffer::<u8>::zeroed(context, GIB)?;
-    let down_src = DeviceBuffer::<u8>::zeroed(context, GIB)?;
-    let mut down = vec![0u8; GIB];
+    let (mut up, down_src, mut down) = both_ways(context)?;
     let mut quarters: Vec<DeviceBuffer<u8>> = (0..4)
         .map(|_| DeviceBuffer::<u8>::zeroed(context, GIB / 4))
         .collect::<Result<_, _>>()?;
@@ -397,6 +395,19 @@ fn concurrent(
     Ok(())
 }
 
+/// The buffers of a 1 GiB upload and a 1 GiB download at once: the upload's destination, the
+/// download's source and the download's pageable destination.
+type BothWays = (DeviceBuffer<u8>, DeviceBuffer<u8>, Vec<u8>);
+
+fn both_ways(context: &std::sync::Arc<Context>) -> Result<BothWays, Box<dyn std::error::Error>> {
+    const GIB: usize = 1 << 30;
+    Ok((
+        DeviceBuffer::<u8>::zeroed(context, GIB)?,
+        DeviceBuffer::<u8>::zeroed(context, GIB)?,
+        vec![0u8; GIB],
+    ))
+}
+
 /// A 1 GiB upload and a 1 GiB download at once on two threads, with the default configurations:
 /// each run's rate together and each side's own (bytes over that thread's own time), then the
 /// medians.
@@ -405,9 +416,7 @@ fn both_directions(
     host: &[u8],
 ) -> Result<(), Box<dyn std::error::Error>> {
     const GIB: usize = 1 << 30;
-    let mut up = DeviceBuffer::<u8>::zeroed(context, GIB)?;
-    let down_src = DeviceBuffer::<u8>::zeroed(context, GIB)?;
-    let mut down = vec![0u8; GIB];
+    let (mut up, down_src, mut down) = both_ways(context)?;
     let manager = TransferManager::new()?;
     let gbps = |bytes: usize, d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
     let mut rows = Vec::new();
