@@ -76,9 +76,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut asked = None;
             for &(t, what, _k, w) in &events {
                 match what {
-                    "join" => who.entry(w).or_insert((0.0, 0, 0.0)).0 = at(t),
-                    "piece" => who.entry(w).or_insert((0.0, 0, 0.0)).1 += 1,
-                    "leave" => who.entry(w).or_insert((0.0, 0, 0.0)).2 = at(t),
+                    "join" => who.entry(w).or_default().0 = at(t),
+                    "piece" => who.entry(w).or_default().1 += 1,
+                    "leave" => who.entry(w).or_default().2 = at(t),
                     "block" => asked = Some(t),
                     "queue" => {
                         if let Some(a) = asked.take() {

@@ -475,7 +475,7 @@ mod tests {
         // Runs of alternating sizes back to back, as calibration and a training loop make them:
         // the workers of each run are hot when the next is handed out, and may take its jobs
         // before they see the hand-out, while the others have parked during the run (each
-        // lasts longer than the warm time, as a large transfer does). Each helper stays in its
+        // lasts until they have, as a large transfer does). Each helper stays in its
         // job until the caller lets it go (a transfer's participants claim chunks until it is
         // done), and the caller waits for every helper to join: one the pool never woke would
         // join only after the caller's own part returned (a 1 GiB download ran on three of six
@@ -499,8 +499,12 @@ mod tests {
                             }
                             std::thread::yield_now();
                         }
-                        // Long enough for the workers outside this run to park.
-                        std::thread::sleep(WARM * 3);
+                        // Until the workers outside this run have parked (within the warm
+                        // time), as they have by the end of a large transfer.
+                        let parked_by = Instant::now() + WARM * 2 + Duration::from_secs(2);
+                        while workers.awake() > participants - 1 && Instant::now() < parked_by {
+                            std::thread::yield_now();
+                        }
                         release.store(true, Ordering::Release);
                     } else {
                         joined.fetch_add(1, Ordering::AcqRel);
