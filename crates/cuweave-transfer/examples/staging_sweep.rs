@@ -14,7 +14,8 @@
 //! `CUWEAVE_STAGING_UNORDERED_DOWNLOADS=1`, the downloads that queue on every participant's
 //! stream); `SWEEP_UP_ONLY=1` the same for uploads (`CUWEAVE_STAGING_UNORDERED_UPLOADS=1`).
 //! `SWEEP_BOTH=1` runs only a 1 GiB upload and a 1 GiB download at once with the default
-//! configurations, nine times, printing each run: both together, and each side's own rate.
+//! configurations, nine times, printing each run: both together, and each side's own rate;
+//! then each alone (median of 9) at 1 GiB, 256 MiB and 64 MiB.
 
 use std::time::{Duration, Instant};
 
@@ -466,6 +467,27 @@ fn both_directions(
         median_of(1),
         median_of(2)
     );
+    // Each direction alone with the same defaults, at this size and two smaller ones.
+    for bytes in [GIB, 256 << 20, 64 << 20] {
+        let alone_up = median(9, || {
+            manager
+                .transfer(&host[..bytes], Destination::device(&mut up, 0))
+                .map(drop)
+                .unwrap();
+        });
+        let alone_down = median(9, || {
+            manager
+                .transfer(Source::device(&down_src, 0, bytes), &mut down[..bytes])
+                .map(drop)
+                .unwrap();
+        });
+        println!(
+            "alone median, {} MiB: upload {:.1}, download {:.1}",
+            bytes >> 20,
+            gbps(bytes, alone_up),
+            gbps(bytes, alone_down)
+        );
+    }
     Ok(())
 }
 
