@@ -272,15 +272,20 @@ const SWEPT_UPLOADS: [Swept; 6] = [
 
 /// The fastest pageable downloads of the staging sweep on the H100 host: at 1 MiB the
 /// interleaved pipeline's (run 3), from 4 MiB the ordered pipeline's (`download_ordered`;
-/// issue 15, fourth pass): large chunks on one stream, so the queuing thread stays ahead of
-/// the bus, and six participants, past which the copies out measured slower.
+/// issue 15, fourth pass): chunks on one stream, so the queuing thread stays ahead of the bus.
+/// From 64 MiB, 4 MiB chunks on eight participants (sixteenth pass): on a lease with slow host
+/// memory the 1 GiB download ran 51.6-51.9 GB/s in three rounds of three, where the earlier
+/// 8 MiB x 6 ran 21-40 and 8 MiB x 8 22-52; beside a 1 GiB upload both directions ran 43-49
+/// against 35-38, and on two calmer leases 65-71 against 54-70 (the download's own rate steady
+/// at 43 against 27-47). Alone on the calm leases the two were within 2 %: 1 GiB 52.0 against
+/// 53.1-53.3, 256 MiB 50.7-51.0 against 51.6-52.0, 64 MiB 47.2-48.0 against 45.2-46.7.
 const SWEPT_DOWNLOADS: [Swept; 6] = [
     swept(1 << 20, 256 << 10, 2, HostCopy::Cached),
     swept(4 << 20, 512 << 10, 4, HostCopy::Cached),
     swept(16 << 20, 2 << 20, 6, HostCopy::Cached),
-    swept(64 << 20, 8 << 20, 6, HostCopy::Streaming),
-    swept(256 << 20, 8 << 20, 6, HostCopy::Streaming),
-    swept(1 << 30, 8 << 20, 6, HostCopy::Streaming),
+    swept(64 << 20, 4 << 20, 8, HostCopy::Streaming),
+    swept(256 << 20, 4 << 20, 8, HostCopy::Streaming),
+    swept(1 << 30, 4 << 20, 8, HostCopy::Streaming),
 ];
 
 /// Pipelined copies from this size run in their configuration's [`ChunkOrder`] (smaller ones
