@@ -23,7 +23,8 @@
 //! re-measures each case (median of several runs, host clock) and prints it against the
 //! targets of issue 15 (every size from 64 KiB, with the pinned copy, the bus limit, beside it;
 //! both directions at once; four threads; the longest poll of a 1 GiB async transfer, beside the
-//! host's own jitter: as many plain copies of one poll's bytes, timed alike), then the registration
+//! host's own jitter: as many plain copies of one poll's bytes, timed alike, inside the caches and
+//! through the 1 GiB host buffer), then the registration
 //! figures: its one-off cost, the registered and pageable speeds, and from how many transfers
 //! registering pays (measured here, and as `TransferManager::registration_advice` says after
 //! calibrating).
@@ -977,6 +978,33 @@ fn async_polls(f: &mut Fixture) {
         up_polls + down_polls,
         poll_bytes >> 10,
         host_longest.as_secs_f64() * 1e6
+    );
+    // The floor of a poll that copies the caller's memory: as many copies of one poll's bytes,
+    // in order through the 1 GiB host buffer (out of the caches, as a borrowed upload reads
+    // it) into a 1 MiB block, timed alike, with no GPU work. On the H100 host's virtual machine
+    // such copies stall past 50 us tens of times per GiB where copies inside the caches do not
+    // (`docs/probes/stall.c`).
+    let mut block = vec![0u8; 1 << 20];
+    let pieces = f.host.len() / poll_bytes;
+    let memory_longest = (0..up_polls + down_polls)
+        .map(|i| {
+            let at = (i % pieces) * poll_bytes;
+            let to = (i * poll_bytes) % block.len();
+            let start = Instant::now();
+            cuweave_memory::copy_streaming(
+                &mut block[to..to + poll_bytes],
+                black_box(&f.host[at..at + poll_bytes]),
+            )
+            .expect("same lengths");
+            start.elapsed()
+        })
+        .max()
+        .unwrap_or_default();
+    println!(
+        "  host memory floor: the longest of {} {} KiB copies through the 1 GiB host buffer: {:.1} us",
+        up_polls + down_polls,
+        poll_bytes >> 10,
+        memory_longest.as_secs_f64() * 1e6
     );
     println!(
         "  AsyncTransfer 1 GiB (borrowed): longest poll {:.1} us (up {up_polls} polls at {up_rate:.2} GB/s, down {down_polls} polls at {down_rate:.2} GB/s); target <= 50 us: {}",
