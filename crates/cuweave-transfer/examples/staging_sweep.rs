@@ -15,7 +15,7 @@
 //! stream); `SWEEP_UP_ONLY=1` the same for uploads (`CUWEAVE_STAGING_UNORDERED_UPLOADS=1`).
 //! `SWEEP_BOTH=1` runs only a 1 GiB upload and a 1 GiB download at once with the default
 //! configurations, nine times, printing each run: both together, and each side's own rate;
-//! then each alone (median of 9) at 1 GiB, 256 MiB and 64 MiB.
+//! then each alone at 1 GiB, 256 MiB and 64 MiB (median of 9), 16 MiB and 4 MiB (of 51).
 
 use std::time::{Duration, Instant};
 
@@ -467,15 +467,17 @@ fn both_directions(
         median_of(1),
         median_of(2)
     );
-    // Each direction alone with the same defaults, at this size and two smaller ones.
-    for bytes in [GIB, 256 << 20, 64 << 20] {
-        let alone_up = median(9, || {
+    // Each direction alone with the same defaults, at this size and smaller ones (small ones
+    // over more runs: a run takes a fraction of a millisecond there).
+    for bytes in [GIB, 256 << 20, 64 << 20, 16 << 20, 4 << 20] {
+        let runs = if bytes >= 64 << 20 { 9 } else { 51 };
+        let alone_up = median(runs, || {
             manager
                 .transfer(&host[..bytes], Destination::device(&mut up, 0))
                 .map(drop)
                 .unwrap();
         });
-        let alone_down = median(9, || {
+        let alone_down = median(runs, || {
             manager
                 .transfer(Source::device(&down_src, 0, bytes), &mut down[..bytes])
                 .map(drop)
