@@ -48,7 +48,7 @@ impl Pipeline<'_> {
         {
             taper_last(&mut ranges);
         }
-        let pieces = Pieces::new(&ranges, piece_elements::<T>(chunk));
+        let pieces = Pieces::new(&ranges, piece_elements::<T>);
         Layout {
             participants,
             ranges,
@@ -97,7 +97,7 @@ impl Pipeline<'_> {
             ..
         } = &pieces;
         let outs = split_pieces(dst, piece_ranges);
-        let pieces_in = |k: usize| pieces.in_chunk(&ranges[k]);
+        let pieces_in = |k: usize| pieces.in_chunk(k);
         let claims = Claims::new(piece_ranges.len());
         let slots: Vec<ChunkSlot<'_, T>> = (0..ranges.len()).map(|_| ChunkSlot::new()).collect();
         let copied: Vec<AtomicUsize> = (0..ranges.len()).map(|_| AtomicUsize::new(0)).collect();
@@ -235,8 +235,7 @@ impl Pipeline<'_> {
         let blocks_out = AtomicUsize::new(0);
         let in_order = InOrder::default();
         let filled = |k: usize| {
-            k < ranges.len()
-                && chunks[k].filled.load(Ordering::SeqCst) == pieces.in_chunk(&ranges[k])
+            k < ranges.len() && chunks[k].filled.load(Ordering::SeqCst) == pieces.in_chunk(k)
         };
         super::step!("laid out", 0, 0);
         let lanes = marks.len().clamp(1, self.streams.len());
@@ -289,7 +288,7 @@ impl Pipeline<'_> {
                     backoff.snooze();
                 };
                 let block = block_of(self.pool, block, ranges[k].len())?;
-                let parts = Arc::new(SharedParts::new(block, pieces.piece));
+                let parts = Arc::new(SharedParts::new(block, pieces.piece_of[k]));
                 *filling.parts.lock() = Some(Arc::clone(&parts));
                 super::step!("block", k, 0);
                 assigned.store(k + 1, Ordering::Release);
@@ -321,14 +320,14 @@ impl Pipeline<'_> {
                             return Ok(());
                         };
                         let range = pieces.ranges[q].clone();
-                        let index = (range.start - ranges[k].start) / pieces.piece;
+                        let index = (range.start - ranges[k].start) / pieces.piece_of[k];
                         let into = parts.take(index).expect("each piece is claimed once");
                         let copied = self.config.host_copy.copy(into, &src[range]);
                         drop(parts);
                         copied?;
                         // The participant that fills a chunk's last piece has made it ready.
                         let done = chunks[k].filled.fetch_add(1, Ordering::SeqCst) + 1;
-                        if done == pieces.in_chunk(&ranges[k]) {
+                        if done == pieces.in_chunk(k) {
                             super::step!("filled", k, w);
                             in_order.drain(filled, queue)?;
                         }
@@ -459,18 +458,26 @@ fn taper_last(ranges: &mut Vec<std::ops::Range<usize>>) {
 }
 
 /// The pieces an ordered pipeline's chunks are cut into: piece q is elements `ranges[q]` of the
-/// transfer, within chunk `chunk_of[q]`; every piece is `piece` elements but a chunk's last.
+/// transfer, within chunk `chunk_of[q]`; chunk k's pieces are `piece_of[k]` elements each but
+/// its last, `count_of[k]` of them. Each chunk is cut by its own length, so the short chunks at
+/// a ramp's end and a tapered upload's last ones are shared by every participant too, not by
+/// the one or two that a full chunk's piece size would leave them (the start of a 256 MiB
+/// upload waited 160 µs for two participants to fill its first, short, chunk).
 struct Pieces {
     chunk_of: Vec<usize>,
     ranges: Vec<std::ops::Range<usize>>,
-    piece: usize,
+    piece_of: Vec<usize>,
+    count_of: Vec<usize>,
 }
 
 impl Pieces {
-    fn new(chunks: &[std::ops::Range<usize>], piece: usize) -> Self {
-        let piece = piece.max(1);
+    fn new(chunks: &[std::ops::Range<usize>], piece_for: impl Fn(usize) -> usize) -> Self {
         let (mut chunk_of, mut ranges) = (Vec::new(), Vec::new());
+        let (mut piece_of, mut count_of) = (Vec::new(), Vec::new());
         for (k, chunk) in chunks.iter().enumerate() {
+            let piece = piece_for(chunk.len()).max(1);
+            piece_of.push(piece);
+            count_of.push(chunk.len().div_ceil(piece));
             let mut start = chunk.start;
             while start < chunk.end {
                 let end = (start + piece).min(chunk.end);
@@ -482,13 +489,14 @@ impl Pieces {
         Self {
             chunk_of,
             ranges,
-            piece,
+            piece_of,
+            count_of,
         }
     }
 
-    /// How many pieces `chunk` is cut into.
-    fn in_chunk(&self, chunk: &std::ops::Range<usize>) -> usize {
-        chunk.len().div_ceil(self.piece)
+    /// How many pieces chunk `k` is cut into.
+    fn in_chunk(&self, k: usize) -> usize {
+        self.count_of[k]
     }
 }
 
@@ -544,6 +552,33 @@ impl Backoff {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_chunk_is_cut_into_pieces_by_its_own_length() {
+        // A 256 MiB upload's layout: a quarter-chunk ramp first, 4 MiB chunks, a tapered end.
+        let mut ranges = chunk_ranges(256 << 20, 4 << 20, 1, Ramp::First);
+        taper_last(&mut ranges);
+        let pieces = Pieces::new(&ranges, piece_elements::<u8>);
+        let mut next = 0;
+        for (q, range) in pieces.ranges.iter().enumerate() {
+            assert_eq!(range.start, next, "pieces cover the copy in order, once");
+            next = range.end;
+            let k = pieces.chunk_of[q];
+            assert!(ranges[k].start <= range.start && range.end <= ranges[k].end);
+        }
+        assert_eq!(next, 256 << 20);
+        for (k, chunk) in ranges.iter().enumerate() {
+            let count = pieces.chunk_of.iter().filter(|&&c| c == k).count();
+            assert_eq!(pieces.in_chunk(k), count);
+            assert_eq!(pieces.piece_of[k], piece_elements::<u8>(chunk.len()));
+        }
+        // The short first chunk (1 MiB) and the tapered quarters are shared by eight, like the
+        // full chunks, instead of by the two that 512 KiB pieces would give them.
+        assert_eq!(ranges[0].len(), 1 << 20);
+        assert_eq!(pieces.in_chunk(0), 8);
+        assert_eq!(pieces.in_chunk(1), 8);
+        assert_eq!(pieces.in_chunk(ranges.len() - 1), 8);
+    }
 
     #[rstest::rstest]
     // A short first chunk, then full ones: the last becomes a half and two quarters.
