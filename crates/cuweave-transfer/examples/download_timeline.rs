@@ -17,37 +17,30 @@ use cuweave_transfer::{
     ChunkOrder, HostCopy, Source, StagingConfig, TransferManager, TransferMethod, timeline,
 };
 
-fn parse(config: &str) -> StagingConfig {
-    let parts: Vec<&str> = config.split(',').collect();
-    let number = |i: usize| parts.get(i).and_then(|p| p.parse::<usize>().ok());
-    StagingConfig {
-        chunk_bytes: number(0).unwrap_or(8192) << 10,
-        depth: number(1).unwrap_or(2),
-        threads: number(2).unwrap_or(6),
-        host_copy: match parts.get(3) {
-            Some(&"cached") => HostCopy::Cached,
-            _ => HostCopy::Streaming,
-        },
-        order: ChunkOrder::Ordered,
-    }
-}
+mod timeline_args;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    if !cuweave_driver::is_available() {
-        println!("no CUDA driver: nothing to time");
+    let Some(args) = timeline_args::numbers() else {
         return Ok(());
-    }
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
+    };
     let bytes = args.first().copied().unwrap_or(1024) << 20;
     let runs = args.get(1).copied().unwrap_or(5).max(1);
     let context = Context::primary(Device::get(0)?)?;
+    // Missing fields are 8 MiB x 6, depth 2; downloads run ordered here.
+    let fields = StagingConfig {
+        chunk_bytes: 8192 << 10,
+        depth: 2,
+        threads: 6,
+        host_copy: HostCopy::Streaming,
+        order: ChunkOrder::Ordered,
+    };
     let configs: Vec<StagingConfig> = std::env::var("TIMELINE_CONFIG")
         .unwrap_or_else(|_| "8192,2,6,streaming".to_owned())
         .split(';')
-        .map(parse)
+        .map(|config| StagingConfig {
+            order: ChunkOrder::Ordered,
+            ..timeline_args::staging(config, fields)
+        })
         .collect();
     let managers: Vec<TransferManager> = configs
         .iter()

@@ -12,40 +12,32 @@ use std::time::{Duration, Instant};
 
 use cuweave_driver::{Context, Device};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer};
-use cuweave_transfer::{Destination, TransferManager, TransferMethod, timeline};
+use cuweave_transfer::{
+    ChunkOrder, Destination, HostCopy, StagingConfig, TransferManager, TransferMethod, timeline,
+};
+
+mod timeline_args;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    if !cuweave_driver::is_available() {
-        println!("no CUDA driver: nothing to time");
+    let Some(args) = timeline_args::numbers() else {
         return Ok(());
-    }
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
+    };
     let bytes = args.first().copied().unwrap_or(64) << 20;
     let runs = args.get(1).copied().unwrap_or(15).max(1);
     let gap = Duration::from_micros(args.get(2).copied().unwrap_or(0) as u64);
     let context = Context::primary(Device::get(0)?)?;
-    // TIMELINE_CONFIG=chunk_kib,depth,threads,cached|streaming[,interleaved] fixes the staging
-    // configuration.
+    // TIMELINE_CONFIG fixes the staging configuration; its missing fields are 2 MiB x 8,
+    // depth 2.
     let manager = match std::env::var("TIMELINE_CONFIG") {
         Ok(config) => {
-            let parts: Vec<&str> = config.split(',').collect();
-            let number = |i: usize| parts.get(i).and_then(|p| p.parse::<usize>().ok());
-            let config = cuweave_transfer::StagingConfig {
-                chunk_bytes: number(0).unwrap_or(2048) << 10,
-                depth: number(1).unwrap_or(2),
-                threads: number(2).unwrap_or(8),
-                host_copy: match parts.get(3) {
-                    Some(&"cached") => cuweave_transfer::HostCopy::Cached,
-                    _ => cuweave_transfer::HostCopy::Streaming,
-                },
-                order: match parts.get(4) {
-                    Some(&"interleaved") => cuweave_transfer::ChunkOrder::Interleaved,
-                    _ => cuweave_transfer::ChunkOrder::Ordered,
-                },
+            let fields = StagingConfig {
+                chunk_bytes: 2048 << 10,
+                depth: 2,
+                threads: 8,
+                host_copy: HostCopy::Streaming,
+                order: ChunkOrder::Ordered,
             };
+            let config = timeline_args::staging(&config, fields);
             println!("staging {config:?}");
             TransferManager::with_staging(config)?
         }
