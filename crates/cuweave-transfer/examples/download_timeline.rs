@@ -4,9 +4,10 @@
 //! copy or a block that was slow to get.
 //!
 //! `cargo run --release -p cuweave-transfer --features timeline --example download_timeline [MiB] [runs]`
-//! (defaults 1024, 5). `TIMELINE_CONFIG=chunk_kib,depth,threads,cached|streaming` fixes the
-//! staging configuration (ordered), as in `upload_timeline`; several, separated by `;`, run in
-//! turn, round after round.
+//! (defaults 1024, 5). Without `TIMELINE_CONFIG` the download default for the size
+//! (`StagingConfig::for_download`) runs. `TIMELINE_CONFIG=chunk_kib,depth,threads,cached|streaming`
+//! fixes the staging configuration (ordered; missing fields from that default), as in
+//! `upload_timeline`; several, separated by `;`, run in turn, round after round.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -14,7 +15,7 @@ use std::time::Instant;
 use cuweave_driver::{Context, Device};
 use cuweave_memory::DeviceBuffer;
 use cuweave_transfer::{
-    ChunkOrder, HostCopy, Source, StagingConfig, TransferManager, TransferMethod, timeline,
+    ChunkOrder, Source, StagingConfig, TransferManager, TransferMethod, timeline,
 };
 
 mod timeline_args;
@@ -26,22 +27,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let bytes = args.first().copied().unwrap_or(1024) << 20;
     let runs = args.get(1).copied().unwrap_or(5).max(1);
     let context = Context::primary(Device::get(0)?)?;
-    // Missing fields are 8 MiB x 6, depth 2; downloads run ordered here.
-    let fields = StagingConfig {
-        chunk_bytes: 8192 << 10,
-        depth: 2,
-        threads: 6,
-        host_copy: HostCopy::Streaming,
+    // Without TIMELINE_CONFIG, and for its missing fields, the download default for the size
+    // (`StagingConfig::for_download`); downloads run ordered here.
+    let default = StagingConfig::for_download(bytes);
+    let ordered = |config| StagingConfig {
         order: ChunkOrder::Ordered,
+        ..config
     };
-    let configs: Vec<StagingConfig> = std::env::var("TIMELINE_CONFIG")
-        .unwrap_or_else(|_| "8192,2,6,streaming".to_owned())
-        .split(';')
-        .map(|config| StagingConfig {
-            order: ChunkOrder::Ordered,
-            ..timeline_args::staging(config, fields)
-        })
-        .collect();
+    let configs: Vec<StagingConfig> = match std::env::var("TIMELINE_CONFIG") {
+        Ok(configs) => configs
+            .split(';')
+            .map(|config| ordered(timeline_args::staging(config, default)))
+            .collect(),
+        Err(_) => vec![ordered(default)],
+    };
     let managers: Vec<TransferManager> = configs
         .iter()
         .map(|&c| TransferManager::with_staging(c))

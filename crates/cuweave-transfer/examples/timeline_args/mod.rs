@@ -18,9 +18,8 @@ pub fn numbers() -> Option<Vec<usize>> {
     )
 }
 
-/// One `TIMELINE_CONFIG` entry, `chunk_kib,depth,threads,cached|streaming[,interleaved]`: each
-/// field missing or unreadable is `default`'s; the host copy is streaming unless `cached`, the
-/// order ordered unless `interleaved`.
+/// One `TIMELINE_CONFIG` entry, `chunk_kib,depth,threads,cached|streaming[,interleaved|ordered]`:
+/// each field missing or unreadable is `default`'s.
 pub fn staging(config: &str, default: StagingConfig) -> StagingConfig {
     let parts: Vec<&str> = config.split(',').collect();
     let number = |i: usize| parts.get(i).and_then(|p| p.parse::<usize>().ok());
@@ -30,11 +29,13 @@ pub fn staging(config: &str, default: StagingConfig) -> StagingConfig {
         threads: number(2).unwrap_or(default.threads),
         host_copy: match parts.get(3) {
             Some(&"cached") => HostCopy::Cached,
-            _ => HostCopy::Streaming,
+            Some(&"streaming") => HostCopy::Streaming,
+            _ => default.host_copy,
         },
         order: match parts.get(4) {
             Some(&"interleaved") => ChunkOrder::Interleaved,
-            _ => ChunkOrder::Ordered,
+            Some(&"ordered") => ChunkOrder::Ordered,
+            _ => default.order,
         },
     }
 }
