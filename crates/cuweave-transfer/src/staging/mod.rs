@@ -285,14 +285,18 @@ const SWEPT_UPLOADS: [Swept; 6] = [
 /// 53.1-53.3, 256 MiB 50.7-51.0 against 51.6-52.0, 64 MiB 47.2-48.0 against 45.2-46.7. At
 /// 4 MiB, 1 MiB chunks with streaming stores (sixteenth pass): 21.3-24.1 GB/s against 17.0-19.1
 /// for 512 KiB x 4 cached, four alternating rounds of a median of 51 (the sweep before it: 29.2
-/// against 23.2, best of 7).
+/// against 23.2, best of 7). From 64 MiB one block per participant (a 32 MiB ring; seventeenth
+/// pass): alone the same speed as two (1 GiB 52.1-52.2 GB/s against 51.8-51.9, 256 MiB 50.4-51.2
+/// against 45.4-51.0 in three alternating bench runs), beside a 1 GiB upload both directions
+/// ran 79.5 / 71.8 / 76.7 against 67.9 / 67.4 / 75.6 in those runs, and higher in six of nine
+/// rounds of the staging sweep (by 2.3 on average), with half the pinned memory.
 const SWEPT_DOWNLOADS: [Swept; 6] = [
     swept(1 << 20, 256 << 10, 2, HostCopy::Cached),
     swept(4 << 20, 1 << 20, 4, HostCopy::Streaming),
     swept(16 << 20, 2 << 20, 6, HostCopy::Cached),
-    swept(64 << 20, 4 << 20, 8, HostCopy::Streaming),
-    swept(256 << 20, 4 << 20, 8, HostCopy::Streaming),
-    swept(1 << 30, 4 << 20, 8, HostCopy::Streaming),
+    swept(64 << 20, 4 << 20, 8, HostCopy::Streaming).with_depth(1),
+    swept(256 << 20, 4 << 20, 8, HostCopy::Streaming).with_depth(1),
+    swept(1 << 30, 4 << 20, 8, HostCopy::Streaming).with_depth(1),
 ];
 
 /// Pipelined copies from this size run in their configuration's [`ChunkOrder`] (smaller ones
