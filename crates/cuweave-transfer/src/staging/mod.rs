@@ -288,9 +288,9 @@ const SWEPT_UPLOADS: [Swept; 6] = [
 /// against 23.2, best of 7). From 64 MiB one block per participant (a 32 MiB ring; seventeenth
 /// pass): alone the same speed as two (1 GiB 52.1-52.2 GB/s against 51.8-51.9, 256 MiB 50.4-51.2
 /// against 45.4-51.0 in three alternating bench runs), beside a 1 GiB upload both directions
-/// ran 79.5 / 71.8 / 76.7 against 67.9 / 67.4 / 75.6 in those runs (the new build always ran
-/// second, on calmer stretches by the raw figures) and higher in six of nine rounds of the
-/// staging sweep (by 2.3 on average): never worse alone, and half the pinned memory.
+/// ran 79.5 / 71.8 / 76.7 against 67.9 / 67.4 / 75.6 in those runs, but level (72.4 / 74.2 /
+/// 49.1 against 68.4 / 70.8 / 55.3) once the order of the builds was balanced: as fast, with
+/// half the pinned memory.
 const SWEPT_DOWNLOADS: [Swept; 6] = [
     swept(1 << 20, 256 << 10, 2, HostCopy::Cached),
     swept(4 << 20, 1 << 20, 4, HostCopy::Streaming),
