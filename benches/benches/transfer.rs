@@ -673,6 +673,18 @@ fn median(runs: usize, mut op: impl FnMut()) -> Duration {
     times[runs / 2]
 }
 
+/// The longest wall time of `calls` calls `op(0..calls)`, each timed on its own.
+fn longest_call(calls: usize, mut op: impl FnMut(usize)) -> Duration {
+    (0..calls)
+        .map(|i| {
+            let start = Instant::now();
+            op(i);
+            start.elapsed()
+        })
+        .max()
+        .unwrap_or_default()
+}
+
 fn gbps(bytes: usize, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
@@ -965,14 +977,9 @@ fn async_polls(f: &mut Fixture) {
     // polled, each timed alike, with no GPU work.
     let poll_bytes = cuweave_transfer::POLL_BYTES;
     let (from, mut to) = (vec![1u8; poll_bytes], vec![0u8; poll_bytes]);
-    let host_longest = (0..up_polls + down_polls)
-        .map(|_| {
-            let start = Instant::now();
-            cuweave_memory::copy_streaming(&mut to, black_box(&from)).expect("same lengths");
-            start.elapsed()
-        })
-        .max()
-        .unwrap_or_default();
+    let host_longest = longest_call(up_polls + down_polls, |_| {
+        cuweave_memory::copy_streaming(&mut to, black_box(&from)).expect("same lengths");
+    });
     println!(
         "  host jitter: the longest of {} plain {} KiB copies on this thread: {:.1} us",
         up_polls + down_polls,
@@ -986,20 +993,15 @@ fn async_polls(f: &mut Fixture) {
     // (`docs/probes/stall.c`).
     let mut block = vec![0u8; 1 << 20];
     let pieces = f.host.len() / poll_bytes;
-    let memory_longest = (0..up_polls + down_polls)
-        .map(|i| {
-            let at = (i % pieces) * poll_bytes;
-            let to = (i * poll_bytes) % block.len();
-            let start = Instant::now();
-            cuweave_memory::copy_streaming(
-                &mut block[to..to + poll_bytes],
-                black_box(&f.host[at..at + poll_bytes]),
-            )
-            .expect("same lengths");
-            start.elapsed()
-        })
-        .max()
-        .unwrap_or_default();
+    let memory_longest = longest_call(up_polls + down_polls, |i| {
+        let at = (i % pieces) * poll_bytes;
+        let to = (i * poll_bytes) % block.len();
+        cuweave_memory::copy_streaming(
+            &mut block[to..to + poll_bytes],
+            black_box(&f.host[at..at + poll_bytes]),
+        )
+        .expect("same lengths");
+    });
     println!(
         "  host memory floor: the longest of {} {} KiB copies through the 1 GiB host buffer: {:.1} us",
         up_polls + down_polls,
