@@ -20,7 +20,8 @@
 //! | `four_uploads_256MiB/raw/pageable_four_threads`, `…/cuweave/pageable_four_threads` | four threads each uploading 256 MiB of pageable memory to one device |
 //!
 //! After criterion's report, under `--bench`, the manager calibrates this machine and a summary
-//! re-measures each case (median of several runs, host clock) and prints it against the
+//! re-measures each case (median of several runs, host clock, the raw call's runs and
+//! cuweave's in alternating blocks, `medians`) and prints it against the
 //! targets of issue 15 (every size from 64 KiB, with the pinned copy, the bus limit, beside it;
 //! both directions at once; four threads; the longest poll of a 1 GiB async transfer, beside the
 //! host's own jitter: as many plain copies of one poll's bytes, timed alike, inside the caches and
@@ -45,7 +46,7 @@ use cuweave_driver::{Context, Device, Stream, StreamFlags};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer};
 use cuweave_transfer::{
     Destination, Location, RegisteredHost, Source, TransferDirection, TransferManager,
-    TransferMethod,
+    TransferMethod, WARM,
 };
 
 fn main() {
@@ -673,6 +674,46 @@ fn median(runs: usize, mut op: impl FnMut()) -> Duration {
     times[runs / 2]
 }
 
+/// Median wall times of about `runs` calls of each of `N` ways, `op(way)`, timed in blocks of a
+/// quarter of the runs: over four rounds the ways' blocks alternate in a balanced order (the
+/// first way first in rounds one and four, last in two and three), so a lease's drift during the
+/// run weighs on every way alike, where one way's runs timed after another's could catch a
+/// disturbance alone. Each block starts after a pause past [`WARM`], so that no way is timed
+/// while the staging workers of another still spin, and one untimed call; within a block the
+/// calls run back to back, as they did timed one way after the other.
+fn medians<const N: usize>(runs: usize, mut op: impl FnMut(usize)) -> [Duration; N] {
+    const ROUNDS: usize = 4;
+    let per_block = runs.div_ceil(ROUNDS).max(1);
+    let mut times: [Vec<Duration>; N] =
+        std::array::from_fn(|_| Vec::with_capacity(per_block * ROUNDS));
+    for round in 0..ROUNDS {
+        for position in 0..N {
+            let way = if round % 3 == 0 {
+                position
+            } else {
+                N - 1 - position
+            };
+            std::thread::sleep(2 * WARM);
+            op(way);
+            for _ in 0..per_block {
+                let start = Instant::now();
+                op(way);
+                times[way].push(start.elapsed());
+            }
+        }
+    }
+    times.map(|mut t| {
+        t.sort();
+        t[t.len() / 2]
+    })
+}
+
+/// [`medians`] of a raw call (`op(false)`) and cuweave's (`op(true)`), as `(raw, cuweave)`.
+fn raw_and_ours(runs: usize, mut op: impl FnMut(bool)) -> (Duration, Duration) {
+    let [raw, ours] = medians(runs, |way| op(way == 1));
+    (raw, ours)
+}
+
 /// The longest wall time of `calls` calls `op(0..calls)`, each timed on its own.
 fn longest_call(calls: usize, mut op: impl FnMut(usize)) -> Duration {
     (0..calls)
@@ -696,7 +737,7 @@ fn verdict(met: bool) -> &'static str {
 fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
     println!();
     println!(
-        "summary: median of 21 runs (from 256 MiB: of 7), host clock, separate from criterion"
+        "summary: median of 24 runs (from 256 MiB: of 8), host clock, raw and cuweave in alternating blocks, separate from criterion"
     );
     // (direction, raw call, cuweave) for pageable host memory, at large and small sizes.
     let pageable: [(&str, Op, Op); 2] = [
@@ -727,7 +768,7 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
         256 * MIB,
         GIB,
     ] {
-        let runs = if bytes >= 256 * MIB { 7 } else { 21 };
+        let runs = if bytes >= 256 * MIB { 8 } else { 24 };
         let limit = [
             gbps(bytes, median(runs, || f.raw_h2d_pinned(bytes))),
             gbps(bytes, median(runs, || f.raw_d2h_pinned(bytes))),
@@ -740,8 +781,14 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
             _ => 0.0,
         };
         for (i, &(dir, raw, ours)) in pageable.iter().enumerate() {
-            let r = gbps(bytes, median(runs, || raw(f, bytes)));
-            let o = gbps(bytes, median(runs, || ours(f, bytes)));
+            let (r, o) = raw_and_ours(runs, |cuweave| {
+                if cuweave {
+                    ours(f, bytes)
+                } else {
+                    raw(f, bytes)
+                }
+            });
+            let (r, o) = (gbps(bytes, r), gbps(bytes, o));
             let (src, dst) = if i == 0 {
                 (Location::PageableHost, Location::Device(0))
             } else {
@@ -779,17 +826,23 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
             );
         }
     }
-    let runs = 5;
-    let raw_both = median(runs, || f.raw_both_directions());
-    let ours_both = median(runs, || f.ours_both_directions());
+    let runs = 8;
+    let (raw_both, ours_both) = raw_and_ours(runs, |cuweave| {
+        if cuweave {
+            f.ours_both_directions()
+        } else {
+            f.raw_both_directions()
+        }
+    });
     println!(
         "  both directions, 1 GiB up + 1 GiB down on two threads: raw pinned {:.2} GB/s, cuweave pageable {:.2} GB/s together; target >= 80: {}",
         gbps(2 * GIB, raw_both),
         gbps(2 * GIB, ours_both),
         verdict(gbps(2 * GIB, ours_both) >= 80.0)
     );
-    let raw_four = median(runs, || f.four_uploads(raw_quarter));
-    let ours_four = median(runs, || f.four_uploads(ours_quarter));
+    let (raw_four, ours_four) = raw_and_ours(runs, |cuweave| {
+        f.four_uploads(if cuweave { ours_quarter } else { raw_quarter })
+    });
     println!(
         "  four threads x 256 MiB pageable uploads to one device: raw {:.2} GB/s, cuweave {:.2} GB/s together; target >= 45: {}",
         gbps(GIB, raw_four),
@@ -799,8 +852,13 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
     async_polls(f);
     for bytes in [4 << 10, 64 << 10] {
         for &(dir, raw, ours) in &pageable {
-            let r = median(201, || raw(f, bytes));
-            let o = median(201, || ours(f, bytes));
+            let (r, o) = raw_and_ours(200, |cuweave| {
+                if cuweave {
+                    ours(f, bytes)
+                } else {
+                    raw(f, bytes)
+                }
+            });
             println!(
                 "  small {dir} {:>6}: raw {:7.2} us, cuweave {:7.2} us ({:.1}% of raw time); target no slower: {}",
                 label(bytes),
@@ -810,7 +868,7 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
                 verdict(o <= r)
             );
         }
-        let bare = median(201, || f.raw_h2d_pageable_bare(bytes));
+        let bare = median(200, || f.raw_h2d_pageable_bare(bytes));
         println!(
             "  small h2d {:>6}: bare cuMemcpyHtoD {:7.2} us (returns before the bytes land; the raw h2d above waits for them)",
             label(bytes),
@@ -830,8 +888,14 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
             Fixture::ours_d2h_pinned as Op,
         ),
     ] {
-        let r = gbps(bytes, median(7, || raw(f, bytes)));
-        let o = gbps(bytes, median(7, || ours(f, bytes)));
+        let (r, o) = raw_and_ours(8, |cuweave| {
+            if cuweave {
+                ours(f, bytes)
+            } else {
+                raw(f, bytes)
+            }
+        });
+        let (r, o) = (gbps(bytes, r), gbps(bytes, o));
         println!(
             "  pinned {dir} 64MiB: raw {r:6.2} GB/s, cuweave {o:6.2} GB/s ({:.1}%); target >= 97%: {}",
             100.0 * o / r,
@@ -839,16 +903,22 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
         );
     }
     let bytes = 256 * MIB;
-    let r = gbps(bytes, median(7, || f.raw_d2d(bytes)));
-    let o = gbps(bytes, median(7, || f.ours_d2d(bytes)));
+    let (r, o) = raw_and_ours(8, |cuweave| {
+        if cuweave {
+            f.ours_d2d(bytes)
+        } else {
+            f.raw_d2d(bytes)
+        }
+    });
+    let (r, o) = (gbps(bytes, r), gbps(bytes, o));
     println!(
         "  d2d 256MiB: raw {r:7.1} GB/s, cuweave {o:7.1} GB/s ({:.1}%); target >= 97%: {}",
         100.0 * o / r,
         verdict(o >= 0.97 * r)
     );
     if let Some(p) = peer {
-        let r = gbps(P2P_BYTES, median(7, || p.raw()));
-        let o = gbps(P2P_BYTES, median(7, || p.ours()));
+        let (r, o) = raw_and_ours(8, |cuweave| if cuweave { p.ours() } else { p.raw() });
+        let (r, o) = (gbps(P2P_BYTES, r), gbps(P2P_BYTES, o));
         println!(
             "  p2p 256MiB: raw {r:7.1} GB/s, cuweave {o:7.1} GB/s ({:.1}%); target >= 95%: {}",
             100.0 * o / r,
@@ -857,14 +927,19 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
     }
 }
 
-/// The registration figures for `docs/transfer.md`: the one-off cost (median of 5), the speeds
-/// of repeated 64 MiB copies (median of 7), and from how many copies registering pays, as
+/// The registration figures for `docs/transfer.md`: the one-off cost (median of 4), the speeds
+/// of repeated 64 MiB copies (median of 8), and from how many copies registering pays, as
 /// measured here and as the manager's advice (after calibrating) says.
 fn registered_summary(f: &mut Fixture) {
     let bytes = REGISTERED_BYTES;
     let mut buffer = vec![5u8; bytes];
-    let raw_cost = median(5, || raw_register(&f.context, &mut buffer));
-    let cost = median(5, || ours_register(&f.manager, &mut buffer));
+    let (raw_cost, cost) = raw_and_ours(4, |cuweave| {
+        if cuweave {
+            ours_register(&f.manager, &mut buffer)
+        } else {
+            raw_register(&f.context, &mut buffer)
+        }
+    });
     println!(
         "  register+unregister 64MiB: raw {:.2} ms, cuweave {:.2} ms",
         raw_cost.as_secs_f64() * 1e3,
@@ -883,21 +958,16 @@ fn registered_summary(f: &mut Fixture) {
         TransferDirection::DeviceToHost,
     ] {
         let h2d = direction == TransferDirection::HostToDevice;
-        let (raw_pageable, staged, raw_registered, ours) = if h2d {
-            (
-                median(7, || f.raw_h2d_pageable(bytes)),
-                median(7, || f.staged_h2d_pageable(bytes)),
-                median(7, || f.raw_h2d_registered(&registered, bytes)),
-                median(7, || f.ours_h2d_registered(&registered, bytes)),
-            )
-        } else {
-            (
-                median(7, || f.raw_d2h_pageable(bytes)),
-                median(7, || f.staged_d2h_pageable(bytes)),
-                median(7, || f.raw_d2h_registered(&mut registered, bytes)),
-                median(7, || f.ours_d2h_registered(&mut registered, bytes)),
-            )
-        };
+        let [raw_pageable, staged, raw_registered, ours] = medians(8, |way| match (h2d, way) {
+            (true, 0) => f.raw_h2d_pageable(bytes),
+            (true, 1) => f.staged_h2d_pageable(bytes),
+            (true, 2) => f.raw_h2d_registered(&registered, bytes),
+            (true, _) => f.ours_h2d_registered(&registered, bytes),
+            (false, 0) => f.raw_d2h_pageable(bytes),
+            (false, 1) => f.staged_d2h_pageable(bytes),
+            (false, 2) => f.raw_d2h_registered(&mut registered, bytes),
+            (false, _) => f.ours_d2h_registered(&mut registered, bytes),
+        });
         // Registering pays from the first count whose saving exceeds its cost.
         let saving = staged.as_secs_f64() - ours.as_secs_f64();
         let break_even = if saving > 0.0 {
