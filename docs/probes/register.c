@@ -29,32 +29,12 @@ static void reg_cost(CUcontext ctx, char *p, size_t n, size_t chunk, int T) {
          chunk >> 10, T, n / t_reg / 1e9, t_reg / (chunks / (double)T) * 1e6, n / all / 1e9, all / chunks * 1e6);
 }
 
-// One pipelined copy of n bytes between p (pageable) and d: T threads take chunks in turn;
-// each registers its chunk, copies it on its stream, waits, and unregisters it. up = 1 uploads.
-static double pipelined(CUcontext ctx, CUstream *s, char *p, CUdeviceptr d, size_t n, size_t chunk, int T, int up) {
-  size_t chunks = (n + chunk - 1) / chunk;
-  _Atomic size_t next = 0;
-  double t0 = now();
-#pragma omp parallel num_threads(T)
-  {
-    CK(cuCtxSetCurrent(ctx));
-    int w = omp_get_thread_num();
-    for (;;) {
-      size_t c = atomic_fetch_add(&next, 1);
-      if (c >= chunks) break;
-      size_t off = c * chunk, len = n - off < chunk ? n - off : chunk;
-      CK(cuMemHostRegister(p + off, len, up ? reg_flags : 0));
-      if (up) CK(cuMemcpyHtoDAsync(d + off, p + off, len, s[w]));
-      else CK(cuMemcpyDtoHAsync(p + off, d + off, len, s[w]));
-      CK(cuStreamSynchronize(s[w]));
-      CK(cuMemHostUnregister(p + off));
-    }
-  }
-  return n / (now() - t0) / 1e9;
-}
-
-// As pipelined(), but each thread keeps one copy in flight while it registers the next chunk.
-static double overlapped(CUcontext ctx, CUstream *s, CUevent *ev, char *p, CUdeviceptr d, size_t n, size_t chunk, int T, int up) {
+// One pipelined copy of n bytes between p (pageable) and d: T threads take chunks in turn; each
+// registers its chunk and copies it on its own stream, then (overlap = 1) unregisters the chunk
+// it copied before once that copy has landed, keeping one copy in flight while it registers the
+// next, or (overlap = 0) waits for this copy and unregisters it at once. up = 1 uploads.
+static double registered_copy(CUcontext ctx, CUstream *s, CUevent *ev, char *p, CUdeviceptr d, size_t n, size_t chunk,
+                              int T, int up, int overlap) {
   size_t chunks = (n + chunk - 1) / chunk;
   _Atomic size_t next = 0;
   double t0 = now();
@@ -73,6 +53,7 @@ static double overlapped(CUcontext ctx, CUstream *s, CUevent *ev, char *p, CUdev
       else CK(cuMemcpyDtoHAsync(p + off, d + off, len, s[w]));
       CK(cuEventRecord(ev[w], s[w]));
       prev = p + off;
+      if (!overlap) { CK(cuEventSynchronize(ev[w])); CK(cuMemHostUnregister(prev)); prev = 0; }
     }
     if (prev) { CK(cuEventSynchronize(ev[w])); CK(cuMemHostUnregister(prev)); }
   }
@@ -125,11 +106,11 @@ int main(int argc, char **argv) {
       for (int ci = 0; ci < 5; ci++) {
         if (cs[ci] > n) continue;
         for (int ti = 0; ti < 3; ti++) {
-          for (int r = 0; r < R; r++) v[r] = overlapped(ctx, s, ev, p, d, n, cs[ci], Ts[ti], up);
+          for (int r = 0; r < R; r++) v[r] = registered_copy(ctx, s, ev, p, d, n, cs[ci], Ts[ti], up, 1);
           printf(" %zuMx%d %.1f", cs[ci] >> 20, Ts[ti], med(v, R));
         }
       }
-      for (int r = 0; r < R; r++) v[r] = pipelined(ctx, s, p, d, n, 4 * MIB, 8, up);
+      for (int r = 0; r < R; r++) v[r] = registered_copy(ctx, s, ev, p, d, n, 4 * MIB, 8, up, 0);
       printf(" | serial 4Mx8 %.1f\n", med(v, R));
       fflush(stdout);
     }
@@ -140,9 +121,9 @@ int main(int argc, char **argv) {
 #pragma omp parallel sections num_threads(2)
     {
 #pragma omp section
-      a = overlapped(ctx, s, ev, p, d, N, 4 * MIB, 6, 1);
+      a = registered_copy(ctx, s, ev, p, d, N, 4 * MIB, 6, 1, 1);
 #pragma omp section
-      b = overlapped(ctx, s + 8, ev + 8, q, d2, N, 4 * MIB, 6, 0);
+      b = registered_copy(ctx, s + 8, ev + 8, q, d2, N, 4 * MIB, 6, 0, 1);
     }
     double all = 2.0 * N / (now() - t0) / 1e9;
     printf("both 4Mx6 each: up %.1f down %.1f together %.1f\n", a, b, all);
