@@ -196,11 +196,12 @@ fn default_candidate(
     base: StagingConfig,
     bytes: usize,
 ) -> Option<usize> {
-    let one_block = |c: &StagingConfig| c.chunk_bytes >= bytes;
     candidates.iter().position(|&c| c == base).or_else(|| {
-        candidates
-            .iter()
-            .position(|c| one_block(c) && one_block(&base) && c.host_copy == base.host_copy)
+        candidates.iter().position(|c| {
+            c.runs_as_one_block(bytes)
+                && base.runs_as_one_block(bytes)
+                && c.host_copy == base.host_copy
+        })
     })
 }
 
@@ -257,7 +258,7 @@ pub fn staging_candidates(path: TransferPath, bytes: usize) -> Vec<StagingConfig
             // A chunk of at least the whole size runs as one block already.
             if !out
                 .iter()
-                .any(|c| c.chunk_bytes >= bytes && c.host_copy == host_copy)
+                .any(|c| c.runs_as_one_block(bytes) && c.host_copy == host_copy)
             {
                 out.push(StagingConfig {
                     chunk_bytes: bytes,
@@ -764,8 +765,8 @@ mod tests {
                 let c = candidates[found];
                 assert!(
                     c == base
-                        || (c.chunk_bytes >= bytes
-                            && base.chunk_bytes >= bytes
+                        || (c.runs_as_one_block(bytes)
+                            && base.runs_as_one_block(bytes)
                             && c.host_copy == base.host_copy),
                     "{path} {bytes}: {c:?} does not run as {base:?}"
                 );
@@ -815,7 +816,7 @@ mod tests {
             let one_block = |k| {
                 candidates
                     .iter()
-                    .filter(|c| c.chunk_bytes >= bytes && c.host_copy == k)
+                    .filter(|c| c.runs_as_one_block(bytes) && c.host_copy == k)
                     .count()
             };
             for k in [crate::HostCopy::Streaming, crate::HostCopy::Cached] {

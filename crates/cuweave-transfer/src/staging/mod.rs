@@ -163,6 +163,12 @@ impl StagingConfig {
         (self.chunk_bytes / size_of::<T>().max(1)).max(1)
     }
 
+    /// Whether a copy of `bytes` runs as one block in this configuration (its chunk holds the
+    /// whole copy): on the calling thread, whatever the participants, depth and order.
+    pub(crate) fn runs_as_one_block(&self, bytes: usize) -> bool {
+        self.chunk_bytes >= bytes
+    }
+
     /// How many participants a transfer of `chunks` chunks uses.
     pub fn workers(&self, chunks: usize) -> usize {
         self.threads.max(1).min(chunks.max(1))
