@@ -46,7 +46,7 @@ use cuweave_driver::{Context, Device, Stream, StreamFlags};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer};
 use cuweave_transfer::{
     Destination, Location, RegisteredHost, Source, TransferDirection, TransferManager,
-    TransferMethod, WARM,
+    TransferMethod, WARM, wait_for_cold_workers,
 };
 
 fn main() {
@@ -678,9 +678,10 @@ fn median(runs: usize, mut op: impl FnMut()) -> Duration {
 /// quarter of the runs: over four rounds the ways' blocks alternate in a balanced order (the
 /// first way first in rounds one and four, last in two and three), so a lease's drift during the
 /// run weighs on every way alike, where one way's runs timed after another's could catch a
-/// disturbance alone. Each block starts after a pause past [`WARM`], so that no way is timed
-/// while the staging workers of another still spin, and one untimed call; within a block the
-/// calls run back to back, as they did timed one way after the other.
+/// disturbance alone. Each block starts once the staging workers have parked
+/// ([`wait_for_cold_workers`], at most twice [`WARM`]), so that no way is timed while those of
+/// another still spin, and with one untimed call; within a block the calls run back to back,
+/// as they did timed one way after the other.
 fn medians<const N: usize>(runs: usize, mut op: impl FnMut(usize)) -> [Duration; N] {
     const ROUNDS: usize = 4;
     let per_block = runs.div_ceil(ROUNDS).max(1);
@@ -693,7 +694,7 @@ fn medians<const N: usize>(runs: usize, mut op: impl FnMut(usize)) -> [Duration;
             } else {
                 N - 1 - position
             };
-            std::thread::sleep(2 * WARM);
+            wait_for_cold_workers(2 * WARM);
             op(way);
             for _ in 0..per_block {
                 let start = Instant::now();

@@ -112,4 +112,4 @@ pub use staging::{
     ChunkOrder, HostCopy, ORDERED_FROM, ORDERED_MOST, StagingConfig, TWO_STREAMS_FROM, host_threads,
 };
 pub use stats::{PathStats, TransferStats};
-pub use workers::{MAX_WORKERS, WARM};
+pub use workers::{MAX_WORKERS, WARM, wait_for_cold_workers};

@@ -105,6 +105,14 @@ fn spawned(participants: usize, work: &(impl Fn(usize) -> Result<()> + Sync)) ->
     })
 }
 
+/// Waits, spinning on this thread for at most `most`, until the staging workers' hot time is up
+/// and every one has parked; whether they did. For timing a copy apart from the transfers
+/// before it, whose spinning workers would slow it: calibration does this before each short
+/// candidate, and the transfer bench before each block of runs. Starts no workers.
+pub fn wait_for_cold_workers(most: Duration) -> bool {
+    WORKERS.get().is_none_or(|workers| workers.wait_cold(most))
+}
+
 /// The shared pool, started on first use with one worker per host thread but one (the caller
 /// of a transfer is the last participant), at most [`MAX_WORKERS`].
 pub(crate) fn shared() -> &'static Workers {
@@ -403,6 +411,16 @@ mod tests {
             })
             .unwrap();
         assert_eq!(seen.load(Ordering::Relaxed), workers.participants());
+    }
+
+    #[test]
+    fn the_public_wait_leaves_every_worker_parked() {
+        let _serial = SERIAL.lock();
+        let workers = shared();
+        workers.run(workers.participants(), |_| Ok(())).unwrap();
+        assert!(wait_for_cold_workers(WARM * 2 + Duration::from_secs(2)));
+        assert_eq!(workers.awake(), 0);
+        assert!(!workers.in_hot_time());
     }
 
     #[test]
