@@ -715,6 +715,23 @@ fn raw_and_ours(runs: usize, mut op: impl FnMut(bool)) -> (Duration, Duration) {
     (raw, ours)
 }
 
+/// [`raw_and_ours`] of the raw call `raw` and cuweave's `ours` on `bytes`.
+fn raw_and_ours_of(
+    f: &mut Fixture,
+    runs: usize,
+    raw: Op,
+    ours: Op,
+    bytes: usize,
+) -> (Duration, Duration) {
+    raw_and_ours(runs, |cuweave| {
+        if cuweave {
+            ours(f, bytes)
+        } else {
+            raw(f, bytes)
+        }
+    })
+}
+
 /// The longest wall time of `calls` calls `op(0..calls)`, each timed on its own.
 fn longest_call(calls: usize, mut op: impl FnMut(usize)) -> Duration {
     (0..calls)
@@ -782,13 +799,7 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
             _ => 0.0,
         };
         for (i, &(dir, raw, ours)) in pageable.iter().enumerate() {
-            let (r, o) = raw_and_ours(runs, |cuweave| {
-                if cuweave {
-                    ours(f, bytes)
-                } else {
-                    raw(f, bytes)
-                }
-            });
+            let (r, o) = raw_and_ours_of(f, runs, raw, ours, bytes);
             let (r, o) = (gbps(bytes, r), gbps(bytes, o));
             let (src, dst) = if i == 0 {
                 (Location::PageableHost, Location::Device(0))
@@ -853,13 +864,7 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
     async_polls(f);
     for bytes in [4 << 10, 64 << 10] {
         for &(dir, raw, ours) in &pageable {
-            let (r, o) = raw_and_ours(200, |cuweave| {
-                if cuweave {
-                    ours(f, bytes)
-                } else {
-                    raw(f, bytes)
-                }
-            });
+            let (r, o) = raw_and_ours_of(f, 200, raw, ours, bytes);
             println!(
                 "  small {dir} {:>6}: raw {:7.2} us, cuweave {:7.2} us ({:.1}% of raw time); target no slower: {}",
                 label(bytes),
@@ -889,13 +894,7 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
             Fixture::ours_d2h_pinned as Op,
         ),
     ] {
-        let (r, o) = raw_and_ours(8, |cuweave| {
-            if cuweave {
-                ours(f, bytes)
-            } else {
-                raw(f, bytes)
-            }
-        });
+        let (r, o) = raw_and_ours_of(f, 8, raw, ours, bytes);
         let (r, o) = (gbps(bytes, r), gbps(bytes, o));
         println!(
             "  pinned {dir} 64MiB: raw {r:6.2} GB/s, cuweave {o:6.2} GB/s ({:.1}%); target >= 97%: {}",
