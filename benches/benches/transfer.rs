@@ -22,7 +22,9 @@
 //! After criterion's report, under `--bench`, the manager calibrates this machine and a summary
 //! re-measures each case (median of several runs, host clock, the raw call's runs and
 //! cuweave's in alternating blocks, `medians`) and prints it against the
-//! targets of issue 15 (every size from 64 KiB, with the pinned copy, the bus limit, beside it;
+//! targets of issue 15 (every size from 64 KiB, with the pinned copy, the bus limit, beside it,
+//! then the sizes between those rows, some a byte count no chunk divides, two from an unaligned
+//! host address;
 //! both directions at once; four threads; the longest poll of a 1 GiB async transfer, beside the
 //! host's own jitter: as many plain copies of one poll's bytes, timed alike, inside the caches and
 //! through the 1 GiB host buffer), then the registration
@@ -76,6 +78,9 @@ struct Fixture {
     manager: TransferManager,
     context: Arc<Context>,
     host: Vec<u8>,
+    /// Where the pageable cases' host bytes start in `host` (0, or a few bytes in for the
+    /// summary's unaligned rows).
+    host_offset: usize,
     device: DeviceBuffer<u8>,
     device2: DeviceBuffer<u8>,
     pinned: PinnedBuffer<u8>,
@@ -94,6 +99,7 @@ impl Fixture {
         Self {
             manager: TransferManager::new().expect("TransferManager::new"),
             host: vec![3u8; GIB],
+            host_offset: 0,
             device: DeviceBuffer::zeroed(&context, GIB).expect("1 GiB device buffer"),
             device2: DeviceBuffer::zeroed(&context, 256 * MIB).expect("256 MiB device buffer"),
             pinned: PinnedBuffer::zeroed(&context, GIB).expect("1 GiB pinned buffer"),
@@ -116,7 +122,7 @@ impl Fixture {
             memory::copy_htod(
                 &self.context,
                 self.device.device_ptr(),
-                self.host.as_ptr(),
+                self.host[self.host_offset..][..bytes].as_ptr(),
                 bytes,
             )
         }
@@ -134,7 +140,7 @@ impl Fixture {
         unsafe {
             memory::copy_dtoh(
                 &self.context,
-                self.host.as_mut_ptr(),
+                self.host[self.host_offset..][..bytes].as_mut_ptr(),
                 self.device.device_ptr(),
                 bytes,
             )
@@ -145,7 +151,7 @@ impl Fixture {
     fn ours_h2d_pageable(&mut self, bytes: usize) {
         self.manager
             .transfer(
-                &self.host[..bytes],
+                &self.host[self.host_offset..][..bytes],
                 Destination::device(&mut self.device, 0),
             )
             .expect("transfer");
@@ -155,7 +161,7 @@ impl Fixture {
         self.manager
             .transfer(
                 Source::device(&self.device, 0, bytes),
-                Destination::Host(&mut self.host[..bytes]),
+                Destination::Host(&mut self.host[self.host_offset..][..bytes]),
             )
             .expect("transfer");
     }
@@ -752,6 +758,65 @@ fn verdict(met: bool) -> &'static str {
     if met { "met" } else { "MISSED" }
 }
 
+/// The sizes between the summary's rows, some not a multiple of any chunk, and two read or
+/// written a few bytes past an aligned start: the target is every size from 64 KiB, and a
+/// program's tensors are rarely powers of two.
+fn between_sizes(f: &mut Fixture, pageable: &[(&str, Op, Op); 2]) {
+    const ODD: usize = 12_345;
+    for (bytes, offset) in [
+        (96 << 10, 0),
+        (128 << 10, 0),
+        (192 << 10, 0),
+        (512 << 10, 0),
+        (768 << 10, 0),
+        (2 * MIB, 0),
+        (3 * MIB + ODD, 0),
+        (6 * MIB, 0),
+        (8 * MIB, 0),
+        (12 * MIB + ODD, 3),
+        (32 * MIB, 0),
+        (48 * MIB, 0),
+        (100 * MIB + ODD, 0),
+        (128 * MIB, 0),
+        (512 * MIB, 3),
+    ] {
+        let runs = if bytes >= 256 * MIB { 8 } else { 24 };
+        f.host_offset = offset;
+        for (i, &(dir, raw, ours)) in pageable.iter().enumerate() {
+            let (r, o) = raw_and_ours_of(f, runs, raw, ours, bytes);
+            let (r, o) = (gbps(bytes, r), gbps(bytes, o));
+            let (src, dst) = if i == 0 {
+                (Location::PageableHost, Location::Device(0))
+            } else {
+                (Location::Device(0), Location::PageableHost)
+            };
+            println!(
+                "  between {dir} {:>14}: raw {r:6.2}, cuweave {o:6.2} GB/s ({:.2}x raw, {}); target >= raw: {}",
+                exact_label(bytes, offset),
+                o / r,
+                f.manager.plan(src, dst, bytes).method,
+                verdict(o >= r)
+            );
+        }
+    }
+    f.host_offset = 0;
+}
+
+/// `bytes` as `label` writes it when it is a whole number of MiB or KiB, in bytes otherwise,
+/// and the host offset when there is one.
+fn exact_label(bytes: usize, offset: usize) -> String {
+    let size = if bytes.is_multiple_of(MIB) || (bytes < MIB && bytes.is_multiple_of(1024)) {
+        label(bytes)
+    } else {
+        format!("{bytes}B")
+    };
+    if offset == 0 {
+        size
+    } else {
+        format!("{size}+{offset}")
+    }
+}
+
 fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
     println!();
     println!(
@@ -838,6 +903,7 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
             );
         }
     }
+    between_sizes(f, &pageable);
     let runs = 8;
     let (raw_both, ours_both) = raw_and_ours(runs, |cuweave| {
         if cuweave {
