@@ -343,6 +343,14 @@ impl CalibrationTable {
 
     /// The staging configuration chosen for `path` on `device` at the size nearest
     /// `bytes` (log scale), if any was measured.
+    ///
+    /// A choice that ran as one block where it was measured (its chunk held that whole copy, on
+    /// the calling thread) says nothing of how many participants a copy its chunk does not hold
+    /// wants: such a copy takes the nearest choice that applies to it instead, and that one
+    /// only when no other was measured. (On the H100 host a 256 KiB choice of one 256 KiB
+    /// block ran 512 KiB uploads as two chunks on one thread, at 0.93x the plain call; in the
+    /// staging sweep that form moved 9.0 / 10.5 GB/s at 384 / 512 KiB, the 1 MiB choice of two
+    /// participants 10.9 / 12.0.)
     pub fn staging_for(
         &self,
         path: TransferPath,
@@ -350,10 +358,21 @@ impl CalibrationTable {
         bytes: usize,
     ) -> Option<StagingConfig> {
         let distance = |b: usize| size_distance(b, bytes);
-        self.staging
-            .iter()
-            .filter(|c| c.path == path && c.device == device)
-            .min_by(|a, b| distance(a.bytes).total_cmp(&distance(b.bytes)))
+        let measured = || {
+            self.staging
+                .iter()
+                .filter(|c| c.path == path && c.device == device)
+        };
+        let applies = |c: &&StagingChoice| {
+            c.config.runs_as_one_block(bytes) || !c.config.runs_as_one_block(c.bytes)
+        };
+        let nearest = |a: &&StagingChoice, b: &&StagingChoice| {
+            distance(a.bytes).total_cmp(&distance(b.bytes))
+        };
+        measured()
+            .filter(applies)
+            .min_by(nearest)
+            .or_else(|| measured().min_by(nearest))
             .map(|c| c.config)
     }
 
@@ -728,5 +747,43 @@ mod machine_tests {
         );
         let back = CalibrationTable::from_json(&table.to_json()).unwrap();
         assert_eq!(back, table);
+    }
+
+    #[rstest::rstest]
+    #[case::held_by_the_block(200 << 10, 256 << 10, 1)]
+    #[case::the_block_itself(256 << 10, 256 << 10, 1)]
+    #[case::just_past_the_block(300 << 10, 256 << 10, 2)]
+    #[case::tied_between_the_two(512 << 10, 256 << 10, 2)]
+    #[case::nearer_the_pipeline(768 << 10, 256 << 10, 2)]
+    fn a_one_block_choice_applies_only_where_its_block_holds_the_copy(
+        #[case] bytes: usize,
+        #[case] chunk: usize,
+        #[case] threads: usize,
+    ) {
+        let h2d = TransferPath::PAGEABLE_TO_DEVICE;
+        let config = |threads| StagingConfig {
+            chunk_bytes: 256 << 10,
+            depth: 2,
+            threads,
+            host_copy: crate::HostCopy::Streaming,
+            order: crate::ChunkOrder::Ordered,
+        };
+        let mut table = CalibrationTable::default();
+        // As calibration records them: one 256 KiB block at 256 KiB, a pipeline of two
+        // participants at 1 MiB.
+        for (at, threads) in [(256 << 10, 1), (1 << 20, 2)] {
+            table.record_staging(StagingChoice {
+                path: h2d,
+                device: 0,
+                bytes: at,
+                config: config(threads),
+                gbps: 10.0,
+            });
+        }
+        let chosen = table.staging_for(h2d, 0, bytes).unwrap();
+        assert_eq!((chosen.chunk_bytes, chosen.threads), (chunk, threads));
+        // With nothing else measured, the one-block choice is still the nearest there is.
+        table.staging.retain(|c| c.bytes == 256 << 10);
+        assert_eq!(table.staging_for(h2d, 0, bytes).unwrap().threads, 1);
     }
 }
