@@ -785,21 +785,45 @@ fn between_sizes(f: &mut Fixture, pageable: &[(&str, Op, Op); 2]) {
         for (i, &(dir, raw, ours)) in pageable.iter().enumerate() {
             let (r, o) = raw_and_ours_of(f, runs, raw, ours, bytes);
             let (r, o) = (gbps(bytes, r), gbps(bytes, o));
-            let (src, dst) = if i == 0 {
-                (Location::PageableHost, Location::Device(0))
-            } else {
-                (Location::Device(0), Location::PageableHost)
-            };
+            let (src, dst) = pageable_ends(i);
             println!(
                 "  between {dir} {:>14}: raw {r:6.2}, cuweave {o:6.2} GB/s ({:.2}x raw, {}); target >= raw: {}",
                 exact_label(bytes, offset),
                 o / r,
-                f.manager.plan(src, dst, bytes).method,
+                method_text(f, src, dst, bytes),
                 verdict(o >= r)
             );
         }
     }
     f.host_offset = 0;
+}
+
+/// Where the summary's pageable case `i` copies from and to: uploads (0), then downloads.
+fn pageable_ends(i: usize) -> (Location, Location) {
+    if i == 0 {
+        (Location::PageableHost, Location::Device(0))
+    } else {
+        (Location::Device(0), Location::PageableHost)
+    }
+}
+
+/// The method the manager plans for `bytes` from `src` to `dst`, and for a staged copy the
+/// staging configuration it runs with (calibration's choice, once the summary calibrated).
+fn method_text(f: &Fixture, src: Location, dst: Location, bytes: usize) -> String {
+    let plan = f.manager.plan(src, dst, bytes);
+    if plan.method != TransferMethod::HostStaged {
+        return plan.method.to_string();
+    }
+    let c = f.manager.staging_for(plan.path, 0, bytes);
+    format!(
+        "{} {} KiB x {} {:?} {:?} depth {}",
+        plan.method,
+        c.chunk_bytes >> 10,
+        c.threads,
+        c.host_copy,
+        c.order,
+        c.depth
+    )
 }
 
 /// `bytes` as `label` writes it when it is a whole number of MiB or KiB, in bytes otherwise,
@@ -866,30 +890,10 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
         for (i, &(dir, raw, ours)) in pageable.iter().enumerate() {
             let (r, o) = raw_and_ours_of(f, runs, raw, ours, bytes);
             let (r, o) = (gbps(bytes, r), gbps(bytes, o));
-            let (src, dst) = if i == 0 {
-                (Location::PageableHost, Location::Device(0))
-            } else {
-                (Location::Device(0), Location::PageableHost)
-            };
-            let plan = f.manager.plan(src, dst, bytes);
-            let method = plan.method;
-            // The staging configuration the staged transfer timed above ran with (calibration's
-            // choice, after the calibration above).
-            let staging = if method == TransferMethod::HostStaged {
-                let c = f.manager.staging_for(plan.path, 0, bytes);
-                format!(
-                    " {} KiB x {} {:?} {:?} depth {}",
-                    c.chunk_bytes >> 10,
-                    c.threads,
-                    c.host_copy,
-                    c.order,
-                    c.depth
-                )
-            } else {
-                String::new()
-            };
+            let (src, dst) = pageable_ends(i);
+            let method = method_text(f, src, dst, bytes);
             println!(
-                "  pageable {dir} {:>6}: pinned limit {:6.2}, raw {r:6.2}, cuweave {o:6.2} GB/s ({:.2}x raw, {:.0}% of pinned, {method}{staging}); target >= raw{}: {}",
+                "  pageable {dir} {:>6}: pinned limit {:6.2}, raw {r:6.2}, cuweave {o:6.2} GB/s ({:.2}x raw, {:.0}% of pinned, {method}); target >= raw{}: {}",
                 label(bytes),
                 limit[i],
                 o / r,
