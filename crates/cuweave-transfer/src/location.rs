@@ -199,9 +199,12 @@ impl SizeClass {
         }
     }
 
-    /// The size [`calibrate`](crate::TransferManager::calibrate) measures the class at: its
-    /// upper bound, except that `Large` and `Huge` are both measured at 64 MiB to keep
-    /// calibration within a few hundred milliseconds (bandwidth is flat beyond that).
+    /// The one size that stands for the class where a figure carries no size of its own: a
+    /// figure recorded by class (`CalibrationTable::record`), and every entry of a table
+    /// written before entries recorded their size, when calibration measured each class once.
+    /// Its upper bound, except `Large` and `Huge`, both 64 MiB as they were measured then.
+    /// [`calibrate`](crate::TransferManager::calibrate) now measures each of
+    /// [`CALIBRATION_SIZES`](crate::CALIBRATION_SIZES).
     pub fn calibration_bytes(self) -> usize {
         match self {
             Self::Tiny => 64 << 10,
