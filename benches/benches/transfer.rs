@@ -47,8 +47,8 @@ use cuweave_driver::memory;
 use cuweave_driver::{Context, Device, Stream, StreamFlags};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer};
 use cuweave_transfer::{
-    Destination, Location, RegisteredHost, Source, TransferDirection, TransferManager,
-    TransferMethod, WARM, wait_for_cold_workers,
+    CALIBRATION_SIZES, Destination, Location, RegisteredHost, Source, TransferDirection,
+    TransferManager, TransferMethod, WARM, wait_for_cold_workers,
 };
 
 fn main() {
@@ -758,18 +758,17 @@ fn verdict(met: bool) -> &'static str {
     if met { "met" } else { "MISSED" }
 }
 
-/// The sizes between the summary's rows, some not a multiple of any chunk, and two read or
+/// The sizes between the summary's rows (calibration's sizes), some not a multiple of any chunk, and two read or
 /// written a few bytes past an aligned start: the target is every size from 64 KiB, and a
 /// program's tensors are rarely powers of two.
 fn between_sizes(f: &mut Fixture, pageable: &[(&str, Op, Op); 2]) {
     const ODD: usize = 12_345;
     for (bytes, offset) in [
         (96 << 10, 0),
-        (128 << 10, 0),
         (192 << 10, 0),
-        (512 << 10, 0),
+        (384 << 10, 0),
         (768 << 10, 0),
-        (2 * MIB, 0),
+        (1536 << 10, 0),
         (3 * MIB + ODD, 0),
         (6 * MIB, 0),
         (8 * MIB, 0),
@@ -826,11 +825,13 @@ fn method_text(f: &Fixture, src: Location, dst: Location, bytes: usize) -> Strin
     )
 }
 
-/// `bytes` as `label` writes it when it is a whole number of MiB or KiB, in bytes otherwise,
+/// `bytes` as `label` writes it when it is a whole number of MiB, in KiB or bytes otherwise,
 /// and the host offset when there is one.
 fn exact_label(bytes: usize, offset: usize) -> String {
-    let size = if bytes.is_multiple_of(MIB) || (bytes < MIB && bytes.is_multiple_of(1024)) {
+    let size = if bytes.is_multiple_of(MIB) {
         label(bytes)
+    } else if bytes.is_multiple_of(1024) {
+        format!("{}KiB", bytes >> 10)
     } else {
         format!("{bytes}B")
     };
@@ -865,16 +866,7 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
         "  (the manager calibrated this machine in {:.1} s; plans below are from it)",
         started.elapsed().as_secs_f64()
     );
-    for bytes in [
-        64 << 10,
-        256 << 10,
-        MIB,
-        4 * MIB,
-        16 * MIB,
-        64 * MIB,
-        256 * MIB,
-        GIB,
-    ] {
+    for bytes in CALIBRATION_SIZES {
         let runs = if bytes >= 256 * MIB { 8 } else { 24 };
         let limit = [
             gbps(bytes, median(runs, || f.raw_h2d_pinned(bytes))),
