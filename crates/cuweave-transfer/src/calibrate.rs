@@ -195,7 +195,7 @@ fn choose_staging(rounds: &[Vec<f64>], default: Option<usize>) -> usize {
 /// The plain call then runs every such transfer of the process, so that finding stands only if
 /// a second measurement finds it again. On a disturbed stretch of the H100 host one calibration
 /// measured the plain call faster at 16 MiB downloads, which then ran at 7.2 GB/s, where the
-/// pipeline ran 31-36 in the next process on the same lease.
+/// pipeline ran at 30.9 in the next process on the same lease.
 fn confirmed(
     staged: f64,
     direct: f64,
