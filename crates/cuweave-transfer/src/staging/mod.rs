@@ -16,7 +16,7 @@
 //! thread). Downloads run the same pipeline backwards: queue copies into blocks, then copy each
 //! finished block out.
 //!
-//! That is the *interleaved* order. Copies of 3 MiB or more run *ordered* by default
+//! That is the *interleaved* order. Copies of [`ORDERED_FROM`] (512 KiB) or more run *ordered* by default
 //! ([`ChunkOrder`], part of the configuration, so calibration can pick either): the chunks go
 //! in order, one copy each with a [`StreamMarks`] mark behind it (a download's on the lane's
 //! first stream; an upload's alternating between its first two, so two copy engines read host
@@ -253,8 +253,9 @@ impl Swept {
 
 /// The fastest pageable uploads of the staging sweep on the H100 host
 /// (`examples/staging_sweep.rs`, `examples/upload_timeline.rs`; see `docs/transfer.md`): at
-/// 1 MiB the interleaved pipeline's (issue 15, run 3; below [`ORDERED_FROM`] every copy runs
-/// interleaved), from 4 MiB the ordered pipeline's (`upload_ordered`). Mid sizes want few
+/// 1 MiB the interleaved pipeline's (issue 15, run 3, before the ordered pipeline existed; run
+/// ordered since [`ORDERED_FROM`] moved to 512 KiB), from 4 MiB the ordered pipeline's
+/// (`upload_ordered`). Mid sizes want few
 /// participants on 1-4 MiB chunks, since each chunk is filled by all of them and the copy
 /// engine reads host memory more slowly the harder the host's threads load it
 /// (`docs/probes/ce.c`); large uploads copy with cached stores into a 32 MiB ring (one 4 MiB
@@ -307,8 +308,15 @@ const SWEPT_DOWNLOADS: [Swept; 6] = [
 ];
 
 /// Pipelined copies from this size run in their configuration's [`ChunkOrder`] (smaller ones
-/// always interleaved): between the swept 1 MiB (interleaved) and 4 MiB (ordered) rows.
-pub const ORDERED_FROM: usize = 3 << 20;
+/// always interleaved). Until the nineteenth pass of issue 15 it was 3 MiB, between the swept
+/// 1 MiB (interleaved) and 4 MiB (ordered) rows, from before the ordered pipelines existed: in
+/// bench runs on the H100 host alternating the two thresholds (new, old, old, new; medians of
+/// 24, as multiples of the plain call), ordering from 256 KiB ran 512 KiB uploads at 1.20 /
+/// 1.11x against 0.88 / 0.97x, 2 MiB uploads at 21.6 / 22.4 GB/s against 17.9 / 16.3 and 2 MiB
+/// downloads at 18.9 / 18.5 against 12.8 / 12.0, 768 KiB-1.5 MiB 1.3-2.4x against 1.1-1.8x;
+/// at 384 KiB it measured 1.10 / 0.95x against 1.07 / 1.06x, so the order starts at 512 KiB,
+/// the smallest measured size where it won.
+pub const ORDERED_FROM: usize = 512 << 10;
 
 /// Ordered uploads from this size alternate their chunks between the lane's two marked streams
 /// and taper their last chunk (`ordered::taper_last`). Below it, with a handful of 1 MiB chunks,
