@@ -944,23 +944,28 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
         );
     }
     let bytes = 64 * MIB;
-    for (dir, raw, ours) in [
+    for (dir, raw, ours, src, dst) in [
         (
             "h2d",
             (|f: &mut Fixture, n| f.raw_h2d_pinned(n)) as Op,
             Fixture::ours_h2d_pinned as Op,
+            Location::PinnedHost(0),
+            Location::Device(0),
         ),
         (
             "d2h",
             Fixture::raw_d2h_pinned as Op,
             Fixture::ours_d2h_pinned as Op,
+            Location::Device(0),
+            Location::PinnedHost(0),
         ),
     ] {
-        let (r, o) = raw_and_ours_of(f, 8, raw, ours, bytes);
+        let (r, o) = raw_and_ours_of(f, 24, raw, ours, bytes);
         let (r, o) = (gbps(bytes, r), gbps(bytes, o));
         println!(
-            "  pinned {dir} 64MiB: raw {r:6.2} GB/s, cuweave {o:6.2} GB/s ({:.1}%); target >= 97%: {}",
+            "  pinned {dir} 64MiB: raw {r:6.2} GB/s, cuweave {o:6.2} GB/s ({:.1}%, {}); target >= 97%: {}",
             100.0 * o / r,
+            method_text(f, src, dst, bytes),
             verdict(o >= 0.97 * r)
         );
     }
