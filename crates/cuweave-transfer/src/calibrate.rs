@@ -31,10 +31,10 @@ fn remember(table: &CalibrationTable) {
 
 /// The transfer sizes calibration measures, each at its own size: every size class is
 /// represented (64 KiB up to 1 GiB), so the method choice compares methods at the measured size
-/// nearest each transfer. Up to 4 MiB every factor of two: there the pipeline runs 1.0-1.3x the
-/// plain call, and a size between two measured ones took a choice measured at twice or half
-/// its size (512 KiB uploads ran 0.93-1.09x the plain call on the 256 KiB and 1 MiB choices);
-/// above, where it runs 2-6x, every factor of four.
+/// nearest each transfer. Up to 4 MiB every factor of two: there the pipeline's margin over
+/// the plain call is thinnest (1.1-2x on the H100 host), and a size between two measured ones
+/// took a choice measured at twice or half its size (512 KiB uploads ran 0.93-1.09x the plain
+/// call on the 256 KiB and 1 MiB choices); above, where it runs 2-7x, every factor of four.
 pub const CALIBRATION_SIZES: [usize; 11] = [
     64 << 10,
     128 << 10,
