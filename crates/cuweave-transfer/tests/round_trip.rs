@@ -639,8 +639,15 @@ fn ordered_and_interleaved_uploads_round_trip_with_tiny_rings_and_land_after_ear
             order,
         })
         .unwrap();
-        // u32 elements from 3 MiB + 4 bytes (ordered from 3 MiB) to past 17 MiB.
-        for len in [(3 * MIB) / 4 + 1, (17 * MIB) / 4 + 1027] {
+        // u32 elements: 4 bytes under `ORDERED_FROM` (interleaved whatever the order) and 4
+        // over it (in the configuration's order), then 3 MiB + 4 bytes and past 17 MiB.
+        let ordered_from = cuweave_transfer::ORDERED_FROM / 4;
+        for len in [
+            ordered_from - 1,
+            ordered_from + 1,
+            (3 * MIB) / 4 + 1,
+            (17 * MIB) / 4 + 1027,
+        ] {
             let data: Vec<u32> = (0..len as u32)
                 .map(|i| i.wrapping_mul(2_654_435_761))
                 .collect();
