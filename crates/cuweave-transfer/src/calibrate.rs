@@ -556,7 +556,7 @@ impl TransferManager {
                 for (i, &way) in ways.iter().enumerate() {
                     if shape.untimed > 0 {
                         // Not while the workers of the way before still spin.
-                        crate::workers::shared().wait_cold(2 * crate::workers::WARM);
+                        crate::workers::wait_for_cold_workers(2 * crate::workers::WARM);
                     }
                     for timed in (0..shape.runs).map(|run| run >= shape.untimed) {
                         let start = Instant::now();
