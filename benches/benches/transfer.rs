@@ -758,10 +758,14 @@ fn verdict(met: bool) -> &'static str {
     if met { "met" } else { "MISSED" }
 }
 
-/// The sizes between the summary's rows (calibration's sizes), some not a multiple of any chunk, and two read or
-/// written a few bytes past an aligned start: the target is every size from 64 KiB, and a
-/// program's tensors are rarely powers of two.
-fn between_sizes(f: &mut Fixture, pageable: &[(&str, Op, Op); 2]) {
+/// One pageable case of the summary: its direction's name, the raw call, cuweave's, and where
+/// the bytes go from and to.
+type Pageable = (&'static str, Op, Op, Location, Location);
+
+/// The sizes between the summary's rows (calibration's sizes), some not a multiple of any
+/// chunk, and two read or written a few bytes past an aligned start: the target is every size
+/// from 64 KiB, and a program's tensors are rarely powers of two.
+fn between_sizes(f: &mut Fixture, pageable: &[Pageable; 2]) {
     const ODD: usize = 12_345;
     for (bytes, offset) in [
         (96 << 10, 0),
@@ -781,10 +785,9 @@ fn between_sizes(f: &mut Fixture, pageable: &[(&str, Op, Op); 2]) {
     ] {
         let runs = if bytes >= 256 * MIB { 8 } else { 24 };
         f.host_offset = offset;
-        for (i, &(dir, raw, ours)) in pageable.iter().enumerate() {
+        for &(dir, raw, ours, src, dst) in pageable {
             let (r, o) = raw_and_ours_of(f, runs, raw, ours, bytes);
             let (r, o) = (gbps(bytes, r), gbps(bytes, o));
-            let (src, dst) = pageable_ends(i);
             println!(
                 "  between {dir} {:>14}: raw {r:6.2}, cuweave {o:6.2} GB/s ({:.2}x raw, {}); target >= raw: {}",
                 exact_label(bytes, offset),
@@ -795,15 +798,6 @@ fn between_sizes(f: &mut Fixture, pageable: &[(&str, Op, Op); 2]) {
         }
     }
     f.host_offset = 0;
-}
-
-/// Where the summary's pageable case `i` copies from and to: uploads (0), then downloads.
-fn pageable_ends(i: usize) -> (Location, Location) {
-    if i == 0 {
-        (Location::PageableHost, Location::Device(0))
-    } else {
-        (Location::Device(0), Location::PageableHost)
-    }
 }
 
 /// The method the manager plans for `bytes` from `src` to `dst`, and for a staged copy the
@@ -847,17 +841,22 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
     println!(
         "summary: median of 24 runs (from 256 MiB: of 8), host clock, raw and cuweave in alternating blocks, separate from criterion"
     );
-    // (direction, raw call, cuweave) for pageable host memory, at large and small sizes.
-    let pageable: [(&str, Op, Op); 2] = [
+    // (direction, raw call, cuweave, from, to) for pageable host memory, at large and small
+    // sizes.
+    let pageable: [Pageable; 2] = [
         (
             "h2d",
             (|f: &mut Fixture, n| f.raw_h2d_pageable(n)) as Op,
             Fixture::ours_h2d_pageable as Op,
+            Location::PageableHost,
+            Location::Device(0),
         ),
         (
             "d2h",
             Fixture::raw_d2h_pageable as Op,
             Fixture::ours_d2h_pageable as Op,
+            Location::Device(0),
+            Location::PageableHost,
         ),
     ];
     let started = Instant::now();
@@ -879,10 +878,9 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
             b if b >= 256 * MIB => 50.0,
             _ => 0.0,
         };
-        for (i, &(dir, raw, ours)) in pageable.iter().enumerate() {
+        for (i, &(dir, raw, ours, src, dst)) in pageable.iter().enumerate() {
             let (r, o) = raw_and_ours_of(f, runs, raw, ours, bytes);
             let (r, o) = (gbps(bytes, r), gbps(bytes, o));
-            let (src, dst) = pageable_ends(i);
             let method = method_text(f, src, dst, bytes);
             println!(
                 "  pageable {dir} {:>6}: pinned limit {:6.2}, raw {r:6.2}, cuweave {o:6.2} GB/s ({:.2}x raw, {:.0}% of pinned, {method}); target >= raw{}: {}",
@@ -925,7 +923,7 @@ fn summary(f: &mut Fixture, peer: Option<&mut Peer>) {
     );
     async_polls(f);
     for bytes in [4 << 10, 64 << 10] {
-        for &(dir, raw, ours) in &pageable {
+        for &(dir, raw, ours, _, _) in &pageable {
             let (r, o) = raw_and_ours_of(f, 200, raw, ours, bytes);
             println!(
                 "  small {dir} {:>6}: raw {:7.2} us, cuweave {:7.2} us ({:.1}% of raw time); target no slower: {}",
