@@ -1,13 +1,14 @@
 //! The caching engine against a model, with proptest: random sequences of allocations, frees,
 //! frees of blocks recorded on other streams (with fake markers), marker completion, polling,
 //! `empty_cache`, peak resets and upstream failures (out of memory under a cap, and other
-//! errors). After every step:
+//! errors), on four streams over 1, 2 or 32 shards (so streams share a shard, and with it the
+//! small pool's slots and their cached lookup, or do not). After every step:
 //!
 //! - no two live allocations overlap, and no allocation overlaps a freed block whose recorded
 //!   uses have not all completed (a block is never handed out while a recorded use is pending);
 //! - every allocation is at least as large as asked for, and belongs to its stream;
 //! - the statistics equal the model's: allocated and requested bytes (current, and peaks per
-//!   stream summed), allocation and free counts, reserved bytes and segments (current and
+//!   shard summed), allocation and free counts, reserved bytes and segments (current and
 //!   peak, equal to what the fake upstream holds), and active bytes between its bounds (exact
 //!   once the cache is emptied);
 //! - the pools' structural invariants hold (links, merging, free-list membership).
@@ -120,7 +121,7 @@ fn sizes() -> impl Strategy<Value = usize> {
 
 fn ops() -> impl Strategy<Value = Op> {
     prop_oneof![
-        8 => (1usize..=3, sizes()).prop_map(|(stream, bytes)| Op::Allocate { stream, bytes }),
+        8 => (1usize..=4, sizes()).prop_map(|(stream, bytes)| Op::Allocate { stream, bytes }),
         4 => any::<usize>().prop_map(|index| Op::Free { index }),
         3 => (any::<usize>(), 1usize..=2).prop_map(|(index, uses)| Op::FreeRecorded { index, uses }),
         3 => any::<usize>().prop_map(|index| Op::Complete { index }),
@@ -154,8 +155,9 @@ struct Model {
     allocations: u64,
     frees: u64,
     ooms: u64,
-    /// Per stream: allocated bytes now and their peak since the last reset.
-    allocated: BTreeMap<StreamKey, (usize, usize)>,
+    /// Per shard: allocated bytes now and their peak since the last reset.
+    allocated: BTreeMap<usize, (usize, usize)>,
+    shards: usize,
     reserved_peak: usize,
     segments_peak: usize,
 }
@@ -195,14 +197,15 @@ impl Model {
     }
 
     fn allocated_add(&mut self, stream: StreamKey, bytes: usize) {
-        let entry = self.allocated.entry(stream).or_default();
+        let shard = stream.as_usize() & (self.shards - 1);
+        let entry = self.allocated.entry(shard).or_default();
         entry.0 += bytes;
         entry.1 = entry.1.max(entry.0);
     }
 
     fn allocated_sub(&mut self, stream: StreamKey, bytes: usize) {
         self.allocated
-            .get_mut(&stream)
+            .get_mut(&(stream.as_usize() & (self.shards - 1)))
             .expect("allocated on this stream")
             .0 -= bytes;
     }
@@ -241,10 +244,7 @@ impl Model {
         assert_eq!(stats.ooms, self.ooms);
         assert!(stats.oom_retries >= stats.ooms);
         let peaks: usize = self.allocated.values().map(|(_, peak)| peak).sum();
-        assert_eq!(
-            stats.allocated_bytes.peak, peaks,
-            "per-stream peaks, summed"
-        );
+        assert_eq!(stats.allocated_bytes.peak, peaks, "per-shard peaks, summed");
         assert!(stats.active_bytes.current >= live_bytes + pending_bound);
         assert!(stats.active_bytes.current <= live_bytes + guarded_bytes);
         if emptied {
@@ -265,10 +265,13 @@ impl Model {
     }
 }
 
-fn run(ops: Vec<Op>, cap_mib: usize) {
-    let engine = Engine::<Flag>::default();
+fn run(ops: Vec<Op>, cap_mib: usize, shards: usize) {
+    let engine = Engine::<Flag>::with_shards(shards);
     let upstream = Upstream::new(cap_mib * MIB);
-    let mut model = Model::default();
+    let mut model = Model {
+        shards,
+        ..Model::default()
+    };
     for op in ops {
         let mut emptied = false;
         match op {
@@ -370,8 +373,9 @@ proptest! {
     fn the_engine_matches_its_model(
         ops in prop::collection::vec(ops(), 1..48),
         cap_mib in 8usize..=128,
+        shards in prop::sample::select(vec![1usize, 2, SHARDS]),
     ) {
-        run(ops, cap_mib);
+        run(ops, cap_mib, shards);
     }
 
     #[test]

@@ -148,6 +148,11 @@ impl FreeLists {
             );
             self.slots.remove(&stream);
             self.vacant.push(slot);
+            // The cached lookup must not outlive the slot: the next stream to take it would
+            // otherwise have its free blocks handed out on this stream.
+            if self.last == Some((stream, slot)) {
+                self.last = None;
+            }
         }
     }
 
@@ -335,5 +340,48 @@ mod tests {
             lists.take_best_fit(&mut arena, StreamKey::from_raw(1), 512),
             None
         );
+    }
+
+    /// A free small block of `stream` in `slot`, listed.
+    fn listed_block(
+        arena: &mut Arena,
+        lists: &mut FreeLists,
+        stream: StreamKey,
+        slot: u32,
+        ptr: u64,
+    ) -> BlockId {
+        let mut block = Block::segment(ptr, 4096, stream, PoolKind::Small);
+        block.slot = slot;
+        let id = arena.insert(block);
+        lists.insert(arena, id);
+        id
+    }
+
+    #[test]
+    fn a_recycled_slot_is_never_reached_through_its_old_streams_cached_lookup() {
+        let mut arena = Arena::default();
+        let mut lists = FreeLists::default();
+        let (a, b) = (StreamKey::from_raw(1), StreamKey::from_raw(2));
+        let slot = lists.acquire_slot(a);
+        let id = listed_block(&mut arena, &mut lists, a, slot, 0x1000);
+        // A's lookup is cached here.
+        assert_eq!(lists.take_best_fit(&mut arena, a, 512), Some(id));
+        lists.release_slot(a, slot);
+        // B takes the recycled slot and lists a block in it.
+        let b_slot = lists.acquire_slot(b);
+        assert_eq!(b_slot, slot, "the vacant slot is reused");
+        let b_id = listed_block(&mut arena, &mut lists, b, b_slot, 0x9000);
+        assert_eq!(
+            lists.take_best_fit(&mut arena, a, 512),
+            None,
+            "A has no slot: B's block must not be handed out on A"
+        );
+        assert!(lists.contains(&arena, b_id));
+        // A coming back gets a slot of its own, reached through the cache correctly.
+        let a_slot = lists.acquire_slot(a);
+        assert_ne!(a_slot, b_slot);
+        let a_id = listed_block(&mut arena, &mut lists, a, a_slot, 0x2000);
+        assert_eq!(lists.take_best_fit(&mut arena, a, 512), Some(a_id));
+        assert_eq!(lists.take_best_fit(&mut arena, b, 512), Some(b_id));
     }
 }
