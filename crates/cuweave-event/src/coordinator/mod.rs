@@ -802,4 +802,25 @@ mod tests {
         state.try_retire(failed);
         assert_eq!(state.state_of(failed), Some(OperationState::Failed));
     }
+
+    #[test]
+    fn an_operation_that_retired_while_waited_for_is_blocked_on_nothing() {
+        let mut state = State::default();
+        state.next_id = 2;
+        let (dependency, waiting) = (OperationId(1), OperationId(2));
+        state
+            .operations
+            .insert(dependency, operation(1, OperationState::Registered, vec![]));
+        state
+            .operations
+            .insert(waiting, operation(2, OperationState::Registered, vec![1]));
+        assert_eq!(state.blocked_on(waiting), vec![dependency]);
+        // Another thread begins and completes both, and both retire, while a caller of
+        // `wait_until_ready(waiting)` sleeps on the condition variable: its next look at
+        // `waiting` finds no record.
+        state.operations.clear();
+        assert!(state.is_retired(waiting));
+        assert_eq!(state.blocked_on(waiting), Vec::<OperationId>::new());
+        assert_eq!(state.blocked_on(OperationId(99)), Vec::<OperationId>::new());
+    }
 }

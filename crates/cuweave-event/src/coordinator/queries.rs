@@ -61,17 +61,6 @@ impl OperationCoordinator {
         cycles
     }
 
-    /// The dependencies of `id` that are not queued yet.
-    fn blocked_on(state: &State, id: OperationId) -> Vec<OperationId> {
-        state.operations[&id]
-            .metadata
-            .dependencies
-            .iter()
-            .copied()
-            .filter(|dep| !is_queued(state, *dep))
-            .collect()
-    }
-
     /// Operations registered at least `older_than` ago that still wait for dependencies that
     /// are not queued, with those dependencies.
     pub fn stalled_operations(&self, older_than: Duration) -> Vec<(OperationId, Vec<OperationId>)> {
@@ -82,7 +71,7 @@ impl OperationCoordinator {
             .values()
             .filter(|op| op.metadata.state == OperationState::Registered)
             .filter(|op| op.metadata.registered_at.elapsed() >= older_than)
-            .map(|op| (op.metadata.id, Self::blocked_on(&state, op.metadata.id)))
+            .map(|op| (op.metadata.id, state.blocked_on(op.metadata.id)))
             .filter(|(_, blocked)| !blocked.is_empty())
             .collect();
         stalled.sort_unstable();
@@ -90,7 +79,8 @@ impl OperationCoordinator {
     }
 
     /// Blocks until every dependency of `id` is queued (so it can begin), for at most
-    /// `timeout`.
+    /// `timeout`. Returns `Ok` at once, or as soon as it happens, when `id` has retired (it
+    /// began and completed meanwhile, on another thread).
     ///
     /// # Errors
     /// [`EventError::Stalled`] with the dependencies still not queued when the time is up;
@@ -109,7 +99,7 @@ impl OperationCoordinator {
             });
         }
         loop {
-            let blocked_on = Self::blocked_on(&state, id);
+            let blocked_on = state.blocked_on(id);
             if blocked_on.is_empty() {
                 return Ok(());
             }
@@ -119,7 +109,7 @@ impl OperationCoordinator {
                 .wait_until(&mut state, deadline)
                 .timed_out()
             {
-                let blocked_on = Self::blocked_on(&state, id);
+                let blocked_on = state.blocked_on(id);
                 if blocked_on.is_empty() {
                     return Ok(());
                 }
@@ -131,6 +121,22 @@ impl OperationCoordinator {
                 });
             }
         }
+    }
+}
+
+impl State {
+    /// The dependencies of `id` that are not queued yet; none once `id` is no longer live
+    /// (it retired while a caller waited for it to become ready: it began, so it was ready).
+    pub(super) fn blocked_on(&self, id: OperationId) -> Vec<OperationId> {
+        self.operations.get(&id).map_or_else(Vec::new, |operation| {
+            operation
+                .metadata
+                .dependencies
+                .iter()
+                .copied()
+                .filter(|dep| !is_queued(self, *dep))
+                .collect()
+        })
     }
 }
 
