@@ -524,3 +524,43 @@ fn given_a_stream_pool_an_operation_begins_on_a_stream_of_its_priority() {
         "the low stream finished before the high one it waits on"
     );
 }
+
+#[test]
+fn a_completed_operation_kept_for_a_dependant_still_answers_synchronize_and_completion() {
+    let gpu = require_gpu!();
+    let coordinator =
+        OperationCoordinator::new(EventPool::new(&gpu.context, 2, 2).unwrap()).unwrap();
+    let stream = common::stream(&gpu.context);
+    let a = coordinator
+        .register_operation(OperationType::Kernel, EventPriority::Normal, None, &[], "a")
+        .unwrap();
+    let b = coordinator
+        .register_operation(
+            OperationType::Kernel,
+            EventPriority::Normal,
+            None,
+            &[a],
+            "b",
+        )
+        .unwrap();
+    coordinator.begin_operation(a, &stream).unwrap();
+    coordinator.complete_operation(a).unwrap();
+    stream.synchronize().unwrap();
+    // Observes a's completion; b, registered and not begun, keeps a's record alive.
+    assert_eq!(coordinator.ready_operations(), vec![b]);
+    assert_eq!(coordinator.state(a).unwrap(), OperationState::Completed);
+    assert!(coordinator.metadata(a).is_ok(), "a is still live");
+    coordinator.synchronize(a).unwrap();
+    futures_lite_ready(coordinator.completion(a).unwrap());
+    // b has not been queued: no event to wait on yet, a typed error.
+    assert!(matches!(
+        coordinator.synchronize(b),
+        Err(EventError::InvalidState { .. })
+    ));
+    coordinator.begin_operation(b, &stream).unwrap();
+    coordinator.complete_operation(b).unwrap();
+    coordinator.synchronize(b).unwrap();
+    // a has retired now; still Ok.
+    coordinator.synchronize(a).unwrap();
+    futures_lite_ready(coordinator.completion(a).unwrap());
+}

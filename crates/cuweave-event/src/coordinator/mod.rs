@@ -91,8 +91,10 @@ type CompletionCallback = Box<dyn FnOnce(OperationId, WaitResult) + Send + 'stat
 /// still answers [`state`](Self::state) (`Completed`), [`synchronize`](Self::synchronize) and
 /// [`completion`](Self::completion) at once, and is a valid dependency (already satisfied);
 /// [`metadata`](Self::metadata) reports [`EventError::Retired`]. So memory and events stay
-/// bounded by the operations in flight, and every query costs O(live operations). An operation
-/// whose completion could not be observed (`Failed`) stays, with its error.
+/// bounded by the operations in flight, and every query costs O(live operations). A completed
+/// operation kept for a dependant answers `synchronize` and `completion` at once too. An
+/// operation whose completion could not be observed (`Failed`) stays, with its error, which
+/// `synchronize` and `completion` report.
 ///
 /// ```no_run
 /// use std::sync::Arc;
@@ -158,6 +160,38 @@ impl State {
         }
     }
 
+    /// Where a caller that waits for `id`'s completion stands: already reached (completed,
+    /// live or retired), failed with the stored error, or waiting on its completion event.
+    ///
+    /// # Errors
+    /// `UnknownOperation`; `InvalidState` before `complete_operation` (no event yet).
+    fn completion_point(
+        &self,
+        id: OperationId,
+        operation: &'static str,
+        action: &'static str,
+    ) -> Result<CompletionPoint> {
+        if self.is_retired(id) {
+            return Ok(CompletionPoint::Reached);
+        }
+        let op = self
+            .operations
+            .get(&id)
+            .ok_or(EventError::UnknownOperation { operation, id })?;
+        match (op.metadata.state, &op.done) {
+            (OperationState::Completed, _) => Ok(CompletionPoint::Reached),
+            (OperationState::Failed, _) => Ok(CompletionPoint::Failed(
+                op.failure.clone().unwrap_or(EventError::WaiterShutDown),
+            )),
+            (OperationState::Queued, Some(done)) => Ok(CompletionPoint::Event(Arc::clone(done))),
+            (state, _) => Err(EventError::InvalidState {
+                id,
+                action,
+                state: state.name(),
+            }),
+        }
+    }
+
     /// Drops `id`'s record if the GPU completed it and nothing still needs it.
     fn try_retire(&mut self, id: OperationId) {
         if self.operations.get(&id).is_some_and(|op| {
@@ -168,6 +202,16 @@ impl State {
             self.operations.remove(&id);
         }
     }
+}
+
+/// What waiting for an operation's completion comes down to.
+enum CompletionPoint {
+    /// The GPU completed it.
+    Reached,
+    /// Its completion could not be observed; the stored error.
+    Failed(EventError),
+    /// Queued: its completion event.
+    Event(Arc<OwnedPooledEvent>),
 }
 
 struct Operation {
@@ -541,49 +585,41 @@ impl OperationCoordinator {
         Ok(())
     }
 
-    /// A future that resolves when the GPU has completed `id`.
+    /// A future that resolves when the GPU has completed `id`: at once for an operation the
+    /// GPU already completed (retired, or completed and still kept for a dependant), with the
+    /// stored error for a failed one.
     ///
     /// # Errors
     /// `UnknownOperation`; `InvalidState` before `complete_operation` (there is no event yet).
     pub fn completion(&self, id: OperationId) -> Result<WaitFuture> {
-        let done = {
-            let mut state = self.inner.state.lock();
-            if state.is_retired(id) {
-                return Ok(WaitFuture::ready());
-            }
-            let operation = operation_mut(&mut state, id, "completion")?;
-            match &operation.done {
-                Some(done) => Arc::clone(done),
-                None => {
-                    return Err(EventError::InvalidState {
-                        id,
-                        action: "await",
-                        state: operation.metadata.state.name(),
-                    });
-                }
-            }
-        };
-        Ok(self.inner.waiter.event_done(done))
+        let point = self
+            .inner
+            .state
+            .lock()
+            .completion_point(id, "completion", "await")?;
+        Ok(match point {
+            CompletionPoint::Reached => WaitFuture::ready(),
+            CompletionPoint::Failed(error) => WaitFuture::failed(error),
+            CompletionPoint::Event(done) => self.inner.waiter.event_done(done),
+        })
     }
 
-    /// Blocks until the GPU has completed `id` (its completion event).
+    /// Blocks until the GPU has completed `id` (its completion event); returns at once for an
+    /// operation the GPU already completed, and with the stored error for a failed one.
     ///
     /// # Errors
     /// As [`completion`](Self::completion); the driver's error.
     pub fn synchronize(&self, id: OperationId) -> Result<()> {
-        let done = {
-            let mut state = self.inner.state.lock();
-            if state.is_retired(id) {
-                return Ok(());
-            }
-            let operation = operation_mut(&mut state, id, "synchronize")?;
-            operation.done.clone().ok_or(EventError::InvalidState {
-                id,
-                action: "synchronize",
-                state: operation.metadata.state.name(),
-            })?
-        };
-        Ok(done.synchronize()?)
+        let point = self
+            .inner
+            .state
+            .lock()
+            .completion_point(id, "synchronize", "synchronize")?;
+        match point {
+            CompletionPoint::Reached => Ok(()),
+            CompletionPoint::Failed(error) => Err(error),
+            CompletionPoint::Event(done) => Ok(done.synchronize()?),
+        }
     }
 
     /// Where `id` is now.
@@ -801,6 +837,49 @@ mod tests {
             .insert(failed, operation(failed.0, OperationState::Failed, vec![]));
         state.try_retire(failed);
         assert_eq!(state.state_of(failed), Some(OperationState::Failed));
+    }
+
+    #[test]
+    fn completion_of_a_completed_operation_kept_for_a_dependant_is_reached() {
+        let mut state = State::default();
+        state.next_id = 4;
+        // 1 completed but kept: 2, registered, depends on it.
+        let mut kept = operation(1, OperationState::Completed, vec![]);
+        kept.dependants = 1;
+        state.operations.insert(OperationId(1), kept);
+        state.operations.insert(
+            OperationId(2),
+            operation(2, OperationState::Registered, vec![1]),
+        );
+        let mut failed = operation(3, OperationState::Failed, vec![]);
+        let error = EventError::TimedOut {
+            timeout: std::time::Duration::from_millis(7),
+        };
+        failed.failure = Some(error.clone());
+        state.operations.insert(OperationId(3), failed);
+        // 4 retired.
+        let point = |id| state.completion_point(OperationId(id), "completion", "await");
+        assert!(matches!(point(1), Ok(CompletionPoint::Reached)));
+        assert!(matches!(point(3), Ok(CompletionPoint::Failed(e)) if e == error));
+        assert!(matches!(point(4), Ok(CompletionPoint::Reached)));
+        assert!(matches!(
+            point(2),
+            Err(EventError::InvalidState {
+                state: "registered",
+                ..
+            })
+        ));
+        assert!(matches!(
+            point(5),
+            Err(EventError::UnknownOperation {
+                operation: "completion",
+                ..
+            })
+        ));
+        assert_eq!(
+            futures::executor::block_on(WaitFuture::failed(error.clone())),
+            Err(error)
+        );
     }
 
     #[test]

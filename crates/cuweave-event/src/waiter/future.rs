@@ -53,6 +53,14 @@ impl WaitFuture {
         Self::new(cell, None)
     }
 
+    /// A future that is already resolved with `error` (for a point the GPU is known never to
+    /// reach, or whose watch failed).
+    pub(crate) fn failed(error: EventError) -> Self {
+        let cell = Arc::new(WaitCell::new());
+        cell.fail(error);
+        Self::new(cell, None)
+    }
+
     /// Lets the first poll watch the outcome for up to `budget` before returning `Pending`, so
     /// that a wait which the GPU finishes within the budget resolves without the executor
     /// parking and un-parking its thread.
