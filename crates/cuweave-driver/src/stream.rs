@@ -116,7 +116,8 @@ type HostCallback = Box<dyn FnOnce() + Send + 'static>;
 
 unsafe extern "C" fn host_callback_trampoline(data: *mut c_void) {
     // SAFETY: `data` is the `Box<HostCallback>` leaked by `launch_host_fn`, which the driver hands
-    // back exactly once.
+    // back exactly once: `launch_host_fn` refuses capturing streams, so the call is never
+    // recorded into a graph whose every launch would hand it back again.
     let callback = unsafe { Box::from_raw(data.cast::<HostCallback>()) };
     // A panic must not unwind into the driver's thread.
     if std::panic::catch_unwind(AssertUnwindSafe(callback)).is_err() {
@@ -286,11 +287,29 @@ impl Stream {
     ///
     /// The callback must not call CUDA (the driver forbids it and may deadlock): hand work to
     /// your own threads or wake a future instead. A panic in it is caught and logged.
+    ///
+    /// Refused on a capturing stream: the driver would record a host node into the graph, run
+    /// it at every launch of the graph with the same pointer, and a `FnOnce` can run (and be
+    /// freed) only once. The check asks the driver every time (`cuStreamIsCapturing`, small
+    /// beside `cuLaunchHostFunc`), so captures begun outside cuweave are refused too.
+    ///
+    /// # Errors
+    /// [`GraphError::Capturing`](crate::GraphError::Capturing) when the stream is capturing;
+    /// the driver's error when the launch fails. Either way `callback` is dropped without
+    /// running.
     pub fn launch_host_fn<F>(&self, callback: F) -> Result<()>
     where
         F: FnOnce() + Send + 'static,
     {
+        // Bound first: the null stream's capture status is its current context's.
         self.context.bind_to_thread()?;
+        // On refusal `callback` is dropped here, before it is boxed: nothing leaks.
+        crate::graph::refuse_recording(
+            self,
+            crate::graph::StatusCheck::Always,
+            "Stream::launch_host_fn",
+            "a host function recorded into a graph would run at every launch, but its FnOnce can run only once",
+        )?;
         let api = driver()?;
         let boxed: Box<HostCallback> = Box::new(Box::new(callback));
         let data = Box::into_raw(boxed).cast::<c_void>();

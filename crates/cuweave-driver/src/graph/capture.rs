@@ -314,6 +314,57 @@ fn refuse_while_capturing_slow(stream: Option<&Stream>, operation: &'static str)
     Ok(())
 }
 
+/// Refuses, with [`GraphError::Capturing`], queuing on `stream` work that must not be recorded
+/// into a graph: work that is safe to run once but not to replay (a host function whose boxed
+/// `FnOnce` is freed by its first run, a write into memory that may be freed before a later
+/// launch of the graph). Unlike [`refuse_while_capturing`], it looks only at `stream`: queuing
+/// such work on a stream that is not capturing is fine whatever else captures.
+///
+/// With [`StatusCheck::Always`] it asks the driver (`cuStreamIsCapturing`, one call) every time,
+/// which also catches captures begun outside cuweave; with [`StatusCheck::WhileCuweaveCaptures`]
+/// it costs one atomic load while no capture begun through cuweave is active, and asks the
+/// driver only while one is (then it also catches streams forked into a capture and captures
+/// begun outside cuweave).
+///
+/// # Errors
+/// [`GraphError::Capturing`] naming `operation` and `reason` when the stream is capturing
+/// (active or invalidated capture); the driver's error when the status query fails.
+#[inline]
+pub fn refuse_recording(
+    stream: &Stream,
+    check: StatusCheck,
+    operation: &'static str,
+    reason: &'static str,
+) -> Result<()> {
+    if check == StatusCheck::WhileCuweaveCaptures && active_captures() == 0 {
+        return Ok(());
+    }
+    refuse_recording_slow(stream, operation, reason)
+}
+
+#[cold]
+fn refuse_recording_slow(
+    stream: &Stream,
+    operation: &'static str,
+    reason: &'static str,
+) -> Result<()> {
+    if stream.is_capturing()? {
+        return Err(GraphError::Capturing { operation, reason }.into());
+    }
+    Ok(())
+}
+
+/// When [`refuse_recording`] asks the driver whether the stream is capturing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StatusCheck {
+    /// Every time (one driver call): for paths whose own cost dwarfs it (`cuLaunchHostFunc`),
+    /// and which must refuse captures begun outside cuweave too.
+    Always,
+    /// Only while a capture begun through cuweave is active (one atomic load otherwise): for
+    /// hot paths.
+    WhileCuweaveCaptures,
+}
+
 /// The calling thread switched to another capture mode for a scope; the previous mode comes
 /// back on drop (`cuThreadExchangeStreamCaptureMode`).
 ///

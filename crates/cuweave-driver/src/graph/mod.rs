@@ -13,6 +13,7 @@
 //! |---|---|
 //! | [`CaptureMode`], [`CaptureStatus`] | how strictly a capture guards against unsafe calls; a stream's capture state |
 //! | [`active_captures`], [`refuse_while_capturing`] | the process's capture count (one atomic load), and the check that turns a call that would break a capture into [`GraphError::Capturing`] |
+//! | [`refuse_recording`], [`StatusCheck`] | the check that refuses work which must not be recorded into a graph (host functions, completion-word writes) on a capturing stream |
 //! | [`capture_state`], [`known_complete_before`], [`capture_is_active`] | the capture epoch that buffer trackers stamp uses with, and which uses a capture knows to be complete (`Stream::begin_capture_synchronized`) |
 //! | [`CaptureModeGuard`] | this thread in another capture mode for a scope (`cuThreadExchangeStreamCaptureMode`) |
 //! | [`Graph`], [`GraphExec`], [`InstantiateOptions`] | the recording and its executable form: instantiate, upload, launch, update, DOT dump |
@@ -34,8 +35,9 @@ mod memory;
 #[cfg(test)]
 pub(crate) use capture::CAPTURE_COUNT_TEST_LOCK;
 pub use capture::{
-    CaptureMode, CaptureModeGuard, CaptureState, CaptureStatus, active_captures, capture_is_active,
-    capture_state, known_complete_before, refuse_while_capturing,
+    CaptureMode, CaptureModeGuard, CaptureState, CaptureStatus, StatusCheck, active_captures,
+    capture_is_active, capture_state, known_complete_before, refuse_recording,
+    refuse_while_capturing,
 };
 pub use error::GraphError;
 pub use exec::{GraphExec, InstantiateOptions};

@@ -1,0 +1,124 @@
+//! Work that must run once, never be replayed, is refused on a capturing stream: host functions
+//! (their boxed `FnOnce` is freed by the first run, so a graph's second launch would free it
+//! again). Each refusal is a typed `GraphError::Capturing`, records nothing into the
+//! graph, and drops what it was given.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use cuweave_driver::{
+    CaptureMode, DriverError, Event, EventFlags, Graph, GraphError, Stream, StreamFlags, driver,
+    sys,
+};
+use cuweave_test_support::require_gpu;
+
+/// Asserts that `result` is a `GraphError::Capturing` refusal of `operation`.
+fn assert_refused<T: std::fmt::Debug>(result: Result<T, DriverError>, operation: &str) {
+    match result {
+        Err(DriverError::Graph(GraphError::Capturing { operation: op, .. })) => {
+            assert_eq!(op, operation);
+        }
+        other => panic!("expected {operation} to be refused while capturing, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_host_function_on_a_capturing_stream_is_refused_and_its_closure_dropped() {
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let held = Arc::new(());
+    let in_closure = Arc::clone(&held);
+
+    stream.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    let refused = stream.launch_host_fn(move || drop(in_closure));
+    let graph = stream.end_capture().unwrap();
+
+    assert_refused(refused, "Stream::launch_host_fn");
+    assert_eq!(
+        Arc::strong_count(&held),
+        1,
+        "the refused closure was dropped, not leaked"
+    );
+    assert_eq!(graph.node_count().unwrap(), 0, "no host node was recorded");
+
+    // The stream is usable again, and a host function on it runs once.
+    let (sender, receiver) = mpsc::channel();
+    let in_closure = Arc::clone(&held);
+    stream
+        .launch_host_fn(move || {
+            drop(in_closure);
+            sender.send(()).unwrap();
+        })
+        .unwrap();
+    receiver
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the host function after the capture never ran");
+    stream.synchronize().unwrap();
+    assert_eq!(Arc::strong_count(&held), 1);
+}
+
+#[test]
+fn a_host_function_on_a_stream_forked_into_a_capture_is_refused() {
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let origin = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let forked = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let fork = Event::new(&gpu.context, EventFlags::DISABLE_TIMING).unwrap();
+    let join = Event::new(&gpu.context, EventFlags::DISABLE_TIMING).unwrap();
+    let held = Arc::new(());
+    let in_closure = Arc::clone(&held);
+
+    origin.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    fork.record(&origin).unwrap();
+    forked.wait_event(&fork).unwrap();
+    let refused = forked.launch_host_fn(move || drop(in_closure));
+    join.record(&forked).unwrap();
+    origin.wait_event(&join).unwrap();
+    let graph = origin.end_capture().unwrap();
+
+    assert_refused(refused, "Stream::launch_host_fn");
+    assert_eq!(Arc::strong_count(&held), 1);
+    assert!(
+        !graph
+            .node_types()
+            .unwrap()
+            .contains(&cuweave_driver::graph::GraphNodeType::Host)
+    );
+}
+
+#[test]
+fn a_host_function_on_a_stream_captured_outside_cuweave_is_refused() {
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let api = driver().unwrap();
+    let held = Arc::new(());
+    let in_closure = Arc::clone(&held);
+    assert_eq!(cuweave_driver::graph::active_captures(), 0);
+
+    gpu.context.bind_to_thread().unwrap();
+    let begin = api.stream_begin_capture.get().unwrap();
+    // SAFETY: a live non-blocking stream of the current context; relaxed mode checks nothing
+    // this test does meanwhile.
+    let begun = unsafe {
+        begin(
+            stream.as_raw(),
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+        )
+    };
+    assert_eq!(begun, sys::CUresult::CUDA_SUCCESS);
+    let refused = stream.launch_host_fn(move || drop(in_closure));
+    let end = api.stream_end_capture.get().unwrap();
+    let mut raw = std::ptr::null_mut();
+    // SAFETY: the stream is the origin of the capture begun above; valid out-pointer.
+    let ended = unsafe { end(stream.as_raw(), &mut raw) };
+    assert_eq!(ended, sys::CUresult::CUDA_SUCCESS);
+    // SAFETY: the driver just made this graph and nobody else owns it.
+    let graph = unsafe { Graph::from_raw(&gpu.context, raw) };
+
+    assert_refused(refused, "Stream::launch_host_fn");
+    assert_eq!(Arc::strong_count(&held), 1);
+    assert_eq!(graph.node_count().unwrap(), 0);
+}
