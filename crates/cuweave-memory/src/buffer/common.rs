@@ -241,9 +241,10 @@ fn ensure_same_device(operation: &'static str, dst: CoreRef<'_>, src: CoreRef<'_
     Ok(())
 }
 
-/// Queues the cheapest fill of `span` with `value` on `stream` (see [`FillPlan`]).
+/// Queues the cheapest fill of `span` with `value` on `stream` (see [`FillPlan`]): the plan
+/// sees where the span starts, since a view need not start on a word boundary.
 fn enqueue_fill(span: DeviceSpan, value: &[u8], stream: &Stream) -> Result<()> {
-    match FillPlan::for_value(value, span.bytes()) {
+    match FillPlan::for_value(value, span.ptr(), span.bytes()) {
         FillPlan::Bytes(byte) => raw::memset_d8(span, byte, stream),
         FillPlan::Words(word) => raw::memset_d32(span, word, stream),
         FillPlan::Pattern => raw::fill_pattern(span, value, stream),
@@ -335,8 +336,9 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         self.core().context().device()
     }
 
-    /// Sets every element to `value`, blocking: a byte or word memset when `value`'s bytes
-    /// allow, else a host-staged chunk doubled on the device.
+    /// Sets every element to `value`, blocking: a byte memset when `value`'s bytes allow, a word
+    /// memset when they repeat every 4 bytes and the elements start and end on word boundaries
+    /// (a view need not), else a host-staged chunk doubled on the device.
     fn fill(&mut self, value: T) -> Result<()> {
         let core = self.core();
         let span = core.whole();

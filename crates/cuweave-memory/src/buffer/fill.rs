@@ -3,8 +3,12 @@
 //! The driver sets memory a byte (`cuMemsetD8`) or a 32-bit word (`cuMemsetD32`) at a time. A
 //! value whose bytes are all equal is a byte memset; a value whose repeated bytes are 4-byte
 //! periodic (any `u32`/`f32`, a `u16` filling a whole number of words, a `u64` with equal
-//! halves, …) is a word memset. Anything else is a [`FillPlan::Pattern`]: one chunk of copies of
-//! the value is copied from the host, then doubled device-to-device until the buffer is full.
+//! halves, …) is a word memset, but only where the range starts on a 4-byte boundary: the
+//! driver refuses a misaligned word memset (`CUDA_ERROR_INVALID_VALUE`), and a view of a buffer
+//! starts wherever its first element does (`slice_mut(1..5)` of a `u16` buffer: 2 bytes in).
+//! Anything else is a [`FillPlan::Pattern`]: one chunk of copies of the value is copied from the
+//! host, then doubled device-to-device until the range is full. Those copies take any byte
+//! address and length, so the pattern path is correct at every alignment.
 
 /// Bytes of host-staged pattern copied before doubling on the device.
 pub(crate) const PATTERN_CHUNK_BYTES: usize = 64 * 1024;
@@ -21,9 +25,9 @@ pub(crate) enum FillPlan {
 }
 
 impl FillPlan {
-    /// The plan for filling `total_bytes` (a whole number of values, starting 4-byte aligned)
+    /// The plan for filling `total_bytes` (a whole number of values) at device address `start`
     /// with repetitions of `value`'s bytes.
-    pub(crate) fn for_value(value: &[u8], total_bytes: usize) -> Self {
+    pub(crate) fn for_value(value: &[u8], start: u64, total_bytes: usize) -> Self {
         let Some(&first) = value.first() else {
             return Self::Pattern;
         };
@@ -37,7 +41,7 @@ impl FillPlan {
             .iter()
             .enumerate()
             .all(|(index, &byte)| byte == value[index % period]);
-        if periodic && total_bytes.is_multiple_of(4) {
+        if periodic && start.is_multiple_of(4) && total_bytes.is_multiple_of(4) {
             let word = [0, 1, 2, 3].map(|index| value[index % period]);
             return Self::Words(u32::from_le_bytes(word));
         }
@@ -93,14 +97,63 @@ mod tests {
         #[case] total: usize,
         #[case] plan: FillPlan,
     ) {
-        assert_eq!(FillPlan::for_value(value, total), plan);
+        assert_eq!(FillPlan::for_value(value, ALIGNED, total), plan);
+    }
+
+    /// A device allocation's start (the driver aligns them to at least 256 bytes).
+    const ALIGNED: u64 = 0x7f00_0000_0000;
+
+    /// Views of a buffer of elements of `size` bytes at every element offset: a word memset is
+    /// chosen only where the view starts on a 4-byte boundary and covers whole words, and the
+    /// word it sets is the value's bytes as they repeat from the view's start.
+    #[rstest]
+    fn word_memsets_only_start_on_word_boundaries(
+        #[values(1, 2, 4, 8)] size: usize,
+        #[values(0, 1, 2, 3, 4, 5)] offset: usize,
+        #[values(1, 2, 3, 4, 5)] count: usize,
+    ) {
+        // Periodic with period 2 (never all equal): a word memset wherever alignment allows.
+        let value: Vec<u8> = (0..size)
+            .map(|i| if i % 2 == 0 { 0x11 } else { 0x22 })
+            .collect();
+        let start = ALIGNED + (offset * size) as u64;
+        let bytes = count * size;
+        let plan = FillPlan::for_value(&value, start, bytes);
+        if size == 1 {
+            assert_eq!(plan, FillPlan::Bytes(0x11));
+            return;
+        }
+        let aligned = start.is_multiple_of(4) && bytes.is_multiple_of(4);
+        if aligned {
+            assert_eq!(plan, FillPlan::Words(0x2211_2211), "{start:#x} + {bytes}");
+        } else {
+            assert_eq!(plan, FillPlan::Pattern, "{start:#x} + {bytes}");
+        }
+    }
+
+    #[rstest]
+    // The reviewer's case: `DeviceBuffer::<u16>` of 10, `slice_mut(1..5)`: 8 bytes from byte 2.
+    #[case::u16_view_at_element_1(&0x0102u16.to_le_bytes(), ALIGNED + 2, 8, FillPlan::Pattern)]
+    #[case::u16_view_at_element_2(&0x0102u16.to_le_bytes(), ALIGNED + 4, 8, FillPlan::Words(0x0102_0102))]
+    #[case::f32_view(&1.5f32.to_le_bytes(), ALIGNED + 12, 4, FillPlan::Words(1.5f32.to_bits()))]
+    #[case::u8_view_odd(&[7], ALIGNED + 3, 5, FillPlan::Bytes(7))]
+    #[case::zero_u16_odd_view(&0u16.to_le_bytes(), ALIGNED + 2, 6, FillPlan::Bytes(0))]
+    #[case::six_bytes_at_6(&[1, 2, 1, 2, 1, 2], ALIGNED + 6, 12, FillPlan::Pattern)]
+    #[case::f64_view(&2.5f64.to_le_bytes(), ALIGNED + 8, 24, FillPlan::Pattern)]
+    fn views_off_word_boundaries_take_the_pattern_path(
+        #[case] value: &[u8],
+        #[case] start: u64,
+        #[case] total: usize,
+        #[case] plan: FillPlan,
+    ) {
+        assert_eq!(FillPlan::for_value(value, start, total), plan);
     }
 
     #[test]
     fn word_plans_reproduce_the_bytes() {
         // What the device stores for a word memset must equal the repeated value.
         for value in [[1u8, 2, 1, 2], [9, 8, 7, 6]] {
-            let FillPlan::Words(word) = FillPlan::for_value(&value, 8) else {
+            let FillPlan::Words(word) = FillPlan::for_value(&value, ALIGNED, 8) else {
                 panic!("expected a word plan")
             };
             assert_eq!(word.to_le_bytes(), value);

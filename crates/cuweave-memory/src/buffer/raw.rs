@@ -243,11 +243,21 @@ pub(crate) fn memset_d8(dst: DeviceSpan, value: u8, stream: &Stream) -> Result<(
     Ok(())
 }
 
-/// Queues a 32-bit memset of `dst` (4-byte aligned, a whole number of words) on `stream`.
+/// Queues a 32-bit memset of `dst` on `stream`.
+///
+/// # Errors
+/// `Misaligned` (nothing queued) unless `dst` starts on a 4-byte boundary and is a whole number
+/// of words: the driver refuses anything else ([`FillPlan`](super::fill::FillPlan) never asks).
 pub(crate) fn memset_d32(dst: DeviceSpan, value: u32, stream: &Stream) -> Result<()> {
-    debug_assert!(dst.ptr().is_multiple_of(4) && dst.bytes().is_multiple_of(4));
-    // SAFETY: a live, 4-byte-aligned span (crate invariant; allocations are at least 256-byte
-    // aligned and fills cover whole buffers), ordered by the caller's `tracker::run`.
+    if !(dst.ptr().is_multiple_of(4) && dst.bytes().is_multiple_of(4)) {
+        return Err(MemoryError::Misaligned {
+            operation: "cuMemsetD32Async",
+            bytes: dst.bytes(),
+            element_size: 4,
+        });
+    }
+    // SAFETY: a live span (crate invariant), 4-byte aligned and a whole number of words
+    // (checked), ordered by the caller's `tracker::run`.
     unsafe { memory::memset_d32_async(dst.ptr(), value, dst.bytes() / 4, stream) }?;
     Ok(())
 }
