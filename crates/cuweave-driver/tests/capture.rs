@@ -1,12 +1,14 @@
 //! Work that must run once, never be replayed, is refused on a capturing stream: host functions
 //! (their boxed `FnOnce` is freed by the first run, so a graph's second launch would free it
-//! again). Each refusal is a typed `GraphError::Capturing`, records nothing into the
+//! again) and completion-word writes (a graph launched after the words are freed would write
+//! into freed memory). Each refusal is a typed `GraphError::Capturing`, records nothing into the
 //! graph, and drops what it was given.
 
 use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
 
+use cuweave_driver::memory::{CompletionWords, MappedWords, StreamMarks};
 use cuweave_driver::{
     CaptureMode, DriverError, Event, EventFlags, Graph, GraphError, Stream, StreamFlags, driver,
     sys,
@@ -121,4 +123,71 @@ fn a_host_function_on_a_stream_captured_outside_cuweave_is_refused() {
     assert_refused(refused, "Stream::launch_host_fn");
     assert_eq!(Arc::strong_count(&held), 1);
     assert_eq!(graph.node_count().unwrap(), 0);
+}
+
+#[test]
+fn completion_word_writes_on_a_capturing_stream_are_refused_and_nothing_is_captured() {
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    // Made before the capture: pinned allocation is no capture-time call.
+    let words = MappedWords::new(&gpu.context, 4).unwrap();
+    let marks = StreamMarks::new(
+        Arc::new(MappedWords::new(&gpu.context, 1).unwrap()),
+        0,
+        &stream,
+        0,
+    )
+    .unwrap();
+    let completion = CompletionWords::new(&gpu.context).unwrap();
+
+    stream.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    let write = words.enqueue_write(&stream, 0, 7);
+    let mark = marks.mark(&stream);
+    let waited = completion.synchronize(&stream);
+    let graph = stream.end_capture().unwrap();
+
+    assert_refused(write, "MappedWords::enqueue_write");
+    assert_refused(mark, "MappedWords::enqueue_write");
+    assert_refused(waited, "MappedWords::enqueue_write");
+    assert_eq!(graph.node_count().unwrap(), 0, "no word write was recorded");
+
+    // After the capture the writes run, and the refused mark used no number.
+    words.enqueue_write(&stream, 0, 7).unwrap();
+    let mark = marks.mark(&stream).unwrap();
+    assert_eq!(mark.value(), 1);
+    marks.wait(mark, &stream).unwrap();
+    completion.synchronize(&stream).unwrap();
+    assert_eq!(words.load(0), Some(7));
+}
+
+#[test]
+fn a_completion_word_write_on_a_stream_forked_into_a_capture_is_refused() {
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let origin = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let forked = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let fork = Event::new(&gpu.context, EventFlags::DISABLE_TIMING).unwrap();
+    let join = Event::new(&gpu.context, EventFlags::DISABLE_TIMING).unwrap();
+    let words = MappedWords::new(&gpu.context, 1).unwrap();
+
+    origin.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    fork.record(&origin).unwrap();
+    forked.wait_event(&fork).unwrap();
+    let write = words.enqueue_write(&forked, 0, 3);
+    join.record(&forked).unwrap();
+    origin.wait_event(&join).unwrap();
+    let graph = origin.end_capture().unwrap();
+
+    assert_refused(write, "MappedWords::enqueue_write");
+    // A captured word write would be a batch memory-operation node.
+    assert!(
+        graph
+            .node_types()
+            .unwrap()
+            .iter()
+            .all(|node| !matches!(node, cuweave_driver::graph::GraphNodeType::Other(_)))
+    );
+    // Never written, so dropping frees at once (no context synchronisation).
+    drop(words);
 }

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use super::MappedWords;
 use crate::context::Context;
-use crate::error::Result;
+use crate::error::{DriverError, Result};
+use crate::graph::GraphError;
 use crate::stream::Stream;
 
 /// Words in one page of mapped memory.
@@ -90,14 +91,19 @@ impl CompletionWords {
     /// Blocks until `stream` has finished everything queued on it so far.
     ///
     /// # Errors
-    /// The driver's error from `cuStreamSynchronize` when it had to fall back to it (a failed
-    /// stream's error among them).
+    /// [`GraphError::Capturing`] for a capturing stream (its work is recorded, not run: the
+    /// word write is refused and nothing is queued); the driver's error from
+    /// `cuStreamSynchronize` when it had to fall back to it (a failed stream's error among
+    /// them).
     pub fn synchronize(&self, stream: &Stream) -> Result<()> {
         let value = self.next.fetch_add(1, Ordering::Relaxed) + 1;
         let index = thread_word();
-        if self.words.enqueue_write(stream, index, value).is_err() {
+        match self.words.enqueue_write(stream, index, value) {
+            Ok(()) => {}
+            // A capturing stream: nothing was queued, and there is nothing to wait for.
+            Err(error @ DriverError::Graph(GraphError::Capturing { .. })) => return Err(error),
             // Another context's stream, or no stream memory operations on this device.
-            return stream.synchronize();
+            Err(_) => return stream.synchronize(),
         }
         let deadline = Instant::now() + self.spin;
         let mut polls: u32 = 0;

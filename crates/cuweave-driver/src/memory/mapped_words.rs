@@ -129,10 +129,19 @@ impl MappedWords {
     /// queued work (this write included) before it frees the memory, or leaks it (see
     /// [Freeing](Self#freeing)).
     ///
+    /// Refused on a capturing stream: the write would be recorded into the graph and land at
+    /// each of its launches, which can come after these words are freed (dropping them waits
+    /// for the context's queued work, never for a graph launched later). The check costs one
+    /// atomic load while no capture begun through cuweave is active; while one is, it asks the
+    /// driver about `stream`, so streams forked into a capture are refused too. A capture
+    /// begun outside cuweave (raw driver calls) while none of cuweave's is active is not seen:
+    /// whoever begins one must not queue these writes on it.
+    ///
     /// # Errors
     /// `InvalidArgument` when `index` is past the end or `stream` belongs to another context;
-    /// the driver's error when the write cannot be queued (e.g. a device without stream memory
-    /// operations).
+    /// [`GraphError::Capturing`](crate::GraphError::Capturing) when the stream is capturing,
+    /// nothing queued; the driver's error when the write cannot be queued (e.g. a device
+    /// without stream memory operations).
     pub fn enqueue_write(&self, stream: &Stream, index: usize, value: u64) -> Result<()> {
         let address = self.device_address(index).ok_or_else(|| {
             DriverError::invalid(
@@ -146,12 +155,20 @@ impl MappedWords {
                 "the stream belongs to another context than the words' mapping",
             ));
         }
+        crate::graph::refuse_recording(
+            stream,
+            crate::graph::StatusCheck::WhileCuweaveCaptures,
+            "MappedWords::enqueue_write",
+            "a word write recorded into a graph would land at every launch, possibly after the words are freed",
+        )?;
         // Set before queuing, so that a drop racing nothing (we hold `&self`) always sees it.
         self.written.store(true, Ordering::Relaxed);
         // SAFETY: `address` is an 8-byte-aligned word of this mapped allocation, mapped in the
         // stream's own context; the host touches it only atomically (`load` / `store`); and the
         // allocation outlives the write: `written` is set, so drop synchronises the stream's
-        // context (which runs this write) before freeing, or leaks the memory.
+        // context (which runs this write) before freeing, or leaks the memory; and the stream
+        // is not capturing (refused above), so the write runs once, now, not at every launch
+        // of a graph that may outlive the words.
         unsafe { stream.write_value_u64(address, value, WriteOrdering::AfterPriorWrites) }
     }
 }

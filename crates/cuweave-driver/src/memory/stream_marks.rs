@@ -98,8 +98,9 @@ impl StreamMarks {
     /// queued on it so far, and returns the mark it writes.
     ///
     /// # Errors
-    /// `InvalidArgument` for another stream; the driver's error when the write cannot be
-    /// queued (a device without stream memory operations among them).
+    /// `InvalidArgument` for another stream; [`GraphError::Capturing`](crate::GraphError::Capturing)
+    /// while the stream captures (nothing queued, no number used); the driver's error when the
+    /// write cannot be queued (a device without stream memory operations among them).
     pub fn mark(&self, stream: &Stream) -> Result<Mark> {
         if !self.belongs_to(stream) {
             return Err(DriverError::invalid(
