@@ -11,10 +11,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use cuweave_driver::{Event, EventPool, OwnedPooledEvent, Stream};
+use cuweave_driver::graph::GraphError;
+use cuweave_driver::{DriverError, Event, EventPool, OwnedPooledEvent, Stream};
 use parking_lot::Mutex;
 
-use crate::error::Result;
+use crate::error::{Result, StreamError};
 
 /// Spans a timer keeps waiting for the GPU by default (see [`GpuTimer::with_capacity`]).
 pub const DEFAULT_PENDING_SPANS: usize = 4096;
@@ -93,12 +94,14 @@ impl<T> GpuTimer<T> {
     }
 
     /// Records the start of a span on `stream`; `None` (nothing recorded) when timing is off,
-    /// or when the timer is full of spans the GPU has not finished.
+    /// when `stream` is capturing (its work is recorded into a graph, not run: an event
+    /// recorded there could never be read), or when the timer is full of spans the GPU has not
+    /// finished.
     ///
     /// # Errors
-    /// The driver's error from taking or recording the event.
+    /// The driver's error from the capture-status query, or from taking or recording the event.
     pub fn start(&self, stream: &Stream) -> Result<Option<SpanStart>> {
-        if !self.is_enabled() {
+        if !self.is_enabled() || crate::capture::is_capturing(stream)? {
             return Ok(None);
         }
         if self.pending.lock().len() >= self.capacity {
@@ -111,14 +114,19 @@ impl<T> GpuTimer<T> {
     }
 
     /// Records the end of the span begun by `start` on `stream` (nothing for `None`); its
-    /// duration is read later, with `tag`, by [`harvest`](Self::harvest).
+    /// duration is read later, with `tag`, by [`harvest`](Self::harvest). A span whose stream
+    /// began capturing after its start is dropped untimed: its end would be recorded into the
+    /// graph, where it could never be read.
     ///
     /// # Errors
-    /// The driver's error from taking or recording the event.
+    /// The driver's error from the capture-status query, or from taking or recording the event.
     pub fn finish(&self, start: Option<SpanStart>, stream: &Stream, tag: T) -> Result<()> {
         let Some(SpanStart { start }) = start else {
             return Ok(());
         };
+        if crate::capture::is_capturing(stream)? {
+            return Ok(());
+        }
         let end = self.events.acquire_owned(true)?;
         end.record(stream)?;
         self.pending.lock().push_back(Span {
@@ -131,8 +139,8 @@ impl<T> GpuTimer<T> {
 
     /// Ends the span begun by `start` at `end`, an event the caller already recorded on the
     /// span's stream and shares for other uses (a completion event that other streams wait
-    /// on): one record less than [`finish`](Self::finish). `end` must be a timing event (its
-    /// duration reads as an error otherwise).
+    /// on): one record less than [`finish`](Self::finish). `end` must be a timing event recorded
+    /// outside any capture (otherwise the span reads as an error, once, and is dropped).
     pub fn finish_with(&self, start: Option<SpanStart>, end: Arc<OwnedPooledEvent>, tag: T) {
         if let Some(SpanStart { start }) = start {
             self.pending.lock().push_back(Span { start, end, tag });
@@ -143,37 +151,82 @@ impl<T> GpuTimer<T> {
     /// timeline) of every span the GPU has finished, in queueing order up to the first
     /// unfinished one, without blocking; their events go back to the pool afterwards.
     ///
+    /// A span that cannot be read (an end event that is not a timing event, or was recorded
+    /// into a capture) is dropped and the others are still read; the first such error is
+    /// returned once they have been. While this thread may not query events (it is capturing),
+    /// nothing is read or dropped: the spans stay pending for a later harvest.
+    ///
     /// # Errors
-    /// The driver's error from querying or reading an event (that span is dropped).
+    /// [`GraphError::Capturing`] while this thread is capturing; otherwise the driver's error
+    /// from the first span that could not be read.
     pub fn harvest(&self, mut sink: impl FnMut(T, Duration, &Event)) -> Result<()> {
+        let mut first_error = None;
         loop {
-            let span = {
+            let next = {
                 let mut pending = self.pending.lock();
-                match pending.front() {
-                    Some(span) if span.end.query()? => pending.pop_front(),
-                    _ => None,
+                let Some(front) = pending.front() else { break };
+                match front.end.query() {
+                    Ok(false) => break,
+                    Ok(true) => pending.pop_front().map(Ok),
+                    Err(error) if is_capture_refusal(&error) => {
+                        first_error.get_or_insert(error.into());
+                        break;
+                    }
+                    Err(error) => pending.pop_front().map(|span| Err((span, error))),
                 }
             };
-            let Some(span) = span else {
-                return Ok(());
-            };
-            let duration = Self::duration(&span)?;
-            sink(span.tag, duration, &span.start);
+            match next {
+                Some(Ok(span)) => match Self::duration(&span) {
+                    Ok(duration) => sink(span.tag, duration, &span.start),
+                    Err(error) => {
+                        first_error.get_or_insert(error);
+                    }
+                },
+                // Dropped outside the lock: its events go back to the pool.
+                Some(Err((_broken, error))) => {
+                    first_error.get_or_insert(error.into());
+                }
+                None => break,
+            }
         }
+        first_error.map_or(Ok(()), Err)
     }
 
     /// Waits for every pending span and hands each to `sink`, in queueing order.
     ///
+    /// A span that cannot be read is dropped and the others are still read; the first such
+    /// error is returned once they have been. While this thread may not wait for events (it is
+    /// capturing), the spans not yet read stay pending, in order, for a later harvest.
+    ///
     /// # Errors
-    /// The driver's error from waiting on or reading an event.
+    /// [`GraphError::Capturing`] while this thread is capturing; otherwise the driver's error
+    /// from the first span that could not be waited for or read.
     pub fn harvest_all(&self, mut sink: impl FnMut(T, Duration, &Event)) -> Result<()> {
-        let spans = std::mem::take(&mut *self.pending.lock());
-        for span in spans {
-            span.end.synchronize()?;
-            let duration = Self::duration(&span)?;
-            sink(span.tag, duration, &span.start);
+        let mut spans = std::mem::take(&mut *self.pending.lock());
+        let mut first_error = None;
+        while let Some(span) = spans.pop_front() {
+            let read = span
+                .end
+                .synchronize()
+                .map_err(StreamError::from)
+                .and_then(|()| Self::duration(&span));
+            match read {
+                Ok(duration) => sink(span.tag, duration, &span.start),
+                Err(StreamError::Driver(error)) if is_capture_refusal(&error) => {
+                    // Every later wait would be refused too: put the unread spans back ahead
+                    // of any queued meanwhile, which started later.
+                    spans.push_front(span);
+                    let mut pending = self.pending.lock();
+                    spans.append(&mut pending);
+                    *pending = spans;
+                    return Err(error.into());
+                }
+                Err(error) => {
+                    first_error.get_or_insert(error);
+                }
+            }
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 
     fn duration(span: &Span<T>) -> Result<Duration> {
@@ -182,4 +235,10 @@ impl<T> GpuTimer<T> {
             (f64::from(ms.max(0.0)) * 1e6).round() as u64
         ))
     }
+}
+
+/// Whether `error` is a refusal to query or wait for an event while this thread is capturing:
+/// nothing is wrong with the span, it is readable once the capture ends.
+fn is_capture_refusal(error: &DriverError) -> bool {
+    matches!(error, DriverError::Graph(GraphError::Capturing { .. }))
 }

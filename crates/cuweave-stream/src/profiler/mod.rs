@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use cuweave_driver::graph::GraphError;
 use cuweave_driver::{Context, Event, EventFlags, EventPool, Stream, StreamFlags};
 use parking_lot::Mutex;
 
@@ -87,6 +88,10 @@ impl StreamProfiler {
     /// Queues `f`'s work on `stream` between two timing events and records it as `name`, of
     /// `kind`, moving `bytes`.
     ///
+    /// On a capturing stream `f`'s work is recorded into the graph, not run, so it is neither
+    /// timed nor recorded (an event recorded there could never be read): profile the graph's
+    /// launches ([`PriorityStream::launch_graph`]) instead.
+    ///
     /// # Errors
     /// [`StreamError::WrongDevice`] for a stream of another device; `f`'s error; the driver's.
     pub fn profile<R>(
@@ -103,7 +108,12 @@ impl StreamProfiler {
             stream.device().ordinal(),
         )?;
         if self.timer.pending() >= crate::timing::DEFAULT_PENDING_SPANS {
-            self.collect(false)?;
+            // Nothing can be read while this thread captures: the timer skips instead.
+            if let Err(error) = self.collect(false)
+                && !matches!(error.graph_error(), Some(GraphError::Capturing { .. }))
+            {
+                return Err(error);
+            }
         }
         let span = self.timer.start(stream.stream())?;
         let result = f(stream);
@@ -135,11 +145,10 @@ impl StreamProfiler {
     fn collect(&self, wait: bool) -> Result<()> {
         let mut resolved = Vec::new();
         let mut failure = None;
-        let sink = |op: Pending, duration: Duration, start: &Event| {
-            if failure.is_some() {
-                return;
-            }
-            match self.base.elapsed_ms(start) {
+        // An operation that cannot be placed is dropped; the others are still collected and
+        // the first failure is returned after them.
+        let sink =
+            |op: Pending, duration: Duration, start: &Event| match self.base.elapsed_ms(start) {
                 Ok(start_ms) if start_ms >= 0.0 => resolved.push(ProfiledOperation {
                     stream: op.stream,
                     priority: op.priority,
@@ -150,19 +159,22 @@ impl StreamProfiler {
                     duration_ns: u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX),
                 }),
                 Ok(_) => {
-                    failure = Some(StreamError::NotReady {
+                    failure.get_or_insert(StreamError::NotReady {
                         operation: "StreamProfiler::operations",
                     });
                 }
-                Err(error) => failure = Some(error.into()),
-            }
-        };
-        if wait {
-            self.timer.harvest_all(sink)?;
+                Err(error) => {
+                    failure.get_or_insert(error.into());
+                }
+            };
+        let harvested = if wait {
+            self.timer.harvest_all(sink)
         } else {
-            self.timer.harvest(sink)?;
-        }
+            self.timer.harvest(sink)
+        };
+        // What was read is kept even when a span failed: the timer has already let it go.
         self.finished.lock().extend(resolved);
+        harvested?;
         failure.map_or(Ok(()), Err)
     }
 
