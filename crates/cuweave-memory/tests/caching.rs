@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use cuweave_driver::memory;
 use cuweave_driver::{Context, Event, EventFlags, Stream, StreamFlags};
 use cuweave_memory::caching::{CachedAllocation, CachingAllocator};
-use cuweave_memory::resource::{DriverResource, LimitAdaptor, StatisticsAdaptor};
+use cuweave_memory::resource::{
+    AsyncPoolResource, DriverResource, LimitAdaptor, MemoryResource, StatisticsAdaptor,
+};
 use cuweave_memory::{Buffer, MemoryError};
 mod common;
 
@@ -319,6 +321,57 @@ fn empty_cache_gives_the_memory_back_to_the_driver() {
     assert!(
         before.abs_diff(last) <= 2 * MIB,
         "dropping the last allocation released the segment: before {before}, after {last}"
+    );
+}
+
+#[test]
+fn empty_cache_over_the_async_pool_gives_the_memory_back_to_the_driver() {
+    const GIB: usize = 1 << 30;
+    let _exclusive = exclusive();
+    let gpu = require_gpu!();
+    let ctx = &gpu.context;
+    if !gpu.device.supports_memory_pools().unwrap() {
+        eprintln!("device lacks memory pools; AsyncPoolResource::new must say so");
+        assert!(AsyncPoolResource::new(ctx).is_err());
+        return;
+    }
+    if ctx.memory_info().unwrap().free < 3 * GIB {
+        eprintln!("SKIPPED: less than 3 GiB free on the device");
+        return;
+    }
+    let s = stream(ctx);
+    let pool = Arc::new(AsyncPoolResource::new(ctx).unwrap());
+    // Through both adaptors, so each must forward the release to the pool.
+    let upstream: Arc<dyn MemoryResource> = Arc::new(StatisticsAdaptor::new(LimitAdaptor::new(
+        Arc::clone(&pool),
+        2 * GIB,
+    )));
+    let allocator = CachingAllocator::new(upstream);
+    drop(allocator.allocate(MIB, &s).unwrap());
+    allocator.empty_cache().unwrap();
+    let before = ctx.memory_info().unwrap().free;
+
+    let block = allocator.allocate(GIB, &s).unwrap();
+    fill_and_check(&block, &s, 0x600d);
+    drop(block);
+    let cached = ctx.memory_info().unwrap().free;
+    assert!(
+        before.saturating_sub(cached) >= GIB,
+        "the gibibyte came from the driver and stays cached"
+    );
+
+    let released = allocator.empty_cache().unwrap();
+    assert!(released >= GIB);
+    assert_eq!(pool.outstanding(), 0, "every segment went back to the pool");
+    assert_eq!(
+        pool.pool().reserved_bytes().unwrap(),
+        0,
+        "and the pool gave it back"
+    );
+    let after = ctx.memory_info().unwrap().free;
+    assert!(
+        after >= cached + GIB - 2 * MIB && before.abs_diff(after) <= 2 * MIB,
+        "free memory back to where it started: before {before}, cached {cached}, after {after}"
     );
 }
 

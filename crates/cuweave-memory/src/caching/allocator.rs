@@ -58,7 +58,9 @@ impl Shared {
 }
 
 impl Release for Shared {
-    /// Waits for the device, then frees every segment on the release stream.
+    /// Waits for the device, frees every segment on the release stream, waits for those frees
+    /// and asks the upstream to release what it keeps unused
+    /// ([`MemoryResource::release_unused`]).
     ///
     /// A cached block is free in its own stream's order: work queued there before its free may
     /// still be running. The context synchronisation makes that work finish, so the segments can
@@ -72,6 +74,16 @@ impl Release for Shared {
                 tracing::warn!(%error, ptr = segment.ptr, bytes = segment.size, "returning a cached segment failed");
                 first_error.get_or_insert(error);
             }
+        }
+        // A pooling upstream (the async pool) keeps what it is given back: once the frees have
+        // run, ask it to hand that memory to the driver, or emptying the cache frees nothing.
+        let trimmed = stream
+            .synchronize()
+            .map_err(Into::into)
+            .and_then(|()| self.upstream.release_unused());
+        if let Err(error) = trimmed {
+            tracing::warn!(%error, "releasing the upstream's unused memory failed");
+            first_error.get_or_insert(error);
         }
         first_error.map_or(Ok(()), Err)
     }

@@ -21,8 +21,9 @@ use crate::error::Result;
 /// Allocation and free are queued on the stream: the memory is usable by work queued on the
 /// allocating stream afterwards, and returns to the pool when the freeing stream reaches the free.
 /// Free on the stream of the last use, or order that stream after every other stream that used
-/// the memory. Memory cached by the pool is released with [`MemoryPool::trim_to`] on
-/// [`pool`](Self::pool); outstanding allocations are forgotten (not freed) when the resource
+/// the memory. Memory cached by the pool is released by
+/// [`release_unused`](MemoryResource::release_unused) (which a caching allocator's `empty_cache`
+/// calls) or with [`MemoryPool::trim_to`] on [`pool`](Self::pool); outstanding allocations are forgotten (not freed) when the resource
 /// drops, and the pool is destroyed once they are freed elsewhere.
 ///
 /// ```no_run
@@ -112,6 +113,12 @@ impl MemoryResource for AsyncPoolResource {
 
     fn name(&self) -> &str {
         "async-pool"
+    }
+
+    /// Trims the pool to nothing: every byte no allocation holds, and whose free has completed
+    /// on its stream, goes back to the driver.
+    fn release_unused(&self) -> Result<()> {
+        Ok(self.pool.trim_to(0)?)
     }
 }
 

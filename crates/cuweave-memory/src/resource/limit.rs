@@ -132,6 +132,10 @@ impl<R: MemoryResource> MemoryResource for LimitAdaptor<R> {
     fn name(&self) -> &str {
         &self.name
     }
+
+    fn release_unused(&self) -> Result<()> {
+        self.upstream.release_unused()
+    }
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@
 //! | resource | memory from | freed |
 //! |---|---|---|
 //! | [`DriverResource`] | `cuMemAlloc` | `cuMemFree` (waits for the device) |
-//! | [`AsyncPoolResource`] | `cuMemAllocFromPoolAsync` on a private pool that keeps its memory | `cuMemFreeAsync`, in stream order |
+//! | [`AsyncPoolResource`] | `cuMemAllocFromPoolAsync` on a private pool that keeps its memory | `cuMemFreeAsync`, in stream order; back to the driver on [`MemoryResource::release_unused`] |
 //!
 //! Adaptors wrap any resource (a concrete one, or an `Arc<dyn MemoryResource>`) and add one
 //! behaviour: [`StatisticsAdaptor`] counts, [`LimitAdaptor`] caps the bytes outstanding. The
@@ -86,6 +86,21 @@ pub trait MemoryResource: Send + Sync {
 
     /// A short name for statistics and logs, e.g. `statistics(limit(driver))`.
     fn name(&self) -> &str;
+
+    /// Gives memory this resource keeps for reuse, with no allocation in it, back to the driver
+    /// (RMM's pool `release`); a no-op for resources that keep nothing. Adaptors forward it to
+    /// their upstream.
+    ///
+    /// Only memory whose frees have completed on their streams is free to give back:
+    /// synchronise the streams frees were queued on first. The
+    /// [`CachingAllocator`](crate::caching::CachingAllocator) calls this after handing segments
+    /// back, so `empty_cache` over an [`AsyncPoolResource`] returns the memory to the device.
+    ///
+    /// # Errors
+    /// The driver's error when the memory cannot be released.
+    fn release_unused(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 impl<R: MemoryResource + ?Sized> MemoryResource for Arc<R> {
@@ -108,6 +123,10 @@ impl<R: MemoryResource + ?Sized> MemoryResource for Arc<R> {
     fn name(&self) -> &str {
         (**self).name()
     }
+
+    fn release_unused(&self) -> Result<()> {
+        (**self).release_unused()
+    }
 }
 
 impl<R: MemoryResource + ?Sized> MemoryResource for Box<R> {
@@ -129,6 +148,10 @@ impl<R: MemoryResource + ?Sized> MemoryResource for Box<R> {
 
     fn name(&self) -> &str {
         (**self).name()
+    }
+
+    fn release_unused(&self) -> Result<()> {
+        (**self).release_unused()
     }
 }
 

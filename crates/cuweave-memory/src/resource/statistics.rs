@@ -177,6 +177,10 @@ impl<R: MemoryResource> MemoryResource for StatisticsAdaptor<R> {
     fn name(&self) -> &str {
         &self.name
     }
+
+    fn release_unused(&self) -> Result<()> {
+        self.upstream.release_unused()
+    }
 }
 
 #[cfg(test)]
