@@ -564,3 +564,73 @@ fn a_completed_operation_kept_for_a_dependant_still_answers_synchronize_and_comp
     coordinator.synchronize(a).unwrap();
     futures_lite_ready(coordinator.completion(a).unwrap());
 }
+
+#[test]
+fn a_slow_stream_does_not_hide_completions_on_another_and_records_stay_bounded() {
+    const ITERATIONS: u64 = 100_000;
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let (slow_stream, fast_stream) = (common::stream(&gpu.context), common::stream(&gpu.context));
+    let gate = Flags::new(&gpu.context, 1);
+    let pool = EventPool::new(&gpu.context, 0, 0).unwrap();
+    let coordinator = OperationCoordinator::new(pool.clone()).unwrap();
+    let register = || {
+        coordinator
+            .register_operation(
+                OperationType::Kernel,
+                EventPriority::Normal,
+                None,
+                &[],
+                "op",
+            )
+            .unwrap()
+    };
+    let slow = register();
+    coordinator.begin_operation(slow, &slow_stream).unwrap();
+    // SAFETY: the gate is mapped pinned memory of this context, alive until the end of the test
+    // (after the stream is done); the host writes it only with volatile writes.
+    unsafe {
+        kernels
+            .wait_u32(&slow_stream, gate.device(0), 1, 10_000 * MS)
+            .unwrap()
+    };
+    coordinator.complete_operation(slow).unwrap();
+
+    let first = register();
+    coordinator.begin_operation(first, &fast_stream).unwrap();
+    coordinator.complete_operation(first).unwrap();
+    fast_stream.synchronize().unwrap();
+    assert_eq!(
+        coordinator.state(first).unwrap(),
+        OperationState::Completed,
+        "the completion on the fast stream was hidden behind the gated one"
+    );
+
+    let mut live_peak = 0;
+    for i in 0..ITERATIONS {
+        let id = register();
+        coordinator.begin_operation(id, &fast_stream).unwrap();
+        coordinator.complete_operation(id).unwrap();
+        if i % 1000 == 0 {
+            live_peak = live_peak.max(coordinator.live_operations());
+        }
+    }
+    fast_stream.synchronize().unwrap();
+    coordinator.retire_finished();
+    let counters = pool.counters();
+    let created = counters.created_regular + counters.created_timing;
+    let live_end = coordinator.live_operations();
+    let still_gated = coordinator.state(slow).unwrap();
+    gate.write(0, 1);
+    coordinator.synchronize(slow).unwrap();
+    eprintln!(
+        "{ITERATIONS} operations beside a gated one: {created} events, live peak {live_peak}"
+    );
+    assert_eq!(still_gated, OperationState::Queued);
+    assert_eq!(live_end, 1, "only the gated operation stays live");
+    assert!(live_peak <= 128, "live operations peaked at {live_peak}");
+    assert!(created <= 128, "created {created} events");
+    assert_eq!(coordinator.state(slow).unwrap(), OperationState::Completed);
+    assert_eq!(coordinator.live_operations(), 0);
+}

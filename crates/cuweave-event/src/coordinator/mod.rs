@@ -3,14 +3,15 @@
 
 mod metrics;
 mod queries;
+mod queue;
 mod types;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Weak};
 use std::time::Instant;
 
-use cuweave_driver::Stream;
+use cuweave_driver::{DriverError, Stream};
 use cuweave_stream::{GpuTimer, PriorityStream, StreamPool, StreamPriority};
 use parking_lot::{Condvar, Mutex};
 
@@ -21,6 +22,7 @@ use crate::error::{EventError, Result};
 use crate::waiter::{AsyncEventWaiter, WaitFuture, WaitResult};
 use cuweave_driver::{EventPool, OwnedPooledEvent};
 use metrics::MetricsCell;
+use queue::{Front, StreamQueues};
 
 /// Anything that is, or wraps, a driver [`Stream`]: operations can begin on a plain stream or
 /// on a [`PriorityStream`] from a [`StreamPool`].
@@ -84,10 +86,10 @@ type CompletionCallback = Box<dyn FnOnce(OperationId, WaitResult) + Send + 'stat
 ///   [`GpuTimer`] (the operation's start event and its completion event).
 ///
 /// **Finished work retires.** Once the GPU has completed an operation (observed by the
-/// coordinator's own event queries, made by `complete_operation` once 16 operations are
-/// queued and by every query method, or by the waiter when a callback waits) and no registered
-/// operation that has not begun depends on it, its events go back to the pool and its
-/// metadata is dropped; only the aggregate [`metrics`](Self::metrics) keep it. A retired id
+/// coordinator's own event queries, on each stream oldest first, made by `complete_operation`
+/// once 16 operations are queued and by every query method, or by the waiter when a callback
+/// waits) and no registered operation that has not begun depends on it, its events go back to
+/// the pool and its metadata is dropped; only the aggregate [`metrics`](Self::metrics) keep it. A retired id
 /// still answers [`state`](Self::state) (`Completed`), [`synchronize`](Self::synchronize) and
 /// [`completion`](Self::completion) at once, and is a valid dependency (already satisfied);
 /// [`metadata`](Self::metadata) reports [`EventError::Retired`]. So memory and events stay
@@ -141,8 +143,9 @@ struct State {
     next_id: u64,
     /// Live operations: not yet retired.
     operations: HashMap<OperationId, Operation>,
-    /// Queued operations in the order they were queued, whose completion has not been seen.
-    queued: VecDeque<OperationId>,
+    /// Queued operations whose completion has not been seen, per stream in the order they
+    /// were queued.
+    queued: StreamQueues,
 }
 
 impl State {
@@ -190,6 +193,52 @@ impl State {
                 state: state.name(),
             }),
         }
+    }
+
+    /// Takes off the queues the operations whose completion events `query` finds reached (or
+    /// failing), each stream's from its front up to the first it finds pending, and those
+    /// already decided; returns the reached ones with their outcome, for
+    /// [`decide`](Self::decide).
+    fn take_finished(
+        &mut self,
+        mut query: impl FnMut(&Operation) -> Result<bool, DriverError>,
+    ) -> Vec<(OperationId, WaitResult)> {
+        let operations = &self.operations;
+        self.queued.drain_done(|id| match operations.get(&id) {
+            Some(op) if op.metadata.state == OperationState::Queued => match query(op) {
+                Ok(false) => Front::NotYet,
+                Ok(true) => Front::Done(Ok(())),
+                Err(error) => Front::Done(Err(EventError::from(error))),
+            },
+            // Already decided (by the waiter): just drop it from the queue.
+            _ => Front::Drop,
+        })
+    }
+
+    /// Records that the GPU reached (or failed to reach) queued `id`: its state, its error,
+    /// its queue entry; returns its callbacks to run. `None` when it is not queued (already
+    /// decided, or unknown).
+    fn decide(&mut self, id: OperationId, result: &WaitResult) -> Option<Vec<CompletionCallback>> {
+        let operation = self.operations.get_mut(&id)?;
+        if operation.metadata.state != OperationState::Queued {
+            return None;
+        }
+        operation.metadata.completed_at = Some(Instant::now());
+        operation.metadata.state = if result.is_ok() {
+            OperationState::Completed
+        } else {
+            OperationState::Failed
+        };
+        operation.failure = result.as_ref().err().cloned();
+        let callbacks = std::mem::take(&mut operation.callbacks);
+        if result.is_ok() {
+            // The completion event is no longer needed by anyone who begins later.
+            operation.done = None;
+        }
+        if let Some(stream) = operation.metadata.stream {
+            self.queued.remove_front(stream, id);
+        }
+        Some(callbacks)
     }
 
     /// Drops `id`'s record if the GPU completed it and nothing still needs it.
@@ -330,8 +379,9 @@ impl OperationCoordinator {
         self.inner.state.lock().operations.len()
     }
 
-    /// Observes, without blocking, the queued operations the GPU has completed (oldest first,
-    /// up to the first one it has not), and retires those nothing depends on. Every method
+    /// Observes, without blocking, the queued operations the GPU has completed (on each
+    /// stream oldest first, up to the first one it has not), and retires those nothing depends
+    /// on. Every method
     /// that registers, begins or completes does this too; call it to retire work while the
     /// coordinator is otherwise idle.
     pub fn retire_finished(&self) {
@@ -516,6 +566,7 @@ impl OperationCoordinator {
             )
         };
         let stream = stream.as_stream();
+        let stream_id = stream.id();
         let done = self.inner.pool.acquire_owned(timed)?;
         done.record(stream)?;
         let done = Arc::new(done);
@@ -532,7 +583,7 @@ impl OperationCoordinator {
             operation.metadata.queued_at = Some(Instant::now());
             let watch = !operation.callbacks.is_empty();
             operation.watched = watch;
-            state.queued.push_back(id);
+            state.queued.push(stream_id, id);
             (watch, state.queued.len() >= POLL_AT)
         };
         self.inner.changed.notify_all();
@@ -670,32 +721,16 @@ impl Inner {
         });
     }
 
-    /// Observes completions without blocking: the oldest queued operations whose completion
-    /// events the GPU has passed, then the finished GPU-time spans.
+    /// Observes completions without blocking: on each stream, the oldest queued operations
+    /// whose completion events the GPU has passed (a slow stream holds back only its own);
+    /// then the finished GPU-time spans.
     fn poll(&self) {
-        loop {
-            let (id, result) = {
-                let mut state = self.state.lock();
-                let Some(&id) = state.queued.front() else {
-                    break;
-                };
-                let queried = match state.operations.get(&id) {
-                    Some(op) if op.metadata.state == OperationState::Queued => {
-                        op.done.as_ref().map(|done| done.query())
-                    }
-                    // Already decided (by the waiter): just drop it from the queue.
-                    _ => None,
-                };
-                match queried {
-                    None => {
-                        state.queued.pop_front();
-                        continue;
-                    }
-                    Some(Ok(false)) => break,
-                    Some(Ok(true)) => (id, Ok(())),
-                    Some(Err(error)) => (id, Err(EventError::from(error))),
-                }
-            };
+        let finished = self.state.lock().take_finished(|op| match &op.done {
+            Some(done) => done.query(),
+            // A queued operation always has its event; without one there is nothing to see.
+            None => Ok(true),
+        });
+        for (id, result) in finished {
             self.on_gpu_complete(id, result);
         }
         self.harvest_times();
@@ -722,30 +757,8 @@ impl Inner {
     /// Called once the GPU reached (or failed to reach) `id`'s completion event, by the
     /// coordinator's own query or by the waiter's thread; the second report is ignored.
     fn on_gpu_complete(&self, id: OperationId, result: WaitResult) {
-        let callbacks = {
-            let mut state = self.state.lock();
-            let Some(operation) = state.operations.get_mut(&id) else {
-                return;
-            };
-            if operation.metadata.state != OperationState::Queued {
-                return;
-            }
-            operation.metadata.completed_at = Some(Instant::now());
-            operation.metadata.state = if result.is_ok() {
-                OperationState::Completed
-            } else {
-                OperationState::Failed
-            };
-            operation.failure = result.as_ref().err().cloned();
-            let callbacks = std::mem::take(&mut operation.callbacks);
-            if result.is_ok() {
-                // The completion event is no longer needed by anyone who begins later.
-                operation.done = None;
-            }
-            if state.queued.front() == Some(&id) {
-                state.queued.pop_front();
-            }
-            callbacks
+        let Some(callbacks) = self.state.lock().decide(id, &result) else {
+            return;
         };
         if result.is_ok() {
             MetricsCell::add(&self.metrics.completed, 1);
@@ -840,9 +853,57 @@ mod tests {
     }
 
     #[test]
-    fn completion_of_a_completed_operation_kept_for_a_dependant_is_reached() {
+    fn a_slow_operation_on_one_stream_does_not_hide_completions_on_another() {
+        // Stream 1 runs one long operation for the whole test; stream 2 queues 10^5 operations
+        // that the GPU finishes as fast as they come. `complete_operation`'s poll (every time
+        // POLL_AT are queued) must see stream 2's and retire them.
+        const SLOW_STREAM: u64 = 1;
+        const FAST_STREAM: u64 = 2;
         let mut state = State::default();
-        state.next_id = 4;
+        let slow = OperationId(1);
+        state.next_id = 1;
+        let mut op = operation(1, OperationState::Queued, vec![]);
+        op.metadata.stream = Some(SLOW_STREAM);
+        state.operations.insert(slow, op);
+        state.queued.push(SLOW_STREAM, slow);
+        let mut peak = (0, 0);
+        for _ in 0..100_000 {
+            state.next_id += 1;
+            let id = OperationId(state.next_id);
+            let mut op = operation(id.0, OperationState::Queued, vec![]);
+            op.metadata.stream = Some(FAST_STREAM);
+            state.operations.insert(id, op);
+            state.queued.push(FAST_STREAM, id);
+            if state.queued.len() >= POLL_AT {
+                let finished = state.take_finished(|op| Ok(op.metadata.id != slow));
+                for (id, result) in finished {
+                    assert!(state.decide(id, &result).is_some());
+                    assert_eq!(state.state_of(id), Some(OperationState::Completed));
+                    state.try_retire(id);
+                }
+            }
+            peak = peak.max((state.queued.len(), state.operations.len()));
+        }
+        assert!(
+            peak.0 <= POLL_AT && peak.1 <= POLL_AT,
+            "queued and live operations stay bounded: peak {peak:?}"
+        );
+        assert_eq!(state.state_of(slow), Some(OperationState::Queued));
+        // The slow one finishes: the next poll sees it too.
+        let finished = state.take_finished(|_| Ok(true));
+        for (id, result) in finished {
+            state.decide(id, &result);
+            state.try_retire(id);
+        }
+        assert_eq!((state.queued.len(), state.operations.len()), (0, 0));
+    }
+
+    #[test]
+    fn completion_of_a_completed_operation_kept_for_a_dependant_is_reached() {
+        let mut state = State {
+            next_id: 4,
+            ..State::default()
+        };
         // 1 completed but kept: 2, registered, depends on it.
         let mut kept = operation(1, OperationState::Completed, vec![]);
         kept.dependants = 1;
@@ -884,8 +945,10 @@ mod tests {
 
     #[test]
     fn an_operation_that_retired_while_waited_for_is_blocked_on_nothing() {
-        let mut state = State::default();
-        state.next_id = 2;
+        let mut state = State {
+            next_id: 2,
+            ..State::default()
+        };
         let (dependency, waiting) = (OperationId(1), OperationId(2));
         state
             .operations
