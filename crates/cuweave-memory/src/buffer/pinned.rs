@@ -104,7 +104,8 @@ impl<T: Element> PinnedBuffer<T> {
     /// `len` elements in a block of `pool` (no pinning when the pool has one cached): the typed
     /// way to stage copies through the pool. The block goes back to the pool when the buffer
     /// drops, without waiting: the pool hands it out again only once every use the buffer
-    /// recorded has finished.
+    /// recorded has finished. A block that a stream capture used is never handed out again (a
+    /// graph of the capture may replay with it); the pool leaks it when it goes away.
     ///
     /// The contents are whatever the block last held (plain data: any bytes are valid values);
     /// write them before reading.
@@ -281,16 +282,40 @@ impl<T: Element> Buffer<T> for PinnedBuffer<T> {
 }
 
 impl<T: Element> Drop for PinnedBuffer<T> {
+    /// Memory a stream capture used (`FreeMarkers::captures`, ended captures too) is never
+    /// reused nor unpinned: a graph of that capture may replay with its address for as long as
+    /// the graph lives, and no event says when it no longer will (captured events cannot be
+    /// queried, and the ones `take_for_free` drops for ended captures say nothing of replays).
+    /// A pool block goes back quarantined; an own allocation is leaked.
     fn drop(&mut self) {
+        let markers = self.core.tracker_mut().take_for_free();
         match std::mem::replace(&mut self.allocation, HostMemory::Gone) {
             HostMemory::Pool(mut block) => {
                 // The pool gates the block's reuse on the tracker's events: no wait here.
-                block.add_events(self.core.tracker_mut().take_for_free().events);
+                block.add_events(markers.events);
+                if !markers.captures.is_empty() {
+                    block.hold_for_graphs();
+                }
             }
-            own => {
-                self.core.tracker().synchronize_for_drop("PinnedBuffer");
-                drop(own);
+            HostMemory::Own(allocation) => {
+                if !markers.captures.is_empty() {
+                    tracing::warn!(
+                        bytes = allocation.len(),
+                        "leaking a pinned buffer a stream capture used: a graph may still replay with it"
+                    );
+                    std::mem::forget(allocation);
+                    return;
+                }
+                for event in markers.events {
+                    if let Err(error) = event.synchronize() {
+                        tracing::error!(%error, "waiting for a pinned buffer's last use before freeing it failed; leaking it");
+                        std::mem::forget(allocation);
+                        return;
+                    }
+                }
+                drop(allocation);
             }
+            HostMemory::Gone => {}
         }
     }
 }

@@ -48,6 +48,8 @@ pub struct PinnedBlock {
     /// Events marking the last use on each recorded stream (pooled: back to the context's
     /// event pool once the block is ready again).
     events: Vec<OwnedPooledEvent>,
+    /// A stream capture used the block: it is never handed out again once dropped.
+    captured: bool,
     pool: Arc<Inner>,
 }
 
@@ -58,6 +60,7 @@ impl PinnedBlock {
             allocation: Some(allocation),
             len,
             events: Vec::new(),
+            captured: false,
             pool,
         }
     }
@@ -137,6 +140,13 @@ impl PinnedBlock {
         self.events.extend(events);
     }
 
+    /// Marks the block as used by a stream capture: once dropped it goes back to the pool
+    /// quarantined, never handed out again nor unpinned (a graph of the capture may replay with
+    /// its address for as long as the graph lives; the pool leaks it when it goes away).
+    pub(crate) fn hold_for_graphs(&mut self) {
+        self.captured = true;
+    }
+
     /// How many stream uses have been recorded on this block since it was handed out.
     pub fn recorded_uses(&self) -> usize {
         self.events.len()
@@ -147,7 +157,7 @@ impl Drop for PinnedBlock {
     fn drop(&mut self) {
         if let Some(allocation) = self.allocation.take() {
             self.pool
-                .give_back(allocation, std::mem::take(&mut self.events));
+                .give_back(allocation, std::mem::take(&mut self.events), self.captured);
         }
     }
 }

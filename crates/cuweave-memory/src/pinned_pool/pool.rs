@@ -389,9 +389,21 @@ impl Inner {
         self.events.for_stream(&self.context, stream)
     }
 
-    /// Takes back a block from a dropped [`PinnedBlock`] with the events of its last use.
-    pub(super) fn give_back(&self, allocation: HostAllocation, events: Vec<OwnedPooledEvent>) {
-        self.with_state(|state, released| state.cache.give_back(allocation, events, released));
+    /// Takes back a block from a dropped [`PinnedBlock`] with the events of its last use; a
+    /// block a stream capture used (`captured`) is quarantined instead, never handed out again.
+    pub(super) fn give_back(
+        &self,
+        allocation: HostAllocation,
+        events: Vec<OwnedPooledEvent>,
+        captured: bool,
+    ) {
+        self.with_state(|state, released| {
+            if captured {
+                state.cache.give_back_captured(allocation, events, released);
+            } else {
+                state.cache.give_back(allocation, events, released);
+            }
+        });
     }
 
     fn out_of_memory(&self, requested: usize) -> MemoryError {

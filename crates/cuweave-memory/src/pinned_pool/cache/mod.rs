@@ -51,9 +51,21 @@ struct Pending<B, F> {
     block: B,
     /// Fences not yet seen passed.
     fences: Vec<F>,
+    /// Why the block is never reused, if it is quarantined: it is not queried again, and
+    /// leaked rather than freed when the pool goes away.
+    quarantine: Option<Quarantine>,
+}
+
+/// Why a returned block is never handed out again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Quarantine {
     /// Querying a fence failed: the GPU work it marks faulted, so whether that work is finished
-    /// with the block is unknowable. The block is never reused, and not queried again.
-    faulted: bool,
+    /// with the block is unknowable.
+    Faulted,
+    /// A stream capture used the block: a graph made from it may replay with the block's
+    /// address at any time, also after the pool has gone, and no event says when it no longer
+    /// will.
+    Captured,
 }
 
 /// Ready blocks by size class, pending blocks, and the statistics that track them.
@@ -181,19 +193,47 @@ impl<B: Capacity, F: Fence> BlockCache<B, F> {
             self.pending.push(Pending {
                 block,
                 fences,
-                faulted: false,
+                quarantine: None,
             });
         }
+    }
+
+    /// Takes back a block that a stream capture used: it is never handed out again, nor freed
+    /// (a graph of the capture may replay with it for as long as the graph lives, which nothing
+    /// here can see). It stays counted as pending until the pool goes away, and is leaked then.
+    /// Its `fences` (eager uses) are not needed any more: they go to `released`.
+    pub(crate) fn give_back_captured(
+        &mut self,
+        block: B,
+        fences: Vec<F>,
+        released: &mut Released<B, F>,
+    ) {
+        let capacity = block.capacity();
+        let stats = &mut self.stats;
+        stats.returns += 1;
+        stats.allocated_bytes -= capacity;
+        stats.allocated_blocks -= 1;
+        stats.cached_bytes += capacity;
+        stats.cached_blocks += 1;
+        stats.pending_bytes += capacity;
+        stats.pending_blocks += 1;
+        released.fences.extend(fences);
+        self.pending.push(Pending {
+            block,
+            fences: Vec::new(),
+            quarantine: Some(Quarantine::Captured),
+        });
     }
 
     /// Moves every pending block whose fences have all passed to the ready lists (or frees it,
     /// past the cap). Passed fences go to `released` for recycling.
     pub(crate) fn poll(&mut self, released: &mut Released<B, F>) {
         for mut entry in std::mem::take(&mut self.pending) {
-            if !entry.faulted {
-                entry.faulted = !drain_passed(&mut entry.fences, &mut released.fences);
+            if entry.quarantine.is_none() && !drain_passed(&mut entry.fences, &mut released.fences)
+            {
+                entry.quarantine = Some(Quarantine::Faulted);
             }
-            if entry.faulted || !entry.fences.is_empty() {
+            if entry.quarantine.is_some() || !entry.fences.is_empty() {
                 self.pending.push(entry);
                 continue;
             }
@@ -224,12 +264,20 @@ impl<B: Capacity, F: Fence> BlockCache<B, F> {
     }
 
     /// Frees what is left when the pool goes away: ready blocks at once, pending blocks after
-    /// waiting for their fences. A block whose fence cannot be waited on (its work faulted) is
-    /// leaked rather than freed under work that may still use it.
+    /// waiting for their fences. A quarantined block (its work faulted, or a capture used it)
+    /// is leaked rather than freed under work that may still use it.
     pub(crate) fn shutdown(self) {
         drop(self.ready);
         for entry in self.pending {
-            let waited = !entry.faulted
+            if entry.quarantine == Some(Quarantine::Captured) {
+                tracing::warn!(
+                    bytes = entry.block.capacity(),
+                    "leaking a pinned block a stream capture used: a graph may still replay with it"
+                );
+                std::mem::forget(entry.block);
+                continue;
+            }
+            let waited = entry.quarantine.is_none()
                 && entry.fences.iter().all(|fence| match fence.wait() {
                     Ok(()) => true,
                     Err(error) => {

@@ -560,3 +560,47 @@ fn random_traffic_keeps_the_books_balanced() {
         "every pinned block was freed once"
     );
 }
+
+#[test]
+fn captured_block_is_never_handed_out_again_nor_freed() {
+    let mut h = Harness::new(usize::MAX);
+    let mut out = Out::default();
+    let block = h.get(PAGE, &mut out);
+    let id = block.id;
+    // An eager use, long done, besides the capture's: the capture alone keeps the block.
+    let (fence, _) = h.fence(Work::Done);
+    h.cache.give_back_captured(block, vec![fence], &mut out);
+    assert_eq!(out.fences.len(), 1, "the eager fence is released at once");
+    assert_eq!(h.stats().pending_blocks, 1);
+
+    for _ in 0..3 {
+        let other = h.get(PAGE, &mut out);
+        assert_ne!(other.id, id, "the captured block was handed out again");
+        let other_cold = h.get_cold(PAGE, 0, &mut out);
+        assert_ne!(other_cold.id, id, "the captured block was handed out again");
+        h.cache.give_back(other, Vec::new(), &mut out);
+        h.cache.give_back(other_cold, Vec::new(), &mut out);
+        h.cache.poll(&mut out);
+    }
+    assert_eq!(
+        h.queries.get(),
+        0,
+        "nothing of the captured block is queried"
+    );
+    assert_eq!(
+        h.cache.drain_ready(&mut out),
+        2 * PAGE,
+        "trim frees only the other blocks"
+    );
+    let stats = h.stats();
+    assert_eq!((stats.pending_blocks, stats.pinned_bytes), (1, PAGE));
+
+    drop(out);
+    let drops_before = h.drops.get();
+    h.cache.shutdown();
+    assert_eq!(
+        h.drops.get(),
+        drops_before,
+        "the captured block is leaked, not freed: a graph may outlive the pool"
+    );
+}
