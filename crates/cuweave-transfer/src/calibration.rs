@@ -358,10 +358,11 @@ impl CalibrationTable {
         bytes: usize,
     ) -> Option<StagingConfig> {
         let distance = |b: usize| size_distance(b, bytes);
+        // A table built in code may hold a configuration `parse` would refuse: never used.
         let measured = || {
             self.staging
                 .iter()
-                .filter(|c| c.path == path && c.device == device)
+                .filter(|c| c.path == path && c.device == device && c.config.validate().is_ok())
         };
         let applies = |c: &&StagingChoice| {
             c.config.runs_as_one_block(bytes) || !c.config.runs_as_one_block(c.bytes)
@@ -454,12 +455,28 @@ impl CalibrationTable {
     /// A table from JSON (as [`to_json`](Self::to_json) writes it).
     ///
     /// # Errors
-    /// [`TransferError::CalibrationFile`] (path `<json>`) when the text is not a table.
+    /// [`TransferError::CalibrationFile`] (path `<json>`) when the text is not a table or names a staging
+    /// configuration that cannot run ([`StagingConfig::validate`]).
     pub fn from_json(json: &str) -> Result<Self> {
-        serde_json::from_str(json).map_err(|error| TransferError::CalibrationFile {
-            path: "<json>".to_owned(),
-            message: error.to_string(),
-        })
+        Self::parse(json, "<json>")
+    }
+
+    /// The table in `text`, read from `path`, with every staging configuration checked
+    /// ([`StagingConfig::validate`]): a file can name one that would overflow or pin without
+    /// bound.
+    fn parse(text: &str, path: &str) -> Result<Self> {
+        let file_error = |message: String| TransferError::CalibrationFile {
+            path: path.to_owned(),
+            message,
+        };
+        let table: Self = serde_json::from_str(text).map_err(|e| file_error(e.to_string()))?;
+        for choice in &table.staging {
+            choice
+                .config
+                .validate()
+                .map_err(|e| file_error(e.to_string()))?;
+        }
+        Ok(table)
     }
 
     /// Writes the table to `path` as JSON.
@@ -485,10 +502,7 @@ impl CalibrationTable {
                 path: path.display().to_string(),
                 message: error.to_string(),
             })?;
-        serde_json::from_str(&text).map_err(|error| TransferError::CalibrationFile {
-            path: path.display().to_string(),
-            message: error.to_string(),
-        })
+        Self::parse(&text, &path.display().to_string())
     }
 
     /// The figures used when nothing was measured: [`TransferManager::calibrate`] on an NVIDIA
@@ -785,5 +799,72 @@ mod machine_tests {
         // With nothing else measured, the one-block choice is still the nearest there is.
         table.staging.retain(|c| c.bytes == 256 << 10);
         assert_eq!(table.staging_for(h2d, 0, bytes).unwrap().threads, 1);
+    }
+
+    #[rstest::rstest]
+    #[case::depth_that_overflows(4 << 20, usize::MAX, 8, "depth")]
+    #[case::no_depth(4 << 20, 0, 8, "depth")]
+    #[case::empty_chunks(0, 2, 8, "chunk_bytes")]
+    #[case::byte_chunks(1, 2, 8, "chunk_bytes")]
+    #[case::chunks_past_1_gib((1 << 30) + 1, 2, 8, "chunk_bytes")]
+    #[case::no_threads(4 << 20, 2, 0, "threads")]
+    #[case::more_threads_than_workers(4 << 20, 2, crate::MAX_WORKERS + 2, "threads")]
+    fn a_staging_configuration_that_cannot_run_is_refused_from_files_and_never_used(
+        #[case] chunk_bytes: usize,
+        #[case] depth: usize,
+        #[case] threads: usize,
+        #[case] bound: &str,
+    ) {
+        let h2d = TransferPath::PAGEABLE_TO_DEVICE;
+        let bad = StagingConfig {
+            chunk_bytes,
+            depth,
+            threads,
+            host_copy: crate::HostCopy::Streaming,
+            order: crate::ChunkOrder::Ordered,
+        };
+        assert!(matches!(
+            bad.validate(),
+            Err(TransferError::InvalidStaging { config, reason })
+                if config == bad && reason.contains(bound)
+        ));
+        let mut table = CalibrationTable::default();
+        table.record_staging(StagingChoice {
+            path: h2d,
+            device: 0,
+            bytes: 64 << 20,
+            config: bad,
+            gbps: 40.0,
+        });
+        let error = CalibrationTable::from_json(&table.to_json()).unwrap_err();
+        assert!(
+            matches!(&error, TransferError::CalibrationFile { path, message }
+                if path == "<json>" && message.contains(bound)),
+            "{error}"
+        );
+        // Built in code instead: the planner passes over it to the defaults.
+        assert_eq!(table.staging_for(h2d, 0, 64 << 20), None);
+        // Saturates instead of overflowing (a debug build would panic).
+        assert!(bad.staging_bytes() >= bad.chunk_bytes);
+    }
+
+    #[test]
+    fn every_staging_configuration_shipped_or_measured_can_run() {
+        let shipped = CalibrationTable::h100_defaults();
+        for choice in &shipped.staging {
+            choice.config.validate().unwrap();
+        }
+        for bytes in crate::CALIBRATION_SIZES {
+            for path in [
+                TransferPath::PAGEABLE_TO_DEVICE,
+                TransferPath::DEVICE_TO_PAGEABLE,
+            ] {
+                StagingConfig::for_path(path, bytes).validate().unwrap();
+                for candidate in crate::staging_candidates(path, bytes) {
+                    candidate.validate().unwrap();
+                }
+            }
+        }
+        StagingConfig::default().validate().unwrap();
     }
 }

@@ -4,6 +4,7 @@ use cuweave_driver::DriverError;
 use cuweave_memory::MemoryError;
 
 use crate::method::TransferMethod;
+use crate::staging::StagingConfig;
 
 /// A result whose error is a [`TransferError`].
 pub type Result<T, E = TransferError> = std::result::Result<T, E>;
@@ -74,6 +75,15 @@ pub enum TransferError {
         len: usize,
         /// Bytes per element.
         element_bytes: usize,
+    },
+    /// A staging configuration (given to `with_staging` or read from a calibration file) that
+    /// cannot run.
+    #[error("staging configuration {config:?} cannot run: {reason}")]
+    InvalidStaging {
+        /// The configuration.
+        config: StagingConfig,
+        /// Which bound it breaks.
+        reason: &'static str,
     },
     /// A worker thread of a pipelined copy panicked (a bug; the copy did not complete).
     #[error("a staging worker thread panicked")]

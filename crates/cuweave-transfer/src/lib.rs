@@ -109,7 +109,8 @@ pub use method::TransferMethod;
 pub use planner::{PathFacts, Plan, PlanReason, Query, Skipped};
 pub use registered::{RegisteredHost, RegisteredSlice, RegisteredSliceMut};
 pub use staging::{
-    ChunkOrder, HostCopy, ORDERED_FROM, ORDERED_MOST, StagingConfig, TWO_STREAMS_FROM, host_threads,
+    ChunkOrder, HostCopy, MAX_CHUNK_BYTES, MAX_DEPTH, MIN_CHUNK_BYTES, ORDERED_FROM, ORDERED_MOST,
+    StagingConfig, TWO_STREAMS_FROM, host_threads,
 };
 pub use stats::{PathStats, TransferStats};
 pub use workers::{MAX_WORKERS, WARM, wait_for_cold_workers};

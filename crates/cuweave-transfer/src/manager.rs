@@ -134,8 +134,10 @@ impl TransferManager {
     /// and experiments; [`new`](Self::new) picks one per size from the calibration).
     ///
     /// # Errors
-    /// As [`new`](Self::new).
+    /// [`TransferError::InvalidStaging`] when `staging` cannot run
+    /// ([`StagingConfig::validate`]); as [`new`](Self::new) otherwise.
     pub fn with_staging(staging: StagingConfig) -> Result<Self> {
+        staging.validate()?;
         Self::build(None, Some(staging))
     }
 

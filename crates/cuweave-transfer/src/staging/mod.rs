@@ -60,7 +60,7 @@ use cuweave_memory::{Buffer, Element, PinnedPool, TypedPinnedBlock, copy_streami
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use crate::error::Result;
+use crate::error::{Result, TransferError};
 use crate::workers;
 
 mod in_order;
@@ -157,7 +157,44 @@ impl HostCopy {
     }
 }
 
+/// The smallest chunk a [`StagingConfig`] may name: one page. Smaller chunks only multiply the
+/// driver calls (a 1 GiB copy in 1-byte chunks would queue 2^30 of them).
+pub const MIN_CHUNK_BYTES: usize = 4 << 10;
+
+/// The largest chunk a [`StagingConfig`] may name: each participant pins `depth` blocks of it.
+pub const MAX_CHUNK_BYTES: usize = 1 << 30;
+
+/// The most pinned blocks a [`StagingConfig`] may keep in flight per participant.
+pub const MAX_DEPTH: usize = 64;
+
 impl StagingConfig {
+    /// Checks that the configuration can run: a chunk of [`MIN_CHUNK_BYTES`] to
+    /// [`MAX_CHUNK_BYTES`], a depth of 1 to [`MAX_DEPTH`], and 1 to [`MAX_WORKERS`] + 1 host
+    /// threads (the staging pool's most workers and the caller). Every configuration the manager
+    /// measures or ships passes; one given to
+    /// [`with_staging`](crate::TransferManager::with_staging) or read from a calibration file
+    /// is checked with it.
+    ///
+    /// # Errors
+    /// [`TransferError::InvalidStaging`] naming the first bound it breaks.
+    ///
+    /// [`MAX_WORKERS`]: crate::MAX_WORKERS
+    pub fn validate(&self) -> Result<()> {
+        let reason = if !(MIN_CHUNK_BYTES..=MAX_CHUNK_BYTES).contains(&self.chunk_bytes) {
+            "chunk_bytes must be 4 KiB to 1 GiB"
+        } else if !(1..=MAX_DEPTH).contains(&self.depth) {
+            "depth must be 1 to 64"
+        } else if !(1..=workers::MAX_WORKERS + 1).contains(&self.threads) {
+            "threads must be 1 to MAX_WORKERS + 1"
+        } else {
+            return Ok(());
+        };
+        Err(TransferError::InvalidStaging {
+            config: *self,
+            reason,
+        })
+    }
+
     /// The chunk length in elements of `T`.
     pub fn chunk_elements<T>(&self) -> usize {
         (self.chunk_bytes / size_of::<T>().max(1)).max(1)
@@ -176,7 +213,10 @@ impl StagingConfig {
 
     /// Pinned bytes one transfer may hold at once: `threads * depth * chunk_bytes`.
     pub fn staging_bytes(&self) -> usize {
-        self.threads.max(1) * self.depth.max(1) * self.chunk_bytes
+        self.threads
+            .max(1)
+            .saturating_mul(self.depth.max(1))
+            .saturating_mul(self.chunk_bytes)
     }
 
     /// The configuration an upload (pageable host to device, and the peer bounce) of `bytes`

@@ -53,7 +53,7 @@ impl Pipeline<'_> {
             participants,
             ranges,
             pieces,
-            ring: participants * self.config.depth.max(1),
+            ring: participants.saturating_mul(self.config.depth.max(1)),
         }
     }
 
