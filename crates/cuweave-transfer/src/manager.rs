@@ -435,6 +435,8 @@ impl TransferManager {
         dst: Destination<'_, T>,
         stats: &TransferStats,
     ) -> Result<TransferReport> {
+        self.serves(src.location())?;
+        self.serves(dst.location())?;
         let bytes = src.bytes();
         if bytes == 0 {
             return Ok(TransferReport {
@@ -466,10 +468,20 @@ impl TransferManager {
         self.slots
             .get(device)
             .and_then(Option::as_ref)
-            .ok_or(TransferError::NoSuchDevice {
+            .ok_or_else(|| TransferError::NoSuchDevice {
                 device,
-                count: self.slots.len(),
+                count: self.device_count(),
             })
+    }
+
+    /// `NoSuchDevice` when `location` is memory on a device this manager does not serve
+    /// (device or unified memory; host memory, pinned or not, belongs to no device here),
+    /// whatever method would move it: [`for_devices`](Self::for_devices) holds on every path.
+    fn serves(&self, location: Location) -> Result<()> {
+        match location {
+            Location::Device(d) | Location::Unified(d) => self.slot(d).map(drop),
+            _ => Ok(()),
+        }
     }
 
     /// The state of ordinal `device`, opened on first use.

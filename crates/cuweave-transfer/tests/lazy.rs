@@ -3,10 +3,10 @@
 //! the first transfer through the manager opens the device.
 
 use cuweave_driver::Device;
-use cuweave_memory::{Buffer, DeviceBuffer};
+use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer};
 use cuweave_test_support::require_gpu;
 use cuweave_transfer::{
-    Destination, Location, TransferError, TransferManager, TransferMethod, TransferPath,
+    Destination, Location, Source, TransferError, TransferManager, TransferMethod, TransferPath,
 };
 
 #[test]
@@ -70,4 +70,37 @@ fn a_manager_opens_a_device_only_on_its_first_transfer() {
         ),
         Err(TransferError::NoSuchDevice { device: 0, .. })
     ));
+    // Every other path too, whatever its method: a copy between two buffers of device 0, a
+    // pinned upload, a small pageable one and an empty one; nothing lands.
+    let mut other = DeviceBuffer::<u8>::zeroed(&gpu.context, data.len()).unwrap();
+    let mut pinned = PinnedBuffer::<u8>::zeroed(&gpu.context, 4096).unwrap();
+    pinned.as_mut_slice().unwrap().fill(9);
+    let refused = |result: Result<_, TransferError>| {
+        matches!(
+            result,
+            Err(TransferError::NoSuchDevice {
+                device: 0,
+                count: 0
+            })
+        )
+    };
+    assert!(refused(none.transfer(&device, &mut other)));
+    assert!(refused(none.transfer(
+        Source::pinned(&pinned, 0, 4096),
+        Destination::device(&mut other, 0)
+    )));
+    assert!(refused(
+        none.transfer(&data[..4096], Destination::device(&mut other, 0))
+    ));
+    assert!(refused(
+        none.transfer(&data[..0], Destination::device(&mut other, 0))
+    ));
+    assert!(refused(
+        none.transfer(Source::device(&device, 0, 16), &mut [0u8; 16][..])
+    ));
+    assert_eq!(other.to_vec().unwrap(), vec![0; data.len()]);
+    assert!(
+        none.stats().snapshot().is_empty(),
+        "a refused transfer is not counted"
+    );
 }
