@@ -21,7 +21,7 @@
 //!
 //! Neither is written here: nothing on this machine could run it.
 
-use cuweave_memory::DeviceBuffer;
+use cuweave_memory::{DeviceBuffer, MemoryError};
 
 use crate::endpoint::{Destination, Source};
 use crate::error::{Result, TransferError};
@@ -53,7 +53,8 @@ pub trait TransferBackend: Send + Sync {
     /// `bytes` of zeroed memory on `device`.
     ///
     /// # Errors
-    /// The backend's error when allocation fails.
+    /// `NoSuchDevice` for a device it does not drive, the memory layer's `ZeroLength` for no
+    /// bytes, the backend's error when allocation fails.
     fn allocate(&self, device: usize, bytes: usize) -> Result<Self::Memory>;
 
     /// Copies host bytes into `dst` from `offset`.
@@ -179,7 +180,19 @@ impl TransferBackend for HostBackend {
         1
     }
 
-    fn allocate(&self, _device: usize, bytes: usize) -> Result<Self::Memory> {
+    fn allocate(&self, device: usize, bytes: usize) -> Result<Self::Memory> {
+        if device >= self.device_count() {
+            return Err(TransferError::NoSuchDevice {
+                device,
+                count: self.device_count(),
+            });
+        }
+        if bytes == 0 {
+            return Err(MemoryError::ZeroLength {
+                operation: "allocate",
+            }
+            .into());
+        }
         Ok(vec![0; bytes])
     }
 
@@ -240,5 +253,21 @@ mod tests {
         let mut out = [0u8; 2];
         assert!(HostBackend.download(&m, usize::MAX, &mut out).is_err());
         assert_eq!(HostBackend.kind(), BackendKind::Host);
+    }
+
+    #[test]
+    fn the_host_backend_refuses_what_the_cuda_backend_refuses() {
+        assert!(matches!(
+            HostBackend.allocate(1, 16),
+            Err(TransferError::NoSuchDevice {
+                device: 1,
+                count: 1
+            })
+        ));
+        assert!(matches!(
+            HostBackend.allocate(0, 0),
+            Err(TransferError::Memory(MemoryError::ZeroLength { .. }))
+        ));
+        assert_eq!(HostBackend.allocate(0, 3).unwrap(), vec![0; 3]);
     }
 }
