@@ -253,15 +253,14 @@ impl<T: Element> AsyncTransfer<'_, T> {
                     pool.get_typed::<T>(len)
                 }
             };
-            let blocks = (|| {
+            back.fill(caught(|| {
                 Ok(Blocks {
                     full: (0..full)
                         .map(|_| get(chunk))
                         .collect::<cuweave_memory::Result<_>>()?,
                     tail: (tail > 0).then(|| get(tail)).transpose()?,
                 })
-            })();
-            back.fill(blocks);
+            }));
         });
         handoff
     }
@@ -601,6 +600,28 @@ pub struct OwnedTransfer<T: Element> {
     finished: bool,
 }
 
+impl<T: Element> OwnedTransfer<T> {
+    /// A transfer of nothing, finished before it starts: both buffers back at the first poll.
+    fn finished(plan: Plan, host: Vec<T>, device: DeviceBuffer<T>) -> Self {
+        let handoff = Handoff::new();
+        let path = plan.path;
+        handoff.fill(Owned {
+            host,
+            device,
+            result: Ok(TransferReport {
+                plan,
+                bytes: 0,
+                elapsed: std::time::Duration::ZERO,
+            }),
+        });
+        Self {
+            handoff,
+            path,
+            finished: false,
+        }
+    }
+}
+
 impl<T: Element> std::fmt::Debug for OwnedTransfer<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OwnedTransfer")
@@ -724,9 +745,13 @@ impl TransferManager {
     /// pipelined like [`transfer`](Self::transfer), and returns a future that hands both
     /// buffers back ([`OwnedTransfer`]). Not counted in [`stats`](Self::stats).
     ///
+    /// An empty `src` (with `offset` at most `dst.len()`) returns a transfer that is already
+    /// finished, as [`transfer`](Self::transfer) returns at once.
+    ///
     /// # Errors
     /// `OutOfRange` when `src` does not fit `dst` from `offset` (nothing starts, and both
-    /// buffers are dropped); the driver's error when the device cannot be opened.
+    /// buffers are dropped); `NoSuchDevice` for a device the manager does not serve; the
+    /// driver's error when the device cannot be opened.
     pub fn upload_owned<T: Element>(
         &self,
         src: Vec<T>,
@@ -742,11 +767,13 @@ impl TransferManager {
             Location::Device(device),
             size_of_val(src.as_slice()),
         );
+        if src.is_empty() {
+            self.slot(device)?;
+            return Ok(OwnedTransfer::finished(plan, src, dst));
+        }
         let lane = self.lane(device)?;
-        Ok(spawn_owned(plan, move || {
-            let (host, mut device) = (src, dst);
-            let result = pipeline(&lane, config).upload(&host, &mut device, offset);
-            (host, device, result)
+        Ok(spawn_owned(plan, src, dst, move |host, device| {
+            pipeline(&lane, config).upload(host, device, offset)
         }))
     }
 
@@ -771,26 +798,33 @@ impl TransferManager {
             Location::PageableHost,
             size_of_val(dst.as_slice()),
         );
+        if dst.is_empty() {
+            self.slot(device)?;
+            return Ok(OwnedTransfer::finished(plan, dst, src));
+        }
         let lane = self.lane(device)?;
-        Ok(spawn_owned(plan, move || {
-            let (mut host, device) = (dst, src);
-            let result = pipeline(&lane, config).download(&device, offset, &mut host);
-            (host, device, result)
+        Ok(spawn_owned(plan, dst, src, move |host, device| {
+            pipeline(&lane, config).download(device, offset, host)
         }))
     }
 }
 
-/// Runs `job` on a staging worker and hands its buffers and outcome to the returned future.
+/// Runs `job` over `host` and `device` on a staging worker and hands both buffers and its
+/// outcome to the returned future. A panic in `job` (a bug) is caught there: the buffers come
+/// back with [`TransferError::WorkerPanicked`] instead of the panic aborting the process (the
+/// pool's workers have no panic handler) or the future never finishing.
 fn spawn_owned<T: Element>(
     plan: Plan,
-    job: impl FnOnce() -> (Vec<T>, DeviceBuffer<T>, Result<()>) + Send + 'static,
+    mut host: Vec<T>,
+    mut device: DeviceBuffer<T>,
+    job: impl FnOnce(&mut [T], &mut DeviceBuffer<T>) -> Result<()> + Send + 'static,
 ) -> OwnedTransfer<T> {
     let handoff = Handoff::new();
     let back = Arc::clone(&handoff);
     let path = plan.path;
     workers::shared().spawn(move || {
         let start = Instant::now();
-        let (host, device, outcome) = job();
+        let outcome = caught(|| job(&mut host, &mut device));
         let bytes = host.len() * size_of::<T>();
         back.fill(Owned {
             host,
@@ -806,5 +840,30 @@ fn spawn_owned<T: Element>(
         handoff,
         path,
         finished: false,
+    }
+}
+
+/// `job`'s result, or [`TransferError::WorkerPanicked`] when it panics: for jobs on the staging
+/// pool, whose workers abort the process on a panic that escapes.
+fn caught<V>(job: impl FnOnce() -> Result<V>) -> Result<V> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
+        .unwrap_or(Err(TransferError::WorkerPanicked))
+}
+
+#[cfg(test)]
+mod caught_tests {
+    use super::*;
+
+    #[test]
+    fn a_job_that_panics_becomes_worker_panicked() {
+        assert_eq!(caught(|| Ok(7)).unwrap(), 7);
+        let mut buffer = vec![1u8; 4];
+        let outcome: Result<()> = caught(|| {
+            buffer[0] = 2;
+            panic!("a bug in a staging job");
+        });
+        assert!(matches!(outcome, Err(TransferError::WorkerPanicked)));
+        // What the job borrowed is still the caller's, as it was left.
+        assert_eq!(buffer, vec![2, 1, 1, 1]);
     }
 }

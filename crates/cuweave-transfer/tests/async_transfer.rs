@@ -274,4 +274,18 @@ fn owned_transfers_round_trip_and_hand_the_buffers_back() {
         manager.upload_owned(vec![0u32; 8], small, 0),
         Err(TransferError::OutOfRange { .. })
     ));
+    // Empty ones finish at once, as an empty `transfer` does, and hand both buffers back
+    // untouched.
+    let small = DeviceBuffer::<u32>::from_slice(&gpu.context, &[1, 2, 3, 4]).unwrap();
+    let (owned, _) = block_on(manager.upload_owned(Vec::new(), small, 4).unwrap());
+    assert_eq!(owned.result.unwrap().bytes, 0);
+    assert!(owned.host.is_empty());
+    let (owned, _) = block_on(manager.download_owned(owned.device, 2, Vec::new()).unwrap());
+    assert_eq!(owned.result.unwrap().bytes, 0);
+    assert_eq!(owned.device.to_vec().unwrap(), vec![1, 2, 3, 4]);
+    let small = owned.device;
+    assert!(matches!(
+        manager.upload_owned(Vec::new(), small, 5),
+        Err(TransferError::OutOfRange { .. })
+    ));
 }
