@@ -29,6 +29,59 @@ fn remember(table: &CalibrationTable) {
     *PROCESS.get_or_init(|| Mutex::new(None)).lock() = Some(table.clone());
 }
 
+/// Held while a calibration measures: one at a time in a process.
+static CALIBRATING: Mutex<()> = Mutex::new(());
+
+/// What a table lacks for a manager's devices: the devices whose host paths it has not
+/// measured, and the ordered pairs of them whose peer path it has not.
+#[derive(Debug, PartialEq)]
+struct Missing {
+    devices: Vec<usize>,
+    pairs: Vec<(usize, usize)>,
+}
+
+impl Missing {
+    /// Everything, for a table not measured yet.
+    fn all(devices: &[usize]) -> Self {
+        Self::where_not(devices, |_| false, |_, _| false)
+    }
+
+    /// What `table` lacks: a device counts as measured when its pageable uploads are, a pair
+    /// when its peer copies are.
+    fn of(table: &CalibrationTable, devices: &[usize]) -> Self {
+        let has = |path, src, dst| {
+            table
+                .entries
+                .iter()
+                .any(|e| e.path == path && e.src_device == src && e.dst_device == dst)
+        };
+        Self::where_not(
+            devices,
+            |d| has(TransferPath::PAGEABLE_TO_DEVICE, None, Some(d)),
+            |a, b| has(TransferPath::PEER, Some(a), Some(b)),
+        )
+    }
+
+    fn where_not(
+        devices: &[usize],
+        measured: impl Fn(usize) -> bool,
+        pair_measured: impl Fn(usize, usize) -> bool,
+    ) -> Self {
+        Self {
+            devices: devices.iter().copied().filter(|&d| !measured(d)).collect(),
+            pairs: devices
+                .iter()
+                .flat_map(|&a| devices.iter().map(move |&b| (a, b)))
+                .filter(|&(a, b)| a != b && !pair_measured(a, b))
+                .collect(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.devices.is_empty() && self.pairs.is_empty()
+    }
+}
+
 /// The transfer sizes calibration measures, each at its own size: every size class is
 /// represented (64 KiB up to 1 GiB), so the method choice compares methods at the measured size
 /// nearest each transfer. Up to 4 MiB every factor of two: there the pipeline's margin over
@@ -351,14 +404,17 @@ impl TransferManager {
     /// [`stats`](Self::stats). Where the driver cannot register host memory, the registration
     /// figures are left out (with a `tracing` warning).
     ///
+    /// The process's table is shared by managers serving different devices: a manager whose
+    /// devices (or device pairs) it does not cover yet measures those, and only those, into
+    /// it. One calibration runs at a time in a process (a second waits for the first, so that
+    /// neither skews the other's timings).
+    ///
     /// # Errors
     /// The driver's or memory layer's error when a measurement fails (nothing is cached then).
     pub fn calibrate(&self) -> Result<CalibrationTable> {
-        if let Some(table) = process_calibration() {
-            self.set_measured(table.clone());
-            return Ok(table);
-        }
-        self.recalibrate()
+        let _alone = CALIBRATING.lock();
+        let known = process_calibration();
+        self.measure_missing(known)
     }
 
     /// Measures again even if this process already calibrated (see [`calibrate`](Self::calibrate)):
@@ -367,23 +423,37 @@ impl TransferManager {
     /// # Errors
     /// As [`calibrate`](Self::calibrate).
     pub fn recalibrate(&self) -> Result<CalibrationTable> {
-        let machine = self.machine();
-        let mut table = CalibrationTable {
-            device: machine.first().cloned(),
-            devices: machine,
-            ..CalibrationTable::default()
-        };
-        let stats = TransferStats::default();
+        let _alone = CALIBRATING.lock();
+        self.measure_missing(None)
+    }
+
+    /// Measures into `known` (a new table when `None`) what it lacks for this manager's
+    /// devices: their host paths, every ordered pair's peer path, and the registration cost;
+    /// then shares and uses the table.
+    fn measure_missing(&self, known: Option<CalibrationTable>) -> Result<CalibrationTable> {
         let devices = self.devices();
-        for (i, &device) in devices.iter().enumerate() {
-            self.measure_host_paths(device, i == 0, &mut table, &stats)?;
+        let missing = known
+            .as_ref()
+            .map_or_else(|| Missing::all(&devices), |t| Missing::of(t, &devices));
+        if let (Some(table), true) = (&known, missing.is_empty()) {
+            self.set_measured(table.clone());
+            return Ok(table.clone());
         }
-        for &a in &devices {
-            for &b in &devices {
-                if a != b {
-                    self.measure_peer_path(a, b, &mut table, &stats)?;
-                }
+        let mut table = known.unwrap_or_else(|| {
+            let machine = self.machine();
+            CalibrationTable {
+                device: machine.first().cloned(),
+                devices: machine,
+                ..CalibrationTable::default()
             }
+        });
+        let stats = TransferStats::default();
+        for &device in &missing.devices {
+            let with_registration = table.registration.is_none();
+            self.measure_host_paths(device, with_registration, &mut table, &stats)?;
+        }
+        for &(a, b) in &missing.pairs {
+            self.measure_peer_path(a, b, &mut table, &stats)?;
         }
         remember(&table);
         self.set_measured(table.clone());
@@ -720,6 +790,52 @@ fn host_location(kind: crate::LocationKind, d: usize) -> Location {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn calibration_measures_only_the_devices_and_pairs_its_table_lacks() {
+        assert_eq!(
+            Missing::all(&[0, 1]),
+            Missing {
+                devices: vec![0, 1],
+                pairs: vec![(0, 1), (1, 0)],
+            }
+        );
+        // A table measured by a manager limited to device 0 (or to none: empty).
+        let mut table = CalibrationTable::default();
+        assert_eq!(Missing::of(&table, &[0]), Missing::all(&[0]));
+        assert!(Missing::of(&table, &[]).is_empty());
+        let up = |d| planner::Query::new(Location::PageableHost, Location::Device(d), 4 << 20);
+        table.record_at(up(0).measure, TransferMethod::HostStaged, 30.0);
+        assert!(Missing::of(&table, &[0]).is_empty());
+        // A manager for both devices then measures device 1 and the two pairs only.
+        assert_eq!(
+            Missing::of(&table, &[0, 1]),
+            Missing {
+                devices: vec![1],
+                pairs: vec![(0, 1), (1, 0)],
+            }
+        );
+        table.record_at(up(1).measure, TransferMethod::HostStaged, 30.0);
+        table.record_at(
+            peer_measure(0, 1, 4 << 20),
+            TransferMethod::PeerToPeer,
+            40.0,
+        );
+        assert_eq!(
+            Missing::of(&table, &[0, 1]),
+            Missing {
+                devices: vec![],
+                pairs: vec![(1, 0)],
+            }
+        );
+        table.record_at(
+            peer_measure(1, 0, 4 << 20),
+            TransferMethod::PeerToPeer,
+            40.0,
+        );
+        assert!(Missing::of(&table, &[0, 1]).is_empty());
+        assert!(Missing::of(&table, &[1]).is_empty());
+    }
 
     #[test]
     fn small_sizes_time_runs_in_a_row_after_an_untimed_one() {
