@@ -16,13 +16,16 @@
 
 use std::ffi::c_int;
 use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Instant;
 
 use cuweave_driver::Stream;
 use cuweave_driver::memory::DevicePtr;
 use cuweave_memory::{Access, Buffer};
 
 use crate::comm::Communicator;
-use crate::error::{CollectiveError, Result};
+use crate::error::{CollectiveError, NcclCode, Result};
+use crate::loader::NcclApi;
 use crate::raw::{self, Call};
 use crate::sys;
 use crate::types::{NcclType, ReduceOp};
@@ -130,84 +133,50 @@ fn offset<T>(ptr: DevicePtr, elements: usize) -> DevicePtr {
 /// Queues `ops` (grouped between `ncclGroupStart` and `ncclGroupEnd` when `grouped`) under the
 /// use-tracking protocol: every stream waits for what its buffers' uses conflict with, NCCL
 /// queues the calls, and the uses are recorded once NCCL has queued the work.
+///
+/// Issuing is serialised per communicator by its issue lock, held until the calls have
+/// settled; the handles are only guarded while NCCL is called, so an abort from another thread
+/// stops the settling at its next poll.
+///
+/// Once NCCL has accepted any call, a failure (a later call refused, `ncclGroupEnd`'s error,
+/// an asynchronous error, the deadline, an abort from another thread) still settles every
+/// communicator of the call (aborting those that fail; in a group, all of them once one is
+/// aborted, since their work waits on each other) and records every use before the first error
+/// is returned: a launched kernel may still touch the buffers until the stream passes it.
 fn run(ops: Vec<Op<'_>>, grouped: bool) -> Result<()> {
     let Some(first) = ops.first() else {
         return Ok(());
     };
     let api = first.comm.api();
-    // Lock each communicator once, in a fixed order, for the whole group.
-    let mut comms: Vec<&Communicator> = ops.iter().map(|op| op.comm).collect();
-    comms.sort_by_key(|comm| std::sync::Arc::as_ptr(&comm.inner));
-    comms.dedup_by_key(|comm| std::sync::Arc::as_ptr(&comm.inner));
-    let mut locks: Vec<_> = comms.iter().map(|comm| comm.lock()).collect();
-    let index_of = |comm: &Communicator| {
-        comms
-            .iter()
-            .position(|c| std::sync::Arc::ptr_eq(&c.inner, &comm.inner))
-            .expect("every op's communicator is locked")
+    let operation = if grouped {
+        "ncclGroupEnd"
+    } else {
+        first.call.name()
     };
-    let mut raws = Vec::with_capacity(ops.len());
-    for op in &ops {
-        raws.push(locks[index_of(op.comm)].raw(op.call.name())?);
+    // Issue locks in a fixed order, once per communicator.
+    let mut comms: Vec<&Communicator> = ops.iter().map(|op| op.comm).collect();
+    comms.sort_by_key(|comm| Arc::as_ptr(&comm.inner));
+    comms.dedup_by_key(|comm| Arc::as_ptr(&comm.inner));
+    let _issuing: Vec<_> = comms.iter().map(|comm| comm.issue_lock()).collect();
+    let started = Instant::now();
+    let issued = issue(&ops, grouped, api)?;
+    if !issued.accepted {
+        // NCCL refused the first call: nothing was queued, nothing to settle or record.
+        return issued.failure.map_or(Ok(()), Err);
     }
-    for op in &ops {
-        for (buffer, access) in &op.uses {
-            buffer.prepare(op.stream, *access)?;
-        }
-    }
-    if grouped {
-        api.check(
-            raw::group_start(api)?,
-            "ncclGroupStart",
-            std::ptr::null_mut(),
-        )?;
-    }
-    let mut failure = None;
-    for (op, raw_comm) in ops.iter().zip(&raws) {
-        let issued = op
-            .comm
-            .context()
-            .bind_to_thread()
-            .map_err(CollectiveError::from)
-            .and_then(|()| op.call.issue(api, *raw_comm, op.data_type, op.stream));
-        match issued {
-            Ok(code) if grouped => {
-                if let Err(error) = api.check(code, op.call.name(), raw_comm.0) {
-                    failure = Some(error);
-                    break;
-                }
-            }
-            Ok(code) => {
-                let index = index_of(op.comm);
-                op.comm
-                    .settle_call(&mut locks[index], code, op.call.name())?;
-            }
-            Err(error) => {
-                failure = Some(error);
-                break;
+    let mut first_error = issued.failure;
+    if issued.pending || first_error.is_some() {
+        for comm in &comms {
+            if let Err(error) = comm.settle(operation, started) {
+                first_error.get_or_insert(error);
             }
         }
     }
-    if grouped {
-        // Always close the group, even after a failed call, so this thread leaves group mode.
-        let ended = raw::group_end(api)?;
-        if let Some(error) = failure {
-            return Err(error);
+    if grouped && comms.iter().any(|comm| comm.is_aborted()) {
+        for comm in &comms {
+            comm.abort();
         }
-        match crate::error::NcclCode::from_raw(ended) {
-            None => {}
-            Some(crate::error::NcclCode::InProgress) => {
-                for index in 0..locks.len() {
-                    let comm = comms[index];
-                    comm.settle_call(&mut locks[index], ended, "ncclGroupEnd")?;
-                }
-            }
-            Some(kind) => return Err(api.error(kind, ended, "ncclGroupEnd", std::ptr::null_mut())),
-        }
-    } else if let Some(error) = failure {
-        return Err(error);
     }
-    drop(locks);
     let mut recorded = Ok(());
     for op in &ops {
         for (buffer, access) in &op.uses {
@@ -222,9 +191,83 @@ fn run(ops: Vec<Op<'_>>, grouped: bool) -> Result<()> {
         for op in &ops {
             let _ = op.stream.synchronize();
         }
-        return Err(error.into());
+        return Err(first_error.unwrap_or(error.into()));
     }
-    Ok(())
+    first_error.map_or(Ok(()), Err)
+}
+
+/// What issuing found: whether NCCL accepted any call (so work may be queued), whether any is
+/// still in progress (a non-blocking communicator), and the first failure.
+struct Issued {
+    accepted: bool,
+    pending: bool,
+    failure: Option<CollectiveError>,
+}
+
+/// Prepares every buffer, then issues every call (in one group when `grouped`), with each
+/// communicator's handle guarded for the duration. An error returned here happened before
+/// anything reached NCCL.
+fn issue(ops: &[Op<'_>], grouped: bool, api: &NcclApi) -> Result<Issued> {
+    let guards = ops
+        .iter()
+        .map(|op| op.comm.enter(op.call.name()))
+        .collect::<Result<Vec<_>>>()?;
+    for op in ops {
+        for (buffer, access) in &op.uses {
+            buffer.prepare(op.stream, *access)?;
+        }
+    }
+    if grouped {
+        api.check(
+            raw::group_start(api)?,
+            "ncclGroupStart",
+            std::ptr::null_mut(),
+        )?;
+    }
+    let mut issued = Issued {
+        accepted: false,
+        pending: false,
+        failure: None,
+    };
+    for (op, guard) in ops.iter().zip(&guards) {
+        let raw_comm = guard.raw();
+        let code = op
+            .comm
+            .context()
+            .bind_to_thread()
+            .map_err(CollectiveError::from)
+            .and_then(|()| op.call.issue(api, raw_comm, op.data_type, op.stream));
+        match code.map(|code| (NcclCode::from_raw(code), code)) {
+            Ok((None, _)) => issued.accepted = true,
+            Ok((Some(NcclCode::InProgress), _)) => {
+                issued.accepted = true;
+                issued.pending = true;
+            }
+            Ok((Some(kind), code)) => {
+                issued.failure = Some(api.error(kind, code, op.call.name(), raw_comm.0));
+                break;
+            }
+            Err(error) => {
+                issued.failure = Some(error);
+                break;
+            }
+        }
+    }
+    if grouped {
+        // Always close the group, even after a failed call, so this thread leaves group mode.
+        match raw::group_end(api).map(|code| (NcclCode::from_raw(code), code)) {
+            Ok((None, _)) => {}
+            Ok((Some(NcclCode::InProgress), _)) => issued.pending = true,
+            Ok((Some(kind), code)) => {
+                let error = api.error(kind, code, "ncclGroupEnd", std::ptr::null_mut());
+                issued.failure.get_or_insert(error);
+            }
+            Err(error) => {
+                issued.failure.get_or_insert(error);
+            }
+        }
+    }
+    Ok(issued)
 }
 
 /// Builders for each call, shared by the communicator's methods and [`Group`].

@@ -9,6 +9,7 @@ use cuweave_driver::{Context, Device};
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::error::{CollectiveError, NcclCode, Result};
+use crate::handle::{ABORT_GRACE, CallGuard, HandleCell, Polled, poll_until};
 use crate::id::UniqueId;
 use crate::loader::{self, NcclApi};
 use crate::raw::{self, HandleSlot, RawComm};
@@ -61,12 +62,16 @@ impl CommConfig {
 }
 
 pub(crate) struct CommInner {
-    /// `None` once aborted or destroyed. Every NCCL call on the handle holds this lock, so an
-    /// abort (which frees the handle) never races a call using it.
-    handle: Mutex<Option<RawComm>>,
+    /// Serialises issuing work on the communicator (NCCL's rule: one thread at a time issues
+    /// on a communicator). Held by a call until its work has settled; never needed to abort,
+    /// to check for an asynchronous error, or to ask whether it was aborted.
+    issue: Mutex<()>,
+    /// The handle: every NCCL call on it runs under a guard of this cell, and an abort from any
+    /// thread takes it away without waiting for the issuing thread (see [`crate::handle`]).
+    handle: HandleCell<RawComm>,
     /// Where NCCL wrote the handle; kept while NCCL may write it (see [`HandleSlot`]).
-    slot: Option<HandleSlot>,
-    api: &'static NcclApi,
+    pub(crate) slot: Option<HandleSlot>,
+    pub(crate) api: &'static NcclApi,
     context: Arc<Context>,
     rank: usize,
     nranks: usize,
@@ -101,26 +106,7 @@ impl std::fmt::Debug for Communicator {
     }
 }
 
-/// Locked access to one communicator's handle.
-pub(crate) struct Locked<'a> {
-    pub(crate) comm: &'a Communicator,
-    pub(crate) guard: MutexGuard<'a, Option<RawComm>>,
-}
-
-impl Locked<'_> {
-    pub(crate) fn raw(&self, operation: &'static str) -> Result<RawComm> {
-        (*self.guard).ok_or(CollectiveError::Aborted { operation })
-    }
-
-    /// Aborts the communicator (once); later calls get `Aborted`.
-    pub(crate) fn abort(&mut self) {
-        if let Some(raw) = self.guard.take() {
-            abort_raw(self.comm.inner.api, &self.comm.inner.context, raw);
-        }
-    }
-}
-
-fn abort_raw(api: &NcclApi, context: &Context, raw: RawComm) {
+pub(crate) fn abort_raw(api: &NcclApi, context: &Context, raw: RawComm) {
     let _ = context.bind_to_thread();
     match raw::abort(api, raw) {
         Ok(code) if code == ncclResult_t::ncclSuccess => {
@@ -133,44 +119,30 @@ fn abort_raw(api: &NcclApi, context: &Context, raw: RawComm) {
 
 /// Polls `ncclCommGetAsyncError` on every handle until none is in progress. Any failure (an
 /// asynchronous error, the deadline, a failed poll) aborts every non-null handle before it is
-/// returned, so a caller never aborts them again.
-fn settle_raw(
+/// returned, so a caller never aborts them again. For handles no other thread can reach yet
+/// (initialisation, a split's children, finalisation on drop).
+pub(crate) fn settle_raw(
     api: &NcclApi,
     contexts: &[&Arc<Context>],
     handles: &[RawComm],
     operation: &'static str,
     timeout: Duration,
 ) -> Result<()> {
-    let start = Instant::now();
-    let polled = (|| -> Result<()> {
-        let mut polls = 0u32;
-        loop {
-            let mut pending = false;
+    let polled = poll_until(
+        Instant::now(),
+        timeout,
+        || {
+            let mut state = Polled::Done;
             for (raw, context) in handles.iter().zip(contexts) {
-                if raw.is_null() {
-                    continue;
-                }
-                context.bind_to_thread()?;
-                let state = raw::async_error(api, *raw)?;
-                match NcclCode::from_raw(state) {
-                    None => {}
-                    Some(NcclCode::InProgress) => pending = true,
-                    Some(kind) => return Err(api.error(kind, state, operation, raw.0)),
+                if !raw.is_null() && settle_once(api, context, *raw, operation)? == Polled::Pending
+                {
+                    state = Polled::Pending;
                 }
             }
-            if !pending {
-                return Ok(());
-            }
-            if start.elapsed() >= timeout {
-                return Err(CollectiveError::Timeout {
-                    operation,
-                    waited: start.elapsed(),
-                });
-            }
-            polls += 1;
-            back_off(polls);
-        }
-    })();
+            Ok(state)
+        },
+        |waited| CollectiveError::Timeout { operation, waited },
+    );
     if polled.is_err() {
         for (raw, context) in handles.iter().zip(contexts) {
             if !raw.is_null() {
@@ -181,36 +153,24 @@ fn settle_raw(
     polled
 }
 
-/// One poll of `ncclCommGetAsyncError`: `Ok(true)` when idle, `Ok(false)` while in progress,
-/// NCCL's error otherwise (nothing is aborted here).
-fn settle_once(
+/// One poll of `ncclCommGetAsyncError` on a handle the caller may use: idle, in progress, or
+/// NCCL's error (nothing is aborted here).
+pub(crate) fn settle_once(
     api: &NcclApi,
     context: &Context,
     raw: RawComm,
     operation: &'static str,
-) -> Result<bool> {
+) -> Result<Polled> {
     context.bind_to_thread()?;
     let state = raw::async_error(api, raw)?;
     match NcclCode::from_raw(state) {
-        None => Ok(true),
-        Some(NcclCode::InProgress) => Ok(false),
+        None => Ok(Polled::Done),
+        Some(NcclCode::InProgress) => Ok(Polled::Pending),
         Some(kind) => Err(api.error(kind, state, operation, raw.0)),
     }
 }
 
-/// Spins for the first polls (a short non-blocking call), then yields, then sleeps briefly
-/// (initialisation takes hundreds of milliseconds).
-pub(crate) fn back_off(polls: u32) {
-    if polls < 64 {
-        std::hint::spin_loop();
-    } else if polls < 1024 {
-        std::thread::yield_now();
-    } else {
-        std::thread::sleep(Duration::from_micros(200));
-    }
-}
-
-fn to_int(value: usize, what: &str, operation: &'static str) -> Result<c_int> {
+pub(crate) fn to_int(value: usize, what: &str, operation: &'static str) -> Result<c_int> {
     c_int::try_from(value).map_err(|_| {
         CollectiveError::invalid(operation, format!("{what} {value} does not fit a C int"))
     })
@@ -218,7 +178,7 @@ fn to_int(value: usize, what: &str, operation: &'static str) -> Result<c_int> {
 
 impl Communicator {
     /// Wraps the initialised handle in `slot`; aborts it when its shape cannot be read.
-    fn from_slot(
+    pub(crate) fn from_slot(
         slot: HandleSlot,
         api: &'static NcclApi,
         context: Arc<Context>,
@@ -232,7 +192,8 @@ impl Communicator {
         match shape {
             Ok((nranks, rank, _device)) => Ok(Self {
                 inner: Arc::new(CommInner {
-                    handle: Mutex::new(Some(raw)),
+                    issue: Mutex::new(()),
+                    handle: HandleCell::new(raw),
                     slot: Some(slot),
                     api,
                     context,
@@ -388,86 +349,6 @@ impl Communicator {
         Self::from_slot(slot, api, context, config.clone())
     }
 
-    /// Splits the communicator: every rank calls it (it is collective); ranks passing the same
-    /// `color` form a new communicator, ordered by `key` (then by their rank here). `None` as
-    /// the color takes no part (`NCCL_SPLIT_NOCOLOR`) and returns `Ok(None)`.
-    ///
-    /// # Errors
-    /// `InvalidArgument` for a color or key over `i32::MAX`; NCCL's error; `Timeout` (both the
-    /// parent and the child are then aborted).
-    pub fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Self>> {
-        const OP: &str = "Communicator::split";
-        let wanted = color.is_some();
-        let color = match color {
-            Some(color) => to_int(color as usize, "color", OP)?,
-            None => sys::NCCL_SPLIT_NOCOLOR,
-        };
-        let key = to_int(key as usize, "key", OP)?;
-        let inner = &self.inner;
-        let (api, context) = (inner.api, &inner.context);
-        let mut locked = self.lock();
-        let parent = locked.raw(OP)?;
-        context.bind_to_thread()?;
-        let slot = HandleSlot::new();
-        let code = raw::split(api, parent, &slot, color, key, inner.config.blocking)?;
-        if let Some(kind) = NcclCode::from_raw(code).filter(|k| *k != NcclCode::InProgress) {
-            let error = api.error(kind, code, "ncclCommSplit", parent.0);
-            let child = slot.get();
-            if !child.is_null() {
-                abort_raw(api, context, child);
-            }
-            slot.leak();
-            return Err(error);
-        }
-        // A non-blocking split runs on NCCL's thread (the parent reports it in progress) and
-        // writes the child's handle into the slot when it has made it: wait for both, then for
-        // the child's own initialisation.
-        let start = Instant::now();
-        let mut polls = 0u32;
-        let waited = loop {
-            let parent_done = settle_once(api, context, parent, OP);
-            let child = slot.get();
-            match parent_done {
-                Err(error) => break Err(error),
-                Ok(true) if !wanted || !child.is_null() => break Ok(child),
-                Ok(_) => {}
-            }
-            if start.elapsed() >= inner.config.timeout {
-                break Err(CollectiveError::Timeout {
-                    operation: OP,
-                    waited: start.elapsed(),
-                });
-            }
-            polls += 1;
-            back_off(polls);
-        };
-        let child = match waited {
-            Ok(child) => child,
-            Err(error) => {
-                locked.abort();
-                let child = slot.get();
-                if !child.is_null() {
-                    abort_raw(api, context, child);
-                }
-                slot.leak();
-                return Err(error);
-            }
-        };
-        drop(locked);
-        if child.is_null() {
-            // No part in any child; NCCL writes nothing more here, but the slot's address was
-            // handed over, so it is not reused.
-            slot.leak();
-            return Ok(None);
-        }
-        let left = inner.config.timeout.saturating_sub(start.elapsed());
-        if let Err(error) = settle_raw(api, &[context], &[child], OP, left) {
-            slot.leak();
-            return Err(error);
-        }
-        Self::from_slot(slot, api, Arc::clone(context), inner.config.clone()).map(Some)
-    }
-
     /// This rank's index.
     pub fn rank(&self) -> usize {
         self.inner.rank
@@ -494,31 +375,39 @@ impl Communicator {
     }
 
     /// Whether it was aborted (after a timeout, an asynchronous error or [`abort`](Self::abort)).
+    /// One atomic load: it never waits for a call in progress on another thread.
     pub fn is_aborted(&self) -> bool {
-        self.inner.handle.lock().is_none()
+        self.inner.handle.is_aborted()
     }
 
     /// Aborts the communicator now (`ncclCommAbort`): queued collectives on it stop, and it
     /// refuses further work. Every clone sees it.
+    ///
+    /// Callable from any thread while another is inside a call on this communicator (the
+    /// watchdog pattern): it does not wait for that call's deadline. The other thread's settle
+    /// loop stops at its next poll (with [`CollectiveError::Aborted`]); a blocking call hung
+    /// inside NCCL is cut short by `ncclCommAbort` itself, after a grace of 100 ms for calls
+    /// that are about to return.
     pub fn abort(&self) {
-        self.lock().abort();
+        if let Some(raw) = self.inner.handle.begin_abort(ABORT_GRACE) {
+            abort_raw(self.inner.api, &self.inner.context, raw);
+        }
     }
 
     /// `ncclCommGetAsyncError`: `Ok(())` while healthy (or still busy with a non-blocking
     /// call), NCCL's error once one happened. An error aborts the communicator.
     ///
+    /// Callable from any thread, without waiting for a call in progress on another.
+    ///
     /// # Errors
     /// `Aborted`; NCCL's asynchronous error.
     pub fn check_async_error(&self) -> Result<()> {
         const OP: &str = "ncclCommGetAsyncError";
-        let mut locked = self.lock();
-        let raw = locked.raw(OP)?;
-        let state = raw::async_error(self.inner.api, raw)?;
-        match NcclCode::from_raw(state) {
-            None | Some(NcclCode::InProgress) => Ok(()),
-            Some(kind) => {
-                let error = self.inner.api.error(kind, state, OP, raw.0);
-                locked.abort();
+        match self.poll(OP) {
+            Ok(_) => Ok(()),
+            Err(error @ CollectiveError::Aborted { .. }) => Err(error),
+            Err(error) => {
+                self.abort();
                 Err(error)
             }
         }
@@ -527,53 +416,55 @@ impl Communicator {
     /// The NCCL handle, for interop (`None` once aborted). It stays owned by this value: do not
     /// destroy or abort it, and do not use it after the communicator is dropped.
     pub fn as_raw(&self) -> Option<sys::ncclComm_t> {
-        self.inner.handle.lock().map(|raw| raw.0)
+        self.inner.handle.peek().map(|raw| raw.0)
     }
 
-    pub(crate) fn lock(&self) -> Locked<'_> {
-        Locked {
-            comm: self,
-            guard: self.inner.handle.lock(),
-        }
+    /// The lock that serialises issuing work on this communicator.
+    pub(crate) fn issue_lock(&self) -> MutexGuard<'_, ()> {
+        self.inner.issue.lock()
+    }
+
+    /// Permission to make one NCCL call on the handle; `Aborted` once an abort was requested.
+    pub(crate) fn enter(&self, operation: &'static str) -> Result<CallGuard<'_, RawComm>> {
+        self.inner
+            .handle
+            .enter()
+            .ok_or(CollectiveError::Aborted { operation })
     }
 
     pub(crate) fn api(&self) -> &'static NcclApi {
         self.inner.api
     }
 
-    /// After a call returned `code` on `raw` (locked): `Ok` on success, polls a non-blocking
-    /// `ncclInProgress` to its end (aborting on an error or the deadline), the typed error
-    /// otherwise (which aborts nothing: NCCL refused the call before queueing it).
-    pub(crate) fn settle_call(
-        &self,
-        locked: &mut Locked<'_>,
-        code: ncclResult_t,
-        operation: &'static str,
-    ) -> Result<()> {
-        let raw = locked.raw(operation)?;
-        match NcclCode::from_raw(code) {
-            None => Ok(()),
-            Some(NcclCode::InProgress) => {
-                let settled = settle_raw(
-                    self.inner.api,
-                    &[&self.inner.context],
-                    &[raw],
-                    operation,
-                    self.inner.config.timeout,
-                );
-                if settled.is_err() {
-                    locked.guard.take();
-                }
-                settled
-            }
-            Some(kind) => Err(self.inner.api.error(kind, code, operation, raw.0)),
+    /// One poll of `ncclCommGetAsyncError` under a fresh guard (nothing is aborted here).
+    pub(crate) fn poll(&self, operation: &'static str) -> Result<Polled> {
+        let guard = self.enter(operation)?;
+        settle_once(self.inner.api, &self.inner.context, guard.raw(), operation)
+    }
+
+    /// Polls until the communicator's non-blocking work is no longer in progress, within the
+    /// deadline counted from `started`. NCCL's error, a failed poll or the deadline aborts the
+    /// communicator; an abort from another thread ends the wait at the next poll with
+    /// `Aborted`. No guard is held between polls.
+    pub(crate) fn settle(&self, operation: &'static str, started: Instant) -> Result<()> {
+        let settled = poll_until(
+            started,
+            self.inner.config.timeout,
+            || self.poll(operation),
+            |waited| CollectiveError::Timeout { operation, waited },
+        );
+        if let Err(error) = &settled
+            && !matches!(error, CollectiveError::Aborted { .. })
+        {
+            self.abort();
         }
+        settled
     }
 }
 
 impl Drop for CommInner {
     fn drop(&mut self) {
-        let Some(raw) = self.handle.get_mut().take() else {
+        let Some(raw) = self.handle.take() else {
             // Aborted: NCCL's thread may have been cut short with the slot's address in hand.
             if let Some(slot) = self.slot.take() {
                 slot.leak();

@@ -56,11 +56,13 @@ pub mod collective;
 pub mod comm;
 pub mod coordinated;
 pub mod error;
+mod handle;
 pub mod id;
 #[allow(unsafe_code)]
 pub mod loader;
 #[allow(unsafe_code)]
 mod raw;
+mod split;
 #[allow(unsafe_code)]
 pub mod sys;
 pub mod types;

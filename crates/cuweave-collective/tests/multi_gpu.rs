@@ -342,3 +342,154 @@ fn a_rank_that_never_joins_is_a_typed_timeout_and_the_communicator_is_aborted() 
     // it gets a few seconds and is then killed rather than waited for without end.
     let _ = child.finish(Duration::from_secs(10));
 }
+
+/// `init_all` over the first two devices, with `timeout`.
+fn two_ranks(devices: &[Device], timeout: Duration) -> Vec<Communicator> {
+    Communicator::init_all(&devices[..2], &CommConfig::default().with_timeout(timeout))
+        .expect("init_all over two devices")
+}
+
+#[test]
+fn an_abort_from_another_thread_ends_a_collective_whose_peer_never_calls() {
+    const TEST: &str = "an_abort_from_another_thread_ends_a_collective_whose_peer_never_calls";
+    let _gpu = require_gpu!(else return);
+    let Some(devices) = devices(TEST) else { return };
+    let comms = two_ranks(&devices, Duration::from_secs(120));
+    let comm = comms[0].clone();
+    let stuck = std::thread::spawn({
+        let comm = comm.clone();
+        move || {
+            let stream = Stream::new(comm.context(), StreamFlags::NON_BLOCKING).expect("stream");
+            let send = DeviceBuffer::from_slice(comm.context(), &pattern::<f32>(1 << 20, 1))
+                .expect("upload");
+            let mut recv = DeviceBuffer::<f32>::zeroed(comm.context(), 1 << 20).expect("recv");
+            let started = Instant::now();
+            // Rank 1 never calls: the call (or the wait behind it) only ends by the abort.
+            let result = comm
+                .all_reduce(&send, &mut recv, ReduceOp::Sum, &stream)
+                .and_then(|()| comm.synchronize(&stream));
+            (result, started.elapsed())
+        }
+    });
+    // The watchdog: while rank 0's thread is in its call, every query returns at once.
+    let idle = Stream::new(comm.context(), StreamFlags::NON_BLOCKING).expect("stream");
+    let watching = Instant::now();
+    while watching.elapsed() < Duration::from_secs(2) {
+        let asked = Instant::now();
+        assert!(!comm.is_aborted());
+        comm.check_async_error().expect("healthy while waiting");
+        comm.synchronize_within(&idle, Duration::from_secs(1))
+            .expect("an idle stream is done");
+        assert!(
+            asked.elapsed() < Duration::from_secs(1),
+            "queries wait for the call in progress: {:?}",
+            asked.elapsed()
+        );
+    }
+    let aborting = Instant::now();
+    comm.abort();
+    assert!(
+        aborting.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        aborting.elapsed()
+    );
+    assert!(comm.is_aborted());
+    let (result, waited) = stuck.join().expect("thread");
+    eprintln!("stuck rank 0: {result:?} after {waited:?}");
+    let error = result.expect_err("the abort ends it");
+    assert!(
+        !error.is_timeout(),
+        "ended by the abort, not its deadline: {error}"
+    );
+    assert!(waited < Duration::from_secs(30), "{waited:?}");
+    comms[1].abort();
+}
+
+#[test]
+fn a_lonely_all_reduce_records_its_uses_whatever_it_returns() {
+    const TEST: &str = "a_lonely_all_reduce_records_its_uses_whatever_it_returns";
+    let _gpu = require_gpu!(else return);
+    let Some(devices) = devices(TEST) else { return };
+    let comms = two_ranks(&devices, Duration::from_secs(3));
+    let comm = &comms[0];
+    let stream = Stream::new(comm.context(), StreamFlags::NON_BLOCKING).expect("stream");
+    let send =
+        DeviceBuffer::from_slice(comm.context(), &pattern::<f32>(1 << 20, 1)).expect("upload");
+    let mut recv = DeviceBuffer::<f32>::zeroed(comm.context(), 1 << 20).expect("recv");
+    let result = comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &stream);
+    eprintln!("lonely all_reduce: {result:?}");
+    let handle = Some(stream.as_raw() as usize);
+    assert_eq!(send.last_use(), handle, "the read is recorded: {result:?}");
+    assert_eq!(recv.last_use(), handle, "the write is recorded: {result:?}");
+    match result {
+        Err(error) => {
+            assert!(error.is_timeout() || error.nccl_code().is_some(), "{error}");
+            assert!(comm.is_aborted());
+        }
+        Ok(()) => {
+            let error = comm.synchronize(&stream).expect_err("rank 1 never calls");
+            assert!(error.is_timeout() || error.nccl_code().is_some(), "{error}");
+        }
+    }
+    // The abort drained the stream, so the recorded write completes and the block is freed.
+    drop(recv);
+    stream.synchronize().expect("drained");
+    comms[1].abort();
+}
+
+#[test]
+fn a_failed_group_settles_or_aborts_every_communicator_and_records_every_use() {
+    const TEST: &str = "a_failed_group_settles_or_aborts_every_communicator_and_records_every_use";
+    let _gpu = require_gpu!(else return);
+    let Some(devices) = devices(TEST) else { return };
+    let (a, b) = (
+        two_ranks(&devices, Duration::from_secs(3)),
+        two_ranks(&devices, Duration::from_secs(3)),
+    );
+    let context = a[0].context();
+    let stream = Stream::new(context, StreamFlags::NON_BLOCKING).expect("stream");
+    let sends: Vec<DeviceBuffer<f32>> = (0..2)
+        .map(|i| DeviceBuffer::from_slice(context, &pattern::<f32>(4096, i)).expect("upload"))
+        .collect();
+    let mut recvs: Vec<DeviceBuffer<f32>> = (0..2)
+        .map(|_| DeviceBuffer::<f32>::zeroed(context, 4096).expect("recv"))
+        .collect();
+    let result = {
+        let mut group = Group::new();
+        let (ra, rb) = recvs.split_at_mut(1);
+        // Rank 0 of two communicators in one group; neither rank 1 ever calls.
+        group
+            .all_reduce(&a[0], &sends[0], &mut ra[0], ReduceOp::Sum, &stream)
+            .expect("add");
+        group
+            .all_reduce(&b[0], &sends[1], &mut rb[0], ReduceOp::Sum, &stream)
+            .expect("add");
+        group.launch()
+    };
+    eprintln!("lonely group: {result:?}");
+    let handle = Some(stream.as_raw() as usize);
+    for buffer in sends.iter().chain(&recvs) {
+        assert_eq!(
+            buffer.last_use(),
+            handle,
+            "every use is recorded: {result:?}"
+        );
+    }
+    match result {
+        Err(error) => {
+            assert!(error.is_timeout() || error.nccl_code().is_some(), "{error}");
+            assert!(
+                a[0].is_aborted() && b[0].is_aborted(),
+                "neither is left unsettled"
+            );
+        }
+        Ok(()) => {
+            let error = a[0].synchronize(&stream).expect_err("rank 1 never calls");
+            assert!(error.is_timeout() || error.nccl_code().is_some(), "{error}");
+            b[0].abort();
+        }
+    }
+    stream.synchronize().expect("drained by the aborts");
+    a[1].abort();
+    b[1].abort();
+}

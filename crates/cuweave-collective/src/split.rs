@@ -1,0 +1,244 @@
+//! Splitting communicators: [`Communicator::split`] for one rank per process (or per thread),
+//! and [`Communicator::split_all`] for several ranks driven from one thread (communicators made
+//! by [`Communicator::init_all`]), whose splits NCCL needs in one group.
+
+use std::ffi::c_int;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::comm::{Communicator, abort_raw, settle_raw, to_int};
+use crate::error::{CollectiveError, NcclCode, Result};
+use crate::handle::{Polled, poll_until};
+use crate::raw::{self, HandleSlot, RawComm};
+use crate::sys;
+
+/// The `(color, key)` pairs as NCCL takes them: a color over `i32::MAX` or a key over it is
+/// refused; `None` is `NCCL_SPLIT_NOCOLOR`.
+fn to_nccl(splits: &[(Option<u32>, u32)], operation: &'static str) -> Result<Vec<(c_int, c_int)>> {
+    splits
+        .iter()
+        .map(|&(color, key)| {
+            let color = match color {
+                Some(color) => to_int(color as usize, "color", operation)?,
+                None => sys::NCCL_SPLIT_NOCOLOR,
+            };
+            Ok((color, to_int(key as usize, "key", operation)?))
+        })
+        .collect()
+}
+
+/// Checks `split_all`'s arguments: as many splits as parents, at least one, no parent twice.
+fn check_parents(parents: &[&Communicator], splits: usize, operation: &'static str) -> Result<()> {
+    if parents.is_empty() {
+        return Err(CollectiveError::invalid(operation, "no communicators"));
+    }
+    if parents.len() != splits {
+        return Err(CollectiveError::invalid(
+            operation,
+            format!(
+                "{} communicators but {splits} (color, key) pairs",
+                parents.len()
+            ),
+        ));
+    }
+    for (i, parent) in parents.iter().enumerate() {
+        if parents[..i]
+            .iter()
+            .any(|other| Arc::ptr_eq(&other.inner, &parent.inner))
+        {
+            return Err(CollectiveError::invalid(
+                operation,
+                format!("communicator {i} (rank {}) is listed twice", parent.rank()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl Communicator {
+    /// Splits the communicator: every rank calls it (it is collective); ranks passing the same
+    /// `color` form a new communicator, ordered by `key` (then by their rank here). `None` as
+    /// the color takes no part (`NCCL_SPLIT_NOCOLOR`) and returns `Ok(None)`.
+    ///
+    /// This is for one rank per process, or one thread per rank: it returns only once this
+    /// rank's split has completed, which needs every other rank's split under way. Ranks
+    /// driven from one thread (made by [`init_all`](Self::init_all)) split together with
+    /// one group.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a color or key over `i32::MAX`; `Aborted`; NCCL's error;
+    /// `Timeout` (both the parent and the child are then aborted).
+    pub fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Self>> {
+        let mut children = Self::split_all_as(&[self], &[(color, key)], "Communicator::split")?;
+        Ok(children.pop().flatten())
+    }
+
+    fn split_all_as(
+        parents: &[&Communicator],
+        splits: &[(Option<u32>, u32)],
+        op: &'static str,
+    ) -> Result<Vec<Option<Self>>> {
+        check_parents(parents, splits.len(), op)?;
+        let nccl_splits = to_nccl(splits, op)?;
+        let api = parents[0].api();
+        let timeout = parents
+            .iter()
+            .map(|parent| parent.config().timeout)
+            .min()
+            .unwrap_or(Duration::ZERO);
+        // Issue locks in one order (parents are distinct), so two threads splitting
+        // overlapping sets cannot deadlock.
+        let mut order: Vec<&Communicator> = parents.to_vec();
+        order.sort_by_key(|comm| Arc::as_ptr(&comm.inner));
+        let _issuing: Vec<_> = order.iter().map(|comm| comm.issue_lock()).collect();
+        let slots: Vec<HandleSlot> = parents.iter().map(|_| HandleSlot::new()).collect();
+        let started = Instant::now();
+        let mut accepted = vec![false; parents.len()];
+        let failure = {
+            let guards = parents
+                .iter()
+                .map(|parent| parent.enter(op))
+                .collect::<Result<Vec<_>>>()?;
+            api.check(
+                raw::group_start(api)?,
+                "ncclGroupStart",
+                std::ptr::null_mut(),
+            )?;
+            let mut failure = None;
+            for (i, ((parent, guard), &(color, key))) in
+                parents.iter().zip(&guards).zip(&nccl_splits).enumerate()
+            {
+                let code = parent
+                    .context()
+                    .bind_to_thread()
+                    .map_err(CollectiveError::from)
+                    .and_then(|()| {
+                        let blocking = parent.config().blocking;
+                        raw::split(api, guard.raw(), &slots[i], color, key, blocking)
+                    });
+                match code.map(|code| (NcclCode::from_raw(code), code)) {
+                    Ok((None | Some(NcclCode::InProgress), _)) => accepted[i] = true,
+                    Ok((Some(kind), code)) => {
+                        failure = Some(api.error(kind, code, "ncclCommSplit", guard.raw().0));
+                        break;
+                    }
+                    Err(error) => {
+                        failure = Some(error);
+                        break;
+                    }
+                }
+            }
+            // Always close the group, so this thread leaves group mode.
+            let ended = raw::group_end(api).and_then(|code| match NcclCode::from_raw(code) {
+                None | Some(NcclCode::InProgress) => Ok(()),
+                Some(kind) => Err(api.error(kind, code, "ncclGroupEnd", std::ptr::null_mut())),
+            });
+            failure.or(ended.err())
+        };
+        if let Some(error) = failure {
+            // Nothing waits for a refused group: settle the parents whose split NCCL took
+            // (each is aborted if that fails), and abort any child already written.
+            for (parent, _) in parents.iter().zip(&accepted).filter(|(_, a)| **a) {
+                let _ = parent.settle(op, started);
+            }
+            abort_children(parents, &slots);
+            slots.into_iter().for_each(HandleSlot::leak);
+            return Err(error);
+        }
+        // A non-blocking split runs on NCCL's thread (the parent reports it in progress) and
+        // writes the child's handle into its slot when made: wait for every parent to be idle
+        // and every wanted child to be written, then for the children's own initialisation.
+        // No guard is held between polls, so an abort from another thread ends the wait.
+        let waited = poll_until(
+            started,
+            timeout,
+            || {
+                let mut state = Polled::Done;
+                for ((parent, slot), &(color, _)) in parents.iter().zip(&slots).zip(splits) {
+                    let idle = parent.poll(op)? == Polled::Done;
+                    if !idle || (color.is_some() && slot.get().is_null()) {
+                        state = Polled::Pending;
+                    }
+                }
+                Ok(state)
+            },
+            |waited| CollectiveError::Timeout {
+                operation: op,
+                waited,
+            },
+        );
+        if let Err(error) = waited {
+            for parent in parents {
+                parent.abort();
+            }
+            abort_children(parents, &slots);
+            slots.into_iter().for_each(HandleSlot::leak);
+            return Err(error);
+        }
+        let children: Vec<RawComm> = slots.iter().map(HandleSlot::get).collect();
+        let contexts: Vec<_> = parents.iter().map(|parent| parent.context()).collect();
+        let left = timeout.saturating_sub(started.elapsed());
+        if let Err(error) = settle_raw(api, &contexts, &children, op, left) {
+            slots.into_iter().for_each(HandleSlot::leak);
+            return Err(error);
+        }
+        let mut made = Vec::with_capacity(parents.len());
+        let mut rest = slots.into_iter().zip(parents).zip(&children);
+        while let Some(((slot, parent), child)) = rest.next() {
+            if child.is_null() {
+                // No part in any child; NCCL writes nothing more here, but the slot's address
+                // was handed over, so it is not reused.
+                slot.leak();
+                made.push(None);
+                continue;
+            }
+            let context = Arc::clone(parent.context());
+            match Self::from_slot(slot, api, context, parent.config().clone()) {
+                Ok(child) => made.push(Some(child)),
+                Err(error) => {
+                    // from_slot aborted this one; those already wrapped finalise on drop.
+                    for ((slot, parent), child) in rest {
+                        if !child.is_null() {
+                            abort_raw(api, parent.context(), *child);
+                        }
+                        slot.leak();
+                    }
+                    return Err(error);
+                }
+            }
+        }
+        Ok(made)
+    }
+}
+
+/// Aborts every child NCCL has written so far (their slots are leaked by the caller).
+fn abort_children(parents: &[&Communicator], slots: &[HandleSlot]) {
+    for (parent, slot) in parents.iter().zip(slots) {
+        let child = slot.get();
+        if !child.is_null() {
+            abort_raw(parent.api(), parent.context(), child);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rstest::rstest;
+
+    use super::*;
+
+    #[rstest]
+    #[case::none_and_some(&[(None, 0), (Some(3), 1)], Some(vec![(sys::NCCL_SPLIT_NOCOLOR, 0), (3, 1)]))]
+    #[case::color_too_big(&[(Some(u32::MAX), 0)], None)]
+    #[case::key_too_big(&[(Some(0), 1 << 31)], None)]
+    fn colors_and_keys_become_c_ints_or_a_typed_error(
+        #[case] splits: &[(Option<u32>, u32)],
+        #[case] want: Option<Vec<(c_int, c_int)>>,
+    ) {
+        match (to_nccl(splits, "test"), want) {
+            (Ok(got), Some(want)) => assert_eq!(got, want),
+            (Err(CollectiveError::InvalidArgument { .. }), None) => {}
+            (got, want) => panic!("got {got:?}, want {want:?}"),
+        }
+    }
+}
