@@ -7,8 +7,10 @@ use parking_lot::Mutex;
 
 use super::error::GraphError;
 use super::handle::{Graph, GraphNodeType, KeepAlive};
+use super::keep_alive::{Retirement, deduplicated};
 use crate::context::Context;
 use crate::error::Result;
+use crate::event_pool::{EventPool, OwnedPooledEvent};
 use crate::loader::{cu, driver};
 use crate::stream::Stream;
 use crate::sys;
@@ -56,13 +58,26 @@ impl InstantiateOptions {
 ///
 /// `Send + Sync`: launches, uploads and updates of one executable are serialised by a lock
 /// (the driver does not synchronise them itself).
+///
+/// # Keep-alives across updates
+/// The executable keeps alive what its graph keeps alive ([`Graph::keep_alive`]), each value
+/// once. After an [`update`](Self::update) the new graph's values are current; the previous
+/// generation is still held for the launches made before the update, and dropped by a later
+/// `update` once they have all finished. CUDA runs an executable's launches one after another,
+/// so an event recorded (from the context's [`EventPool`]) behind the first launch after an
+/// update proves it: one event record per update, none on other launches. A generation never
+/// launched is dropped at the next update at once. So however many update loops run, what is
+/// held is the current generation plus the generations still in flight.
 pub struct GraphExec {
     context: Arc<Context>,
     raw: sys::CUgraphExec,
-    lock: Mutex<()>,
+    /// Serialises driver calls on `raw`; holds the retirement of old keep-alive generations,
+    /// which launches feed.
+    lock: Mutex<Retirement<OwnedPooledEvent>>,
     /// The graph allocates memory and was instantiated without auto-free.
     single_launch: bool,
     launches: AtomicU64,
+    /// The current generation, each value once (replaced only under `&mut self`).
     keep_alive: Vec<KeepAlive>,
 }
 
@@ -123,10 +138,10 @@ impl GraphExec {
         Ok(Self {
             context: Arc::clone(context),
             raw,
-            lock: Mutex::new(()),
+            lock: Mutex::new(Retirement::default()),
             single_launch: allocates && !options.auto_free_on_launch,
             launches: AtomicU64::new(0),
-            keep_alive,
+            keep_alive: deduplicated(&keep_alive),
         })
     }
 
@@ -139,7 +154,7 @@ impl GraphExec {
         Self {
             context: Arc::clone(context),
             raw,
-            lock: Mutex::new(()),
+            lock: Mutex::new(Retirement::default()),
             single_launch: false,
             launches: AtomicU64::new(0),
             keep_alive: Vec::new(),
@@ -161,9 +176,17 @@ impl GraphExec {
         self.launches.load(Ordering::Relaxed)
     }
 
-    /// What the executable keeps alive (from its graph and from updates).
+    /// What the executable keeps alive for its current parameters: its graph's keep-alives,
+    /// or those of the graph of the last [`update`](Self::update), each value once.
     pub fn kept_alive(&self) -> &[KeepAlive] {
         &self.keep_alive
+    }
+
+    /// How many values the executable holds in all: the current generation and the older ones
+    /// still held for launches made before an update (see
+    /// [Keep-alives across updates](Self#keep-alives-across-updates)).
+    pub fn kept_alive_count(&self) -> usize {
+        self.keep_alive.len() + self.lock.lock().retired_len()
     }
 
     /// Queues the whole graph on `stream` (`cuGraphLaunch`): it runs after the work queued there
@@ -177,7 +200,7 @@ impl GraphExec {
     #[inline]
     pub fn launch(&self, stream: &Stream) -> Result<()> {
         stream.ensure_device(self.context.device(), "GraphExec::launch")?;
-        let _guard = self.lock.lock();
+        let mut retirement = self.lock.lock();
         if self.single_launch && self.launches.load(Ordering::Relaxed) != 0 {
             return Err(GraphError::RelaunchNeedsAutoFree.into());
         }
@@ -186,7 +209,28 @@ impl GraphExec {
         // SAFETY: live executable and stream of the same (current) context.
         unsafe { cu!(api.graph_launch(self.raw, stream.as_raw())) }?;
         self.launches.fetch_add(1, Ordering::Relaxed);
+        retirement.launched(|| self.fence_behind(stream));
         Ok(())
+    }
+
+    /// An event recorded on `stream` now, behind a launch, or `None` when none can be (a
+    /// capturing stream would record it into its graph, where it proves nothing): once per
+    /// update, so the cold path.
+    #[cold]
+    fn fence_behind(&self, stream: &Stream) -> Option<OwnedPooledEvent> {
+        if !matches!(stream.is_capturing(), Ok(false)) {
+            return None;
+        }
+        let fence = EventPool::for_context(&self.context)
+            .and_then(|pool| pool.acquire_owned(false))
+            .and_then(|event| event.record(stream).map(|()| event));
+        match fence {
+            Ok(event) => Some(event),
+            Err(error) => {
+                tracing::warn!(%error, "recording a graph's keep-alive fence failed; the old keep-alives wait for a later launch");
+                None
+            }
+        }
     }
 
     /// Uploads the executable's work descriptions to the device ahead of the first launch
@@ -206,13 +250,16 @@ impl GraphExec {
     /// Replaces the parameters of every node with those of `graph`, which must have the same
     /// shape (same nodes and edges, same node types, kernels of the same module); typically
     /// `graph` was captured again from the same code with other addresses or scalars
-    /// (`cuGraphExecUpdate`). What `graph` keeps alive is kept alive here too.
+    /// (`cuGraphExecUpdate`). What `graph` keeps alive is kept alive here too, and replaces
+    /// the previous generation, which is dropped once the launches made before this update have
+    /// finished (see [Keep-alives across updates](Self#keep-alives-across-updates)).
     ///
     /// # Errors
     /// [`GraphError::UpdateRejected`] with the driver's reason and the blocking node's type; the
     /// executable is unchanged then.
     pub fn update(&mut self, graph: &Graph) -> Result<()> {
-        let _guard = self.lock.lock();
+        // `&mut self`: no launch runs meanwhile, and the lock needs no locking.
+        let retirement = self.lock.get_mut();
         self.context.bind_to_thread()?;
         let api = driver()?;
         let mut info = sys::CUgraphExecUpdateResultInfo::default();
@@ -228,7 +275,7 @@ impl GraphExec {
             }
             return Err(error);
         }
-        self.keep_alive.extend(graph.kept_alive().iter().cloned());
+        retirement.update(&mut self.keep_alive, graph.kept_alive());
         Ok(())
     }
 }

@@ -30,6 +30,7 @@ mod capture;
 mod error;
 mod exec;
 mod handle;
+mod keep_alive;
 mod memory;
 
 #[cfg(test)]
