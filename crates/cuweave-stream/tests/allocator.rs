@@ -4,7 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use cuweave_driver::graph::{CaptureMode, GraphError};
+use cuweave_driver::memory::{HostAllocFlags, HostAllocation};
+use cuweave_driver::{Stream, StreamFlags};
 use cuweave_memory::{Buffer, DeviceBuffer};
+use cuweave_stream::capture::CaptureOptions;
 use cuweave_stream::{
     PriorityStream, StreamError, StreamOrderedAllocator, StreamOrderedAllocatorConfig,
     StreamPriority,
@@ -208,4 +212,89 @@ fn typed_buffers_from_the_stream_ordered_pool_round_trip_across_streams() {
         Err(StreamError::Memory(_))
     ));
     assert!(allocator.reserved_bytes(a.device().ordinal()).unwrap() >= (N * 4) as u64);
+}
+
+/// A gate on mapped pinned memory that a `wait_u32` kernel holds a stream behind until the host
+/// opens it; dropping it opens it, so a failing test never frees the flag under the kernel.
+struct Gate {
+    flag: HostAllocation,
+}
+
+impl Gate {
+    fn new(gpu: &cuweave_test_support::Gpu) -> Self {
+        let mut flag =
+            HostAllocation::new(&gpu.context, 4, HostAllocFlags::PORTABLE_MAPPED).unwrap();
+        flag.as_bytes_mut().fill(0);
+        Self { flag }
+    }
+
+    fn hold(&self, kernels: &TestKernels, stream: &PriorityStream) {
+        let flag = self.flag.device_ptr().unwrap();
+        // SAFETY: `flag` maps the 4 bytes of `self.flag`, which outlive the kernel (the gate is
+        // opened before it is freed, and freeing pinned memory waits for the device); the host
+        // writes it only volatile.
+        unsafe { kernels.wait_u32(stream.stream(), flag, 1, 10_000 * MS) }.unwrap();
+    }
+
+    fn open(&self) {
+        let flag = self.flag.as_ptr().cast::<u32>().cast_mut();
+        // SAFETY: 4 aligned bytes of live pinned memory that kernels only read.
+        unsafe { flag.write_volatile(1) };
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.open();
+    }
+}
+
+#[test]
+fn a_query_refused_during_a_capture_forgets_no_pending_wait() {
+    let gpu = cuweave_test_support::require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    if !gpu.device.can_map_host_memory().unwrap() {
+        cuweave_test_support::skip(
+            "a_query_refused_during_a_capture_forgets_no_pending_wait",
+            "the device cannot map host memory",
+        );
+        return;
+    }
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let (a, b, c) = (new_stream(&gpu), new_stream(&gpu), new_stream(&gpu));
+    let allocator = StreamOrderedAllocator::new(StreamOrderedAllocatorConfig::default());
+    // Made before the gate closes: nothing below may synchronise the context until it opens.
+    let capturing = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let gate = Gate::new(&gpu);
+    gate.hold(&kernels, &a);
+    allocator.add_stream_dependency(&b, &a).unwrap(); // b waits behind the gate
+    allocator.add_stream_dependency(&c, &b).unwrap(); // c too, through b
+    assert!(!allocator.dependencies_satisfied(&b).unwrap());
+
+    // A capture on this thread: the driver's own begin, since `StreamCapture::begin` first
+    // synchronises the context, which the closed gate would hold.
+    capturing.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    let refused = allocator.dependencies_satisfied(&b).unwrap_err();
+    assert!(
+        matches!(refused.graph_error(), Some(GraphError::Capturing { .. })),
+        "{refused}"
+    );
+    drop(capturing.end_capture().unwrap());
+
+    // The refused query forgot nothing: both waits are still pending on the GPU.
+    assert!(!allocator.dependencies_satisfied(&b).unwrap());
+    assert!(!allocator.dependencies_satisfied(&c).unwrap());
+    gate.open();
+    c.synchronize().unwrap();
+    assert!(allocator.dependencies_satisfied(&b).unwrap());
+    assert!(allocator.dependencies_satisfied(&c).unwrap());
+
+    // A wait recorded inside a capture is a graph edge, not a wait to track: its event could
+    // never be queried again (CUDA_ERROR_CAPTURED_EVENT).
+    let capture = a.begin_capture(CaptureOptions::default()).unwrap();
+    allocator.add_stream_dependency(&b, &a).unwrap(); // forks b into the capture
+    a.wait_for(&b).unwrap(); // and joins it back
+    drop(capture.finish().unwrap());
+    assert!(allocator.dependencies_satisfied(&b).unwrap());
 }

@@ -285,6 +285,11 @@ impl StreamOrderedAllocator {
     /// lets it use every allocation `prerequisite` may use now (those it owns and those it was
     /// given).
     ///
+    /// While `prerequisite` is capturing, the wait is recorded into the graph (an edge, which
+    /// forks `dependent` into the capture) and is not one that
+    /// [`dependencies_satisfied`](Self::dependencies_satisfied) tracks: nothing runs until the
+    /// graph is launched.
+    ///
     /// # Errors
     /// [`StreamError::WrongDevice`] for streams of different devices (the memory is one
     /// device's); [`StreamError::SelfDependency`] for a stream and itself; the driver's error.
@@ -305,6 +310,9 @@ impl StreamOrderedAllocator {
                 stream: dependent.id(),
             });
         }
+        // Recorded into a capture, the wait is a graph edge: nothing runs that could be waited
+        // for, and the event answers every later query with CUDA_ERROR_CAPTURED_EVENT.
+        let captured = crate::capture::is_capturing(prerequisite.stream())?;
         let event = prerequisite.event_pool().acquire_owned(false)?;
         event.record(prerequisite.stream())?;
         dependent.stream().wait_event(&event)?;
@@ -318,21 +326,26 @@ impl StreamOrderedAllocator {
         }
         {
             let mut dependencies = self.dependencies.lock();
-            // Finished waits and the earlier wait of this pair are forgotten (their events go
-            // back to the pool): the list holds at most one wait per pair of streams.
-            let mut kept = Vec::with_capacity(dependencies.len() + 1);
-            for dependency in dependencies.drain(..) {
-                let same_pair = dependency.dependent == dep && dependency.prerequisite == pre;
-                if !same_pair && !dependency.event.query()? {
-                    kept.push(dependency);
-                }
-            }
-            kept.push(Dependency {
-                dependent: dep,
-                prerequisite: pre,
-                event,
+            // The earlier wait of this pair is forgotten (its event goes back to the pool): the
+            // list holds at most one wait per pair of streams.
+            dependencies
+                .retain(|dependency| dependency.dependent != dep || dependency.prerequisite != pre);
+            // So are finished waits, as housekeeping: when a query fails (refused on a
+            // capturing thread) the waits from there on are kept, for `dependencies_satisfied`
+            // to report. The wait above is queued either way, so this call succeeds.
+            let pruned = retain_pending(&mut dependencies, |dependency| {
+                Ok(dependency.event.query()?)
             });
-            *dependencies = kept;
+            if let Err(error) = pruned {
+                tracing::debug!(%error, "stream-ordered allocator: finished waits not pruned");
+            }
+            if !captured {
+                dependencies.push(Dependency {
+                    dependent: dep,
+                    prerequisite: pre,
+                    event,
+                });
+            }
         }
         self.with_stats(|stats| stats.dependencies += 1);
         Ok(())
@@ -342,22 +355,19 @@ impl StreamOrderedAllocator {
     /// Satisfied waits are forgotten.
     ///
     /// # Errors
-    /// The driver's error from an event query.
+    /// The driver's error from an event query ([`GraphError::Capturing`] on a thread that is
+    /// capturing); every wait not known to be satisfied is then kept, so a later call still
+    /// sees it.
+    ///
+    /// [`GraphError::Capturing`]: cuweave_driver::graph::GraphError::Capturing
     pub fn dependencies_satisfied(&self, dependent: &PriorityStream) -> Result<bool> {
         let mut dependencies = self.dependencies.lock();
-        let mut satisfied = true;
-        let mut kept = Vec::with_capacity(dependencies.len());
-        for dependency in dependencies.drain(..) {
-            if dependency.event.query()? {
-                continue;
-            }
-            if dependency.dependent == dependent.id() {
-                satisfied = false;
-            }
-            kept.push(dependency);
-        }
-        *dependencies = kept;
-        Ok(satisfied)
+        retain_pending(&mut dependencies, |dependency| {
+            Ok(dependency.event.query()?)
+        })?;
+        Ok(!dependencies
+            .iter()
+            .any(|dependency| dependency.dependent == dependent.id()))
     }
 
     /// Frees `allocation` in its owner's stream order, after the owner has waited for every
@@ -483,6 +493,29 @@ impl StreamOrderedAllocator {
     }
 }
 
+/// Drops, in order, the entries `finished` says are done. At the first entry it cannot tell
+/// about, it stops: that entry and every one after it are kept, and its error is returned.
+fn retain_pending<D>(
+    list: &mut Vec<D>,
+    mut finished: impl FnMut(&D) -> Result<bool>,
+) -> Result<()> {
+    let mut failure = None;
+    // `retain` visits every entry once, in order.
+    list.retain(|entry| {
+        if failure.is_some() {
+            return true;
+        }
+        match finished(entry) {
+            Ok(done) => !done,
+            Err(error) => {
+                failure = Some(error);
+                true
+            }
+        }
+    });
+    failure.map_or(Ok(()), Err)
+}
+
 impl Drop for StreamOrderedAllocator {
     fn drop(&mut self) {
         let entries = std::mem::take(&mut *self.entries.lock());
@@ -491,5 +524,51 @@ impl Drop for StreamOrderedAllocator {
                 tracing::warn!(%error, "freeing a stream-ordered allocation on drop failed");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use cuweave_driver::DriverError;
+    use cuweave_driver::graph::GraphError;
+    use rstest::rstest;
+
+    use super::*;
+
+    fn refused() -> StreamError {
+        DriverError::from(GraphError::Capturing {
+            operation: "Event::query",
+            reason: "a test",
+        })
+        .into()
+    }
+
+    /// Entries are `(id, answer)`: `Some(done)` or `None` for a query that fails.
+    #[rstest]
+    #[case::all_answered(&[(1, Some(true)), (2, Some(false)), (3, Some(true))], &[2], false)]
+    #[case::first_fails(&[(1, None), (2, Some(true)), (3, Some(false))], &[1, 2, 3], true)]
+    #[case::middle_fails(&[(1, Some(true)), (2, None), (3, Some(true))], &[2, 3], true)]
+    #[case::last_fails(&[(1, Some(false)), (2, Some(true)), (3, None)], &[1, 3], true)]
+    #[case::empty(&[], &[], false)]
+    fn a_failed_query_keeps_that_entry_and_every_later_one(
+        #[case] entries: &[(u32, Option<bool>)],
+        #[case] kept: &[u32],
+        #[case] fails: bool,
+    ) {
+        let mut list = entries.to_vec();
+        let mut asked = Vec::new();
+        let result = retain_pending(&mut list, |&(id, answer)| {
+            asked.push(id);
+            answer.ok_or_else(refused)
+        });
+        assert_eq!(result.is_err(), fails);
+        if fails {
+            assert_eq!(result.unwrap_err(), refused());
+            // Nothing after the failing entry was queried.
+            let failed = entries.iter().position(|(_, a)| a.is_none()).unwrap();
+            assert_eq!(asked.len(), failed + 1);
+        }
+        let ids: Vec<u32> = list.iter().map(|(id, _)| *id).collect();
+        assert_eq!(ids, kept);
     }
 }
