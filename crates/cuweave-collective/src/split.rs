@@ -63,7 +63,7 @@ impl Communicator {
     /// This is for one rank per process, or one thread per rank: it returns only once this
     /// rank's split has completed, which needs every other rank's split under way. Ranks
     /// driven from one thread (made by [`init_all`](Self::init_all)) split together with
-    /// one group.
+    /// [`split_all`](Self::split_all).
     ///
     /// # Errors
     /// `InvalidArgument` for a color or key over `i32::MAX`; `Aborted`; NCCL's error;
@@ -71,6 +71,39 @@ impl Communicator {
     pub fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Self>> {
         let mut children = Self::split_all_as(&[self], &[(color, key)], "Communicator::split")?;
         Ok(children.pop().flatten())
+    }
+
+    /// Splits several communicators driven from this thread (the ranks of
+    /// [`init_all`](Self::init_all), or some of them) at once: `splits[i]` is `parents[i]`'s
+    /// `(color, key)`, as in [`split`](Self::split). Every split is issued in one NCCL group
+    /// (NCCL's rule for several ranks in one thread: each rank's split waits for the others),
+    /// then all are waited for within the smallest of the parents' deadlines. The result holds,
+    /// per parent, its child (`None` for a `None` color).
+    ///
+    /// ```no_run
+    /// use cuweave_collective::{CommConfig, Communicator};
+    /// use cuweave_driver::Device;
+    ///
+    /// # fn main() -> cuweave_collective::Result<()> {
+    /// let comms = Communicator::init_all(&Device::all()?, &CommConfig::default())?;
+    /// let parents: Vec<&Communicator> = comms.iter().collect();
+    /// // Even ranks in one child, odd ranks in another.
+    /// let splits: Vec<_> = (0..comms.len()).map(|r| (Some((r % 2) as u32), r as u32)).collect();
+    /// let children = Communicator::split_all(&parents, &splits)?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// `InvalidArgument` for no parents, a count of splits that differs, a parent listed twice,
+    /// or a color or key over `i32::MAX`; `Aborted`; NCCL's error (every child made is aborted,
+    /// and a parent whose split was accepted is settled, or aborted when it fails); `Timeout`
+    /// (every parent and every child is then aborted).
+    pub fn split_all(
+        parents: &[&Communicator],
+        splits: &[(Option<u32>, u32)],
+    ) -> Result<Vec<Option<Self>>> {
+        Self::split_all_as(parents, splits, "Communicator::split_all")
     }
 
     fn split_all_as(

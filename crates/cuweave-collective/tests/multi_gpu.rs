@@ -493,3 +493,53 @@ fn a_failed_group_settles_or_aborts_every_communicator_and_records_every_use() {
     a[1].abort();
     b[1].abort();
 }
+
+#[test]
+fn split_all_splits_every_rank_of_init_all_by_parity() {
+    const TEST: &str = "split_all_splits_every_rank_of_init_all_by_parity";
+    let _gpu = require_gpu!(else return);
+    let Some(devices) = devices(TEST) else { return };
+    let comms = Communicator::init_all(&devices, &CommConfig::default()).expect("init_all");
+    let parents: Vec<&Communicator> = comms.iter().collect();
+    let splits: Vec<(Option<u32>, u32)> = (0..comms.len())
+        .map(|r| (Some((r % 2) as u32), r as u32))
+        .collect();
+    let children: Vec<Communicator> = Communicator::split_all(&parents, &splits)
+        .expect("split_all")
+        .into_iter()
+        .map(|child| child.expect("every rank has a colour"))
+        .collect();
+    let n = comms.len();
+    for (r, child) in children.iter().enumerate() {
+        let size = if r % 2 == 0 { n.div_ceil(2) } else { n / 2 };
+        assert_eq!((child.rank(), child.size()), (r / 2, size), "rank {r}");
+    }
+    // Every child's ranks all-reduce together, in one group (one thread drives them all).
+    let streams: Vec<Stream> = children
+        .iter()
+        .map(|c| Stream::new(c.context(), StreamFlags::NON_BLOCKING).expect("stream"))
+        .collect();
+    let mut buffers: Vec<DeviceBuffer<f64>> = children
+        .iter()
+        .enumerate()
+        .map(|(r, c)| DeviceBuffer::from_slice(c.context(), &[r as f64; 64]).expect("upload"))
+        .collect();
+    {
+        let mut group = Group::new();
+        for ((child, buffer), stream) in children.iter().zip(&mut buffers).zip(&streams) {
+            group
+                .all_reduce_in_place(child, buffer, ReduceOp::Sum, stream)
+                .expect("add");
+        }
+        group.launch().expect("launch");
+    }
+    for (r, ((child, buffer), stream)) in children.iter().zip(&buffers).zip(&streams).enumerate() {
+        child.synchronize(stream).expect("synchronize");
+        let want: f64 = (0..n).filter(|q| q % 2 == r % 2).map(|q| q as f64).sum();
+        assert_bytes_eq(
+            "parity sum",
+            &buffer.to_vec().expect("download"),
+            &[want; 64],
+        );
+    }
+}

@@ -544,3 +544,51 @@ fn views_take_part_in_collectives_and_read_only_views_refuse_writes() {
         "{error}"
     );
 }
+
+#[test]
+fn split_all_splits_the_ranks_of_init_all_in_one_group() {
+    let gpu = gate!();
+    let comms = Communicator::init_all(&[gpu.device], &CommConfig::default()).expect("init_all");
+    let parents: Vec<&Communicator> = comms.iter().collect();
+    let mut children = Communicator::split_all(&parents, &[(Some(0), 0)]).expect("split_all");
+    let child = children
+        .pop()
+        .flatten()
+        .expect("a colour gives a communicator");
+    assert_eq!((child.rank(), child.size()), (0, 1));
+    let stream = Stream::new(child.context(), StreamFlags::NON_BLOCKING).expect("stream");
+    let mut buffer = upload(child.context(), &pattern::<f32>(4097, 3));
+    child
+        .all_reduce_in_place(&mut buffer, ReduceOp::Sum, &stream)
+        .expect("all_reduce");
+    child.synchronize(&stream).expect("synchronize");
+    assert_bytes_eq(
+        "split_all child",
+        &buffer.to_vec().expect("download"),
+        &pattern::<f32>(4097, 3),
+    );
+    drop(child);
+    let none = Communicator::split_all(&parents, &[(None, 0)]).expect("no colour");
+    assert!(matches!(none.as_slice(), [None]), "{none:?}");
+    assert!(!comms[0].is_aborted());
+}
+
+#[test]
+fn split_all_refuses_bad_arguments_before_nccl() {
+    let _gpu = gate!();
+    let comm = comm();
+    let refused = |result: cuweave_collective::Result<Vec<Option<Communicator>>>| {
+        assert!(
+            matches!(result, Err(CollectiveError::InvalidArgument { .. })),
+            "{result:?}"
+        );
+    };
+    refused(Communicator::split_all(&[], &[]));
+    refused(Communicator::split_all(&[comm], &[]));
+    refused(Communicator::split_all(
+        &[comm, comm],
+        &[(Some(0), 0), (Some(0), 1)],
+    ));
+    refused(Communicator::split_all(&[comm], &[(Some(u32::MAX), 0)]));
+    assert!(!comm.is_aborted());
+}
