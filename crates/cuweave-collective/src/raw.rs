@@ -20,10 +20,12 @@ use crate::sys::{self, ncclResult_t};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct RawComm(pub(crate) sys::ncclComm_t);
 
-// SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
-// concurrent; `comm::CommInner` serialises them behind a mutex.
+// SAFETY: an NCCL communicator may be used from any thread as long as operations are not
+// issued on it concurrently; `comm::CommInner` serialises issuing behind its issue lock, and
+// makes every call under a guard of its handle cell, which an abort waits for before freeing the
+// handle (`ncclCommGetAsyncError` and `ncclCommAbort` are NCCL's calls from another thread).
 unsafe impl Send for RawComm {}
-// SAFETY: as above: shared references only reach NCCL through that mutex.
+// SAFETY: as above: shared references only reach NCCL through the issue lock and the guards.
 unsafe impl Sync for RawComm {}
 
 impl RawComm {
