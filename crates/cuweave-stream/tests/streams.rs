@@ -1,13 +1,16 @@
 //! GPU tests of `PriorityStream`: priorities read back, overlap and overtaking seen in
-//! `%globaltimer` stamps, counted and GPU-timed operations, host callbacks.
+//! `%globaltimer` stamps, counted and GPU-timed operations, host callbacks (refused on a
+//! capturing stream).
 
 use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use cuweave_driver::{Event, EventFlags};
+use cuweave_driver::graph::GraphError;
+use cuweave_driver::{Event, EventFlags, InstantiateOptions};
 use cuweave_memory::{Buffer, DeviceBuffer, MemLocation, UnifiedBuffer};
-use cuweave_stream::{PriorityStream, StreamPriority};
+use cuweave_stream::capture::CaptureOptions;
+use cuweave_stream::{MultiStreamCoordinator, PriorityStream, StreamError, StreamPriority};
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::stream_kernels::StreamKernels;
 
@@ -251,4 +254,60 @@ fn a_callback_may_call_cuda_and_a_panicking_one_is_reported() {
     assert!(failures[0].message.contains("deliberate callback panic"));
     assert_eq!(stream.metrics().unwrap().callback_panics, 1);
     drop(tx);
+}
+
+fn assert_capture_refusal(result: Result<(), StreamError>) {
+    let error = result.unwrap_err();
+    assert!(
+        matches!(error.graph_error(), Some(GraphError::Capturing { .. })),
+        "{error}"
+    );
+}
+
+#[test]
+fn host_callbacks_are_refused_on_a_capturing_stream_and_their_closures_dropped() {
+    let gpu = cuweave_test_support::require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let capturing = Arc::new(PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap());
+    let idle = Arc::new(PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap());
+    let coordinator =
+        MultiStreamCoordinator::with_streams([Arc::clone(&idle), Arc::clone(&capturing)]);
+    let token = Arc::new(());
+
+    let capture = capturing.begin_capture(CaptureOptions::default()).unwrap();
+    kernels.spin_ns(&capturing, 1000).unwrap();
+    let held = Arc::clone(&token);
+    assert_capture_refusal(capturing.add_callback(move || drop(held)));
+    let held = Arc::clone(&token);
+    assert_capture_refusal(coordinator.on_stream_complete(&capturing, move || drop(held)));
+    // Refused before anything is queued, on the idle stream too.
+    let held = Arc::clone(&token);
+    assert_capture_refusal(coordinator.on_all_complete(move || drop(held)));
+    assert_eq!(
+        Arc::strong_count(&token),
+        1,
+        "no host node or queued callback holds a closure"
+    );
+    let graph = capture
+        .finish()
+        .expect("the refusals did not break the capture");
+    let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
+    for _ in 0..3 {
+        capturing.launch_graph(&exec).unwrap();
+    }
+    capturing.synchronize().unwrap();
+    assert_eq!(Arc::strong_count(&token), 1);
+
+    // After the capture, callbacks run again.
+    let (tx, rx) = mpsc::channel();
+    let held = Arc::clone(&token);
+    coordinator
+        .on_all_complete(move || {
+            drop(held);
+            tx.send(()).unwrap();
+        })
+        .unwrap();
+    rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(Arc::strong_count(&token), 1);
 }

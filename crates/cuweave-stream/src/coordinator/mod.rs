@@ -245,12 +245,15 @@ impl MultiStreamCoordinator {
     /// `stream` so far.
     ///
     /// # Errors
-    /// As [`PriorityStream::add_callback`].
+    /// As [`PriorityStream::add_callback`]: refused with
+    /// [`GraphError::Capturing`](cuweave_driver::graph::GraphError::Capturing) on a capturing
+    /// stream.
     pub fn on_stream_complete(
         &self,
         stream: &PriorityStream,
         callback: impl FnOnce() + Send + 'static,
     ) -> Result<()> {
+        stream.refuse_callbacks_while_capturing("MultiStreamCoordinator::on_stream_complete")?;
         stream.add_callback(callback)
     }
 
@@ -259,13 +262,18 @@ impl MultiStreamCoordinator {
     /// on this thread.
     ///
     /// # Errors
-    /// As [`PriorityStream::add_callback`]; streams queued before a failure still count down, so
-    /// `callback` does not run then.
+    /// [`GraphError::Capturing`](cuweave_driver::graph::GraphError::Capturing) when any
+    /// coordinated stream is capturing, before anything is queued (`callback` is dropped);
+    /// otherwise as [`PriorityStream::add_callback`]: streams queued before a failure still
+    /// count down, so `callback` does not run then.
     pub fn on_all_complete(&self, callback: impl FnOnce() + Send + 'static) -> Result<()> {
         let streams = self.streams();
         if streams.is_empty() {
             callback();
             return Ok(());
+        }
+        for stream in &streams {
+            stream.refuse_callbacks_while_capturing("MultiStreamCoordinator::on_all_complete")?;
         }
         let remaining = Arc::new(AtomicUsize::new(streams.len()));
         let callback = Arc::new(Mutex::new(Some(callback)));

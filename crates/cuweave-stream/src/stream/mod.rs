@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use cuweave_driver::graph::GraphError;
 use cuweave_driver::{
     Context, Device, DriverError, EventPool, OwnedPooledEvent, Stream, StreamFlags,
 };
@@ -268,14 +269,32 @@ impl PriorityStream {
     /// stream does not wait for `callback` to return. A panic in it is caught and reported in
     /// [`callback_failures`](Self::callback_failures) and the metrics; later callbacks still run.
     ///
+    /// Refused on a capturing stream: captured, the host function would become a graph node
+    /// that runs (and frees its closure) on every replay.
+    ///
     /// # Errors
-    /// The driver's error when the host function cannot be queued, or a failure to start the
-    /// worker thread.
+    /// [`GraphError::Capturing`] while the stream is capturing (nothing is queued, no worker
+    /// started, and `callback` is dropped); the driver's error when the host function cannot be
+    /// queued, or a failure to start the worker thread.
     pub fn add_callback(&self, callback: impl FnOnce() + Send + 'static) -> Result<()> {
+        self.refuse_callbacks_while_capturing("PriorityStream::add_callback")?;
         let relay = self.callbacks.relay(Box::new(callback))?;
         self.enqueue(OperationKind::Callback, 0, |stream| {
             stream.launch_host_fn(relay)
         })
+    }
+
+    /// [`GraphError::Capturing`] naming `operation` while the stream is capturing: a host
+    /// function cannot be queued on it.
+    pub(crate) fn refuse_callbacks_while_capturing(&self, operation: &'static str) -> Result<()> {
+        if crate::capture::is_capturing(&self.inner)? {
+            return Err(DriverError::from(GraphError::Capturing {
+                operation,
+                reason: "the stream is capturing: a host function captured into a graph runs, and frees its closure, on every replay",
+            })
+            .into());
+        }
+        Ok(())
     }
 
     /// The callbacks that panicked so far.
