@@ -39,6 +39,8 @@
 #[cfg(not(loom))]
 pub mod barrier;
 #[cfg(not(loom))]
+mod capture;
+#[cfg(not(loom))]
 pub mod coordinator;
 #[cfg(not(loom))]
 pub mod error;

@@ -207,6 +207,9 @@ impl State {
         self.queued.drain_done(|id| match operations.get(&id) {
             Some(op) if op.metadata.state == OperationState::Queued => match query(op) {
                 Ok(false) => Front::NotYet,
+                // A capture on some thread forbids this thread's query for now: ask again
+                // later (never a failure of the operation).
+                Err(error) if crate::capture::is_refusal(&error) => Front::NotYet,
                 Ok(true) => Front::Done(Ok(())),
                 Err(error) => Front::Done(Err(EventError::from(error))),
             },
@@ -896,6 +899,54 @@ mod tests {
             state.try_retire(id);
         }
         assert_eq!((state.queued.len(), state.operations.len()), (0, 0));
+    }
+
+    #[test]
+    fn a_query_refused_during_a_capture_leaves_the_operation_queued() {
+        let mut state = State {
+            next_id: 2,
+            ..State::default()
+        };
+        for id in 1..=2 {
+            let mut op = operation(id, OperationState::Queued, vec![]);
+            op.metadata.stream = Some(id);
+            state.operations.insert(OperationId(id), op);
+            state.queued.push(id, OperationId(id));
+        }
+        // Another thread's global-mode capture: this thread's event queries are refused.
+        let refused = || {
+            Err(DriverError::Graph(cuweave_driver::GraphError::Capturing {
+                operation: "Event::query",
+                reason: "a blocking call or event query now would invalidate the capture",
+            }))
+        };
+        assert!(state.take_finished(|_| refused()).is_empty());
+        assert_eq!(state.queued.len(), 2);
+        for id in 1..=2 {
+            assert_eq!(
+                state.state_of(OperationId(id)),
+                Some(OperationState::Queued)
+            );
+        }
+        // The capture ended: the GPU had finished op 1; op 2's context died meanwhile.
+        let finished = state.take_finished(|op| {
+            if op.metadata.id.0 == 1 {
+                Ok(true)
+            } else {
+                Err(DriverError::Cuda {
+                    code: 719,
+                    operation: "cuEventQuery",
+                })
+            }
+        });
+        for (id, result) in finished {
+            state.decide(id, &result);
+        }
+        assert_eq!(
+            state.state_of(OperationId(1)),
+            Some(OperationState::Completed)
+        );
+        assert_eq!(state.state_of(OperationId(2)), Some(OperationState::Failed));
     }
 
     #[test]

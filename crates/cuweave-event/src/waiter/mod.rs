@@ -114,6 +114,10 @@ pub struct WaiterStats {
 /// The reactor spins while waits are pending (about 200 µs after the last completion, then it
 /// yields, then it naps 100 µs between scans) and parks once nothing has been pending for 2 ms,
 /// so an idle waiter costs no CPU. Callbacks run on the reactor thread: keep them short, and never block in them.
+/// The reactor and its sleeper thread stay in relaxed capture mode, so that a
+/// [`CaptureMode::Global`](cuweave_driver::CaptureMode::Global) capture on another thread does
+/// not fail their waits; for the same reason a callback must make no CUDA call that a capture
+/// forbids (no allocation, no synchronisation).
 /// Dropping the waiter stops the thread: pending callbacks are cancelled (never run) and pending
 /// futures resolve to [`EventError::WaiterShutDown`].
 ///

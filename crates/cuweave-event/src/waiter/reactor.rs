@@ -17,6 +17,7 @@ use parking_lot::{Condvar, Mutex};
 use super::WaitId;
 use super::source::WatchedEvent;
 use super::words::{Lease, WordSlab};
+use crate::capture;
 use crate::error::EventError;
 use crate::wake::{Inbox, Outcome, WaitCell};
 
@@ -89,6 +90,9 @@ impl Registration {
             Source::Event(event) => match event.event().query() {
                 Ok(true) => Check::Reached,
                 Ok(false) => Check::NotYet,
+                // Refused for now by a capture (only if this thread could not enter relaxed
+                // mode): asked again on a later scan, never a failure.
+                Err(error) if capture::is_refusal(&error) => Check::NotYet,
                 Err(error) => Check::Failed(error.into()),
             },
         }
@@ -139,6 +143,9 @@ impl Sleeper {
     }
 
     fn run(&self, reactor: &Thread) {
+        // Its `cuEventSynchronize` is on an event recorded outside any capture: a global-mode
+        // capture on another thread must not refuse it (the sleeper would spin).
+        let _relaxed = capture::relaxed_thread("cuweave-event-sleeper");
         loop {
             let event = {
                 let mut state = self.state.lock();
@@ -181,7 +188,12 @@ impl Sleeper {
 }
 
 /// The reactor thread's body; returns on shutdown.
+///
+/// The thread stays in relaxed capture mode: it queries only events and streams recorded
+/// outside captures (a wait on a capturing stream is refused when it is made), so a
+/// global-mode capture on another thread must not turn its queries into failures.
 pub(crate) fn run(shared: &Shared) {
+    let _relaxed = capture::relaxed_thread("cuweave-event-reactor");
     let mut reactor = Reactor {
         shared,
         entries: Vec::new(),
@@ -351,6 +363,10 @@ impl Reactor<'_> {
         let mut failed_any = false;
         for slab in slabs {
             let Err(error) = slab.probe() else { continue };
+            if capture::is_refusal(&error) {
+                // Not asked (a capture forbids it on this thread): no news of a death.
+                continue;
+            }
             tracing::error!(%error, "a context with pending GPU waits died; failing its waits");
             failed_any = true;
             let (dead, alive): (Vec<_>, Vec<_>) = std::mem::take(&mut self.entries)

@@ -1,0 +1,106 @@
+//! GPU tests of waits beside stream captures: a global-mode capture on another thread does not
+//! fail pending waits, and a wait on a capturing stream is refused with a typed error.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use common::{Flags, MS, within};
+use cuweave_driver::CaptureMode;
+use cuweave_event::{
+    AsyncEventWaiter, EventPool, EventPriority, OperationCoordinator, OperationState, OperationType,
+};
+use cuweave_test_support::kernels::TestKernels;
+use cuweave_test_support::{require_gpu, serial};
+
+#[test]
+fn waits_resolve_while_another_thread_runs_a_global_mode_capture() {
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let kernels = Arc::new(TestKernels::load(&gpu.context).unwrap());
+    let waiter = Arc::new(AsyncEventWaiter::new().unwrap());
+    let pool = EventPool::new(&gpu.context, 4, 4).unwrap();
+    let coordinator = OperationCoordinator::with_waiter(pool.clone(), Arc::clone(&waiter));
+    let (work, capturing) = (common::stream(&gpu.context), common::stream(&gpu.context));
+    let flags = Arc::new(Flags::new(&gpu.context, 1));
+    // Warm up outside the capture: the completion-word slab, its probe stream and a
+    // blocking-sync event exist before it begins, so the waits below make no call that a
+    // capture forbids on this thread.
+    futures::executor::block_on(waiter.stream_idle(&work).unwrap()).unwrap();
+    let op = coordinator
+        .register_operation(
+            OperationType::Kernel,
+            EventPriority::Normal,
+            None,
+            &[],
+            "spin",
+        )
+        .unwrap();
+
+    // Thread B: a global-mode capture, held until told to end it.
+    let (began_tx, began_rx) = mpsc::channel();
+    let (end_tx, end_rx) = mpsc::channel::<()>();
+    let capture = std::thread::spawn({
+        let (kernels, capturing) = (Arc::clone(&kernels), Arc::clone(&capturing));
+        move || {
+            capturing.begin_capture(CaptureMode::Global).unwrap();
+            kernels.spin_ns(&capturing, 1000).unwrap();
+            began_tx.send(()).unwrap();
+            end_rx.recv().unwrap();
+            capturing.end_capture().and_then(|graph| graph.node_count())
+        }
+    });
+    began_rx.recv().unwrap();
+
+    // Thread A (this one): a kernel that spins 50 ms, then sets the flag; waits behind it.
+    coordinator.begin_operation(op, &work).unwrap();
+    // SAFETY: the flag is mapped pinned memory of this context, alive until the stream is done.
+    unsafe {
+        kernels
+            .spin_then_store_u32(&work, 50 * MS, flags.device(0), 1)
+            .unwrap()
+    };
+    coordinator.complete_operation(op).unwrap();
+    let event = Arc::new(pool.acquire_owned(false).unwrap());
+    event.record(&work).unwrap();
+    let event_wait = waiter.event_done(Arc::clone(&event));
+    let idle_wait = waiter.stream_idle(&work).unwrap();
+    assert_eq!(
+        flags.read(0),
+        0,
+        "the spin ended before the waits were made"
+    );
+    let (event_result, idle_result, flag) = within(Duration::from_secs(10), {
+        let flags = Arc::clone(&flags);
+        move || {
+            let event_result = futures::executor::block_on(event_wait);
+            let idle_result = futures::executor::block_on(idle_wait);
+            (event_result, idle_result, flags.read(0))
+        }
+    });
+    // This thread's own queries are still refused while the capture runs: "not yet", not
+    // "failed".
+    let state_during = coordinator.state(op).unwrap();
+    end_tx.send(()).unwrap();
+    let graph = capture.join().unwrap();
+
+    assert_eq!(
+        event_result,
+        Ok(()),
+        "the event wait failed during the capture"
+    );
+    assert_eq!(
+        idle_result,
+        Ok(()),
+        "the stream wait failed during the capture"
+    );
+    assert_eq!(flag, 1, "a wait resolved before the kernel finished");
+    assert_eq!(state_during, OperationState::Queued);
+    assert_eq!(graph, Ok(1), "the waits broke the other thread's capture");
+    assert_eq!(coordinator.state(op).unwrap(), OperationState::Completed);
+    assert_eq!(coordinator.metrics().failed, 0);
+    let stats = waiter.stats();
+    assert_eq!((stats.failed, stats.pending), (0, 0));
+}
