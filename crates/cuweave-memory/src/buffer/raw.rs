@@ -4,9 +4,13 @@
 //! Every function here is safe to call from the rest of the crate because it keeps the host
 //! side's contract itself:
 //!
-//! - blocking copies use the driver's synchronous calls (`cuMemcpyHtoD` returns once the host
-//!   memory has been read or staged, `cuMemcpyDtoH` once it has been written), so the borrowed
-//!   host slice is not touched after they return;
+//! - blocking copies use the driver layer's blocking calls, which return only once the copy has
+//!   landed: `memory::copy_htod` synchronises the legacy stream after `cuMemcpyHtoD` (which from
+//!   pageable memory returns once the bytes are *staged*, "the DMA to final destination may not
+//!   have completed": CUDA's API synchronization behavior notes), and `cuMemcpyDtoH` returns
+//!   only once the copy has completed, pageable or pinned. So the borrowed host slice is not
+//!   touched after they return, and the tracker may forget the uses they complete
+//!   ([`tracker::run_completed`]) instead of recording an event on the legacy stream;
 //! - asynchronous copies take the host side by value and return it inside a [`PendingCopy`],
 //!   which frees it only after the event recorded behind the copy has completed;
 //! - the pattern fill hands its staging vector to a host function queued behind its copy.
@@ -61,16 +65,22 @@ pub(crate) fn write_blocking(
     debug_assert_eq!(src.len(), dst.bytes());
     let legacy = legacy_stream(context);
     // One buffer, one blocking call: the tracker forgets the finished uses rather than
-    // recording an event behind a copy that is already done (no event record per call).
+    // recording an event behind a copy that is already done (no event record per call). Done
+    // means landed, not staged: `memory::copy_htod` synchronises the legacy stream after
+    // `cuMemcpyHtoD`, whose DMA from pageable memory may still be in flight when it returns;
+    // without that a later use on a non-blocking stream would not be ordered after the DMA.
+    // (Queuing the copy and recording an event instead would spare the host that wait, but a
+    // borrowed `&[T]` may be pinned memory, which `cuMemcpyHtoDAsync` would read after return.)
     Ok(tracker::run_completed(
         operation,
         &legacy,
         buffer,
         Access::Write,
         || {
-            // SAFETY: `src` is readable for `dst.bytes()` bytes and `cuMemcpyHtoD` is done with it
-            // (read, or staged from pageable memory) when it returns; `dst` is a live span
-            // (crate invariant). The legacy stream it runs on was ordered after the buffer's uses.
+            // SAFETY: `src` is readable for `dst.bytes()` bytes and `memory::copy_htod` returns
+            // only once the copy has landed (it synchronises the legacy stream), so nothing reads
+            // `src` afterwards; `dst` is a live span (crate invariant). The legacy stream it runs
+            // on was ordered after the buffer's uses.
             unsafe { memory::copy_htod(context, dst.ptr(), src.as_ptr(), dst.bytes()) }?;
             Ok(())
         },
@@ -94,7 +104,8 @@ pub(crate) fn read_blocking(
         Access::Read,
         || {
             // SAFETY: `dst` is writable for `src.bytes()` bytes and exclusively borrowed;
-            // `cuMemcpyDtoH` returns only once the copy has completed. `src` is a live span.
+            // `cuMemcpyDtoH` returns only once the copy has completed, into pageable or pinned
+            // memory (CUDA's API synchronization behavior notes). `src` is a live span.
             unsafe { memory::copy_dtoh(context, dst.as_mut_ptr(), src.ptr(), src.bytes()) }?;
             Ok(())
         },

@@ -22,7 +22,10 @@
 //! A blocking host copy ([`run_completed`]) skips step 3: it returns only once the legacy
 //! stream, which waited for the copy's conflicts, has finished, so instead of recording an
 //! event the tracker forgets the uses now known to be done (a write: all of them; a read: the
-//! last write). Blocking copies in a loop thus cost the driver call and nothing more.
+//! last write). Blocking copies in a loop thus cost the driver call and nothing more. "Finished"
+//! must mean the device side has landed: `cuMemcpyHtoD` from pageable memory returns once the
+//! bytes are staged, with the DMA still queued on the legacy stream, so the upload goes through
+//! `memory::copy_htod`, which synchronises that stream before returning.
 //!
 //! The three steps run under the tracker's lock so that two threads using one buffer through
 //! `&self` cannot interleave them; the lock covers only the queueing calls, never a wait on an
