@@ -8,8 +8,8 @@
 //! captures, which no capture can be broken by, so they run in relaxed mode for their whole
 //! lives ([`relaxed_thread`]).
 
-use cuweave_driver::graph::CaptureModeGuard;
-use cuweave_driver::{CaptureMode, DriverError, GraphError};
+use cuweave_driver::graph::{CaptureModeGuard, StatusCheck, active_captures, refuse_recording};
+use cuweave_driver::{CaptureMode, DriverError, GraphError, Stream};
 
 /// Whether `error` is a capture refusal ([`GraphError::Capturing`]): the call would have
 /// broken an active capture and was not made. Not a failure of the work asked about.
@@ -26,6 +26,35 @@ pub(crate) fn relaxed_thread(thread: &'static str) -> Option<CaptureModeGuard> {
             tracing::debug!(%error, thread, "cannot put the thread in relaxed capture mode");
         })
         .ok()
+}
+
+/// Refuses, with [`GraphError::Capturing`], a wait on `stream` while it is capturing: the
+/// marker the wait queues (a completion-word write, an event record, a host function) would be
+/// recorded into the graph instead of run, so the wait would never resolve and its word would
+/// stay lent for ever. Called before anything is queued or leased.
+///
+/// One atomic load while no capture begun through cuweave is active; while one is, the driver
+/// is asked about `stream` (which also catches streams forked into a capture). A capture begun
+/// outside cuweave with no cuweave capture active is not seen.
+///
+/// # Errors
+/// [`GraphError::Capturing`] naming `operation`; the driver's error when the status query
+/// fails.
+pub(crate) fn refuse_capturing_stream(
+    stream: &Stream,
+    operation: &'static str,
+) -> Result<(), DriverError> {
+    if active_captures() == 0 {
+        return Ok(());
+    }
+    // The status query needs the stream's context current.
+    stream.context().bind_to_thread()?;
+    refuse_recording(
+        stream,
+        StatusCheck::WhileCuweaveCaptures,
+        operation,
+        "the stream is capturing: a wait queued on it would be recorded into the graph, not run, and never resolve",
+    )
 }
 
 #[cfg(test)]

@@ -4,16 +4,19 @@
 mod common;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
 use common::{Flags, MS, within};
-use cuweave_driver::CaptureMode;
+use cuweave_driver::{CaptureMode, DriverError, GraphError};
 use cuweave_event::{
-    AsyncEventWaiter, EventPool, EventPriority, OperationCoordinator, OperationState, OperationType,
+    AsyncEventWaiter, EventError, EventPool, EventPriority, OperationCoordinator, OperationState,
+    OperationType, WaitOptions, WakeMechanism,
 };
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{require_gpu, serial};
+use rstest::rstest;
 
 #[test]
 fn waits_resolve_while_another_thread_runs_a_global_mode_capture() {
@@ -103,4 +106,64 @@ fn waits_resolve_while_another_thread_runs_a_global_mode_capture() {
     assert_eq!(coordinator.metrics().failed, 0);
     let stats = waiter.stats();
     assert_eq!((stats.failed, stats.pending), (0, 0));
+}
+
+fn is_capturing_refusal(error: &EventError) -> bool {
+    matches!(
+        error,
+        EventError::Driver(DriverError::Graph(GraphError::Capturing { .. }))
+    )
+}
+
+#[rstest]
+fn a_wait_on_a_capturing_stream_is_refused_and_leaves_nothing_behind(
+    #[values(
+        WakeMechanism::CompletionWord,
+        WakeMechanism::EventQuery,
+        WakeMechanism::HostFunction
+    )]
+    mechanism: WakeMechanism,
+) {
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let waiter = AsyncEventWaiter::new().unwrap();
+    let stream = common::stream(&gpu.context);
+    // The slab and its words exist before the capture.
+    futures::executor::block_on(waiter.stream_idle(&stream).unwrap()).unwrap();
+    let before = waiter.stats();
+
+    stream.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    kernels.spin_ns(&stream, 1000).unwrap();
+    let idle = waiter.stream_idle_with(&stream, WaitOptions::new(mechanism));
+    let ran = Arc::new(AtomicBool::new(false));
+    let callback = waiter.wait_stream_async(&stream, {
+        let ran = Arc::clone(&ran);
+        move |_| ran.store(true, Ordering::SeqCst)
+    });
+    let graph = stream.end_capture().unwrap();
+
+    let idle_error = idle
+        .err()
+        .expect("a wait on a capturing stream was accepted");
+    assert!(is_capturing_refusal(&idle_error), "{idle_error:?}");
+    let callback_error = callback
+        .err()
+        .expect("a callback on a capturing stream was accepted");
+    assert!(is_capturing_refusal(&callback_error), "{callback_error:?}");
+    // Nothing was recorded into the capture but the kernel, and nothing was registered.
+    assert_eq!(graph.node_count().unwrap(), 1);
+    let after = waiter.stats();
+    assert_eq!(after.registered, before.registered);
+    assert_eq!(after.pending, 0, "a wait was left behind");
+    assert!(!ran.load(Ordering::SeqCst));
+    // Once the capture ended the stream is waited on as usual.
+    let result = within(Duration::from_secs(5), {
+        let future = waiter
+            .stream_idle_with(&stream, WaitOptions::new(mechanism))
+            .unwrap();
+        move || futures::executor::block_on(future)
+    });
+    assert_eq!(result, Ok(()));
+    assert_eq!(waiter.pending(), 0);
 }

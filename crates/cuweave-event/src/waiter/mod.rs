@@ -20,6 +20,7 @@ pub use future::WaitFuture;
 pub use reactor::WaitResult;
 pub use source::WatchedEvent;
 
+use crate::capture;
 use crate::error::{EventError, Result};
 use crate::wake::WaitCell;
 use reactor::{Callback, Cell, Registration, Shared, Source};
@@ -235,6 +236,8 @@ impl AsyncEventWaiter {
     /// for a moment after the future resolves.
     ///
     /// # Errors
+    /// [`GraphError::Capturing`](cuweave_driver::GraphError::Capturing) (inside
+    /// [`EventError::Driver`]) when `stream` is capturing: nothing queued on it now would run.
     /// The driver's error when the completion word cannot be queued (e.g. a device without
     /// stream memory operations: use [`stream_idle_with`](Self::stream_idle_with) and
     /// [`WakeMechanism::EventQuery`] there).
@@ -245,9 +248,12 @@ impl AsyncEventWaiter {
     /// [`stream_idle`](Self::stream_idle) with a chosen mechanism and an optional timeout.
     ///
     /// # Errors
-    /// The driver's error when queueing the marker fails; `InvalidArgument` for a timeout with
-    /// [`WakeMechanism::HostFunction`], which cannot time out.
+    /// [`GraphError::Capturing`](cuweave_driver::GraphError::Capturing) when `stream` is
+    /// capturing (refused before anything is queued); the driver's error when queueing the
+    /// marker fails; `InvalidArgument` for a timeout with [`WakeMechanism::HostFunction`],
+    /// which cannot time out.
     pub fn stream_idle_with(&self, stream: &Stream, options: WaitOptions) -> Result<WaitFuture> {
+        capture::refuse_capturing_stream(stream, "AsyncEventWaiter::stream_idle")?;
         let cell = Arc::new(WaitCell::new());
         let source = match options.mechanism {
             WakeMechanism::CompletionWord => {
@@ -335,11 +341,14 @@ impl AsyncEventWaiter {
     /// completion word).
     ///
     /// # Errors
-    /// The driver's error when the completion word cannot be queued.
+    /// [`GraphError::Capturing`](cuweave_driver::GraphError::Capturing) when `stream` is
+    /// capturing (refused before anything is queued; the callback never runs); the driver's
+    /// error when the completion word cannot be queued.
     pub fn wait_stream_async<F>(&self, stream: &Stream, callback: F) -> Result<WaitId>
     where
         F: FnOnce(WaitResult) + Send + 'static,
     {
+        capture::refuse_capturing_stream(stream, "AsyncEventWaiter::wait_stream_async")?;
         let lease = self.slab(stream.context())?.lease(stream)?;
         Ok(self.wait_async_inner(Source::Word(lease), None, Box::new(callback)))
     }
