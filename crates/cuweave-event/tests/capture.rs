@@ -143,13 +143,9 @@ fn a_wait_on_a_capturing_stream_is_refused_and_leaves_nothing_behind(
     });
     let graph = stream.end_capture().unwrap();
 
-    let idle_error = idle
-        .err()
-        .expect("a wait on a capturing stream was accepted");
+    let idle_error = idle.expect_err("a wait on a capturing stream was accepted");
     assert!(is_capturing_refusal(&idle_error), "{idle_error:?}");
-    let callback_error = callback
-        .err()
-        .expect("a callback on a capturing stream was accepted");
+    let callback_error = callback.expect_err("a callback on a capturing stream was accepted");
     assert!(is_capturing_refusal(&callback_error), "{callback_error:?}");
     // Nothing was recorded into the capture but the kernel, and nothing was registered.
     assert_eq!(graph.node_count().unwrap(), 1);
