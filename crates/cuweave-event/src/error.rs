@@ -47,6 +47,23 @@ pub enum EventError {
         /// The state it is in, e.g. `queued`.
         state: &'static str,
     },
+    /// An operation was begun on a stream of another context (another device, or another
+    /// context of the same device) than the coordinator's event pool: its completion event
+    /// could not be recorded there.
+    #[error(
+        "operation {id}: stream {stream} belongs to a context of device {stream_device}, not to \
+         the coordinator's event pool's context (device {pool_device})"
+    )]
+    ForeignStream {
+        /// The operation.
+        id: OperationId,
+        /// The stream's id ([`Stream::id`](cuweave_driver::Stream::id)).
+        stream: u64,
+        /// The device of the stream's context.
+        stream_device: usize,
+        /// The device of the coordinator's event pool.
+        pool_device: usize,
+    },
     /// Adding a dependency of an operation on itself.
     #[error("operation {id} cannot depend on itself")]
     SelfDependency {

@@ -634,3 +634,46 @@ fn a_slow_stream_does_not_hide_completions_on_another_and_records_stay_bounded()
     assert_eq!(coordinator.state(slow).unwrap(), OperationState::Completed);
     assert_eq!(coordinator.live_operations(), 0);
 }
+
+#[test]
+fn beginning_on_a_stream_of_another_device_is_a_typed_error_and_changes_nothing() {
+    let gpu = require_gpu!();
+    let count = cuweave_driver::Device::count().unwrap();
+    if count < 2 {
+        cuweave_test_support::skip(
+            "coordinator::beginning_on_a_stream_of_another_device_is_a_typed_error_and_changes_nothing",
+            "needs a second device",
+        );
+        return;
+    }
+    let other = cuweave_driver::Context::primary(cuweave_driver::Device::get(1).unwrap()).unwrap();
+    let foreign = common::stream(&other);
+    let stream = common::stream(&gpu.context);
+    let coordinator =
+        OperationCoordinator::new(EventPool::new(&gpu.context, 2, 2).unwrap()).unwrap();
+    let op = coordinator
+        .register_operation(
+            OperationType::Kernel,
+            EventPriority::Normal,
+            None,
+            &[],
+            "op",
+        )
+        .unwrap();
+    assert_eq!(
+        coordinator.begin_operation(op, &foreign),
+        Err(EventError::ForeignStream {
+            id: op,
+            stream: foreign.id(),
+            stream_device: 1,
+            pool_device: gpu.device.ordinal(),
+        })
+    );
+    assert_eq!(coordinator.state(op).unwrap(), OperationState::Registered);
+    assert_eq!(coordinator.metrics().begun, 0);
+    // Still registered: it begins and completes on a stream of the pool's context.
+    coordinator.begin_operation(op, &stream).unwrap();
+    coordinator.complete_operation(op).unwrap();
+    coordinator.synchronize(op).unwrap();
+    assert_eq!(coordinator.state(op).unwrap(), OperationState::Completed);
+}

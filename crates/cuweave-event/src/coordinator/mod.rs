@@ -470,12 +470,24 @@ impl OperationCoordinator {
     /// # Errors
     /// [`EventError::DependencyNotQueued`] when a dependency has not been completed with
     /// [`complete_operation`](Self::complete_operation) yet (its event does not exist);
-    /// `InvalidState` when `id` was already begun; the driver's error (the operation then stays
-    /// registered).
+    /// `InvalidState` when `id` was already begun; [`EventError::ForeignStream`] for a stream
+    /// of another context than the coordinator's event pool (checked before anything changes);
+    /// the driver's error (the operation then stays registered).
     pub fn begin_operation<S: AsStream>(&self, id: OperationId, stream: &Arc<S>) -> Result<()> {
         let _timed = self.timed();
         let handle: Arc<dyn AsStream> = Arc::clone(stream) as Arc<dyn AsStream>;
         let stream = handle.as_stream();
+        // The completion event comes from the pool and is recorded on this stream: both must
+        // be of one context, or `complete_operation` would fail with the operation begun.
+        let pool_context = self.inner.pool.context();
+        if stream.context().as_raw() != pool_context.as_raw() {
+            return Err(EventError::ForeignStream {
+                id,
+                stream: stream.id(),
+                stream_device: stream.device().ordinal(),
+                pool_device: pool_context.device().ordinal(),
+            });
+        }
         let waits = {
             let mut state = self.inner.state.lock();
             let operation = operation_mut(&mut state, id, "begin_operation")?;
