@@ -1,0 +1,212 @@
+//! Pure-logic tests of the coordinator's state: retirement, completion points, per-stream
+//! polling, capture refusals, waits on retired operations.
+
+use super::*;
+
+fn operation(id: u64, state: OperationState, dependencies: Vec<u64>) -> Operation {
+    let dependencies = dependencies.into_iter().map(OperationId).collect();
+    let mut operation = Operation::registered(OperationId(id), OperationType::Kernel, dependencies);
+    operation.metadata.state = state;
+    operation
+}
+
+#[test]
+fn completed_operations_retire_only_once_nothing_depends_on_them() {
+    let mut state = State::default();
+    for round in 0..100_000u64 {
+        // Operation `round + 1` completes while `round + 2`, registered, depends on it.
+        let (done, next) = (OperationId(round + 1), OperationId(round + 2));
+        state.next_id = round + 2;
+        let mut finished = operation(done.0, OperationState::Completed, vec![]);
+        finished.dependants = 1;
+        state.operations.insert(done, finished);
+        state.operations.insert(
+            next,
+            operation(next.0, OperationState::Registered, vec![done.0]),
+        );
+        state.try_retire(done);
+        assert_eq!(state.state_of(done), Some(OperationState::Completed));
+        assert!(
+            state.operations.contains_key(&done),
+            "a dependant still needs it"
+        );
+        // The dependant begins: the record goes.
+        state.operations.get_mut(&done).unwrap().dependants = 0;
+        state.try_retire(done);
+        assert!(state.is_retired(done));
+        assert_eq!(state.state_of(done), Some(OperationState::Completed));
+        state.operations.remove(&next);
+    }
+    assert!(state.operations.is_empty(), "records stay bounded");
+    assert_eq!(state.state_of(OperationId(state.next_id + 1)), None);
+    // Failed operations keep their record (and error).
+    state.next_id += 1;
+    let failed = OperationId(state.next_id);
+    state
+        .operations
+        .insert(failed, operation(failed.0, OperationState::Failed, vec![]));
+    state.try_retire(failed);
+    assert_eq!(state.state_of(failed), Some(OperationState::Failed));
+}
+
+#[test]
+fn a_slow_operation_on_one_stream_does_not_hide_completions_on_another() {
+    // Stream 1 runs one long operation for the whole test; stream 2 queues 10^5 operations
+    // that the GPU finishes as fast as they come. `complete_operation`'s poll (every time
+    // POLL_AT are queued) must see stream 2's and retire them.
+    const SLOW_STREAM: u64 = 1;
+    const FAST_STREAM: u64 = 2;
+    let mut state = State::default();
+    let slow = OperationId(1);
+    state.next_id = 1;
+    let mut op = operation(1, OperationState::Queued, vec![]);
+    op.metadata.stream = Some(SLOW_STREAM);
+    state.operations.insert(slow, op);
+    state.queued.push(SLOW_STREAM, slow);
+    let mut peak = (0, 0);
+    for _ in 0..100_000 {
+        state.next_id += 1;
+        let id = OperationId(state.next_id);
+        let mut op = operation(id.0, OperationState::Queued, vec![]);
+        op.metadata.stream = Some(FAST_STREAM);
+        state.operations.insert(id, op);
+        state.queued.push(FAST_STREAM, id);
+        if state.queued.len() >= POLL_AT {
+            let finished = state.take_finished(|op| Ok(op.metadata.id != slow));
+            for (id, result) in finished {
+                assert!(state.decide(id, &result).is_some());
+                assert_eq!(state.state_of(id), Some(OperationState::Completed));
+                state.try_retire(id);
+            }
+        }
+        peak = peak.max((state.queued.len(), state.operations.len()));
+    }
+    assert!(
+        peak.0 <= POLL_AT && peak.1 <= POLL_AT,
+        "queued and live operations stay bounded: peak {peak:?}"
+    );
+    assert_eq!(state.state_of(slow), Some(OperationState::Queued));
+    // The slow one finishes: the next poll sees it too.
+    let finished = state.take_finished(|_| Ok(true));
+    for (id, result) in finished {
+        state.decide(id, &result);
+        state.try_retire(id);
+    }
+    assert_eq!((state.queued.len(), state.operations.len()), (0, 0));
+}
+
+#[test]
+fn a_query_refused_during_a_capture_leaves_the_operation_queued() {
+    let mut state = State {
+        next_id: 2,
+        ..State::default()
+    };
+    for id in 1..=2 {
+        let mut op = operation(id, OperationState::Queued, vec![]);
+        op.metadata.stream = Some(id);
+        state.operations.insert(OperationId(id), op);
+        state.queued.push(id, OperationId(id));
+    }
+    // Another thread's global-mode capture: this thread's event queries are refused.
+    let refused = || {
+        Err(DriverError::Graph(cuweave_driver::GraphError::Capturing {
+            operation: "Event::query",
+            reason: "a blocking call or event query now would invalidate the capture",
+        }))
+    };
+    assert!(state.take_finished(|_| refused()).is_empty());
+    assert_eq!(state.queued.len(), 2);
+    for id in 1..=2 {
+        assert_eq!(
+            state.state_of(OperationId(id)),
+            Some(OperationState::Queued)
+        );
+    }
+    // The capture ended: the GPU had finished op 1; op 2's context died meanwhile.
+    let finished = state.take_finished(|op| {
+        if op.metadata.id.0 == 1 {
+            Ok(true)
+        } else {
+            Err(DriverError::Cuda {
+                code: 719,
+                operation: "cuEventQuery",
+            })
+        }
+    });
+    for (id, result) in finished {
+        state.decide(id, &result);
+    }
+    assert_eq!(
+        state.state_of(OperationId(1)),
+        Some(OperationState::Completed)
+    );
+    assert_eq!(state.state_of(OperationId(2)), Some(OperationState::Failed));
+}
+
+#[test]
+fn completion_of_a_completed_operation_kept_for_a_dependant_is_reached() {
+    let mut state = State {
+        next_id: 4,
+        ..State::default()
+    };
+    // 1 completed but kept: 2, registered, depends on it.
+    let mut kept = operation(1, OperationState::Completed, vec![]);
+    kept.dependants = 1;
+    state.operations.insert(OperationId(1), kept);
+    state.operations.insert(
+        OperationId(2),
+        operation(2, OperationState::Registered, vec![1]),
+    );
+    let mut failed = operation(3, OperationState::Failed, vec![]);
+    let error = EventError::TimedOut {
+        timeout: std::time::Duration::from_millis(7),
+    };
+    failed.failure = Some(error.clone());
+    state.operations.insert(OperationId(3), failed);
+    // 4 retired.
+    let point = |id| state.completion_point(OperationId(id), "completion", "await");
+    assert!(matches!(point(1), Ok(CompletionPoint::Reached)));
+    assert!(matches!(point(3), Ok(CompletionPoint::Failed(e)) if e == error));
+    assert!(matches!(point(4), Ok(CompletionPoint::Reached)));
+    assert!(matches!(
+        point(2),
+        Err(EventError::InvalidState {
+            state: "registered",
+            ..
+        })
+    ));
+    assert!(matches!(
+        point(5),
+        Err(EventError::UnknownOperation {
+            operation: "completion",
+            ..
+        })
+    ));
+    assert_eq!(
+        futures::executor::block_on(WaitFuture::failed(error.clone())),
+        Err(error)
+    );
+}
+
+#[test]
+fn an_operation_that_retired_while_waited_for_is_blocked_on_nothing() {
+    let mut state = State {
+        next_id: 2,
+        ..State::default()
+    };
+    let (dependency, waiting) = (OperationId(1), OperationId(2));
+    state
+        .operations
+        .insert(dependency, operation(1, OperationState::Registered, vec![]));
+    state
+        .operations
+        .insert(waiting, operation(2, OperationState::Registered, vec![1]));
+    assert_eq!(state.blocked_on(waiting), vec![dependency]);
+    // Another thread begins and completes both, and both retire, while a caller of
+    // `wait_until_ready(waiting)` sleeps on the condition variable: its next look at
+    // `waiting` finds no record.
+    state.operations.clear();
+    assert!(state.is_retired(waiting));
+    assert_eq!(state.blocked_on(waiting), Vec::<OperationId>::new());
+    assert_eq!(state.blocked_on(OperationId(99)), Vec::<OperationId>::new());
+}
