@@ -19,7 +19,8 @@
 //!   [`GraphError::Capturing`], to wait for an eager use stamped later (another thread's work
 //!   after the capture began) or for a use captured by another capture;
 //! - uses recorded on a capturing stream order later work of the same capture as usual (and the
-//!   capture's id is remembered, bounded, for the free: its graph may replay with the memory);
+//!   graph pool the capture is bound to is remembered for the free: its graphs may replay with
+//!   the memory while it lives; see [`UseState::take_all`]);
 //!   once their capture has ended they are dropped (the graph's launches are ordered by the stream
 //!   the graph is launched on); while it is active, eager work that would wait for one is
 //!   refused with [`GraphError::Capturing`];
@@ -31,6 +32,7 @@ use cuweave_driver::graph::GraphError;
 use cuweave_driver::{OwnedPooledEvent, Stream};
 
 use super::tracker::Access;
+use crate::caching::NO_POOL;
 use crate::error::{MemoryError, Result};
 
 /// An event as the bookkeeping needs it.
@@ -55,6 +57,15 @@ pub(crate) trait UseStream {
     fn capture_epoch(&self) -> u64;
     /// Whether the capture `id` is still active.
     fn capture_is_active(&self, id: u64) -> bool;
+    /// The graph pool the active capture `id` allocates from, as a tag that outlives the
+    /// capture's binding ([`NO_POOL`] when no pool is bound to it).
+    fn graph_pool_of(&self, capture: u64) -> u64 {
+        crate::caching::pool_tag_of_capture(capture)
+    }
+    /// Whether the graph pool `tag` still has a holder (a handle, graph or executable).
+    fn graph_pool_is_live(&self, tag: u64) -> bool {
+        crate::caching::pool_tag_is_live(tag)
+    }
 }
 
 /// Where an operation's stream stands with respect to capture, read once per operation.
@@ -71,8 +82,8 @@ pub(crate) struct CaptureView {
 pub(crate) struct Taken<E> {
     /// The events recorded behind the uses that are kept.
     pub(crate) events: Vec<Arc<E>>,
-    /// The distinct ids of the captures that used the buffer (ended ones too; the last may be
-    /// [`UNKNOWN_CAPTURE`]).
+    /// The distinct tags of the graph pools bound to the captures that used the buffer (of
+    /// ended captures too), or [`NO_POOL`] for a capture no pool was bound to.
     pub(crate) captures: Vec<u64>,
 }
 
@@ -273,19 +284,20 @@ pub(crate) struct UseState<E> {
     pub(crate) last_stream: Option<usize>,
     /// Whether a use recorded in a capture may still be tracked.
     has_captured: bool,
-    /// The captures that ever used the buffer (at most [`GRAPH_CAPTURES`], the last slot
-    /// [`UNKNOWN_CAPTURE`] once more did): their graphs may replay with the memory until they
-    /// die, so a free hands them on ([`UseState::take_all`]).
+    /// The graph pools of the captures that used the buffer, by tag (or [`NO_POOL`]): their
+    /// graphs may replay with the memory until the pools die, so a free hands them on
+    /// ([`UseState::take_all`]). Pools that died are pruned as the list grows past
+    /// [`PRUNE_GRAPHS_AT`], so it holds at most twice the pools alive, never a stand-in.
     graphs: Vec<u64>,
+    /// The last capture noted and its pool's tag (every record in a capture notes it).
+    last_graph: Option<(u64, u64)>,
     /// Records so far (each use's `seq` is the count when it was last recorded).
     records: u64,
 }
 
-/// How many captures that used a buffer are remembered by id.
-pub(crate) const GRAPH_CAPTURES: usize = 16;
-/// Stands for the captures past [`GRAPH_CAPTURES`]: no pool is known for it, so a buffer used
-/// by that many captures is never reused after its free.
-pub(crate) const UNKNOWN_CAPTURE: u64 = u64::MAX;
+/// How many graph pools a buffer remembers before it first drops the dead ones (and again at
+/// each doubling).
+pub(crate) const PRUNE_GRAPHS_AT: usize = 16;
 
 impl<E> Default for UseState<E> {
     fn default() -> Self {
@@ -295,6 +307,7 @@ impl<E> Default for UseState<E> {
             last_stream: None,
             has_captured: false,
             graphs: Vec::new(),
+            last_graph: None,
             records: 0,
         }
     }
@@ -318,17 +331,35 @@ impl<E: UseEvent> UseState<E> {
         !self.graphs.is_empty()
     }
 
-    /// Remembers that the capture `id` used the buffer.
+    /// Remembers the graph pool of the capture `id`, which used the buffer through `stream`.
+    ///
+    /// Captures recaptured into one pool share its entry; past [`PRUNE_GRAPHS_AT`] entries
+    /// (and at each doubling) the pools that died are dropped: no graph of theirs is left.
     #[cold]
-    fn note_graph(&mut self, id: u64) {
-        if self.graphs.contains(&id) || self.graphs.contains(&UNKNOWN_CAPTURE) {
+    fn note_graph<S: UseStream<Event = E>>(&mut self, stream: &S, id: u64) {
+        let tag = match self.last_graph {
+            Some((capture, tag)) if capture == id => tag,
+            _ => {
+                let tag = stream.graph_pool_of(id);
+                self.last_graph = Some((id, tag));
+                tag
+            }
+        };
+        if self.graphs.contains(&tag) || self.graphs.contains(&NO_POOL) {
             return;
         }
-        if self.graphs.len() + 1 < GRAPH_CAPTURES {
-            self.graphs.push(id);
-        } else {
-            self.graphs.push(UNKNOWN_CAPTURE);
+        let len = self.graphs.len();
+        if len >= PRUNE_GRAPHS_AT && len.is_power_of_two() {
+            self.graphs
+                .retain(|&tag| tag == NO_POOL || stream.graph_pool_is_live(tag));
         }
+        self.graphs.push(tag);
+    }
+
+    /// How many graph pools are remembered.
+    #[cfg(test)]
+    pub(crate) fn graphs_remembered(&self) -> usize {
+        self.graphs.len()
     }
 
     /// How many uses are tracked (writes and reads).
@@ -449,7 +480,7 @@ impl<E: UseEvent> UseState<E> {
         let tag = view.tag();
         if let Some(id) = tag {
             self.has_captured = true;
-            self.note_graph(id);
+            self.note_graph(stream, id);
         }
         self.records += 1;
         let seq = self.records;
@@ -678,10 +709,10 @@ impl<E: UseEvent> UseState<E> {
         self.last_stream = Some(stream.raw());
     }
 
-    /// Takes every event recorded behind a use out, leaving the state as new, with the ids of
-    /// every capture that used the buffer, ended or not: its graphs may replay with the memory,
-    /// so the free hands the block to those captures' pools (whatever the capture count reads by
-    /// then) instead of the general cache. Events of uses whose capture has ended (`ended` says
+    /// Takes every event recorded behind a use out, leaving the state as new, with the graph
+    /// pools of every capture that used the buffer, ended or not: their graphs may replay with
+    /// the memory, so the free hands the block to those pools (whatever the capture count reads
+    /// by then) instead of the general cache; pools that have died by then are skipped. Events of uses whose capture has ended (`ended` says
     /// which) are dropped, back to their pool: they can never be queried.
     pub(crate) fn take_all(&mut self, ended: impl Fn(u64) -> bool) -> Taken<E> {
         let mut events = Vec::with_capacity(self.tracked());
@@ -692,6 +723,7 @@ impl<E: UseEvent> UseState<E> {
         }
         self.last_stream = None;
         self.has_captured = false;
+        self.last_graph = None;
         Taken {
             events,
             captures: std::mem::take(&mut self.graphs),

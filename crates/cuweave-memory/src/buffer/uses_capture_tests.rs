@@ -5,7 +5,9 @@
 
 use cuweave_driver::DriverError;
 
-use super::tests::{ACTIVE, EPOCH, Events, FakeEvent, FakeStream, QUERIES};
+use std::sync::atomic::Ordering;
+
+use super::tests::{ACTIVE, DEAD, EPOCH, Events, FakeEvent, FakeStream, POOL_OF, QUERIES};
 use super::*;
 use crate::error::MemoryError;
 
@@ -295,6 +297,8 @@ fn freeing_during_a_capture_names_the_captures_that_used_the_buffer() {
 fn captures_begun_and_ended_many_times_keep_the_state_bounded() {
     let (mut state, events) = (UseState::default(), Events::default());
     let (eager, cap, fork) = (FakeStream::own(1), FakeStream::own(2), FakeStream::own(3));
+    // Recaptured into one graph pool, as a serving loop does.
+    POOL_OF.with(|pool| pool.set(Some(CAPTURE)));
     for id in 1..=100_000u64 {
         state
             .op(&events, &eager, Access::Write, &CaptureView::NONE)
@@ -312,7 +316,9 @@ fn captures_begun_and_ended_many_times_keep_the_state_bounded() {
         state.op(&events, &fork, Access::Write, &view).unwrap();
         end(id);
         assert!(state.tracked() <= 2);
+        assert_eq!(state.graphs_remembered(), 1);
     }
+    POOL_OF.with(|pool| pool.set(None));
     assert!(
         events.made.get() <= 8,
         "{} events made: they are not reused",
@@ -341,18 +347,119 @@ fn a_buffer_used_in_a_capture_is_remembered_after_the_capture_ended() {
 }
 
 #[test]
-fn the_captures_remembered_per_buffer_are_bounded() {
-    // Used by many captures: at most GRAPH_CAPTURES ids, the last standing for the rest (no
-    // pool is known for it, so such a buffer is never reused after its free).
+fn the_pools_remembered_per_buffer_stay_bounded_and_name_every_live_one() {
+    // Used by capture after capture, each into its own pool; every pool but the last 20 has
+    // died by the free (in this fake a capture's pool tag is its id).
     let (mut state, events) = (UseState::default(), Events::default());
     let cap = FakeStream::own(2);
     for id in 1_000..101_000u64 {
         let view = capturing(id, begin(id));
         state.op(&events, &cap, Access::Write, &view).unwrap();
         end(id);
+        if id >= 20 {
+            DEAD.with(|dead| dead.borrow_mut().insert(id - 20));
+        }
+        assert!(state.graphs_remembered() <= 2 * PRUNE_GRAPHS_AT + 20);
     }
     let taken = state.take_all(|_| true);
-    assert_eq!(taken.captures.len(), GRAPH_CAPTURES);
-    assert_eq!(taken.captures.last(), Some(&UNKNOWN_CAPTURE));
-    assert_eq!(taken.captures[0], 1_000);
+    assert!(!taken.captures.contains(&NO_POOL), "nothing stands in");
+    for live in 100_980..101_000u64 {
+        assert!(taken.captures.contains(&live), "pool {live} is alive");
+    }
+    // Recaptured into one pool: one entry.
+    let mut one = UseState::default();
+    for id in 200_000..300_000u64 {
+        let view = capturing(id, begin(id));
+        POOL_OF.with(|pool| pool.set(Some(7)));
+        one.op(&events, &cap, Access::Write, &view).unwrap();
+        end(id);
+    }
+    POOL_OF.with(|pool| pool.set(None));
+    assert_eq!(one.take_all(|_| true).captures, vec![7]);
+}
+
+/// A stream whose captures are bound in the real graph-pool registry.
+struct RegistryStream(FakeStream);
+
+impl UseStream for RegistryStream {
+    type Event = FakeEvent;
+
+    fn raw(&self) -> usize {
+        self.0.raw()
+    }
+
+    fn id(&self) -> u64 {
+        self.0.id()
+    }
+
+    fn wait_for(&self, event: &FakeEvent) -> Result<()> {
+        self.0.wait_for(event)
+    }
+
+    fn record(&self, event: &FakeEvent) -> Result<()> {
+        self.0.record(event)
+    }
+
+    fn capture_epoch(&self) -> u64 {
+        self.0.capture_epoch()
+    }
+
+    fn capture_is_active(&self, id: u64) -> bool {
+        self.0.capture_is_active(id)
+    }
+}
+
+#[rstest::rstest]
+#[case::recaptured_into_one_pool(true)]
+#[case::a_new_pool_per_capture(false)]
+fn a_buffer_recaptured_many_times_is_held_while_a_pool_lives_then_returned(#[case] one_pool: bool) {
+    // A serving loop: one buffer used by capture after capture (past the 16 ids a buffer once
+    // kept, and past the 1024 ended bindings once remembered), then freed. It is held while a
+    // pool of those captures lives, returned when none does, never stranded.
+    use crate::caching::GraphPool;
+    use crate::caching::graph_pool_test_support::{bind, hold};
+    let (mut state, events) = (UseState::default(), Events::default());
+    let stream = RegistryStream(FakeStream::own(2));
+    let shared = GraphPool::new();
+    let mut current = GraphPool::new();
+    let base = if one_pool { 1 << 40 } else { 2 << 40 };
+    for round in 0..3_000u64 {
+        if !one_pool {
+            // The previous graph, and with it its pool, is replaced.
+            current = GraphPool::new();
+        }
+        let id = base + round;
+        let guard = bind(id, if one_pool { &shared } else { &current });
+        let view = capturing(id, begin(id));
+        state
+            .record_range(
+                &stream,
+                ByteRange::WHOLE,
+                Access::Write,
+                &view,
+                events.make(),
+            )
+            .unwrap();
+        end(id);
+        drop(guard);
+    }
+    let taken = state.take_all(|_| true);
+    assert!(
+        taken.captures.len() <= 2 * PRUNE_GRAPHS_AT,
+        "{} pools remembered",
+        taken.captures.len()
+    );
+    assert!(!taken.captures.contains(&NO_POOL));
+    let returned = hold(&taken.captures, 512);
+    assert_eq!(
+        returned.load(Ordering::SeqCst),
+        0,
+        "the last graph may still replay"
+    );
+    drop((shared, current));
+    assert_eq!(
+        returned.load(Ordering::SeqCst),
+        1,
+        "returned once every pool of its captures died"
+    );
 }

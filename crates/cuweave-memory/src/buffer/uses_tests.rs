@@ -19,6 +19,11 @@ thread_local! {
     pub(super) static ACTIVE: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
     /// How many events were queried.
     pub(super) static QUERIES: Cell<usize> = const { Cell::new(0) };
+    /// The fake graph pools that have died (a capture's pool tag is its id, or `POOL_OF`).
+    pub(super) static DEAD: RefCell<std::collections::HashSet<u64>> =
+        RefCell::new(std::collections::HashSet::new());
+    /// When set, the pool every capture is bound to.
+    pub(super) static POOL_OF: Cell<Option<u64>> = const { Cell::new(None) };
 }
 
 /// An event with a number, completed by hand; its number goes back to its pool on drop.
@@ -108,6 +113,14 @@ impl UseStream for FakeStream {
 
     fn capture_is_active(&self, id: u64) -> bool {
         ACTIVE.with(|active| active.borrow().contains(&id))
+    }
+
+    fn graph_pool_of(&self, capture: u64) -> u64 {
+        POOL_OF.with(Cell::get).unwrap_or(capture)
+    }
+
+    fn graph_pool_is_live(&self, tag: u64) -> bool {
+        !DEAD.with(|dead| dead.borrow().contains(&tag))
     }
 }
 

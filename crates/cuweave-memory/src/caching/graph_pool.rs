@@ -19,9 +19,11 @@
 //!   deferred until no capture is active. A block of the general cache freed during the capture
 //!   of its stream (or used there) is graph memory from then on: it is held by the pool and
 //!   returns to the general cache, after the device has finished, when the pool is dropped. A
-//!   typed buffer's free names the captures that used it (its tracker stamps each use with its
-//!   capture): the pools bound to them hold it; with no pool known for one of them, it is
-//!   stranded for good ([`stranded_graph_memory`]), never handed out again.
+//!   typed buffer remembers the pool of each capture that used it (looked up when the use is
+//!   recorded, so however many captures come and go before the free, and however many use the
+//!   buffer, the pool is known): at the free, the pools still alive hold it, and it returns when
+//!   the last of them dies. Used by a capture no pool was bound to, it is stranded for good
+//!   ([`stranded_graph_memory`]), never handed out again.
 //! - A typed buffer of another memory resource freed during a capture is deallocated once no
 //!   capture is active and the device has finished (or held like a block, when a capture used
 //!   it).
@@ -33,8 +35,7 @@
 //! With no capture active anywhere, allocation and free pay one atomic load for all this.
 
 use std::any::Any;
-use std::collections::HashSet;
-use std::collections::VecDeque;
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -88,8 +89,13 @@ pub enum MissPolicy {
 }
 
 static NEXT_POOL: AtomicU32 = AtomicU32::new(1);
-/// Pools with a holder left: their segments are never released.
-static LIVE: RwLock<Option<HashSet<u32>>> = RwLock::new(None);
+/// Pools with a holder left, by id: their segments are never released, and memory a buffer used
+/// in their captures is held by them (a buffer names them by [tag](pool_tag_of_capture)).
+static LIVE: RwLock<Option<HashMap<u32, Weak<PoolToken>>>> = RwLock::new(None);
+
+/// The tag a buffer remembers for a capture with no graph pool bound to it: memory it used is
+/// stranded ([`stranded_graph_memory`]). Pool tags are pool ids, below 2^31.
+pub(crate) const NO_POOL: u64 = u64::MAX;
 
 /// A block freed during a capture whose return waits: for the capture to end (events to
 /// record), or for its pool to die (graph memory of the general cache).
@@ -207,13 +213,14 @@ impl GraphPool {
     /// A new, empty private pool.
     pub fn new() -> Self {
         let id = NEXT_POOL.fetch_add(1, Ordering::Relaxed) & 0x7fff_ffff;
-        LIVE.write().get_or_insert_with(HashSet::new).insert(id);
-        Self {
-            token: Arc::new(PoolToken {
-                id,
-                held: Mutex::new(Vec::new()),
-            }),
-        }
+        let token = Arc::new(PoolToken {
+            id,
+            held: Mutex::new(Vec::new()),
+        });
+        LIVE.write()
+            .get_or_insert_with(HashMap::new)
+            .insert(id, Arc::downgrade(&token));
+        Self { token }
     }
 
     /// The pool's id.
@@ -242,7 +249,28 @@ pub(crate) fn is_retained(key: StreamKey) -> bool {
     let pool = ((raw & !PRIVATE_BIT) >> 32) as u32;
     LIVE.read()
         .as_ref()
-        .is_some_and(|live| live.contains(&pool))
+        .is_some_and(|live| live.contains_key(&pool))
+}
+
+/// The tag of the graph pool the capture `capture` (active) is bound to, for a buffer to
+/// remember: [`NO_POOL`] when none is.
+pub(crate) fn pool_tag_of_capture(capture: u64) -> u64 {
+    BINDINGS
+        .read()
+        .iter()
+        .find(|binding| binding.capture == capture)
+        .map_or(NO_POOL, |binding| u64::from(binding.pool.token.id))
+}
+
+/// The pool of `tag`, if it is still alive.
+fn pool_of_tag(tag: u64) -> Option<Arc<PoolToken>> {
+    let id = u32::try_from(tag).ok()?;
+    LIVE.read().as_ref()?.get(&id)?.upgrade()
+}
+
+/// Whether the pool of `tag` still has a holder.
+pub(crate) fn pool_tag_is_live(tag: u64) -> bool {
+    pool_of_tag(tag).is_some()
 }
 
 fn private_key(pool: u32, stream: &Stream) -> StreamKey {
@@ -265,10 +293,6 @@ static BINDINGS: RwLock<Vec<Binding>> = RwLock::new(Vec::new());
 static EPOCH: AtomicU64 = AtomicU64::new(0);
 /// Frees waiting for no capture to be active.
 static DEFERRED: Mutex<Vec<Held>> = Mutex::new(Vec::new());
-/// Bindings of ended captures, newest last (at most [`RECENT_BOUND`]): memory freed after a
-/// capture that used it ended still finds the pool its graphs hold (or learns it has died).
-static RECENT: Mutex<VecDeque<(u64, Weak<PoolToken>)>> = Mutex::new(VecDeque::new());
-const RECENT_BOUND: usize = 1024;
 /// Allocations used by a capture no pool could be found for, kept out of every cache for the
 /// process's life (a graph of that capture may still write them): how many, and their bytes.
 static STRANDED: Mutex<(u64, u64)> = Mutex::new((0, 0));
@@ -316,7 +340,6 @@ impl Drop for AllocateToPool {
             .write()
             .retain(|binding| binding.capture != self.capture);
         EPOCH.fetch_add(1, Ordering::AcqRel);
-        remember_ended(self.capture, &self.pool);
         flush_deferred();
     }
 }
@@ -527,7 +550,8 @@ pub(super) fn release_during_capture(
 }
 
 /// Frees a typed buffer's block while some capture is active, or one that a capture used
-/// (`markers.captures`, ended captures too: their graphs may replay with it). Its events may have been
+/// (`markers.captures`: the tags of the pools of those captures, ended ones too, whose graphs
+/// may replay with it). Its events may have been
 /// recorded inside a capture (they can never be queried), so none is waited on or polled: they
 /// go back to the context's event pool (whoever takes one records it again before using it),
 /// and a block that was used is held instead of freed.
@@ -620,38 +644,16 @@ pub(crate) fn release_resource_during_capture(
     flush_deferred();
 }
 
-/// Notes that `capture`'s binding to `pool` ended, keeping the last [`RECENT_BOUND`].
-fn remember_ended(capture: u64, pool: &GraphPool) {
-    remember_in(&mut RECENT.lock(), capture, pool);
-}
-
-fn remember_in(recent: &mut VecDeque<(u64, Weak<PoolToken>)>, capture: u64, pool: &GraphPool) {
-    recent.retain(|(id, _)| *id != capture);
-    if recent.len() == RECENT_BOUND {
-        recent.pop_front();
-    }
-    recent.push_back((capture, Arc::downgrade(&pool.token)));
-}
-
-/// The pools whose graphs may use memory that `captures` used: `None` when one of them has no
-/// known pool. A capture whose pool has died needs nothing (no graph of it is left).
-fn pools_of(captures: &[u64]) -> Option<Vec<Arc<PoolToken>>> {
+/// The live pools among `tags` (of the captures that used some memory), whose graphs may use
+/// it: `None` when one capture had no pool ([`NO_POOL`]). A pool that has died needs nothing
+/// (no graph of it is left).
+fn pools_of(tags: &[u64]) -> Option<Vec<Arc<PoolToken>>> {
     let mut pools: Vec<Arc<PoolToken>> = Vec::new();
-    for &capture in captures {
-        let bound = BINDINGS
-            .read()
-            .iter()
-            .find(|binding| binding.capture == capture)
-            .map(|binding| Arc::clone(&binding.pool.token));
-        let token = match bound {
-            Some(token) => Some(token),
-            None => {
-                let recent = RECENT.lock();
-                let (_, weak) = recent.iter().rev().find(|(id, _)| *id == capture)?;
-                weak.upgrade()
-            }
-        };
-        if let Some(token) = token
+    for &tag in tags {
+        if tag == NO_POOL {
+            return None;
+        }
+        if let Some(token) = pool_of_tag(tag)
             && !pools.iter().any(|pool| pool.id == token.id)
         {
             pools.push(token);
@@ -660,10 +662,10 @@ fn pools_of(captures: &[u64]) -> Option<Vec<Arc<PoolToken>>> {
     Some(pools)
 }
 
-/// Holds `held` (used by `captures`) for their graphs: in their pools, deferred when all of
-/// them have died, or stranded for good when one has no known pool.
-fn hold_for_captures(mut held: Held, captures: &[u64], bytes: usize) {
-    match pools_of(captures) {
+/// Holds `held` (used by the captures of the pools `tags`) for their graphs: in the live
+/// pools, deferred when all of them have died, or stranded for good when a capture had no pool.
+fn hold_for_captures(mut held: Held, tags: &[u64], bytes: usize) {
+    match pools_of(tags) {
         Some(mut pools) => match pools.pop() {
             Some(first) => {
                 held.also = pools.iter().map(Arc::downgrade).collect();
@@ -687,10 +689,8 @@ fn hold_for_captures(mut held: Held, captures: &[u64], bytes: usize) {
 }
 
 /// Allocations freed after a capture used them that no graph pool could hold (a capture begun
-/// without [`begin_allocate_to_pool`], one whose binding ended more than 1024 bindings before,
-/// or a buffer used by more than 16 captures): a graph of that capture may still use them, so
-/// they are never reused nor released. How many, and their
-/// bytes, since the process started.
+/// without [`begin_allocate_to_pool`]): a graph of that capture may still use them, so they are
+/// never reused nor released. How many, and their bytes, since the process started.
 pub fn stranded_graph_memory() -> (u64, u64) {
     *STRANDED.lock()
 }
@@ -770,6 +770,41 @@ pub(super) fn refuse_during_capture(operation: &'static str) -> Result<()> {
     ))
 }
 
+/// Binding captures and holding memory without a GPU, for the tests of the buffers' use
+/// tracking, which names pools by the tags [`pool_tag_of_capture`] gives.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+
+    /// Binds `capture` to `pool` as [`begin_allocate_to_pool`] does, until the guard drops.
+    pub(crate) fn bind(capture: u64, pool: &GraphPool) -> AllocateToPool {
+        BINDINGS.write().push(Binding {
+            capture,
+            pool: pool.clone(),
+            misses: MissPolicy::AllocateRelaxed,
+            streams: Vec::new(),
+        });
+        EPOCH.fetch_add(1, Ordering::AcqRel);
+        AllocateToPool {
+            capture,
+            pool: pool.clone(),
+        }
+    }
+
+    /// Frees `bytes` of memory that the captures of the pools `tags` used, as a buffer's free
+    /// does; the count goes up when the memory is returned.
+    pub(crate) fn hold(tags: &[u64], bytes: usize) -> Arc<std::sync::atomic::AtomicUsize> {
+        let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let held = Held {
+            memory: HeldMemory::Probe(Arc::clone(&count)),
+            also: Vec::new(),
+        };
+        hold_for_captures(held, tags, bytes);
+        flush_deferred();
+        count
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -815,13 +850,22 @@ mod tests {
         }
     }
 
+    /// The tag a buffer would remember for `pool`.
+    fn tag(pool: &GraphPool) -> u64 {
+        u64::from(pool.token.id)
+    }
+
     #[test]
     fn memory_used_by_two_captures_is_held_until_both_pools_die() {
         let (first, second) = (GraphPool::new(), GraphPool::new());
         let (c1, c2) = (u64::MAX - 10, u64::MAX - 11);
         let (b1, b2) = (bind(c1, &first), bind(c2, &second));
+        assert_eq!(
+            (pool_tag_of_capture(c1), pool_tag_of_capture(c2)),
+            (tag(&first), tag(&second))
+        );
         let (held, returned) = probe();
-        hold_for_captures(held, &[c1, c2], 512);
+        hold_for_captures(held, &[tag(&first), tag(&second)], 512);
         // The captures end (their bindings go): the pools, still alive, keep holding.
         drop((b1, b2));
         flush_deferred();
@@ -840,10 +884,8 @@ mod tests {
         );
         // Whichever dies first, the other holds it.
         let (first, second) = (GraphPool::new(), GraphPool::new());
-        let (b1, b2) = (bind(c1 - 100, &first), bind(c2 - 100, &second));
         let (held, returned) = probe();
-        hold_for_captures(held, &[c1 - 100, c2 - 100], 512);
-        drop((b1, b2));
+        hold_for_captures(held, &[tag(&first), tag(&second)], 512);
         drop(first);
         assert_eq!(returned.load(Ordering::SeqCst), 0);
         drop(second);
@@ -851,14 +893,17 @@ mod tests {
     }
 
     #[test]
-    fn a_capture_that_ended_before_the_free_still_finds_its_pool() {
-        // The capture ends (and its binding goes) between the tracker's hand-off and the
+    fn a_capture_that_ended_long_before_the_free_still_finds_its_pool() {
+        // The capture ends, and thousands of other captures are bound and end, before the
         // block's release: the block is still held for the capture's graph.
         let pool = GraphPool::new();
         let capture = u64::MAX - 20;
         drop(bind(capture, &pool));
+        for other in 0..5_000u64 {
+            drop(bind(u64::MAX - 1_000_000 - other, &GraphPool::new()));
+        }
         let (held, returned) = probe();
-        hold_for_captures(held, &[capture], 512);
+        hold_for_captures(held, &[tag(&pool)], 512);
         flush_deferred();
         assert_eq!(
             returned.load(Ordering::SeqCst),
@@ -867,18 +912,26 @@ mod tests {
         );
         drop(pool);
         assert_eq!(returned.load(Ordering::SeqCst), 1);
-        // A capture whose pool has already died has no graph left: returned at once.
+    }
+
+    #[test]
+    fn memory_of_a_dead_pool_is_returned_at_once() {
+        let pool = GraphPool::new();
+        let dead = tag(&pool);
+        drop(pool);
+        assert!(!pool_tag_is_live(dead));
         let (held, returned) = probe();
-        hold_for_captures(held, &[capture], 512);
+        hold_for_captures(held, &[dead], 512);
         flush_deferred();
-        assert_eq!(returned.load(Ordering::SeqCst), 1);
+        assert_eq!(returned.load(Ordering::SeqCst), 1, "no graph of it is left");
     }
 
     #[test]
     fn memory_of_a_capture_with_no_pool_is_never_returned_and_is_counted() {
+        assert_eq!(pool_tag_of_capture(u64::MAX - 30), NO_POOL, "never bound");
         let (count, bytes) = stranded_graph_memory();
         let (held, returned) = probe();
-        hold_for_captures(held, &[u64::MAX - 30], 4096);
+        hold_for_captures(held, &[NO_POOL], 4096);
         flush_deferred();
         assert_eq!(returned.load(Ordering::SeqCst), 0, "never handed out again");
         let (count_after, bytes_after) = stranded_graph_memory();
@@ -900,32 +953,14 @@ mod tests {
     }
 
     #[test]
-    fn ended_bindings_are_remembered_within_a_bound() {
-        let mut recent = VecDeque::new();
-        let pool = GraphPool::new();
-        for capture in 0..100_000u64 {
-            remember_in(&mut recent, capture, &pool);
-            remember_in(&mut recent, capture, &pool);
-        }
-        assert_eq!(recent.len(), RECENT_BOUND);
-        drop(pool);
-        remember_in(&mut recent, 0, &GraphPool::new());
-        assert_eq!(recent.len(), RECENT_BOUND);
-        assert!(
-            recent.back().is_some_and(|(id, _)| *id == 0),
-            "the newest is kept"
-        );
-    }
-
-    #[test]
     fn pool_ids_are_distinct_and_the_live_set_stays_bounded() {
-        let before = LIVE.read().as_ref().map_or(0, HashSet::len);
+        let before = LIVE.read().as_ref().map_or(0, HashMap::len);
         for _ in 0..100_000 {
             let a = GraphPool::new();
             let b = graph_pool_handle();
             assert_ne!(a.id(), b.id());
         }
-        let after = LIVE.read().as_ref().map_or(0, HashSet::len);
+        let after = LIVE.read().as_ref().map_or(0, HashMap::len);
         assert!(after <= before + 2, "dead pools leave the live set");
     }
 }

@@ -111,10 +111,14 @@ pub use allocation::CachedAllocation;
 pub(crate) use allocation::CachedBlock;
 pub use allocator::CachingAllocator;
 pub(crate) use allocator::ShardHandle;
-pub(crate) use graph_pool::release_resource_during_capture;
+#[cfg(test)]
+pub(crate) use graph_pool::test_support as graph_pool_test_support;
 pub use graph_pool::{
     AllocateToPool, GraphPool, GraphPoolId, MissPolicy, begin_allocate_to_pool, graph_pool_handle,
     note_capture_stream, stranded_graph_memory,
+};
+pub(crate) use graph_pool::{
+    NO_POOL, pool_tag_is_live, pool_tag_of_capture, release_resource_during_capture,
 };
 pub(crate) use pool::Grant;
 pub use size_class::PoolKind;
