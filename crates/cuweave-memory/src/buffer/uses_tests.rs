@@ -591,6 +591,41 @@ fn a_buffer_written_in_ever_new_ranges_keeps_a_bounded_number_of_uses() {
 }
 
 #[test]
+fn a_free_for_reuse_on_the_home_stream_hands_on_only_other_streams_events() {
+    let events = Events::default();
+    let (home, other) = (FakeStream::own(1), FakeStream::own(2));
+    // Written on its own stream only: nothing to wait for before reuse there.
+    let mut state = UseState::default();
+    use_on(&mut state, &events, &home, Access::Write);
+    use_on(&mut state, &events, &home, Access::Read);
+    let taken = state.take_for_reuse_on(Some(home.id()), |_| true);
+    assert!(taken.events.is_empty(), "stream order covers the reuse");
+    assert!(state.is_empty());
+    assert_eq!(events.held(), 0, "the events went back to the pool");
+    // Read on another stream too: only that stream's event travels with the block.
+    use_on(&mut state, &events, &home, Access::Write);
+    use_on(&mut state, &events, &other, Access::Read);
+    let taken = state.take_for_reuse_on(Some(home.id()), |_| true);
+    assert_eq!(taken.events.len(), 1);
+    assert_eq!(events.held(), 1);
+    drop(taken);
+    // No home (a default stream, or memory reused anywhere): every event travels.
+    use_on(&mut state, &events, &home, Access::Write);
+    use_on(&mut state, &events, &other, Access::Read);
+    assert_eq!(state.take_all(|_| true).events.len(), 2);
+    // The legacy stream's uses never count as the home's: its handle names no one stream.
+    let legacy = FakeStream::new(0, 40);
+    use_on(&mut state, &events, &legacy, Access::Write);
+    assert_eq!(
+        state
+            .take_for_reuse_on(Some(legacy.id()), |_| true)
+            .events
+            .len(),
+        1
+    );
+}
+
+#[test]
 fn buffers_made_used_and_freed_in_a_loop_hold_their_events_only_while_tracked() {
     // A buffer's state per cycle, as a typed buffer's tracker sees it: written on one stream,
     // read on another, its events taken out for the free (`take_all`), which hands them on
