@@ -66,6 +66,17 @@ pub enum DriverError {
 }
 
 impl DriverError {
+    /// Whether this is a capture refusal ([`GraphError::Capturing`](crate::GraphError::Capturing)):
+    /// the call would have broken an active stream capture, or recorded into it what must run
+    /// once, and was not made. It says "not now", not that the work asked about failed: once
+    /// the capture ends the same call can be made again.
+    pub fn is_capture_refusal(&self) -> bool {
+        matches!(
+            self,
+            Self::Graph(crate::graph::GraphError::Capturing { .. })
+        )
+    }
+
     /// The raw `CUresult`, when the driver itself reported the error.
     pub fn code(&self) -> Option<sys::CUresult> {
         match self {
@@ -141,4 +152,34 @@ fn cuda_description(code: u32) -> &'static str {
     crate::loader::loaded_driver()
         .and_then(|api| api.error_description(sys::CUresult(code)))
         .unwrap_or("unknown error")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::GraphError;
+
+    #[test]
+    fn only_a_capture_refusal_is_a_capture_refusal() {
+        let refusal = DriverError::Graph(GraphError::Capturing {
+            operation: "Event::query",
+            reason: "a blocking call or event query now would invalidate the capture",
+        });
+        assert!(refusal.is_capture_refusal());
+        let invalidated = DriverError::Graph(GraphError::CaptureInvalidated {
+            broken_by: None,
+            code_name: None,
+        });
+        assert!(!invalidated.is_capture_refusal());
+        let sticky = DriverError::Cuda {
+            code: 719,
+            operation: "cuEventQuery",
+        };
+        assert!(!sticky.is_capture_refusal());
+        let missing = DriverError::NotFound {
+            searched: "libcuda.so.1".to_owned(),
+            reason: "not installed".to_owned(),
+        };
+        assert!(!missing.is_capture_refusal());
+    }
 }

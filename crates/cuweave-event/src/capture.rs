@@ -9,13 +9,7 @@
 //! lives ([`relaxed_thread`]).
 
 use cuweave_driver::graph::{CaptureModeGuard, StatusCheck, active_captures, refuse_recording};
-use cuweave_driver::{CaptureMode, DriverError, GraphError, Stream};
-
-/// Whether `error` is a capture refusal ([`GraphError::Capturing`]): the call would have
-/// broken an active capture and was not made. Not a failure of the work asked about.
-pub(crate) fn is_refusal(error: &DriverError) -> bool {
-    matches!(error, DriverError::Graph(GraphError::Capturing { .. }))
-}
+use cuweave_driver::{CaptureMode, DriverError, Stream};
 
 /// Puts the calling thread in relaxed capture mode until the guard drops (for a thread's whole
 /// life: hold it at the top of the thread's body). `None`, logged, when the driver cannot (no
@@ -55,28 +49,4 @@ pub(crate) fn refuse_capturing_stream(
         operation,
         "the stream is capturing: a wait queued on it would be recorded into the graph, not run, and never resolve",
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_a_capture_refusal_is_a_refusal() {
-        let refusal = DriverError::Graph(GraphError::Capturing {
-            operation: "Event::query",
-            reason: "a blocking call or event query now would invalidate the capture",
-        });
-        assert!(is_refusal(&refusal));
-        let invalidated = DriverError::Graph(GraphError::CaptureInvalidated {
-            broken_by: None,
-            code_name: None,
-        });
-        assert!(!is_refusal(&invalidated));
-        let sticky = DriverError::Cuda {
-            code: 719,
-            operation: "cuEventQuery",
-        };
-        assert!(!is_refusal(&sticky));
-    }
 }

@@ -11,8 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use cuweave_driver::graph::GraphError;
-use cuweave_driver::{DriverError, Event, EventPool, OwnedPooledEvent, Stream};
+use cuweave_driver::{Event, EventPool, OwnedPooledEvent, Stream};
 use parking_lot::Mutex;
 
 use crate::error::{Result, StreamError};
@@ -157,8 +156,9 @@ impl<T> GpuTimer<T> {
     /// nothing is read or dropped: the spans stay pending for a later harvest.
     ///
     /// # Errors
-    /// [`GraphError::Capturing`] while this thread is capturing; otherwise the driver's error
-    /// from the first span that could not be read.
+    /// [`GraphError::Capturing`](cuweave_driver::graph::GraphError::Capturing) while this thread
+    /// is capturing; otherwise the driver's error from the first span that could not be
+    /// read.
     pub fn harvest(&self, mut sink: impl FnMut(T, Duration, &Event)) -> Result<()> {
         let mut first_error = None;
         loop {
@@ -168,7 +168,7 @@ impl<T> GpuTimer<T> {
                 match front.end.query() {
                     Ok(false) => break,
                     Ok(true) => pending.pop_front().map(Ok),
-                    Err(error) if is_capture_refusal(&error) => {
+                    Err(error) if error.is_capture_refusal() => {
                         first_error.get_or_insert(error.into());
                         break;
                     }
@@ -199,8 +199,9 @@ impl<T> GpuTimer<T> {
     /// capturing), the spans not yet read stay pending, in order, for a later harvest.
     ///
     /// # Errors
-    /// [`GraphError::Capturing`] while this thread is capturing; otherwise the driver's error
-    /// from the first span that could not be waited for or read.
+    /// [`GraphError::Capturing`](cuweave_driver::graph::GraphError::Capturing) while this thread
+    /// is capturing; otherwise the driver's error from the first span that could not be
+    /// waited for or read.
     pub fn harvest_all(&self, mut sink: impl FnMut(T, Duration, &Event)) -> Result<()> {
         let mut spans = std::mem::take(&mut *self.pending.lock());
         let mut first_error = None;
@@ -212,7 +213,7 @@ impl<T> GpuTimer<T> {
                 .and_then(|()| Self::duration(&span));
             match read {
                 Ok(duration) => sink(span.tag, duration, &span.start),
-                Err(StreamError::Driver(error)) if is_capture_refusal(&error) => {
+                Err(StreamError::Driver(error)) if error.is_capture_refusal() => {
                     // Every later wait would be refused too: put the unread spans back ahead
                     // of any queued meanwhile, which started later.
                     spans.push_front(span);
@@ -235,10 +236,4 @@ impl<T> GpuTimer<T> {
             (f64::from(ms.max(0.0)) * 1e6).round() as u64
         ))
     }
-}
-
-/// Whether `error` is a refusal to query or wait for an event while this thread is capturing:
-/// nothing is wrong with the span, it is readable once the capture ends.
-fn is_capture_refusal(error: &DriverError) -> bool {
-    matches!(error, DriverError::Graph(GraphError::Capturing { .. }))
 }

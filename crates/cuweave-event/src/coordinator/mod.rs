@@ -209,7 +209,7 @@ impl State {
                 Ok(false) => Front::NotYet,
                 // A capture on some thread forbids this thread's query for now: ask again
                 // later (never a failure of the operation).
-                Err(error) if crate::capture::is_refusal(&error) => Front::NotYet,
+                Err(error) if error.is_capture_refusal() => Front::NotYet,
                 Ok(true) => Front::Done(Ok(())),
                 Err(error) => Front::Done(Err(EventError::from(error))),
             },

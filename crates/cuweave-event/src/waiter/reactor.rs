@@ -92,7 +92,7 @@ impl Registration {
                 Ok(false) => Check::NotYet,
                 // Refused for now by a capture (only if this thread could not enter relaxed
                 // mode): asked again on a later scan, never a failure.
-                Err(error) if capture::is_refusal(&error) => Check::NotYet,
+                Err(error) if error.is_capture_refusal() => Check::NotYet,
                 Err(error) => Check::Failed(error.into()),
             },
         }
@@ -363,7 +363,7 @@ impl Reactor<'_> {
         let mut failed_any = false;
         for slab in slabs {
             let Err(error) = slab.probe() else { continue };
-            if capture::is_refusal(&error) {
+            if error.is_capture_refusal() {
                 // Not asked (a capture forbids it on this thread): no news of a death.
                 continue;
             }
