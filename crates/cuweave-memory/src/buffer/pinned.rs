@@ -288,7 +288,8 @@ impl<T: Element> Drop for PinnedBuffer<T> {
     /// queried, and the ones `take_for_free` drops for ended captures say nothing of replays).
     /// A pool block goes back quarantined; an own allocation is leaked.
     fn drop(&mut self) {
-        let markers = self.core.tracker_mut().take_for_free();
+        // Memory of the pinned pool is handed out again anywhere: every event travels with it.
+        let markers = self.core.tracker_mut().take_for_free(None);
         match std::mem::replace(&mut self.allocation, HostMemory::Gone) {
             HostMemory::Pool(mut block) => {
                 // The pool gates the block's reuse on the tracker's events: no wait here.

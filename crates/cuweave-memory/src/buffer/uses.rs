@@ -714,6 +714,7 @@ impl<E: UseEvent> UseState<E> {
     /// the memory, so the free hands the block to those pools (whatever the capture count reads
     /// by then) instead of the general cache; pools that have died by then are skipped. Events of uses whose capture has ended (`ended` says
     /// which) are dropped, back to their pool: they can never be queried.
+    #[cfg(test)]
     pub(crate) fn take_all(&mut self, ended: impl Fn(u64) -> bool) -> Taken<E> {
         self.take_for_reuse_on(None, ended)
     }

@@ -56,7 +56,7 @@ use crate::error::{MemoryError, Result};
 use crate::resource::MemoryResource;
 
 /// The high bit of a [`StreamKey`] marks a private pool's free list.
-const PRIVATE_BIT: usize = 1 << (usize::BITS - 1);
+pub(super) const PRIVATE_BIT: usize = 1 << (usize::BITS - 1);
 
 /// The identity of a private pool (PyTorch's `MempoolId_t`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -564,7 +564,8 @@ pub(super) fn release_during_capture(
 ///   the capture, not ordered with the next allocation).
 /// - A general-cache block used only eagerly is held by the pool of a capture that has its
 ///   stream (or, failing that, of the only bound capture), else returned once no capture is
-///   active and the device has finished.
+///   active and the device has finished. Uses on its own stream brought no events (stream
+///   order covers them, [`StreamKey::reuse_stream`]): a block used only there is freed at once.
 #[cold]
 #[inline(never)]
 pub(crate) fn release_block_during_capture(
