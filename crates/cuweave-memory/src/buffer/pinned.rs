@@ -282,7 +282,7 @@ impl<T: Element> Buffer<T> for PinnedBuffer<T> {
 }
 
 impl<T: Element> Drop for PinnedBuffer<T> {
-    /// Memory a stream capture used (`FreeMarkers::captures`, ended captures too) is never
+    /// Memory a stream capture used (`FreeMarkers::graph_pools`, ended captures too) is never
     /// reused nor unpinned: a graph of that capture may replay with its address for as long as
     /// the graph lives, and no event says when it no longer will (captured events cannot be
     /// queried, and the ones `take_for_free` drops for ended captures say nothing of replays).
@@ -293,13 +293,13 @@ impl<T: Element> Drop for PinnedBuffer<T> {
         match std::mem::replace(&mut self.allocation, HostMemory::Gone) {
             HostMemory::Pool(mut block) => {
                 // The pool gates the block's reuse on the tracker's events: no wait here.
-                block.add_events(markers.events);
-                if !markers.captures.is_empty() {
+                if markers.used_in_graphs() {
                     block.hold_for_graphs();
                 }
+                block.add_events(markers.events);
             }
             HostMemory::Own(allocation) => {
-                if !markers.captures.is_empty() {
+                if markers.used_in_graphs() {
                     tracing::warn!(
                         bytes = allocation.len(),
                         "leaking a pinned buffer a stream capture used: a graph may still replay with it"

@@ -86,8 +86,11 @@ impl std::fmt::Debug for Owner {
 pub(crate) struct FreeMarkers {
     /// The events recorded behind its uses.
     pub(crate) events: Vec<OwnedPooledEvent>,
-    /// The ids of the captures that used the buffer (ended ones too).
-    pub(crate) captures: Vec<u64>,
+    /// The tags of the graph pools bound to the captures that used the buffer (of ended
+    /// captures too; [`NO_POOL`](crate::caching::NO_POOL) for a capture no pool was bound to):
+    /// the graphs of those pools may replay with the memory while the pools live. Empty when no
+    /// capture used the buffer.
+    pub(crate) graph_pools: Vec<u64>,
 }
 
 impl FreeMarkers {
@@ -95,7 +98,13 @@ impl FreeMarkers {
     /// buffer.
     #[inline]
     pub(crate) fn during_capture(&self) -> bool {
-        !self.captures.is_empty() || active_captures() != 0
+        self.used_in_graphs() || active_captures() != 0
+    }
+
+    /// Whether a capture used the buffer (its memory may belong to graphs).
+    #[inline]
+    pub(crate) fn used_in_graphs(&self) -> bool {
+        !self.graph_pools.is_empty()
     }
 }
 
@@ -195,9 +204,10 @@ impl StreamTracker {
     /// pool when dropped there. Nothing (no allocation, no lock: the buffer is being dropped)
     /// when nothing is tracked.
     ///
-    /// [`FreeMarkers::captures`] names the captures that used the buffer: the free must then go
-    /// to the capture path, which holds the memory for their graphs, even if those captures have
-    /// ended (their events can never be queried, and their graphs may replay).
+    /// [`FreeMarkers::graph_pools`] names the graph pools of the captures that used the buffer:
+    /// the free must then go to the capture path, which holds the memory for their graphs (while
+    /// the pools live), even if those captures have ended (their events can never be queried,
+    /// and their graphs may replay).
     ///
     /// `home` is the [`Stream::id`] of the one stream the memory will be handed out again on,
     /// if there is one (a caching allocator's block goes back to the free lists of the stream it
@@ -231,7 +241,7 @@ impl StreamTracker {
         }
         FreeMarkers {
             events,
-            captures: taken.captures,
+            graph_pools: taken.graph_pools,
         }
     }
 

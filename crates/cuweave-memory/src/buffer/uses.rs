@@ -84,7 +84,7 @@ pub(crate) struct Taken<E> {
     pub(crate) events: Vec<Arc<E>>,
     /// The distinct tags of the graph pools bound to the captures that used the buffer (of
     /// ended captures too), or [`NO_POOL`] for a capture no pool was bound to.
-    pub(crate) captures: Vec<u64>,
+    pub(crate) graph_pools: Vec<u64>,
 }
 
 /// The capture a stream records into.
@@ -744,7 +744,7 @@ impl<E: UseEvent> UseState<E> {
         self.last_graph = None;
         Taken {
             events,
-            captures: std::mem::take(&mut self.graphs),
+            graph_pools: std::mem::take(&mut self.graphs),
         }
     }
 

@@ -246,7 +246,7 @@ fn freeing_after_a_capture_never_hands_captured_events_to_be_polled() {
         "a captured event would be polled"
     );
     assert_eq!(
-        recorded.captures,
+        recorded.graph_pools,
         vec![CAPTURE],
         "the graph may replay with the memory: the free names its capture"
     );
@@ -267,7 +267,7 @@ fn freeing_during_a_capture_names_the_captures_that_used_the_buffer() {
     state.op(&events, &cap, Access::Read, &view).unwrap();
     let taken = state.take_all(|_| false);
     assert_eq!(
-        taken.captures,
+        taken.graph_pools,
         vec![CAPTURE],
         "only the capture that used it, once"
     );
@@ -279,7 +279,7 @@ fn freeing_during_a_capture_names_the_captures_that_used_the_buffer() {
     let second = capturing(OTHER, begin(OTHER));
     shared.op(&events2, &cap, Access::Read, &first).unwrap();
     shared.op(&events2, &cap2, Access::Read, &second).unwrap();
-    let mut named = shared.take_all(|_| false).captures;
+    let mut named = shared.take_all(|_| false).graph_pools;
     named.sort_unstable();
     assert_eq!(named, vec![CAPTURE, OTHER]);
     // The capture ended before the free: its event is not kept, its id is.
@@ -287,7 +287,7 @@ fn freeing_during_a_capture_names_the_captures_that_used_the_buffer() {
     ended.op(&events, &cap, Access::Write, &view).unwrap();
     let taken = ended.take_all(|id| id == CAPTURE);
     assert!(taken.events.is_empty());
-    assert_eq!(taken.captures, vec![CAPTURE]);
+    assert_eq!(taken.graph_pools, vec![CAPTURE]);
     end(OTHER);
     end(OTHER);
     end(CAPTURE);
@@ -339,11 +339,11 @@ fn a_buffer_used_in_a_capture_is_remembered_after_the_capture_ended() {
         .op(&events, &eager, Access::Write, &CaptureView::NONE)
         .unwrap();
     let taken = state.take_all(|_| true);
-    assert_eq!(taken.captures, vec![CAPTURE]);
+    assert_eq!(taken.graph_pools, vec![CAPTURE]);
     assert!(!state.used_in_graphs(), "taken out with the events");
     // Never used in a capture: nothing to name (the free's plain path).
     let (mut eager_only, _, _, _) = written_eagerly();
-    assert!(eager_only.take_all(|_| true).captures.is_empty());
+    assert!(eager_only.take_all(|_| true).graph_pools.is_empty());
 }
 
 #[test]
@@ -362,9 +362,9 @@ fn the_pools_remembered_per_buffer_stay_bounded_and_name_every_live_one() {
         assert!(state.graphs_remembered() <= 2 * PRUNE_GRAPHS_AT + 20);
     }
     let taken = state.take_all(|_| true);
-    assert!(!taken.captures.contains(&NO_POOL), "nothing stands in");
+    assert!(!taken.graph_pools.contains(&NO_POOL), "nothing stands in");
     for live in 100_980..101_000u64 {
-        assert!(taken.captures.contains(&live), "pool {live} is alive");
+        assert!(taken.graph_pools.contains(&live), "pool {live} is alive");
     }
     // Recaptured into one pool: one entry.
     let mut one = UseState::default();
@@ -375,7 +375,7 @@ fn the_pools_remembered_per_buffer_stay_bounded_and_name_every_live_one() {
         end(id);
     }
     POOL_OF.with(|pool| pool.set(None));
-    assert_eq!(one.take_all(|_| true).captures, vec![7]);
+    assert_eq!(one.take_all(|_| true).graph_pools, vec![7]);
 }
 
 /// A stream whose captures are bound in the real graph-pool registry.
@@ -445,12 +445,12 @@ fn a_buffer_recaptured_many_times_is_held_while_a_pool_lives_then_returned(#[cas
     }
     let taken = state.take_all(|_| true);
     assert!(
-        taken.captures.len() <= 2 * PRUNE_GRAPHS_AT,
+        taken.graph_pools.len() <= 2 * PRUNE_GRAPHS_AT,
         "{} pools remembered",
-        taken.captures.len()
+        taken.graph_pools.len()
     );
-    assert!(!taken.captures.contains(&NO_POOL));
-    let returned = hold(&taken.captures, 512);
+    assert!(!taken.graph_pools.contains(&NO_POOL));
+    let returned = hold(&taken.graph_pools, 512);
     assert_eq!(
         returned.load(Ordering::SeqCst),
         0,

@@ -550,7 +550,7 @@ pub(super) fn release_during_capture(
 }
 
 /// Frees a typed buffer's block while some capture is active, or one that a capture used
-/// (`markers.captures`: the tags of the pools of those captures, ended ones too, whose graphs
+/// (`markers.graph_pools`: the tags of the pools of those captures, ended ones too, whose graphs
 /// may replay with it). Its events may have been
 /// recorded inside a capture (they can never be queried), so none is waited on or polled: they
 /// go back to the context's event pool (whoever takes one records it again before using it),
@@ -577,7 +577,10 @@ pub(crate) fn release_block_during_capture(
     markers: FreeMarkers,
 ) -> Result<()> {
     let engine = &shard.shared.engine;
-    let FreeMarkers { events, captures } = markers;
+    let FreeMarkers {
+        events,
+        graph_pools,
+    } = markers;
     let used = !events.is_empty();
     drop(events);
     let private = stream.as_usize() & PRIVATE_BIT != 0;
@@ -589,8 +592,8 @@ pub(crate) fn release_block_during_capture(
         uses: Vec::new(),
         after_device: !private,
     };
-    if !private && !captures.is_empty() {
-        hold_for_captures(held.into(), &captures, bytes);
+    if !private && !graph_pools.is_empty() {
+        hold_for_captures(held.into(), &graph_pools, bytes);
         flush_deferred();
         return Ok(());
     }
@@ -627,7 +630,10 @@ pub(crate) fn release_resource_during_capture(
     bytes: usize,
     markers: FreeMarkers,
 ) {
-    let FreeMarkers { events, captures } = markers;
+    let FreeMarkers {
+        events,
+        graph_pools,
+    } = markers;
     drop(events);
     let held = Held {
         memory: HeldMemory::Resource {
@@ -637,10 +643,10 @@ pub(crate) fn release_resource_during_capture(
         },
         also: Vec::new(),
     };
-    if captures.is_empty() {
+    if graph_pools.is_empty() {
         DEFERRED.lock().push(held);
     } else {
-        hold_for_captures(held, &captures, bytes);
+        hold_for_captures(held, &graph_pools, bytes);
     }
     flush_deferred();
 }
@@ -943,7 +949,7 @@ mod tests {
     fn a_free_after_its_capture_ended_still_takes_the_capture_path() {
         let markers = FreeMarkers {
             events: Vec::new(),
-            captures: vec![u64::MAX - 40],
+            graph_pools: vec![u64::MAX - 40],
         };
         assert_eq!(active_captures(), 0);
         assert!(
