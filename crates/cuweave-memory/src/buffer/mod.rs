@@ -60,6 +60,7 @@
 mod common;
 mod device;
 mod fill;
+mod graph_held;
 mod host;
 mod pending;
 // Unsafe is allowed here too: the peer copy calls the driver's raw `cuMemcpyPeerAsync`.

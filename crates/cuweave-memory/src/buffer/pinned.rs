@@ -104,8 +104,9 @@ impl<T: Element> PinnedBuffer<T> {
     /// `len` elements in a block of `pool` (no pinning when the pool has one cached): the typed
     /// way to stage copies through the pool. The block goes back to the pool when the buffer
     /// drops, without waiting: the pool hands it out again only once every use the buffer
-    /// recorded has finished. A block that a stream capture used is never handed out again (a
-    /// graph of the capture may replay with it); the pool leaks it when it goes away.
+    /// recorded has finished. A block that stream captures used is not handed out again while a
+    /// graph of theirs may replay with it: until the graph pools of the captures have died (a
+    /// capture with no pool: never; the pool leaks it when it goes away).
     ///
     /// The contents are whatever the block last held (plain data: any bytes are valid values);
     /// write them before reading.
@@ -282,11 +283,14 @@ impl<T: Element> Buffer<T> for PinnedBuffer<T> {
 }
 
 impl<T: Element> Drop for PinnedBuffer<T> {
-    /// Memory a stream capture used (`FreeMarkers::graph_pools`, ended captures too) is never
-    /// reused nor unpinned: a graph of that capture may replay with its address for as long as
-    /// the graph lives, and no event says when it no longer will (captured events cannot be
-    /// queried, and the ones `take_for_free` drops for ended captures say nothing of replays).
-    /// A pool block goes back quarantined; an own allocation is leaked.
+    /// Memory stream captures used (`FreeMarkers::graph_pools`, ended captures too) is not
+    /// reused nor unpinned while a graph of those captures may replay with its address: no
+    /// event says when it no longer will (captured events cannot be queried, and the ones
+    /// `take_for_free` drops for ended captures say nothing of replays). The graph pools of the
+    /// captures hold it, and it returns (a pool block to the pool's ready list, an own
+    /// allocation to the driver) once the last of them has died and the context has been
+    /// synchronised. Used by a capture no pool was bound to, it is never reused: a pool block
+    /// stays quarantined (leaked when the pool goes away), an own allocation is leaked.
     fn drop(&mut self) {
         // Memory of the pinned pool is handed out again anywhere: every event travels with it.
         let markers = self.core.tracker_mut().take_for_free(None);
@@ -294,27 +298,19 @@ impl<T: Element> Drop for PinnedBuffer<T> {
             HostMemory::Pool(mut block) => {
                 // The pool gates the block's reuse on the tracker's events: no wait here.
                 if markers.used_in_graphs() {
-                    block.hold_for_graphs();
+                    block.hold_for_graphs(markers.graph_pools);
                 }
                 block.add_events(markers.events);
             }
             HostMemory::Own(allocation) => {
-                if markers.used_in_graphs() {
-                    tracing::warn!(
-                        bytes = allocation.len(),
-                        "leaking a pinned buffer a stream capture used: a graph may still replay with it"
-                    );
-                    std::mem::forget(allocation);
-                    return;
-                }
-                for event in markers.events {
-                    if let Err(error) = event.synchronize() {
-                        tracing::error!(%error, "waiting for a pinned buffer's last use before freeing it failed; leaking it");
-                        std::mem::forget(allocation);
-                        return;
-                    }
-                }
-                drop(allocation);
+                let bytes = allocation.len();
+                super::graph_held::free_own_allocation(
+                    self.core.context(),
+                    allocation,
+                    bytes,
+                    markers,
+                    "PinnedBuffer",
+                );
             }
             HostMemory::Gone => {}
         }

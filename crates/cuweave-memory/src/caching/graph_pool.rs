@@ -120,9 +120,31 @@ enum HeldMemory {
         ptr: u64,
         bytes: usize,
     },
+    /// Memory of another kind (a pinned pool's block, a managed allocation), which says itself
+    /// how it goes back.
+    Other(Box<dyn GraphHeld>),
     /// Counts its return (tests).
     #[cfg(test)]
     Probe(Arc<std::sync::atomic::AtomicUsize>),
+}
+
+/// Memory other than the caching allocator's blocks and resources' allocations (a pinned pool's
+/// block, a managed allocation) that graph pools hold for their graphs as they hold blocks
+/// ([`hold_for_graphs`]).
+pub(crate) trait GraphHeld: Send {
+    /// Returns the memory, once no graph can use it any more (every pool that held it has died)
+    /// and no capture is active: the device must have finished first (a graph launch may still
+    /// run), so this synchronises the memory's context through [`synchronize_once`] (once per
+    /// flush: `synced` lists the contexts already synchronised). On failure the memory must be
+    /// kept out of use as [`strand`](Self::strand) keeps it.
+    ///
+    /// # Errors
+    /// The driver's error when the context cannot be synchronised.
+    fn give_back(self: Box<Self>, synced: &mut Vec<Arc<Context>>) -> Result<()>;
+
+    /// Keeps the memory out of use for good: a capture with no graph pool used it, so a graph
+    /// of that capture may replay with it for as long as the process runs.
+    fn strand(self: Box<Self>);
 }
 
 /// Held memory, and the other pools whose graphs may still use it: when the pool holding it
@@ -685,19 +707,26 @@ fn hold_for_captures(mut held: Held, tags: &[u64], bytes: usize) {
                 bytes,
                 "memory used by a capture with no graph pool is kept out of every cache for good"
             );
-            let mut stranded = STRANDED.lock();
-            stranded.0 += 1;
-            stranded.1 += bytes as u64;
-            // Never returned: forgetting keeps the block allocated (and counted in the
-            // allocator's statistics) and the resource's memory untouched.
-            std::mem::forget(held);
+            {
+                let mut stranded = STRANDED.lock();
+                stranded.0 += 1;
+                stranded.1 += bytes as u64;
+            }
+            match held.memory {
+                HeldMemory::Other(other) => other.strand(),
+                // Never returned: forgetting keeps the block allocated (and counted in the
+                // allocator's statistics) and the resource's memory untouched.
+                memory => std::mem::forget(memory),
+            }
         }
     }
 }
 
 /// Allocations freed after a capture used them that no graph pool could hold (a capture begun
 /// without [`begin_allocate_to_pool`]): a graph of that capture may still use them, so they are
-/// never reused nor released. How many, and their bytes, since the process started.
+/// never reused nor released. How many, and their bytes, since the process started: blocks of
+/// caching allocators, allocations of other memory resources, and the pinned-pool blocks and
+/// managed allocations of typed buffers.
 pub fn stranded_graph_memory() -> (u64, u64) {
     *STRANDED.lock()
 }
@@ -732,6 +761,7 @@ fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result<()> {
             let legacy = crate::buffer::raw::legacy_stream(resource.context());
             return resource.deallocate(ptr, bytes, &legacy);
         }
+        HeldMemory::Other(other) => return other.give_back(synced),
         #[cfg(test)]
         HeldMemory::Probe(count) => {
             count.fetch_add(1, Ordering::SeqCst);
@@ -753,8 +783,37 @@ fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result<()> {
     }
 }
 
+/// Holds `memory`, freed after captures used it (`graph_pools`: the tags of their pools, as
+/// [`FreeMarkers::graph_pools`] gives them; never empty), for their graphs, as a block of the
+/// general cache is held: by the pools still alive, returned ([`GraphHeld::give_back`]) once
+/// the last of them has died and no capture is active, at once (after synchronising) when all
+/// have died already, and stranded ([`GraphHeld::strand`], counted in
+/// [`stranded_graph_memory`]) when one of the captures had no pool.
+pub(crate) fn hold_for_graphs(memory: Box<dyn GraphHeld>, graph_pools: &[u64], bytes: usize) {
+    let held = Held {
+        memory: HeldMemory::Other(memory),
+        also: Vec::new(),
+    };
+    hold_for_captures(held, graph_pools, bytes);
+    flush_deferred();
+}
+
+/// Returns `memory` ([`GraphHeld::give_back`]) once no capture is active: at once when none is
+/// now, else when the last active one ends. For memory no capture used, freed while one is
+/// active (when nothing may wait for the device).
+pub(crate) fn defer_until_no_capture(memory: Box<dyn GraphHeld>) {
+    DEFERRED.lock().push(Held {
+        memory: HeldMemory::Other(memory),
+        also: Vec::new(),
+    });
+    flush_deferred();
+}
+
 /// Synchronises `context` unless `synced` says it already was.
-fn synchronize_once(context: &Arc<Context>, synced: &mut Vec<Arc<Context>>) -> Result<()> {
+pub(crate) fn synchronize_once(
+    context: &Arc<Context>,
+    synced: &mut Vec<Arc<Context>>,
+) -> Result<()> {
     if !synced.iter().any(|done| Arc::ptr_eq(done, context)) {
         context.synchronize()?;
         synced.push(Arc::clone(context));

@@ -48,8 +48,9 @@ pub struct PinnedBlock {
     /// Events marking the last use on each recorded stream (pooled: back to the context's
     /// event pool once the block is ready again).
     events: Vec<OwnedPooledEvent>,
-    /// A stream capture used the block: it is never handed out again once dropped.
-    captured: bool,
+    /// The tags of the graph pools of the captures that used the block (see
+    /// [`hold_for_graphs`](Self::hold_for_graphs)); `None` when no capture did.
+    graphs: Option<Vec<u64>>,
     pool: Arc<Inner>,
 }
 
@@ -60,7 +61,7 @@ impl PinnedBlock {
             allocation: Some(allocation),
             len,
             events: Vec::new(),
-            captured: false,
+            graphs: None,
             pool,
         }
     }
@@ -140,11 +141,14 @@ impl PinnedBlock {
         self.events.extend(events);
     }
 
-    /// Marks the block as used by a stream capture: once dropped it goes back to the pool
-    /// quarantined, never handed out again nor unpinned (a graph of the capture may replay with
-    /// its address for as long as the graph lives; the pool leaks it when it goes away).
-    pub(crate) fn hold_for_graphs(&mut self) {
-        self.captured = true;
+    /// Marks the block as used by stream captures whose graph pools are `graph_pools` (tags, as
+    /// `FreeMarkers::graph_pools` gives them): once dropped it goes back to the pool
+    /// quarantined, never handed out again nor unpinned while a graph of those captures may
+    /// replay with its address. The pools still alive hold it, and it becomes ready again once
+    /// the last of them has died (after the context has been synchronised); with a capture no
+    /// pool was bound to, it stays quarantined for good and the pool leaks it when it goes away.
+    pub(crate) fn hold_for_graphs(&mut self, graph_pools: Vec<u64>) {
+        self.graphs = Some(graph_pools);
     }
 
     /// How many stream uses have been recorded on this block since it was handed out.
@@ -156,8 +160,13 @@ impl PinnedBlock {
 impl Drop for PinnedBlock {
     fn drop(&mut self) {
         if let Some(allocation) = self.allocation.take() {
-            self.pool
-                .give_back(allocation, std::mem::take(&mut self.events), self.captured);
+            let events = std::mem::take(&mut self.events);
+            match self.graphs.take() {
+                None => self.pool.give_back(allocation, events),
+                Some(graph_pools) => {
+                    Inner::give_back_for_graphs(&self.pool, allocation, events, &graph_pools);
+                }
+            }
         }
     }
 }

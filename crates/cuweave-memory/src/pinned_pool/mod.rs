@@ -49,6 +49,8 @@
 mod block;
 mod cache;
 mod config;
+#[cfg(test)]
+mod graph_tests;
 mod pool;
 mod size_class;
 mod stats;

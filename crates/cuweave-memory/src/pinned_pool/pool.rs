@@ -14,6 +14,7 @@ use super::cache::{BlockCache, Capacity, Fence, Released};
 use super::config::PinnedPoolConfig;
 use super::size_class::block_size;
 use super::stats::PinnedPoolStats;
+use crate::caching::GraphHeld;
 use crate::element::{Element, byte_len};
 use crate::error::{MemoryError, Result};
 use crate::events::ContextEvents;
@@ -389,21 +390,29 @@ impl Inner {
         self.events.for_stream(&self.context, stream)
     }
 
-    /// Takes back a block from a dropped [`PinnedBlock`] with the events of its last use; a
-    /// block a stream capture used (`captured`) is quarantined instead, never handed out again.
-    pub(super) fn give_back(
-        &self,
+    /// Takes back a block from a dropped [`PinnedBlock`] with the events of its last use.
+    pub(super) fn give_back(&self, allocation: HostAllocation, events: Vec<OwnedPooledEvent>) {
+        self.with_state(|state, released| state.cache.give_back(allocation, events, released));
+    }
+
+    /// Takes back a block that stream captures used, whose graph pools are `graph_pools`: it
+    /// is quarantined, and the pools hold its release ([`GraphHold`]) until the last of them
+    /// dies (or for good, when a capture had no pool).
+    pub(super) fn give_back_for_graphs(
+        this: &Arc<Self>,
         allocation: HostAllocation,
         events: Vec<OwnedPooledEvent>,
-        captured: bool,
+        graph_pools: &[u64],
     ) {
-        self.with_state(|state, released| {
-            if captured {
-                state.cache.give_back_captured(allocation, events, released);
-            } else {
-                state.cache.give_back(allocation, events, released);
-            }
+        let bytes = allocation.len();
+        let ticket = this.with_state(|state, released| {
+            state.cache.give_back_captured(allocation, events, released)
         });
+        let hold = GraphHold {
+            pool: Arc::clone(this),
+            ticket,
+        };
+        crate::caching::hold_for_graphs(Box::new(hold), graph_pools, bytes);
     }
 
     fn out_of_memory(&self, requested: usize) -> MemoryError {
@@ -414,6 +423,29 @@ impl Inner {
             reserved: stats.pinned_bytes,
             limit: None,
         }
+    }
+}
+
+/// The release of a pinned block that captures used, held by their graph pools: it keeps the
+/// pinned pool alive (its context and cache) until then.
+struct GraphHold {
+    pool: Arc<Inner>,
+    ticket: u64,
+}
+
+impl GraphHeld for GraphHold {
+    fn give_back(self: Box<Self>, synced: &mut Vec<Arc<Context>>) -> Result<()> {
+        // A launch of a dead pool's graph may still be running: the device finishes first. On
+        // failure the block stays quarantined (the hold just goes).
+        crate::caching::synchronize_once(&self.pool.context, synced)?;
+        self.pool.with_state(|state, released| {
+            state.cache.release_captured(self.ticket, released);
+        });
+        Ok(())
+    }
+
+    fn strand(self: Box<Self>) {
+        // Never released: the block stays quarantined, and the pool leaks it when it goes away.
     }
 }
 

@@ -64,8 +64,10 @@ enum Quarantine {
     Faulted,
     /// A stream capture used the block: a graph made from it may replay with the block's
     /// address at any time, also after the pool has gone, and no event says when it no longer
-    /// will.
-    Captured,
+    /// will. The graph pools of the captures hold the ticket and
+    /// [release](BlockCache::release_captured) the block once they have all died; a ticket no
+    /// pool could take (a capture with no pool) is never released.
+    Captured(u64),
 }
 
 /// Ready blocks by size class, pending blocks, and the statistics that track them.
@@ -77,6 +79,8 @@ pub(crate) struct BlockCache<B, F> {
     pending: Vec<Pending<B, F>>,
     max_cached_bytes: usize,
     stats: PinnedPoolStats,
+    /// The ticket of the next captured block.
+    next_ticket: u64,
 }
 
 impl<B: Capacity, F: Fence> BlockCache<B, F> {
@@ -87,6 +91,7 @@ impl<B: Capacity, F: Fence> BlockCache<B, F> {
             pending: Vec::new(),
             max_cached_bytes,
             stats: PinnedPoolStats::default(),
+            next_ticket: 0,
         }
     }
 
@@ -198,16 +203,19 @@ impl<B: Capacity, F: Fence> BlockCache<B, F> {
         }
     }
 
-    /// Takes back a block that a stream capture used: it is never handed out again, nor freed
+    /// Takes back a block that a stream capture used: it is not handed out again, nor freed,
+    /// until [`release_captured`](Self::release_captured) is called with the ticket returned
     /// (a graph of the capture may replay with it for as long as the graph lives, which nothing
-    /// here can see). It stays counted as pending until the pool goes away, and is leaked then.
-    /// Its `fences` (eager uses) are not needed any more: they go to `released`.
+    /// here can see: the graph pools of the captures hold the ticket). Until then it is counted
+    /// as pending; when the pool goes away with it unreleased, it is leaked. Its `fences` (eager
+    /// uses) are not needed any more (the release comes after the device finished): they go to
+    /// `released`.
     pub(crate) fn give_back_captured(
         &mut self,
         block: B,
         fences: Vec<F>,
         released: &mut Released<B, F>,
-    ) {
+    ) -> u64 {
         let capacity = block.capacity();
         let stats = &mut self.stats;
         stats.returns += 1;
@@ -218,11 +226,36 @@ impl<B: Capacity, F: Fence> BlockCache<B, F> {
         stats.pending_bytes += capacity;
         stats.pending_blocks += 1;
         released.fences.extend(fences);
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
         self.pending.push(Pending {
             block,
             fences: Vec::new(),
-            quarantine: Some(Quarantine::Captured),
+            quarantine: Some(Quarantine::Captured(ticket)),
         });
+        ticket
+    }
+
+    /// Makes the captured block of `ticket` ([`give_back_captured`](Self::give_back_captured))
+    /// ready again (or frees it, past the cap): no graph can use it any more and the device has
+    /// finished with it. `false` when no block has that ticket (released already).
+    pub(crate) fn release_captured(&mut self, ticket: u64, released: &mut Released<B, F>) -> bool {
+        let Some(index) = self
+            .pending
+            .iter()
+            .position(|entry| entry.quarantine == Some(Quarantine::Captured(ticket)))
+        else {
+            return false;
+        };
+        let entry = self.pending.swap_remove(index);
+        let capacity = entry.block.capacity();
+        let stats = &mut self.stats;
+        stats.pending_bytes -= capacity;
+        stats.pending_blocks -= 1;
+        stats.cached_bytes -= capacity;
+        stats.cached_blocks -= 1;
+        self.settle(entry.block, released);
+        true
     }
 
     /// Moves every pending block whose fences have all passed to the ready lists (or frees it,
@@ -269,7 +302,7 @@ impl<B: Capacity, F: Fence> BlockCache<B, F> {
     pub(crate) fn shutdown(self) {
         drop(self.ready);
         for entry in self.pending {
-            if entry.quarantine == Some(Quarantine::Captured) {
+            if matches!(entry.quarantine, Some(Quarantine::Captured(_))) {
                 tracing::warn!(
                     bytes = entry.block.capacity(),
                     "leaking a pinned block a stream capture used: a graph may still replay with it"

@@ -604,3 +604,21 @@ fn captured_block_is_never_handed_out_again_nor_freed() {
         "the captured block is leaked, not freed: a graph may outlive the pool"
     );
 }
+
+#[test]
+fn a_released_captured_block_is_ready_again_once() {
+    let mut h = Harness::new(usize::MAX);
+    let mut out = Out::default();
+    let block = h.get(PAGE, &mut out);
+    let id = block.id;
+    let ticket = h.cache.give_back_captured(block, Vec::new(), &mut out);
+    assert_ne!(h.get(PAGE, &mut out).id, id, "held: not handed out");
+    assert!(h.cache.release_captured(ticket, &mut out));
+    assert!(!h.cache.release_captured(ticket, &mut out), "released once");
+    assert_eq!(h.stats().pending_blocks, 0);
+    assert_eq!(
+        h.get(PAGE, &mut out).id,
+        id,
+        "ready again after its graphs died"
+    );
+}
