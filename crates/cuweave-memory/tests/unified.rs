@@ -5,13 +5,15 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use cuweave_driver::graph::CaptureMode;
 use cuweave_driver::memory::{
     self, DeviceAllocation, ManagedAllocation, MemLocation, range_accessed_by,
     range_last_prefetch_location, range_preferred_location, range_read_mostly,
 };
-use cuweave_driver::{Context, DriverError, Stream, StreamFlags};
+use cuweave_driver::{Context, DriverError, InstantiateOptions, Stream, StreamFlags};
 use cuweave_memory::MemoryError;
 use cuweave_memory::buffer::{Buffer, UnifiedBuffer};
+use cuweave_memory::caching::{GraphPool, MissPolicy, begin_allocate_to_pool};
 use cuweave_memory::unified::{
     ManagedCapabilities, ManagedMemoryHints, MemAdvice, MigrationPolicy, PrefetchPath, PrefetchPlan,
 };
@@ -360,5 +362,52 @@ fn raw_ranges_and_targets_are_checked() {
         memory::pointer_attributes(allocation.ptr())
             .unwrap()
             .is_managed
+    );
+}
+
+#[test]
+fn a_unified_buffer_a_graph_writes_is_freed_only_when_the_graphs_pool_dies() {
+    // The capture's graph writes the buffer at its address on every replay: dropping the buffer
+    // while the graph lives must not free the managed memory under it (the drop used to wait
+    // only for eager uses, then free).
+    let _serial = serial();
+    let gpu = require_gpu!();
+    let ctx = &gpu.context;
+    if !ManagedCapabilities::of(ctx.device())
+        .unwrap()
+        .managed_memory
+    {
+        return;
+    }
+    let stream = stream(ctx);
+    let mut buffer = UnifiedBuffer::<u32>::new(ctx, 1 << 16).unwrap();
+    let ptr = buffer.device_ptr();
+    let graphs = GraphPool::new();
+    stream
+        .begin_capture_synchronized(CaptureMode::ThreadLocal)
+        .unwrap();
+    let routed = begin_allocate_to_pool(&stream, &graphs, MissPolicy::default()).unwrap();
+    buffer.fill_async(7, &stream).unwrap();
+    let mut graph = stream.end_capture().unwrap();
+    drop(routed);
+    graph.keep_alive(graphs.keep_alive());
+    drop(graphs);
+    let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
+    drop(buffer);
+    assert_eq!(
+        memory::address_range(ctx, ptr).unwrap().0,
+        ptr,
+        "the managed memory was freed under a live graph"
+    );
+    for _ in 0..3 {
+        exec.launch(&stream).unwrap();
+    }
+    stream.synchronize().unwrap();
+    assert!(memory::address_range(ctx, ptr).is_ok());
+    drop(exec);
+    drop(graph);
+    assert!(
+        memory::address_range(ctx, ptr).is_err(),
+        "freed once the graph's pool died"
     );
 }

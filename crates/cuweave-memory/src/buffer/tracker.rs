@@ -295,13 +295,6 @@ impl StreamTracker {
         }
     }
 
-    /// Waits for every use, logging instead of failing: for `Drop`.
-    pub(crate) fn synchronize_for_drop(&self, what: &'static str) {
-        if let Err(error) = self.synchronize() {
-            tracing::error!(%error, what, "waiting for a buffer's last use before freeing it failed");
-        }
-    }
-
     /// How many uses are tracked (bounded by the merge rule of [`UseState::record_range`]).
     pub(crate) fn tracked_uses(&self) -> usize {
         self.state.lock().tracked()

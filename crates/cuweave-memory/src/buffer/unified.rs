@@ -52,7 +52,8 @@ use crate::unified::ManagedCapabilities;
 #[derive(Debug)]
 pub struct UnifiedBuffer<T: Element> {
     core: BufferCore,
-    allocation: ManagedAllocation,
+    /// `Some` until the drop hands it to [`free_own_allocation`](super::graph_held).
+    allocation: Option<ManagedAllocation>,
     concurrent_managed_access: bool,
     _element: PhantomData<T>,
 }
@@ -93,7 +94,7 @@ impl<T: Element> UnifiedBuffer<T> {
         let allocation = ManagedAllocation::new(context, bytes)?;
         Ok(Self {
             core: BufferCore::new(context, allocation.ptr(), len, size_of::<T>())?,
-            allocation,
+            allocation: Some(allocation),
             concurrent_managed_access: capabilities.concurrent_managed_access,
             _element: PhantomData,
         })
@@ -107,7 +108,7 @@ impl<T: Element> UnifiedBuffer<T> {
     /// cannot prevent; use the [`Buffer`] copies there.
     pub fn as_slice(&self) -> Result<&[T]> {
         self.wait_for_host("UnifiedBuffer::as_slice")?;
-        raw::managed_slice(&self.allocation, self.core.len())
+        raw::managed_slice(self.managed(), self.core.len())
     }
 
     /// The elements, or `DeviceBusy` while queued device work may still use the buffer.
@@ -117,24 +118,38 @@ impl<T: Element> UnifiedBuffer<T> {
     /// [`as_slice`](Self::as_slice).
     pub fn try_as_slice(&self) -> Result<&[T]> {
         self.ensure_host_ready("UnifiedBuffer::try_as_slice")?;
-        raw::managed_slice(&self.allocation, self.core.len())
+        raw::managed_slice(self.managed(), self.core.len())
     }
 
     /// The elements, writable, after waiting for every queued device use (blocks).
     pub fn as_mut_slice(&mut self) -> Result<&mut [T]> {
         self.wait_for_host("UnifiedBuffer::as_mut_slice")?;
-        raw::managed_slice_mut(&mut self.allocation, self.core.len())
+        let len = self.core.len();
+        raw::managed_slice_mut(self.managed_mut(), len)
     }
 
     /// The elements, writable, or `DeviceBusy` while queued device work may use the buffer.
     pub fn try_as_mut_slice(&mut self) -> Result<&mut [T]> {
         self.ensure_host_ready("UnifiedBuffer::try_as_mut_slice")?;
-        raw::managed_slice_mut(&mut self.allocation, self.core.len())
+        let len = self.core.len();
+        raw::managed_slice_mut(self.managed_mut(), len)
     }
 
     /// The driver allocation, for interop.
     pub fn allocation(&self) -> &ManagedAllocation {
-        &self.allocation
+        self.managed()
+    }
+
+    fn managed(&self) -> &ManagedAllocation {
+        self.allocation
+            .as_ref()
+            .expect("a UnifiedBuffer holds its allocation until it is dropped")
+    }
+
+    fn managed_mut(&mut self) -> &mut ManagedAllocation {
+        self.allocation
+            .as_mut()
+            .expect("a UnifiedBuffer holds its allocation until it is dropped")
     }
 
     fn wait_for_host(&self, operation: &'static str) -> Result<()> {
@@ -178,7 +193,23 @@ impl<T: Element> Sealed for UnifiedBuffer<T> {
 impl<T: Element> Buffer<T> for UnifiedBuffer<T> {}
 
 impl<T: Element> Drop for UnifiedBuffer<T> {
+    /// Frees the managed memory once nothing can use it: after the events of its uses have
+    /// completed; when stream captures used it, once the graph pools of those captures have
+    /// died (a graph may replay with the memory until then; leaked for a capture with no pool);
+    /// freed while a capture is active, once none is (nothing may wait for the device, nor free
+    /// memory, during a capture). See `free_own_allocation`.
     fn drop(&mut self) {
-        self.core.tracker().synchronize_for_drop("UnifiedBuffer");
+        let markers = self.core.tracker_mut().take_for_free(None);
+        let Some(allocation) = self.allocation.take() else {
+            return;
+        };
+        let bytes = allocation.len();
+        super::graph_held::free_own_allocation(
+            self.core.context(),
+            allocation,
+            bytes,
+            markers,
+            "UnifiedBuffer",
+        );
     }
 }
