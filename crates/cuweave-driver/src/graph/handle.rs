@@ -149,6 +149,11 @@ impl Graph {
         let mut count = 0usize;
         // SAFETY: live graph; a null array asks for the count.
         unsafe { cu!(api.graph_get_nodes(self.raw, std::ptr::null_mut(), &mut count)) }?;
+        if count == 0 {
+            // An empty graph (a capture that recorded nothing): the driver refuses an array
+            // with no room in it (`CUDA_ERROR_INVALID_VALUE`), so do not ask again.
+            return Ok(Vec::new());
+        }
         let mut nodes = vec![std::ptr::null_mut(); count];
         // SAFETY: `nodes` holds `count` slots.
         unsafe { cu!(api.graph_get_nodes(self.raw, nodes.as_mut_ptr(), &mut count)) }?;
