@@ -55,6 +55,8 @@ fn update_loops_hold_a_bounded_number_of_keep_alives() {
         &[Arc::clone(&pool), first, Arc::clone(&pool)],
     );
     let mut exec: GraphExec = graph.instantiate(&InstantiateOptions::default()).unwrap();
+    // The graph holds its own clones (the pool twice, as given); only the executable's count.
+    drop(graph);
     assert_eq!(exec.kept_alive_count(), 2, "the pool is kept once");
 
     let mut dropped = Vec::new();
