@@ -189,11 +189,13 @@ impl Sleeper {
 
 /// The reactor thread's body; returns on shutdown.
 ///
-/// The thread stays in relaxed capture mode: it queries only events and streams recorded
-/// outside captures (a wait on a capturing stream is refused when it is made), so a
-/// global-mode capture on another thread must not turn its queries into failures.
+/// From its first registration the thread stays in relaxed capture mode: it queries only
+/// events and streams recorded outside captures (a wait on a capturing stream is refused when
+/// it is made), so a global-mode capture on another thread must not turn its queries into
+/// failures. Not before: entering the mode loads and initialises the driver, which a waiter
+/// that never gets a registration (or a process with no GPU work yet) should not pay.
 pub(crate) fn run(shared: &Shared) {
-    let _relaxed = capture::relaxed_thread("cuweave-event-reactor");
+    let mut relaxed = None;
     let mut reactor = Reactor {
         shared,
         entries: Vec::new(),
@@ -218,6 +220,9 @@ pub(crate) fn run(shared: &Shared) {
         }
         let now = Instant::now();
         if arrived {
+            if relaxed.is_none() {
+                relaxed = capture::relaxed_thread("cuweave-event-reactor");
+            }
             // A caller that just registered a wait expects a short one: spin first.
             last_progress = now;
         }
