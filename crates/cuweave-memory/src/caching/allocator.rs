@@ -337,8 +337,9 @@ impl CachingAllocator {
     /// A snapshot of the allocator's statistics, consistent across shards (every shard is
     /// locked while it is read).
     ///
-    /// Counters, current values and peaks are exact; each peak is the highest value reached at
-    /// once across all streams (PyTorch's `max_memory_allocated` for `allocated_bytes`).
+    /// Counters and current values are exact; reserved-bytes and segment peaks are exact; the
+    /// peaks of allocated, requested and active bytes are the shards' peaks summed (exact for
+    /// one stream, an upper bound of the simultaneous peak across streams of different shards).
     pub fn stats(&self) -> MemoryStats {
         self.handles.shared.engine.stats()
     }

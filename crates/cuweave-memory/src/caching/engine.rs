@@ -10,7 +10,6 @@
 //! released), which returns a pooled event to its context's pool; whoever records the next use
 //! takes one from there.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
@@ -18,7 +17,7 @@ use parking_lot::{Mutex, MutexGuard};
 use super::block::BlockId;
 use super::pool::{Grant, Pools, Segment};
 use super::size_class::segment_size;
-use super::stats::{LiveBytes, MemoryStats, Stat};
+use super::stats::{MemoryStats, Stat};
 use super::stream_uses::{Marker, Pending, StreamKey};
 use crate::error::{MemoryError, Result};
 
@@ -55,10 +54,10 @@ struct Shard<E> {
     pending_count: AtomicUsize,
 }
 
-impl<E> Shard<E> {
-    fn new(live: Arc<LiveBytes>) -> Self {
+impl<E> Default for Shard<E> {
+    fn default() -> Self {
         Self {
-            pools: Mutex::new(Pools::with_live(live)),
+            pools: Mutex::default(),
             pending: Mutex::new(Vec::new()),
             pending_count: AtomicUsize::new(0),
         }
@@ -77,13 +76,11 @@ struct Totals {
 /// and the totals that span them.
 ///
 /// Lock order: shards by index, then `totals`. A hit (allocate or free of a block of the
-/// caller's stream) takes one shard's lock; the only thing it writes that other shards' threads
-/// also write is `live`, three atomic counters (so the peaks are exact across streams).
+/// caller's stream) takes one shard's lock and touches nothing another shard's thread writes.
 #[derive(Debug)]
 pub(crate) struct Engine<E> {
     shards: Box<[Shard<E>]>,
     totals: Mutex<Totals>,
-    live: Arc<LiveBytes>,
 }
 
 impl<E> Default for Engine<E> {
@@ -96,11 +93,9 @@ impl<E> Engine<E> {
     /// An engine with `shards` shards (a power of two, at least 1).
     pub fn with_shards(shards: usize) -> Self {
         debug_assert!(shards.is_power_of_two());
-        let live = Arc::new(LiveBytes::default());
         Self {
-            shards: (0..shards).map(|_| Shard::new(Arc::clone(&live))).collect(),
+            shards: (0..shards).map(|_| Shard::default()).collect(),
             totals: Mutex::default(),
-            live,
         }
     }
 
@@ -386,9 +381,10 @@ impl<E: Marker> Engine<E> {
     }
 
     /// A snapshot of the statistics, exact at one instant: every shard is locked while it is
-    /// read. Counters are the shards' sums; allocated, requested and active bytes come from
-    /// the counters all shards share, and reserved bytes and segments from the totals, so every
-    /// peak is the highest value reached at once across all streams.
+    /// read. Counters and current values are the shards' sums; the reserved-bytes and segment
+    /// peaks are exact; the peaks of allocated, requested and active bytes are the sums of the
+    /// shards' peaks (exact for one stream; across streams an upper bound of the peak reached
+    /// at once, since the shards do not share a counter on the hot path).
     pub fn stats(&self) -> MemoryStats {
         self.with_all_locked(|shards, totals| {
             let mut sum = MemoryStats::default();
@@ -399,17 +395,6 @@ impl<E: Marker> Engine<E> {
             debug_assert_eq!(sum.segments.current, totals.segments.current);
             sum.reserved_bytes = totals.reserved_bytes;
             sum.segments = totals.segments;
-            let (allocated, requested, active) = (
-                self.live.allocated.load(),
-                self.live.requested.load(),
-                self.live.active.load(),
-            );
-            debug_assert_eq!(sum.allocated_bytes.current, allocated.current);
-            debug_assert_eq!(sum.requested_bytes.current, requested.current);
-            debug_assert_eq!(sum.active_bytes.current, active.current);
-            sum.allocated_bytes = allocated;
-            sum.requested_bytes = requested;
-            sum.active_bytes = active;
             sum
         })
     }
@@ -422,8 +407,6 @@ impl<E: Marker> Engine<E> {
             }
             totals.reserved_bytes.reset_peak();
             totals.segments.reset_peak();
-            // Exact: every shard's lock is held, so no allocation or free changes them now.
-            self.live.reset_peak();
         });
     }
 

@@ -7,8 +7,8 @@
 //! - no two live allocations overlap, and no allocation overlaps a freed block whose recorded
 //!   uses have not all completed (a block is never handed out while a recorded use is pending);
 //! - every allocation is at least as large as asked for, and belongs to its stream;
-//! - the statistics equal the model's: allocated and requested bytes (current, and the peak
-//!   of their total over all streams), allocation and free counts, reserved bytes and segments (current and
+//! - the statistics equal the model's: allocated and requested bytes (current, and peaks per
+//!   shard summed), allocation and free counts, reserved bytes and segments (current and
 //!   peak, equal to what the fake upstream holds), and active bytes between its bounds (exact
 //!   once the cache is emptied);
 //! - the pools' structural invariants hold (links, merging, free-list membership).
@@ -155,10 +155,9 @@ struct Model {
     allocations: u64,
     frees: u64,
     ooms: u64,
-    /// Per stream: allocated bytes now.
-    allocated: BTreeMap<StreamKey, usize>,
-    /// The most bytes allocated at once, over all streams, since the last reset.
-    allocated_peak: usize,
+    /// Per shard: allocated bytes now and their peak since the last reset.
+    allocated: BTreeMap<usize, (usize, usize)>,
+    shards: usize,
     reserved_peak: usize,
     segments_peak: usize,
 }
@@ -198,16 +197,17 @@ impl Model {
     }
 
     fn allocated_add(&mut self, stream: StreamKey, bytes: usize) {
-        *self.allocated.entry(stream).or_default() += bytes;
-        let total: usize = self.allocated.values().sum();
-        self.allocated_peak = self.allocated_peak.max(total);
+        let shard = stream.as_usize() & (self.shards - 1);
+        let entry = self.allocated.entry(shard).or_default();
+        entry.0 += bytes;
+        entry.1 = entry.1.max(entry.0);
     }
 
     fn allocated_sub(&mut self, stream: StreamKey, bytes: usize) {
-        *self
-            .allocated
-            .get_mut(&stream)
-            .expect("allocated on this stream") -= bytes;
+        self.allocated
+            .get_mut(&(stream.as_usize() & (self.shards - 1)))
+            .expect("allocated on this stream")
+            .0 -= bytes;
     }
 
     fn take_live(&mut self, index: usize) -> Option<Live> {
@@ -243,10 +243,8 @@ impl Model {
         assert_eq!(stats.frees, self.frees);
         assert_eq!(stats.ooms, self.ooms);
         assert!(stats.oom_retries >= stats.ooms);
-        assert_eq!(
-            stats.allocated_bytes.peak, self.allocated_peak,
-            "the most allocated at once, over all streams"
-        );
+        let peaks: usize = self.allocated.values().map(|(_, peak)| peak).sum();
+        assert_eq!(stats.allocated_bytes.peak, peaks, "per-shard peaks, summed");
         assert!(stats.active_bytes.current >= live_bytes + pending_bound);
         assert!(stats.active_bytes.current <= live_bytes + guarded_bytes);
         if emptied {
@@ -270,7 +268,10 @@ impl Model {
 fn run(ops: Vec<Op>, cap_mib: usize, shards: usize) {
     let engine = Engine::<Flag>::with_shards(shards);
     let upstream = Upstream::new(cap_mib * MIB);
-    let mut model = Model::default();
+    let mut model = Model {
+        shards,
+        ..Model::default()
+    };
     for op in ops {
         let mut emptied = false;
         match op {
@@ -339,7 +340,9 @@ fn run(ops: Vec<Op>, cap_mib: usize, shards: usize) {
             Op::SetCap { mib } => upstream.cap.set(mib * MIB),
             Op::ResetPeak => {
                 engine.reset_peak();
-                model.allocated_peak = model.allocated.values().sum();
+                for (current, peak) in model.allocated.values_mut() {
+                    *peak = *current;
+                }
                 model.reserved_peak = upstream.held();
                 model.segments_peak = upstream.outstanding.borrow().len();
             }

@@ -188,40 +188,6 @@ fn zero_and_impossible_requests_are_typed_errors() {
 }
 
 #[test]
-fn peaks_are_the_most_held_at_once_across_streams_and_reset() {
-    // Streams 1 and 2 land in different shards.
-    let engine = Engine::<Pooled>::default();
-    let upstream = FakeUpstream::unlimited();
-    let a = engine.allocate(key(1), 10 * MIB, &upstream).unwrap();
-    engine.free(a.stream, a.id, a.ptr).unwrap();
-    let b = engine.allocate(key(2), 10 * MIB, &upstream).unwrap();
-    let stats = engine.stats();
-    for stat in [stats.allocated_bytes, stats.active_bytes] {
-        assert_eq!((stat.current, stat.peak), (10 * MIB, 10 * MIB));
-    }
-    assert_eq!(stats.requested_bytes.peak, 10 * MIB);
-    engine.free(b.stream, b.id, b.ptr).unwrap();
-    let c = engine.allocate(key(3), MIB, &upstream).unwrap();
-    engine.reset_peak();
-    let stats = engine.stats();
-    assert_eq!(
-        stats.allocated_bytes,
-        Stat {
-            current: c.size,
-            peak: c.size
-        }
-    );
-    assert_eq!(
-        stats.requested_bytes,
-        Stat {
-            current: MIB,
-            peak: MIB
-        }
-    );
-    engine.free(c.stream, c.id, c.ptr).unwrap();
-}
-
-#[test]
 fn a_pending_block_is_reused_only_after_its_markers_complete() {
     let engine = Engine::<Pooled>::default();
     let upstream = FakeUpstream::unlimited();

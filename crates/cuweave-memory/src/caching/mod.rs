@@ -47,9 +47,9 @@
 //! thread touches. No lock is held across a driver call; upstream allocations, event recording
 //! and waiting, and the release of segments all happen outside them. The out-of-memory retry and
 //! [`CachingAllocator::empty_cache`] cover every shard; [`CachingAllocator::stats`] locks every
-//! shard and sums their counters; allocated, requested and active bytes are also counted in
-//! three atomics all shards share, so every peak is the highest value reached at once across
-//! all streams (PyTorch's `max_memory_allocated`), as are reserved bytes and segments.
+//! shard and sums them (peaks of allocated, requested and active bytes are the shards' peaks
+//! summed: exact for one stream, an upper bound across streams; reserved bytes and segments are
+//! exact, peaks included).
 //!
 //! A stream key is the [`Stream`](cuweave_driver::Stream) handle's process-unique id, not the raw
 //! `CUstream` value: the driver recycles raw handles after a stream is destroyed, and the

@@ -8,9 +8,7 @@ use super::block::{Arena, Block, BlockId, BlockState};
 use super::free_list::FreeLists;
 use super::size_class::PoolKind;
 use super::stash::Stash;
-use std::sync::Arc;
-
-use super::stats::{LiveBytes, MemoryStats};
+use super::stats::MemoryStats;
 use super::stream_uses::StreamKey;
 use crate::error::{MemoryError, Result};
 
@@ -45,21 +43,9 @@ pub(crate) struct Pools {
     free: FreeLists,
     stash: Stash,
     stats: MemoryStats,
-    /// Allocated, requested and active bytes of every shard of the allocator together (this
-    /// shard's own are in `stats`).
-    live: Arc<LiveBytes>,
 }
 
 impl Pools {
-    /// Pools that count their allocated, requested and active bytes also in `live`, shared
-    /// with the allocator's other shards.
-    pub fn with_live(live: Arc<LiveBytes>) -> Self {
-        Self {
-            live,
-            ..Self::default()
-        }
-    }
-
     /// The statistics.
     pub fn stats(&self) -> &MemoryStats {
         &self.stats
@@ -179,9 +165,6 @@ impl Pools {
         self.stats.allocated_bytes.add(grant.size);
         self.stats.requested_bytes.add(requested);
         self.stats.active_bytes.add(grant.size);
-        self.live.allocated.add(grant.size);
-        self.live.requested.add(requested);
-        self.live.active.add(grant.size);
         grant
     }
 
@@ -201,8 +184,6 @@ impl Pools {
         self.stats.frees += 1;
         self.stats.allocated_bytes.sub(size);
         self.stats.requested_bytes.sub(requested);
-        self.live.allocated.sub(size);
-        self.live.requested.sub(requested);
     }
 
     /// Returns the allocated block `id` to its stream's cache: parked whole for the next request
@@ -212,7 +193,6 @@ impl Pools {
         let size = self.allocated(id, ptr, "CachingAllocator::free")?.size;
         self.count_free(id);
         self.stats.active_bytes.sub(size);
-        self.live.active.sub(size);
         let block = self.arena.block_mut(id);
         block.state = BlockState::Parked;
         block.requested = 0;
@@ -238,7 +218,6 @@ impl Pools {
         let block = self.arena.block(id);
         debug_assert_eq!(block.state, BlockState::Pending);
         self.stats.active_bytes.sub(block.size);
-        self.live.active.sub(block.size);
         self.merge_and_insert(id);
     }
 

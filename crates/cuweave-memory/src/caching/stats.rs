@@ -1,7 +1,5 @@
 //! [`MemoryStats`]: what the caching allocator holds, hands out and asks its upstream for.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 /// A quantity's current value and the highest it has been since creation or the last
 /// [`reset_peak`](crate::caching::CachingAllocator::reset_peak).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -25,68 +23,6 @@ impl Stat {
 
     pub(crate) fn reset_peak(&mut self) {
         self.peak = self.current;
-    }
-}
-
-/// A quantity shared by every shard: one counter for the current value and one for its peak, so
-/// the peak is the highest the sum over all streams reached at once (PyTorch's
-/// `max_memory_allocated`), not a sum of per-shard peaks reached at different times.
-#[derive(Debug, Default)]
-pub(crate) struct AtomicStat {
-    current: AtomicUsize,
-    peak: AtomicUsize,
-}
-
-impl AtomicStat {
-    #[inline]
-    pub(crate) fn add(&self, amount: usize) {
-        let now = self.current.fetch_add(amount, Ordering::Relaxed) + amount;
-        // Exact all the same: the peak only grows (between resets), so when it already reads at
-        // least `now` a fetch_max would change nothing. In the steady state of a loop the peak
-        // is above every `now`, and the load spares a locked compare-exchange (which fetch_max
-        // is on x86, even when it stores the same value) on a line every thread writes.
-        if now > self.peak.load(Ordering::Relaxed) {
-            self.peak.fetch_max(now, Ordering::Relaxed);
-        }
-    }
-
-    #[inline]
-    pub(crate) fn sub(&self, amount: usize) {
-        let before = self.current.fetch_sub(amount, Ordering::Relaxed);
-        debug_assert!(before >= amount, "stat underflow");
-    }
-
-    pub(crate) fn load(&self) -> Stat {
-        Stat {
-            current: self.current.load(Ordering::Relaxed),
-            peak: self.peak.load(Ordering::Relaxed),
-        }
-    }
-
-    /// Sets the peak to the current value; exact while no other thread changes the value (the
-    /// engine holds every shard's lock).
-    pub(crate) fn reset_peak(&self) {
-        self.peak
-            .store(self.current.load(Ordering::Relaxed), Ordering::Relaxed);
-    }
-}
-
-/// The bytes that change on the hot path, counted across every shard of one allocator.
-#[derive(Debug, Default)]
-pub(crate) struct LiveBytes {
-    /// [`MemoryStats::allocated_bytes`].
-    pub(crate) allocated: AtomicStat,
-    /// [`MemoryStats::requested_bytes`].
-    pub(crate) requested: AtomicStat,
-    /// [`MemoryStats::active_bytes`].
-    pub(crate) active: AtomicStat,
-}
-
-impl LiveBytes {
-    pub(crate) fn reset_peak(&self) {
-        self.allocated.reset_peak();
-        self.requested.reset_peak();
-        self.active.reset_peak();
     }
 }
 
@@ -125,8 +61,7 @@ pub struct MemoryStats {
 }
 
 impl MemoryStats {
-    /// Adds another shard's counters, current values and peaks to these (summed peaks are only
-    /// an upper bound: the engine replaces them with the exact shared ones).
+    /// Adds another shard's counters, current values and peaks to these.
     pub(crate) fn accumulate(&mut self, other: &Self) {
         for (stat, add) in [
             (&mut self.allocated_bytes, other.allocated_bytes),
@@ -171,26 +106,6 @@ impl MemoryStats {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_shared_stat_peaks_at_the_highest_total_reached_at_once() {
-        let stat = AtomicStat::default();
-        // 10 MiB on one stream, freed, then 10 MiB on another: the peak is 10 MiB.
-        stat.add(10 << 20);
-        stat.sub(10 << 20);
-        stat.add(10 << 20);
-        assert_eq!(
-            stat.load(),
-            Stat {
-                current: 10 << 20,
-                peak: 10 << 20
-            }
-        );
-        stat.add(1);
-        stat.sub(5 << 20);
-        stat.reset_peak();
-        assert_eq!(stat.load().peak, (5 << 20) + 1);
-    }
 
     #[test]
     fn peaks_follow_the_maximum_and_reset_to_current() {
