@@ -298,3 +298,39 @@ fn a_query_refused_during_a_capture_forgets_no_pending_wait() {
     drop(capture.finish().unwrap());
     assert!(allocator.dependencies_satisfied(&b).unwrap());
 }
+
+#[test]
+fn a_wait_captured_for_a_pair_keeps_the_pairs_pending_eager_wait() {
+    let gpu = cuweave_test_support::require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    if !gpu.device.can_map_host_memory().unwrap() {
+        cuweave_test_support::skip(
+            "a_wait_captured_for_a_pair_keeps_the_pairs_pending_eager_wait",
+            "the device cannot map host memory",
+        );
+        return;
+    }
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let (a, b) = (new_stream(&gpu), new_stream(&gpu));
+    let allocator = StreamOrderedAllocator::new(StreamOrderedAllocatorConfig::default());
+    let gate = Gate::new(&gpu);
+    gate.hold(&kernels, &b);
+    allocator.add_stream_dependency(&a, &b).unwrap(); // a waits behind the gate, eagerly
+    assert!(!allocator.dependencies_satisfied(&a).unwrap());
+
+    // b captures (the driver's own begin: `StreamCapture::begin` would synchronise the
+    // context, which the closed gate holds), and the same pair's wait is recorded into it.
+    b.stream().begin_capture(CaptureMode::ThreadLocal).unwrap();
+    allocator.add_stream_dependency(&a, &b).unwrap(); // forks a into the capture
+    b.wait_for(&a).unwrap(); // and joins it back
+    drop(b.stream().end_capture().unwrap());
+
+    // The captured wait replaced nothing: the eager one is still pending behind the gate.
+    assert!(
+        !allocator.dependencies_satisfied(&a).unwrap(),
+        "the eager wait of a on b was forgotten when the pair's wait was captured"
+    );
+    gate.open();
+    a.synchronize().unwrap();
+    assert!(allocator.dependencies_satisfied(&a).unwrap());
+}

@@ -326,11 +326,7 @@ impl StreamOrderedAllocator {
         }
         {
             let mut dependencies = self.dependencies.lock();
-            // The earlier wait of this pair is forgotten (its event goes back to the pool): the
-            // list holds at most one wait per pair of streams.
-            dependencies
-                .retain(|dependency| dependency.dependent != dep || dependency.prerequisite != pre);
-            // So are finished waits, as housekeeping: when a query fails (refused on a
+            // Finished waits are forgotten, as housekeeping: when a query fails (refused on a
             // capturing thread) the waits from there on are kept, for `dependencies_satisfied`
             // to report. The wait above is queued either way, so this call succeeds.
             let pruned = retain_pending(&mut dependencies, |dependency| {
@@ -340,6 +336,14 @@ impl StreamOrderedAllocator {
                 tracing::debug!(%error, "stream-ordered allocator: finished waits not pruned");
             }
             if !captured {
+                // The new wait is queued behind the earlier one of this pair (same streams, a
+                // later point of `prerequisite`), so that one is forgotten (its event goes back
+                // to the pool): the list holds at most one wait per pair of streams. A captured
+                // wait replaces nothing: it is a graph edge, and the earlier eager wait still
+                // holds `dependent` back.
+                dependencies.retain(|dependency| {
+                    dependency.dependent != dep || dependency.prerequisite != pre
+                });
                 dependencies.push(Dependency {
                     dependent: dep,
                     prerequisite: pre,
