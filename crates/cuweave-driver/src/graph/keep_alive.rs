@@ -14,7 +14,7 @@
 //! The rule, [`Retirement`], holds no CUDA: the fence is a type parameter, so the bookkeeping is
 //! tested on its own over many update loops.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 
 use super::handle::KeepAlive;
@@ -33,20 +33,30 @@ impl Fence for crate::event_pool::OwnedPooledEvent {
     }
 }
 
+/// The allocation a keep-alive points to (its vtable dropped): equal for clones of one `Arc`.
+fn address(value: &KeepAlive) -> *const () {
+    Arc::as_ptr(value).cast::<()>()
+}
+
 /// Whether two keep-alives are the same allocation (ignoring the vtable).
+#[cfg(test)]
 fn same(a: &KeepAlive, b: &KeepAlive) -> bool {
-    std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b))
+    address(a) == address(b)
+}
+
+/// The addresses of `values`, for membership tests in O(1) each.
+fn addresses(values: &[KeepAlive]) -> HashSet<*const ()> {
+    values.iter().map(address).collect()
 }
 
 /// `values` without repeats (the first of each allocation kept), in order.
 pub(super) fn deduplicated(values: &[KeepAlive]) -> Vec<KeepAlive> {
-    let mut unique: Vec<KeepAlive> = Vec::with_capacity(values.len());
-    for value in values {
-        if !unique.iter().any(|kept| same(kept, value)) {
-            unique.push(Arc::clone(value));
-        }
-    }
-    unique
+    let mut seen = HashSet::with_capacity(values.len());
+    values
+        .iter()
+        .filter(|value| seen.insert(address(value)))
+        .cloned()
+        .collect()
 }
 
 /// Keep-alives of older generations, held until the launches that may use them have finished.
@@ -99,9 +109,10 @@ impl<F: Fence> Retirement<F> {
         if !std::mem::take(&mut self.launched) {
             return;
         }
+        let staying = addresses(current);
         let old: Vec<KeepAlive> = old
             .into_iter()
-            .filter(|value| !current.iter().any(|kept| same(kept, value)))
+            .filter(|value| !staying.contains(&address(value)))
             .collect();
         if old.is_empty() {
             return;
@@ -110,11 +121,11 @@ impl<F: Fence> Retirement<F> {
             // Not launched since the previous update either: the next launch's fence covers
             // both, so they wait together.
             Some(newest) if newest.fence.is_none() => {
-                for value in old {
-                    if !newest.values.iter().any(|kept| same(kept, &value)) {
-                        newest.values.push(value);
-                    }
-                }
+                let mut waiting = addresses(&newest.values);
+                newest.values.extend(
+                    old.into_iter()
+                        .filter(|value| waiting.insert(address(value))),
+                );
             }
             _ => self.retired.push_back(Retired {
                 values: old,
@@ -190,6 +201,36 @@ mod tests {
         ]);
         assert_eq!(unique.len(), 2);
         assert!(same(&unique[0], &pool) && same(&unique[1], &other));
+    }
+
+    #[test]
+    fn large_generations_are_deduplicated_and_retired_in_linear_time() {
+        // 200 000 keep-alives per generation: comparing every pair (2*10^10 comparisons per
+        // update) would take minutes; hashing their addresses takes milliseconds.
+        const N: u64 = 200_000;
+        let started = std::time::Instant::now();
+        let shared: Vec<KeepAlive> = (0..N).map(value).collect();
+        let mut next: Vec<KeepAlive> = shared.iter().chain(&shared).cloned().collect();
+        next.extend((N..2 * N).map(value));
+        let mut current = deduplicated(&next);
+        assert_eq!(current.len(), 2 * N as usize, "each repeat kept once");
+        assert!(same(&current[0], &shared[0]) && same(&current[1], &shared[1]));
+        let mut retirement = Retirement::<TestFence>::default();
+        for round in 0..2 {
+            retirement.launched(|| None);
+            // The shared half stays current; the other half leaves, once per update.
+            let mut following = shared.clone();
+            following.extend((0..N).map(|n| value(n + (round + 2) * N)));
+            retirement.update(&mut current, &following);
+        }
+        // Both updates wait for the same (not yet made) fence: one generation, no repeats.
+        assert_eq!(retirement.pending_generations(), 1);
+        assert_eq!(retirement.retired_len(), 2 * N as usize);
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(20),
+            "took {:?}",
+            started.elapsed()
+        );
     }
 
     #[rstest]
