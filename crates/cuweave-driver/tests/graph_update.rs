@@ -138,7 +138,7 @@ fn an_old_generation_lives_until_the_launches_before_the_update_have_finished() 
         .unwrap();
     assert!(
         first_weak.upgrade().is_some(),
-        "the first generation is dropped while the launch that uses it is queued"
+        "the first generation must stay alive while the launch that uses it is queued, but it was dropped"
     );
     assert!(second_weak.upgrade().is_some());
 
