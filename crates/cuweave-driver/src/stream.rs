@@ -301,9 +301,8 @@ impl Stream {
     where
         F: FnOnce() + Send + 'static,
     {
-        // Bound first: the null stream's capture status is its current context's.
-        self.context.bind_to_thread()?;
-        // On refusal `callback` is dropped here, before it is boxed: nothing leaks.
+        // On refusal `callback` is dropped here, before it is boxed: nothing leaks. The check
+        // (`Always`) also makes the stream's context current, which the launch needs too.
         crate::graph::refuse_recording(
             self,
             crate::graph::StatusCheck::Always,

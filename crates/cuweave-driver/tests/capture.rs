@@ -191,3 +191,30 @@ fn a_completion_word_write_on_a_stream_forked_into_a_capture_is_refused() {
     // Never written, so dropping frees at once (no context synchronisation).
     drop(words);
 }
+
+#[test]
+fn the_recording_check_binds_the_streams_context_for_the_null_stream() {
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let context = Arc::clone(&gpu.context);
+    // A fresh thread has no current context: the null stream's capture status is asked of the
+    // context the check makes current, not refused with CUDA_ERROR_INVALID_CONTEXT.
+    let checked = std::thread::spawn(move || {
+        assert!(
+            cuweave_driver::Context::current_raw().unwrap().is_null(),
+            "a new thread starts with no current context"
+        );
+        // SAFETY: null is the legacy default stream of whichever context is current; the
+        // handle does not own it.
+        let null = unsafe { Stream::from_raw(&context, std::ptr::null_mut(), false) };
+        cuweave_driver::graph::refuse_recording(
+            &null,
+            cuweave_driver::graph::StatusCheck::Always,
+            "test",
+            "the null stream is never capturing",
+        )
+    })
+    .join()
+    .unwrap();
+    checked.expect("the null stream's status is asked in its own context");
+}

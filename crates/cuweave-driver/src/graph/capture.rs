@@ -324,11 +324,14 @@ fn refuse_while_capturing_slow(stream: Option<&Stream>, operation: &'static str)
 /// which also catches captures begun outside cuweave; with [`StatusCheck::WhileCuweaveCaptures`]
 /// it costs one atomic load while no capture begun through cuweave is active, and asks the
 /// driver only while one is (then it also catches streams forked into a capture and captures
-/// begun outside cuweave).
+/// begun outside cuweave). Whenever it asks the driver it first makes the stream's context
+/// current on the calling thread, so callers need not: the null stream's capture status is that
+/// of its thread's current context.
 ///
 /// # Errors
 /// [`GraphError::Capturing`] naming `operation` and `reason` when the stream is capturing
-/// (active or invalidated capture); the driver's error when the status query fails.
+/// (active or invalidated capture); the driver's error when the stream's context cannot be
+/// made current or the status query fails.
 #[inline]
 pub fn refuse_recording(
     stream: &Stream,
@@ -348,6 +351,8 @@ fn refuse_recording_slow(
     operation: &'static str,
     reason: &'static str,
 ) -> Result<()> {
+    // The null stream's capture status is its thread's current context's.
+    stream.context().bind_to_thread()?;
     if stream.is_capturing()? {
         return Err(GraphError::Capturing { operation, reason }.into());
     }

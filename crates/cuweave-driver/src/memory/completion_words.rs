@@ -9,8 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::MappedWords;
 use crate::context::Context;
-use crate::error::{DriverError, Result};
-use crate::graph::GraphError;
+use crate::error::Result;
 use crate::stream::Stream;
 
 /// Words in one page of mapped memory.
@@ -91,17 +90,17 @@ impl CompletionWords {
     /// Blocks until `stream` has finished everything queued on it so far.
     ///
     /// # Errors
-    /// [`GraphError::Capturing`] for a capturing stream (its work is recorded, not run: the
-    /// word write is refused and nothing is queued); the driver's error from
-    /// `cuStreamSynchronize` when it had to fall back to it (a failed stream's error among
-    /// them).
+    /// [`GraphError::Capturing`](crate::graph::GraphError::Capturing) for a capturing stream
+    /// (its work is recorded, not run: the word write is refused and nothing is queued); the
+    /// driver's error from `cuStreamSynchronize` when it had to fall back to it (a failed
+    /// stream's error among them).
     pub fn synchronize(&self, stream: &Stream) -> Result<()> {
         let value = self.next.fetch_add(1, Ordering::Relaxed) + 1;
         let index = thread_word();
         match self.words.enqueue_write(stream, index, value) {
             Ok(()) => {}
             // A capturing stream: nothing was queued, and there is nothing to wait for.
-            Err(error @ DriverError::Graph(GraphError::Capturing { .. })) => return Err(error),
+            Err(error) if error.is_capture_refusal() => return Err(error),
             // Another context's stream, or no stream memory operations on this device.
             Err(_) => return stream.synchronize(),
         }
