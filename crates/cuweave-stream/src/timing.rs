@@ -103,6 +103,15 @@ impl<T> GpuTimer<T> {
         if !self.is_enabled() || crate::capture::is_capturing(stream)? {
             return Ok(None);
         }
+        self.start_not_capturing(stream)
+    }
+
+    /// [`start`](Self::start) on a stream the caller has just found not capturing: no second
+    /// capture-status query (a driver call while any capture is active).
+    pub(crate) fn start_not_capturing(&self, stream: &Stream) -> Result<Option<SpanStart>> {
+        if !self.is_enabled() {
+            return Ok(None);
+        }
         if self.pending.lock().len() >= self.capacity {
             self.skipped.fetch_add(1, Ordering::Relaxed);
             return Ok(None);
@@ -120,12 +129,24 @@ impl<T> GpuTimer<T> {
     /// # Errors
     /// The driver's error from the capture-status query, or from taking or recording the event.
     pub fn finish(&self, start: Option<SpanStart>, stream: &Stream, tag: T) -> Result<()> {
+        if start.is_none() || crate::capture::is_capturing(stream)? {
+            return Ok(());
+        }
+        self.finish_not_capturing(start, stream, tag)
+    }
+
+    /// [`finish`](Self::finish) on a stream the caller knows is still not capturing (it found it
+    /// so before the span's start and queued nothing since that could make it capture): no
+    /// capture-status query.
+    pub(crate) fn finish_not_capturing(
+        &self,
+        start: Option<SpanStart>,
+        stream: &Stream,
+        tag: T,
+    ) -> Result<()> {
         let Some(SpanStart { start }) = start else {
             return Ok(());
         };
-        if crate::capture::is_capturing(stream)? {
-            return Ok(());
-        }
         let end = self.events.acquire_owned(true)?;
         end.record(stream)?;
         self.pending.lock().push_back(Span {

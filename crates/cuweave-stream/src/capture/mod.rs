@@ -233,7 +233,16 @@ pub(crate) fn is_capturing(stream: &Stream) -> Result<bool> {
     if active_captures() == 0 {
         return Ok(false);
     }
+    #[cfg(test)]
+    STATUS_QUERIES.with(|queries| queries.set(queries.get() + 1));
     Ok(stream.capture_status()?.is_capturing())
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Capture-status queries [`is_capturing`] asked the driver on this thread, for tests that
+    /// count them.
+    pub(crate) static STATUS_QUERIES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 impl PriorityStream {

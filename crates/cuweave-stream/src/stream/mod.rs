@@ -201,6 +201,10 @@ impl PriorityStream {
     /// `bytes`, timing it when timing is on, and tracking it as outstanding until the GPU is
     /// past it.
     ///
+    /// The stream's capture status is asked once, before `f` runs (one atomic load while no
+    /// capture begun through cuweave is active, one driver query while one is); `f` must not make
+    /// the stream itself start capturing.
+    ///
     /// # Errors
     /// `f`'s error, or the driver's error from recording the markers.
     pub fn enqueue<R, E>(
@@ -217,11 +221,25 @@ impl PriorityStream {
             // never be queried), and not counted (the graph's launches are).
             return Ok(f(&self.inner)?);
         }
-        let span = self.timer.start(&self.inner)?;
+        self.enqueue_not_capturing(kind, bytes, f)
+    }
+
+    /// [`enqueue`](Self::enqueue) on a stream the caller has just found not capturing: its
+    /// markers are recorded with no further capture-status query.
+    fn enqueue_not_capturing<R, E>(
+        &self,
+        kind: OperationKind,
+        bytes: u64,
+        f: impl FnOnce(&Stream) -> std::result::Result<R, E>,
+    ) -> Result<R>
+    where
+        StreamError: From<E>,
+    {
+        let span = self.timer.start_not_capturing(&self.inner)?;
         let result = f(&self.inner);
         // The start event is already on the stream; end it even if `f` failed, so the pair stays
         // well-formed (its time is then that of whatever `f` queued before failing).
-        self.timer.finish(span, &self.inner, ())?;
+        self.timer.finish_not_capturing(span, &self.inner, ())?;
         let value = result?;
         self.metrics.count(kind, bytes);
         self.outstanding.submitted(
@@ -319,5 +337,44 @@ impl std::ops::Deref for PriorityStream {
 impl AsRef<Stream> for PriorityStream {
     fn as_ref(&self) -> &Stream {
         &self.inner
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use cuweave_driver::graph::CaptureMode;
+    use cuweave_driver::{DriverError, Stream, StreamFlags};
+
+    use super::*;
+    use crate::capture::STATUS_QUERIES;
+
+    fn status_queries() -> u64 {
+        STATUS_QUERIES.with(std::cell::Cell::get)
+    }
+
+    #[test]
+    fn an_operation_beside_a_capture_asks_the_capture_status_once() {
+        let gpu = cuweave_test_support::require_gpu!();
+        let _serial = cuweave_test_support::serial();
+        let stream = PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap();
+        stream.set_timing(true);
+        let capturing = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+        // Relaxed: the event records below, on another stream, cannot break it.
+        capturing.begin_capture(CaptureMode::Relaxed).unwrap();
+        let before = status_queries();
+        stream
+            .enqueue(OperationKind::Other, 0, |_| Ok::<(), DriverError>(()))
+            .unwrap();
+        let enqueue_queries = status_queries() - before;
+        drop(capturing.end_capture().unwrap());
+
+        assert_eq!(enqueue_queries, 1, "enqueue asks once, its timer never");
+        stream.synchronize().unwrap();
+        let metrics = stream.metrics().unwrap();
+        assert_eq!(metrics.operations, 1, "counted");
+        assert_eq!(
+            metrics.timed_operations, 1,
+            "timed, with no check of its own"
+        );
     }
 }
