@@ -254,7 +254,7 @@ impl MultiStreamCoordinator {
         callback: impl FnOnce() + Send + 'static,
     ) -> Result<()> {
         stream.refuse_callbacks_while_capturing("MultiStreamCoordinator::on_stream_complete")?;
-        stream.add_callback(callback)
+        stream.queue_callback(Box::new(callback))
     }
 
     /// Runs `callback` once the GPU has finished the work queued so far on every coordinated
@@ -280,13 +280,13 @@ impl MultiStreamCoordinator {
         for stream in &streams {
             let remaining = Arc::clone(&remaining);
             let callback = Arc::clone(&callback);
-            stream.add_callback(move || {
+            stream.queue_callback(Box::new(move || {
                 if remaining.fetch_sub(1, Ordering::AcqRel) == 1
                     && let Some(callback) = callback.lock().take()
                 {
                     callback();
                 }
-            })?;
+            }))?;
         }
         Ok(())
     }

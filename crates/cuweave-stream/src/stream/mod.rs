@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use cuweave_driver::graph::GraphError;
+use cuweave_driver::graph::{StatusCheck, refuse_recording};
 use cuweave_driver::{
     Context, Device, DriverError, EventPool, OwnedPooledEvent, Stream, StreamFlags,
 };
@@ -288,31 +288,46 @@ impl PriorityStream {
     /// [`callback_failures`](Self::callback_failures) and the metrics; later callbacks still run.
     ///
     /// Refused on a capturing stream: captured, the host function would become a graph node
-    /// that runs (and frees its closure) on every replay.
+    /// that runs (and frees its closure) on every replay. The driver is asked
+    /// (`cuStreamIsCapturing`) before anything is made, so captures begun outside cuweave are
+    /// refused as early as cuweave's own.
     ///
     /// # Errors
-    /// [`GraphError::Capturing`] while the stream is capturing (nothing is queued, no worker
-    /// started, and `callback` is dropped); the driver's error when the host function cannot be
-    /// queued, or a failure to start the worker thread.
+    /// [`GraphError::Capturing`](cuweave_driver::graph::GraphError::Capturing) while the stream
+    /// is capturing (nothing is queued, no worker started, and `callback` is dropped); the
+    /// driver's error when the host function cannot be queued, or a failure to start the worker
+    /// thread.
     pub fn add_callback(&self, callback: impl FnOnce() + Send + 'static) -> Result<()> {
         self.refuse_callbacks_while_capturing("PriorityStream::add_callback")?;
-        let relay = self.callbacks.relay(Box::new(callback))?;
-        self.enqueue(OperationKind::Callback, 0, |stream| {
+        self.queue_callback(Box::new(callback))
+    }
+
+    /// Queues `callback` as [`add_callback`](Self::add_callback) does, on a stream the caller
+    /// has just found not capturing with
+    /// [`refuse_callbacks_while_capturing`](Self::refuse_callbacks_while_capturing): no further
+    /// capture-status query but `launch_host_fn`'s own, which still refuses a capture begun
+    /// since.
+    pub(crate) fn queue_callback(
+        &self,
+        callback: Box<dyn FnOnce() + Send + 'static>,
+    ) -> Result<()> {
+        let relay = self.callbacks.relay(callback)?;
+        self.enqueue_not_capturing(OperationKind::Callback, 0, |stream| {
             stream.launch_host_fn(relay)
         })
     }
 
-    /// [`GraphError::Capturing`] naming `operation` while the stream is capturing: a host
-    /// function cannot be queued on it.
+    /// [`GraphError::Capturing`](cuweave_driver::graph::GraphError::Capturing) naming
+    /// `operation` while the stream is capturing: a host function cannot be queued on it. The
+    /// driver's rule ([`refuse_recording`]), asking the driver every time
+    /// ([`StatusCheck::Always`]), so a capture begun outside cuweave is seen too.
     pub(crate) fn refuse_callbacks_while_capturing(&self, operation: &'static str) -> Result<()> {
-        if crate::capture::is_capturing(&self.inner)? {
-            return Err(DriverError::from(GraphError::Capturing {
-                operation,
-                reason: "the stream is capturing: a host function captured into a graph runs, and frees its closure, on every replay",
-            })
-            .into());
-        }
-        Ok(())
+        Ok(refuse_recording(
+            &self.inner,
+            StatusCheck::Always,
+            operation,
+            "the stream is capturing: a host function captured into a graph runs, and frees its closure, on every replay",
+        )?)
     }
 
     /// The callbacks that panicked so far.
@@ -353,7 +368,7 @@ mod tests {
     }
 
     #[test]
-    fn an_operation_beside_a_capture_asks_the_capture_status_once() {
+    fn a_timed_operation_beside_a_capture_asks_the_capture_status_once() {
         let gpu = cuweave_test_support::require_gpu!();
         let _serial = cuweave_test_support::serial();
         let stream = PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap();
@@ -366,15 +381,29 @@ mod tests {
             .enqueue(OperationKind::Other, 0, |_| Ok::<(), DriverError>(()))
             .unwrap();
         let enqueue_queries = status_queries() - before;
+        let before = status_queries();
+        let (sender, receiver) = std::sync::mpsc::channel();
+        stream
+            .add_callback(move || sender.send(()).unwrap())
+            .unwrap();
+        let callback_queries = status_queries() - before;
         drop(capturing.end_capture().unwrap());
 
         assert_eq!(enqueue_queries, 1, "enqueue asks once, its timer never");
+        assert_eq!(
+            callback_queries, 0,
+            "add_callback asks the driver directly (refuse_recording), never again through enqueue"
+        );
+        receiver
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the callback ran");
         stream.synchronize().unwrap();
         let metrics = stream.metrics().unwrap();
-        assert_eq!(metrics.operations, 1, "counted");
+        assert_eq!(metrics.operations, 2, "both counted");
+        assert_eq!(metrics.callbacks, 1);
         assert_eq!(
-            metrics.timed_operations, 1,
-            "timed, with no check of its own"
+            metrics.timed_operations, 2,
+            "both timed, with no check of their own"
         );
     }
 }
