@@ -9,7 +9,6 @@
 
 use std::sync::Arc;
 
-use cuweave_driver::graph::GraphError;
 use cuweave_driver::{Context, InstantiateOptions, Kernel, LaunchConfig, Stream, StreamFlags};
 use cuweave_memory::caching::CachingAllocator;
 use cuweave_memory::{Buffer, DeviceBuffer, MemoryError, TrackedLaunch};
@@ -100,7 +99,7 @@ fn assert_all_bits(buffer: &DeviceBuffer<f32>, expected: f32) {
 fn assert_capturing(result: Result<(), MemoryError>) {
     let error = StreamError::from(result.unwrap_err());
     assert!(
-        matches!(error.graph_error(), Some(GraphError::Capturing { .. })),
+        error.is_capture_refusal(),
         "expected a Capturing refusal, got {error}"
     );
 }

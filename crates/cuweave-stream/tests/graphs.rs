@@ -66,10 +66,7 @@ fn fixture(test: &str) -> Option<Fixture> {
 /// Asserts that `result` is a [`GraphError::Capturing`] refusal.
 fn assert_capturing<T: std::fmt::Debug, E: Into<StreamError>>(result: Result<T, E>) {
     let error: StreamError = result.unwrap_err().into();
-    assert!(
-        matches!(graph_error(&error), GraphError::Capturing { .. }),
-        "{error}"
-    );
+    assert!(error.is_capture_refusal(), "{error}");
 }
 
 fn graph_error(error: &StreamError) -> &GraphError {

@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cuweave_driver::EventPool;
-use cuweave_driver::graph::GraphError;
 use cuweave_memory::DeviceBuffer;
 use cuweave_stream::capture::CaptureOptions;
 use cuweave_stream::{
@@ -84,10 +83,6 @@ fn reports_and_the_chrome_trace_show_two_streams_overlapping() {
         overlap_us >= 20_000.0,
         "the trace shows {overlap_us} µs of overlap"
     );
-}
-
-fn is_capture_refusal(error: &StreamError) -> bool {
-    matches!(error.graph_error(), Some(GraphError::Capturing { .. }))
 }
 
 #[test]
@@ -217,9 +212,9 @@ fn harvesting_on_the_capturing_thread_is_refused_and_keeps_every_span() {
     let error = timer
         .harvest_all(|name, _, _| names.push(name))
         .unwrap_err();
-    assert!(is_capture_refusal(&error), "{error}");
+    assert!(error.is_capture_refusal(), "{error}");
     let error = timer.harvest(|name, _, _| names.push(name)).unwrap_err();
-    assert!(is_capture_refusal(&error), "{error}");
+    assert!(error.is_capture_refusal(), "{error}");
     assert!(names.is_empty());
     assert_eq!(timer.pending(), 3, "the refused harvests dropped nothing");
     drop(capture.finish().unwrap());

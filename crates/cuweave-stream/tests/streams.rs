@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use cuweave_driver::graph::GraphError;
 use cuweave_driver::{Event, EventFlags, InstantiateOptions};
 use cuweave_memory::{Buffer, DeviceBuffer, MemLocation, UnifiedBuffer};
 use cuweave_stream::capture::CaptureOptions;
@@ -258,10 +257,7 @@ fn a_callback_may_call_cuda_and_a_panicking_one_is_reported() {
 
 fn assert_capture_refusal(result: Result<(), StreamError>) {
     let error = result.unwrap_err();
-    assert!(
-        matches!(error.graph_error(), Some(GraphError::Capturing { .. })),
-        "{error}"
-    );
+    assert!(error.is_capture_refusal(), "{error}");
 }
 
 #[test]

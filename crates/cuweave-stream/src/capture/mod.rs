@@ -265,6 +265,18 @@ impl PriorityStream {
 }
 
 impl StreamError {
+    /// Whether this is a capture refusal ([`DriverError::is_capture_refusal`], from the driver
+    /// or through the memory layer): the call would have broken an active capture, or recorded
+    /// into it what must run once, and was not made. "Not now", not a failure of the work.
+    pub fn is_capture_refusal(&self) -> bool {
+        match self {
+            Self::Driver(error) | Self::Memory(MemoryError::Driver(error)) => {
+                error.is_capture_refusal()
+            }
+            _ => false,
+        }
+    }
+
     /// The graph or capture error inside this error, if it is one (from the driver or from
     /// the memory layer).
     pub fn graph_error(&self) -> Option<&GraphError> {
@@ -302,5 +314,20 @@ mod tests {
             MemoryError::Driver(DriverError::from(GraphError::UnjoinedFork)).into();
         assert_eq!(memory.graph_error(), Some(&GraphError::UnjoinedFork));
         assert!(StreamError::invalid("op", "x").graph_error().is_none());
+    }
+
+    #[test]
+    fn capture_refusals_are_recognised_through_both_layers_and_nothing_else() {
+        let refusal = || {
+            DriverError::from(GraphError::Capturing {
+                operation: "op",
+                reason: "capturing",
+            })
+        };
+        assert!(StreamError::from(refusal()).is_capture_refusal());
+        assert!(StreamError::from(MemoryError::Driver(refusal())).is_capture_refusal());
+        let unjoined: StreamError = DriverError::from(GraphError::UnjoinedFork).into();
+        assert!(!unjoined.is_capture_refusal());
+        assert!(!StreamError::invalid("op", "x").is_capture_refusal());
     }
 }

@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cuweave_driver::graph::GraphError;
 use cuweave_driver::{Context, Event, EventFlags, EventPool, Stream, StreamFlags};
 use parking_lot::Mutex;
 
@@ -110,7 +109,7 @@ impl StreamProfiler {
         if self.timer.pending() >= crate::timing::DEFAULT_PENDING_SPANS {
             // Nothing can be read while this thread captures: the timer skips instead.
             if let Err(error) = self.collect(false)
-                && !matches!(error.graph_error(), Some(GraphError::Capturing { .. }))
+                && !error.is_capture_refusal()
             {
                 return Err(error);
             }
