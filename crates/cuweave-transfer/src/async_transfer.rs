@@ -253,7 +253,7 @@ impl<T: Element> AsyncTransfer<'_, T> {
                     pool.get_typed::<T>(len)
                 }
             };
-            back.fill(caught(|| {
+            back.fill(workers::caught(|| {
                 Ok(Blocks {
                     full: (0..full)
                         .map(|_| get(chunk))
@@ -824,7 +824,7 @@ fn spawn_owned<T: Element>(
     let path = plan.path;
     workers::shared().spawn(move || {
         let start = Instant::now();
-        let outcome = caught(|| job(&mut host, &mut device));
+        let outcome = workers::caught(|| job(&mut host, &mut device));
         let bytes = host.len() * size_of::<T>();
         back.fill(Owned {
             host,
@@ -840,30 +840,5 @@ fn spawn_owned<T: Element>(
         handoff,
         path,
         finished: false,
-    }
-}
-
-/// `job`'s result, or [`TransferError::WorkerPanicked`] when it panics: for jobs on the staging
-/// pool, whose workers abort the process on a panic that escapes.
-fn caught<V>(job: impl FnOnce() -> Result<V>) -> Result<V> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
-        .unwrap_or(Err(TransferError::WorkerPanicked))
-}
-
-#[cfg(test)]
-mod caught_tests {
-    use super::*;
-
-    #[test]
-    fn a_job_that_panics_becomes_worker_panicked() {
-        assert_eq!(caught(|| Ok(7)).unwrap(), 7);
-        let mut buffer = vec![1u8; 4];
-        let outcome: Result<()> = caught(|| {
-            buffer[0] = 2;
-            panic!("a bug in a staging job");
-        });
-        assert!(matches!(outcome, Err(TransferError::WorkerPanicked)));
-        // What the job borrowed is still the caller's, as it was left.
-        assert_eq!(buffer, vec![2, 1, 1, 1]);
     }
 }

@@ -113,6 +113,13 @@ pub fn wait_for_cold_workers(most: Duration) -> bool {
     WORKERS.get().is_none_or(|workers| workers.wait_cold(most))
 }
 
+/// `job`'s result, or [`TransferError::WorkerPanicked`] when it panics: for work on the staging
+/// pool (a transfer's participants, the owned form's job), whose workers would abort the
+/// process on a panic that escapes, and whose callers wait for an answer.
+pub(crate) fn caught<V>(job: impl FnOnce() -> Result<V>) -> Result<V> {
+    std::panic::catch_unwind(AssertUnwindSafe(job)).unwrap_or(Err(TransferError::WorkerPanicked))
+}
+
 /// The shared pool, started on first use with one worker per host thread but one (the caller
 /// of a transfer is the last participant), at most [`MAX_WORKERS`].
 pub(crate) fn shared() -> &'static Workers {
@@ -176,10 +183,7 @@ impl Workers {
         work: impl Fn(usize) -> Result<()> + Sync,
     ) -> Result<()> {
         let participants = participants.clamp(1, self.participants());
-        let guarded = |w: usize| {
-            std::panic::catch_unwind(AssertUnwindSafe(|| work(w)))
-                .unwrap_or(Err(TransferError::WorkerPanicked))
-        };
+        let guarded = |w: usize| caught(|| work(w));
         let Some(pool) = self.pool.as_ref().filter(|_| participants > 1) else {
             return guarded(0);
         };
@@ -349,6 +353,19 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
+
+    #[test]
+    fn a_job_that_panics_becomes_worker_panicked() {
+        assert_eq!(caught(|| Ok(7)).unwrap(), 7);
+        let mut buffer = vec![1u8; 4];
+        let outcome: Result<()> = caught(|| {
+            buffer[0] = 2;
+            panic!("a bug in a staging job");
+        });
+        assert!(matches!(outcome, Err(TransferError::WorkerPanicked)));
+        // What the job borrowed is still the caller's, as it was left.
+        assert_eq!(buffer, vec![2, 1, 1, 1]);
+    }
 
     /// The pool is the process's: tests that watch its spinning workers run one at a time.
     static SERIAL: Mutex<()> = Mutex::new(());
