@@ -394,9 +394,7 @@ impl TransferManager {
         src: impl Into<Source<'s, T>>,
         dst: impl Into<Destination<'d, T>>,
     ) -> Result<TransferReport> {
-        let (src, dst) = (src.into(), dst.into());
-        src.check()?;
-        dst.check(src.len())?;
+        let (src, dst) = self.checked(src.into(), dst.into())?;
         let plan = self.plan(src.location(), dst.location(), src.bytes());
         self.run(plan, src, dst, &self.stats)
     }
@@ -412,9 +410,7 @@ impl TransferManager {
         src: impl Into<Source<'s, T>>,
         dst: impl Into<Destination<'d, T>>,
     ) -> Result<TransferReport> {
-        let (src, dst) = (src.into(), dst.into());
-        src.check()?;
-        dst.check(src.len())?;
+        let (src, dst) = self.checked(src.into(), dst.into())?;
         let (from, to) = (src.location(), dst.location());
         let path = TransferPath::between(from, to);
         let plan = planner::require(path, src.bytes(), &self.facts(from, to), method).map_err(
@@ -427,6 +423,21 @@ impl TransferManager {
         self.run(plan, src, dst, &self.stats)
     }
 
+    /// `src` and `dst` once their ranges fit and their devices are served: before any plan, so
+    /// that every method gives the same errors (a forced method on an unserved device is
+    /// `NoSuchDevice`, not `Unsupported`).
+    fn checked<'s, 'd, T: Element>(
+        &self,
+        src: Source<'s, T>,
+        dst: Destination<'d, T>,
+    ) -> Result<(Source<'s, T>, Destination<'d, T>)> {
+        src.check()?;
+        dst.check(src.len())?;
+        self.serves(src.location())?;
+        self.serves(dst.location())?;
+        Ok((src, dst))
+    }
+
     /// Runs `plan`, counting the transfer in `stats` (the manager's, or calibration's own).
     pub(crate) fn run<T: Element>(
         &self,
@@ -435,8 +446,6 @@ impl TransferManager {
         dst: Destination<'_, T>,
         stats: &TransferStats,
     ) -> Result<TransferReport> {
-        self.serves(src.location())?;
-        self.serves(dst.location())?;
         let bytes = src.bytes();
         if bytes == 0 {
             return Ok(TransferReport {

@@ -98,6 +98,14 @@ fn a_manager_opens_a_device_only_on_its_first_transfer() {
     assert!(refused(
         none.transfer(Source::device(&device, 0, 16), &mut [0u8; 16][..])
     ));
+    // A forced method too, even one the unserved device's facts would call unsupported.
+    for method in [TransferMethod::ZeroCopy, TransferMethod::DirectCopy] {
+        assert!(refused(none.transfer_with(
+            method,
+            Source::pinned(&pinned, 0, 4096),
+            Destination::device(&mut other, 0)
+        )));
+    }
     assert_eq!(other.to_vec().unwrap(), vec![0; data.len()]);
     assert!(
         none.stats().snapshot().is_empty(),
