@@ -25,6 +25,7 @@ use cuweave_memory::{Access, Buffer};
 
 use crate::comm::Communicator;
 use crate::error::{CollectiveError, NcclCode, Result};
+use crate::handle::{Blocking, end_group};
 use crate::loader::NcclApi;
 use crate::raw::{self, Call};
 use crate::sys;
@@ -135,8 +136,8 @@ fn offset<T>(ptr: DevicePtr, elements: usize) -> DevicePtr {
 /// queues the calls, and the uses are recorded once NCCL has queued the work.
 ///
 /// Issuing is serialised per communicator by its issue lock, held until the calls have
-/// settled; the handles are only guarded while NCCL is called, so an abort from another thread
-/// stops the settling at its next poll.
+/// settled; the handles are guarded per NCCL call (see [`issue`]), never while settling, so an
+/// abort from another thread stops the settling at its next poll.
 ///
 /// Once NCCL has accepted any call, a failure (a later call refused, `ncclGroupEnd`'s error,
 /// an asynchronous error, the deadline, an abort from another thread) still settles every
@@ -204,68 +205,159 @@ struct Issued {
     failure: Option<CollectiveError>,
 }
 
-/// Prepares every buffer, then issues every call (in one group when `grouped`), with each
-/// communicator's handle guarded for the duration. An error returned here happened before
-/// anything reached NCCL.
+/// Prepares every buffer, then issues every call (in one group when `grouped`). An error
+/// returned here happened before anything reached NCCL.
+///
+/// The handles are guarded per NCCL call, taken after the buffers are prepared (which may wait
+/// on a tracker's lock): an ungrouped call is one blocking call, which an abort from another
+/// thread may cut short if it hangs inside NCCL; a group's guards are held from its first call
+/// to `ncclGroupEnd` (NCCL only records the calls until then, and acts on every communicator
+/// in `ncclGroupEnd`), which is the group's one blocking call. An abort requested in between is
+/// seen at the next call, and a call cut short never reaches its handle again (see
+/// [`crate::handle`]).
 fn issue(ops: &[Op<'_>], grouped: bool, api: &NcclApi) -> Result<Issued> {
-    let guards = ops
-        .iter()
-        .map(|op| op.comm.enter(op.call.name()))
-        .collect::<Result<Vec<_>>>()?;
+    if let Some(op) = ops.iter().find(|op| op.comm.is_aborted()) {
+        return Err(CollectiveError::Aborted {
+            operation: op.call.name(),
+        });
+    }
     for op in ops {
         for (buffer, access) in &op.uses {
             buffer.prepare(op.stream, *access)?;
         }
     }
     if grouped {
-        api.check(
-            raw::group_start(api)?,
-            "ncclGroupStart",
-            std::ptr::null_mut(),
-        )?;
+        issue_group(ops, api)
+    } else {
+        let mut issued = Issued {
+            accepted: false,
+            pending: false,
+            failure: None,
+        };
+        for op in ops {
+            match issue_one(op, api) {
+                Ok(one) => {
+                    issued.accepted |= one.accepted;
+                    issued.pending |= one.pending;
+                    if one.failure.is_some() {
+                        issued.failure = one.failure;
+                        break;
+                    }
+                }
+                Err(error) if !issued.accepted => return Err(error),
+                Err(error) => {
+                    issued.failure = Some(error);
+                    break;
+                }
+            }
+        }
+        Ok(issued)
     }
+}
+
+/// One call outside a group: a blocking call on its communicator's handle.
+fn issue_one(op: &Op<'_>, api: &NcclApi) -> Result<Issued> {
+    let operation = op.call.name();
+    op.comm.context().bind_to_thread()?;
+    let guard = op.comm.enter(operation)?;
+    let code = match guard.blocking_call(|raw| op.call.issue(api, raw, op.data_type, op.stream)) {
+        Blocking::Refused => return Err(CollectiveError::Aborted { operation }),
+        // NCCL may have queued the work before the abort: settle and record as accepted.
+        Blocking::CutShort => {
+            return Ok(Issued {
+                accepted: true,
+                pending: false,
+                failure: Some(CollectiveError::Aborted { operation }),
+            });
+        }
+        Blocking::Returned(code) => code?,
+    };
+    match NcclCode::from_raw(code) {
+        None => Ok(Issued {
+            accepted: true,
+            pending: false,
+            failure: None,
+        }),
+        Some(NcclCode::InProgress) => Ok(Issued {
+            accepted: true,
+            pending: true,
+            failure: None,
+        }),
+        Some(kind) => Err(op.comm.nccl_error(kind, code, operation)),
+    }
+}
+
+/// Every call between `ncclGroupStart` and `ncclGroupEnd`, each under a guard kept until the
+/// group is closed.
+fn issue_group(ops: &[Op<'_>], api: &NcclApi) -> Result<Issued> {
+    api.check(
+        raw::group_start(api)?,
+        "ncclGroupStart",
+        std::ptr::null_mut(),
+    )?;
     let mut issued = Issued {
         accepted: false,
         pending: false,
         failure: None,
     };
-    for (op, guard) in ops.iter().zip(&guards) {
-        let raw_comm = guard.raw();
-        let code = op
-            .comm
-            .context()
-            .bind_to_thread()
-            .map_err(CollectiveError::from)
-            .and_then(|()| op.call.issue(api, raw_comm, op.data_type, op.stream));
-        match code.map(|code| (NcclCode::from_raw(code), code)) {
-            Ok((None, _)) => issued.accepted = true,
-            Ok((Some(NcclCode::InProgress), _)) => {
-                issued.accepted = true;
-                issued.pending = true;
-            }
-            Ok((Some(kind), code)) => {
-                issued.failure = Some(api.error(kind, code, op.call.name(), raw_comm.0));
-                break;
-            }
+    let mut guards = Vec::with_capacity(ops.len());
+    for op in ops {
+        let operation = op.call.name();
+        let guard = match op.comm.context().bind_to_thread() {
+            Ok(()) => op.comm.enter(operation),
+            Err(error) => Err(error.into()),
+        };
+        let guard = match guard {
+            Ok(guard) => guard,
             Err(error) => {
                 issued.failure = Some(error);
                 break;
             }
+        };
+        // Inside an open group NCCL only records the call: it does not block, so the guard
+        // pins the handle until `ncclGroupEnd`.
+        let called = guard.call(|raw| {
+            let code = op.call.issue(api, raw, op.data_type, op.stream)?;
+            match NcclCode::from_raw(code) {
+                None => Ok(false),
+                Some(NcclCode::InProgress) => Ok(true),
+                Some(kind) => Err(api.error(kind, code, operation, raw.0)),
+            }
+        });
+        guards.push(guard);
+        match called {
+            Some(Ok(pending)) => {
+                issued.accepted = true;
+                issued.pending |= pending;
+            }
+            Some(Err(error)) => {
+                issued.failure = Some(error);
+                break;
+            }
+            None => {
+                issued.failure = Some(CollectiveError::Aborted { operation });
+                break;
+            }
         }
     }
-    if grouped {
-        // Always close the group, even after a failed call, so this thread leaves group mode.
-        match raw::group_end(api).map(|code| (NcclCode::from_raw(code), code)) {
-            Ok((None, _)) => {}
-            Ok((Some(NcclCode::InProgress), _)) => issued.pending = true,
-            Ok((Some(kind), code)) => {
-                let error = api.error(kind, code, "ncclGroupEnd", std::ptr::null_mut());
-                issued.failure.get_or_insert(error);
-            }
-            Err(error) => {
-                issued.failure.get_or_insert(error);
-            }
+    // Always close the group, even after a failed call or an abort request, so this thread
+    // leaves group mode; the guards kept every handle alive until here.
+    let (ended, cut_short) = end_group(guards, || raw::group_end(api));
+    match ended.map(|code| (NcclCode::from_raw(code), code)) {
+        Ok((None, _)) => {}
+        Ok((Some(NcclCode::InProgress), _)) => issued.pending = true,
+        Ok((Some(kind), code)) => {
+            let error = api.error(kind, code, "ncclGroupEnd", std::ptr::null_mut());
+            issued.failure.get_or_insert(error);
         }
+        Err(error) => {
+            issued.failure.get_or_insert(error);
+        }
+    }
+    if cut_short {
+        issued.failure.get_or_insert(CollectiveError::Aborted {
+            operation: "ncclGroupEnd",
+        });
     }
     Ok(issued)
 }

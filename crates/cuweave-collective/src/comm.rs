@@ -66,8 +66,9 @@ pub(crate) struct CommInner {
     /// on a communicator). Held by a call until its work has settled; never needed to abort,
     /// to check for an asynchronous error, or to ask whether it was aborted.
     issue: Mutex<()>,
-    /// The handle: every NCCL call on it runs under a guard of this cell, and an abort from any
-    /// thread takes it away without waiting for the issuing thread (see [`crate::handle`]).
+    /// The handle: every NCCL call on it runs under a guard of this cell; an abort from any
+    /// thread takes it away once no guard pins it, without waiting for the issuing thread's
+    /// settling (see [`crate::handle`] for the invariants).
     handle: HandleCell<RawComm>,
     /// Where NCCL wrote the handle; kept while NCCL may write it (see [`HandleSlot`]).
     pub(crate) slot: Option<HandleSlot>,
@@ -387,11 +388,13 @@ impl Communicator {
     /// watchdog pattern): it does not wait for that call's deadline. The other thread's settle
     /// loop stops at its next poll (with [`CollectiveError::Aborted`]); a blocking call hung
     /// inside NCCL is cut short by `ncclCommAbort` itself, after a grace of 100 ms for calls
-    /// that are about to return.
+    /// that are about to return. A thread between two NCCL calls is never cut short: the abort
+    /// waits for it to reach its next call, which it refuses.
     pub fn abort(&self) {
-        if let Some(raw) = self.inner.handle.begin_abort(ABORT_GRACE) {
-            abort_raw(self.inner.api, &self.inner.context, raw);
-        }
+        let (api, context) = (self.inner.api, &self.inner.context);
+        self.inner
+            .handle
+            .abort_with(ABORT_GRACE, |raw| abort_raw(api, context, raw));
     }
 
     /// `ncclCommGetAsyncError`: `Ok(())` while healthy (or still busy with a non-blocking
@@ -424,7 +427,9 @@ impl Communicator {
         self.inner.issue.lock()
     }
 
-    /// Permission to make one NCCL call on the handle; `Aborted` once an abort was requested.
+    /// Permission to make one NCCL call (or the calls of one open group) on the handle;
+    /// `Aborted` once an abort was requested. Take it after any work that may wait outside NCCL
+    /// (preparing buffers): while it is held outside a blocking call, an abort waits for it.
     pub(crate) fn enter(&self, operation: &'static str) -> Result<CallGuard<'_, RawComm>> {
         self.inner
             .handle
@@ -439,7 +444,26 @@ impl Communicator {
     /// One poll of `ncclCommGetAsyncError` under a fresh guard (nothing is aborted here).
     pub(crate) fn poll(&self, operation: &'static str) -> Result<Polled> {
         let guard = self.enter(operation)?;
-        settle_once(self.inner.api, &self.inner.context, guard.raw(), operation)
+        guard
+            .call(|raw| settle_once(self.inner.api, &self.inner.context, raw, operation))
+            .unwrap_or(Err(CollectiveError::Aborted { operation }))
+    }
+
+    /// The typed error for `code`, which NCCL returned from a call on this communicator, with
+    /// the communicator's last warning; the thread's last warning once it was aborted (the
+    /// handle may be gone).
+    pub(crate) fn nccl_error(
+        &self,
+        kind: NcclCode,
+        code: ncclResult_t,
+        operation: &'static str,
+    ) -> CollectiveError {
+        let api = self.inner.api;
+        self.inner
+            .handle
+            .enter()
+            .and_then(|guard| guard.call(|raw| api.error(kind, code, operation, raw.0)))
+            .unwrap_or_else(|| api.error(kind, code, operation, std::ptr::null_mut()))
     }
 
     /// Polls until the communicator's non-blocking work is no longer in progress, within the

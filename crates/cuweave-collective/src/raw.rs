@@ -22,8 +22,11 @@ pub(crate) struct RawComm(pub(crate) sys::ncclComm_t);
 
 // SAFETY: an NCCL communicator may be used from any thread as long as operations are not
 // issued on it concurrently; `comm::CommInner` serialises issuing behind its issue lock, and
-// makes every call under a guard of its handle cell, which an abort waits for before freeing the
-// handle (`ncclCommGetAsyncError` and `ncclCommAbort` are NCCL's calls from another thread).
+// lends the handle only to calls made under a guard of its handle cell, which an abort waits
+// for before freeing the handle, except a blocking call hung inside NCCL, which `ncclCommAbort`
+// from another thread is meant to cut short, and which never reads the handle again (the
+// invariants of `crate::handle`; `ncclCommGetAsyncError` and `ncclCommAbort` are NCCL's calls
+// from another thread).
 unsafe impl Send for RawComm {}
 // SAFETY: as above: shared references only reach NCCL through the issue lock and the guards.
 unsafe impl Sync for RawComm {}
@@ -149,7 +152,7 @@ pub(crate) fn split(
 ) -> Result<ncclResult_t> {
     let f = api.comm_split.get()?;
     let mut config = config(blocking);
-    // SAFETY: `parent` is a live communicator (the caller holds its lock); the slot outlives
+    // SAFETY: `parent` is a live communicator (the caller holds a guard of it); the slot outlives
     // NCCL's writes (see above); `config` is read during the call only.
     Ok(unsafe { f(parent.0, color, key, slot.as_out(), &mut config) })
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::comm::{Communicator, abort_raw, settle_raw, to_int};
 use crate::error::{CollectiveError, NcclCode, Result};
-use crate::handle::{Polled, poll_until};
+use crate::handle::{Polled, end_group, poll_until};
 use crate::raw::{self, HandleSlot, RawComm};
 use crate::sys;
 
@@ -127,47 +127,7 @@ impl Communicator {
         let slots: Vec<HandleSlot> = parents.iter().map(|_| HandleSlot::new()).collect();
         let started = Instant::now();
         let mut accepted = vec![false; parents.len()];
-        let failure = {
-            let guards = parents
-                .iter()
-                .map(|parent| parent.enter(op))
-                .collect::<Result<Vec<_>>>()?;
-            api.check(
-                raw::group_start(api)?,
-                "ncclGroupStart",
-                std::ptr::null_mut(),
-            )?;
-            let mut failure = None;
-            for (i, ((parent, guard), &(color, key))) in
-                parents.iter().zip(&guards).zip(&nccl_splits).enumerate()
-            {
-                let code = parent
-                    .context()
-                    .bind_to_thread()
-                    .map_err(CollectiveError::from)
-                    .and_then(|()| {
-                        let blocking = parent.config().blocking;
-                        raw::split(api, guard.raw(), &slots[i], color, key, blocking)
-                    });
-                match code.map(|code| (NcclCode::from_raw(code), code)) {
-                    Ok((None | Some(NcclCode::InProgress), _)) => accepted[i] = true,
-                    Ok((Some(kind), code)) => {
-                        failure = Some(api.error(kind, code, "ncclCommSplit", guard.raw().0));
-                        break;
-                    }
-                    Err(error) => {
-                        failure = Some(error);
-                        break;
-                    }
-                }
-            }
-            // Always close the group, so this thread leaves group mode.
-            let ended = raw::group_end(api).and_then(|code| match NcclCode::from_raw(code) {
-                None | Some(NcclCode::InProgress) => Ok(()),
-                Some(kind) => Err(api.error(kind, code, "ncclGroupEnd", std::ptr::null_mut())),
-            });
-            failure.or(ended.err())
-        };
+        let failure = issue_splits(parents, &nccl_splits, &slots, &mut accepted, op)?;
         if let Some(error) = failure {
             // Nothing waits for a refused group: settle the parents whose split NCCL took
             // (each is aborted if that fails), and abort any child already written.
@@ -242,6 +202,75 @@ impl Communicator {
         }
         Ok(made)
     }
+}
+
+/// Issues every parent's `ncclCommSplit` in one group. Each parent's guard is taken after the
+/// previous call and kept until `ncclGroupEnd`, the group's one blocking call (a blocking
+/// communicator initialises the children there, for hundreds of milliseconds): an abort from
+/// another thread waits for the guards while the splits are recorded, and may cut only
+/// `ncclGroupEnd` short, after which no parent's handle is read (see [`crate::handle`]).
+/// `accepted[i]` tells whether NCCL took parent `i`'s split. An error returned here happened
+/// before anything reached NCCL; the failure returned in `Ok` happened after.
+fn issue_splits(
+    parents: &[&Communicator],
+    nccl_splits: &[(c_int, c_int)],
+    slots: &[HandleSlot],
+    accepted: &mut [bool],
+    op: &'static str,
+) -> Result<Option<CollectiveError>> {
+    if parents.iter().any(|parent| parent.is_aborted()) {
+        return Err(CollectiveError::Aborted { operation: op });
+    }
+    let api = parents[0].api();
+    api.check(
+        raw::group_start(api)?,
+        "ncclGroupStart",
+        std::ptr::null_mut(),
+    )?;
+    let mut failure = None;
+    let mut guards = Vec::with_capacity(parents.len());
+    for (i, (parent, &(color, key))) in parents.iter().zip(nccl_splits).enumerate() {
+        let guard = match parent.context().bind_to_thread() {
+            Ok(()) => parent.enter(op),
+            Err(error) => Err(error.into()),
+        };
+        let guard = match guard {
+            Ok(guard) => guard,
+            Err(error) => {
+                failure = Some(error);
+                break;
+            }
+        };
+        let blocking = parent.config().blocking;
+        let called = guard.call(|raw| {
+            let code = raw::split(api, raw, &slots[i], color, key, blocking)?;
+            match NcclCode::from_raw(code) {
+                None | Some(NcclCode::InProgress) => Ok(()),
+                Some(kind) => Err(api.error(kind, code, "ncclCommSplit", raw.0)),
+            }
+        });
+        guards.push(guard);
+        match called {
+            Some(Ok(())) => accepted[i] = true,
+            Some(Err(error)) => {
+                failure = Some(error);
+                break;
+            }
+            None => {
+                failure = Some(CollectiveError::Aborted { operation: op });
+                break;
+            }
+        }
+    }
+    // Always close the group, so this thread leaves group mode.
+    let (ended, cut_short) = end_group(guards, || raw::group_end(api));
+    let ended = ended.and_then(|code| match NcclCode::from_raw(code) {
+        None | Some(NcclCode::InProgress) => Ok(()),
+        Some(kind) => Err(api.error(kind, code, "ncclGroupEnd", std::ptr::null_mut())),
+    });
+    Ok(failure
+        .or(ended.err())
+        .or_else(|| cut_short.then_some(CollectiveError::Aborted { operation: op })))
 }
 
 /// Aborts every child NCCL has written so far (their slots are leaked by the caller).
