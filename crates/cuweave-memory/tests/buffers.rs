@@ -504,39 +504,40 @@ fn bad_requests_are_typed_errors() {
 }
 
 #[test]
-fn a_buffer_dropped_behind_its_own_streams_kernel_is_reused_on_that_stream_at_once() {
-    // PyTorch's rule: memory freed on the stream it was allocated for may be handed out again
-    // there at once, since the next user is queued behind the last one. Waiting for the
-    // buffer's own events instead misses the cache on every iteration of this loop, and the
-    // reserved memory grows with the depth of the queue.
-    const LEN: usize = 16 << 20; // 64 MiB of f32
+fn a_block_dropped_behind_its_streams_queued_fill_is_not_written_early_by_its_next_buffer() {
+    // `a` is filled with 1.0 on `s` behind a long spin and dropped at once; `b` comes from the
+    // same stream's free list. `b` starts with an empty tracker and may be used anywhere: if
+    // the block were handed out again before `a`'s fill ran (stream order on `s` covers only
+    // work on `s`), `b`'s own write on another stream, or on the legacy stream, would land first
+    // and `a`'s late fill would overwrite it.
+    const LEN: usize = 1 << 20;
     let _serial = serial();
     let gpu = require_gpu!();
     let kernels = TestKernels::load(&gpu.context).unwrap();
-    let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let (s, t) = (stream(&gpu.context), stream(&gpu.context));
     let allocator = cuweave_memory::caching::CachingAllocator::with_driver(&gpu.context);
-    for round in 0..40u16 {
-        let mut buffer = allocator.buffer::<f32>(LEN, &stream).unwrap();
-        // The write runs only after the spin: its event is still pending at the drop.
-        kernels.spin_ns(&stream, 5 * MS).unwrap();
-        buffer.fill_async(f32::from(round), &stream).unwrap();
-        drop(buffer);
+    for on_legacy in [false, true] {
+        let mut a = allocator.buffer::<f32>(LEN, &s).unwrap();
+        kernels.spin_ns(&s, 200 * MS).unwrap();
+        a.fill_async(1.0, &s).unwrap();
+        drop(a);
+        let mut b = allocator.buffer::<f32>(LEN, &s).unwrap();
+        if on_legacy {
+            b.copy_from_host(&vec![2.0f32; LEN]).unwrap();
+        } else {
+            b.fill_async(2.0, &t).unwrap();
+        }
+        // `a`'s fill has run by now, wherever the block went.
+        s.synchronize().unwrap();
+        let back = b.to_vec().unwrap();
+        assert!(
+            back.iter().all(|&x| x == 2.0),
+            "b's write (on {}) was overwritten by a's queued fill",
+            if on_legacy {
+                "the legacy stream"
+            } else {
+                "another stream"
+            }
+        );
     }
-    let stats = allocator.stats();
-    assert_eq!(
-        (stats.cache_misses, stats.segments.current),
-        (1, 1),
-        "every round after the first reused the one segment"
-    );
-    assert_eq!(stats.reserved_bytes.current, LEN * 4);
-    let last = allocator.buffer::<f32>(LEN, &stream).unwrap();
-    // The fills are still queued on `stream` (a non-blocking stream, which the blocking read's
-    // legacy stream does not wait for): the read comes after them on `stream` itself.
-    let mut back = PinnedBuffer::<f32>::new(&gpu.context, LEN).unwrap();
-    back.copy_from_async(&last, &stream).unwrap();
-    assert_eq!(
-        back.as_slice().unwrap()[LEN - 1],
-        39.0,
-        "the fills ran in order on the reused block"
-    );
 }

@@ -69,19 +69,17 @@ impl std::fmt::Debug for Memory {
 ///
 /// # Dropping
 ///
-/// Dropping never blocks on the GPU and never calls `cuMemFree`: the block goes back to the
-/// free lists of the stream it was allocated for ([`allocated_for`](Self::allocated_for)),
-/// which hand it out again only on that stream. Uses on that stream need nothing more (PyTorch's
-/// rule: whatever reuses the block there is queued behind them), so a buffer used only on its
-/// own stream is reusable at once, even while its last kernel is still queued. Uses on other
-/// streams are waited for: the events the tracker recorded behind them travel with the block,
-/// as `record_stream` does for raw blocks, and the block is handed out again only once they
-/// have all completed. Uses on the legacy or per-thread default stream count as other streams'
-/// (their handles name no one stream), and so does every use of a buffer [`new`](Self::new)
-/// allocated for the legacy stream; uses recorded by a stream capture hold the block for the
-/// capture's graph pool instead (`docs/graphs.md`). Memory of another resource is deallocated
-/// in stream order: the legacy default stream waits for every use of the buffer, then the
-/// resource's `deallocate` runs there (for `DriverResource` that is `cuMemFree`, which blocks).
+/// Dropping never blocks on the GPU and never calls `cuMemFree`: the block goes back to its
+/// allocator, which hands it out again only once every use the buffer recorded (on any stream,
+/// its own included) has finished: the events the tracker recorded behind them travel with the
+/// block, as `record_stream` does for raw blocks. Stream order alone would not cover a reuse on
+/// the block's own stream: the next buffer made from the block may be used on any stream (or
+/// by the blocking methods, on the legacy stream), and its tracker knows nothing of the old
+/// uses. A buffer nothing was queued on goes straight back to its stream's free list (no event,
+/// no allocation). Uses recorded by a stream capture hold the block for the capture's graph
+/// pool instead (`docs/graphs.md`). Memory of another resource is deallocated in stream order:
+/// the legacy default stream waits for the buffer's uses, then the resource's `deallocate`
+/// runs there (for `DriverResource` that is `cuMemFree`, which blocks).
 ///
 /// Work queued on [`device_ptr`](Buffer::device_ptr) by hand must be recorded
 /// ([`Buffer::record_write`] or [`TrackedLaunch`](crate::TrackedLaunch)), or be on the stream
@@ -96,7 +94,7 @@ impl std::fmt::Debug for Memory {
 /// let stream = Stream::new(&context, StreamFlags::NON_BLOCKING)?;
 /// let mut scratch = DeviceBuffer::<f32>::new_on(&stream, 1 << 20)?; // from the cache
 /// scratch.fill_async(1.0, &stream)?;
-/// drop(scratch); // back to the cache: reused on `stream` at once, behind the fill
+/// drop(scratch); // back to the cache; reused once the fill has run
 /// let buffer = DeviceBuffer::from_slice(&context, &[1.0f32, 2.0, 3.0])?;
 /// assert_eq!(buffer.to_vec()?, [1.0, 2.0, 3.0]);
 /// # Ok(())
@@ -302,13 +300,9 @@ fn deallocate_after(
 impl<T: Element> Drop for DeviceBuffer<T> {
     #[inline]
     fn drop(&mut self) {
-        // A cached block is handed out again only on the stream it was allocated for, where
-        // stream order covers that stream's own uses; another resource may reuse it anywhere.
-        let home = match &self.memory {
-            Memory::Cached(block) => block.stream().reuse_stream(),
-            Memory::Resource { .. } | Memory::Freed => None,
-        };
-        let markers = self.core.tracker_mut().take_for_free(home);
+        // Every use's event travels with the block, its own stream's too: the next buffer made
+        // from it starts with an empty tracker and may be used on any stream.
+        let markers = self.core.tracker_mut().take_for_free();
         match std::mem::replace(&mut self.memory, Memory::Freed) {
             Memory::Cached(block) => match self.core.tracker().shard() {
                 Some(shard) => {

@@ -209,25 +209,17 @@ impl StreamTracker {
     /// the pools live), even if those captures have ended (their events can never be queried,
     /// and their graphs may replay).
     ///
-    /// `home` is the [`Stream::id`] of the one stream the memory will be handed out again on,
-    /// if there is one (a caching allocator's block goes back to the free lists of the stream it
-    /// was allocated for): the events of eager uses on that stream are dropped instead of
-    /// handed over, since work reusing the memory there is queued after them (PyTorch's rule;
-    /// see [`UseState::take_for_reuse_on`]). Uses recorded there by a capture, and uses on the
-    /// legacy or per-thread default stream, keep theirs. `None` (memory reused anywhere, or a
-    /// block of the legacy stream) hands over every event.
-    ///
     /// A recorded event that is still shared (only a host wait on this tracker clones one, and
     /// a buffer being freed has no borrower left) is waited for here instead.
     #[inline]
-    pub(crate) fn take_for_free(&mut self, home: Option<u64>) -> FreeMarkers {
+    pub(crate) fn take_for_free(&mut self) -> FreeMarkers {
         let state = self.state.get_mut();
         if state.is_empty() && !state.used_in_graphs() {
             return FreeMarkers::default();
         }
         // Uses of an ended capture are never queried: with no capture active, every one has ended.
         let none_active = active_captures() == 0;
-        let taken = state.take_for_reuse_on(home, |id| none_active || !capture_is_active(id));
+        let taken = state.take_all(|id| none_active || !capture_is_active(id));
         let mut events = Vec::with_capacity(taken.events.len());
         for event in taken.events {
             match Arc::try_unwrap(event) {

@@ -712,30 +712,13 @@ impl<E: UseEvent> UseState<E> {
     /// Takes every event recorded behind a use out, leaving the state as new, with the graph
     /// pools of every capture that used the buffer, ended or not: their graphs may replay with
     /// the memory, so the free hands the block to those pools (whatever the capture count reads
-    /// by then) instead of the general cache; pools that have died by then are skipped. Events of uses whose capture has ended (`ended` says
-    /// which) are dropped, back to their pool: they can never be queried.
-    #[cfg(test)]
+    /// by then) instead of the general cache; pools that have died by then are skipped. Events
+    /// of uses whose capture has ended (`ended` says which) are dropped, back to their pool:
+    /// they can never be queried.
     pub(crate) fn take_all(&mut self, ended: impl Fn(u64) -> bool) -> Taken<E> {
-        self.take_for_reuse_on(None, ended)
-    }
-
-    /// [`take_all`](Self::take_all) for memory that will be handed out again only on the stream
-    /// of identity `home` (a caching allocator's block goes back to the free lists of the stream
-    /// it was allocated for): the events of eager uses on `home` are dropped too, since any work
-    /// that reuses the memory there is queued after them (PyTorch's rule; `record_stream` is
-    /// needed only for other streams). A block used only on its own stream then goes straight
-    /// back to its free list, instead of waiting for the device as a block used elsewhere does.
-    /// `None` (the legacy or per-thread default stream, whose handle names no one stream) keeps
-    /// every event.
-    pub(crate) fn take_for_reuse_on(
-        &mut self,
-        home: Option<u64>,
-        ended: impl Fn(u64) -> bool,
-    ) -> Taken<E> {
         let mut events = Vec::with_capacity(self.tracked());
         for used in self.writes.drain(..).chain(self.reads.drain(..)) {
-            let ordered_by_home = used.capture.is_none() && used.covers(home);
-            if !ordered_by_home && !used.capture.is_some_and(&ended) {
+            if !used.capture.is_some_and(&ended) {
                 events.push(used.event);
             }
         }

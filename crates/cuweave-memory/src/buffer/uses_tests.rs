@@ -591,37 +591,30 @@ fn a_buffer_written_in_ever_new_ranges_keeps_a_bounded_number_of_uses() {
 }
 
 #[test]
-fn a_free_for_reuse_on_the_home_stream_hands_on_only_other_streams_events() {
+fn a_free_hands_on_every_eager_uses_event_its_own_streams_too() {
+    // The next buffer made from a freed block starts with an empty tracker and may be used on
+    // any stream: stream order on the block's own stream covers nothing for it, so the events of
+    // uses there travel with the block like any other stream's.
     let events = Events::default();
     let (home, other) = (FakeStream::own(1), FakeStream::own(2));
-    // Written on its own stream only: nothing to wait for before reuse there.
     let mut state = UseState::default();
     use_on(&mut state, &events, &home, Access::Write);
     use_on(&mut state, &events, &home, Access::Read);
-    let taken = state.take_for_reuse_on(Some(home.id()), |_| true);
-    assert!(taken.events.is_empty(), "stream order covers the reuse");
+    let taken = state.take_all(|_| true);
+    assert_eq!(
+        taken.events.len(),
+        2,
+        "the home stream's uses are handed on"
+    );
     assert!(state.is_empty());
-    assert_eq!(events.held(), 0, "the events went back to the pool");
-    // Read on another stream too: only that stream's event travels with the block.
-    use_on(&mut state, &events, &home, Access::Write);
-    use_on(&mut state, &events, &other, Access::Read);
-    let taken = state.take_for_reuse_on(Some(home.id()), |_| true);
-    assert_eq!(taken.events.len(), 1);
-    assert_eq!(events.held(), 1);
     drop(taken);
-    // No home (a default stream, or memory reused anywhere): every event travels.
     use_on(&mut state, &events, &home, Access::Write);
     use_on(&mut state, &events, &other, Access::Read);
     assert_eq!(state.take_all(|_| true).events.len(), 2);
-    // The legacy stream's uses never count as the home's: its handle names no one stream.
-    let legacy = FakeStream::new(0, 40);
-    use_on(&mut state, &events, &legacy, Access::Write);
     assert_eq!(
-        state
-            .take_for_reuse_on(Some(legacy.id()), |_| true)
-            .events
-            .len(),
-        1
+        events.held(),
+        0,
+        "the events went back to the pool once dropped"
     );
 }
 

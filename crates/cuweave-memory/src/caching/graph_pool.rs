@@ -15,8 +15,11 @@
 //!   [`MissPolicy::Fail`], fails with [`GraphError::Capturing`]. No out-of-memory retry runs
 //!   during a capture (it would wait for the device).
 //! - Nothing polls events while any capture is active: pending blocks wait.
-//! - A free during a capture that would record events (a block used on other streams) is
-//!   deferred until no capture is active. A block of the general cache freed during the capture
+//! - A free during a capture that would record or poll events is deferred until no capture is
+//!   active: a raw block used on other streams (`record_stream`), or a typed buffer's block with
+//!   any tracked use, on its own stream too (the next buffer made from the block may be used on
+//!   any stream, so its own stream's order does not cover the old uses). A block of the general
+//!   cache freed during the capture
 //!   of its stream (or used there) is graph memory from then on: it is held by the pool and
 //!   returns to the general cache, after the device has finished, when the pool is dropped. A
 //!   typed buffer remembers the pool of each capture that used it (looked up when the use is
@@ -56,7 +59,7 @@ use crate::error::{MemoryError, Result};
 use crate::resource::MemoryResource;
 
 /// The high bit of a [`StreamKey`] marks a private pool's free list.
-pub(super) const PRIVATE_BIT: usize = 1 << (usize::BITS - 1);
+const PRIVATE_BIT: usize = 1 << (usize::BITS - 1);
 
 /// The identity of a private pool (PyTorch's `MempoolId_t`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -586,8 +589,7 @@ pub(super) fn release_during_capture(
 ///   the capture, not ordered with the next allocation).
 /// - A general-cache block used only eagerly is held by the pool of a capture that has its
 ///   stream (or, failing that, of the only bound capture), else returned once no capture is
-///   active and the device has finished. Uses on its own stream brought no events (stream
-///   order covers them, [`StreamKey::reuse_stream`]): a block used only there is freed at once.
+///   active and the device has finished.
 #[cold]
 #[inline(never)]
 pub(crate) fn release_block_during_capture(

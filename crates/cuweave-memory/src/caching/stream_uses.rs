@@ -63,19 +63,6 @@ impl StreamKey {
     pub(crate) const fn from_raw(raw: usize) -> Self {
         Self(raw)
     }
-
-    /// The [`Stream::id`] of the one stream a block freed to this key's free lists is handed out
-    /// again on, where stream order covers the uses queued there before the free: `None` for the
-    /// legacy default stream (whose handles have no one id) and for a graph pool's private
-    /// lists (later captures into the pool reuse them, on streams the key names only in part).
-    #[inline]
-    pub(crate) fn reuse_stream(self) -> Option<u64> {
-        if self == Self::LEGACY || self.0 & super::graph_pool::PRIVATE_BIT != 0 {
-            None
-        } else {
-            Some(self.0 as u64)
-        }
-    }
 }
 
 impl From<&Stream> for StreamKey {
@@ -314,19 +301,5 @@ mod tests {
     fn stream_keys_order_by_raw_handle() {
         assert!(StreamKey::from_raw(1) < StreamKey::from_raw(2));
         assert_eq!(StreamKey::from_raw(3).as_usize(), 3);
-    }
-
-    #[rstest::rstest]
-    #[case::created_stream(StreamKey::from_raw(42), Some(42))]
-    #[case::legacy_stream(StreamKey::LEGACY, None)]
-    #[case::graph_pool_list(
-        StreamKey::from_raw(crate::caching::graph_pool::PRIVATE_BIT | (3 << 32) | 42),
-        None
-    )]
-    fn a_block_is_reused_on_its_home_stream_only_for_a_created_streams_key(
-        #[case] key: StreamKey,
-        #[case] home: Option<u64>,
-    ) {
-        assert_eq!(key.reuse_stream(), home);
     }
 }
