@@ -8,7 +8,7 @@
 //! captures, which no capture can be broken by, so they run in relaxed mode for their whole
 //! lives ([`relaxed_thread`]).
 
-use cuweave_driver::graph::{CaptureModeGuard, StatusCheck, active_captures, refuse_recording};
+use cuweave_driver::graph::{CaptureModeGuard, StatusCheck, refuse_recording};
 use cuweave_driver::{CaptureMode, DriverError, Stream};
 
 /// Puts the calling thread in relaxed capture mode until the guard drops (for a thread's whole
@@ -27,9 +27,11 @@ pub(crate) fn relaxed_thread(thread: &'static str) -> Option<CaptureModeGuard> {
 /// recorded into the graph instead of run, so the wait would never resolve and its word would
 /// stay lent for ever. Called before anything is queued or leased.
 ///
-/// One atomic load while no capture begun through cuweave is active; while one is, the driver
-/// is asked about `stream` (which also catches streams forked into a capture). A capture begun
-/// outside cuweave with no cuweave capture active is not seen.
+/// The driver's rule ([`refuse_recording`] with [`StatusCheck::WhileCuweaveCaptures`], which
+/// also makes the stream's context current before asking): one atomic load while no capture
+/// begun through cuweave is active; while one is, the driver is asked about `stream` (which also
+/// catches streams forked into a capture). A capture begun outside cuweave with no cuweave
+/// capture active is not seen.
 ///
 /// # Errors
 /// [`GraphError::Capturing`] naming `operation`; the driver's error when the status query
@@ -38,11 +40,6 @@ pub(crate) fn refuse_capturing_stream(
     stream: &Stream,
     operation: &'static str,
 ) -> Result<(), DriverError> {
-    if active_captures() == 0 {
-        return Ok(());
-    }
-    // The status query needs the stream's context current.
-    stream.context().bind_to_thread()?;
     refuse_recording(
         stream,
         StatusCheck::WhileCuweaveCaptures,

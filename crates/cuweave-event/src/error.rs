@@ -117,6 +117,18 @@ pub enum EventError {
 }
 
 impl EventError {
+    /// Whether this is a capture refusal
+    /// ([`DriverError::is_capture_refusal`], from the driver or through the stream layer): the
+    /// call would have broken an active capture, or recorded into it what must run once, and
+    /// was not made. "Not now", not a failure of the work.
+    pub fn is_capture_refusal(&self) -> bool {
+        match self {
+            Self::Driver(error) => error.is_capture_refusal(),
+            Self::Stream(error) => error.is_capture_refusal(),
+            _ => false,
+        }
+    }
+
     pub(crate) fn invalid(operation: &'static str, reason: impl Into<String>) -> Self {
         Self::InvalidArgument {
             operation,

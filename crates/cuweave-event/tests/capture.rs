@@ -108,13 +108,6 @@ fn waits_resolve_while_another_thread_runs_a_global_mode_capture() {
     assert_eq!((stats.failed, stats.pending), (0, 0));
 }
 
-fn is_capturing_refusal(error: &EventError) -> bool {
-    matches!(
-        error,
-        EventError::Driver(DriverError::Graph(GraphError::Capturing { .. }))
-    )
-}
-
 #[rstest]
 fn a_wait_on_a_capturing_stream_is_refused_and_leaves_nothing_behind(
     #[values(
@@ -144,9 +137,9 @@ fn a_wait_on_a_capturing_stream_is_refused_and_leaves_nothing_behind(
     let graph = stream.end_capture().unwrap();
 
     let idle_error = idle.expect_err("a wait on a capturing stream was accepted");
-    assert!(is_capturing_refusal(&idle_error), "{idle_error:?}");
+    assert!(idle_error.is_capture_refusal(), "{idle_error:?}");
     let callback_error = callback.expect_err("a callback on a capturing stream was accepted");
-    assert!(is_capturing_refusal(&callback_error), "{callback_error:?}");
+    assert!(callback_error.is_capture_refusal(), "{callback_error:?}");
     // Nothing was recorded into the capture but the kernel, and nothing was registered.
     assert_eq!(graph.node_count().unwrap(), 1);
     let after = waiter.stats();
@@ -162,4 +155,24 @@ fn a_wait_on_a_capturing_stream_is_refused_and_leaves_nothing_behind(
     });
     assert_eq!(result, Ok(()));
     assert_eq!(waiter.pending(), 0);
+}
+
+#[test]
+fn capture_refusals_are_recognised_through_the_driver_and_stream_layers() {
+    let refusal = || {
+        DriverError::from(GraphError::Capturing {
+            operation: "op",
+            reason: "capturing",
+        })
+    };
+    assert!(EventError::from(refusal()).is_capture_refusal());
+    assert!(EventError::from(cuweave_stream::StreamError::from(refusal())).is_capture_refusal());
+    assert!(!EventError::from(DriverError::from(GraphError::UnjoinedFork)).is_capture_refusal());
+    assert!(
+        !EventError::from(DriverError::NotFound {
+            searched: String::new(),
+            reason: String::new()
+        })
+        .is_capture_refusal()
+    );
 }
