@@ -390,6 +390,9 @@ impl Communicator {
     /// inside NCCL is cut short by `ncclCommAbort` itself, after a grace of 100 ms for calls
     /// that are about to return. A thread between two NCCL calls is never cut short: the abort
     /// waits for it to reach its next call, which it refuses.
+    ///
+    /// When it returns, the communicator has been aborted, also when another thread's abort
+    /// got there first (this one then waits for it).
     pub fn abort(&self) {
         let (api, context) = (self.inner.api, &self.inner.context);
         self.inner

@@ -28,7 +28,9 @@
 //! 5. **Between calls the abort is seen:** [`CallGuard::call`] and [`CallGuard::blocking_call`]
 //!    refuse (without calling) once an abort was requested; settle loops take a fresh guard for
 //!    each poll, so they stop at their next poll.
-//! 6. **Exactly one abort runs `ncclCommAbort`** ([`HandleCell::abort_with`]).
+//! 6. **Exactly one abort runs `ncclCommAbort`, and every concurrent abort returns only after it
+//!    has** ([`HandleCell::abort_with`]): a caller that returns from `abort` may rely on the
+//!    communicator being aborted.
 //!
 //! An abort must not be requested by a thread that holds a guard of the same cell (it would
 //! wait for itself); the crate requests aborts only between calls.
@@ -260,7 +262,8 @@ impl<H: Copy> HandleCell<H> {
     /// Aborts: from now on [`enter`](Self::enter) and the calls of live guards refuse; once no
     /// guard pins the handle (every guard gone, or, after `grace`, every guard left inside a
     /// blocking call: invariants 2 and 3), exactly one caller takes the handle and runs
-    /// `abort` with it (invariant 6). Returns whether this caller ran it (`false` too when the handle is
+    /// `abort` with it. Every other caller returns only after that `abort` has returned
+    /// (invariant 6). Returns whether this caller ran it (`false` too when the handle is
     /// already gone).
     ///
     /// The caller must not hold a guard of this cell itself (it would wait for itself).
@@ -268,7 +271,12 @@ impl<H: Copy> HandleCell<H> {
         let mut shared = self.shared.lock();
         match shared.abort {
             AbortState::Done => return false,
-            AbortState::InProgress => return false,
+            AbortState::InProgress => {
+                while shared.abort != AbortState::Done {
+                    self.changed.wait(&mut shared);
+                }
+                return false;
+            }
             AbortState::NotRequested => {}
         }
         if shared.raw.is_none() {
@@ -351,6 +359,7 @@ pub(crate) fn poll_until<E>(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicBool;
     use std::sync::mpsc;
     use std::sync::{Arc, Barrier};
 
@@ -617,6 +626,52 @@ mod tests {
         assert!(!cut_short);
         assert_eq!(taken.recv_timeout(FOREVER).expect("taken"), 4);
         assert!(aborting.join().expect("thread"));
+    }
+
+    /// Invariant 6: callers that lose the race return only once the winner's abort has run.
+    #[rstest]
+    #[case(1)]
+    #[case(4)]
+    fn concurrent_aborts_return_only_after_the_winner_aborted(#[case] losers: usize) {
+        let cell = Arc::new(HandleCell::new(2u32));
+        let done = Arc::new(AtomicBool::new(false));
+        let (inside_tx, inside) = mpsc::channel();
+        let (release_tx, release) = mpsc::channel::<()>();
+        let winner = {
+            let (cell, done) = (Arc::clone(&cell), Arc::clone(&done));
+            std::thread::spawn(move || {
+                cell.abort_with(FOREVER, |_| {
+                    inside_tx.send(()).expect("send");
+                    release.recv().expect("release");
+                    done.store(true, Ordering::SeqCst);
+                })
+            })
+        };
+        inside.recv().expect("the winner is inside ncclCommAbort");
+        let (returned_tx, returned) = mpsc::channel();
+        let losers: Vec<_> = (0..losers)
+            .map(|_| {
+                let (cell, done, returned_tx) =
+                    (Arc::clone(&cell), Arc::clone(&done), returned_tx.clone());
+                std::thread::spawn(move || {
+                    let ran = cell.abort_with(FOREVER, |_| unreachable!("one abort"));
+                    // What the caller of `Communicator::abort` relies on.
+                    let aborted_by_then = done.load(Ordering::SeqCst);
+                    returned_tx.send(()).expect("send");
+                    (ran, aborted_by_then)
+                })
+            })
+            .collect();
+        assert!(
+            returned.recv_timeout(SETTLE).is_err(),
+            "a loser returned while the winner was still aborting"
+        );
+        release_tx.send(()).expect("release");
+        assert!(winner.join().expect("thread"));
+        for loser in losers {
+            assert_eq!(loser.join().expect("thread"), (false, true));
+        }
+        assert!(!cell.abort_with(FOREVER, |_| unreachable!("done")));
     }
 
     #[rstest]
