@@ -56,14 +56,22 @@ fn uploaded_buffer_dropped_and_its_memory_refilled_on_a_stream_keeps_the_fill() 
     let gpu = require_gpu!();
     let ctx = &gpu.context;
     let stream = non_blocking(ctx);
+    let allocator = cuweave_memory::caching::CachingAllocator::with_driver(ctx);
     for bytes in [KIB, MIB, 64 * MIB] {
         let len = bytes / 4;
-        // The caching allocator hands the block to the stream's buffer next: a DMA of the
-        // dropped buffer's upload still landing would overwrite the fill.
-        let mut uploaded = DeviceBuffer::<u32>::new(ctx, len).unwrap();
+        // Both buffers come from `stream`'s free list: the upload's write is forgotten, so the
+        // dropped buffer's block goes straight back there and is handed to `next` at once. A DMA
+        // of the upload still landing would overwrite the fill.
+        let mut uploaded = allocator.buffer::<u32>(len, &stream).unwrap();
         uploaded.copy_from_host(&pattern(len, 7)).unwrap();
+        let block = uploaded.device_ptr();
         drop(uploaded);
-        let mut next = DeviceBuffer::<u32>::new_on(&stream, len).unwrap();
+        let mut next = allocator.buffer::<u32>(len, &stream).unwrap();
+        assert_eq!(
+            next.device_ptr(),
+            block,
+            "{bytes} bytes: the block is shared"
+        );
         next.fill_async(0x0bad_cafe, &stream).unwrap();
         let back = next
             .copy_to_host_async(vec![0u32; len], &stream)
