@@ -204,11 +204,12 @@ mod tests {
     }
 
     #[test]
-    fn large_generations_are_deduplicated_and_retired_in_linear_time() {
-        // 200 000 keep-alives per generation: comparing every pair (2*10^10 comparisons per
-        // update) would take minutes; hashing their addresses takes milliseconds.
-        const N: u64 = 200_000;
-        let started = std::time::Instant::now();
+    fn large_generations_are_deduplicated_and_retired_with_each_value_once() {
+        // Thousands of keep-alives per generation, each given twice: kept once, in order, and
+        // the half that leaves at each update retired once. (Performance is the bench's
+        // business, not a unit test's: the bookkeeping hashes addresses instead of comparing
+        // every pair.)
+        const N: u64 = 5_000;
         let shared: Vec<KeepAlive> = (0..N).map(value).collect();
         let mut next: Vec<KeepAlive> = shared.iter().chain(&shared).cloned().collect();
         next.extend((N..2 * N).map(value));
@@ -226,11 +227,6 @@ mod tests {
         // Both updates wait for the same (not yet made) fence: one generation, no repeats.
         assert_eq!(retirement.pending_generations(), 1);
         assert_eq!(retirement.retired_len(), 2 * N as usize);
-        assert!(
-            started.elapsed() < std::time::Duration::from_secs(20),
-            "took {:?}",
-            started.elapsed()
-        );
     }
 
     #[rstest]
