@@ -62,6 +62,11 @@ pub(crate) trait UseStream {
     fn graph_pool_of(&self, capture: u64) -> u64 {
         crate::caching::pool_tag_of_capture(capture)
     }
+    /// The binding epoch: a tag [`graph_pool_of`](Self::graph_pool_of) gave holds while it
+    /// reads the same (a capture may be bound, or rebound to another pool, at any time).
+    fn graph_binding_epoch(&self) -> u64 {
+        crate::caching::binding_epoch()
+    }
     /// Whether the graph pool `tag` still has a holder (a handle, graph or executable).
     fn graph_pool_is_live(&self, tag: u64) -> bool {
         crate::caching::pool_tag_is_live(tag)
@@ -289,8 +294,14 @@ pub(crate) struct UseState<E> {
     /// ([`UseState::take_all`]). Pools that died are pruned as the list grows past
     /// [`PRUNE_GRAPHS_AT`], so it holds at most twice the pools alive, never a stand-in.
     graphs: Vec<u64>,
-    /// The last capture noted and its pool's tag (every record in a capture notes it).
-    last_graph: Option<(u64, u64)>,
+    /// The last capture noted, the binding epoch it was looked up at, and its pool's tag
+    /// (every record in a capture notes it). Never [`NO_POOL`]: a capture may be bound after
+    /// its first uses.
+    last_graph: Option<(u64, u64, u64)>,
+    /// Captures that had no pool bound when they used the buffer: looked up again at the
+    /// next record and at the free (a capture is bound only once it has begun, so a use may
+    /// come first). Those that ended unresolved are settled as [`NO_POOL`] as the list grows.
+    unbound: Vec<u64>,
     /// Records so far (each use's `seq` is the count when it was last recorded).
     records: u64,
 }
@@ -308,6 +319,7 @@ impl<E> Default for UseState<E> {
             has_captured: false,
             graphs: Vec::new(),
             last_graph: None,
+            unbound: Vec::new(),
             records: 0,
         }
     }
@@ -328,7 +340,7 @@ impl<E: UseEvent> UseState<E> {
     /// Whether a capture ever used the buffer.
     #[inline]
     pub(crate) fn used_in_graphs(&self) -> bool {
-        !self.graphs.is_empty()
+        !self.graphs.is_empty() || !self.unbound.is_empty()
     }
 
     /// Remembers the graph pool of the capture `id`, which used the buffer through `stream`.
@@ -337,14 +349,54 @@ impl<E: UseEvent> UseState<E> {
     /// (and at each doubling) the pools that died are dropped: no graph of theirs is left.
     #[cold]
     fn note_graph<S: UseStream<Event = E>>(&mut self, stream: &S, id: u64) {
+        let epoch = stream.graph_binding_epoch();
         let tag = match self.last_graph {
-            Some((capture, tag)) if capture == id => tag,
+            Some((capture, seen, tag)) if capture == id && seen == epoch => tag,
             _ => {
                 let tag = stream.graph_pool_of(id);
-                self.last_graph = Some((id, tag));
+                if tag != NO_POOL {
+                    self.last_graph = Some((id, epoch, tag));
+                }
                 tag
             }
         };
+        if !self.unbound.is_empty() {
+            self.settle_unbound(
+                |capture| stream.capture_is_active(capture),
+                |capture| stream.graph_pool_of(capture),
+            );
+        }
+        if tag == NO_POOL {
+            if !self.unbound.contains(&id) {
+                self.unbound.push(id);
+            }
+            return;
+        }
+        self.unbound.retain(|&capture| capture != id);
+        self.add_graph(stream, tag);
+    }
+
+    /// Looks the unbound captures up again: those bound since are remembered by their pool,
+    /// those that ended with no pool as [`NO_POOL`]; the others stay listed.
+    fn settle_unbound(&mut self, active: impl Fn(u64) -> bool, pool_of: impl Fn(u64) -> u64) {
+        let mut found = Vec::new();
+        self.unbound.retain(|&capture| {
+            let tag = pool_of(capture);
+            if tag != NO_POOL || !active(capture) {
+                found.push(tag);
+                false
+            } else {
+                true
+            }
+        });
+        for tag in found {
+            if !self.graphs.contains(&tag) {
+                self.graphs.push(tag);
+            }
+        }
+    }
+
+    fn add_graph<S: UseStream<Event = E>>(&mut self, stream: &S, tag: u64) {
         if self.graphs.contains(&tag) || self.graphs.contains(&NO_POOL) {
             return;
         }
@@ -725,6 +777,9 @@ impl<E: UseEvent> UseState<E> {
         self.last_stream = None;
         self.has_captured = false;
         self.last_graph = None;
+        // A capture still unbound at the free is looked up once more (bound since, or ended
+        // bound: its pool; else stranded).
+        self.settle_unbound(|_| false, crate::caching::pool_tag_of_capture);
         Taken {
             events,
             graph_pools: std::mem::take(&mut self.graphs),

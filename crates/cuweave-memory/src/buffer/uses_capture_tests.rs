@@ -463,3 +463,93 @@ fn a_buffer_recaptured_many_times_is_held_while_a_pool_lives_then_returned(#[cas
         "returned once every pool of its captures died"
     );
 }
+
+#[test]
+fn a_use_recorded_before_its_capture_was_bound_names_the_pool_bound_later() {
+    // A capture is bound to its pool only once it has begun: a use recorded in between found
+    // no pool. Looked up again later (next record, or the free), it names the pool, in a
+    // recapture loop too, instead of stranding the buffer for good.
+    use crate::caching::GraphPool;
+    use crate::caching::graph_pool_test_support::{bind, hold};
+    let (mut state, events) = (UseState::default(), Events::default());
+    let stream = RegistryStream(FakeStream::own(2));
+    let pool = GraphPool::new();
+    let base = 3 << 40;
+    let mut tag = NO_POOL;
+    for round in 0..3_000u64 {
+        let id = base + round;
+        let view = capturing(id, begin(id));
+        state
+            .record_range(
+                &stream,
+                ByteRange::WHOLE,
+                Access::Write,
+                &view,
+                events.make(),
+            )
+            .unwrap();
+        let guard = bind(id, &pool);
+        tag = crate::caching::pool_tag_of_capture(id);
+        end(id);
+        drop(guard);
+        assert!(state.unbound.len() <= 1, "settled once ended");
+    }
+    let taken = state.take_all(|_| true);
+    assert_eq!(taken.graph_pools, vec![tag], "the pool, never NO_POOL");
+    let returned = hold(&taken.graph_pools, 512);
+    assert_eq!(returned.load(Ordering::SeqCst), 0, "the graph may replay");
+    drop(pool);
+    assert_eq!(returned.load(Ordering::SeqCst), 1, "returned, not stranded");
+}
+
+#[rstest::rstest]
+#[case::used_only_before_the_rebind(false)]
+#[case::used_again_after_the_rebind(true)]
+fn a_buffer_of_a_capture_rebound_to_another_pool_is_held_while_the_new_pool_lives(
+    #[case] used_after: bool,
+) {
+    // The capture is bound to `old`, uses the buffer, then is rebound to `new`, whose graph
+    // alone is kept: the memory must outlive `old`'s handle while `new` lives.
+    use crate::caching::GraphPool;
+    use crate::caching::graph_pool_test_support::{bind, hold};
+    let (mut state, events) = (UseState::default(), Events::default());
+    let stream = RegistryStream(FakeStream::own(2));
+    let (old, new) = (GraphPool::new(), GraphPool::new());
+    let id = (4 << 40) + u64::from(used_after);
+    let view = capturing(id, begin(id));
+    let first = bind(id, &old);
+    let record = |state: &mut UseState<FakeEvent>| {
+        state
+            .record_range(
+                &stream,
+                ByteRange::WHOLE,
+                Access::Write,
+                &view,
+                events.make(),
+            )
+            .unwrap();
+    };
+    record(&mut state);
+    let second = bind(id, &new);
+    let new_tag = crate::caching::pool_tag_of_capture(id);
+    if used_after {
+        record(&mut state);
+    }
+    end(id);
+    drop((first, second));
+    let taken = state.take_all(|_| true);
+    assert_eq!(
+        taken.graph_pools.contains(&new_tag),
+        used_after,
+        "the rebinding is seen at the next record"
+    );
+    let returned = hold(&taken.graph_pools, 512);
+    drop(old);
+    assert_eq!(
+        returned.load(Ordering::SeqCst),
+        0,
+        "the new pool's graph may replay into it"
+    );
+    drop(new);
+    assert_eq!(returned.load(Ordering::SeqCst), 1);
+}

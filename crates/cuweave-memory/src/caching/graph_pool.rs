@@ -23,7 +23,9 @@
 //!   of its stream (or used there) is graph memory from then on: it is held by the pool and
 //!   returns to the general cache, after the device has finished, when the pool is dropped. A
 //!   typed buffer remembers the pool of each capture that used it (looked up when the use is
-//!   recorded, so however many captures come and go before the free, and however many use the
+//!   recorded; a capture not bound yet is looked up again at the next record and at the free,
+//!   and a capture rebound to another pool is seen at the next record, the new pool keeping
+//!   the old one alive; so however many captures come and go before the free, and however many use the
 //!   buffer, the pool is known): at the free, the pools still alive hold it, and it returns when
 //!   the last of them dies. Used by a capture no pool was bound to, it is stranded for good
 //!   ([`stranded_graph_memory`]), never handed out again.
@@ -171,6 +173,9 @@ struct PoolToken {
     id: u32,
     /// Memory freed while it was graph memory of this pool's captures: held until it dies.
     held: Mutex<Vec<Held>>,
+    /// Pools a capture was bound to before it was rebound to this one: buffers its uses named
+    /// them, and this pool's graphs may replay into that memory, so they live while it does.
+    keeps: Mutex<Vec<Arc<PoolToken>>>,
 }
 
 impl Drop for PoolToken {
@@ -241,6 +246,7 @@ impl GraphPool {
         let token = Arc::new(PoolToken {
             id,
             held: Mutex::new(Vec::new()),
+            keeps: Mutex::new(Vec::new()),
         });
         LIVE.write()
             .get_or_insert_with(HashMap::new)
@@ -277,14 +283,74 @@ pub(crate) fn is_retained(key: StreamKey) -> bool {
         .is_some_and(|live| live.contains_key(&pool))
 }
 
-/// The tag of the graph pool the capture `capture` (active) is bound to, for a buffer to
-/// remember: [`NO_POOL`] when none is.
+/// The tag of the graph pool the capture `capture` is bound to, for a buffer to remember:
+/// [`NO_POOL`] when none is. A capture whose binding ended is found among the last
+/// [`ENDED_KEPT`] bindings to end (a use recorded before its capture was bound is resolved at
+/// the buffer's next record or free, which may come after the capture ended).
 pub(crate) fn pool_tag_of_capture(capture: u64) -> u64 {
-    BINDINGS
+    if let Some(binding) = BINDINGS
         .read()
         .iter()
         .find(|binding| binding.capture == capture)
-        .map_or(NO_POOL, |binding| u64::from(binding.pool.token.id))
+    {
+        return u64::from(binding.pool.token.id);
+    }
+    ENDED
+        .lock()
+        .iter()
+        .rev()
+        .find(|(ended, _)| *ended == capture)
+        .map_or(NO_POOL, |&(_, tag)| tag)
+}
+
+/// The binding epoch: it changes whenever a capture is bound, rebound or unbound, so a tag
+/// looked up for a capture holds while it reads the same.
+pub(crate) fn binding_epoch() -> u64 {
+    EPOCH.load(Ordering::Acquire)
+}
+
+/// Binds `capture` to `pool` (rebinding it if it was bound): the pool a rebound capture had
+/// before is kept alive by the new one, since buffers its uses were recorded by name the old
+/// pool and the new pool's graph may replay into them.
+fn bind_capture(capture: u64, pool: &GraphPool, misses: MissPolicy, streams: Vec<u64>) {
+    let mut previous = Vec::new();
+    {
+        let mut bindings = BINDINGS.write();
+        bindings.retain(|binding| {
+            if binding.capture == capture {
+                previous.push(Arc::clone(&binding.pool.token));
+                false
+            } else {
+                true
+            }
+        });
+        bindings.push(Binding {
+            capture,
+            pool: pool.clone(),
+            misses,
+            streams,
+        });
+        EPOCH.fetch_add(1, Ordering::AcqRel);
+    }
+    // Outside the lock: dropping the last handle of a pool flushes what it held.
+    for old in previous {
+        if !Arc::ptr_eq(&old, &pool.token) && !keeps_alive(&old, &pool.token) {
+            pool.token.keeps.lock().push(old);
+        }
+    }
+}
+
+/// Whether `holder` keeps `pool` alive, directly or through pools it keeps (a pool must not
+/// keep one that keeps it: neither would ever die).
+fn keeps_alive(holder: &Arc<PoolToken>, pool: &Arc<PoolToken>) -> bool {
+    let mut stack = vec![Arc::clone(holder)];
+    while let Some(token) = stack.pop() {
+        if Arc::ptr_eq(&token, pool) {
+            return true;
+        }
+        stack.extend(token.keeps.lock().iter().cloned());
+    }
+    false
 }
 
 /// The pool of `tag`, if it is still alive.
@@ -316,6 +382,11 @@ struct Binding {
 static BINDINGS: RwLock<Vec<Binding>> = RwLock::new(Vec::new());
 /// Bumped whenever a binding comes or goes, so per-thread route caches know to look again.
 static EPOCH: AtomicU64 = AtomicU64::new(0);
+/// How many ended bindings [`pool_tag_of_capture`] still finds.
+const ENDED_KEPT: usize = 1024;
+/// The last [`ENDED_KEPT`] bindings to end: (capture, pool tag), oldest first.
+static ENDED: Mutex<std::collections::VecDeque<(u64, u64)>> =
+    Mutex::new(std::collections::VecDeque::new());
 /// Frees waiting for no capture to be active.
 static DEFERRED: Mutex<Vec<Held>> = Mutex::new(Vec::new());
 /// Allocations used by a capture no pool could be found for, kept out of every cache for the
@@ -361,9 +432,22 @@ impl AllocateToPool {
 
 impl Drop for AllocateToPool {
     fn drop(&mut self) {
-        BINDINGS
-            .write()
-            .retain(|binding| binding.capture != self.capture);
+        let mut ended = None;
+        BINDINGS.write().retain(|binding| {
+            if binding.capture == self.capture {
+                ended = Some(u64::from(binding.pool.token.id));
+                false
+            } else {
+                true
+            }
+        });
+        if let Some(tag) = ended {
+            let mut ended_list = ENDED.lock();
+            if ended_list.len() == ENDED_KEPT {
+                ended_list.pop_front();
+            }
+            ended_list.push_back((self.capture, tag));
+        }
         EPOCH.fetch_add(1, Ordering::AcqRel);
         flush_deferred();
     }
@@ -388,15 +472,7 @@ pub fn begin_allocate_to_pool(
             .into(),
         ));
     };
-    let mut bindings = BINDINGS.write();
-    bindings.retain(|binding| binding.capture != capture);
-    bindings.push(Binding {
-        capture,
-        pool: pool.clone(),
-        misses,
-        streams: vec![stream.id()],
-    });
-    EPOCH.fetch_add(1, Ordering::AcqRel);
+    bind_capture(capture, pool, misses, vec![stream.id()]);
     Ok(AllocateToPool {
         capture,
         pool: pool.clone(),
@@ -846,13 +922,7 @@ pub(crate) mod test_support {
 
     /// Binds `capture` to `pool` as [`begin_allocate_to_pool`] does, until the guard drops.
     pub(crate) fn bind(capture: u64, pool: &GraphPool) -> AllocateToPool {
-        BINDINGS.write().push(Binding {
-            capture,
-            pool: pool.clone(),
-            misses: MissPolicy::AllocateRelaxed,
-            streams: Vec::new(),
-        });
-        EPOCH.fetch_add(1, Ordering::AcqRel);
+        bind_capture(capture, pool, MissPolicy::AllocateRelaxed, Vec::new());
         AllocateToPool {
             capture,
             pool: pool.clone(),
