@@ -11,9 +11,7 @@
 use std::sync::Arc;
 
 use cuweave_driver::Stream;
-use cuweave_event::{
-    EventError, EventPriority, OperationCoordinator, OperationId, OperationType, WaitFuture,
-};
+use cuweave_event::{EventPriority, OperationCoordinator, OperationId, OperationType, WaitFuture};
 use cuweave_memory::Buffer;
 
 use crate::comm::Communicator;
@@ -72,8 +70,8 @@ impl CoordinatedCollectives {
     /// runs `queue` (which queues the collective on the stream) and completes the operation.
     ///
     /// Every dependency must be queued (completed with `complete_operation`), completed, or
-    /// retired; this is checked through the coordinator's [`state`] before anything is
-    /// registered, so a refused call leaves nothing behind: no operation stuck registered, no
+    /// retired; this is checked by the coordinator's own rule ([`dependencies_queued`], one
+    /// lock, no polling) before anything is registered. So a refused call leaves nothing behind: no operation stuck registered, no
     /// dependency kept alive by a dependant that will never begin. A caller may retry until
     /// the dependency is queued without the coordinator growing.
     ///
@@ -81,12 +79,15 @@ impl CoordinatedCollectives {
     /// the operation is still completed, at a point of the stream with no work of its own,
     /// so it retires and its dependants are not stranded, and the error is returned.
     ///
-    /// [`state`]: OperationCoordinator::state
+    /// [`dependencies_queued`]: OperationCoordinator::dependencies_queued
     ///
     /// # Errors
-    /// `UnknownOperation` for a dependency never registered; [`EventError::DependencyNotQueued`]
-    /// for one not yet queued (the refused operation was never registered, so both of its ids
-    /// name the dependency); the coordinator's other errors; `queue`'s.
+    /// `UnknownOperation` for a dependency never registered;
+    /// [`EventError::DependencyNotQueued`] for one not yet queued (refused before registering,
+    /// so its `id` is [`OperationId::UNREGISTERED`]); the coordinator's other errors;
+    /// `queue`'s.
+    ///
+    /// [`EventError::DependencyNotQueued`]: cuweave_event::EventError::DependencyNotQueued
     pub fn run(
         &self,
         operation_type: OperationType,
@@ -95,7 +96,7 @@ impl CoordinatedCollectives {
         description: impl Into<String>,
         queue: impl FnOnce(&Stream) -> Result<()>,
     ) -> Result<OperationId> {
-        check_queued(&self.coordinator, dependencies)?;
+        self.coordinator.dependencies_queued(dependencies)?;
         let id = self.coordinator.register_operation(
             operation_type,
             self.priority,
@@ -223,21 +224,6 @@ impl CoordinatedCollectives {
             |s| comm.reduce(send, recv, op, root, s),
         )
     }
-}
-
-/// Refuses, before anything is registered, a dependency that `begin_operation` would refuse:
-/// one registered or begun but not yet queued, or one whose completion failed.
-fn check_queued(coordinator: &OperationCoordinator, dependencies: &[OperationId]) -> Result<()> {
-    for &dependency in dependencies {
-        if !coordinator.state(dependency)?.is_queued() {
-            return Err(EventError::DependencyNotQueued {
-                id: dependency,
-                dependency,
-            }
-            .into());
-        }
-    }
-    Ok(())
 }
 
 fn describe(call: &str, comm: &Communicator, elements: usize) -> String {

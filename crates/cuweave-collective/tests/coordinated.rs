@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use cuweave_collective::{CollectiveError, CoordinatedCollectives};
 use cuweave_driver::{Stream, StreamFlags};
-use cuweave_event::{EventError, EventPool, EventPriority, OperationCoordinator, OperationType};
+use cuweave_event::{
+    EventError, EventPool, EventPriority, OperationCoordinator, OperationId, OperationType,
+};
 use cuweave_test_support::require_gpu;
 
 #[test]
@@ -43,8 +45,8 @@ fn retrying_on_a_dependency_not_yet_queued_strands_nothing() {
         assert!(
             matches!(
                 error,
-                CollectiveError::Event(EventError::DependencyNotQueued { dependency: d, .. })
-                    if d == dependency
+                CollectiveError::Event(EventError::DependencyNotQueued { id, dependency: d })
+                    if d == dependency && id == OperationId::UNREGISTERED
             ),
             "{error}"
         );

@@ -493,22 +493,20 @@ impl OperationCoordinator {
             let operation = operation_mut(&mut state, id, "begin_operation")?;
             expect_state(operation, OperationState::Registered, "begin")?;
             let dependencies = operation.metadata.dependencies.clone();
+            state.check_queued(id, &dependencies, "begin_operation")?;
             let mut waits = Vec::new();
             for dependency in dependencies {
-                // A retired dependency completed on the GPU: nothing to wait for.
+                // A retired or completed dependency: nothing to wait for.
                 let Some(dep) = state.operations.get(&dependency) else {
                     continue;
                 };
-                match dep.metadata.state {
-                    OperationState::Queued => {
-                        if dep.metadata.stream != Some(stream.id()) {
-                            waits.push(Arc::clone(dep.done.as_ref().expect("queued has event")));
-                        } else {
-                            MetricsCell::add(&self.inner.metrics.same_stream_waits_skipped, 1);
-                        }
-                    }
-                    OperationState::Completed => {}
-                    _ => return Err(EventError::DependencyNotQueued { id, dependency }),
+                if dep.metadata.state != OperationState::Queued {
+                    continue;
+                }
+                if dep.metadata.stream != Some(stream.id()) {
+                    waits.push(Arc::clone(dep.done.as_ref().expect("queued has event")));
+                } else {
+                    MetricsCell::add(&self.inner.metrics.same_stream_waits_skipped, 1);
                 }
             }
             // Reserved under the lock so that a concurrent begin of the same id is refused.
@@ -548,6 +546,24 @@ impl OperationCoordinator {
                 Err(error)
             }
         }
+    }
+
+    /// Checks, under one lock and without polling the GPU, that every one of `dependencies` is
+    /// queued, completed or retired: the rule [`begin_operation`](Self::begin_operation)
+    /// applies to an operation's dependencies. For callers that must not register an
+    /// operation that could not begin (it would stay registered and keep its dependencies
+    /// from retiring). O(dependencies).
+    ///
+    /// # Errors
+    /// `UnknownOperation` for an id never registered; [`EventError::DependencyNotQueued`] for
+    /// the first one registered or begun but not queued, or whose completion failed; its `id`
+    /// is [`OperationId::UNREGISTERED`] (no operation was registered).
+    pub fn dependencies_queued(&self, dependencies: &[OperationId]) -> Result<()> {
+        self.inner.state.lock().check_queued(
+            OperationId::UNREGISTERED,
+            dependencies,
+            "dependencies_queued",
+        )
     }
 
     /// Begins `id` on a stream of `pool` at the operation's priority

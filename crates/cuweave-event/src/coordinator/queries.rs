@@ -125,6 +125,36 @@ impl OperationCoordinator {
 }
 
 impl State {
+    /// The rule an operation's dependencies must meet for it to begin: each is queued (its
+    /// completion event exists), completed or retired. `id` is the operation they belong to
+    /// ([`OperationId::UNREGISTERED`] for a check made before registering).
+    ///
+    /// # Errors
+    /// `UnknownOperation` (named after `operation`) for a dependency never registered;
+    /// `DependencyNotQueued` for the first one registered, begun or failed.
+    pub(super) fn check_queued(
+        &self,
+        id: OperationId,
+        dependencies: &[OperationId],
+        operation: &'static str,
+    ) -> Result<()> {
+        for &dependency in dependencies {
+            match self.state_of(dependency) {
+                None => {
+                    return Err(EventError::UnknownOperation {
+                        operation,
+                        id: dependency,
+                    });
+                }
+                Some(state) if !state.is_queued() => {
+                    return Err(EventError::DependencyNotQueued { id, dependency });
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(())
+    }
+
     /// The dependencies of `id` that are not queued yet; none once `id` is no longer live
     /// (it retired while a caller waited for it to become ready: it began, so it was ready).
     pub(super) fn blocked_on(&self, id: OperationId) -> Vec<OperationId> {

@@ -210,3 +210,64 @@ fn an_operation_that_retired_while_waited_for_is_blocked_on_nothing() {
     assert_eq!(state.blocked_on(waiting), Vec::<OperationId>::new());
     assert_eq!(state.blocked_on(OperationId(99)), Vec::<OperationId>::new());
 }
+
+/// `begin_operation`'s rule for dependencies, which `dependencies_queued` checks before
+/// anything is registered: queued, completed and retired dependencies pass; registered, begun
+/// and failed ones are refused by name, with the operation they were for.
+#[rstest::rstest]
+#[case::registered(OperationState::Registered, false)]
+#[case::begun(OperationState::Begun, false)]
+#[case::failed(OperationState::Failed, false)]
+#[case::queued(OperationState::Queued, true)]
+#[case::completed(OperationState::Completed, true)]
+fn dependencies_are_checked_by_begin_operations_rule(
+    #[case] dependency_state: OperationState,
+    #[case] passes: bool,
+) {
+    let mut state = State {
+        next_id: 3,
+        ..State::default()
+    };
+    // op#1 retired; op#2 in `dependency_state`; op#3 queued.
+    state
+        .operations
+        .insert(OperationId(2), operation(2, dependency_state, vec![]));
+    state
+        .operations
+        .insert(OperationId(3), operation(3, OperationState::Queued, vec![]));
+    let dependencies = [OperationId(1), OperationId(3), OperationId(2)];
+    for id in [OperationId::UNREGISTERED, OperationId(7)] {
+        let checked = state.check_queued(id, &dependencies, "test");
+        if passes {
+            assert_eq!(checked, Ok(()));
+        } else {
+            assert_eq!(
+                checked,
+                Err(EventError::DependencyNotQueued {
+                    id,
+                    dependency: OperationId(2),
+                })
+            );
+        }
+    }
+    assert_eq!(
+        state.check_queued(OperationId::UNREGISTERED, &[OperationId(4)], "test"),
+        Err(EventError::UnknownOperation {
+            operation: "test",
+            id: OperationId(4),
+        })
+    );
+}
+
+#[test]
+fn an_unregistered_operation_is_named_as_such_in_errors() {
+    let error = EventError::DependencyNotQueued {
+        id: OperationId::UNREGISTERED,
+        dependency: OperationId(5),
+    };
+    assert_eq!(
+        error.to_string(),
+        "operation (not yet registered) cannot begin: its dependency op#5 has not been queued yet"
+    );
+    assert_eq!(OperationId(5).to_string(), "op#5");
+}

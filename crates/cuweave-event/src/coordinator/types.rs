@@ -9,7 +9,14 @@ use std::time::{Duration, Instant};
 pub struct OperationId(pub(crate) u64);
 
 impl OperationId {
-    /// The id's number (registration order, from 1).
+    /// Stands for an operation not registered yet, in the errors of checks made before
+    /// registering ([`dependencies_queued`]). No registered operation has it; the coordinator
+    /// does not know it.
+    ///
+    /// [`dependencies_queued`]: super::OperationCoordinator::dependencies_queued
+    pub const UNREGISTERED: Self = Self(0);
+
+    /// The id's number (registration order, from 1; 0 for [`UNREGISTERED`](Self::UNREGISTERED)).
     pub fn get(self) -> u64 {
         self.0
     }
@@ -17,7 +24,11 @@ impl OperationId {
 
 impl fmt::Display for OperationId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "op#{}", self.0)
+        if *self == Self::UNREGISTERED {
+            f.write_str("(not yet registered)")
+        } else {
+            write!(f, "op#{}", self.0)
+        }
     }
 }
 
