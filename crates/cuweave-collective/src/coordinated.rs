@@ -69,9 +69,11 @@ impl CoordinatedCollectives {
     /// Registers an operation of `operation_type` after `dependencies`, begins it on `stream`,
     /// runs `queue` (which queues the collective on the stream) and completes the operation.
     ///
-    /// Every dependency must be queued (completed with `complete_operation`), completed, or
-    /// retired; this is checked by the coordinator's own rule ([`dependencies_queued`], one
-    /// lock, no polling) before anything is registered. So a refused call leaves nothing behind: no operation stuck registered, no
+    /// What `begin_operation` would refuse is checked before anything is registered, by the
+    /// coordinator's own rules: `stream` must belong to the context of the coordinator's event
+    /// pool ([`check_stream`]), and every dependency must be queued (completed with
+    /// `complete_operation`), completed, or retired ([`dependencies_queued`], one lock, no
+    /// polling). So a refused call leaves nothing behind: no operation stuck registered, no
     /// dependency kept alive by a dependant that will never begin. A caller may retry until
     /// the dependency is queued without the coordinator growing.
     ///
@@ -79,14 +81,17 @@ impl CoordinatedCollectives {
     /// the operation is still completed, at a point of the stream with no work of its own,
     /// so it retires and its dependants are not stranded, and the error is returned.
     ///
+    /// [`check_stream`]: OperationCoordinator::check_stream
     /// [`dependencies_queued`]: OperationCoordinator::dependencies_queued
     ///
     /// # Errors
-    /// `UnknownOperation` for a dependency never registered;
-    /// [`EventError::DependencyNotQueued`] for one not yet queued (refused before registering,
-    /// so its `id` is [`OperationId::UNREGISTERED`]); the coordinator's other errors;
-    /// `queue`'s.
+    /// [`EventError::ForeignStream`] for a stream of another context than the coordinator's
+    /// pool; `UnknownOperation` for a dependency never registered;
+    /// [`EventError::DependencyNotQueued`] for one not yet queued (both refused before
+    /// registering, so their `id` is [`OperationId::UNREGISTERED`]); the coordinator's other
+    /// errors; `queue`'s.
     ///
+    /// [`EventError::ForeignStream`]: cuweave_event::EventError::ForeignStream
     /// [`EventError::DependencyNotQueued`]: cuweave_event::EventError::DependencyNotQueued
     pub fn run(
         &self,
@@ -96,6 +101,7 @@ impl CoordinatedCollectives {
         description: impl Into<String>,
         queue: impl FnOnce(&Stream) -> Result<()>,
     ) -> Result<OperationId> {
+        self.coordinator.check_stream(stream)?;
         self.coordinator.dependencies_queued(dependencies)?;
         let id = self.coordinator.register_operation(
             operation_type,

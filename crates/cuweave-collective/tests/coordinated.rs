@@ -1,6 +1,7 @@
-//! Coordinated collectives whose dependencies are not queued yet: refused before anything is
-//! registered, so retrying leaves the coordinator bounded. Needs a GPU (the coordinator's event
-//! pool), not NCCL: the collective is never reached.
+//! Coordinated collectives that `begin_operation` would refuse (a dependency not queued yet, a
+//! stream of another device): refused before anything is registered, so retrying leaves the
+//! coordinator bounded. Needs a GPU (the coordinator's event pool; two for the stream of
+//! another device), not NCCL: the collective is never reached.
 
 use std::sync::Arc;
 
@@ -91,4 +92,42 @@ fn retrying_on_a_dependency_not_yet_queued_strands_nothing() {
         0,
         "the dependency's dependant count came back down, so it retired"
     );
+}
+
+#[test]
+fn retrying_on_a_stream_of_another_device_strands_nothing() {
+    let gpu = require_gpu!(else return);
+    if cuweave_driver::Device::count().expect("count") < 2 {
+        cuweave_test_support::skip(
+            "coordinated::retrying_on_a_stream_of_another_device_strands_nothing",
+            "needs a second device",
+        );
+        return;
+    }
+    let other = cuweave_driver::Context::primary(cuweave_driver::Device::get(1).expect("device"))
+        .expect("context");
+    let foreign = Arc::new(Stream::new(&other, StreamFlags::NON_BLOCKING).expect("stream"));
+    let coordinator = OperationCoordinator::new(EventPool::new(&gpu.context, 8, 8).expect("pool"))
+        .expect("coordinator");
+    let collectives = CoordinatedCollectives::new(coordinator.clone());
+    let mut queued = 0;
+    for _ in 0..100_000 {
+        let error = collectives
+            .run(OperationType::AllReduce, &foreign, &[], "retry", |_| {
+                queued += 1;
+                Ok(())
+            })
+            .expect_err("the stream is not of the coordinator's context");
+        assert!(
+            matches!(
+                error,
+                CollectiveError::Event(EventError::ForeignStream { id, stream_device: 1, .. })
+                    if id == OperationId::UNREGISTERED
+            ),
+            "{error}"
+        );
+    }
+    assert_eq!(queued, 0, "nothing was queued");
+    assert_eq!(coordinator.live_operations(), 0, "nothing stays registered");
+    assert_eq!(coordinator.metrics().registered, 0, "nothing registered");
 }

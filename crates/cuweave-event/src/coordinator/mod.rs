@@ -477,17 +477,7 @@ impl OperationCoordinator {
         let _timed = self.timed();
         let handle: Arc<dyn AsStream> = Arc::clone(stream) as Arc<dyn AsStream>;
         let stream = handle.as_stream();
-        // The completion event comes from the pool and is recorded on this stream: both must
-        // be of one context, or `complete_operation` would fail with the operation begun.
-        let pool_context = self.inner.pool.context();
-        if stream.context().as_raw() != pool_context.as_raw() {
-            return Err(EventError::ForeignStream {
-                id,
-                stream: stream.id(),
-                stream_device: stream.device().ordinal(),
-                pool_device: pool_context.device().ordinal(),
-            });
-        }
+        self.check_stream_for(id, stream)?;
         let waits = {
             let mut state = self.inner.state.lock();
             let operation = operation_mut(&mut state, id, "begin_operation")?;
@@ -546,6 +536,32 @@ impl OperationCoordinator {
                 Err(error)
             }
         }
+    }
+
+    /// Checks, changing nothing, that operations can begin on `stream`: it must belong to the
+    /// context of the coordinator's event pool, as [`begin_operation`](Self::begin_operation)
+    /// requires. For callers that must not register an operation that could not begin.
+    ///
+    /// # Errors
+    /// [`EventError::ForeignStream`], whose `id` is [`OperationId::UNREGISTERED`].
+    pub fn check_stream(&self, stream: &Stream) -> Result<()> {
+        self.check_stream_for(OperationId::UNREGISTERED, stream)
+    }
+
+    /// `begin_operation`'s stream rule, for operation `id`.
+    fn check_stream_for(&self, id: OperationId, stream: &Stream) -> Result<()> {
+        // The completion event comes from the pool and is recorded on this stream: both must
+        // be of one context, or `complete_operation` would fail with the operation begun.
+        let pool_context = self.inner.pool.context();
+        if stream.context().as_raw() != pool_context.as_raw() {
+            return Err(EventError::ForeignStream {
+                id,
+                stream: stream.id(),
+                stream_device: stream.device().ordinal(),
+                pool_device: pool_context.device().ordinal(),
+            });
+        }
+        Ok(())
     }
 
     /// Checks, under one lock and without polling the GPU, that every one of `dependencies` is

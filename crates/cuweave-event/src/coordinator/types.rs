@@ -10,9 +10,10 @@ pub struct OperationId(pub(crate) u64);
 
 impl OperationId {
     /// Stands for an operation not registered yet, in the errors of checks made before
-    /// registering ([`dependencies_queued`]). No registered operation has it; the coordinator
-    /// does not know it.
+    /// registering ([`check_stream`], [`dependencies_queued`]). No registered operation has
+    /// it; the coordinator does not know it.
     ///
+    /// [`check_stream`]: super::OperationCoordinator::check_stream
     /// [`dependencies_queued`]: super::OperationCoordinator::dependencies_queued
     pub const UNREGISTERED: Self = Self(0);
 
