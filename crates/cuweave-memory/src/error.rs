@@ -130,4 +130,10 @@ impl MemoryError {
             _ => false,
         }
     }
+
+    /// Whether the operation was refused because a stream capture is active (it would have
+    /// waited for the device or broken the capture); it may succeed once no capture is.
+    pub fn is_capture_refusal(&self) -> bool {
+        matches!(self, Self::Driver(error) if error.is_capture_refusal())
+    }
 }

@@ -18,14 +18,23 @@ struct HeldAllocation<A> {
 }
 
 impl<A: Send + 'static> GraphHeld for HeldAllocation<A> {
-    fn give_back(self: Box<Self>, synced: &mut Vec<Arc<Context>>) -> Result<()> {
+    fn give_back(
+        self: Box<Self>,
+        synced: &mut Vec<Arc<Context>>,
+    ) -> Result<Option<Box<dyn GraphHeld>>> {
         // A launch of a dead pool's graph, or eager work, may still be running.
-        if let Err(error) = synchronize_once(&self.context, synced) {
-            self.strand();
-            return Err(error);
+        match synchronize_once(&self.context, synced) {
+            // A capture began since the flush checked: try again once none is active.
+            Err(error) if error.is_capture_refusal() => Ok(Some(self)),
+            Err(error) => {
+                self.strand();
+                Err(error)
+            }
+            Ok(()) => {
+                drop(self);
+                Ok(None)
+            }
         }
-        drop(self);
-        Ok(())
     }
 
     fn strand(self: Box<Self>) {

@@ -140,12 +140,17 @@ pub(crate) trait GraphHeld: Send {
     /// Returns the memory, once no graph can use it any more (every pool that held it has died)
     /// and no capture is active: the device must have finished first (a graph launch may still
     /// run), so this synchronises the memory's context through [`synchronize_once`] (once per
-    /// flush: `synced` lists the contexts already synchronised). On failure the memory must be
-    /// kept out of use as [`strand`](Self::strand) keeps it.
+    /// flush: `synced` lists the contexts already synchronised). When the synchronisation is
+    /// refused because a capture began meanwhile (another thread's, after the flush checked),
+    /// the memory comes back (`Ok(Some(self))`), to be returned once no capture is active. On
+    /// any other failure the memory must be kept out of use as [`strand`](Self::strand) keeps it.
     ///
     /// # Errors
     /// The driver's error when the context cannot be synchronised.
-    fn give_back(self: Box<Self>, synced: &mut Vec<Arc<Context>>) -> Result<()>;
+    fn give_back(
+        self: Box<Self>,
+        synced: &mut Vec<Arc<Context>>,
+    ) -> Result<Option<Box<dyn GraphHeld>>>;
 
     /// Keeps the memory out of use for good: a capture with no graph pool used it, so a graph
     /// of that capture may replay with it for as long as the process runs.
@@ -827,7 +832,25 @@ fn flush_deferred() {
     }
 }
 
+/// Returns held memory; memory whose return a capture begun since the flush's check refused
+/// goes back to [`DEFERRED`], for the next flush with no capture active.
 fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result<()> {
+    // The device must finish first: a capture begun since the check refuses the wait.
+    let context = match &held.memory {
+        HeldMemory::Block(block) if block.after_device => Some(Arc::clone(block.shared.context())),
+        HeldMemory::Resource { resource, .. } => Some(Arc::clone(resource.context())),
+        _ => None,
+    };
+    if let Some(context) = context {
+        match synchronize_once(&context, synced) {
+            Err(error) if error.is_capture_refusal() => {
+                DEFERRED.lock().push(held);
+                return Ok(());
+            }
+            Err(error) => return Err(error),
+            Ok(()) => {}
+        }
+    }
     let block = match held.memory {
         HeldMemory::Block(block) => block,
         HeldMemory::Resource {
@@ -835,11 +858,18 @@ fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result<()> {
             ptr,
             bytes,
         } => {
-            synchronize_once(resource.context(), synced)?;
             let legacy = crate::buffer::raw::legacy_stream(resource.context());
             return resource.deallocate(ptr, bytes, &legacy);
         }
-        HeldMemory::Other(other) => return other.give_back(synced),
+        HeldMemory::Other(other) => {
+            if let Some(again) = other.give_back(synced)? {
+                DEFERRED.lock().push(Held {
+                    memory: HeldMemory::Other(again),
+                    also: held.also,
+                });
+            }
+            return Ok(());
+        }
         #[cfg(test)]
         HeldMemory::Probe(count) => {
             count.fetch_add(1, Ordering::SeqCst);
@@ -848,7 +878,6 @@ fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result<()> {
     };
     let engine = &block.shared.engine;
     if block.after_device {
-        synchronize_once(block.shared.context(), synced)?;
         return engine.free(block.stream, block.id, block.ptr);
     }
     let shared = &block.shared;
@@ -1050,6 +1079,59 @@ mod tests {
         );
         drop(pool);
         assert_eq!(returned.load(Ordering::SeqCst), 1);
+    }
+
+    /// Held memory whose return is refused by a capture (as `Context::synchronize` is when a
+    /// capture began after the flush checked) while `refuse` is set.
+    struct Refused {
+        refuse: Arc<std::sync::atomic::AtomicBool>,
+        returned: Arc<AtomicUsize>,
+        stranded: Arc<AtomicUsize>,
+    }
+
+    impl GraphHeld for Refused {
+        fn give_back(
+            self: Box<Self>,
+            _synced: &mut Vec<Arc<Context>>,
+        ) -> Result<Option<Box<dyn GraphHeld>>> {
+            if self.refuse.load(Ordering::SeqCst) {
+                return Ok(Some(self));
+            }
+            self.returned.fetch_add(1, Ordering::SeqCst);
+            Ok(None)
+        }
+
+        fn strand(self: Box<Self>) {
+            self.stranded.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn memory_whose_return_a_new_capture_refused_is_returned_by_a_later_flush() {
+        let refuse = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let (returned, stranded) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let pool = GraphPool::new();
+        hold_for_captures(
+            Held {
+                memory: HeldMemory::Other(Box::new(Refused {
+                    refuse: Arc::clone(&refuse),
+                    returned: Arc::clone(&returned),
+                    stranded: Arc::clone(&stranded),
+                })),
+                also: Vec::new(),
+            },
+            &[tag(&pool)],
+            512,
+        );
+        // The pool dies; its flush finds a capture begun meanwhile.
+        drop(pool);
+        assert_eq!(returned.load(Ordering::SeqCst), 0);
+        assert_eq!(stranded.load(Ordering::SeqCst), 0, "not stranded for good");
+        // The capture ends: the next flush returns it.
+        refuse.store(false, Ordering::SeqCst);
+        flush_deferred();
+        assert_eq!(returned.load(Ordering::SeqCst), 1);
+        assert_eq!(stranded.load(Ordering::SeqCst), 0);
     }
 
     #[test]

@@ -46,14 +46,17 @@ struct Hold {
 }
 
 impl GraphHeld for Hold {
-    fn give_back(self: Box<Self>, _synced: &mut Vec<Arc<Context>>) -> crate::Result<()> {
+    fn give_back(
+        self: Box<Self>,
+        _synced: &mut Vec<Arc<Context>>,
+    ) -> crate::Result<Option<Box<dyn GraphHeld>>> {
         let mut released = Released::default();
         assert!(
             self.cache
                 .lock()
                 .release_captured(self.ticket, &mut released)
         );
-        Ok(())
+        Ok(None)
     }
 
     fn strand(self: Box<Self>) {}

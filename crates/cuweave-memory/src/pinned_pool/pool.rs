@@ -434,14 +434,23 @@ struct GraphHold {
 }
 
 impl GraphHeld for GraphHold {
-    fn give_back(self: Box<Self>, synced: &mut Vec<Arc<Context>>) -> Result<()> {
-        // A launch of a dead pool's graph may still be running: the device finishes first. On
-        // failure the block stays quarantined (the hold just goes).
-        crate::caching::synchronize_once(&self.pool.context, synced)?;
+    fn give_back(
+        self: Box<Self>,
+        synced: &mut Vec<Arc<Context>>,
+    ) -> Result<Option<Box<dyn GraphHeld>>> {
+        // A launch of a dead pool's graph may still be running: the device finishes first. A
+        // capture begun since the flush checked refuses the wait: the hold comes back, to try
+        // again once none is active. On another failure the block stays quarantined (the hold
+        // just goes).
+        match crate::caching::synchronize_once(&self.pool.context, synced) {
+            Err(error) if error.is_capture_refusal() => return Ok(Some(self)),
+            Err(error) => return Err(error),
+            Ok(()) => {}
+        }
         self.pool.with_state(|state, released| {
             state.cache.release_captured(self.ticket, released);
         });
-        Ok(())
+        Ok(None)
     }
 
     fn strand(self: Box<Self>) {
