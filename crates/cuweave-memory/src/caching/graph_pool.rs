@@ -247,15 +247,15 @@ pub fn graph_pool_handle() -> GraphPool {
 impl GraphPool {
     /// A new, empty private pool.
     pub fn new() -> Self {
-        let id = NEXT_POOL.fetch_add(1, Ordering::Relaxed) & 0x7fff_ffff;
+        let mut live = LIVE.write();
+        let live = live.get_or_insert_with(HashMap::new);
+        let id = free_pool_id(&NEXT_POOL, live);
         let token = Arc::new(PoolToken {
             id,
             held: Mutex::new(Vec::new()),
             keeps: Mutex::new(Vec::new()),
         });
-        LIVE.write()
-            .get_or_insert_with(HashMap::new)
-            .insert(id, Arc::downgrade(&token));
+        live.insert(id, Arc::downgrade(&token));
         Self { token }
     }
 
@@ -273,6 +273,18 @@ impl GraphPool {
     /// How many handles, graphs and executables keep the pool alive.
     pub fn holders(&self) -> usize {
         Arc::strong_count(&self.token)
+    }
+}
+
+/// The next pool id (31 bits, as a free-list key holds it; never 0) that no live pool has:
+/// the counter wraps after 2^31 pools, and a live pool's id handed out again would let the new
+/// pool's death pass for the old one's (its held memory returned under a live graph).
+fn free_pool_id(next: &AtomicU32, live: &HashMap<u32, Weak<PoolToken>>) -> u32 {
+    loop {
+        let id = next.fetch_add(1, Ordering::Relaxed) & 0x7fff_ffff;
+        if id != 0 && !live.contains_key(&id) {
+            return id;
+        }
     }
 }
 
@@ -1132,6 +1144,27 @@ mod tests {
         flush_deferred();
         assert_eq!(returned.load(Ordering::SeqCst), 1);
         assert_eq!(stranded.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_pool_id_still_live_is_never_handed_out_again_when_the_counter_wraps() {
+        let next = AtomicU32::new(0x7fff_fffe);
+        let mut live = HashMap::new();
+        for id in [0x7fff_fffe, 1, 2] {
+            live.insert(id, Weak::new());
+        }
+        let ids: Vec<u32> = (0..3)
+            .map(|_| {
+                let id = free_pool_id(&next, &live);
+                live.insert(id, Weak::new());
+                id
+            })
+            .collect();
+        assert_eq!(ids, vec![0x7fff_ffff, 3, 4], "live ids and 0 skipped");
+        // Once a pool dies its id may come back.
+        live.remove(&1);
+        next.store(1, Ordering::Relaxed);
+        assert_eq!(free_pool_id(&next, &live), 1);
     }
 
     #[test]
