@@ -260,6 +260,10 @@ fn wake_round_trip(c: &mut Criterion, gpu: &Gpu) {
                 total
             });
         });
+        if samples.is_empty() {
+            // Filtered out (`--bench <filter>`): criterion ran no iteration of it.
+            continue;
+        }
         let (p50, p99) = percentiles(&mut samples);
         report.push(format!(
             "wake_round_trip/{name}: p50 {:.1} us, p99 {:.1} us over {} round trips",
