@@ -248,14 +248,19 @@ impl<B: Capacity, F: Fence> BlockCache<B, F> {
             return false;
         };
         let entry = self.pending.swap_remove(index);
-        let capacity = entry.block.capacity();
+        self.unlist_pending(entry.block.capacity());
+        self.settle(entry.block, released);
+        true
+    }
+
+    /// Takes a block of `capacity` bytes, just removed from `pending`, out of the counts (its
+    /// settling counts it again where it goes).
+    fn unlist_pending(&mut self, capacity: usize) {
         let stats = &mut self.stats;
         stats.pending_bytes -= capacity;
         stats.pending_blocks -= 1;
         stats.cached_bytes -= capacity;
         stats.cached_blocks -= 1;
-        self.settle(entry.block, released);
-        true
     }
 
     /// Moves every pending block whose fences have all passed to the ready lists (or frees it,
@@ -270,12 +275,7 @@ impl<B: Capacity, F: Fence> BlockCache<B, F> {
                 self.pending.push(entry);
                 continue;
             }
-            let capacity = entry.block.capacity();
-            let stats = &mut self.stats;
-            stats.pending_bytes -= capacity;
-            stats.pending_blocks -= 1;
-            stats.cached_bytes -= capacity;
-            stats.cached_blocks -= 1;
+            self.unlist_pending(entry.block.capacity());
             self.settle(entry.block, released);
         }
     }
