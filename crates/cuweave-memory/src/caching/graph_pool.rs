@@ -826,20 +826,12 @@ pub fn stranded_graph_memory() -> (u64, u64) {
     *STRANDED.lock()
 }
 
-/// Held by a flush while it returns what it took from [`DEFERRED`]: a flush that finds the
-/// list empty because another thread's flush took it first waits for that one, so that once
-/// `flush_deferred` returns, everything deferred before the call has been returned (or, refused
-/// by a capture begun since, deferred again). Reentrant: returning memory can drop the last
-/// handle of a pool, whose drop flushes on the same thread.
-static FLUSHING: parking_lot::ReentrantMutex<()> = parking_lot::ReentrantMutex::new(());
-
 /// Carries out deferred frees once no capture is active (else leaves them for the last
 /// capture's end).
 fn flush_deferred() {
     if active_captures() != 0 {
         return;
     }
-    let _flushing = FLUSHING.lock();
     let taken = std::mem::take(&mut *DEFERRED.lock());
     if taken.is_empty() {
         return;
