@@ -417,7 +417,7 @@ fn a_buffer_recaptured_many_times_is_held_while_a_pool_lives_then_returned(#[cas
     // kept, and past the 1024 ended bindings once remembered), then freed. It is held while a
     // pool of those captures lives, returned when none does, never stranded.
     use crate::caching::GraphPool;
-    use crate::caching::graph_pool_test_support::{bind, hold};
+    use crate::caching::graph_pool_test_support::{bind, hold, returned_eventually};
     let (mut state, events) = (UseState::default(), Events::default());
     let stream = RegistryStream(FakeStream::own(2));
     let shared = GraphPool::new();
@@ -458,7 +458,7 @@ fn a_buffer_recaptured_many_times_is_held_while_a_pool_lives_then_returned(#[cas
     );
     drop((shared, current));
     assert_eq!(
-        returned.load(Ordering::SeqCst),
+        returned_eventually(&returned, 1),
         1,
         "returned once every pool of its captures died"
     );
@@ -470,7 +470,7 @@ fn a_use_recorded_before_its_capture_was_bound_names_the_pool_bound_later() {
     // no pool. Looked up again later (next record, or the free), it names the pool, in a
     // recapture loop too, instead of stranding the buffer for good.
     use crate::caching::GraphPool;
-    use crate::caching::graph_pool_test_support::{bind, hold};
+    use crate::caching::graph_pool_test_support::{bind, hold, returned_eventually};
     let (mut state, events) = (UseState::default(), Events::default());
     let stream = RegistryStream(FakeStream::own(2));
     let pool = GraphPool::new();
@@ -499,7 +499,11 @@ fn a_use_recorded_before_its_capture_was_bound_names_the_pool_bound_later() {
     let returned = hold(&taken.graph_pools, 512);
     assert_eq!(returned.load(Ordering::SeqCst), 0, "the graph may replay");
     drop(pool);
-    assert_eq!(returned.load(Ordering::SeqCst), 1, "returned, not stranded");
+    assert_eq!(
+        returned_eventually(&returned, 1),
+        1,
+        "returned, not stranded"
+    );
 }
 
 #[rstest::rstest]
@@ -511,7 +515,7 @@ fn a_buffer_of_a_capture_rebound_to_another_pool_is_held_while_the_new_pool_live
     // The capture is bound to `old`, uses the buffer, then is rebound to `new`, whose graph
     // alone is kept: the memory must outlive `old`'s handle while `new` lives.
     use crate::caching::GraphPool;
-    use crate::caching::graph_pool_test_support::{bind, hold};
+    use crate::caching::graph_pool_test_support::{bind, hold, returned_eventually};
     let (mut state, events) = (UseState::default(), Events::default());
     let stream = RegistryStream(FakeStream::own(2));
     let (old, new) = (GraphPool::new(), GraphPool::new());
@@ -551,5 +555,5 @@ fn a_buffer_of_a_capture_rebound_to_another_pool_is_held_while_the_new_pool_live
         "the new pool's graph may replay into it"
     );
     drop(new);
-    assert_eq!(returned.load(Ordering::SeqCst), 1);
+    assert_eq!(returned_eventually(&returned, 1), 1);
 }

@@ -982,10 +982,39 @@ pub(crate) mod test_support {
         flush_deferred();
         count
     }
+
+    /// Flushes deferred frees until `done` holds or a generous deadline passes; whether it
+    /// holds. A flush that finds the list empty returns at once, while another test's flush
+    /// that took the list may still be returning it: a test that expects memory back after a
+    /// flush polls for it.
+    pub(crate) fn flushed_until(mut done: impl FnMut() -> bool) -> bool {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            flush_deferred();
+            if done() {
+                return true;
+            }
+            if std::time::Instant::now() > deadline {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// The count of a probe once it reaches `expected` (or the deadline of [`flushed_until`]
+    /// passes first), flushing meanwhile.
+    pub(crate) fn returned_eventually(
+        count: &std::sync::atomic::AtomicUsize,
+        expected: usize,
+    ) -> usize {
+        flushed_until(|| count.load(Ordering::SeqCst) >= expected);
+        count.load(Ordering::SeqCst)
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::test_support::returned_eventually;
     use super::*;
 
     #[test]
@@ -1057,7 +1086,7 @@ mod tests {
         );
         drop(first);
         assert_eq!(
-            returned.load(Ordering::SeqCst),
+            returned_eventually(&returned, 1),
             1,
             "returned once both pools died"
         );
@@ -1068,7 +1097,7 @@ mod tests {
         drop(first);
         assert_eq!(returned.load(Ordering::SeqCst), 0);
         drop(second);
-        assert_eq!(returned.load(Ordering::SeqCst), 1);
+        assert_eq!(returned_eventually(&returned, 1), 1);
     }
 
     #[test]
@@ -1090,7 +1119,7 @@ mod tests {
             "held while the pool lives"
         );
         drop(pool);
-        assert_eq!(returned.load(Ordering::SeqCst), 1);
+        assert_eq!(returned_eventually(&returned, 1), 1);
     }
 
     /// Held memory whose return is refused by a capture (as `Context::synchronize` is when a
@@ -1141,8 +1170,7 @@ mod tests {
         assert_eq!(stranded.load(Ordering::SeqCst), 0, "not stranded for good");
         // The capture ends: the next flush returns it.
         refuse.store(false, Ordering::SeqCst);
-        flush_deferred();
-        assert_eq!(returned.load(Ordering::SeqCst), 1);
+        assert_eq!(returned_eventually(&returned, 1), 1);
         assert_eq!(stranded.load(Ordering::SeqCst), 0);
     }
 
@@ -1175,8 +1203,11 @@ mod tests {
         assert!(!pool_tag_is_live(dead));
         let (held, returned) = probe();
         hold_for_captures(held, &[dead], 512);
-        flush_deferred();
-        assert_eq!(returned.load(Ordering::SeqCst), 1, "no graph of it is left");
+        assert_eq!(
+            returned_eventually(&returned, 1),
+            1,
+            "no graph of it is left"
+        );
     }
 
     #[test]
