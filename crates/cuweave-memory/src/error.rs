@@ -111,6 +111,22 @@ pub enum MemoryError {
         /// Why the stream was refused.
         reason: &'static str,
     },
+    /// A capture already bound to one graph pool was asked to allocate to another: its graph
+    /// keeps only the pool it was bound to, so memory used after a rebind would be named by a
+    /// pool the graph does not keep alive. Binding the same pool again is fine.
+    #[error(
+        "{operation}: capture {capture} is bound to {bound}; it cannot be rebound to {requested}"
+    )]
+    CaptureBoundToAnotherPool {
+        /// The operation.
+        operation: &'static str,
+        /// The capture sequence's id.
+        capture: u64,
+        /// The pool the capture is bound to (and stays bound to).
+        bound: crate::caching::GraphPoolId,
+        /// The pool that was refused.
+        requested: crate::caching::GraphPoolId,
+    },
     /// A pointer handed back to an allocator or pool is not one it gave out.
     #[error("{operation}: {ptr:#x} was not allocated here (or was already freed)")]
     UnknownAllocation {

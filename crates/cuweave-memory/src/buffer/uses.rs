@@ -62,11 +62,6 @@ pub(crate) trait UseStream {
     fn graph_pool_of(&self, capture: u64) -> u64 {
         crate::caching::pool_tag_of_capture(capture)
     }
-    /// The binding epoch: a tag [`graph_pool_of`](Self::graph_pool_of) gave holds while it
-    /// reads the same (a capture may be bound, or rebound to another pool, at any time).
-    fn graph_binding_epoch(&self) -> u64 {
-        crate::caching::binding_epoch()
-    }
     /// Whether the graph pool `tag` still has a holder (a handle, graph or executable).
     fn graph_pool_is_live(&self, tag: u64) -> bool {
         crate::caching::pool_tag_is_live(tag)
@@ -294,10 +289,10 @@ pub(crate) struct UseState<E> {
     /// ([`UseState::take_all`]). Pools that died are pruned as the list grows past
     /// [`PRUNE_GRAPHS_AT`], so it holds at most twice the pools alive, never a stand-in.
     graphs: Vec<u64>,
-    /// The last capture noted, the binding epoch it was looked up at, and its pool's tag
-    /// (every record in a capture notes it). Never [`NO_POOL`]: a capture may be bound after
-    /// its first uses.
-    last_graph: Option<(u64, u64, u64)>,
+    /// The last capture noted and its pool's tag (every record in a capture notes it; a
+    /// capture is never rebound to another pool). Never [`NO_POOL`]: a capture may be bound
+    /// after its first uses.
+    last_graph: Option<(u64, u64)>,
     /// Captures that had no pool bound when they used the buffer: looked up again at the
     /// next record and at the free (a capture is bound only once it has begun, so a use may
     /// come first). Those that ended unresolved are settled as [`NO_POOL`] as the list grows.
@@ -349,13 +344,12 @@ impl<E: UseEvent> UseState<E> {
     /// (and at each doubling) the pools that died are dropped: no graph of theirs is left.
     #[cold]
     fn note_graph<S: UseStream<Event = E>>(&mut self, stream: &S, id: u64) {
-        let epoch = stream.graph_binding_epoch();
         let tag = match self.last_graph {
-            Some((capture, seen, tag)) if capture == id && seen == epoch => tag,
+            Some((capture, tag)) if capture == id => tag,
             _ => {
                 let tag = stream.graph_pool_of(id);
                 if tag != NO_POOL {
-                    self.last_graph = Some((id, epoch, tag));
+                    self.last_graph = Some((id, tag));
                 }
                 tag
             }

@@ -506,22 +506,20 @@ fn a_use_recorded_before_its_capture_was_bound_names_the_pool_bound_later() {
     );
 }
 
-#[rstest::rstest]
-#[case::used_only_before_the_rebind(false)]
-#[case::used_again_after_the_rebind(true)]
-fn a_buffer_of_a_capture_rebound_to_another_pool_is_held_while_the_new_pool_lives(
-    #[case] used_after: bool,
-) {
-    // The capture is bound to `old`, uses the buffer, then is rebound to `new`, whose graph
-    // alone is kept: the memory must outlive `old`'s handle while `new` lives.
+#[test]
+fn rebinding_a_capture_to_another_pool_is_refused_and_its_buffers_stay_with_the_first() {
+    // The capture's graph keeps only the pool it was bound to: a rebind to another pool would
+    // tag later uses with a pool the graph does not keep alive (freed under a replaying
+    // graph). The rebind is refused, the binding stays, and later uses name the first pool.
     use crate::caching::GraphPool;
-    use crate::caching::graph_pool_test_support::{bind, hold, returned_eventually};
+    use crate::caching::graph_pool_test_support::{bind, hold, returned_eventually, try_bind};
     let (mut state, events) = (UseState::default(), Events::default());
     let stream = RegistryStream(FakeStream::own(2));
     let (old, new) = (GraphPool::new(), GraphPool::new());
-    let id = (4 << 40) + u64::from(used_after);
+    let id = 4 << 40;
     let view = capturing(id, begin(id));
     let first = bind(id, &old);
+    let old_tag = crate::caching::pool_tag_of_capture(id);
     let record = |state: &mut UseState<FakeEvent>| {
         state
             .record_range(
@@ -534,26 +532,38 @@ fn a_buffer_of_a_capture_rebound_to_another_pool_is_held_while_the_new_pool_live
             .unwrap();
     };
     record(&mut state);
-    let second = bind(id, &new);
-    let new_tag = crate::caching::pool_tag_of_capture(id);
-    if used_after {
-        record(&mut state);
+    match try_bind(id, &new) {
+        Err(MemoryError::CaptureBoundToAnotherPool {
+            capture,
+            bound,
+            requested,
+            ..
+        }) => assert_eq!((capture, bound, requested), (id, old.id(), new.id())),
+        other => panic!("expected the rebind to be refused, got {other:?}"),
     }
+    assert_eq!(
+        crate::caching::pool_tag_of_capture(id),
+        old_tag,
+        "the binding to the first pool is intact"
+    );
+    // Binding the same pool again is fine.
+    let again = bind(id, &old);
+    record(&mut state);
     end(id);
-    drop((first, second));
+    drop((first, again));
     let taken = state.take_all(|_| true);
     assert_eq!(
-        taken.graph_pools.contains(&new_tag),
-        used_after,
-        "the rebinding is seen at the next record"
+        taken.graph_pools,
+        vec![old_tag],
+        "only the graph's own pool"
     );
     let returned = hold(&taken.graph_pools, 512);
-    drop(old);
+    drop(new);
     assert_eq!(
         returned.load(Ordering::SeqCst),
         0,
-        "the new pool's graph may replay into it"
+        "the first pool's graph may replay into it"
     );
-    drop(new);
+    drop(old);
     assert_eq!(returned_eventually(&returned, 1), 1);
 }

@@ -23,10 +23,10 @@
 //!   of its stream (or used there) is graph memory from then on: it is held by the pool and
 //!   returns to the general cache, after the device has finished, when the pool is dropped. A
 //!   typed buffer remembers the pool of each capture that used it (looked up when the use is
-//!   recorded; a capture not bound yet is looked up again at the next record and at the free,
-//!   and a capture rebound to another pool is seen at the next record, the new pool keeping
-//!   the old one alive; so however many captures come and go before the free, and however many use the
-//!   buffer, the pool is known): at the free, the pools still alive hold it, and it returns when
+//!   recorded; a capture not bound yet is looked up again at the next record and at the free;
+//!   a capture is never rebound to another pool, since its graph keeps only the first: so
+//!   however many captures come and go before the free, and however many use the buffer, the
+//!   pool is known): at the free, the pools still alive hold it, and it returns when
 //!   the last of them dies. Used by a capture no pool was bound to, it is stranded for good
 //!   ([`stranded_graph_memory`]), never handed out again.
 //! - A typed buffer of another memory resource freed during a capture is deallocated once no
@@ -178,9 +178,6 @@ struct PoolToken {
     id: u32,
     /// Memory freed while it was graph memory of this pool's captures: held until it dies.
     held: Mutex<Vec<Held>>,
-    /// Pools a capture was bound to before it was rebound to this one: buffers its uses named
-    /// them, and this pool's graphs may replay into that memory, so they live while it does.
-    keeps: Mutex<Vec<Arc<PoolToken>>>,
 }
 
 impl Drop for PoolToken {
@@ -253,7 +250,6 @@ impl GraphPool {
         let token = Arc::new(PoolToken {
             id,
             held: Mutex::new(Vec::new()),
-            keeps: Mutex::new(Vec::new()),
         });
         live.insert(id, Arc::downgrade(&token));
         Self { token }
@@ -320,54 +316,45 @@ pub(crate) fn pool_tag_of_capture(capture: u64) -> u64 {
         .map_or(NO_POOL, |&(_, tag)| tag)
 }
 
-/// The binding epoch: it changes whenever a capture is bound, rebound or unbound, so a tag
-/// looked up for a capture holds while it reads the same.
-pub(crate) fn binding_epoch() -> u64 {
-    EPOCH.load(Ordering::Acquire)
-}
-
-/// Binds `capture` to `pool` (rebinding it if it was bound): the pool a rebound capture had
-/// before is kept alive by the new one, since buffers its uses were recorded by name the old
-/// pool and the new pool's graph may replay into them.
-fn bind_capture(capture: u64, pool: &GraphPool, misses: MissPolicy, streams: Vec<u64>) {
-    let mut previous = Vec::new();
+/// Binds `capture` to `pool`. A capture bound to `pool` already stays bound (its policy is
+/// updated, its streams kept); one bound to another pool is refused: the capture's graph keeps
+/// only the pool it was bound to, and buffers used after a rebind would name a pool the graph
+/// does not keep alive (their memory freed under a graph that replays into it).
+fn bind_capture(
+    capture: u64,
+    pool: &GraphPool,
+    misses: MissPolicy,
+    streams: Vec<u64>,
+) -> Result<()> {
+    let mut bindings = BINDINGS.write();
+    if let Some(binding) = bindings
+        .iter_mut()
+        .find(|binding| binding.capture == capture)
     {
-        let mut bindings = BINDINGS.write();
-        bindings.retain(|binding| {
-            if binding.capture == capture {
-                previous.push(Arc::clone(&binding.pool.token));
-                false
-            } else {
-                true
+        if !Arc::ptr_eq(&binding.pool.token, &pool.token) {
+            return Err(MemoryError::CaptureBoundToAnotherPool {
+                operation: "begin_allocate_to_pool",
+                capture,
+                bound: binding.pool.id(),
+                requested: pool.id(),
+            });
+        }
+        binding.misses = misses;
+        for stream in streams {
+            if !binding.streams.contains(&stream) {
+                binding.streams.push(stream);
             }
-        });
+        }
+    } else {
         bindings.push(Binding {
             capture,
             pool: pool.clone(),
             misses,
             streams,
         });
-        EPOCH.fetch_add(1, Ordering::AcqRel);
     }
-    // Outside the lock: dropping the last handle of a pool flushes what it held.
-    for old in previous {
-        if !Arc::ptr_eq(&old, &pool.token) && !keeps_alive(&old, &pool.token) {
-            pool.token.keeps.lock().push(old);
-        }
-    }
-}
-
-/// Whether `holder` keeps `pool` alive, directly or through pools it keeps (a pool must not
-/// keep one that keeps it: neither would ever die).
-fn keeps_alive(holder: &Arc<PoolToken>, pool: &Arc<PoolToken>) -> bool {
-    let mut stack = vec![Arc::clone(holder)];
-    while let Some(token) = stack.pop() {
-        if Arc::ptr_eq(&token, pool) {
-            return true;
-        }
-        stack.extend(token.keeps.lock().iter().cloned());
-    }
-    false
+    EPOCH.fetch_add(1, Ordering::AcqRel);
+    Ok(())
 }
 
 /// The pool of `tag`, if it is still alive.
@@ -473,8 +460,10 @@ impl Drop for AllocateToPool {
 /// Routes the allocations of the capture `stream` is in to `pool`, until the guard drops.
 ///
 /// # Errors
-/// [`GraphError::NotCapturing`] when `stream` is not capturing; the driver's error when its
-/// capture status cannot be read.
+/// [`GraphError::NotCapturing`] when `stream` is not capturing;
+/// [`MemoryError::CaptureBoundToAnotherPool`] when its capture is bound to another pool (the
+/// binding is left as it was; binding the same pool again is fine); the driver's error when
+/// its capture status cannot be read.
 pub fn begin_allocate_to_pool(
     stream: &Stream,
     pool: &GraphPool,
@@ -489,7 +478,7 @@ pub fn begin_allocate_to_pool(
             .into(),
         ));
     };
-    bind_capture(capture, pool, misses, vec![stream.id()]);
+    bind_capture(capture, pool, misses, vec![stream.id()])?;
     Ok(AllocateToPool {
         capture,
         pool: pool.clone(),
@@ -963,11 +952,16 @@ pub(crate) mod test_support {
 
     /// Binds `capture` to `pool` as [`begin_allocate_to_pool`] does, until the guard drops.
     pub(crate) fn bind(capture: u64, pool: &GraphPool) -> AllocateToPool {
-        bind_capture(capture, pool, MissPolicy::AllocateRelaxed, Vec::new());
-        AllocateToPool {
+        try_bind(capture, pool).expect("the capture is bound to no other pool")
+    }
+
+    /// [`bind`], refused as [`begin_allocate_to_pool`] refuses a capture bound to another pool.
+    pub(crate) fn try_bind(capture: u64, pool: &GraphPool) -> Result<AllocateToPool> {
+        bind_capture(capture, pool, MissPolicy::AllocateRelaxed, Vec::new())?;
+        Ok(AllocateToPool {
             capture,
             pool: pool.clone(),
-        }
+        })
     }
 
     /// Frees `bytes` of memory that the captures of the pools `tags` used, as a buffer's free

@@ -118,7 +118,7 @@ pub use graph_pool::{
     note_capture_stream, stranded_graph_memory,
 };
 pub(crate) use graph_pool::{
-    GraphHeld, NO_POOL, binding_epoch, defer_until_no_capture, hold_for_graphs, pool_tag_is_live,
+    GraphHeld, NO_POOL, defer_until_no_capture, hold_for_graphs, pool_tag_is_live,
     pool_tag_of_capture, release_resource_during_capture, synchronize_once,
 };
 pub(crate) use pool::Grant;
