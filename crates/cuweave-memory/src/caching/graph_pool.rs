@@ -833,9 +833,25 @@ fn flush_deferred() {
     }
 }
 
+/// Whether a capture is active now (in tests, also one faked on the calling thread).
+fn capture_active_now() -> bool {
+    #[cfg(test)]
+    if test_support::FAKE_CAPTURE.with(std::cell::Cell::get) {
+        return true;
+    }
+    active_captures() != 0
+}
+
 /// Returns held memory; memory whose return a capture begun since the flush's check refused
 /// goes back to [`DEFERRED`], for the next flush with no capture active.
 fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result<()> {
+    // A capture begun since the flush checked, seen before each item: after a context's first
+    // item `synced` skips its synchronisation, the one call that would have been refused, so a
+    // resource would be freed (`cuMemFree`) or events recorded into a capturing stream.
+    if capture_active_now() {
+        DEFERRED.lock().push(held);
+        return Ok(());
+    }
     // The device must finish first: a capture begun since the check refuses the wait.
     let context = match &held.memory {
         HeldMemory::Block(block) if block.after_device => Some(Arc::clone(block.shared.context())),
@@ -949,6 +965,11 @@ pub(super) fn refuse_during_capture(operation: &'static str) -> Result<()> {
 #[cfg(test)]
 pub(crate) mod test_support {
     use super::*;
+
+    thread_local! {
+        /// A capture faked on this thread: held memory it returns waits, as for a real one.
+        pub(crate) static FAKE_CAPTURE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
 
     /// Binds `capture` to `pool` as [`begin_allocate_to_pool`] does, until the guard drops.
     pub(crate) fn bind(capture: u64, pool: &GraphPool) -> AllocateToPool {
@@ -1166,6 +1187,71 @@ mod tests {
         refuse.store(false, Ordering::SeqCst);
         assert_eq!(returned_eventually(&returned, 1), 1);
         assert_eq!(stranded.load(Ordering::SeqCst), 0);
+    }
+
+    /// Held memory whose return begins a capture (another thread's, after the flush checked).
+    struct BeginsCapture;
+
+    impl GraphHeld for BeginsCapture {
+        fn give_back(
+            self: Box<Self>,
+            _synced: &mut Vec<Arc<Context>>,
+        ) -> Result<Option<Box<dyn GraphHeld>>> {
+            test_support::FAKE_CAPTURE.with(|fake| fake.set(true));
+            Ok(None)
+        }
+
+        fn strand(self: Box<Self>) {}
+    }
+
+    /// Held memory that counts its returns, and those made while a capture was active on the
+    /// returning thread (the harm: a free or event record inside a capture).
+    struct Watched {
+        returned: Arc<AtomicUsize>,
+        during_capture: Arc<AtomicUsize>,
+    }
+
+    impl GraphHeld for Watched {
+        fn give_back(
+            self: Box<Self>,
+            _synced: &mut Vec<Arc<Context>>,
+        ) -> Result<Option<Box<dyn GraphHeld>>> {
+            if test_support::FAKE_CAPTURE.with(std::cell::Cell::get) {
+                self.during_capture.fetch_add(1, Ordering::SeqCst);
+            }
+            self.returned.fetch_add(1, Ordering::SeqCst);
+            Ok(None)
+        }
+
+        fn strand(self: Box<Self>) {}
+    }
+
+    #[test]
+    fn memory_a_flush_reaches_after_a_capture_began_waits_for_the_capture_to_end() {
+        // One flush returns two items; a capture begins after the first (whose context sync,
+        // the only refused call, is then skipped for the second by `synced`).
+        let (returned, during_capture) =
+            (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let other = |memory: Box<dyn GraphHeld>| Held {
+            memory: HeldMemory::Other(memory),
+            also: Vec::new(),
+        };
+        let mut synced = Vec::new();
+        return_block(other(Box::new(BeginsCapture)), &mut synced).unwrap();
+        let watched = Watched {
+            returned: Arc::clone(&returned),
+            during_capture: Arc::clone(&during_capture),
+        };
+        return_block(other(Box::new(watched)), &mut synced).unwrap();
+        assert_eq!(
+            during_capture.load(Ordering::SeqCst),
+            0,
+            "returned during the capture"
+        );
+        // The capture ends: a later flush returns it (not lost, not stranded).
+        test_support::FAKE_CAPTURE.with(|fake| fake.set(false));
+        assert_eq!(returned_eventually(&returned, 1), 1);
+        assert_eq!(during_capture.load(Ordering::SeqCst), 0);
     }
 
     #[test]
