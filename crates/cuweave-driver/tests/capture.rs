@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use cuweave_driver::memory::{CompletionWords, MappedWords, StreamMarks};
 use cuweave_driver::{
-    CaptureMode, DriverError, Event, EventFlags, Graph, GraphError, Stream, StreamFlags, driver,
-    sys,
+    CaptureMode, DriverError, Event, EventFlags, GraphError, Stream, StreamFlags,
 };
+use cuweave_test_support::outside_capture::capture_outside_cuweave;
 use cuweave_test_support::require_gpu;
 
 /// Asserts that `result` is a `GraphError::Capturing` refusal of `operation`.
@@ -95,30 +95,13 @@ fn a_host_function_on_a_stream_captured_outside_cuweave_is_refused() {
     let gpu = require_gpu!();
     let _serial = cuweave_test_support::serial();
     let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
-    let api = driver().unwrap();
     let held = Arc::new(());
     let in_closure = Arc::clone(&held);
     assert_eq!(cuweave_driver::graph::active_captures(), 0);
 
-    gpu.context.bind_to_thread().unwrap();
-    let begin = api.stream_begin_capture.get().unwrap();
-    // SAFETY: a live non-blocking stream of the current context; relaxed mode checks nothing
-    // this test does meanwhile.
-    let begun = unsafe {
-        begin(
-            stream.as_raw(),
-            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
-        )
-    };
-    assert_eq!(begun, sys::CUresult::CUDA_SUCCESS);
-    let refused = stream.launch_host_fn(move || drop(in_closure));
-    let end = api.stream_end_capture.get().unwrap();
-    let mut raw = std::ptr::null_mut();
-    // SAFETY: the stream is the origin of the capture begun above; valid out-pointer.
-    let ended = unsafe { end(stream.as_raw(), &mut raw) };
-    assert_eq!(ended, sys::CUresult::CUDA_SUCCESS);
-    // SAFETY: the driver just made this graph and nobody else owns it.
-    let graph = unsafe { Graph::from_raw(&gpu.context, raw) };
+    let (refused, graph) = capture_outside_cuweave(&gpu.context, &stream, || {
+        stream.launch_host_fn(move || drop(in_closure))
+    });
 
     assert_refused(refused, "Stream::launch_host_fn");
     assert_eq!(Arc::strong_count(&held), 1);

@@ -317,7 +317,7 @@ fn process_threads() -> usize {
 #[test]
 #[cfg(target_os = "linux")]
 fn a_callback_on_a_stream_captured_outside_cuweave_is_refused_before_its_worker_starts() {
-    use cuweave_driver::{Graph, driver, sys};
+    use cuweave_test_support::outside_capture::capture_outside_cuweave;
 
     let gpu = cuweave_test_support::require_gpu!();
     let _serial = cuweave_test_support::serial();
@@ -328,28 +328,12 @@ fn a_callback_on_a_stream_captured_outside_cuweave_is_refused_before_its_worker_
     assert_eq!(cuweave_driver::graph::active_captures(), 0);
 
     // A capture cuweave does not count: begun with the driver's own call.
-    let api = driver().unwrap();
-    gpu.context.bind_to_thread().unwrap();
-    let begin = api.stream_begin_capture.get().unwrap();
-    // SAFETY: a live non-blocking stream of the current context; relaxed mode checks nothing
-    // this test does meanwhile.
-    let begun = unsafe {
-        begin(
-            stream.as_raw(),
-            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
-        )
-    };
-    assert_eq!(begun, sys::CUresult::CUDA_SUCCESS);
-    let threads = process_threads();
-    let refused = stream.add_callback(move || drop(held));
-    let threads_after = process_threads();
-    let end = api.stream_end_capture.get().unwrap();
-    let mut raw = std::ptr::null_mut();
-    // SAFETY: the stream is the origin of the capture begun above; valid out-pointer.
-    let ended = unsafe { end(stream.as_raw(), &mut raw) };
-    assert_eq!(ended, sys::CUresult::CUDA_SUCCESS);
-    // SAFETY: the driver just made this graph and nobody else owns it.
-    let graph = unsafe { Graph::from_raw(&gpu.context, raw) };
+    let ((refused, threads, threads_after), graph) =
+        capture_outside_cuweave(&gpu.context, &stream, || {
+            let threads = process_threads();
+            let refused = stream.add_callback(move || drop(held));
+            (refused, threads, process_threads())
+        });
 
     assert_capture_refusal(refused);
     assert_eq!(

@@ -36,6 +36,7 @@ use cuweave_driver::{Context, Device, DriverError};
 pub mod event_kernels;
 pub mod kernels;
 pub mod memory_kernels;
+pub mod outside_capture;
 pub mod stream_kernels;
 
 /// Name of the environment variable that turns a missing GPU from a skip into a failure.
