@@ -379,7 +379,7 @@ mod tests {
     const SETTLE: Duration = Duration::from_millis(100);
 
     /// Runs `abort_with` on another thread; the handle it aborts comes back on the receiver,
-    /// after `on_abort` ran (a simulated `ncclCommAbort`).
+    /// after `on_abort` ran (the stand-in for `ncclCommAbort` in these NCCL-free tests).
     fn abort_in_background<H: Copy + Send + Sync + 'static>(
         cell: &Arc<HandleCell<H>>,
         grace: Duration,

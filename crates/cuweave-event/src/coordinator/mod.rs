@@ -207,7 +207,7 @@ impl State {
         self.queued.drain_done(|id| match operations.get(&id) {
             Some(op) if op.metadata.state == OperationState::Queued => match query(op) {
                 Ok(false) => Front::NotYet,
-                // A capture on some thread forbids this thread's query for now: ask again
+                // A capture on some thread forbids this thread's query while it lasts: ask again
                 // later (never a failure of the operation).
                 Err(error) if error.is_capture_refusal() => Front::NotYet,
                 Ok(true) => Front::Done(Ok(())),

@@ -90,7 +90,7 @@ impl Registration {
             Source::Event(event) => match event.event().query() {
                 Ok(true) => Check::Reached,
                 Ok(false) => Check::NotYet,
-                // Refused for now by a capture (only if this thread could not enter relaxed
+                // Refused while a capture lasts (only if this thread could not enter relaxed
                 // mode): asked again on a later scan, never a failure.
                 Err(error) if error.is_capture_refusal() => Check::NotYet,
                 Err(error) => Check::Failed(error.into()),
