@@ -37,6 +37,21 @@ pub enum EventError {
         /// The dependency whose event does not exist yet.
         dependency: OperationId,
     },
+    /// An operation can never begin: it is in a dependency cycle (closed with
+    /// [`add_dependency`](crate::OperationCoordinator::add_dependency)), so each operation of
+    /// the cycle waits for another that can only begin after it.
+    #[error(
+        "operation {id} can never begin: it is in the dependency cycle {}",
+        show_cycle(.cycle)
+    )]
+    DependencyCycle {
+        /// The operation that was to begin (or to become ready).
+        id: OperationId,
+        /// The cycle, as [`detect_deadlocks`](crate::OperationCoordinator::detect_deadlocks)
+        /// lists it: from its lowest id, each operation followed by one it depends on; the
+        /// last depends on the first.
+        cycle: Vec<OperationId>,
+    },
     /// An operation is not in the state the method needs (begun twice, completed before begun…).
     #[error("operation {id}: cannot {action} while it is {state}")]
     InvalidState {
@@ -114,6 +129,15 @@ pub enum EventError {
         /// What was wrong, with the offending value.
         reason: String,
     },
+}
+
+/// `op#1 -> op#3 -> op#2 -> op#1`.
+fn show_cycle(cycle: &[OperationId]) -> String {
+    let mut shown: Vec<String> = cycle.iter().map(ToString::to_string).collect();
+    if let Some(first) = cycle.first() {
+        shown.push(first.to_string());
+    }
+    shown.join(" -> ")
 }
 
 impl EventError {

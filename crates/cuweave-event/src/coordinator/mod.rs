@@ -460,6 +460,9 @@ impl OperationCoordinator {
             if let Some(dep) = state.operations.get_mut(&dependency) {
                 dep.dependants += 1;
             }
+            drop(state);
+            // A `wait_until_ready` on an operation this closes a cycle through looks again.
+            self.inner.changed.notify_all();
         }
         Ok(())
     }
@@ -470,6 +473,8 @@ impl OperationCoordinator {
     /// # Errors
     /// [`EventError::DependencyNotQueued`] when a dependency has not been completed with
     /// [`complete_operation`](Self::complete_operation) yet (its event does not exist);
+    /// [`EventError::DependencyCycle`], naming the cycle, when that is because `id` is in a
+    /// dependency cycle (it can never begin);
     /// `InvalidState` when `id` was already begun; [`EventError::ForeignStream`] for a stream
     /// of another context than the coordinator's event pool (checked before anything changes);
     /// the driver's error (the operation then stays registered).
@@ -483,7 +488,15 @@ impl OperationCoordinator {
             let operation = operation_mut(&mut state, id, "begin_operation")?;
             expect_state(operation, OperationState::Registered, "begin")?;
             let dependencies = operation.metadata.dependencies.clone();
-            state.check_queued(id, &dependencies, "begin_operation")?;
+            if let Err(error) = state.check_queued(id, &dependencies, "begin_operation") {
+                // Not merely early: an operation in a cycle can never begin. Say which cycle.
+                return Err(match (&error, state.cycle_through(id)) {
+                    (EventError::DependencyNotQueued { .. }, Some(cycle)) => {
+                        EventError::DependencyCycle { id, cycle }
+                    }
+                    _ => error,
+                });
+            }
             let mut waits = Vec::new();
             for dependency in dependencies {
                 // A retired or completed dependency: nothing to wait for.

@@ -1,5 +1,6 @@
 //! The coordinator's questions about its graph: what is ready, what is deadlocked, what stalls.
 
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use cuweave_stream::DependencyGraph;
@@ -84,7 +85,9 @@ impl OperationCoordinator {
     ///
     /// # Errors
     /// [`EventError::Stalled`] with the dependencies still not queued when the time is up;
-    /// `UnknownOperation`.
+    /// [`EventError::DependencyCycle`] at once (looked for before waiting, and again after
+    /// each completion or added dependency while it waits) when `id` is in a dependency cycle,
+    /// which no wait can resolve; `UnknownOperation`.
     pub fn wait_until_ready(&self, id: OperationId, timeout: Duration) -> Result<()> {
         let started = Instant::now();
         let deadline = started + timeout;
@@ -102,6 +105,11 @@ impl OperationCoordinator {
             let blocked_on = state.blocked_on(id);
             if blocked_on.is_empty() {
                 return Ok(());
+            }
+            // Waiting cannot help an operation in a cycle (`add_dependency` may close one
+            // while this waits: it notifies, and the cycle is looked for again).
+            if let Some(cycle) = state.cycle_through(id) {
+                return Err(EventError::DependencyCycle { id, cycle });
             }
             if self
                 .inner
@@ -153,6 +161,44 @@ impl State {
             }
         }
         Ok(())
+    }
+
+    /// A dependency cycle through `id` among operations not yet begun (only those can form
+    /// one: `add_dependency` refuses begun operations, and an operation begins only once its
+    /// dependencies are queued), listed as `detect_deadlocks` lists cycles: from its lowest id,
+    /// each followed by one it depends on. `None` when `id` is in none. A breadth-first search
+    /// from `id`'s dependencies, so O(live operations); asked only when `id` cannot begin.
+    pub(super) fn cycle_through(&self, id: OperationId) -> Option<Vec<OperationId>> {
+        let registered = |op: OperationId| {
+            self.operations
+                .get(&op)
+                .filter(|op| op.metadata.state == OperationState::Registered)
+        };
+        // Who reached each operation first (the one depending on it), to walk the path back.
+        let mut reached_from: HashMap<OperationId, OperationId> = HashMap::new();
+        let mut frontier = VecDeque::from([id]);
+        while let Some(at) = frontier.pop_front() {
+            let Some(op) = registered(at) else { continue };
+            for &dependency in &op.metadata.dependencies {
+                if dependency == id {
+                    let mut cycle = vec![at];
+                    while let Some(&before) = reached_from.get(cycle.last().expect("non-empty")) {
+                        cycle.push(before);
+                    }
+                    // `cycle` runs from the last dependant back to `id`: reverse it into
+                    // dependency order, then start it at its lowest id.
+                    cycle.reverse();
+                    let lowest = (0..cycle.len()).min_by_key(|&i| cycle[i]).unwrap_or(0);
+                    cycle.rotate_left(lowest);
+                    return Some(cycle);
+                }
+                if registered(dependency).is_some() && !reached_from.contains_key(&dependency) {
+                    reached_from.insert(dependency, at);
+                    frontier.push_back(dependency);
+                }
+            }
+        }
+        None
     }
 
     /// The dependencies of `id` that are not queued yet; none once `id` is no longer live

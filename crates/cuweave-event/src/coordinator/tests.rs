@@ -271,3 +271,61 @@ fn an_unregistered_operation_is_named_as_such_in_errors() {
     );
     assert_eq!(OperationId(5).to_string(), "op#5");
 }
+
+/// A cycle closed with `add_dependency` is named from its lowest id in dependency order, as
+/// `detect_deadlocks` names it; an operation only waiting on a cycle (or on a begun
+/// operation) is in none, and a 10^4-long chain closed into one ring is walked without
+/// recursion.
+#[test]
+fn the_cycle_through_an_operation_is_named_in_dependency_order() {
+    let mut state = State {
+        next_id: 6,
+        ..State::default()
+    };
+    // 2 -> 3 -> 4 -> 2 (each waits for the next), 5 waits for 2, 1 is queued, 6 waits for 1.
+    for (id, deps) in [(2, vec![3, 1]), (3, vec![4]), (4, vec![2]), (5, vec![2])] {
+        state.operations.insert(
+            OperationId(id),
+            operation(id, OperationState::Registered, deps),
+        );
+    }
+    state
+        .operations
+        .insert(OperationId(1), operation(1, OperationState::Queued, vec![]));
+    state.operations.insert(
+        OperationId(6),
+        operation(6, OperationState::Registered, vec![1]),
+    );
+    let ring = vec![OperationId(2), OperationId(3), OperationId(4)];
+    for member in [2, 3, 4] {
+        assert_eq!(
+            state.cycle_through(OperationId(member)).as_ref(),
+            Some(&ring)
+        );
+    }
+    for outside in [1, 5, 6, 99] {
+        assert_eq!(state.cycle_through(OperationId(outside)), None);
+    }
+    let error = EventError::DependencyCycle {
+        id: OperationId(3),
+        cycle: ring,
+    };
+    assert_eq!(
+        error.to_string(),
+        "operation op#3 can never begin: it is in the dependency cycle op#2 -> op#3 -> op#4 -> op#2"
+    );
+
+    let mut long = State::default();
+    const N: u64 = 10_000;
+    for id in 1..=N {
+        let next = if id == N { 1 } else { id + 1 };
+        long.operations.insert(
+            OperationId(id),
+            operation(id, OperationState::Registered, vec![next]),
+        );
+    }
+    let cycle = long.cycle_through(OperationId(N / 2)).unwrap();
+    assert_eq!(cycle.len(), N as usize);
+    assert_eq!(cycle.first(), Some(&OperationId(1)));
+    assert!(cycle.windows(2).all(|pair| pair[1].0 == pair[0].0 + 1));
+}
