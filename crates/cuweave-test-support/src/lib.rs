@@ -35,6 +35,7 @@ use cuweave_driver::{Context, Device, DriverError};
 
 pub mod event_kernels;
 pub mod kernels;
+pub mod launch_kernels;
 pub mod memory_kernels;
 pub mod outside_capture;
 pub mod stream_kernels;
