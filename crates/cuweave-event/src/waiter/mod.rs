@@ -120,7 +120,9 @@ pub struct WaiterStats {
 /// not fail their waits; for the same reason a callback must make no CUDA call that a capture
 /// forbids (no allocation, no synchronisation).
 /// Dropping the waiter stops the thread: pending callbacks are cancelled (never run) and pending
-/// futures resolve to [`EventError::WaiterShutDown`].
+/// futures resolve to [`EventError::WaiterShutDown`]. A callback may own the last handle (an
+/// `Arc` of the waiter, or of an [`OperationCoordinator`](crate::OperationCoordinator)): the
+/// waiter is then dropped on its own reactor thread, which stops once the callback returns.
 ///
 /// [`AsyncEventWaiter::global`] is a process-wide waiter for code that has no waiter of its own.
 ///
@@ -402,9 +404,17 @@ impl Drop for AsyncEventWaiter {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
         self.shared.inbox.ring(&self.reactor);
-        if let Some(handle) = self.handle.take()
-            && handle.join().is_err()
-        {
+        let Some(handle) = self.handle.take() else {
+            return;
+        };
+        if handle.thread().id() == std::thread::current().id() {
+            // The last handle was dropped on the reactor thread itself: a callback owned it
+            // (a clone of an `Arc<AsyncEventWaiter>`, or of a coordinator that owns the
+            // waiter, moved into the closure). Joining would join this very thread (a panic,
+            // an abort under `panic = "abort"`); the reactor sees the flag once the callback
+            // returns, shuts down as usual and exits by itself.
+            drop(handle);
+        } else if handle.join().is_err() {
             tracing::error!("the event reactor thread panicked");
         }
     }
