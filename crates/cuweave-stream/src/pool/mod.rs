@@ -17,6 +17,7 @@ mod ready;
 mod strategy;
 mod workload;
 
+use ready::ready_for_work;
 pub use ready::wait_for_any_ready;
 pub use strategy::AllocationStrategy;
 pub use workload::{WorkloadLayout, WorkloadType, compute_stream_share};
@@ -273,7 +274,7 @@ impl StreamPool {
             AllocationStrategy::LoadBalanced => {
                 let set = self.default_set();
                 let start = self.cursor.fetch_add(1, Ordering::Relaxed) % set.len();
-                self.least_loaded_of(set, start)
+                Ok(self.least_loaded_of(set, start)?.0)
             }
             AllocationStrategy::Priority => self.most_urgent_idle(),
             AllocationStrategy::Workload => self.get_stream_for_workload(WorkloadType::Mixed),
@@ -381,13 +382,14 @@ impl StreamPool {
         ConfigurationChange { before, after }
     }
 
-    /// Whether any stream of the pool has finished all its queued work (`cuStreamQuery`).
+    /// Whether any stream of the pool has finished all its queued work (`cuStreamQuery`); a
+    /// stream capturing a graph (on any thread) is not ready and is not queried.
     ///
     /// # Errors
     /// The driver's error from a query.
     pub fn has_ready_streams(&self) -> Result<bool> {
         for stream in self.streams() {
-            if stream.is_ready()? {
+            if ready_for_work(stream)? {
                 return Ok(true);
             }
         }
@@ -424,25 +426,26 @@ impl StreamPool {
         }
     }
 
+    /// The least loaded stream of `set` (ties in round-robin order from `start`) and its load.
     fn least_loaded_of(
         &self,
         set: &[Arc<PriorityStream>],
         start: usize,
-    ) -> Result<Arc<PriorityStream>> {
-        let loads = set
-            .iter()
-            .map(|stream| stream.outstanding_work())
-            .collect::<Result<Vec<u64>>>()?;
+    ) -> Result<(Arc<PriorityStream>, u64)> {
+        let loads = set.iter().map(load_of).collect::<Result<Vec<u64>>>()?;
         let i = least_loaded(&loads, start).ok_or(StreamError::NoStreamForWorkload {
             workload: WorkloadType::Mixed,
         })?;
-        Ok(Arc::clone(&set[i]))
+        Ok((Arc::clone(&set[i]), loads[i]))
     }
 
+    /// The first idle stream looking at high, then normal, then low priority, else the least
+    /// loaded high-priority one. A capturing stream is never idle, and is handed out only when
+    /// every stream of the pool captures.
     fn most_urgent_idle(&self) -> Result<Arc<PriorityStream>> {
         for set in &self.sets {
             for stream in set {
-                if stream.outstanding_work()? == 0 {
+                if load_of(stream)? == 0 {
                     return Ok(Arc::clone(stream));
                 }
             }
@@ -453,6 +456,39 @@ impl StreamPool {
             &self.sets[0]
         };
         let start = self.priority_cursors[0].fetch_add(1, Ordering::Relaxed) % set.len().max(1);
-        self.least_loaded_of(set, start)
+        let (stream, load) = self.least_loaded_of(set, start)?;
+        if load != CAPTURING {
+            return Ok(stream);
+        }
+        // Every stream of that set captures: the least loaded of the whole pool.
+        let all: Vec<Arc<PriorityStream>> = self.streams().cloned().collect();
+        Ok(self.least_loaded_of(&all, start % all.len())?.0)
+    }
+}
+
+/// The load [`load_of`] gives a capturing stream: more than any real count.
+const CAPTURING: u64 = u64::MAX;
+
+/// What the strategies compare: the operations still queued on `stream`, or [`CAPTURING`]
+/// while it captures a graph (on any thread). A capturing stream records no markers (its work
+/// runs only when the graph is launched), so its count would read 0 and make it look idle:
+/// handed out to eager work, that work would be recorded into the capture or break it. It is
+/// handed out only when every candidate captures.
+///
+/// While a capture forbids event queries on this thread (the capturing thread, or any thread
+/// during a global capture) the queued work cannot be read without breaking the capture: a
+/// stream that is not capturing then counts as idle (`LoadBalanced` falls back to the
+/// round-robin order, `Priority` to the most urgent stream), as PyTorch's pool hands out
+/// streams inside a capture.
+///
+/// # Errors
+/// The driver's error from the status query or an event query.
+fn load_of(stream: &Arc<PriorityStream>) -> Result<u64> {
+    if crate::capture::is_capturing(stream.stream())? {
+        return Ok(CAPTURING);
+    }
+    match stream.outstanding_work() {
+        Err(error) if error.is_capture_refusal() => Ok(0),
+        other => other,
     }
 }

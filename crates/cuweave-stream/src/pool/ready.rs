@@ -14,6 +14,9 @@ pub(crate) const MAX_BACKOFF: Duration = Duration::from_micros(500);
 /// The first of `streams` whose queued work has all finished (`cuStreamQuery`), or `None` once
 /// `timeout` has passed.
 ///
+/// A stream that is capturing a graph (on any thread) is never ready: its work is recorded, not
+/// run, and querying it would be refused. It is skipped, and the others are still looked at.
+///
 /// # How it waits
 /// It polls: one `cuStreamQuery` per stream (well under a microsecond each), then a sleep that
 /// starts at 20 µs and doubles up to 500 µs. The thread sleeps in between, so a long wait costs
@@ -41,7 +44,7 @@ pub fn wait_for_any_ready(
     let mut backoff = FIRST_BACKOFF;
     loop {
         for stream in streams {
-            if stream.is_ready()? {
+            if ready_for_work(stream)? {
                 return Ok(Some(Arc::clone(stream)));
             }
         }
@@ -52,6 +55,19 @@ pub fn wait_for_any_ready(
         std::thread::sleep(backoff.min(deadline - now));
         backoff = next_backoff(backoff);
     }
+}
+
+/// Whether `stream` has finished its queued work and is not capturing: a capturing stream is
+/// neither (its work is recorded into a graph, and `cuStreamQuery` on it is refused). One atomic
+/// load more than the query while no capture is active.
+///
+/// # Errors
+/// The driver's error from the status query or `cuStreamQuery`.
+pub(crate) fn ready_for_work(stream: &PriorityStream) -> Result<bool> {
+    if crate::capture::is_capturing(stream.stream())? {
+        return Ok(false);
+    }
+    stream.is_ready()
 }
 
 /// The sleep after `current`: doubled, at most [`MAX_BACKOFF`].
