@@ -477,6 +477,79 @@ impl Communicator {
         self.single_op(buffer, Access::Write, stream, operation, call)
     }
 
+    fn broadcast_in_place_op<'a, T: NcclType, B: Buffer<T> + ?Sized>(
+        &'a self,
+        buffer: &'a B,
+        root: usize,
+        stream: &'a Stream,
+    ) -> Result<Op<'a>> {
+        let root = peer_rank(self, root, "root", "ncclBroadcast")?;
+        self.in_place_op(buffer, stream, "ncclBroadcast", |ptr, len| {
+            Ok(Call::Broadcast {
+                send: ptr,
+                recv: ptr,
+                count: len,
+                root,
+            })
+        })
+    }
+
+    fn reduce_in_place_op<'a, T: NcclType, B: Buffer<T> + ?Sized>(
+        &'a self,
+        buffer: &'a B,
+        op: ReduceOp,
+        root: usize,
+        stream: &'a Stream,
+    ) -> Result<Op<'a>> {
+        let (root, op) = (
+            peer_rank(self, root, "root", "ncclReduce")?,
+            self.red_op(op),
+        );
+        self.in_place_op(buffer, stream, "ncclReduce", |ptr, len| {
+            Ok(Call::Reduce {
+                send: ptr,
+                recv: ptr,
+                count: len,
+                op,
+                root,
+            })
+        })
+    }
+
+    fn all_gather_in_place_op<'a, T: NcclType, B: Buffer<T> + ?Sized>(
+        &'a self,
+        buffer: &'a B,
+        stream: &'a Stream,
+    ) -> Result<Op<'a>> {
+        let (rank, size) = (self.rank(), self.size());
+        self.in_place_op(buffer, stream, "ncclAllGather", |ptr, len| {
+            let chunk = chunk_of(len, size, "ncclAllGather")?;
+            Ok(Call::AllGather {
+                send: offset::<T>(ptr, rank * chunk),
+                recv: ptr,
+                send_count: chunk,
+            })
+        })
+    }
+
+    fn reduce_scatter_in_place_op<'a, T: NcclType, B: Buffer<T> + ?Sized>(
+        &'a self,
+        buffer: &'a B,
+        op: ReduceOp,
+        stream: &'a Stream,
+    ) -> Result<Op<'a>> {
+        let (rank, size, op) = (self.rank(), self.size(), self.red_op(op));
+        self.in_place_op(buffer, stream, "ncclReduceScatter", |ptr, len| {
+            let chunk = chunk_of(len, size, "ncclReduceScatter")?;
+            Ok(Call::ReduceScatter {
+                send: ptr,
+                recv: offset::<T>(ptr, rank * chunk),
+                recv_count: chunk,
+                op,
+            })
+        })
+    }
+
     fn broadcast_op<'a, T, S, R>(
         &'a self,
         send: &'a S,
@@ -676,15 +749,7 @@ impl Communicator {
         root: usize,
         stream: &Stream,
     ) -> Result<()> {
-        let root = peer_rank(self, root, "root", "ncclBroadcast")?;
-        let op = self.in_place_op(&*buffer, stream, "ncclBroadcast", |ptr, len| {
-            Ok(Call::Broadcast {
-                send: ptr,
-                recv: ptr,
-                count: len,
-                root,
-            })
-        })?;
+        let op = self.broadcast_in_place_op(&*buffer, root, stream)?;
         run(vec![op], false)
     }
 
@@ -720,16 +785,7 @@ impl Communicator {
         root: usize,
         stream: &Stream,
     ) -> Result<()> {
-        let root = peer_rank(self, root, "root", "ncclReduce")?;
-        let op = self.in_place_op(&*buffer, stream, "ncclReduce", |ptr, len| {
-            Ok(Call::Reduce {
-                send: ptr,
-                recv: ptr,
-                count: len,
-                op: self.red_op(op),
-                root,
-            })
-        })?;
+        let op = self.reduce_in_place_op(&*buffer, op, root, stream)?;
         run(vec![op], false)
     }
 
@@ -758,15 +814,7 @@ impl Communicator {
         buffer: &mut B,
         stream: &Stream,
     ) -> Result<()> {
-        let (rank, size) = (self.rank(), self.size());
-        let op = self.in_place_op(&*buffer, stream, "ncclAllGather", |ptr, len| {
-            let chunk = chunk_of(len, size, "ncclAllGather")?;
-            Ok(Call::AllGather {
-                send: offset::<T>(ptr, rank * chunk),
-                recv: ptr,
-                send_count: chunk,
-            })
-        })?;
+        let op = self.all_gather_in_place_op(&*buffer, stream)?;
         run(vec![op], false)
     }
 
@@ -804,16 +852,7 @@ impl Communicator {
         op: ReduceOp,
         stream: &Stream,
     ) -> Result<()> {
-        let (rank, size) = (self.rank(), self.size());
-        let op = self.in_place_op(&*buffer, stream, "ncclReduceScatter", |ptr, len| {
-            let chunk = chunk_of(len, size, "ncclReduceScatter")?;
-            Ok(Call::ReduceScatter {
-                send: ptr,
-                recv: offset::<T>(ptr, rank * chunk),
-                recv_count: chunk,
-                op: self.red_op(op),
-            })
-        })?;
+        let op = self.reduce_scatter_in_place_op(&*buffer, op, stream)?;
         run(vec![op], false)
     }
 
@@ -978,6 +1017,23 @@ impl<'a> Group<'a> {
         Ok(self)
     }
 
+    /// Adds [`Communicator::broadcast_in_place`]: torch's `broadcast(tensor, src)` of every
+    /// rank driven from this thread.
+    ///
+    /// # Errors
+    /// As its checks.
+    pub fn broadcast_in_place<T: NcclType, B: Buffer<T> + ?Sized>(
+        &mut self,
+        comm: &'a Communicator,
+        buffer: &'a mut B,
+        root: usize,
+        stream: &'a Stream,
+    ) -> Result<&mut Self> {
+        let op = comm.broadcast_in_place_op(&*buffer, root, stream)?;
+        self.ops.push(op);
+        Ok(self)
+    }
+
     /// Adds [`Communicator::reduce`].
     ///
     /// # Errors
@@ -1001,6 +1057,23 @@ impl<'a> Group<'a> {
         Ok(self)
     }
 
+    /// Adds [`Communicator::reduce_in_place`].
+    ///
+    /// # Errors
+    /// As its checks.
+    pub fn reduce_in_place<T: NcclType, B: Buffer<T> + ?Sized>(
+        &mut self,
+        comm: &'a Communicator,
+        buffer: &'a mut B,
+        op: ReduceOp,
+        root: usize,
+        stream: &'a Stream,
+    ) -> Result<&mut Self> {
+        let op = comm.reduce_in_place_op(&*buffer, op, root, stream)?;
+        self.ops.push(op);
+        Ok(self)
+    }
+
     /// Adds [`Communicator::all_gather`].
     ///
     /// # Errors
@@ -1018,6 +1091,21 @@ impl<'a> Group<'a> {
         R: Buffer<T> + ?Sized,
     {
         self.ops.push(comm.all_gather_op(send, &*recv, stream)?);
+        Ok(self)
+    }
+
+    /// Adds [`Communicator::all_gather_in_place`].
+    ///
+    /// # Errors
+    /// As its checks.
+    pub fn all_gather_in_place<T: NcclType, B: Buffer<T> + ?Sized>(
+        &mut self,
+        comm: &'a Communicator,
+        buffer: &'a mut B,
+        stream: &'a Stream,
+    ) -> Result<&mut Self> {
+        let op = comm.all_gather_in_place_op(&*buffer, stream)?;
+        self.ops.push(op);
         Ok(self)
     }
 
@@ -1040,6 +1128,22 @@ impl<'a> Group<'a> {
     {
         self.ops
             .push(comm.reduce_scatter_op(send, &*recv, op, stream)?);
+        Ok(self)
+    }
+
+    /// Adds [`Communicator::reduce_scatter_in_place`].
+    ///
+    /// # Errors
+    /// As its checks.
+    pub fn reduce_scatter_in_place<T: NcclType, B: Buffer<T> + ?Sized>(
+        &mut self,
+        comm: &'a Communicator,
+        buffer: &'a mut B,
+        op: ReduceOp,
+        stream: &'a Stream,
+    ) -> Result<&mut Self> {
+        let op = comm.reduce_scatter_in_place_op(&*buffer, op, stream)?;
+        self.ops.push(op);
         Ok(self)
     }
 
