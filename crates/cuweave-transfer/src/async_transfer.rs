@@ -71,6 +71,7 @@ use crate::location::{Location, TransferPath};
 use crate::manager::{TransferManager, TransferReport, pipeline};
 use crate::method::TransferMethod;
 use crate::planner::{Plan, PlanReason};
+use crate::stats::TransferStats;
 use crate::workers;
 
 /// The most host bytes one poll of an [`AsyncTransfer`] copies (about 4 µs of streaming copy on
@@ -185,6 +186,9 @@ struct Blocks<T: Element> {
 /// nothing else. It moves about as fast as one core copies; [`OwnedTransfer`] uses every
 /// staging worker. Works under any executor. Dropping it before it completes waits for the
 /// chunks in flight (briefly blocking) and leaves the destination partly written.
+///
+/// A transfer that completes is counted in the manager's [`stats`](TransferManager::stats) as a
+/// blocking one is (a failed one as a failure; one dropped before it completes not at all).
 #[must_use = "futures do nothing unless polled"]
 pub struct AsyncTransfer<'a, T: Element> {
     direction: Direction<'a, T>,
@@ -208,6 +212,8 @@ pub struct AsyncTransfer<'a, T: Element> {
     events: EventPool,
     started: Option<Instant>,
     finished: bool,
+    /// The manager's statistics, where the outcome is counted once the transfer completes.
+    stats: &'a TransferStats,
 }
 
 impl<T: Element> std::fmt::Debug for AsyncTransfer<'_, T> {
@@ -545,9 +551,21 @@ impl<T: Element> Future for AsyncTransfer<'_, T> {
             Poll::Pending => Poll::Pending,
             Poll::Ready(outcome) => {
                 this.finished = true;
+                let bytes = this.len() * size_of::<T>();
+                // Counted as `TransferManager::run` counts a blocking transfer: an empty one
+                // not at all.
+                if bytes > 0 {
+                    match &outcome {
+                        Ok(()) => {
+                            this.stats
+                                .record_success(this.plan.path, bytes, started.elapsed())
+                        }
+                        Err(_) => this.stats.record_failure(this.plan.path, bytes),
+                    }
+                }
                 Poll::Ready(outcome.map(|()| TransferReport {
                     plan: this.plan.clone(),
-                    bytes: this.len() * size_of::<T>(),
+                    bytes,
                     elapsed: started.elapsed(),
                 }))
             }
@@ -651,7 +669,8 @@ impl TransferManager {
     /// [`AsyncTransfer`]): chunks go through pinned blocks on `dst`'s device, on a lane of its
     /// own, woken by the event layer; each poll copies at most [`POLL_BYTES`]. `src` and `dst`
     /// stay borrowed until the future completes or is dropped. For full speed on large
-    /// transfers, [`upload_owned`](Self::upload_owned).
+    /// transfers, [`upload_owned`](Self::upload_owned). Counted in [`stats`](Self::stats) once
+    /// it completes.
     ///
     /// Opens the device on first use (making its context: milliseconds, once, here rather
     /// than in a poll).
@@ -738,6 +757,7 @@ impl TransferManager {
             events,
             started: None,
             finished: false,
+            stats: self.stats(),
         })
     }
 

@@ -983,3 +983,47 @@ fn two_devices_exchange_bytes_by_every_path_they_offer() {
         Err(TransferError::NoSuchDevice { device: 0, .. })
     ));
 }
+
+#[test]
+fn async_transfers_are_counted_in_the_statistics_when_they_complete() {
+    let gpu = require_gpu!();
+    let manager = TransferManager::new().unwrap();
+    let sizes = [1usize, POLL_BYTES + 3, MIB + 1];
+    let mut device = DeviceBuffer::<u8>::zeroed(&gpu.context, MIB + 1).unwrap();
+    for &n in &sizes {
+        let data = bytes(n, 11);
+        let report = block_on(manager.upload_async(&data, &mut device, 0).unwrap()).unwrap();
+        assert_eq!(report.bytes, n);
+        let mut back = vec![0u8; n];
+        block_on(manager.download_async(&device, 0, &mut back).unwrap()).unwrap();
+        assert_same(&back, &data, "counted async round trip");
+    }
+    // An empty one is not counted, as an empty blocking transfer is not.
+    block_on(manager.upload_async(&[], &mut device, 0).unwrap()).unwrap();
+    // Nor is one dropped before it completes.
+    let data = bytes(MIB + 1, 12);
+    let mut cancelled = manager.upload_async(&data, &mut device, 0).unwrap();
+    poll_a_few(&mut cancelled, 3);
+    drop(cancelled);
+    for path in [
+        TransferPath::PAGEABLE_TO_DEVICE,
+        TransferPath::DEVICE_TO_PAGEABLE,
+    ] {
+        let (count, total) = manager
+            .stats()
+            .snapshot()
+            .into_iter()
+            .filter(|(p, ..)| *p == path)
+            .fold((0, 0), |(c, b), (_, _, s)| (c + s.count, b + s.bytes));
+        assert_eq!(
+            count,
+            sizes.len() as u64,
+            "{path}: every async transfer counted"
+        );
+        assert_eq!(total, sizes.iter().sum::<usize>() as u64, "{path}");
+        for &n in &sizes {
+            let stats = manager.stats().get(path, SizeClass::of(n));
+            assert!(stats.count >= 1 && stats.failures == 0 && stats.best_gbps > 0.0);
+        }
+    }
+}
