@@ -31,6 +31,7 @@
 //! | [`loader`], [`nccl`], [`NcclVersion`] | finding and opening NCCL, its version |
 //! | [`Communicator`], [`CommConfig`], [`UniqueId`] | ranks: init, split, abort, finalize on drop |
 //! | [`collective`], [`Group`], [`ReduceOp`], [`NcclType`] | all-reduce, broadcast, reduce, all-gather, reduce-scatter, send/recv, group calls |
+//! | [`F16`], [`Bf16`] | 16-bit float elements (`ncclFloat16`, `ncclBfloat16`) for mixed-precision gradients |
 //! | [`CollectiveFuture`] | waiting with a deadline and async-error polling |
 //! | [`CoordinatedCollectives`] | collectives as coordinated operations |
 //!
@@ -56,6 +57,7 @@ pub mod collective;
 pub mod comm;
 pub mod coordinated;
 pub mod error;
+pub mod float16;
 mod handle;
 pub mod id;
 #[allow(unsafe_code)]
@@ -72,6 +74,7 @@ pub use collective::Group;
 pub use comm::{CommConfig, Communicator};
 pub use coordinated::CoordinatedCollectives;
 pub use error::{CollectiveError, NcclCode, Result};
+pub use float16::{Bf16, F16};
 pub use id::UniqueId;
 pub use loader::{Nccl, NcclVersion, is_available, nccl};
 pub use types::{NcclType, ReduceOp};

@@ -2,6 +2,7 @@
 
 use cuweave_memory::Element;
 
+use crate::float16::{Bf16, F16};
 use crate::sys::{ncclDataType_t, ncclRedOp_t};
 
 mod sealed {
@@ -11,7 +12,8 @@ mod sealed {
 /// An element type NCCL has a `ncclDataType_t` for. Sealed: a collective on a buffer of any
 /// other type does not compile, so the type NCCL is told always matches the buffer's.
 ///
-/// Implemented for `i8`, `u8`, `i32`, `u32`, `i64`, `u64`, `f32` and `f64`.
+/// Implemented for `i8`, `u8`, `i32`, `u32`, `i64`, `u64`, `f32`, `f64`, and the 16-bit floats
+/// [`F16`] (`ncclFloat16`) and [`Bf16`] (`ncclBfloat16`) of mixed-precision gradients.
 pub trait NcclType: Element + sealed::Sealed {
     /// The matching `ncclDataType_t`.
     const DATA_TYPE: ncclDataType_t;
@@ -35,6 +37,8 @@ nccl_types! {
     u64 => ncclUint64,
     f32 => ncclFloat32,
     f64 => ncclFloat64,
+    F16 => ncclFloat16,
+    Bf16 => ncclBfloat16,
 }
 
 /// A reduction NCCL applies element-wise across ranks.
