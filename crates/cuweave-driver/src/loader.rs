@@ -284,6 +284,10 @@ driver_table! {
     module_get_function: PFN_cuModuleGetFunction_v2000 = ["cuModuleGetFunction"],
     /// `cuLaunchKernel`
     launch_kernel: PFN_cuLaunchKernel_v4000 = ["cuLaunchKernel"],
+    /// `cuFuncGetAttribute`
+    func_get_attribute: PFN_cuFuncGetAttribute_v2020 = ["cuFuncGetAttribute"],
+    /// `cuFuncSetAttribute`
+    func_set_attribute: PFN_cuFuncSetAttribute_v9000 = ["cuFuncSetAttribute"],
     /// `cuMemGetInfo_v2`
     mem_get_info: PFN_cuMemGetInfo_v3020 = ["cuMemGetInfo_v2"],
     /// `cuMemAlloc_v2`

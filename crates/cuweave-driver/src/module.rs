@@ -292,6 +292,62 @@ impl Kernel {
         &self.module
     }
 
+    /// One attribute of the kernel as loaded for its context's device (`cuFuncGetAttribute`):
+    /// its registers per thread, static shared memory, the most threads a block of it may
+    /// have, the dynamic shared memory a launch may ask for, and so on.
+    ///
+    /// # Errors
+    /// The driver's error for an attribute it does not know.
+    pub fn attribute(&self, attribute: sys::CUfunction_attribute) -> Result<i32> {
+        self.module.context.bind_to_thread()?;
+        let api = driver()?;
+        let mut value = 0;
+        // SAFETY: valid out-pointer; the function belongs to a module this kernel keeps loaded.
+        unsafe { cu!(api.func_get_attribute(&mut value, attribute, self.raw)) }?;
+        Ok(value)
+    }
+
+    /// Sets one attribute of the kernel (`cuFuncSetAttribute`); settable are
+    /// `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` (see
+    /// [`set_max_dynamic_shared_memory`](Self::set_max_dynamic_shared_memory)),
+    /// `CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT` and the cluster attributes.
+    ///
+    /// The attribute belongs to the `CUfunction`, so it holds for every clone of this
+    /// [`Kernel`] and for every kernel looked up by the same name in the same module.
+    ///
+    /// # Errors
+    /// The driver's error for an attribute it cannot set or a value out of its range.
+    pub fn set_attribute(&self, attribute: sys::CUfunction_attribute, value: i32) -> Result<()> {
+        self.module.context.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: the function belongs to a module this kernel keeps loaded.
+        unsafe { cu!(api.func_set_attribute(self.raw, attribute, value)) }
+    }
+
+    /// Lets launches of this kernel ask for up to `bytes` of dynamic shared memory per block
+    /// (`LaunchConfig::shared_mem_bytes`). Without it a block gets at most 48 KiB of shared
+    /// memory in all; with it, up to the device's opt-in limit
+    /// (`CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`, 227 KiB on an H100) less the
+    /// kernel's static shared memory. What cudarc's
+    /// `set_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, …)` and CUDA C++'s
+    /// `cudaFuncSetAttribute(…, cudaFuncAttributeMaxDynamicSharedMemorySize, …)` do.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for more than `i32::MAX` bytes; the driver's error for more than the
+    /// device allows.
+    pub fn set_max_dynamic_shared_memory(&self, bytes: u32) -> Result<()> {
+        let value = i32::try_from(bytes).map_err(|_| {
+            DriverError::invalid(
+                "Kernel::set_max_dynamic_shared_memory",
+                format!("{bytes} bytes of shared memory"),
+            )
+        })?;
+        self.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            value,
+        )
+    }
+
     /// Queues the kernel on `stream`.
     ///
     /// # Safety

@@ -1359,6 +1359,58 @@ pub type PFN_cuStreamSynchronize_v2000 =
     ::std::option::Option<unsafe extern "C" fn(hStream: CUstream) -> CUresult>;
 pub type PFN_cuEventRecord_v2000 =
     ::std::option::Option<unsafe extern "C" fn(hEvent: CUevent, hStream: CUstream) -> CUresult>;
+impl CUfunction_attribute_enum {
+    pub const CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: CUfunction_attribute_enum =
+        CUfunction_attribute_enum(0);
+    pub const CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES: CUfunction_attribute_enum =
+        CUfunction_attribute_enum(1);
+    pub const CU_FUNC_ATTRIBUTE_CONST_SIZE_BYTES: CUfunction_attribute_enum =
+        CUfunction_attribute_enum(2);
+    pub const CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES: CUfunction_attribute_enum =
+        CUfunction_attribute_enum(3);
+    pub const CU_FUNC_ATTRIBUTE_NUM_REGS: CUfunction_attribute_enum = CUfunction_attribute_enum(4);
+    pub const CU_FUNC_ATTRIBUTE_PTX_VERSION: CUfunction_attribute_enum =
+        CUfunction_attribute_enum(5);
+    pub const CU_FUNC_ATTRIBUTE_BINARY_VERSION: CUfunction_attribute_enum =
+        CUfunction_attribute_enum(6);
+    pub const CU_FUNC_ATTRIBUTE_CACHE_MODE_CA: CUfunction_attribute_enum =
+        CUfunction_attribute_enum(7);
+    pub const CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: CUfunction_attribute_enum =
+        CUfunction_attribute_enum(8);
+    pub const CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT: CUfunction_attribute_enum =
+        CUfunction_attribute_enum(9);
+    pub const CU_FUNC_ATTRIBUTE_CLUSTER_SIZE_MUST_BE_SET: CUfunction_attribute_enum =
+        CUfunction_attribute_enum(10);
+    pub const CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_WIDTH: CUfunction_attribute_enum =
+        CUfunction_attribute_enum(11);
+    pub const CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_HEIGHT: CUfunction_attribute_enum =
+        CUfunction_attribute_enum(12);
+    pub const CU_FUNC_ATTRIBUTE_REQUIRED_CLUSTER_DEPTH: CUfunction_attribute_enum =
+        CUfunction_attribute_enum(13);
+    pub const CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED: CUfunction_attribute_enum =
+        CUfunction_attribute_enum(14);
+    pub const CU_FUNC_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE: CUfunction_attribute_enum =
+        CUfunction_attribute_enum(15);
+    pub const CU_FUNC_ATTRIBUTE_MAX: CUfunction_attribute_enum = CUfunction_attribute_enum(16);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct CUfunction_attribute_enum(pub ::std::os::raw::c_uint);
+pub use self::CUfunction_attribute_enum as CUfunction_attribute;
+pub type PFN_cuFuncGetAttribute_v2020 = ::std::option::Option<
+    unsafe extern "C" fn(
+        pi: *mut ::std::os::raw::c_int,
+        attrib: CUfunction_attribute,
+        hfunc: CUfunction,
+    ) -> CUresult,
+>;
+pub type PFN_cuFuncSetAttribute_v9000 = ::std::option::Option<
+    unsafe extern "C" fn(
+        hfunc: CUfunction,
+        attrib: CUfunction_attribute,
+        value: ::std::os::raw::c_int,
+    ) -> CUresult,
+>;
 pub type PFN_cuLaunchKernel_v4000 = ::std::option::Option<
     unsafe extern "C" fn(
         f: CUfunction,
