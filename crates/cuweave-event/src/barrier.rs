@@ -7,9 +7,13 @@ use std::time::{Duration, Instant};
 use cuweave_driver::{EventPool, PooledEvent, Stream};
 use cuweave_stream::{BarrierInfo, queue_barrier};
 
+use crate::coordinator::AsStream;
 use crate::error::{EventError, Result};
 
-/// A barrier across a set of streams of one context.
+/// A barrier across a set of streams of one context: driver [`Stream`]s, or any [`AsStream`]
+/// such as the [`PriorityStream`](cuweave_stream::PriorityStream)s a
+/// [`StreamPool`](cuweave_stream::StreamPool) hands out (and
+/// [`OperationCoordinator::begin_on_pool`](crate::OperationCoordinator::begin_on_pool) returns).
 ///
 /// [`wait_on_device`](Self::wait_on_device) makes every stream wait (on the GPU,
 /// `cuStreamWaitEvent`) for all the others' queued work, fanned in to the first stream and out
@@ -36,8 +40,8 @@ use crate::error::{EventError, Result};
 /// # }
 /// ```
 #[derive(Debug)]
-pub struct CrossStreamBarrier {
-    streams: Vec<Arc<Stream>>,
+pub struct CrossStreamBarrier<S: AsStream = Stream> {
+    streams: Vec<Arc<S>>,
     pool: EventPool,
 }
 
@@ -47,18 +51,53 @@ impl CrossStreamBarrier {
     /// # Errors
     /// `InvalidArgument` for no streams, or a stream of another context than the pool's.
     pub fn new(streams: Vec<Arc<Stream>>, pool: EventPool) -> Result<Self> {
+        CrossStreamBarrier::checked(streams, pool, "CrossStreamBarrier::new")
+    }
+}
+
+impl<S: AsStream> CrossStreamBarrier<S> {
+    /// A barrier over any kind of stream ([`AsStream`]): the
+    /// [`PriorityStream`](cuweave_stream::PriorityStream)s of a
+    /// [`StreamPool`](cuweave_stream::StreamPool), or driver streams as with
+    /// [`new`](CrossStreamBarrier::new).
+    ///
+    /// ```no_run
+    /// use cuweave_driver::{Context, Device};
+    /// use cuweave_event::{CrossStreamBarrier, EventPool};
+    /// use cuweave_stream::{StreamPool, StreamPoolConfig};
+    ///
+    /// # fn main() -> Result<(), cuweave_event::EventError> {
+    /// let context = Context::primary(Device::get(0)?)?;
+    /// let streams = StreamPool::new(&context, StreamPoolConfig::default())?;
+    /// let barrier = CrossStreamBarrier::from_streams(
+    ///     streams.streams().cloned().collect(),
+    ///     EventPool::new(&context, 8, 0)?,
+    /// )?;
+    /// barrier.wait_on_device()?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// `InvalidArgument` for no streams, or a stream of another context than the pool's.
+    pub fn from_streams(streams: Vec<Arc<S>>, pool: EventPool) -> Result<Self> {
+        Self::checked(streams, pool, "CrossStreamBarrier::from_streams")
+    }
+
+    fn checked(streams: Vec<Arc<S>>, pool: EventPool, operation: &'static str) -> Result<Self> {
         if streams.is_empty() {
             return Err(EventError::invalid(
-                "CrossStreamBarrier::new",
+                operation,
                 "a barrier needs at least one stream",
             ));
         }
         if let Some(stream) = streams
             .iter()
+            .map(|stream| stream.as_stream())
             .find(|stream| stream.context().as_raw() != pool.context().as_raw())
         {
             return Err(EventError::invalid(
-                "CrossStreamBarrier::new",
+                operation,
                 format!(
                     "stream {} belongs to another context than the event pool",
                     stream.id()
@@ -69,7 +108,7 @@ impl CrossStreamBarrier {
     }
 
     /// The streams the barrier spans.
-    pub fn streams(&self) -> &[Arc<Stream>] {
+    pub fn streams(&self) -> &[Arc<S>] {
         &self.streams
     }
 
@@ -78,7 +117,7 @@ impl CrossStreamBarrier {
             .iter()
             .map(|stream| {
                 let event = self.pool.acquire_event(false)?;
-                event.record(stream)?;
+                event.record(stream.as_stream())?;
                 Ok(event)
             })
             .collect()
@@ -103,7 +142,7 @@ impl CrossStreamBarrier {
         let pairs: Vec<(&Stream, &EventPool)> = self
             .streams
             .iter()
-            .map(|stream| (&**stream, &self.pool))
+            .map(|stream| (stream.as_stream(), &self.pool))
             .collect();
         Ok(queue_barrier(&pairs)?)
     }

@@ -954,3 +954,60 @@ fn a_callback_owning_the_last_handle_stops_the_reactor_without_a_panic() {
     slow.synchronize().unwrap();
     stream.synchronize().unwrap();
 }
+
+/// A pipeline scheduler takes its streams from a `StreamPool` (as `begin_on_pool` does) and
+/// needs a barrier across them: the barrier takes pool streams as they come, and after it a
+/// kernel on each sees every other stream's flag.
+#[test]
+fn a_barrier_spans_the_streams_a_stream_pool_hands_out() {
+    use cuweave_stream::{StreamPool, StreamPoolConfig};
+    const STREAMS: usize = 3;
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let event_kernels = EventKernels::load(&gpu.context).unwrap();
+    let streams_pool = StreamPool::new(&gpu.context, StreamPoolConfig::default()).unwrap();
+    let streams: Vec<_> = streams_pool.streams().take(STREAMS).cloned().collect();
+    let barrier = CrossStreamBarrier::from_streams(
+        streams.clone(),
+        EventPool::new(&gpu.context, 4, 0).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(barrier.streams().len(), STREAMS);
+    let flags = Flags::new(&gpu.context, 2 * STREAMS);
+    for (i, stream) in streams.iter().enumerate() {
+        // SAFETY: mapped flags of this context, alive until the barrier's synchronize.
+        unsafe {
+            kernels
+                .spin_then_store_u32(
+                    stream.stream(),
+                    (STREAMS - i) as u64 * 5 * MS,
+                    flags.device(i),
+                    1,
+                )
+                .unwrap()
+        };
+    }
+    barrier.wait_on_device().unwrap();
+    for (j, stream) in streams.iter().enumerate() {
+        // SAFETY: as above.
+        unsafe {
+            event_kernels
+                .count_flags_u32(
+                    stream.stream(),
+                    flags.device(0),
+                    STREAMS,
+                    1,
+                    flags.device(STREAMS + j),
+                )
+                .unwrap()
+        };
+    }
+    barrier.synchronize().unwrap();
+    let counts: Vec<u32> = (0..STREAMS).map(|j| flags.read(STREAMS + j)).collect();
+    assert_eq!(
+        counts,
+        vec![STREAMS as u32; STREAMS],
+        "a pool stream ran ahead of the barrier"
+    );
+}
