@@ -489,15 +489,22 @@ impl Communicator {
     }
 }
 
-impl Drop for CommInner {
-    fn drop(&mut self) {
+impl CommInner {
+    /// `ncclCommFinalize` (waiting, within the deadline, for the rank's queued work), then
+    /// `ncclCommDestroy`; when finalising fails or times out the handle is aborted instead.
+    /// `Aborted` (and nothing done) once the handle is gone.
+    fn close(&mut self) -> Result<()> {
+        const OP: &str = "ncclCommFinalize";
         let Some(raw) = self.handle.take() else {
             // Aborted: NCCL's thread may have been cut short with the slot's address in hand.
             if let Some(slot) = self.slot.take() {
                 slot.leak();
             }
-            return;
+            return Err(CollectiveError::Aborted { operation: OP });
         };
+        // Initialised, so NCCL writes the slot no more: it is freed when this returns, and a
+        // second close (a drop after `finalize`) finds neither handle nor slot.
+        let _slot = self.slot.take();
         let api = self.api;
         let started = self
             .context
@@ -506,29 +513,53 @@ impl Drop for CommInner {
             .and_then(|()| raw::finalize(api, raw))
             .and_then(|code| match NcclCode::from_raw(code) {
                 None | Some(NcclCode::InProgress) => Ok(()),
-                Some(kind) => Err(api.error(kind, code, "ncclCommFinalize", raw.0)),
+                Some(kind) => Err(api.error(kind, code, OP, raw.0)),
             });
         if let Err(error) = started {
-            tracing::error!(%error, "finalising an NCCL communicator failed; aborting it");
             abort_raw(api, &self.context, raw);
-            return;
+            return Err(error);
         }
         // Waits for the rank's queued work; on failure the handle is already aborted.
-        let settled = settle_raw(
-            api,
-            &[&self.context],
-            &[raw],
-            "ncclCommFinalize",
-            self.config.timeout,
-        );
-        if let Err(error) = settled {
-            tracing::error!(%error, "finalising an NCCL communicator failed; it was aborted");
-            return;
+        settle_raw(api, &[&self.context], &[raw], OP, self.config.timeout)?;
+        let code = raw::destroy(api, raw)?;
+        api.check(code, "ncclCommDestroy", std::ptr::null_mut())
+    }
+}
+
+impl Communicator {
+    /// Finalises and destroys the rank now, and says how that went, where dropping the last
+    /// clone does the same but can only log a failure: `ncclCommFinalize` (waiting, within
+    /// [`CommConfig::timeout`], for the rank's queued work), then `ncclCommDestroy`, as an NCCL
+    /// program ends its communicators and torch's `destroy_process_group` does.
+    ///
+    /// The rank is shared by its clones (and by pending [`completion`](Self::completion)
+    /// futures), so only the last one can finalise it: while others are alive this clone is
+    /// dropped and the call is `InvalidArgument`; the last clone to go finalises on drop.
+    ///
+    /// # Errors
+    /// `InvalidArgument` while other clones are alive; `Aborted` for an aborted communicator;
+    /// NCCL's error, or `Timeout` when the queued work does not finish in time (the
+    /// communicator is then aborted).
+    pub fn finalize(self) -> Result<()> {
+        const OP: &str = "Communicator::finalize";
+        let clones = Arc::strong_count(&self.inner) - 1;
+        match Arc::try_unwrap(self.inner) {
+            Ok(mut inner) => inner.close(),
+            Err(_shared) => Err(CollectiveError::invalid(
+                OP,
+                format!("{clones} other clones of the communicator (or its futures) are alive"),
+            )),
         }
-        match raw::destroy(api, raw) {
-            Ok(code) if code == ncclResult_t::ncclSuccess => {}
-            Ok(code) => tracing::error!(code = code.0, "ncclCommDestroy failed"),
-            Err(error) => tracing::error!(%error, "ncclCommDestroy unavailable"),
+    }
+}
+
+impl Drop for CommInner {
+    fn drop(&mut self) {
+        match self.close() {
+            Ok(()) | Err(CollectiveError::Aborted { .. }) => {}
+            Err(error) => {
+                tracing::error!(%error, "finalising or destroying an NCCL communicator failed");
+            }
         }
     }
 }
