@@ -15,6 +15,10 @@
 //! - `echo_args(unsigned long long* out, unsigned char, unsigned short, unsigned,
 //!   unsigned long long, float, double, Pair)`: writes each argument widened to 64 bits
 //!   (floats as their bits) to `out[0..8)`, the [`Pair`] as two words.
+//! - `scale_by_table_u32(unsigned* data, size_t n)`: `data[i] *= scale_table[i % 4]`, where
+//!   `scale_table` is a module global (`__constant__ unsigned scale_table[4]`, [`SCALE_TABLE`])
+//!   the host fills through its address; one thread adds 1 to the global
+//!   `__device__ unsigned long long scale_launches` ([`SCALE_LAUNCHES`]).
 
 use std::sync::Arc;
 
@@ -24,7 +28,18 @@ use cuweave_driver::{Context, DriverError, Kernel, Module};
 pub const PTX: &str = include_str!("kernels/launch_kernels.ptx");
 
 /// The name of every kernel in [`PTX`].
-pub const KERNEL_NAMES: &[&str] = &["count_threads_3d", "shared_sum_u32", "echo_args"];
+pub const KERNEL_NAMES: &[&str] = &[
+    "count_threads_3d",
+    "shared_sum_u32",
+    "echo_args",
+    "scale_by_table_u32",
+];
+
+/// The name of the `__constant__ unsigned[4]` global `scale_by_table_u32` reads.
+pub const SCALE_TABLE: &str = "scale_table";
+
+/// The name of the `__device__ unsigned long long` global `scale_by_table_u32` counts in.
+pub const SCALE_LAUNCHES: &str = "scale_launches";
 
 /// The by-value struct `echo_args` takes last (`struct Pair` in the source): 16 bytes.
 #[repr(C)]
@@ -43,6 +58,7 @@ pub struct LaunchKernels {
     count_threads_3d: Kernel,
     shared_sum_u32: Kernel,
     echo_args: Kernel,
+    scale_by_table_u32: Kernel,
 }
 
 impl LaunchKernels {
@@ -56,6 +72,7 @@ impl LaunchKernels {
             count_threads_3d: module.function("count_threads_3d")?,
             shared_sum_u32: module.function("shared_sum_u32")?,
             echo_args: module.function("echo_args")?,
+            scale_by_table_u32: module.function("scale_by_table_u32")?,
             module,
         })
     }
@@ -79,6 +96,11 @@ impl LaunchKernels {
     pub fn echo_args(&self) -> &Kernel {
         &self.echo_args
     }
+
+    /// `scale_by_table_u32` (see the module documentation).
+    pub fn scale_by_table_u32(&self) -> &Kernel {
+        &self.scale_by_table_u32
+    }
 }
 
 #[cfg(test)]
@@ -96,6 +118,9 @@ mod tests {
         for name in KERNEL_NAMES {
             assert!(source.contains(&format!("__global__ void {name}(")));
             assert!(PTX.contains(&format!(".visible .entry {name}(")));
+        }
+        for global in [SCALE_TABLE, SCALE_LAUNCHES] {
+            assert!(PTX.contains(&format!(" {global}")), "{global}");
         }
     }
 

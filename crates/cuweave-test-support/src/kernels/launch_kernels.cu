@@ -6,6 +6,11 @@
 
 #include "kernel_helpers.cuh"
 
+// A table the host fills through the module's global (cuModuleGetGlobal), and a counter of
+// launches the host reads back the same way.
+__constant__ unsigned scale_table[4];
+__device__ unsigned long long scale_launches;
+
 // A by-value struct argument: 16 bytes, 8-byte aligned.
 struct Pair {
     unsigned long long first;
@@ -55,6 +60,17 @@ __global__ void echo_args(unsigned long long* out, unsigned char a, unsigned sho
         out[5] = __double_as_longlong(f);
         out[6] = g.first;
         out[7] = __float_as_uint(g.second);
+    }
+}
+
+// data[i] *= scale_table[i % 4] for i < n; one thread also counts the launch in
+// scale_launches.
+__global__ void scale_by_table_u32(unsigned* data, size_t n) {
+    if (grid_start() == 0) {
+        scale_launches += 1;
+    }
+    for (size_t i = grid_start(); i < n; i += grid_stride()) {
+        data[i] *= scale_table[i % 4];
     }
 }
 
