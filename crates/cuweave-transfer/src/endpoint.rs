@@ -4,8 +4,16 @@
 //! and unified memory are the memory layer's buffers with an element offset, and registered
 //! host memory a [`RegisteredHost`] with an element offset. Lengths come from the source; the
 //! destination must hold that many elements from its offset.
+//!
+//! A view of a buffer ([`Buffer::slice`] / [`Buffer::slice_mut`], as a cudarc user copies into
+//! `dst.slice_mut(a..b)`) is a side too: [`Source::View`] / [`Destination::View`], from
+//! `From` or [`Source::view`] / [`Destination::view`]. A view is planned, moved and counted as
+//! memory of its buffer's device (a view of pinned or unified memory still moves exactly, by the
+//! copies every kind of buffer takes).
 
-use cuweave_memory::{Buffer, DeviceBuffer, Element, PinnedBuffer, UnifiedBuffer};
+use cuweave_memory::{
+    Buffer, BufferSlice, BufferSliceMut, DeviceBuffer, Element, PinnedBuffer, UnifiedBuffer,
+};
 
 use crate::error::{Result, TransferError};
 use crate::location::Location;
@@ -25,6 +33,9 @@ pub enum Source<'a, T: Element> {
     /// Elements `offset..offset + len` of registered host memory
     /// ([`Source::registered`] makes it).
     Registered(RegisteredSlice<'a, T>, usize, usize),
+    /// Every element of a view of a buffer (from [`Buffer::slice`]), moved as memory of its
+    /// buffer's device.
+    View(BufferSlice<'a, T>),
 }
 
 /// Where a transfer writes to: host memory (as long as the source), or a buffer from an
@@ -41,6 +52,9 @@ pub enum Destination<'a, T: Element> {
     Unified(&'a mut UnifiedBuffer<T>, usize),
     /// Registered host memory, from this element offset ([`Destination::registered`] makes it).
     Registered(RegisteredSliceMut<'a, T>, usize),
+    /// A writable view of a buffer (from [`Buffer::slice_mut`]), written from its first element
+    /// and moved as memory of its buffer's device; it must hold the source's elements.
+    View(BufferSliceMut<'a, T>),
 }
 
 impl<'a, T: Element> Source<'a, T> {
@@ -52,6 +66,7 @@ impl<'a, T: Element> Source<'a, T> {
             | Self::Device(_, _, len)
             | Self::Unified(_, _, len)
             | Self::Registered(_, _, len) => *len,
+            Self::View(view) => view.len(),
         }
     }
 
@@ -73,7 +88,13 @@ impl<'a, T: Element> Source<'a, T> {
             Self::Device(b, ..) => Location::Device(b.device().ordinal()),
             Self::Unified(b, ..) => Location::Unified(b.device().ordinal()),
             Self::Registered(r, ..) => Location::RegisteredHost(r.device()),
+            Self::View(view) => Location::Device(view.device().ordinal()),
         }
+    }
+
+    /// Every element of a view of a buffer (`buffer.slice(range)?`).
+    pub fn view(view: BufferSlice<'a, T>) -> Self {
+        Self::View(view)
     }
 
     /// Elements `offset..offset + len` of a pinned buffer.
@@ -99,7 +120,8 @@ impl<'a, T: Element> Source<'a, T> {
     /// `Err(OutOfRange)` unless the range lies inside the buffer.
     pub(crate) fn check(&self) -> Result<()> {
         let (offset, len, capacity) = match self {
-            Self::Host(_) => return Ok(()),
+            // A view's range was checked when it was made.
+            Self::Host(_) | Self::View(_) => return Ok(()),
             Self::Pinned(b, o, l) => (*o, *l, b.len()),
             Self::Device(b, o, l) => (*o, *l, b.len()),
             Self::Unified(b, o, l) => (*o, *l, b.len()),
@@ -118,7 +140,13 @@ impl<'a, T: Element> Destination<'a, T> {
             Self::Device(b, _) => Location::Device(b.device().ordinal()),
             Self::Unified(b, _) => Location::Unified(b.device().ordinal()),
             Self::Registered(r, _) => Location::RegisteredHost(r.device()),
+            Self::View(view) => Location::Device(view.device().ordinal()),
         }
+    }
+
+    /// A writable view of a buffer (`buffer.slice_mut(range)?`), written from its first element.
+    pub fn view(view: BufferSliceMut<'a, T>) -> Self {
+        Self::View(view)
     }
 
     /// A pinned buffer from element `offset`.
@@ -155,6 +183,7 @@ impl<'a, T: Element> Destination<'a, T> {
             Self::Device(b, o) => (*o, b.len()),
             Self::Unified(b, o) => (*o, b.len()),
             Self::Registered(r, o) => (*o, r.len()),
+            Self::View(view) => (0, view.len()),
         };
         check_range("destination", offset, len, capacity)
     }
@@ -206,6 +235,24 @@ impl<'a, T: Element> From<&'a UnifiedBuffer<T>> for Source<'a, T> {
 impl<'a, T: Element> From<&'a RegisteredHost<'_, T>> for Source<'a, T> {
     fn from(memory: &'a RegisteredHost<'_, T>) -> Self {
         Self::Registered(memory.view(), 0, memory.len())
+    }
+}
+
+impl<'a, T: Element> From<BufferSlice<'a, T>> for Source<'a, T> {
+    fn from(view: BufferSlice<'a, T>) -> Self {
+        Self::View(view)
+    }
+}
+
+impl<'a, T: Element> From<&BufferSlice<'a, T>> for Source<'a, T> {
+    fn from(view: &BufferSlice<'a, T>) -> Self {
+        Self::View(*view)
+    }
+}
+
+impl<'a, T: Element> From<BufferSliceMut<'a, T>> for Destination<'a, T> {
+    fn from(view: BufferSliceMut<'a, T>) -> Self {
+        Self::View(view)
     }
 }
 

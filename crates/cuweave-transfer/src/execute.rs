@@ -144,6 +144,42 @@ pub(crate) fn execute<T: Element>(
             u.copy_range_to_host(o, &mut p.as_mut_slice()?[o2..o2 + n])?;
         }
 
+        // Views of buffers: moved as their buffer's device memory, by the copies every kind of
+        // buffer takes (a pinned side DMAs from or to its host address, as `DirectCopy` does).
+        (S::Host(s), D::View(mut v)) => match method {
+            HostStaged => {
+                let device = v.device().ordinal();
+                let lane = manager.lane(device)?;
+                let config =
+                    manager.staging_for(TransferPath::PAGEABLE_TO_DEVICE, device, size_of_val(s));
+                pipeline(&lane, config).upload(s, &mut v, 0)?;
+            }
+            _ => v.copy_range_from_host(0, s)?,
+        },
+        (S::View(v), D::Host(d)) => match method {
+            HostStaged => {
+                let device = v.device().ordinal();
+                let lane = manager.lane(device)?;
+                let config =
+                    manager.staging_for(TransferPath::DEVICE_TO_PAGEABLE, device, size_of_val(d));
+                pipeline(&lane, config).download(&v, 0, d)?;
+            }
+            _ => v.copy_range_to_host(0, d)?,
+        },
+        (S::Pinned(p, o, _), D::View(mut v)) => match method {
+            ZeroCopy => v.copy_range_from(0, p, o, n)?,
+            _ => v.copy_range_from_host(0, &p.as_slice()?[o..o + n])?,
+        },
+        (S::View(v), D::Pinned(p, o2)) => match method {
+            ZeroCopy => p.copy_range_from(o2, &v, 0, n)?,
+            _ => v.copy_range_to_host(0, &mut p.as_mut_slice()?[o2..o2 + n])?,
+        },
+        (S::View(v), D::View(mut w)) => between(manager, method, &mut w, 0, &v, 0, n)?,
+        (S::View(v), D::Device(d, o2)) => between(manager, method, d, o2, &v, 0, n)?,
+        (S::View(v), D::Unified(u, o2)) => between(manager, method, u, o2, &v, 0, n)?,
+        (S::Device(b, o, _), D::View(mut w)) => between(manager, method, &mut w, 0, b, o, n)?,
+        (S::Unified(u, o, _), D::View(mut w)) => between(manager, method, &mut w, 0, u, o, n)?,
+
         // Registered host memory: page-locked, so the driver DMAs it directly to and from any
         // device (the registration is portable); with other host-visible memory a `memcpy`
         // (pinned and unified buffers wait for their device uses first).
@@ -155,6 +191,7 @@ pub(crate) fn execute<T: Element>(
                 D::Pinned(b, o2) => b.copy_range_from_host(o2, s)?,
                 D::Device(b, o2) => b.copy_range_from_host(o2, s)?,
                 D::Unified(u, o2) => u.copy_range_from_host(o2, s)?,
+                D::View(mut v) => v.copy_range_from_host(0, s)?,
             }
         }
         (src, D::Registered(mut r, o2)) => {
@@ -164,10 +201,72 @@ pub(crate) fn execute<T: Element>(
                 S::Pinned(p, o, _) => p.copy_range_to_host(o, d)?,
                 S::Device(b, o, _) => b.copy_range_to_host(o, d)?,
                 S::Unified(u, o, _) => u.copy_range_to_host(o, d)?,
+                S::View(v) => v.copy_range_to_host(0, d)?,
                 // Matched by the arm above.
                 S::Registered(s, o, _) => d.copy_from_slice(&s.as_slice()[o..o + n]),
             }
         }
+    }
+    Ok(())
+}
+
+/// Copies `n` elements between two buffers (one of them a view), on one device or two: a
+/// device copy on one; on two, by `method` as the device-to-device arms do (peer access, the
+/// pinned bounce, or the driver's own peer copy).
+fn between<T, D, S>(
+    manager: &TransferManager,
+    method: TransferMethod,
+    dst: &mut D,
+    dst_offset: usize,
+    src: &S,
+    src_offset: usize,
+    n: usize,
+) -> Result<()>
+where
+    T: Element,
+    D: Buffer<T> + ?Sized,
+    S: Buffer<T> + ?Sized,
+{
+    let (from, to) = (src.device().ordinal(), dst.device().ordinal());
+    if from == to {
+        dst.copy_range_from(dst_offset, src, src_offset, n)?;
+        return Ok(());
+    }
+    match method {
+        PeerToPeer => {
+            manager.enable_peers(from, to)?;
+            copy_peer(
+                dst,
+                dst_offset,
+                src,
+                src_offset,
+                n,
+                manager.lane(to)?.stream(),
+            )?;
+        }
+        HostStaged => {
+            let (src_lane, dst_lane) = (manager.lane(from)?, manager.lane(to)?);
+            let config = manager.staging_for(TransferPath::PEER, from, n * size_of::<T>());
+            bounce(
+                &src_lane.state.pool,
+                config,
+                src,
+                src_offset,
+                src_lane.stream(),
+                dst,
+                dst_offset,
+                dst_lane.stream(),
+                n,
+            )?;
+        }
+        _ => copy_peer(
+            dst,
+            dst_offset,
+            src,
+            src_offset,
+            n,
+            manager.lane(to)?.stream(),
+        )?,
     }
     Ok(())
 }

@@ -4,8 +4,8 @@
 //! # The model
 //!
 //! A transfer reads a [`Source`] (pageable host memory as a slice, or a range of a pinned,
-//! device or unified buffer, or of host memory registered in place) and writes a
-//! [`Destination`]. The [`TransferManager`] looks at the
+//! device or unified buffer, or of host memory registered in place, or a view of a buffer from
+//! `slice` / `slice_mut`) and writes a [`Destination`]. The [`TransferManager`] looks at the
 //! [`TransferPath`] (which kinds of memory, one device or two) and the [`SizeClass`], and
 //! [plans](TransferManager::plan) a [`TransferMethod`]:
 //!

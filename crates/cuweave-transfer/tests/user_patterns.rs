@@ -972,6 +972,17 @@ fn two_devices_exchange_bytes_by_every_path_they_offer() {
             let what = format!("{len} bytes 0 -> 1 by {method:?}");
             assert_same(&whole[3..], &data, &what);
             assert_untouched_around(&whole, 3, len, &what);
+            // The same between views of the two devices' buffers.
+            target.fill(SENTINEL).unwrap();
+            let (from, into) = (source.slice(..).unwrap(), target.slice_mut(3..).unwrap());
+            match method {
+                None => manager.transfer(from, into),
+                Some(m) => manager.transfer_with(m, from, into),
+            }
+            .unwrap();
+            let whole = target.to_vec().unwrap();
+            assert_same(&whole[3..], &data, &format!("views: {what}"));
+            assert_untouched_around(&whole, 3, len, &what);
         }
     }
     // A manager limited to device 1 refuses device 0's buffers.
@@ -1026,4 +1037,120 @@ fn async_transfers_are_counted_in_the_statistics_when_they_complete() {
             assert!(stats.count >= 1 && stats.failures == 0 && stats.best_gbps > 0.0);
         }
     }
+}
+
+#[test]
+fn views_of_buffers_are_sources_and_destinations_as_cudarc_slices_are() {
+    let gpu = require_gpu!();
+    let manager = TransferManager::new().unwrap();
+    for len in [1usize, 4097, MIB + 3, 9 * MIB + 1] {
+        let data = bytes(len, 21);
+        let methods = [
+            None,
+            Some(TransferMethod::DirectCopy),
+            Some(TransferMethod::HostStaged),
+        ];
+        for method in methods {
+            let what = format!("{len} bytes through views by {method:?}");
+            let mut device = DeviceBuffer::<u8>::new(&gpu.context, len + 8).unwrap();
+            device.fill(SENTINEL).unwrap();
+            // `htod_copy_into(&host, &mut device.slice_mut(3..3 + len))`.
+            let into = device.slice_mut(3..3 + len).unwrap();
+            match method {
+                None => manager.transfer(&data, into),
+                Some(m) => manager.transfer_with(m, &data, into),
+            }
+            .unwrap();
+            assert_untouched_around(&device.to_vec().unwrap(), 3, len, &what);
+            // `dtoh_sync_copy_into(&device.slice(3..3 + len), &mut host)`.
+            let mut back = vec![0u8; len];
+            let from = device.slice(3..3 + len).unwrap();
+            let report = match method {
+                None => manager.transfer(from, &mut back),
+                Some(m) => manager.transfer_with(m, from, &mut back),
+            }
+            .unwrap();
+            assert_eq!(report.bytes, len);
+            assert_eq!(report.plan.path, TransferPath::DEVICE_TO_PAGEABLE);
+            assert_same(&back, &data, &what);
+        }
+        // View to buffer, buffer to view and view to view on one device.
+        let mut device = DeviceBuffer::<u8>::new(&gpu.context, len + 8).unwrap();
+        device.fill(SENTINEL).unwrap();
+        manager
+            .transfer(&data, Destination::device(&mut device, 3))
+            .unwrap();
+        let mut copy = DeviceBuffer::<u8>::new(&gpu.context, len + 2).unwrap();
+        copy.fill(SENTINEL).unwrap();
+        manager
+            .transfer(
+                device.slice(3..3 + len).unwrap(),
+                Destination::device(&mut copy, 2),
+            )
+            .unwrap();
+        let mut other = DeviceBuffer::<u8>::new(&gpu.context, len + 1).unwrap();
+        other.fill(SENTINEL).unwrap();
+        manager
+            .transfer(Source::device(&copy, 2, len), other.slice_mut(1..).unwrap())
+            .unwrap();
+        let mut last = DeviceBuffer::<u8>::new(&gpu.context, len).unwrap();
+        manager
+            .transfer(other.slice(1..).unwrap(), last.slice_mut(..).unwrap())
+            .unwrap();
+        assert_same(
+            &last.to_vec().unwrap(),
+            &data,
+            "view -> buffer -> view -> view",
+        );
+        assert_untouched_around(&copy.to_vec().unwrap(), 2, len, "view -> buffer");
+        assert_untouched_around(&other.to_vec().unwrap(), 1, len, "buffer -> view");
+        // Pinned memory to a view and a view to pinned memory.
+        let pinned = PinnedBuffer::from_slice(&gpu.context, &data).unwrap();
+        let mut device = DeviceBuffer::<u8>::zeroed(&gpu.context, len + 1).unwrap();
+        manager
+            .transfer(&pinned, device.slice_mut(1..).unwrap())
+            .unwrap();
+        let mut out = PinnedBuffer::<u8>::zeroed(&gpu.context, len).unwrap();
+        manager
+            .transfer(device.slice(1..).unwrap(), &mut out)
+            .unwrap();
+        assert_same(out.as_slice().unwrap(), &data, "pinned <-> view");
+    }
+    // A view longer than the source is written from its start; a shorter one is refused.
+    let mut device = DeviceBuffer::<u32>::zeroed(&gpu.context, 10).unwrap();
+    manager
+        .transfer(&[7u32, 8, 9][..], device.slice_mut(2..8).unwrap())
+        .unwrap();
+    assert_eq!(device.to_vec().unwrap(), [0, 0, 7, 8, 9, 0, 0, 0, 0, 0]);
+    assert!(matches!(
+        manager.transfer(&[1u32; 4][..], device.slice_mut(8..).unwrap()),
+        Err(TransferError::OutOfRange {
+            side: "destination",
+            len: 4,
+            capacity: 2,
+            ..
+        })
+    ));
+    let mut short = [0u32; 2];
+    assert!(matches!(
+        manager.transfer(device.slice(..3).unwrap(), &mut short[..]),
+        Err(TransferError::LengthMismatch {
+            source_len: 3,
+            destination_len: 2
+        })
+    ));
+    // A typed view of f32 at an offset, into a host Vec.
+    let floats: Vec<f32> = (0..1000).map(|i| i as f32 / 3.0).collect();
+    let mut device = DeviceBuffer::<f32>::from_slice(&gpu.context, &floats).unwrap();
+    let mut back = vec![0f32; 500];
+    manager
+        .transfer(device.slice(250..750).unwrap(), &mut back)
+        .unwrap();
+    assert!(back[..] == floats[250..750]);
+    // A manager that does not serve the view's device refuses it.
+    let none = TransferManager::for_devices(&[]).unwrap();
+    assert!(matches!(
+        none.transfer(&floats[..4], device.slice_mut(..4).unwrap()),
+        Err(TransferError::NoSuchDevice { device: 0, .. })
+    ));
 }
