@@ -657,6 +657,59 @@ fn blocking_calls_inside_a_capture_are_typed_refusals_and_the_capture_still_repl
     );
 }
 
+/// `capturing.wait_stream(eager)` is a user's mistake the driver answers by invalidating the
+/// capture: through the stream, the coordinator, the stream-ordered allocator and a barrier it
+/// is a typed refusal before anything is queued, and the capture goes on. The other direction,
+/// an eager stream waiting on the capturing one, forks it into the capture, and joined back the
+/// graph replays exactly.
+#[test]
+fn a_capturing_stream_waiting_on_eager_work_is_refused_and_the_capture_survives() {
+    let gpu = cuweave_test_support::require_gpu!();
+    let _serial = serial();
+    let kit = Kit::load(&gpu.context);
+    let allocator = CachingAllocator::with_driver(&gpu.context);
+    let main = Arc::new(PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap());
+    let eager = Arc::new(PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap());
+    let side = Arc::new(PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap());
+    let x = DeviceBuffer::from_slice(&gpu.context, &input(11)).unwrap();
+    let mut out = allocator.buffer::<f32>(G, main.stream()).unwrap();
+    let coordinator = MultiStreamCoordinator::new();
+    let ordered = StreamOrderedAllocator::default();
+
+    let capture = main.begin_capture(CaptureOptions::default()).unwrap();
+    step(&kit, &allocator, &main, &x, &mut out).unwrap();
+    eager.launch(|s| kit.test.spin_ns(s, 1000)).unwrap();
+    assert_capture_refusal(main.wait_for(&eager), "PriorityStream::wait_for");
+    assert_capture_refusal(
+        coordinator.add_dependency(&main, &eager),
+        "MultiStreamCoordinator::add_dependency",
+    );
+    assert_capture_refusal(
+        ordered.add_stream_dependency(&main, &eager),
+        "StreamOrderedAllocator::add_stream_dependency",
+    );
+    let barrier = MultiStreamCoordinator::with_streams([Arc::clone(&main), Arc::clone(&eager)]);
+    assert_capture_refusal(barrier.create_barrier(), "a barrier across the capture");
+    // The other direction is a fork; joined back, the capture ends cleanly.
+    side.wait_for(&main).unwrap();
+    side.launch(|s| kit.test.spin_ns(s, 1000)).unwrap();
+    main.wait_for(&side).unwrap();
+    let graph = capture
+        .finish()
+        .expect("the refused waits left the capture intact");
+
+    let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
+    main.launch_graph(&exec).unwrap();
+    main.synchronize().unwrap();
+    eager.synchronize().unwrap();
+    let x_host = input(11);
+    assert_bits(&out.to_vec().unwrap(), |i| 2.0 * x_host[i] + 1.0, "replay");
+    // Every stream is usable eagerly again.
+    main.wait_for(&eager).unwrap();
+    barrier.create_barrier().unwrap();
+    main.synchronize().unwrap();
+}
+
 /// One thread captures a step while another allocates, writes and reads back its own tensors
 /// on another stream the whole time: neither corrupts the other.
 #[test]

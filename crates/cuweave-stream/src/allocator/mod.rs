@@ -292,7 +292,12 @@ impl StreamOrderedAllocator {
     ///
     /// # Errors
     /// [`StreamError::WrongDevice`] for streams of different devices (the memory is one
-    /// device's); [`StreamError::SelfDependency`] for a stream and itself; the driver's error.
+    /// device's); [`StreamError::SelfDependency`] for a stream and itself;
+    /// [`GraphError::Capturing`], before anything is queued, when `dependent` captures and
+    /// `prerequisite` is not in its capture (the driver would invalidate the capture); the
+    /// driver's error.
+    ///
+    /// [`GraphError::Capturing`]: cuweave_driver::graph::GraphError::Capturing
     pub fn add_stream_dependency(
         &self,
         dependent: &Arc<PriorityStream>,
@@ -310,6 +315,11 @@ impl StreamOrderedAllocator {
                 stream: dependent.id(),
             });
         }
+        crate::capture::refuse_wait_across_capture(
+            dependent.stream(),
+            prerequisite.stream(),
+            OPERATION,
+        )?;
         // Recorded into a capture, the wait is a graph edge: nothing runs that could be waited
         // for, and the event answers every later query with CUDA_ERROR_CAPTURED_EVENT.
         let captured = crate::capture::is_capturing(prerequisite.stream())?;

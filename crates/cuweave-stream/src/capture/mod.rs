@@ -238,6 +238,38 @@ pub(crate) fn is_capturing(stream: &Stream) -> Result<bool> {
     Ok(stream.capture_status()?.is_capturing())
 }
 
+/// Refuses, before anything is queued, a device-side wait of `dependent` on work of
+/// `prerequisite` that would cross a capture's boundary: `dependent` is capturing and
+/// `prerequisite` is not in the same capture. The driver answers such a wait with
+/// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION` and invalidates the capture (PyTorch's `wait_stream`
+/// from a capturing stream on an eager one fails the same way); refused here, the capture
+/// stays intact and every stream usable. A stream that is not capturing may wait on a
+/// capturing one: it joins the capture (a fork). One atomic load while no capture begun
+/// through cuweave is active.
+///
+/// # Errors
+/// [`GraphError::Capturing`] naming `operation`; the driver's error from a status query.
+pub(crate) fn refuse_wait_across_capture(
+    dependent: &Stream,
+    prerequisite: &Stream,
+    operation: &'static str,
+) -> Result<()> {
+    if active_captures() == 0 {
+        return Ok(());
+    }
+    let Some(capture) = dependent.capture_status()?.id() else {
+        return Ok(());
+    };
+    if prerequisite.capture_status()?.id() == Some(capture) {
+        return Ok(());
+    }
+    Err(DriverError::from(GraphError::Capturing {
+        operation,
+        reason: "the waiting stream is capturing and the other stream is not in its capture: a wait across a capture's boundary would invalidate the capture",
+    })
+    .into())
+}
+
 #[cfg(test)]
 thread_local! {
     /// Capture-status queries [`is_capturing`] asked the driver on this thread, for tests that

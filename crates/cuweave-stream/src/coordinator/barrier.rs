@@ -2,7 +2,8 @@
 //! again. Both coordinators (this crate's [`MultiStreamCoordinator`](super::MultiStreamCoordinator)
 //! and the event layer's `CrossStreamBarrier`) queue their barriers through it.
 
-use cuweave_driver::{EventPool, Stream};
+use cuweave_driver::graph::{GraphError, active_captures};
+use cuweave_driver::{DriverError, EventPool, Stream};
 use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
@@ -28,8 +29,15 @@ pub struct BarrierInfo {
 /// would take `n (n - 1)` waits. The events go back to their pools at once: a queued wait is
 /// fixed when it is queued.
 ///
+/// While a capture is active the streams must all be outside any capture, or all in one:
+/// a barrier mixing a capturing stream with streams outside its capture would make a capturing
+/// stream wait on eager work (or pull eager streams into the capture), which the driver answers
+/// by invalidating the capture. Such a barrier is refused before anything is queued.
+///
 /// # Errors
-/// The driver's error from an event record or wait; the waits queued before it stay queued.
+/// [`GraphError::Capturing`](cuweave_driver::graph::GraphError::Capturing) for a barrier across
+/// a capture's boundary, before anything is queued; the driver's error from an event record or
+/// wait; the waits queued before it stay queued.
 pub fn queue_barrier(streams: &[(&Stream, &EventPool)]) -> Result<BarrierInfo> {
     let Some(((hub, hub_pool), others)) = streams.split_first() else {
         return Ok(BarrierInfo {
@@ -38,6 +46,7 @@ pub fn queue_barrier(streams: &[(&Stream, &EventPool)]) -> Result<BarrierInfo> {
             waits: 0,
         });
     };
+    refuse_barrier_across_capture(streams)?;
     let mut waits = 0;
     for (stream, pool) in others {
         let arrived = pool.acquire_event(false)?;
@@ -56,4 +65,24 @@ pub fn queue_barrier(streams: &[(&Stream, &EventPool)]) -> Result<BarrierInfo> {
         events: streams.len(),
         waits,
     })
+}
+
+/// [`GraphError::Capturing`] unless the streams all share one capture status (none, or one
+/// capture); one atomic load while no capture begun through cuweave is active.
+fn refuse_barrier_across_capture(streams: &[(&Stream, &EventPool)]) -> Result<()> {
+    if active_captures() == 0 {
+        return Ok(());
+    }
+    let mut captures = Vec::with_capacity(streams.len());
+    for (stream, _) in streams {
+        captures.push(stream.capture_status()?.id());
+    }
+    if captures.iter().any(Option::is_some) && captures.windows(2).any(|pair| pair[0] != pair[1]) {
+        return Err(DriverError::from(GraphError::Capturing {
+            operation: "queue_barrier",
+            reason: "some streams are capturing and others are not in their capture: a barrier across a capture's boundary would invalidate the capture",
+        })
+        .into());
+    }
+    Ok(())
 }

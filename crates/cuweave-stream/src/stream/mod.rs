@@ -187,10 +187,22 @@ impl PriorityStream {
     /// far (an event of `other`'s pool recorded on `other`, then `cuStreamWaitEvent`; the event
     /// goes back to the pool at once, since the wait is fixed when it is queued).
     ///
+    /// While this stream captures a graph, `other` must be in the same capture (a stream forked
+    /// into it): a capturing stream cannot wait on eager work. `other` may capture while this
+    /// stream does not: this stream then joins `other`'s capture (a fork; join it back before
+    /// the capture ends).
+    ///
     /// # Errors
-    /// [`StreamError::WrongDevice`] is not raised here: CUDA lets streams wait on events of other
-    /// devices. The driver's error otherwise.
+    /// [`GraphError::Capturing`](cuweave_driver::graph::GraphError::Capturing), before anything
+    /// is queued, when this stream captures and `other` is not in its capture (the driver would
+    /// invalidate the capture). [`StreamError::WrongDevice`] is not raised here: CUDA lets
+    /// streams wait on events of other devices. The driver's error otherwise.
     pub fn wait_for(&self, other: &PriorityStream) -> Result<()> {
+        crate::capture::refuse_wait_across_capture(
+            &self.inner,
+            &other.inner,
+            "PriorityStream::wait_for",
+        )?;
         let event = other.events.acquire_event(false)?;
         event.record(other.stream())?;
         self.inner.wait_event(&event)?;
