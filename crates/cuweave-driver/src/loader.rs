@@ -288,6 +288,12 @@ driver_table! {
     func_get_attribute: PFN_cuFuncGetAttribute_v2020 = ["cuFuncGetAttribute"],
     /// `cuFuncSetAttribute`
     func_set_attribute: PFN_cuFuncSetAttribute_v9000 = ["cuFuncSetAttribute"],
+    /// `cuModuleGetGlobal_v2`
+    module_get_global: PFN_cuModuleGetGlobal_v3020 = ["cuModuleGetGlobal_v2"],
+    /// `cuOccupancyMaxActiveBlocksPerMultiprocessor`
+    occupancy_max_active_blocks: PFN_cuOccupancyMaxActiveBlocksPerMultiprocessor_v6050 = ["cuOccupancyMaxActiveBlocksPerMultiprocessor"],
+    /// `cuOccupancyMaxPotentialBlockSize`
+    occupancy_max_potential_block_size: PFN_cuOccupancyMaxPotentialBlockSize_v6050 = ["cuOccupancyMaxPotentialBlockSize"],
     /// `cuMemGetInfo_v2`
     mem_get_info: PFN_cuMemGetInfo_v3020 = ["cuMemGetInfo_v2"],
     /// `cuMemAlloc_v2`

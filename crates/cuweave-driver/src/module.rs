@@ -116,6 +116,26 @@ impl Module {
             name: name.to_owned(),
         })
     }
+
+    /// The device address and size in bytes of a module-scope variable (`__device__` or
+    /// `__constant__`) by its name (`cuModuleGetGlobal`): what cudarc's `get_global` gives.
+    /// Copy to it to set a constant table before a launch, or from it to read a counter a
+    /// kernel kept; the memory lives as long as the module is loaded.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a name with a NUL byte; the driver's `CUDA_ERROR_NOT_FOUND` for a
+    /// name the module does not define.
+    pub fn global(&self, name: &str) -> Result<(crate::memory::DevicePtr, usize)> {
+        let c_name = CString::new(name).map_err(|_| {
+            DriverError::invalid("Module::global", format!("name {name:?} has a NUL byte"))
+        })?;
+        self.context.bind_to_thread()?;
+        let api = driver()?;
+        let (mut ptr, mut bytes) = (0, 0);
+        // SAFETY: valid out-pointers, live module, NUL-terminated name.
+        unsafe { cu!(api.module_get_global(&mut ptr, &mut bytes, self.raw, c_name.as_ptr())) }?;
+        Ok((ptr, bytes))
+    }
 }
 
 impl Drop for Module {
@@ -346,6 +366,78 @@ impl Kernel {
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             value,
         )
+    }
+
+    /// How many blocks of `block_threads` threads, each with `dynamic_shared_bytes` of dynamic
+    /// shared memory, can be resident on one multiprocessor at once
+    /// (`cuOccupancyMaxActiveBlocksPerMultiprocessor`); 0 when such a block cannot run at all.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a block of 0 or more than `i32::MAX` threads; the driver's error
+    /// otherwise.
+    pub fn max_active_blocks_per_multiprocessor(
+        &self,
+        block_threads: u32,
+        dynamic_shared_bytes: usize,
+    ) -> Result<u32> {
+        let block = i32::try_from(block_threads)
+            .ok()
+            .filter(|&block| block > 0)
+            .ok_or_else(|| {
+                DriverError::invalid(
+                    "Kernel::max_active_blocks_per_multiprocessor",
+                    format!("a block of {block_threads} threads"),
+                )
+            })?;
+        self.module.context.bind_to_thread()?;
+        let api = driver()?;
+        let mut blocks = 0;
+        // SAFETY: valid out-pointer; the function belongs to a module this kernel keeps loaded.
+        unsafe {
+            cu!(api.occupancy_max_active_blocks(&mut blocks, self.raw, block, dynamic_shared_bytes))
+        }?;
+        Ok(u32::try_from(blocks).unwrap_or(0))
+    }
+
+    /// The block size that gives this kernel the highest occupancy, with the smallest grid that
+    /// reaches it on the whole device (`cuOccupancyMaxPotentialBlockSize`), as
+    /// `(min_grid_blocks, block_threads)`: every block asks for `dynamic_shared_bytes` of
+    /// dynamic shared memory, and `block_threads` is at most `max_block_threads` (0: no limit
+    /// but the kernel's own).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a `max_block_threads` past `i32::MAX`; the driver's error
+    /// otherwise.
+    pub fn max_potential_block_size(
+        &self,
+        dynamic_shared_bytes: usize,
+        max_block_threads: u32,
+    ) -> Result<(u32, u32)> {
+        let limit = i32::try_from(max_block_threads).map_err(|_| {
+            DriverError::invalid(
+                "Kernel::max_potential_block_size",
+                format!("a block limit of {max_block_threads} threads"),
+            )
+        })?;
+        self.module.context.bind_to_thread()?;
+        let api = driver()?;
+        let (mut grid, mut block) = (0, 0);
+        // SAFETY: valid out-pointers; no per-block-size callback (the fixed size applies); the
+        // function belongs to a module this kernel keeps loaded.
+        unsafe {
+            cu!(api.occupancy_max_potential_block_size(
+                &mut grid,
+                &mut block,
+                self.raw,
+                None,
+                dynamic_shared_bytes,
+                limit,
+            ))
+        }?;
+        Ok((
+            u32::try_from(grid).unwrap_or(0),
+            u32::try_from(block).unwrap_or(0),
+        ))
     }
 
     /// Queues the kernel on `stream`.

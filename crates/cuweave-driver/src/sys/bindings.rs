@@ -1411,6 +1411,34 @@ pub type PFN_cuFuncSetAttribute_v9000 = ::std::option::Option<
         value: ::std::os::raw::c_int,
     ) -> CUresult,
 >;
+pub type PFN_cuModuleGetGlobal_v3020 = ::std::option::Option<
+    unsafe extern "C" fn(
+        dptr: *mut CUdeviceptr_v2,
+        bytes: *mut usize,
+        hmod: CUmodule,
+        name: *const ::std::os::raw::c_char,
+    ) -> CUresult,
+>;
+pub type CUoccupancyB2DSize =
+    ::std::option::Option<unsafe extern "C" fn(blockSize: ::std::os::raw::c_int) -> usize>;
+pub type PFN_cuOccupancyMaxActiveBlocksPerMultiprocessor_v6050 = ::std::option::Option<
+    unsafe extern "C" fn(
+        numBlocks: *mut ::std::os::raw::c_int,
+        func: CUfunction,
+        blockSize: ::std::os::raw::c_int,
+        dynamicSMemSize: usize,
+    ) -> CUresult,
+>;
+pub type PFN_cuOccupancyMaxPotentialBlockSize_v6050 = ::std::option::Option<
+    unsafe extern "C" fn(
+        minGridSize: *mut ::std::os::raw::c_int,
+        blockSize: *mut ::std::os::raw::c_int,
+        func: CUfunction,
+        blockSizeToDynamicSMemSize: CUoccupancyB2DSize,
+        dynamicSMemSize: usize,
+        blockSizeLimit: ::std::os::raw::c_int,
+    ) -> CUresult,
+>;
 pub type PFN_cuLaunchKernel_v4000 = ::std::option::Option<
     unsafe extern "C" fn(
         f: CUfunction,
