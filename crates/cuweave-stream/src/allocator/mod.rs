@@ -5,8 +5,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use cuweave_driver::OwnedPooledEvent;
+use cuweave_driver::graph::GraphError;
 use cuweave_driver::memory::DevicePtr;
+use cuweave_driver::{DriverError, OwnedPooledEvent};
 use cuweave_memory::{AsyncPoolResource, DeviceBuffer, Element, MemoryResource};
 use dashmap::DashMap;
 use parking_lot::Mutex;
@@ -96,6 +97,9 @@ struct Entry {
     class: usize,
     owner: Arc<PriorityStream>,
     users: Vec<Arc<PriorityStream>>,
+    /// The capture the allocation was recorded into (a graph's allocation node), or `None`
+    /// for an allocation made eagerly.
+    capture: Option<u64>,
 }
 
 /// The latest point-in-time wait of `dependent` on `prerequisite`: a later one on the same
@@ -217,6 +221,7 @@ impl StreamOrderedAllocator {
             )
         })?;
         let pool = self.pool_for(stream)?;
+        let capture = crate::capture::capture_id(stream.stream())?;
         let ptr = stream.enqueue(OperationKind::Other, 0, |s| pool.allocate(rounded, s))?;
         let allocation = StreamAllocation {
             id: NEXT_ALLOCATION_ID.fetch_add(1, Ordering::Relaxed),
@@ -234,6 +239,7 @@ impl StreamOrderedAllocator {
                 class,
                 owner: Arc::clone(stream),
                 users: Vec::new(),
+                capture,
             },
         );
         self.with_stats(|stats| stats.on_allocate(class, rounded as u64, bytes as u64));
@@ -387,8 +393,15 @@ impl StreamOrderedAllocator {
     /// Frees `allocation` in its owner's stream order, after the owner has waited for every
     /// stream it was given to.
     ///
+    /// While the owner captures a graph, only an allocation made in that same capture can be
+    /// freed (both become nodes of the graph); an allocation made outside it is refused and
+    /// stays held, to be freed once the capture has ended.
+    ///
     /// # Errors
-    /// [`StreamError::UnknownAllocation`] when it is not held (already freed); the driver's error.
+    /// [`StreamError::UnknownAllocation`] when it is not held (already freed);
+    /// [`GraphError::Capturing`](cuweave_driver::graph::GraphError::Capturing) while the owner
+    /// captures and the allocation was not made in its capture (nothing is queued, the
+    /// allocation stays held); the driver's error.
     pub fn free(&self, allocation: StreamAllocation) -> Result<()> {
         let entry =
             self.entries
@@ -449,6 +462,16 @@ impl StreamOrderedAllocator {
     }
 
     fn release(&self, entry: &Entry) -> Result<()> {
+        let capture = crate::capture::capture_id(entry.owner.stream())?;
+        if capture.is_some() && capture != entry.capture {
+            // Recorded into the graph, the free would not run now (the memory stays taken) and
+            // would run at every launch of the graph: a double free from the second on.
+            return Err(DriverError::from(GraphError::Capturing {
+                operation: "StreamOrderedAllocator::free",
+                reason: "the owner stream is capturing and the allocation was not made in its capture: the free would be recorded into the graph and run at every launch",
+            })
+            .into());
+        }
         self.order_after_users(entry)?;
         let pool = self.pool_for(&entry.owner)?;
         let allocation = entry.allocation;

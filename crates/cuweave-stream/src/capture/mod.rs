@@ -238,6 +238,15 @@ pub(crate) fn is_capturing(stream: &Stream) -> Result<bool> {
     Ok(stream.capture_status()?.is_capturing())
 }
 
+/// The id of the capture `stream` records into, or `None` when it is not capturing; one atomic
+/// load while no capture begun through cuweave is active.
+pub(crate) fn capture_id(stream: &Stream) -> Result<Option<u64>> {
+    if active_captures() == 0 {
+        return Ok(None);
+    }
+    Ok(stream.capture_status()?.id())
+}
+
 /// Refuses, before anything is queued, a device-side wait of `dependent` on work of
 /// `prerequisite` that would cross a capture's boundary: `dependent` is capturing and
 /// `prerequisite` is not in the same capture. The driver answers such a wait with
