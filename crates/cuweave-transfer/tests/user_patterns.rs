@@ -1154,3 +1154,60 @@ fn views_of_buffers_are_sources_and_destinations_as_cudarc_slices_are() {
         Err(TransferError::NoSuchDevice { device: 0, .. })
     ));
 }
+
+#[test]
+fn a_data_loader_moves_large_and_small_batches_both_ways_at_once() {
+    let gpu = require_gpu!();
+    let manager = TransferManager::new().unwrap();
+    let sizes = [
+        1usize,
+        300_001,
+        5 * MIB + 3,
+        17 * MIB + 1,
+        33 * MIB + 5,
+        70 * MIB + 7,
+    ];
+    let batches: Vec<Vec<u8>> = sizes.iter().map(|&n| bytes(n, n as u64 * 3)).collect();
+    // Device copies of every batch, for the downloads that run beside the uploads.
+    let resident: Vec<DeviceBuffer<u8>> = batches
+        .iter()
+        .map(|b| DeviceBuffer::from_slice(&gpu.context, b).unwrap())
+        .collect();
+    for round in 0..2 {
+        std::thread::scope(|scope| {
+            for (i, batch) in batches.iter().enumerate() {
+                let (manager, context, resident) = (&manager, &gpu.context, &resident[i]);
+                // Blocking uploads on the loader threads...
+                scope.spawn(move || {
+                    let mut device = DeviceBuffer::<u8>::new(context, batch.len()).unwrap();
+                    manager.transfer(batch, &mut device).unwrap();
+                    assert_same(&device.to_vec().unwrap(), batch, "loader upload");
+                });
+                // ...blocking downloads of other batches beside them...
+                scope.spawn(move || {
+                    let mut back = vec![0u8; resident.len()];
+                    manager.transfer(resident, &mut back).unwrap();
+                    assert_same(&back, batch, "loader download");
+                });
+                // ...and owned uploads, which run their pipelines on the staging workers.
+                if round == 1 {
+                    scope.spawn(move || {
+                        let device = DeviceBuffer::<u8>::new(context, batch.len()).unwrap();
+                        let owned =
+                            block_on(manager.upload_owned(batch.clone(), device, 0).unwrap());
+                        owned.result.unwrap();
+                        assert_same(&owned.device.to_vec().unwrap(), batch, "owned upload");
+                    });
+                }
+            }
+        });
+    }
+    let (count, total) = manager
+        .stats()
+        .snapshot()
+        .into_iter()
+        .fold((0, 0), |(c, b), (_, _, s)| (c + s.count, b + s.bytes));
+    // Owned transfers are not counted; every blocking one is, once.
+    assert_eq!(count, 2 * 2 * sizes.len() as u64);
+    assert_eq!(total, 2 * 2 * sizes.iter().sum::<usize>() as u64);
+}
