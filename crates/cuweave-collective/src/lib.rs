@@ -29,7 +29,7 @@
 //! | item | what it is for |
 //! |---|---|
 //! | [`loader`], [`nccl`], [`NcclVersion`] | finding and opening NCCL, its version |
-//! | [`Communicator`], [`CommConfig`], [`UniqueId`] | ranks: init, split, abort, finalize on drop |
+//! | [`Communicator`], [`CommConfig`], [`UniqueId`] | ranks: init, split, abort, [`finalize`](Communicator::finalize) (or on drop) |
 //! | [`collective`], [`Group`], [`ReduceOp`], [`NcclType`] | all-reduce, broadcast, reduce, all-gather, reduce-scatter, send/recv, group calls |
 //! | [`F16`], [`Bf16`] | 16-bit float elements (`ncclFloat16`, `ncclBfloat16`) for mixed-precision gradients |
 //! | [`CollectiveFuture`] | waiting with a deadline and async-error polling |
