@@ -676,10 +676,14 @@ fn a_capturing_stream_waiting_on_eager_work_is_refused_and_the_capture_survives(
     let coordinator = MultiStreamCoordinator::new();
     let ordered = StreamOrderedAllocator::default();
 
-    let capture = main.begin_capture(CaptureOptions::default()).unwrap();
+    let mut capture = main.begin_capture(CaptureOptions::default()).unwrap();
     step(&kit, &allocator, &main, &x, &mut out).unwrap();
     eager.launch(|s| kit.test.spin_ns(s, 1000)).unwrap();
     assert_capture_refusal(main.wait_for(&eager), "PriorityStream::wait_for");
+    assert_capture_refusal(
+        capture.join(eager.stream()),
+        "StreamCapture::join of a stream never forked",
+    );
     assert_capture_refusal(
         coordinator.add_dependency(&main, &eager),
         "MultiStreamCoordinator::add_dependency",

@@ -188,8 +188,12 @@ impl<'s> StreamCapture<'s> {
     /// Blocks used on `stream` during the capture stay with the graph.
     ///
     /// # Errors
-    /// The driver's error.
+    /// [`GraphError::Capturing`], before anything is queued, for a stream that is not in this
+    /// capture (never forked, or in another capture): the origin would wait on an event recorded
+    /// outside its capture, which the driver answers by invalidating the capture. The driver's
+    /// error otherwise.
     pub fn join(&mut self, stream: &Stream) -> Result<()> {
+        refuse_wait_across_capture(self.origin, stream, "StreamCapture::join")?;
         let event = Event::new(stream.context(), EventFlags::DISABLE_TIMING)?;
         event.record(stream)?;
         self.origin.wait_event(&event)?;
