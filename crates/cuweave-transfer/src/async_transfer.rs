@@ -551,22 +551,19 @@ impl<T: Element> Future for AsyncTransfer<'_, T> {
             Poll::Pending => Poll::Pending,
             Poll::Ready(outcome) => {
                 this.finished = true;
-                let bytes = this.len() * size_of::<T>();
+                let (bytes, elapsed) = (this.len() * size_of::<T>(), started.elapsed());
                 // Counted as `TransferManager::run` counts a blocking transfer: an empty one
                 // not at all.
                 if bytes > 0 {
                     match &outcome {
-                        Ok(()) => {
-                            this.stats
-                                .record_success(this.plan.path, bytes, started.elapsed())
-                        }
+                        Ok(()) => this.stats.record_success(this.plan.path, bytes, elapsed),
                         Err(_) => this.stats.record_failure(this.plan.path, bytes),
                     }
                 }
                 Poll::Ready(outcome.map(|()| TransferReport {
                     plan: this.plan.clone(),
                     bytes,
-                    elapsed: started.elapsed(),
+                    elapsed,
                 }))
             }
         }
