@@ -187,6 +187,24 @@ impl Stream {
         }
     }
 
+    /// The legacy default stream of `context` (CUDA's "stream 0", the null `CUstream`): what
+    /// cudarc's `default_stream()` and CUDA C++'s `0` stream are. Work on it waits for all
+    /// earlier work on the context's blocking streams ([`StreamFlags::DEFAULT`]) and they wait
+    /// for it; [`StreamFlags::NON_BLOCKING`] streams run beside it. It cannot be captured
+    /// ([`GraphError::LegacyDefaultStream`](crate::GraphError::LegacyDefaultStream)).
+    ///
+    /// The handle owns nothing (dropping it destroys nothing) and is safe: the null stream
+    /// exists as long as its context, which the handle keeps alive, and every method makes
+    /// `context` current before using it, so the null handle always names this context's stream.
+    pub fn legacy_default(context: &Arc<Context>) -> Self {
+        Self {
+            context: Arc::clone(context),
+            raw: std::ptr::null_mut(),
+            owned: false,
+            id: next_stream_id(),
+        }
+    }
+
     /// The raw `CUstream`.
     pub fn as_raw(&self) -> sys::CUstream {
         self.raw
@@ -260,7 +278,7 @@ impl Stream {
     }
 
     /// Whether the handle is one of the driver's context-relative stream names.
-    fn is_special_handle(&self) -> bool {
+    pub(crate) fn is_special_handle(&self) -> bool {
         (self.raw as usize) <= 2
     }
 

@@ -607,6 +607,7 @@ impl Stream {
     /// Whether this stream is capturing, and into which capture sequence.
     /// `cuStreamGetCaptureInfo` (the `_v3` form where the driver has it, else `_v2`).
     pub fn capture_status(&self) -> Result<CaptureStatus> {
+        self.bind_if_context_relative()?;
         let api = driver()?;
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         let mut id = 0u64;
@@ -649,11 +650,24 @@ impl Stream {
 
     /// Whether this stream is capturing (`cuStreamIsCapturing`).
     pub fn is_capturing(&self) -> Result<bool> {
+        self.bind_if_context_relative()?;
         let api = driver()?;
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: live stream; valid out-pointer.
         unsafe { cu!(api.stream_is_capturing(self.as_raw(), &mut status)) }?;
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// Makes the stream's context current when the handle is one of the driver's
+    /// context-relative names (null, `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`), which the
+    /// driver resolves against the calling thread's current context: on a thread with none,
+    /// or with another context current, the status would be refused or another context's.
+    /// Streams this crate created name their own context and skip it.
+    fn bind_if_context_relative(&self) -> Result<()> {
+        if self.is_special_handle() {
+            self.context().bind_to_thread()?;
+        }
+        Ok(())
     }
 
     /// The mode of the capture begun on this stream through cuweave, if any.
