@@ -836,6 +836,59 @@ fn dropping_a_stream_with_queued_work_returns_at_once_and_the_work_still_complet
     );
 }
 
+#[test]
+fn the_legacy_default_stream_orders_after_blocking_streams_and_works_from_any_thread() {
+    let gpu = require_gpu!();
+    let context = Arc::clone(&gpu.context);
+    let kernels = TestKernels::load(&context).unwrap();
+    const N: usize = 4096;
+    let data = zeroed_u32(&context, N);
+    let ptr = data.ptr();
+    std::thread::spawn(move || {
+        // cudarc's `default_stream()`, used from a thread with no current context.
+        assert!(Context::current_raw().unwrap().is_null());
+        let legacy = Stream::legacy_default(&context);
+        assert!(legacy.as_raw().is_null());
+        assert!(!legacy.is_capturing().unwrap());
+        assert_eq!(
+            legacy.capture_status().unwrap(),
+            cuweave_driver::CaptureStatus::None
+        );
+        match legacy.begin_capture(CaptureMode::ThreadLocal) {
+            Err(DriverError::Graph(GraphError::LegacyDefaultStream { .. })) => {}
+            other => panic!("capturing the legacy stream gave {other:?}"),
+        }
+        // A blocking stream's slow fill, then an increment on the legacy stream: the legacy
+        // stream waits for it, so every element ends at 2 (1 if the increment ran first).
+        let blocking = Stream::new(&context, StreamFlags::DEFAULT).unwrap();
+        kernels.spin_ns(&blocking, 20 * MS).unwrap();
+        // SAFETY: `data` holds N u32s and outlives this thread's synchronize.
+        unsafe { kernels.fill_u32(&blocking, ptr, 1, N) }.unwrap();
+        // SAFETY: as above.
+        unsafe { kernels.increment_u32(&legacy, ptr, N) }.unwrap();
+        let done = Event::new(&context, EventFlags::DISABLE_TIMING).unwrap();
+        done.record(&legacy).unwrap();
+        assert!(
+            !legacy.query().unwrap(),
+            "the legacy stream ran ahead of 20 ms of work"
+        );
+        let ran = Arc::new(AtomicUsize::new(0));
+        let ran_in_callback = Arc::clone(&ran);
+        legacy
+            .launch_host_fn(move || {
+                ran_in_callback.fetch_add(1, Ordering::Relaxed);
+            })
+            .unwrap();
+        legacy.synchronize().unwrap();
+        assert!(done.query().unwrap() && blocking.query().unwrap());
+        assert_eq!(ran.load(Ordering::Relaxed), 1);
+    })
+    .join()
+    .unwrap();
+    let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    assert_eq!(read_u32(&data, N, &stream), vec![2; N]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Devices and contexts
 // ---------------------------------------------------------------------------------------------
