@@ -14,7 +14,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use cuweave_driver::graph::CaptureMode;
-use cuweave_driver::memory::copy_dtod_async;
+use cuweave_driver::memory::{address_range, copy_dtod_async};
 use cuweave_driver::{Context, InstantiateOptions, Kernel, LaunchConfig, Stream};
 use cuweave_memory::caching::{CachingAllocator, GraphPool};
 use cuweave_memory::{Buffer, DeviceBuffer, MemoryError, TrackedLaunch};
@@ -614,6 +614,78 @@ fn two_graphs_sharing_a_pool_replay_in_order_after_the_cache_is_emptied_and_then
         after < held,
         "dropping the graphs returns their pool: {held} bytes held before, {after} after"
     );
+}
+
+/// A graph outlives the caching allocator its scratch came from (the allocator, its cache
+/// emptied, is dropped): the graph's private memory must not be returned under it. Checked
+/// first with `cuMemGetAddressRange` on the scratch's address (so that a failure never
+/// replays into freed memory), then by replaying with new inputs beside eager allocations.
+#[test]
+fn a_graph_replays_exactly_after_the_allocator_its_scratch_came_from_is_dropped() {
+    let gpu = cuweave_test_support::require_gpu!();
+    let _serial = serial();
+    let kit = Kit::load(&gpu.context);
+    let main = PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap();
+    let mut x = DeviceBuffer::<f32>::new(&gpu.context, G).unwrap();
+    let mut out = DeviceBuffer::<f32>::new(&gpu.context, G).unwrap();
+    main.copy_from_host(&mut x, input(0))
+        .unwrap()
+        .wait()
+        .unwrap();
+    let allocator = CachingAllocator::with_driver(&gpu.context);
+    let capture = main.begin_capture(CaptureOptions::default()).unwrap();
+    let mut scratch = allocator.buffer::<f32>(G, main.stream()).unwrap();
+    let scratch_ptr = scratch.device_ptr();
+    main.enqueue(OperationKind::KernelLaunch, 0, |s| {
+        kit.fill(s, &mut scratch, 1.0)
+    })
+    .unwrap();
+    main.enqueue(OperationKind::KernelLaunch, 0, |s| {
+        kit.saxpy(s, 2.0, &x, &mut scratch)
+    })
+    .unwrap();
+    main.copy_buffer(&mut out, &scratch).unwrap();
+    drop(scratch);
+    let graph = capture.finish().unwrap();
+    let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
+    drop(graph);
+    let mapped = address_range(&gpu.context, scratch_ptr).unwrap();
+    allocator.empty_cache().unwrap();
+    drop(allocator);
+    assert_eq!(
+        address_range(&gpu.context, scratch_ptr).ok(),
+        Some(mapped),
+        "dropping the allocator freed the memory a live graph replays into"
+    );
+
+    // Eager allocations meanwhile, filled with a sentinel the replays must not touch.
+    let mut eager: Vec<DeviceBuffer<f32>> = (0..8)
+        .map(|_| DeviceBuffer::<f32>::new_on(main.stream(), G).unwrap())
+        .collect();
+    for buffer in &mut eager {
+        main.fill(buffer, -3.0).unwrap();
+    }
+    for round in 1..=100 {
+        let host_x = input(round);
+        main.copy_from_host(&mut x, host_x.clone())
+            .unwrap()
+            .wait()
+            .unwrap();
+        main.launch_graph(&exec).unwrap();
+        if round % 25 == 0 {
+            let host = main
+                .copy_to_host(&out, vec![0f32; G])
+                .unwrap()
+                .wait()
+                .unwrap();
+            assert_bits(&host, |i| 2.0 * host_x[i] + 1.0, &format!("round {round}"));
+        }
+    }
+    main.synchronize().unwrap();
+    for buffer in &eager {
+        assert_bits(&buffer.to_vec().unwrap(), |_| -3.0, "eager memory");
+    }
+    drop(exec);
 }
 
 /// What a user hits by mistake inside a capture (a blocking synchronize, a readiness query, a
