@@ -760,7 +760,8 @@ impl TransferManager {
 
     /// Starts uploading all of `src` into `dst` from element `offset` on the staging workers,
     /// pipelined like [`transfer`](Self::transfer), and returns a future that hands both
-    /// buffers back ([`OwnedTransfer`]). Not counted in [`stats`](Self::stats).
+    /// buffers back ([`OwnedTransfer`]). Counted in [`stats`](Self::stats) once it finishes
+    /// (whether or not the future is still awaited); an empty one is not counted.
     ///
     /// An empty `src` (with `offset` at most `dst.len()`) returns a transfer that is already
     /// finished, as [`transfer`](Self::transfer) returns at once.
@@ -789,9 +790,13 @@ impl TransferManager {
             return Ok(OwnedTransfer::finished(plan, src, dst));
         }
         let lane = self.lane(device)?;
-        Ok(spawn_owned(plan, src, dst, move |host, device| {
-            pipeline(&lane, config).upload(host, device, offset)
-        }))
+        Ok(spawn_owned(
+            plan,
+            src,
+            dst,
+            self.shared_stats(),
+            move |host, device| pipeline(&lane, config).upload(host, device, offset),
+        ))
     }
 
     /// Starts downloading `dst.len()` elements of `src` from element `offset` into `dst` on
@@ -820,9 +825,13 @@ impl TransferManager {
             return Ok(OwnedTransfer::finished(plan, dst, src));
         }
         let lane = self.lane(device)?;
-        Ok(spawn_owned(plan, dst, src, move |host, device| {
-            pipeline(&lane, config).download(device, offset, host)
-        }))
+        Ok(spawn_owned(
+            plan,
+            dst,
+            src,
+            self.shared_stats(),
+            move |host, device| pipeline(&lane, config).download(device, offset, host),
+        ))
     }
 }
 
@@ -834,6 +843,7 @@ fn spawn_owned<T: Element>(
     plan: Plan,
     mut host: Vec<T>,
     mut device: DeviceBuffer<T>,
+    stats: Arc<TransferStats>,
     job: impl FnOnce(&mut [T], &mut DeviceBuffer<T>) -> Result<()> + Send + 'static,
 ) -> OwnedTransfer<T> {
     let handoff = Handoff::new();
@@ -842,14 +852,20 @@ fn spawn_owned<T: Element>(
     workers::shared().spawn(move || {
         let start = Instant::now();
         let outcome = workers::caught(|| job(&mut host, &mut device));
-        let bytes = host.len() * size_of::<T>();
+        let (bytes, elapsed) = (host.len() * size_of::<T>(), start.elapsed());
+        // Counted before the buffers go back, so a caller that awaited the transfer finds it
+        // in the statistics, as a borrowed one is once it resolves.
+        match &outcome {
+            Ok(()) => stats.record_success(plan.path, bytes, elapsed),
+            Err(_) => stats.record_failure(plan.path, bytes),
+        }
         back.fill(Owned {
             host,
             device,
             result: outcome.map(|()| TransferReport {
                 plan,
                 bytes,
-                elapsed: start.elapsed(),
+                elapsed,
             }),
         });
     });

@@ -24,8 +24,8 @@
 //! size nearest the transfer's. Without it the figures of [`CalibrationTable::h100_defaults`]
 //! decide, and the [`Plan`] names the machine they came from. A method the devices cannot do
 //! (no peer access, no host mapping, no managed prefetch) is skipped for the next one, and the
-//! plan says so. Every blocking transfer, and every borrowed async one that completes, is
-//! counted in [`TransferStats`] per path and size class (owned ones are not).
+//! plan says so. Every blocking transfer, every borrowed async one that completes and every
+//! owned one that finishes is counted in [`TransferStats`] per path and size class.
 //!
 //! Devices are opened lazily: a manager makes no context until a transfer needs a device
 //! ([`TransferManager::for_devices`] limits it to some). Each transfer holds a lane of streams

@@ -85,7 +85,8 @@ pub struct TransferManager {
     staging: Option<StagingConfig>,
     measured: RwLock<Measured>,
     defaults: CalibrationTable,
-    stats: TransferStats,
+    /// Shared with owned transfers' workers, which count a transfer when it finishes.
+    stats: Arc<TransferStats>,
     /// `(from, to)` pairs whose peer access this manager has enabled.
     peers_enabled: Mutex<HashSet<(usize, usize)>>,
 }
@@ -158,7 +159,7 @@ impl TransferManager {
             staging,
             measured: RwLock::new(Measured::default()),
             defaults: CalibrationTable::h100_defaults(),
-            stats: TransferStats::default(),
+            stats: Arc::default(),
             peers_enabled: Mutex::new(HashSet::new()),
         };
         if let Some(table) = crate::calibrate::process_calibration() {
@@ -233,6 +234,11 @@ impl TransferManager {
     /// The statistics kept so far.
     pub fn stats(&self) -> &TransferStats {
         &self.stats
+    }
+
+    /// The statistics, shared with a worker that outlives the call that started it.
+    pub(crate) fn shared_stats(&self) -> Arc<TransferStats> {
+        Arc::clone(&self.stats)
     }
 
     /// The measured calibration in use (empty when the defaults decide).

@@ -11,7 +11,8 @@ use std::thread::Thread;
 use cuweave_memory::{Buffer, DeviceBuffer};
 use cuweave_test_support::{require_gpu, sanitizer_active, skip_under_sanitizer};
 use cuweave_transfer::{
-    ChunkOrder, HostCopy, POLL_BYTES, StagingConfig, TransferError, TransferManager, TransferMethod,
+    ChunkOrder, HostCopy, POLL_BYTES, SizeClass, StagingConfig, TransferError, TransferManager,
+    TransferMethod, TransferPath,
 };
 
 /// Wakes the thread that polls.
@@ -255,6 +256,20 @@ fn owned_transfers_round_trip_and_hand_the_buffers_back() {
     );
     owned.result.unwrap();
     assert_eq!(owned.host, data);
+    // Both are in the manager's statistics by the time their buffers came back.
+    let class = SizeClass::of(data.len() * 4);
+    for path in [
+        TransferPath::PAGEABLE_TO_DEVICE,
+        TransferPath::DEVICE_TO_PAGEABLE,
+    ] {
+        let counted = manager.stats().get(path, class);
+        assert_eq!(
+            (counted.count, counted.bytes),
+            (1, data.len() as u64 * 4),
+            "{path}"
+        );
+        assert_eq!(counted.failures, 0);
+    }
     // A forgotten owned transfer leaks its buffers (never frees what a worker uses); a dropped
     // one finishes in the background. Later transfers are unaffected.
     // (Not under compute-sanitizer, whose leak check would report the leak this makes.)
