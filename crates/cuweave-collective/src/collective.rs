@@ -62,6 +62,8 @@ struct Op<'a> {
     stream: &'a Stream,
     call: Call,
     data_type: sys::ncclDataType_t,
+    /// Bytes per element of `data_type`.
+    element_size: usize,
     uses: Vec<(Box<dyn TrackUse + 'a>, Access)>,
 }
 
@@ -148,6 +150,7 @@ fn run(ops: Vec<Op<'_>>, grouped: bool) -> Result<()> {
     let Some(first) = ops.first() else {
         return Ok(());
     };
+    check_self_exchanges(&ops, grouped)?;
     let api = first.comm.api();
     let operation = if grouped {
         "ncclGroupEnd"
@@ -195,6 +198,72 @@ fn run(ops: Vec<Op<'_>>, grouped: bool) -> Result<()> {
         return Err(first_error.unwrap_or(error.into()));
     }
     first_error.map_or(Ok(()), Err)
+}
+
+/// Refuses a rank's sends to itself and receives from itself that NCCL could not pair.
+///
+/// NCCL pairs them per communicator in the order they were queued, and only within one group:
+/// one without its partner is `ncclInvalidUsage` from `ncclGroupEnd` (on a non-blocking
+/// communicator an asynchronous error, which aborts it), and the pair's copy kernel moves the
+/// *send's* byte count into the receive buffer, so a receive smaller than its send would be
+/// written past its end. So every communicator's self sends and self receives must pair up, in
+/// order, with equal byte counts (element types may differ); an ungrouped one never can.
+fn check_self_exchanges(ops: &[Op<'_>], grouped: bool) -> Result<()> {
+    let mut checked: Vec<*const crate::comm::CommInner> = Vec::new();
+    for op in ops {
+        let comm = Arc::as_ptr(&op.comm.inner);
+        if checked.contains(&comm) {
+            continue;
+        }
+        checked.push(comm);
+        let rank = op.comm.rank();
+        let (mut sends, mut recvs) = (Vec::new(), Vec::new());
+        for other in ops
+            .iter()
+            .filter(|other| Arc::as_ptr(&other.comm.inner) == comm)
+        {
+            match other.call {
+                Call::Send { count, peer, .. } if peer as usize == rank => {
+                    sends.push(count * other.element_size);
+                }
+                Call::Recv { count, peer, .. } if peer as usize == rank => {
+                    recvs.push(count * other.element_size);
+                }
+                _ => {}
+            }
+        }
+        let operation = if grouped {
+            "Group::launch"
+        } else {
+            op.call.name()
+        };
+        if sends.len() != recvs.len() {
+            return Err(CollectiveError::invalid(
+                operation,
+                format!(
+                    "rank {rank} sends to itself {} times and receives from itself {} times: \
+                     each send to itself needs a receive from itself in the same Group",
+                    sends.len(),
+                    recvs.len()
+                ),
+            ));
+        }
+        if let Some((i, (send, recv))) = sends
+            .iter()
+            .zip(&recvs)
+            .enumerate()
+            .find(|(_, (send, recv))| send != recv)
+        {
+            return Err(CollectiveError::invalid(
+                operation,
+                format!(
+                    "rank {rank}'s send {i} to itself is {send} bytes but the receive it pairs \
+                     with is {recv} bytes"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// What issuing found: whether NCCL accepted any call (so work may be queued), whether any is
@@ -398,6 +467,7 @@ impl Communicator {
             stream,
             call: call(send.device_ptr(), recv.device_ptr())?,
             data_type: T::DATA_TYPE,
+            element_size: size_of::<T>(),
             uses: vec![read::<T, S>(send), write::<T, R>(recv)],
         })
     }
@@ -421,6 +491,7 @@ impl Communicator {
             stream,
             call: call(buffer.device_ptr(), buffer.len())?,
             data_type: T::DATA_TYPE,
+            element_size: size_of::<T>(),
             uses: vec![tracked],
         })
     }
@@ -858,10 +929,12 @@ impl Communicator {
 
     /// Queues sending `buffer` to rank `peer`, which must [`recv`](Self::recv) the same length.
     /// A send and a receive between the same two ranks must be in one [`Group`] (or the
-    /// first blocks the stream until the second is queued elsewhere).
+    /// first blocks the stream until the second is queued elsewhere). A send to this rank
+    /// itself is only possible in a [`Group`], with its receive from itself.
     ///
     /// # Errors
-    /// As [`broadcast`](Self::broadcast), for the peer.
+    /// As [`broadcast`](Self::broadcast), for the peer; `InvalidArgument` for a send to this
+    /// rank itself, which outside a group has no receive to pair with (see [`Group::launch`]).
     pub fn send<T: NcclType, B: Buffer<T> + ?Sized>(
         &self,
         buffer: &B,
@@ -874,7 +947,7 @@ impl Communicator {
     /// Queues receiving `buffer` from rank `peer`.
     ///
     /// # Errors
-    /// As [`send`](Self::send).
+    /// As [`send`](Self::send) (a receive from this rank itself needs its send in a [`Group`]).
     pub fn recv<T: NcclType, B: Buffer<T> + ?Sized>(
         &self,
         buffer: &mut B,
@@ -1179,8 +1252,13 @@ impl<'a> Group<'a> {
 
     /// Queues every call as one NCCL group.
     ///
+    /// A rank's sends to itself and receives from itself are paired by NCCL in the order they
+    /// were added: each needs its partner in the group, with the same number of bytes (NCCL's
+    /// copy moves the send's bytes into the receive buffer). Checked before anything is queued.
+    ///
     /// # Errors
-    /// `Aborted` for an aborted communicator; NCCL's error (the group is closed either way);
+    /// `InvalidArgument` when a communicator's sends to itself and receives from itself do not
+    /// pair up, in number or in bytes (nothing is queued); `Aborted` for an aborted communicator; NCCL's error (the group is closed either way);
     /// a non-blocking group that fails or passes the deadline while settling aborts its
     /// communicators; the use tracker's error.
     pub fn launch(self) -> Result<()> {
