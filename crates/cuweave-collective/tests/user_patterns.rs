@@ -896,6 +896,86 @@ fn bad_counts_roots_and_peers_are_typed_errors_before_nccl() {
     assert_bytes_eq("zeros", &same.to_vec().expect("download"), &[0i32; 16]);
 }
 
+/// NCCL's copy for a rank's send to itself moves the *send's* bytes into the receive buffer,
+/// so a smaller receive would be written past its end: pairs that differ, lone halves and
+/// ungrouped self sends are typed errors before NCCL (the memory after the receive view stays
+/// intact); pairs of equal bytes run in the order they were added, element types may differ.
+#[test]
+fn self_sends_and_receives_must_pair_up_in_a_group() {
+    let _gpu = gate!();
+    let comm = comm();
+    let context = comm.context();
+    let s = stream(context);
+    let invalid = |what: &str, result: Result<(), CollectiveError>| {
+        assert!(
+            matches!(result, Err(CollectiveError::InvalidArgument { .. })),
+            "{what}: {result:?}"
+        );
+    };
+    let stale = pattern::<u32>(64, 99);
+    let big = upload(context, &pattern::<u32>(64, 1));
+    let mut whole = upload(context, &stale);
+    {
+        let mut first_half = whole.slice_mut(..32).expect("view");
+        let mut group = Group::new();
+        group.send(comm, &big, 0, &s).expect("send");
+        group.recv(comm, &mut first_half, 0, &s).expect("recv");
+        invalid("256 bytes into 128", group.launch());
+    }
+    comm.synchronize(&s).expect("synchronize");
+    assert_bytes_eq(
+        "nothing written, least of all past the view",
+        &whole.to_vec().expect("download"),
+        &stale,
+    );
+
+    let mut lone = Group::new();
+    lone.send(comm, &big, 0, &s).expect("send");
+    invalid("a send without its receive", lone.launch());
+    let mut other = DeviceBuffer::<u32>::zeroed(context, 64).expect("other");
+    let mut lone = Group::new();
+    lone.recv(comm, &mut other, 0, &s).expect("recv");
+    invalid("a receive without its send", lone.launch());
+    invalid("an ungrouped send to itself", comm.send(&big, 0, &s));
+    invalid("an ungrouped receive", comm.recv(&mut other, 0, &s));
+
+    // Same bytes, other types: 16 u32 land as 64 u8.
+    let words = pattern::<u32>(16, 2);
+    let send = upload(context, &words);
+    let mut bytes = DeviceBuffer::<u8>::zeroed(context, 64).expect("bytes");
+    let mut group = Group::new();
+    group.send(comm, &send, 0, &s).expect("send");
+    group.recv(comm, &mut bytes, 0, &s).expect("recv");
+    group.launch().expect("same bytes");
+    assert_eq!(
+        bytes.to_vec().expect("download"),
+        bytemuck::cast_slice::<u32, u8>(&words)
+    );
+
+    // Two pairs, matched in the order they were added (an all-to-all of one rank).
+    let (a, b) = (pattern::<i32>(10, 3), pattern::<i32>(20, 4));
+    let (send_a, send_b) = (upload(context, &a), upload(context, &b));
+    let mut recv_a = DeviceBuffer::<i32>::zeroed(context, 10).expect("recv a");
+    let mut recv_b = DeviceBuffer::<i32>::zeroed(context, 20).expect("recv b");
+    {
+        let mut group = Group::new();
+        group.send(comm, &send_a, 0, &s).expect("send a");
+        group.send(comm, &send_b, 0, &s).expect("send b");
+        group.recv(comm, &mut recv_b, 0, &s).expect("recv b");
+        group.recv(comm, &mut recv_a, 0, &s).expect("recv a");
+        invalid("pairs out of order", group.launch());
+    }
+    let mut group = Group::new();
+    group.send(comm, &send_a, 0, &s).expect("send a");
+    group.send(comm, &send_b, 0, &s).expect("send b");
+    group.recv(comm, &mut recv_a, 0, &s).expect("recv a");
+    group.recv(comm, &mut recv_b, 0, &s).expect("recv b");
+    group.launch().expect("pairs in order");
+    assert_bytes_eq("a", &recv_a.to_vec().expect("a"), &a);
+    assert_bytes_eq("b", &recv_b.to_vec().expect("b"), &b);
+    assert!(!comm.is_aborted());
+}
+
 /// A DAG of coordinated collectives on two streams: a diamond (all-reduce, then a broadcast
 /// and a reduce after it on different streams, then an all-gather after both through `run`),
 /// at high priority; a refused call inside `run` leaves nothing behind.
