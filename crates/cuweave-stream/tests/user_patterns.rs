@@ -250,7 +250,8 @@ fn waiting_for_a_ready_stream_times_out_with_none_while_spins_keep_every_stream_
     let waited = started.elapsed();
     assert!(found.is_none(), "every stream spins for 250 ms");
     assert!(waited >= Duration::from_millis(30), "{waited:?}");
-    let found = pool.wait_for_any_ready(Duration::from_secs(10)).unwrap();
+    // "As long as it takes", as a user writes it.
+    let found = pool.wait_for_any_ready(Duration::MAX).unwrap();
     let stream = found.expect("a stream is ready once its spin ends");
     assert!(stream.is_ready().unwrap());
     for stream in pool.streams() {

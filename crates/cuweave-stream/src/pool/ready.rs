@@ -12,7 +12,8 @@ pub(crate) const FIRST_BACKOFF: Duration = Duration::from_micros(20);
 pub(crate) const MAX_BACKOFF: Duration = Duration::from_micros(500);
 
 /// The first of `streams` whose queued work has all finished (`cuStreamQuery`), or `None` once
-/// `timeout` has passed.
+/// `timeout` has passed. `Duration::MAX` (any timeout too long to be a deadline) waits as long
+/// as it takes; with no streams it returns `None` at once.
 ///
 /// A stream that is capturing a graph (on any thread) is never ready: its work is recorded, not
 /// run, and querying it would be refused. It is skipped, and the others are still looked at.
@@ -40,7 +41,12 @@ pub fn wait_for_any_ready(
     streams: &[Arc<PriorityStream>],
     timeout: Duration,
 ) -> Result<Option<Arc<PriorityStream>>> {
-    let deadline = Instant::now() + timeout;
+    // A timeout past what `Instant` can hold (`Duration::MAX`: "wait as long as it takes") has
+    // no deadline; with no stream to wait for that would be forever, so it is `None` at once.
+    let deadline = Instant::now().checked_add(timeout);
+    if deadline.is_none() && streams.is_empty() {
+        return Ok(None);
+    }
     let mut backoff = FIRST_BACKOFF;
     loop {
         for stream in streams {
@@ -49,10 +55,12 @@ pub fn wait_for_any_ready(
             }
         }
         let now = Instant::now();
-        if now >= deadline {
-            return Ok(None);
-        }
-        std::thread::sleep(backoff.min(deadline - now));
+        let sleep = match deadline {
+            Some(deadline) if now >= deadline => return Ok(None),
+            Some(deadline) => backoff.min(deadline - now),
+            None => backoff,
+        };
+        std::thread::sleep(sleep);
         backoff = next_backoff(backoff);
     }
 }
@@ -90,6 +98,14 @@ mod tests {
         assert_eq!(steps[1], Duration::from_micros(40));
         assert_eq!(*steps.last().unwrap(), MAX_BACKOFF);
         assert!(steps.windows(2).all(|w| w[0] <= w[1]));
+    }
+
+    #[test]
+    fn an_endless_timeout_is_no_overflow_and_no_streams_end_it_at_once() {
+        let started = Instant::now();
+        let found = wait_for_any_ready(&[], Duration::MAX).unwrap();
+        assert!(found.is_none());
+        assert!(started.elapsed() < Duration::from_secs(1));
     }
 
     #[test]
