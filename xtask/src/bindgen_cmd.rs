@@ -31,7 +31,6 @@ pub(crate) const FUNCTION_TYPEDEFS: &[&str] = &[
     "PFN_cuDevicePrimaryCtxRetain_v7000",
     "PFN_cuDevicePrimaryCtxGetState_v7000",
     "PFN_cuDevicePrimaryCtxRelease_v11000",
-    "PFN_cuDevicePrimaryCtxGetState_v7000",
     "PFN_cuCtxSetCurrent_v4000",
     "PFN_cuCtxGetCurrent_v4000",
     "PFN_cuCtxGetDevice_v2000",
@@ -80,6 +79,11 @@ pub(crate) const FUNCTION_TYPEDEFS: &[&str] = &[
     "PFN_cuModuleUnload_v2000",
     "PFN_cuModuleGetFunction_v2000",
     "PFN_cuLaunchKernel_v4000",
+    "PFN_cuFuncGetAttribute_v2020",
+    "PFN_cuFuncSetAttribute_v9000",
+    "PFN_cuModuleGetGlobal_v3020",
+    "PFN_cuOccupancyMaxActiveBlocksPerMultiprocessor_v6050",
+    "PFN_cuOccupancyMaxPotentialBlockSize_v6050",
     "PFN_cuMemGetInfo_v3020",
     "PFN_cuMemAlloc_v3020",
     "PFN_cuMemFree_v3020",
@@ -257,4 +261,39 @@ fn find_include_dir() -> anyhow::Result<PathBuf> {
 
 fn has_typedefs(dir: &Path) -> bool {
     dir.join("cudaTypedefs.h").is_file() && dir.join("cuda.h").is_file()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    /// The committed bindings and the allowlist name the same driver entry points: one added
+    /// by hand to the bindings but not here would vanish at the next `cargo xtask bindgen`,
+    /// and the driver crate would stop building.
+    #[test]
+    fn the_allowlist_names_every_function_typedef_the_committed_bindings_hold() {
+        let bindings = include_str!("../../crates/cuweave-driver/src/sys/bindings.rs");
+        let committed: BTreeSet<&str> = bindings
+            .split("pub type ")
+            .skip(1)
+            .filter_map(|rest| rest.split_whitespace().next())
+            .filter(|name| name.starts_with("PFN_"))
+            .collect();
+        let listed: BTreeSet<&str> = super::FUNCTION_TYPEDEFS.iter().copied().collect();
+        assert_eq!(
+            listed.len(),
+            super::FUNCTION_TYPEDEFS.len(),
+            "a typedef listed twice"
+        );
+        assert_eq!(
+            committed.difference(&listed).collect::<Vec<_>>(),
+            Vec::<&&str>::new(),
+            "in the bindings, not in FUNCTION_TYPEDEFS"
+        );
+        assert_eq!(
+            listed.difference(&committed).collect::<Vec<_>>(),
+            Vec::<&&str>::new(),
+            "in FUNCTION_TYPEDEFS, not in the bindings"
+        );
+    }
 }
