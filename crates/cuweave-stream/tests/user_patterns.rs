@@ -17,7 +17,7 @@ use cuweave_driver::graph::CaptureMode;
 use cuweave_driver::memory::{address_range, copy_dtod_async};
 use cuweave_driver::{Context, InstantiateOptions, Kernel, LaunchConfig, Stream};
 use cuweave_memory::caching::{CachingAllocator, GraphPool};
-use cuweave_memory::{Buffer, DeviceBuffer, MemoryError, TrackedLaunch};
+use cuweave_memory::{Buffer, DeviceBuffer, MemoryError, PinnedBuffer, TrackedLaunch};
 use cuweave_stream::capture::{CaptureOptions, StreamCapture};
 use cuweave_stream::{
     AllocationStrategy, MultiStreamCoordinator, OperationKind, PriorityStream, StreamError,
@@ -526,6 +526,42 @@ fn torch_style_graph(test: &str, mode: CaptureMode) {
     drop(eager);
     main.synchronize().unwrap();
     allocator.empty_cache().unwrap();
+}
+
+/// A graph whose input and output go through pinned host buffers (PyTorch: `static_in.copy_(
+/// pinned, non_blocking=True)` inside the captured step): the host copies are captured too, so
+/// each replay reads whatever the host last wrote into the pinned input and writes the pinned
+/// output. The copies' receipts cannot be waited for inside the capture and are dropped there.
+#[test]
+fn a_graph_with_pinned_host_input_and_output_copies_replays_new_host_data() {
+    let gpu = cuweave_test_support::require_gpu!();
+    let _serial = serial();
+    let kit = Kit::load(&gpu.context);
+    let allocator = CachingAllocator::with_driver(&gpu.context);
+    let main = PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap();
+    let mut pinned_in = PinnedBuffer::<f32>::from_slice(&gpu.context, &input(0)).unwrap();
+    let mut pinned_out = PinnedBuffer::<f32>::zeroed(&gpu.context, G).unwrap();
+    let mut static_in = allocator.buffer::<f32>(G, main.stream()).unwrap();
+    let mut static_out = allocator.buffer::<f32>(G, main.stream()).unwrap();
+
+    let capture = main.begin_capture(CaptureOptions::default()).unwrap();
+    drop(main.copy_from_host(&mut static_in, &pinned_in).unwrap());
+    step(&kit, &allocator, &main, &static_in, &mut static_out).unwrap();
+    drop(main.copy_to_host(&static_out, &mut pinned_out).unwrap());
+    let graph = capture.finish().unwrap();
+    let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
+
+    for round in 1..=200 {
+        let x = input(round);
+        pinned_in.as_mut_slice().unwrap().copy_from_slice(&x);
+        main.launch_graph(&exec).unwrap();
+        main.synchronize().unwrap();
+        assert_bits(
+            pinned_out.as_slice().unwrap(),
+            |i| 2.0 * x[i] + 1.0,
+            &format!("round {round}"),
+        );
+    }
 }
 
 /// Two graphs captured in a row into one shared pool (PyTorch's `graph_pool_handle()`), the
