@@ -74,7 +74,8 @@ pub use pool::{
 };
 pub use priority::StreamPriority;
 pub use profiler::{
-    CombinedReport, NamedTotal, ProfileReport, ProfiledOperation, StreamProfiler, StreamReport,
+    CombinedReport, DEFAULT_KEPT_OPERATIONS, NamedTotal, ProfileReport, ProfiledOperation,
+    StreamProfiler, StreamReport,
 };
 pub use stream::{CallbackFailure, OperationKind, PriorityStream, StreamMetrics};
 pub use timing::{GpuTimer, SpanStart};

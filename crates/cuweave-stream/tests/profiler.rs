@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cuweave_driver::EventPool;
-use cuweave_memory::DeviceBuffer;
+use cuweave_memory::{Buffer, DeviceBuffer};
 use cuweave_stream::capture::CaptureOptions;
 use cuweave_stream::{
     GpuTimer, OperationKind, PriorityStream, ProfileReport, StreamError, StreamPriority,
@@ -222,4 +222,36 @@ fn harvesting_on_the_capturing_thread_is_refused_and_keeps_every_span() {
     timer.harvest_all(|name, _, _| names.push(name)).unwrap();
     assert_eq!(names, ["a", "b", "c"]);
     assert_eq!(timer.pending(), 0);
+}
+
+#[test]
+fn a_long_profiled_run_keeps_the_newest_operations_within_the_limit() {
+    let gpu = cuweave_test_support::require_gpu!();
+    let stream = PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap();
+    let mut buffer = DeviceBuffer::<u32>::new(&gpu.context, 1024).unwrap();
+    let profiler = StreamProfiler::with_limit(&gpu.context, 16).unwrap();
+    for round in 0..500u32 {
+        profiler
+            .profile(
+                &stream,
+                format!("fill {round}"),
+                OperationKind::Memset,
+                4096,
+                |s| s.fill(&mut buffer, round),
+            )
+            .unwrap();
+        if round % 100 == 99 {
+            // Reading the operations collects what finished, which is when the limit applies.
+            assert!(profiler.operations().unwrap().len() <= 16);
+        }
+    }
+    let kept = profiler.operations().unwrap();
+    assert_eq!(kept.len(), 16);
+    assert_eq!(profiler.evicted(), 500 - 16);
+    // The newest sixteen, in GPU order.
+    let names: Vec<String> = kept.iter().map(|op| op.name.clone()).collect();
+    let expected: Vec<String> = (484..500).map(|round| format!("fill {round}")).collect();
+    assert_eq!(names, expected);
+    assert_eq!(profiler.report().unwrap().combined.operations, 16);
+    assert_eq!(buffer.to_vec().unwrap(), vec![499; 1024]);
 }

@@ -12,9 +12,12 @@ use crate::priority::StreamPriority;
 use crate::stream::{OperationKind, PriorityStream};
 use crate::timing::GpuTimer;
 
+mod kept;
 mod report;
 mod trace;
 
+pub use kept::DEFAULT_KEPT_OPERATIONS;
+use kept::KeptOperations;
 pub use report::{CombinedReport, NamedTotal, ProfileReport, ProfiledOperation, StreamReport};
 
 /// What a span of the profiler's timer is.
@@ -38,7 +41,9 @@ struct Pending {
 /// 8 µs after 100 s. Operations waiting for the GPU are bounded
 /// ([`DEFAULT_PENDING_SPANS`](crate::timing::DEFAULT_PENDING_SPANS)): past that, finished ones
 /// are read first, and an operation is left untimed ([`skipped`](Self::skipped)) only if none
-/// has finished.
+/// has finished. Finished operations are kept up to a limit ([`DEFAULT_KEPT_OPERATIONS`],
+/// or [`with_limit`](Self::with_limit)): past it the oldest are let go
+/// ([`evicted`](Self::evicted)), so reports and traces cover the newest window of a long run.
 ///
 /// ```no_run
 /// use std::sync::Arc;
@@ -62,16 +67,25 @@ pub struct StreamProfiler {
     context: Arc<Context>,
     base: Event,
     timer: GpuTimer<Pending>,
-    finished: Mutex<Vec<ProfiledOperation>>,
+    finished: Mutex<KeptOperations>,
 }
 
 impl StreamProfiler {
-    /// A profiler for streams of `context`'s device; its base event is recorded and completed
+    /// A profiler for streams of `context`'s device that keeps the newest
+    /// [`DEFAULT_KEPT_OPERATIONS`] finished operations; its base event is recorded and completed
     /// now (on a stream of its own).
     ///
     /// # Errors
     /// The driver's error.
     pub fn new(context: &Arc<Context>) -> Result<Self> {
+        Self::with_limit(context, DEFAULT_KEPT_OPERATIONS)
+    }
+
+    /// As [`new`](Self::new), keeping at most `kept` finished operations (at least one).
+    ///
+    /// # Errors
+    /// The driver's error.
+    pub fn with_limit(context: &Arc<Context>, kept: usize) -> Result<Self> {
         let stream = Stream::new(context, StreamFlags::NON_BLOCKING)?;
         let base = Event::new(context, EventFlags::TIMING)?;
         base.record(&stream)?;
@@ -80,7 +94,7 @@ impl StreamProfiler {
             context: Arc::clone(context),
             base,
             timer: GpuTimer::new(EventPool::for_context(context)?),
-            finished: Mutex::new(Vec::new()),
+            finished: Mutex::new(KeptOperations::new(kept)),
         })
     }
 
@@ -135,6 +149,11 @@ impl StreamProfiler {
         self.timer.pending()
     }
 
+    /// Finished operations let go, oldest first, because more than the limit were kept.
+    pub fn evicted(&self) -> u64 {
+        self.finished.lock().evicted()
+    }
+
     /// Operations left untimed because too many were waiting for the GPU.
     pub fn skipped(&self) -> u64 {
         self.timer.skipped()
@@ -177,15 +196,14 @@ impl StreamProfiler {
         failure.map_or(Ok(()), Err)
     }
 
-    /// Waits for every profiled operation to finish and returns all of them, by start time.
+    /// Waits for every profiled operation to finish and returns those kept (the newest, up to
+    /// the limit), by start time.
     ///
     /// # Errors
     /// The driver's error from waiting or reading the events.
     pub fn operations(&self) -> Result<Vec<ProfiledOperation>> {
         self.collect(true)?;
-        let mut finished = self.finished.lock();
-        finished.sort_by_key(|op| (op.start_ns, op.stream));
-        Ok(finished.clone())
+        Ok(self.finished.lock().sorted())
     }
 
     /// Per-stream and combined report of everything profiled (waits for pending operations).
@@ -206,7 +224,7 @@ impl StreamProfiler {
         Ok(trace::chrome_trace(self.context.device().ordinal(), &operations).to_string())
     }
 
-    /// Forgets every finished operation (pending ones stay).
+    /// Forgets every kept finished operation (pending ones stay).
     pub fn clear(&self) {
         self.finished.lock().clear();
     }
