@@ -61,7 +61,7 @@ use crate::error::{MemoryError, Result};
 use crate::resource::MemoryResource;
 
 /// The high bit of a [`StreamKey`] marks a private pool's free list.
-const PRIVATE_BIT: usize = 1 << (usize::BITS - 1);
+pub(super) const PRIVATE_BIT: usize = 1 << (usize::BITS - 1);
 
 /// The identity of a private pool (PyTorch's `MempoolId_t`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -693,9 +693,11 @@ pub(crate) fn release_block_during_capture(
     let FreeMarkers {
         events,
         graph_pools,
+        home,
     } = markers;
-    let used = !events.is_empty();
-    drop(events);
+    // The home stream's event counts as any other here: the block may be reused anywhere.
+    let used = !events.is_empty() || home.is_some();
+    drop((events, home));
     let private = stream.as_usize() & PRIVATE_BIT != 0;
     let held = HeldBlock {
         shared: Arc::clone(&shard.shared),
@@ -746,8 +748,9 @@ pub(crate) fn release_resource_during_capture(
     let FreeMarkers {
         events,
         graph_pools,
+        home,
     } = markers;
-    drop(events);
+    drop((events, home));
     let held = Held {
         memory: HeldMemory::Resource {
             resource,
@@ -1355,6 +1358,7 @@ mod tests {
         let markers = FreeMarkers {
             events: Vec::new(),
             graph_pools: vec![u64::MAX - 40],
+            home: None,
         };
         assert_eq!(active_captures(), 0);
         assert!(
