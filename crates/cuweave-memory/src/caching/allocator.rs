@@ -8,6 +8,7 @@ use cuweave_driver::{Context, Device, EventPool, OwnedPooledEvent, Stream, Strea
 
 use super::allocation::CachedAllocation;
 use super::engine::{Engine, Release, SHARDS, Upstream};
+use super::graph_pool::{SegmentHome, retire_engine};
 use super::pool::{Grant, Segment};
 use super::stats::MemoryStats;
 use super::stream_uses::{Seed, StreamKey};
@@ -15,39 +16,20 @@ use crate::error::Result;
 use crate::events::ContextEvents;
 use crate::resource::{DriverResource, MemoryResource, check_stream};
 
-/// What the allocator and every allocation it handed out share.
-pub(crate) struct Shared {
-    /// The cache; a pending block's markers are events of the context's pool, which go back
-    /// there once they complete.
-    pub(crate) engine: Engine<OwnedPooledEvent>,
+/// Where the allocator's segments come from and go back to: the upstream, and the stream
+/// segments are handed back on.
+///
+/// Shared by the allocator and by every graph pool that holds segments of it after the
+/// allocator is gone: the upstream (a [`DriverResource`] frees whatever it still has when it
+/// drops) lives until the last of those segments has gone back to it.
+pub(crate) struct Source {
     upstream: Arc<dyn MemoryResource>,
-    pub(crate) device: Device,
-    /// The context's event pool: events recorded behind uses of the memory (by `record_stream`
-    /// frees and typed buffers' trackers) come from it. Held here so that it lives as long as
-    /// the allocator, and a pending marker's return is never the pool's last reference.
-    pub(crate) events: ContextEvents,
-    /// The stream cached segments are handed back to the upstream on, made on first use.
+    /// The stream cached segments are handed back on, made on first use.
     release_stream: OnceLock<Stream>,
 }
 
-impl Shared {
-    /// The context the memory belongs to.
-    pub(crate) fn context(&self) -> &Arc<Context> {
-        self.upstream.context()
-    }
-
-    /// The upstream resource.
-    pub(super) fn upstream(&self) -> &Arc<dyn MemoryResource> {
-        &self.upstream
-    }
-
-    /// The context's event pool (looked up on first use).
-    #[inline]
-    pub(crate) fn event_pool(&self) -> Result<&EventPool> {
-        self.events.pool(self.context())
-    }
-
-    pub(super) fn release_stream(&self) -> Result<&Stream> {
+impl Source {
+    fn release_stream(&self) -> Result<&Stream> {
         if let Some(stream) = self.release_stream.get() {
             return Ok(stream);
         }
@@ -57,7 +39,7 @@ impl Shared {
     }
 }
 
-impl Release for Shared {
+impl Release for Source {
     /// Waits for the device, frees every segment on the release stream, waits for those frees
     /// and asks the upstream to release what it keeps unused
     /// ([`MemoryResource::release_unused`]).
@@ -89,11 +71,61 @@ impl Release for Shared {
     }
 }
 
+impl SegmentHome for Source {
+    fn context(&self) -> Option<&Arc<Context>> {
+        Some(self.upstream.context())
+    }
+}
+
+/// What the allocator and every allocation it handed out share.
+pub(crate) struct Shared {
+    /// The cache; a pending block's markers are events of the context's pool, which go back
+    /// there once they complete.
+    pub(crate) engine: Engine<OwnedPooledEvent>,
+    /// The upstream, which graph pools holding segments keep alive past the allocator.
+    source: Arc<Source>,
+    pub(crate) device: Device,
+    /// The context's event pool: events recorded behind uses of the memory (by `record_stream`
+    /// frees and typed buffers' trackers) come from it. Held here so that it lives as long as
+    /// the allocator, and a pending marker's return is never the pool's last reference.
+    pub(crate) events: ContextEvents,
+}
+
+impl Shared {
+    /// The context the memory belongs to.
+    pub(crate) fn context(&self) -> &Arc<Context> {
+        self.source.upstream.context()
+    }
+
+    /// The upstream resource.
+    pub(super) fn upstream(&self) -> &Arc<dyn MemoryResource> {
+        &self.source.upstream
+    }
+
+    /// The context's event pool (looked up on first use).
+    #[inline]
+    pub(crate) fn event_pool(&self) -> Result<&EventPool> {
+        self.events.pool(self.context())
+    }
+
+    /// The stream segments are allocated on during a capture and handed back on.
+    pub(super) fn release_stream(&self) -> Result<&Stream> {
+        self.source.release_stream()
+    }
+}
+
+impl Release for Shared {
+    fn release_segments(&self, segments: &[Segment]) -> Result<()> {
+        self.source.release_segments(segments)
+    }
+}
+
 impl Drop for Shared {
     fn drop(&mut self) {
         // No allocation is left (each holds an Arc of this), so after the pending blocks are
-        // waited for, every segment is whole and free.
-        if let Err(error) = self.engine.release_cached(&*self) {
+        // waited for, every segment is whole and free. Those of graph pools still alive go to
+        // the pools, with the upstream: a graph replays into them after the allocator is gone.
+        if let Err(error) = retire_engine(&self.engine, &self.source) {
             tracing::warn!(%error, "releasing the caching allocator's segments on drop failed");
         }
         let stats = self.engine.stats();
@@ -138,7 +170,7 @@ impl Release for RequestUpstream<'_> {
 
 impl Upstream for RequestUpstream<'_> {
     fn allocate_segment(&self, bytes: usize) -> Result<u64> {
-        self.shared.upstream.allocate(bytes, self.stream)
+        self.shared.upstream().allocate(bytes, self.stream)
     }
 }
 
@@ -197,10 +229,12 @@ impl CachingAllocator {
         let device = upstream.device();
         let shared = Arc::new(Shared {
             engine: Engine::with_shards(shards),
-            upstream,
+            source: Arc::new(Source {
+                upstream,
+                release_stream: OnceLock::new(),
+            }),
             device,
             events: ContextEvents::default(),
-            release_stream: OnceLock::new(),
         });
         let shards = (0..shards)
             .map(|_| {
@@ -366,7 +400,7 @@ impl CachingAllocator {
 
     /// The resource the segments come from.
     pub fn upstream(&self) -> &Arc<dyn MemoryResource> {
-        &self.handles.shared.upstream
+        self.handles.shared.upstream()
     }
 
     /// The device the memory is on.
@@ -383,7 +417,7 @@ impl CachingAllocator {
 impl fmt::Debug for CachingAllocator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CachingAllocator")
-            .field("upstream", &self.handles.shared.upstream.name())
+            .field("upstream", &self.handles.shared.upstream().name())
             .field("device", &self.handles.shared.device.ordinal())
             .field("stats", &self.stats())
             .finish()

@@ -435,22 +435,7 @@ impl<E: Marker> Engine<E> {
     /// `release`; returns the bytes given back.
     pub fn release_cached(&self, release: &impl Release) -> Result<usize> {
         let waited = self.wait_pending();
-        let mut segments = Vec::new();
-        for shard in self.shards.iter() {
-            let mut pools = shard.pools.lock();
-            let taken = pools.take_free_segments();
-            if taken.is_empty() {
-                continue;
-            }
-            let mut totals = self.totals.lock();
-            for segment in &taken {
-                totals.reserved_bytes.sub(segment.size);
-                totals.segments.sub(1);
-            }
-            drop(totals);
-            drop(pools);
-            segments.extend(taken);
-        }
+        let segments = self.take_segments(|pools| pools.take_free_segments());
         let bytes = segments.iter().map(|segment| segment.size).sum();
         let released = if segments.is_empty() {
             Ok(())
@@ -463,6 +448,35 @@ impl<E: Marker> Engine<E> {
             release.release_segments(&segments)
         };
         waited.and(released).map(|()| bytes)
+    }
+
+    /// Takes every free whole segment left, of graph pools that are still alive too, off the
+    /// books: for the allocator's last handle, after [`release_cached`](Self::release_cached),
+    /// to hand the graph pools' segments to the pools that hold them.
+    pub fn take_all_free_segments(&self) -> Vec<Segment> {
+        self.take_segments(|pools| pools.take_whole_segments(|_| true))
+    }
+
+    /// Takes the segments `take` picks out of every shard's pools, and counts them out of the
+    /// totals.
+    fn take_segments(&self, take: impl Fn(&mut Pools) -> Vec<Segment>) -> Vec<Segment> {
+        let mut segments = Vec::new();
+        for shard in self.shards.iter() {
+            let mut pools = shard.pools.lock();
+            let taken = take(&mut pools);
+            if taken.is_empty() {
+                continue;
+            }
+            let mut totals = self.totals.lock();
+            for segment in &taken {
+                totals.reserved_bytes.sub(segment.size);
+                totals.segments.sub(1);
+            }
+            drop(totals);
+            drop(pools);
+            segments.extend(taken);
+        }
+        segments
     }
 
     /// Runs `f` with every shard's pools and the totals locked (in lock order), so that what it

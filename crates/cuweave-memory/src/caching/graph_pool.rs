@@ -970,6 +970,10 @@ pub(super) fn refuse_during_capture(operation: &'static str) -> Result<()> {
     ))
 }
 
+#[path = "graph_pool_retire.rs"]
+mod retire;
+pub(crate) use retire::{SegmentHome, retire_engine};
+
 /// Binding captures and holding memory without a GPU, for the tests of the buffers' use
 /// tracking, which names pools by the tags [`pool_tag_of_capture`] gives.
 #[cfg(test)]

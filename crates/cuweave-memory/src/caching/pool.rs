@@ -275,14 +275,17 @@ impl Pools {
     /// Takes every free whole segment out of the pools, for return to the upstream, except those
     /// of graph pools that are still alive.
     pub fn take_free_segments(&mut self) -> Vec<Segment> {
+        self.take_whole_segments(|stream| !super::graph_pool::is_retained(stream))
+    }
+
+    /// Takes every free whole segment of a stream key `take` accepts out of the pools.
+    pub fn take_whole_segments(&mut self, take: impl Fn(StreamKey) -> bool) -> Vec<Segment> {
         self.flush_stash();
         let whole: Vec<BlockId> = self
             .arena
             .iter()
             .filter(|(_, block)| {
-                block.state == BlockState::Free
-                    && block.is_whole_segment()
-                    && !super::graph_pool::is_retained(block.stream)
+                block.state == BlockState::Free && block.is_whole_segment() && take(block.stream)
             })
             .map(|(id, _)| id)
             .collect();
