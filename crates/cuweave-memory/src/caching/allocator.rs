@@ -183,7 +183,9 @@ impl Upstream for RequestUpstream<'_> {
 ///
 /// Cheap to clone (an `Arc`); `Send + Sync`. Every [`CachedAllocation`] keeps the allocator's
 /// state alive, so the allocator may be dropped before its allocations; the cached memory goes
-/// back to the upstream when the last of them is freed.
+/// back to the upstream when the last of them is freed, except the segments of
+/// [graph pools](super::GraphPool) whose graphs still live: those pools keep them (and the
+/// upstream) until their last graph dies.
 ///
 /// [`record_stream`]: CachedAllocation::record_stream
 ///

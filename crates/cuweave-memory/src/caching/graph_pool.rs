@@ -35,7 +35,8 @@
 //! - A pool lives as long as its last holder: the [`GraphPool`] handles and every graph and
 //!   executable it is attached to ([`GraphPool::keep_alive`]). Until then
 //!   [`CachingAllocator::empty_cache`] leaves its segments alone; after, they are released like
-//!   any other free segment.
+//!   any other free segment. The allocator may be dropped first: its last handle hands the
+//!   segments of live pools to those pools, with its upstream, to be returned when they die.
 //!
 //! With no capture active anywhere, allocation and free pay one atomic load for all this.
 
