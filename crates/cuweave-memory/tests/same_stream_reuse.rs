@@ -73,9 +73,8 @@ fn the_next_buffer_of_a_block_dropped_behind_queued_work_waits_for_it_on_other_s
     // `a` is filled with 1.0 on `s` behind a spin and dropped at once; `b`, from `s`'s free
     // list, is the same block, handed out before that fill ran. `b` written on `t`, or by a
     // blocking copy (legacy stream), must land after the old fill: its tracker starts with the
-    // old fill's event as a write on `s`. (16 MiB: a segment of its own, so no free remainder of
-    // it is there to be preferred over the carried block.)
-    const LEN: usize = 4 * MIB;
+    // old fill's event as a write on `s`.
+    const LEN: usize = MIB;
     let _serial = serial();
     let gpu = require_gpu!();
     let kernels = TestKernels::load(&gpu.context).unwrap();
