@@ -2,10 +2,7 @@
 //! a few streams, where each stream carries a vector clock (a wait on an event joins the clock
 //! the event was recorded with). Every use must be ordered after each earlier conflicting use
 //! (overlapping bytes, one of them a write) that had not finished: whatever the state merged,
-//! re-recorded or pruned, no wait it owed was lost. The buffer is also freed and its block
-//! reused by a new buffer, as the caching allocator does: at once, seeded with the newest home
-//! stream use's event, when only that stream's events are left; else once every event has
-//! completed.
+//! re-recorded or pruned, no wait it owed was lost.
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -90,8 +87,6 @@ enum Step {
     },
     /// Everything queued so far on `stream` finishes.
     Finish { stream: usize },
-    /// The buffer is dropped and a new one made from its block, for stream 0.
-    Reuse,
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -100,7 +95,6 @@ fn step() -> impl Strategy<Value = Step> {
             Step::Use { stream, start, len, write }
         }),
         1 => (0..STREAMS).prop_map(|stream| Step::Finish { stream }),
-        1 => Just(Step::Reuse),
     ]
 }
 
@@ -128,30 +122,8 @@ fn run(steps: &[Step]) -> std::result::Result<(), TestCaseError> {
         .collect();
     let mut state: UseState<ClockEvent> = UseState::default();
     let mut done: Vec<Done> = Vec::new();
-    let home = streams[0].id();
     for (at, step) in steps.iter().enumerate() {
         match *step {
-            Step::Reuse => {
-                let taken = state.take_for_reuse_on(Some(home), |_| true);
-                state = UseState::default();
-                match taken.home {
-                    Some((event, epoch)) if taken.events.is_empty() => {
-                        state.seed_home_write(event, home, epoch);
-                    }
-                    home_event => {
-                        // Pending until every event has completed: the GPU gets there first.
-                        let events = taken.events.iter().chain(home_event.iter().map(|h| &h.0));
-                        let mut finished = finished.lock();
-                        for event in events {
-                            if let Some((_, clock)) = *event.recorded.lock() {
-                                for (reached, needed) in finished.iter_mut().zip(clock) {
-                                    *reached = (*reached).max(needed);
-                                }
-                            }
-                        }
-                    }
-                }
-            }
             Step::Finish { stream } => {
                 // A stream finishes only what it was ordered after has finished too.
                 let clock = *streams[stream].clock.borrow();
