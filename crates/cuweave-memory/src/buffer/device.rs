@@ -12,7 +12,7 @@ use super::range::allocation_bytes;
 use super::raw::legacy_stream;
 use super::tracker::{Owner, Part, StreamTracker};
 use crate::caching::default::{check_context, with_default};
-use crate::caching::{CachedBlock, CachingAllocator, Grant, Seed, ShardHandle, StreamKey};
+use crate::caching::{CachedBlock, CachingAllocator, Grant, ShardHandle, StreamKey};
 use crate::element::Element;
 use crate::error::Result;
 use crate::resource::{MemoryResource, check_stream};
@@ -70,29 +70,16 @@ impl std::fmt::Debug for Memory {
 /// # Dropping
 ///
 /// Dropping never blocks on the GPU and never calls `cuMemFree`: the block goes back to its
-/// allocator, in the free lists of the stream it was allocated for
-/// ([`allocated_for`](Self::allocated_for)), which hand it out again only for that stream. The
-/// events the tracker recorded behind the buffer's uses travel with the block, as
-/// `record_stream` does for raw blocks:
-///
-/// - used on its own stream only, the block may be handed out again there at once, even with
-///   that work still queued (PyTorch's rule: what is queued there next runs after it). It
-///   carries the event of its newest use there (one event, whatever the number of uses or
-///   reuses), and the next buffer made from it starts with that event as a write on that
-///   stream: used there it waits for nothing, used on any other stream, or by the blocking
-///   methods (the legacy stream), or read by the host, it waits for the old work first, as
-///   for any earlier write; the allocator does not merge, split or release it to the driver
-///   ([`CachingAllocator::empty_cache`]) before the event has completed;
-/// - used on another stream too, it is handed out again only once every one of those events
-///   has completed (a drop never waits for them);
-/// - a buffer of the legacy stream ([`new`](Self::new), whose stream has no one identity), and
-///   a block of a capture's graph pool, wait for every event the same way; uses recorded by a
-///   stream capture hold the block for the capture's graph pool instead (`docs/graphs.md`).
-///
-/// A buffer nothing was queued on goes straight back to its stream's free list (no event, no
-/// allocation). Memory of another resource is deallocated in stream order: the legacy default
-/// stream waits for the buffer's uses, then the resource's `deallocate` runs there (for
-/// `DriverResource` that is `cuMemFree`, which blocks).
+/// allocator, which hands it out again only once every use the buffer recorded (on any stream,
+/// its own included) has finished: the events the tracker recorded behind them travel with the
+/// block, as `record_stream` does for raw blocks. Stream order alone would not cover a reuse on
+/// the block's own stream: the next buffer made from the block may be used on any stream (or
+/// by the blocking methods, on the legacy stream), and its tracker knows nothing of the old
+/// uses. A buffer nothing was queued on goes straight back to its stream's free list (no event,
+/// no allocation). Uses recorded by a stream capture hold the block for the capture's graph
+/// pool instead (`docs/graphs.md`). Memory of another resource is deallocated in stream order:
+/// the legacy default stream waits for the buffer's uses, then the resource's `deallocate`
+/// runs there (for `DriverResource` that is `cuMemFree`, which blocks).
 ///
 /// Work queued on [`device_ptr`](Buffer::device_ptr) by hand must be recorded
 /// ([`Buffer::record_write`] or [`TrackedLaunch`](crate::TrackedLaunch)), or be on the stream
@@ -107,7 +94,7 @@ impl std::fmt::Debug for Memory {
 /// let stream = Stream::new(&context, StreamFlags::NON_BLOCKING)?;
 /// let mut scratch = DeviceBuffer::<f32>::new_on(&stream, 1 << 20)?; // from the cache
 /// scratch.fill_async(1.0, &stream)?;
-/// drop(scratch); // back to the cache: reused on `stream` at once, behind the fill
+/// drop(scratch); // back to the cache; reused once the fill has run
 /// let buffer = DeviceBuffer::from_slice(&context, &[1.0f32, 2.0, 3.0])?;
 /// assert_eq!(buffer.to_vec()?, [1.0, 2.0, 3.0]);
 /// # Ok(())
@@ -227,17 +214,9 @@ impl<T: Element> DeviceBuffer<T> {
     }
 
     #[inline]
-    fn from_cached(
-        (grant, shard, seed): (Grant, Arc<ShardHandle>, Option<Seed<OwnedPooledEvent>>),
-        len: usize,
-    ) -> Self {
+    fn from_cached((grant, shard): (Grant, Arc<ShardHandle>), len: usize) -> Self {
         let block = CachedBlock::new(grant);
-        let mut tracker = StreamTracker::with_owner(Owner::Cache(shard));
-        if let Some(Seed { marker, epoch }) = seed {
-            // The block's previous buffer may still be used on its stream: a write there, which
-            // any other stream, the default streams and the host wait for first.
-            tracker.seed_home_write(marker, grant.stream.as_usize() as u64, epoch);
-        }
+        let tracker = StreamTracker::with_owner(Owner::Cache(shard));
         Self {
             core: BufferCore::with_tracker(tracker, block.ptr(), len, size_of::<T>()),
             memory: Memory::Cached(block),
@@ -321,14 +300,9 @@ fn deallocate_after(
 impl<T: Element> Drop for DeviceBuffer<T> {
     #[inline]
     fn drop(&mut self) {
-        // A cached block goes back to its stream's free lists: the newest use there is kept
-        // apart, to go with the block to its next buffer (a block of the legacy stream or of a
-        // graph pool has no one stream: every event waits).
-        let home = match &self.memory {
-            Memory::Cached(block) => block.stream().reuse_stream(),
-            Memory::Resource { .. } | Memory::Freed => None,
-        };
-        let markers = self.core.tracker_mut().take_for_free(home);
+        // Every use's event travels with the block, its own stream's too: the next buffer made
+        // from it starts with an empty tracker and may be used on any stream.
+        let markers = self.core.tracker_mut().take_for_free();
         match std::mem::replace(&mut self.memory, Memory::Freed) {
             Memory::Cached(block) => match self.core.tracker().shard() {
                 Some(shard) => {

@@ -292,7 +292,7 @@ impl<T: Element> Drop for PinnedBuffer<T> {
     /// synchronised. Used by a capture no pool was bound to, it is never reused: a pool block
     /// stays quarantined (leaked when the pool goes away), an own allocation is leaked.
     fn drop(&mut self) {
-        let markers = self.core.tracker_mut().take_for_free(None);
+        let markers = self.core.tracker_mut().take_for_free();
         match std::mem::replace(&mut self.allocation, HostMemory::Gone) {
             HostMemory::Pool(mut block) => {
                 // The pool gates the block's reuse on the tracker's events: no wait here.

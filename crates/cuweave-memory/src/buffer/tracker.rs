@@ -91,21 +91,9 @@ pub(crate) struct FreeMarkers {
     /// the graphs of those pools may replay with the memory while the pools live. Empty when no
     /// capture used the buffer.
     pub(crate) graph_pools: Vec<u64>,
-    /// The event of the newest eager use on the stream the memory goes back to, kept apart
-    /// (see [`StreamTracker::take_for_free`]), with its capture epoch.
-    pub(crate) home: Option<(OwnedPooledEvent, u64)>,
 }
 
 impl FreeMarkers {
-    /// Puts the home stream's event with the others: for a free whose memory may be reused on
-    /// any stream (a capture's path, or a block that also waits for other streams).
-    #[inline]
-    pub(crate) fn fold_home(&mut self) {
-        if let Some((event, _)) = self.home.take() {
-            self.events.push(event);
-        }
-    }
-
     /// Whether the free must take the capture path: a capture is active now, or one used the
     /// buffer.
     #[inline]
@@ -221,47 +209,32 @@ impl StreamTracker {
     /// the pools live), even if those captures have ended (their events can never be queried,
     /// and their graphs may replay).
     ///
-    /// `home` is the [`Stream::id`] of the stream whose free lists the memory goes back to, if
-    /// there is one (a caching allocator's block of a created stream): of the eager uses there
-    /// only the newest one's event is handed over, apart, in [`FreeMarkers::home`] (it completes
-    /// after all of them); the block may then be handed out again on that stream at once, and
-    /// the event seeds the next buffer's tracker ([`seed_home_write`](Self::seed_home_write)).
-    /// `None` hands every event over in [`FreeMarkers::events`].
-    ///
     /// A recorded event that is still shared (only a host wait on this tracker clones one, and
     /// a buffer being freed has no borrower left) is waited for here instead.
     #[inline]
-    pub(crate) fn take_for_free(&mut self, home: Option<u64>) -> FreeMarkers {
+    pub(crate) fn take_for_free(&mut self) -> FreeMarkers {
         let state = self.state.get_mut();
         if state.is_empty() && !state.used_in_graphs() {
             return FreeMarkers::default();
         }
         // Uses of an ended capture are never queried: with no capture active, every one has ended.
         let none_active = active_captures() == 0;
-        let taken = state.take_for_reuse_on(home, |id| none_active || !capture_is_active(id));
+        let taken = state.take_all(|id| none_active || !capture_is_active(id));
         let mut events = Vec::with_capacity(taken.events.len());
         for event in taken.events {
-            if let Some(event) = unshared(event) {
-                events.push(event);
+            match Arc::try_unwrap(event) {
+                Ok(event) => events.push(event),
+                Err(shared) => {
+                    if let Err(error) = shared.synchronize() {
+                        tracing::error!(%error, "waiting for a shared use event of a freed buffer failed");
+                    }
+                }
             }
         }
         FreeMarkers {
             events,
             graph_pools: taken.graph_pools,
-            home: taken
-                .home
-                .and_then(|(event, epoch)| unshared(event).map(|event| (event, epoch))),
         }
-    }
-
-    /// Seeds the tracker of a new buffer with the event its block carried: the last use of the
-    /// block's previous buffer on the stream of identity `home`, which may still be queued
-    /// (see [`UseState::seed_home_write`]).
-    #[inline]
-    pub(crate) fn seed_home_write(&mut self, event: OwnedPooledEvent, home: u64, epoch: u64) {
-        self.state
-            .get_mut()
-            .seed_home_write(Arc::new(event), home, epoch);
     }
 
     /// The raw handle of the stream that last used the buffer (0 is the legacy default stream,
@@ -317,20 +290,6 @@ impl StreamTracker {
     /// How many uses are tracked (bounded by the merge rule of [`UseState::record_range`]).
     pub(crate) fn tracked_uses(&self) -> usize {
         self.state.lock().tracked()
-    }
-}
-
-/// The event itself when nothing else holds it; else (a host wait's clone) it is waited for
-/// here and `None` is returned.
-fn unshared(event: Arc<OwnedPooledEvent>) -> Option<OwnedPooledEvent> {
-    match Arc::try_unwrap(event) {
-        Ok(event) => Some(event),
-        Err(shared) => {
-            if let Err(error) = shared.synchronize() {
-                tracing::error!(%error, "waiting for a shared use event of a freed buffer failed");
-            }
-            None
-        }
     }
 }
 

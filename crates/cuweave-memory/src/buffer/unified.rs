@@ -199,7 +199,7 @@ impl<T: Element> Drop for UnifiedBuffer<T> {
     /// freed while a capture is active, once none is (nothing may wait for the device, nor free
     /// memory, during a capture). See `free_own_allocation`.
     fn drop(&mut self) {
-        let markers = self.core.tracker_mut().take_for_free(None);
+        let markers = self.core.tracker_mut().take_for_free();
         let Some(allocation) = self.allocation.take() else {
             return;
         };

@@ -82,10 +82,6 @@ pub(crate) struct CaptureView {
 pub(crate) struct Taken<E> {
     /// The events recorded behind the uses that are kept.
     pub(crate) events: Vec<Arc<E>>,
-    /// With [`UseState::take_for_reuse_on`]: the event of the newest eager use on the stream
-    /// the memory will be handed out again on, with its capture epoch. It covers every earlier
-    /// use there (events on one stream complete in order), whose events are dropped.
-    pub(crate) home: Option<(Arc<E>, u64)>,
     /// The distinct tags of the graph pools bound to the captures that used the buffer (of
     /// ended captures too), or [`NO_POOL`] for a capture no pool was bound to.
     pub(crate) graph_pools: Vec<u64>,
@@ -765,33 +761,10 @@ impl<E: UseEvent> UseState<E> {
     /// by then) instead of the general cache; pools that have died by then are skipped. Events
     /// of uses whose capture has ended (`ended` says which) are dropped, back to their pool:
     /// they can never be queried.
-    #[cfg(test)]
     pub(crate) fn take_all(&mut self, ended: impl Fn(u64) -> bool) -> Taken<E> {
-        self.take_for_reuse_on(None, ended)
-    }
-
-    /// As [`take_all`](Self::take_all), for memory that will be handed out again first on the
-    /// stream of identity `home` (a caching allocator's block goes back to the free lists of
-    /// the stream it was allocated for): of the eager uses on that stream only the newest
-    /// one's event is kept, apart, in [`Taken::home`] (it completes after every earlier use
-    /// there); the events of the older ones are dropped. Uses on other streams, on the default
-    /// streams (no identity) and in captures are handed over in [`Taken::events`] as by
-    /// `take_all`. `None` hands every event over there.
-    pub(crate) fn take_for_reuse_on(
-        &mut self,
-        home: Option<u64>,
-        ended: impl Fn(u64) -> bool,
-    ) -> Taken<E> {
         let mut events = Vec::with_capacity(self.tracked());
-        let mut newest: Option<Use<E>> = None;
         for used in self.writes.drain(..).chain(self.reads.drain(..)) {
-            if home.is_some() && used.capture.is_none() && used.stream == home {
-                // Stream order: the later record on `home` completes after the earlier one.
-                match &newest {
-                    Some(kept) if kept.seq >= used.seq => {}
-                    _ => newest = Some(used),
-                }
-            } else if !used.capture.is_some_and(&ended) {
+            if !used.capture.is_some_and(&ended) {
                 events.push(used.event);
             }
         }
@@ -803,28 +776,8 @@ impl<E: UseEvent> UseState<E> {
         self.settle_unbound(|_| false, crate::caching::pool_tag_of_capture);
         Taken {
             events,
-            home: newest.map(|used| (used.event, used.epoch)),
             graph_pools: std::mem::take(&mut self.graphs),
         }
-    }
-
-    /// Starts a new buffer's state on memory whose previous holder's last use on the stream of
-    /// identity `home` is still queued: as a write of the whole buffer there, behind `event`
-    /// (recorded with capture epoch `epoch`). Work on `home` needs no wait for it (stream
-    /// order); any other stream, the default streams and the host wait for `event` first, as
-    /// for any earlier write; a write of the whole buffer on `home` re-records the same event.
-    pub(crate) fn seed_home_write(&mut self, event: Arc<E>, home: u64, epoch: u64) {
-        debug_assert!(self.is_empty() && !self.used_in_graphs());
-        self.records += 1;
-        self.writes.push(Use {
-            event,
-            stream: Some(home),
-            slot: None,
-            range: ByteRange::WHOLE,
-            epoch,
-            capture: None,
-            seq: self.records,
-        });
     }
 
     /// Every event a host access must wait for: uses of ended captures are left out (their
@@ -869,7 +822,3 @@ mod capture_tests;
 #[cfg(test)]
 #[path = "uses_model_tests.rs"]
 mod model_tests;
-
-#[cfg(test)]
-#[path = "uses_home_tests.rs"]
-mod home_tests;

@@ -58,7 +58,7 @@ pub(super) struct FakeStream {
 }
 
 impl FakeStream {
-    pub(super) fn new(raw: usize, id: u64) -> Self {
+    fn new(raw: usize, id: u64) -> Self {
         Self {
             raw,
             id,
@@ -592,9 +592,9 @@ fn a_buffer_written_in_ever_new_ranges_keeps_a_bounded_number_of_uses() {
 
 #[test]
 fn a_free_hands_on_every_eager_uses_event_its_own_streams_too() {
-    // Without a home stream (memory reused anywhere: a resource's, the pinned pool's, a block of
-    // the legacy stream), the events of uses on any one stream travel with the memory like any
-    // other stream's; `take_for_reuse_on` (uses_home_tests.rs) keeps a home stream's apart.
+    // The next buffer made from a freed block starts with an empty tracker and may be used on
+    // any stream: stream order on the block's own stream covers nothing for it, so the events of
+    // uses there travel with the block like any other stream's.
     let events = Events::default();
     let (home, other) = (FakeStream::own(1), FakeStream::own(2));
     let mut state = UseState::default();

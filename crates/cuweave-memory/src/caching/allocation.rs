@@ -9,7 +9,7 @@ use cuweave_driver::{Device, Stream};
 use super::allocator::ShardHandle;
 use super::block::BlockId;
 use super::pool::Grant;
-use super::stream_uses::{Seed, StreamKey, record_uses};
+use super::stream_uses::{StreamKey, record_uses};
 use crate::buffer::tracker::FreeMarkers;
 use crate::error::Result;
 use crate::resource::check_stream;
@@ -252,28 +252,8 @@ impl CachedBlock {
     /// `markers.events` (recorded behind the uses a typed buffer's tracker saw, on any stream) has
     /// completed; the events then go back to their pool. With no events this is the plain
     /// lock-protected free.
-    ///
-    /// A block whose only marker is `markers.home` (the last use on its own stream) is handed
-    /// out again on that stream at once, with the marker ([`Engine::free_carrying`]); with
-    /// other streams' events, or on the capture path, the home marker waits with the others.
-    ///
-    /// [`Engine::free_carrying`]: super::engine::Engine::free_carrying
     #[inline]
-    pub(crate) fn free(self, shard: &ShardHandle, mut markers: FreeMarkers) -> Result<()> {
-        if markers.home.is_some() {
-            if markers.events.is_empty()
-                && !markers.during_capture()
-                && let Some((marker, epoch)) = markers.home
-            {
-                return shard.shared.engine.free_carrying(
-                    self.stream,
-                    self.id,
-                    self.ptr,
-                    Seed { marker, epoch },
-                );
-            }
-            markers.fold_home();
-        }
+    pub(crate) fn free(self, shard: &ShardHandle, markers: FreeMarkers) -> Result<()> {
         if markers.during_capture() {
             return super::graph_pool::release_block_during_capture(
                 shard,

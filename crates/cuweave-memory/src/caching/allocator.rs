@@ -11,7 +11,7 @@ use super::engine::{Engine, Release, SHARDS, Upstream};
 use super::graph_pool::{SegmentHome, retire_engine};
 use super::pool::{Grant, Segment};
 use super::stats::MemoryStats;
-use super::stream_uses::{Seed, StreamKey};
+use super::stream_uses::StreamKey;
 use crate::error::Result;
 use crate::events::ContextEvents;
 use crate::resource::{DriverResource, MemoryResource, check_stream};
@@ -301,9 +301,7 @@ impl CachingAllocator {
     /// The memory comes from a cached block of `stream` when one fits (no driver call, no
     /// synchronisation), else from a new upstream segment. It may be used right away by work
     /// queued on `stream`; to use it on another stream, order that stream after `stream` and
-    /// call [`CachedAllocation::record_stream`]. (A block freed on `stream` may come back while
-    /// its previous holder's work there is still queued, as in PyTorch: work on `stream` runs
-    /// after it, and another stream ordered after `stream` since this call does too.)
+    /// call [`CachedAllocation::record_stream`].
     ///
     /// # Errors
     /// [`MemoryError::ZeroLength`](crate::MemoryError::ZeroLength) for zero bytes;
@@ -314,44 +312,38 @@ impl CachingAllocator {
     #[must_use = "dropping the allocation frees it at once"]
     #[inline]
     pub fn allocate(&self, bytes: usize, stream: &Stream) -> Result<CachedAllocation> {
-        // A block handed out with its previous holder's marker on `stream` needs none here: the
-        // raw contract orders any other stream after `stream` before it uses the memory.
-        let (grant, shard, _seed) =
-            self.allocate_grant(bytes, stream, "CachingAllocator::allocate")?;
+        let (grant, shard) = self.allocate_grant(bytes, stream, "CachingAllocator::allocate")?;
         let key = grant.stream;
         Ok(CachedAllocation::new(shard, grant, bytes, key))
     }
 
     /// The block behind [`allocate`](Self::allocate), with one handle of its shard (what a
     /// typed buffer holds instead of a [`CachedAllocation`], so that it touches one reference
-    /// count, not two), and the marker of the previous holder's last use on `stream` when the
-    /// block was handed out before that use completed (a typed buffer's tracker takes it as a
-    /// write there, so that other streams wait for it).
+    /// count, not two).
     #[inline]
     pub(crate) fn allocate_grant(
         &self,
         bytes: usize,
         stream: &Stream,
         operation: &'static str,
-    ) -> Result<(Grant, Arc<ShardHandle>, Option<Seed<OwnedPooledEvent>>)> {
+    ) -> Result<(Grant, Arc<ShardHandle>)> {
         let shared = &self.handles.shared;
         check_stream(shared.device, stream, operation)?;
         let key = StreamKey::checked(stream, operation)?;
         if active_captures() != 0 {
-            let (grant, shard) = self.allocate_during_capture(bytes, stream, key)?;
-            return Ok((grant, shard, None));
+            return self.allocate_during_capture(bytes, stream, key);
         }
         let upstream = RequestUpstream { shared, stream };
-        let (grant, seed) = shared.engine.allocate_seeded(key, bytes, &upstream)?;
+        let grant = shared.engine.allocate(key, bytes, &upstream)?;
         let shard = &self.handles.shards[shared.engine.shard_index(key)];
-        Ok((grant, Arc::clone(shard), seed))
+        Ok((grant, Arc::clone(shard)))
     }
 
     /// Returns every cached segment that is wholly free to the upstream, and reports how many
     /// bytes went back.
     ///
-    /// Blocks freed while recorded on other streams, and blocks carrying their own stream's last
-    /// use, are waited for first (their events are synchronised), so they are returned too; then the device is synchronised, so no work
+    /// Blocks freed while recorded on other streams are waited for first (their events are
+    /// synchronised), so they are returned too; then the device is synchronised, so no work
     /// queued before a block's free can still use it. Segments with a block still allocated stay.
     /// Slow (it waits for the device): for handing memory to other programs, not for the loop.
     ///
@@ -393,9 +385,7 @@ impl CachingAllocator {
         self.handles.shared.engine.reset_peak();
     }
 
-    /// Freed blocks that wait for recorded uses: other streams' (not reused before they
-    /// complete), or the last use on their own stream of a typed buffer (reusable on that
-    /// stream at once, with its event).
+    /// Freed blocks that wait for other streams' recorded uses before they can be reused.
     pub fn pending_frees(&self) -> usize {
         self.handles.shared.engine.pending_blocks()
     }

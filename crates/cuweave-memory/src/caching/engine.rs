@@ -18,7 +18,7 @@ use super::block::BlockId;
 use super::pool::{Grant, Pools, Segment};
 use super::size_class::segment_size;
 use super::stats::{MemoryStats, Stat};
-use super::stream_uses::{Home, Marker, Pending, Seed, StreamKey};
+use super::stream_uses::{Marker, Pending, StreamKey};
 use crate::error::{MemoryError, Result};
 
 /// Gives whole segments back to where they came from.
@@ -124,11 +124,6 @@ impl<E: Marker> Engine<E> {
     /// that stream fits, else from a new upstream segment; on out-of-memory the cache of every
     /// shard is emptied and the upstream asked once more before failing with
     /// [`MemoryError::OutOfMemory`].
-    ///
-    /// A block that carries its own stream's marker ([`free_carrying`](Self::free_carrying))
-    /// may be handed out here at once; its marker is dropped: the caller uses the memory on
-    /// `stream` (ordered after the marked work) or orders other streams after `stream` first.
-    #[cfg_attr(not(test), allow(dead_code))]
     #[inline]
     pub fn allocate(
         &self,
@@ -136,66 +131,15 @@ impl<E: Marker> Engine<E> {
         bytes: usize,
         upstream: &impl Upstream,
     ) -> Result<Grant> {
-        self.allocate_seeded(stream, bytes, upstream)
-            .map(|(grant, _seed)| grant)
-    }
-
-    /// As [`allocate`](Self::allocate), and hands over the marker of a carried block, if the
-    /// grant is one: whoever uses the memory on another stream must wait for it first.
-    ///
-    /// Pending blocks are polled first, as before carried blocks existed (a program that
-    /// synchronizes finds every block back in the free lists, merged); a free block comes before
-    /// a carried one (no marker to wait for); a carried block before a new segment.
-    #[inline]
-    pub fn allocate_seeded(
-        &self,
-        stream: StreamKey,
-        bytes: usize,
-        upstream: &impl Upstream,
-    ) -> Result<(Grant, Option<Seed<E>>)> {
         let rounded = self.round_request(stream, bytes)?;
         let shard = self.shard(stream);
         if shard.pending_count.load(Ordering::Acquire) != 0 {
             self.process_pending_of(shard);
         }
         if let Some(grant) = shard.pools.lock().take_free(stream, rounded, bytes) {
-            return Ok((grant, None));
-        }
-        if shard.pending_count.load(Ordering::Acquire) != 0
-            && let Some(taken) = Self::take_carried(shard, stream, rounded, bytes)
-        {
-            return Ok(taken);
+            return Ok(grant);
         }
         self.allocate_from_upstream(stream, rounded, bytes, upstream)
-            .map(|grant| (grant, None))
-    }
-
-    /// Takes a pending block of `shard` that carries `stream`'s marker and fits `rounded` bytes
-    /// whole, if there is one, and hands it out with its marker.
-    fn take_carried(
-        shard: &Shard<E>,
-        stream: StreamKey,
-        rounded: usize,
-        bytes: usize,
-    ) -> Option<(Grant, Option<Seed<E>>)> {
-        let Pending {
-            block,
-            mut markers,
-            home,
-        } = {
-            let mut pending = shard.pending.lock();
-            let index = pending
-                .iter()
-                .position(|entry| entry.home.is_some_and(|home| home.fits(stream, rounded)))?;
-            let entry = pending.swap_remove(index);
-            shard.pending_count.store(pending.len(), Ordering::Release);
-            entry
-        };
-        let grant = shard.pools.lock().hand_out_pending(block, bytes);
-        let epoch = home.map_or(0, |home| home.epoch);
-        let seed = markers.pop().map(|marker| Seed { marker, epoch });
-        debug_assert!(markers.is_empty(), "a carried block has one marker");
-        Some((grant, seed))
     }
 
     /// The miss path of [`Self::allocate`]: a new segment, with the out-of-memory retry.
@@ -308,43 +252,7 @@ impl<E: Marker> Engine<E> {
         }
         drop(pools);
         let mut pending = shard.pending.lock();
-        pending.push(Pending {
-            block: id,
-            markers,
-            home: None,
-        });
-        shard.pending_count.store(pending.len(), Ordering::Release);
-        Ok(())
-    }
-
-    /// Frees an allocated block of `stream` that was used on that stream only, behind work that
-    /// may still be queued there (`seed`: the marker of its last use, recorded on `stream`).
-    ///
-    /// The block may be handed out again on `stream` at once, with the marker (PyTorch's rule:
-    /// the next work there is queued behind the old), by [`allocate_seeded`](Self::allocate_seeded)
-    /// to a request it fits whole; otherwise it waits like any pending block, and returns to the
-    /// free lists (where it is merged, split and handed out as any free block) once the marker
-    /// has completed. It is never merged, nor released to the upstream, before that.
-    pub fn free_carrying(
-        &self,
-        stream: StreamKey,
-        id: BlockId,
-        ptr: u64,
-        seed: Seed<E>,
-    ) -> Result<()> {
-        let shard = self.shard(stream);
-        let (size, pool) = shard.pools.lock().free_to_pending(id, ptr)?;
-        let mut pending = shard.pending.lock();
-        pending.push(Pending {
-            block: id,
-            markers: vec![seed.marker],
-            home: Some(Home {
-                stream,
-                size,
-                pool,
-                epoch: seed.epoch,
-            }),
-        });
+        pending.push(Pending { block: id, markers });
         shard.pending_count.store(pending.len(), Ordering::Release);
         Ok(())
     }
@@ -352,11 +260,7 @@ impl<E: Marker> Engine<E> {
     /// Frees an allocated block that must never be handed out again (its other-stream uses could
     /// not be tracked): it stays pending, and its segment is never released.
     pub fn free_never_reuse(&self, stream: StreamKey, id: BlockId, ptr: u64) -> Result<()> {
-        self.shard(stream)
-            .pools
-            .lock()
-            .free_to_pending(id, ptr)
-            .map(|_| ())
+        self.shard(stream).pools.lock().free_to_pending(id, ptr)
     }
 
     #[cfg_attr(not(test), allow(dead_code))]
@@ -547,7 +451,3 @@ mod tests;
 #[cfg(test)]
 #[path = "engine_props.rs"]
 mod props;
-
-#[cfg(test)]
-#[path = "engine_carried_tests.rs"]
-mod carried_tests;

@@ -62,7 +62,7 @@ use crate::error::{MemoryError, Result};
 use crate::resource::MemoryResource;
 
 /// The high bit of a [`StreamKey`] marks a private pool's free list.
-pub(super) const PRIVATE_BIT: usize = 1 << (usize::BITS - 1);
+const PRIVATE_BIT: usize = 1 << (usize::BITS - 1);
 
 /// The identity of a private pool (PyTorch's `MempoolId_t`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -694,11 +694,9 @@ pub(crate) fn release_block_during_capture(
     let FreeMarkers {
         events,
         graph_pools,
-        home,
     } = markers;
-    // The home stream's event counts as any other here: the block may be reused anywhere.
-    let used = !events.is_empty() || home.is_some();
-    drop((events, home));
+    let used = !events.is_empty();
+    drop(events);
     let private = stream.as_usize() & PRIVATE_BIT != 0;
     let held = HeldBlock {
         shared: Arc::clone(&shard.shared),
@@ -749,9 +747,8 @@ pub(crate) fn release_resource_during_capture(
     let FreeMarkers {
         events,
         graph_pools,
-        home,
     } = markers;
-    drop((events, home));
+    drop(events);
     let held = Held {
         memory: HeldMemory::Resource {
             resource,
@@ -1363,7 +1360,6 @@ mod tests {
         let markers = FreeMarkers {
             events: Vec::new(),
             graph_pools: vec![u64::MAX - 40],
-            home: None,
         };
         assert_eq!(active_captures(), 0);
         assert!(

@@ -29,11 +29,7 @@
 //!   block waits in a pending list; it is handed out again only once every one of those events
 //!   has completed (polled with `cuEventQuery`, without blocking, at the next allocation; never
 //!   while none are pending), and the events then go back to the pool. A typed buffer's drop
-//!   hands the events of its tracked uses to its block the same way; a block its buffer used
-//!   only on its own stream instead *carries* the event of the newest use there: it waits in the
-//!   pending list too, but a request on that stream it fits whole (no free block fitting) takes
-//!   it at once, with the event, which the new buffer's tracker makes other streams wait for
-//!   (PyTorch's same-stream reuse, kept safe for buffers used anywhere next).
+//!   hands the events of its tracked uses to its block the same way.
 //! - **Out of memory.** When the upstream runs out, the allocator waits for its pending blocks,
 //!   returns every wholly free cached segment to the upstream, and retries once; then it fails
 //!   with [`MemoryError::OutOfMemory`](crate::MemoryError::OutOfMemory) carrying the request,
@@ -128,5 +124,4 @@ pub(crate) use graph_pool::{
 pub(crate) use pool::Grant;
 pub use size_class::PoolKind;
 pub use stats::{MemoryStats, Stat};
-pub(crate) use stream_uses::Seed;
 pub use stream_uses::StreamKey;

@@ -203,28 +203,14 @@ impl Pools {
         Ok(())
     }
 
-    /// Marks the allocated block `id` freed by its holder but still in use (queued work may
-    /// touch it); returns its size and pool.
-    pub fn free_to_pending(&mut self, id: BlockId, ptr: u64) -> Result<(usize, PoolKind)> {
+    /// Marks the allocated block `id` freed by its holder but still in use on other streams.
+    pub fn free_to_pending(&mut self, id: BlockId, ptr: u64) -> Result<()> {
         self.allocated(id, ptr, "CachingAllocator::free")?;
         self.count_free(id);
         let block = self.arena.block_mut(id);
         block.state = BlockState::Pending;
         block.requested = 0;
-        Ok((block.size, block.pool))
-    }
-
-    /// Hands the pending block `id` out again whole, before its markers have completed: only for
-    /// a block that carries the marker of its own stream's last use, to a request on that
-    /// stream, which takes the marker along (see [`super::stream_uses::Seed`]).
-    #[inline]
-    pub fn hand_out_pending(&mut self, id: BlockId, requested: usize) -> Grant {
-        let block = self.arena.block(id);
-        debug_assert_eq!(block.state, BlockState::Pending);
-        // Pending bytes are active already; `hand_out` counts them again.
-        self.stats.active_bytes.sub(block.size);
-        self.stats.cache_hits += 1;
-        self.hand_out(id, requested)
+        Ok(())
     }
 
     /// Returns a pending block, whose other-stream uses have all passed, to its free list.

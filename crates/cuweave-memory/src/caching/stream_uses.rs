@@ -6,7 +6,6 @@ use std::sync::Arc;
 use cuweave_driver::{Context, OwnedPooledEvent, Stream};
 
 use super::block::BlockId;
-use super::size_class::PoolKind;
 use crate::error::{MemoryError, Result};
 use crate::events::ContextEvents;
 
@@ -64,19 +63,6 @@ impl StreamKey {
     pub(crate) const fn from_raw(raw: usize) -> Self {
         Self(raw)
     }
-
-    /// The [`Stream::id`] of the one stream a block freed to this key's free lists is handed out
-    /// again on, where stream order covers the uses queued there before the free: `None` for the
-    /// legacy default stream (whose handles have no one id) and for a graph pool's private
-    /// lists (later captures into the pool reuse them, on streams the key names only in part).
-    #[inline]
-    pub(crate) fn reuse_stream(self) -> Option<u64> {
-        if self == Self::LEGACY || self.0 & super::graph_pool::PRIVATE_BIT != 0 {
-            None
-        } else {
-            Some(self.0 as u64)
-        }
-    }
 }
 
 impl From<&Stream> for StreamKey {
@@ -111,46 +97,6 @@ pub(crate) struct Pending<E> {
     pub block: BlockId,
     /// Markers not yet seen complete.
     pub markers: Vec<E>,
-    /// `Some` for a block that carries the one marker of its last use on its own stream (and
-    /// was used on no other): it may be handed out again on that stream at once, its marker
-    /// going with it ([`Seed`]); on any other stream only once the marker has completed.
-    pub home: Option<Home>,
-}
-
-/// What the allocation path needs to hand a carried block ([`Pending::home`]) out again at once.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Home {
-    /// The block's stream (the only one it is handed out on).
-    pub stream: StreamKey,
-    /// The block's size.
-    pub size: usize,
-    /// The block's pool.
-    pub pool: PoolKind,
-    /// The capture epoch its marker was recorded in.
-    pub epoch: u64,
-}
-
-impl Home {
-    /// Whether a request of `rounded` bytes on `stream` takes this block whole, as best fit
-    /// would (same stream and pool, large enough, the rest too small to split off).
-    #[inline]
-    pub fn fits(&self, stream: StreamKey, rounded: usize) -> bool {
-        self.stream == stream
-            && self.size >= rounded
-            && PoolKind::for_size(rounded) == self.pool
-            && !self.pool.should_split(self.size - rounded)
-    }
-}
-
-/// The marker a block handed out at once on its own stream carries: the last use of its
-/// previous holder there, which may still be queued. A typed buffer's tracker takes it as a
-/// write on that stream, so that any other stream waits for it first.
-#[derive(Debug)]
-pub(crate) struct Seed<E> {
-    /// The marker (a pooled event recorded on the block's stream).
-    pub marker: E,
-    /// The capture epoch it was recorded in.
-    pub epoch: u64,
 }
 
 impl<E: Marker> Pending<E> {
@@ -337,7 +283,6 @@ mod tests {
         let mut pending = Pending {
             block: 7,
             markers: vec![a.clone(), b.clone()],
-            home: None,
         };
         let mut completed = Vec::new();
         assert!(!pending.poll(&mut completed));
@@ -350,42 +295,6 @@ mod tests {
         assert!(pending.poll(&mut completed));
         assert_eq!(completed.len(), 2, "completed markers are handed back");
         assert!(pending.markers.is_empty());
-    }
-
-    #[rstest::rstest]
-    #[case::created_stream(StreamKey::from_raw(42), Some(42))]
-    #[case::legacy_stream(StreamKey::LEGACY, None)]
-    #[case::graph_pool_list(
-        StreamKey::from_raw(crate::caching::graph_pool::PRIVATE_BIT | (3 << 32) | 42),
-        None
-    )]
-    fn only_a_created_streams_blocks_carry_their_home_streams_marker(
-        #[case] key: StreamKey,
-        #[case] home: Option<u64>,
-    ) {
-        assert_eq!(key.reuse_stream(), home);
-    }
-
-    #[rstest::rstest]
-    #[case::same_size(1, 4 << 20, 4 << 20, true)]
-    #[case::another_stream(2, 4 << 20, 4 << 20, false)]
-    #[case::too_small(1, 4 << 20, 6 << 20, false)]
-    #[case::rest_worth_splitting(1, 20 << 20, 4 << 20, false)]
-    #[case::rest_too_small_to_split(1, 5 << 20, 4 << 20, true)]
-    #[case::small_request_for_a_large_block(1, 2 << 20, 1 << 20, false)]
-    fn a_carried_block_fits_what_best_fit_would_hand_out_whole(
-        #[case] stream: usize,
-        #[case] size: usize,
-        #[case] rounded: usize,
-        #[case] fits: bool,
-    ) {
-        let home = Home {
-            stream: StreamKey::from_raw(1),
-            size,
-            pool: PoolKind::for_size(size),
-            epoch: 0,
-        };
-        assert_eq!(home.fits(StreamKey::from_raw(stream), rounded), fits);
     }
 
     #[test]
