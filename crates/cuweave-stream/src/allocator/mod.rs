@@ -399,9 +399,8 @@ impl StreamOrderedAllocator {
     ///
     /// # Errors
     /// [`StreamError::UnknownAllocation`] when it is not held (already freed);
-    /// [`GraphError::Capturing`](cuweave_driver::graph::GraphError::Capturing) while the owner
-    /// captures and the allocation was not made in its capture (nothing is queued, the
-    /// allocation stays held); the driver's error.
+    /// [`GraphError::Capturing`] while the owner captures and the allocation was not made in its
+    /// capture (nothing is queued, the allocation stays held); the driver's error.
     pub fn free(&self, allocation: StreamAllocation) -> Result<()> {
         let entry =
             self.entries
