@@ -66,32 +66,7 @@ pub(crate) fn execute<T: Element>(
         },
 
         // Device <-> device, one device or two.
-        (S::Device(s, o, _), D::Device(d, o2)) => {
-            let (from, to) = (s.device().ordinal(), d.device().ordinal());
-            match method {
-                _ if from == to => d.copy_range_from(o2, s, o, n)?,
-                PeerToPeer => {
-                    manager.enable_peers(from, to)?;
-                    copy_peer(d, o2, s, o, n, manager.lane(to)?.stream())?;
-                }
-                HostStaged => {
-                    let (src_lane, dst_lane) = (manager.lane(from)?, manager.lane(to)?);
-                    let config = manager.staging_for(TransferPath::PEER, from, n * size_of::<T>());
-                    bounce(
-                        &src_lane.state.pool,
-                        config,
-                        s,
-                        o,
-                        src_lane.stream(),
-                        d,
-                        o2,
-                        dst_lane.stream(),
-                        n,
-                    )?;
-                }
-                _ => copy_peer(d, o2, s, o, n, manager.lane(to)?.stream())?,
-            }
-        }
+        (S::Device(s, o, _), D::Device(d, o2)) => between(manager, method, d, o2, s, o, n)?,
 
         // Unified memory: prefetch to where the copy runs, or let the driver fault pages in.
         (S::Host(s), D::Unified(u, o)) => match method {
@@ -210,9 +185,9 @@ pub(crate) fn execute<T: Element>(
     Ok(())
 }
 
-/// Copies `n` elements between two buffers (one of them a view), on one device or two: a
-/// device copy on one; on two, by `method` as the device-to-device arms do (peer access, the
-/// pinned bounce, or the driver's own peer copy).
+/// Copies `n` elements between two device buffers or views of them, on one device or two: a
+/// device copy on one; on two, by `method` (peer access, the pinned bounce, or the driver's own
+/// peer copy).
 fn between<T, D, S>(
     manager: &TransferManager,
     method: TransferMethod,
