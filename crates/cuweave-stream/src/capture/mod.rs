@@ -267,13 +267,10 @@ pub(crate) fn refuse_wait_across_capture(
     prerequisite: &Stream,
     operation: &'static str,
 ) -> Result<()> {
-    if active_captures() == 0 {
-        return Ok(());
-    }
-    let Some(capture) = dependent.capture_status()?.id() else {
+    let Some(capture) = capture_id(dependent)? else {
         return Ok(());
     };
-    if prerequisite.capture_status()?.id() == Some(capture) {
+    if capture_id(prerequisite)? == Some(capture) {
         return Ok(());
     }
     Err(DriverError::from(GraphError::Capturing {

@@ -73,10 +73,10 @@ fn refuse_barrier_across_capture(streams: &[(&Stream, &EventPool)]) -> Result<()
     if active_captures() == 0 {
         return Ok(());
     }
-    let mut captures = Vec::with_capacity(streams.len());
-    for (stream, _) in streams {
-        captures.push(stream.capture_status()?.id());
-    }
+    let captures = streams
+        .iter()
+        .map(|(stream, _)| crate::capture::capture_id(stream))
+        .collect::<Result<Vec<_>>>()?;
     if captures.iter().any(Option::is_some) && captures.windows(2).any(|pair| pair[0] != pair[1]) {
         return Err(DriverError::from(GraphError::Capturing {
             operation: "queue_barrier",
