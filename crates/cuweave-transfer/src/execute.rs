@@ -2,7 +2,7 @@
 //! [`TransferMethod`].
 
 use cuweave_memory::buffer::copy_peer;
-use cuweave_memory::{Buffer, Element, MemLocation, UnifiedBuffer};
+use cuweave_memory::{Buffer, Element, MemLocation, PinnedBuffer, UnifiedBuffer};
 
 use crate::endpoint::{Destination, Source};
 use crate::error::{Result, TransferError};
@@ -34,36 +34,12 @@ pub(crate) fn execute<T: Element>(
         }
 
         // Pageable host <-> device: the plain call or the pipeline.
-        (S::Host(s), D::Device(b, o)) => match method {
-            HostStaged => {
-                let device = b.device().ordinal();
-                let lane = manager.lane(device)?;
-                let config =
-                    manager.staging_for(TransferPath::PAGEABLE_TO_DEVICE, device, size_of_val(s));
-                pipeline(&lane, config).upload(s, b, o)?;
-            }
-            _ => b.copy_range_from_host(o, s)?,
-        },
-        (S::Device(b, o, _), D::Host(d)) => match method {
-            HostStaged => {
-                let device = b.device().ordinal();
-                let lane = manager.lane(device)?;
-                let config =
-                    manager.staging_for(TransferPath::DEVICE_TO_PAGEABLE, device, size_of_val(d));
-                pipeline(&lane, config).download(b, o, d)?;
-            }
-            _ => b.copy_range_to_host(o, d)?,
-        },
+        (S::Host(s), D::Device(b, o)) => pageable_up(manager, method, s, b, o)?,
+        (S::Device(b, o, _), D::Host(d)) => pageable_down(manager, method, b, o, d)?,
 
         // Pinned host <-> device: a DMA from the host address, or through the mapped address.
-        (S::Pinned(p, o, _), D::Device(b, o2)) => match method {
-            ZeroCopy => b.copy_range_from(o2, p, o, n)?,
-            _ => b.copy_range_from_host(o2, &p.as_slice()?[o..o + n])?,
-        },
-        (S::Device(s, o, _), D::Pinned(p, o2)) => match method {
-            ZeroCopy => p.copy_range_from(o2, s, o, n)?,
-            _ => s.copy_range_to_host(o, &mut p.as_mut_slice()?[o2..o2 + n])?,
-        },
+        (S::Pinned(p, o, _), D::Device(b, o2)) => pinned_up(method, p, o, b, o2, n)?,
+        (S::Device(s, o, _), D::Pinned(p, o2)) => pinned_down(method, s, o, p, o2, n)?,
 
         // Device <-> device, one device or two.
         (S::Device(s, o, _), D::Device(d, o2)) => between(manager, method, d, o2, s, o, n)?,
@@ -121,34 +97,10 @@ pub(crate) fn execute<T: Element>(
 
         // Views of buffers: moved as their buffer's device memory, by the copies every kind of
         // buffer takes (a pinned side DMAs from or to its host address, as `DirectCopy` does).
-        (S::Host(s), D::View(mut v)) => match method {
-            HostStaged => {
-                let device = v.device().ordinal();
-                let lane = manager.lane(device)?;
-                let config =
-                    manager.staging_for(TransferPath::PAGEABLE_TO_DEVICE, device, size_of_val(s));
-                pipeline(&lane, config).upload(s, &mut v, 0)?;
-            }
-            _ => v.copy_range_from_host(0, s)?,
-        },
-        (S::View(v), D::Host(d)) => match method {
-            HostStaged => {
-                let device = v.device().ordinal();
-                let lane = manager.lane(device)?;
-                let config =
-                    manager.staging_for(TransferPath::DEVICE_TO_PAGEABLE, device, size_of_val(d));
-                pipeline(&lane, config).download(&v, 0, d)?;
-            }
-            _ => v.copy_range_to_host(0, d)?,
-        },
-        (S::Pinned(p, o, _), D::View(mut v)) => match method {
-            ZeroCopy => v.copy_range_from(0, p, o, n)?,
-            _ => v.copy_range_from_host(0, &p.as_slice()?[o..o + n])?,
-        },
-        (S::View(v), D::Pinned(p, o2)) => match method {
-            ZeroCopy => p.copy_range_from(o2, &v, 0, n)?,
-            _ => v.copy_range_to_host(0, &mut p.as_mut_slice()?[o2..o2 + n])?,
-        },
+        (S::Host(s), D::View(mut v)) => pageable_up(manager, method, s, &mut v, 0)?,
+        (S::View(v), D::Host(d)) => pageable_down(manager, method, &v, 0, d)?,
+        (S::Pinned(p, o, _), D::View(mut v)) => pinned_up(method, p, o, &mut v, 0, n)?,
+        (S::View(v), D::Pinned(p, o2)) => pinned_down(method, &v, 0, p, o2, n)?,
         (S::View(v), D::View(mut w)) => between(manager, method, &mut w, 0, &v, 0, n)?,
         (S::View(v), D::Device(d, o2)) => between(manager, method, d, o2, &v, 0, n)?,
         (S::View(v), D::Unified(u, o2)) => between(manager, method, u, o2, &v, 0, n)?,
@@ -181,6 +133,99 @@ pub(crate) fn execute<T: Element>(
                 S::Registered(s, o, _) => d.copy_from_slice(&s.as_slice()[o..o + n]),
             }
         }
+    }
+    Ok(())
+}
+
+/// Pageable host memory into device memory (a buffer or a view): the pipeline, or the plain call.
+fn pageable_up<T, B>(
+    manager: &TransferManager,
+    method: TransferMethod,
+    src: &[T],
+    dst: &mut B,
+    offset: usize,
+) -> Result<()>
+where
+    T: Element,
+    B: Buffer<T> + Send + ?Sized,
+{
+    if method == HostStaged {
+        let device = dst.device().ordinal();
+        let lane = manager.lane(device)?;
+        let config =
+            manager.staging_for(TransferPath::PAGEABLE_TO_DEVICE, device, size_of_val(src));
+        pipeline(&lane, config).upload(src, dst, offset)?;
+    } else {
+        dst.copy_range_from_host(offset, src)?;
+    }
+    Ok(())
+}
+
+/// Device memory (a buffer or a view) into pageable host memory: the pipeline, or the plain call.
+fn pageable_down<T, B>(
+    manager: &TransferManager,
+    method: TransferMethod,
+    src: &B,
+    offset: usize,
+    dst: &mut [T],
+) -> Result<()>
+where
+    T: Element,
+    B: Buffer<T> + Sync + ?Sized,
+{
+    if method == HostStaged {
+        let device = src.device().ordinal();
+        let lane = manager.lane(device)?;
+        let config =
+            manager.staging_for(TransferPath::DEVICE_TO_PAGEABLE, device, size_of_val(dst));
+        pipeline(&lane, config).download(src, offset, dst)?;
+    } else {
+        src.copy_range_to_host(offset, dst)?;
+    }
+    Ok(())
+}
+
+/// `n` elements of a pinned buffer into device memory: through the mapped address
+/// (`ZeroCopy`), or a DMA from the host address.
+fn pinned_up<T, B>(
+    method: TransferMethod,
+    src: &PinnedBuffer<T>,
+    src_offset: usize,
+    dst: &mut B,
+    dst_offset: usize,
+    n: usize,
+) -> Result<()>
+where
+    T: Element,
+    B: Buffer<T> + ?Sized,
+{
+    match method {
+        ZeroCopy => dst.copy_range_from(dst_offset, src, src_offset, n)?,
+        _ => dst.copy_range_from_host(dst_offset, &src.as_slice()?[src_offset..src_offset + n])?,
+    }
+    Ok(())
+}
+
+/// `n` elements of device memory into a pinned buffer: through the mapped address
+/// (`ZeroCopy`), or a DMA to the host address.
+fn pinned_down<T, B>(
+    method: TransferMethod,
+    src: &B,
+    src_offset: usize,
+    dst: &mut PinnedBuffer<T>,
+    dst_offset: usize,
+    n: usize,
+) -> Result<()>
+where
+    T: Element,
+    B: Buffer<T> + ?Sized,
+{
+    match method {
+        ZeroCopy => dst.copy_range_from(dst_offset, src, src_offset, n)?,
+        _ => src.copy_range_to_host(
+            src_offset,
+            &mut dst.as_mut_slice()?[dst_offset..dst_offset + n],
+        )?,
     }
     Ok(())
 }
