@@ -352,10 +352,14 @@ driver_table! {
     memcpy_peer_async: PFN_cuMemcpyPeerAsync_v4000 = ["cuMemcpyPeerAsync"],
     /// `cuMemsetD8_v2`
     memset_d8: PFN_cuMemsetD8_v3020 = ["cuMemsetD8_v2"],
+    /// `cuMemsetD16_v2`
+    memset_d16: PFN_cuMemsetD16_v3020 = ["cuMemsetD16_v2"],
     /// `cuMemsetD32_v2`
     memset_d32: PFN_cuMemsetD32_v3020 = ["cuMemsetD32_v2"],
     /// `cuMemsetD8Async`
     memset_d8_async: PFN_cuMemsetD8Async_v3020 = ["cuMemsetD8Async"],
+    /// `cuMemsetD16Async`
+    memset_d16_async: PFN_cuMemsetD16Async_v3020 = ["cuMemsetD16Async"],
     /// `cuMemsetD32Async`
     memset_d32_async: PFN_cuMemsetD32Async_v3020 = ["cuMemsetD32Async"],
     /// `cuMemAdvise_v2` (12.2+): the advice aimed at a `CUmemLocation`.

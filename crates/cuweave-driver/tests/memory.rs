@@ -207,6 +207,67 @@ fn memsets_write_exactly_their_range(
     );
 }
 
+/// A 16-bit fill at a 2-byte (not 4-byte) aligned offset over an odd number of values, the
+/// `f16` / `bf16` case `memset_d32` cannot do: exactly those bytes change, in the value's
+/// native byte order, and the bytes just before and after keep the sentinel. An odd address is
+/// refused with `InvalidArgument` before the driver is asked.
+#[rstest]
+fn a_16_bit_memset_fills_an_odd_count_at_a_2_byte_offset(
+    #[values(Mode::Sync, Mode::Async)] mode: Mode,
+) {
+    let gpu = require_gpu!();
+    let context = &gpu.context;
+    const BYTES: usize = 64;
+    const OFFSET: usize = 2;
+    const COUNT: usize = 13;
+    const VALUE: u16 = 0x3C01; // 1.0009765625 as f16: its two bytes differ
+    let buffer = DeviceAllocation::new(context, BYTES).unwrap();
+    let mut expected = vec![DEVICE_SENTINEL; BYTES];
+    for half in expected[OFFSET..OFFSET + 2 * COUNT].chunks_exact_mut(2) {
+        half.copy_from_slice(&VALUE.to_ne_bytes());
+    }
+    let mut arrived = vec![HOST_SENTINEL; BYTES];
+    let dst = buffer.ptr() + OFFSET as u64;
+    let misaligned = match mode {
+        // SAFETY: `OFFSET + 2 * COUNT <= BYTES` and `dst` is 2-byte aligned (allocations are
+        // 256-byte aligned); all calls are on the legacy stream, in order.
+        Mode::Sync => unsafe {
+            memory::memset_d8(context, buffer.ptr(), DEVICE_SENTINEL, BYTES).unwrap();
+            memory::memset_d16(context, dst, VALUE, COUNT).unwrap();
+            memory::copy_dtoh(context, arrived.as_mut_ptr(), buffer.ptr(), BYTES).unwrap();
+            memory::memset_d16(context, dst + 1, VALUE, COUNT).unwrap_err()
+        },
+        Mode::Async => {
+            let stream = Stream::new(context, StreamFlags::NON_BLOCKING).unwrap();
+            // SAFETY: as above, ordered on `stream`; `arrived` is read after the synchronize.
+            let misaligned = unsafe {
+                memory::memset_d8_async(buffer.ptr(), DEVICE_SENTINEL, BYTES, &stream).unwrap();
+                memory::memset_d16_async(dst, VALUE, COUNT, &stream).unwrap();
+                memory::copy_dtoh_async(arrived.as_mut_ptr(), buffer.ptr(), BYTES, &stream)
+                    .unwrap();
+                memory::memset_d16_async(dst + 1, VALUE, COUNT, &stream).unwrap_err()
+            };
+            stream.synchronize().unwrap();
+            misaligned
+        }
+    };
+    assert_same(
+        &arrived,
+        &expected,
+        &format!("{COUNT} u16s at offset {OFFSET}, {mode:?}"),
+    );
+    assert_eq!(arrived[OFFSET - 1], DEVICE_SENTINEL, "the byte before");
+    assert_eq!(
+        arrived[OFFSET + 2 * COUNT],
+        DEVICE_SENTINEL,
+        "the byte after"
+    );
+    assert!(
+        matches!(misaligned, DriverError::InvalidArgument { .. }),
+        "{misaligned:?}"
+    );
+}
+
 #[test]
 fn an_allocation_larger_than_the_device_is_out_of_memory() {
     let gpu = require_gpu!();

@@ -27,6 +27,19 @@ fn complete_legacy_stream(api: &crate::loader::DriverApi) -> Result<()> {
     unsafe { cu!(api.stream_synchronize(std::ptr::null_mut())) }
 }
 
+/// Refuses a 16-bit memset at an odd address: the driver would refuse it too
+/// (`CUDA_ERROR_INVALID_VALUE`), but only after binding the context, and saying less.
+fn ensure_aligned_d16(dst: DevicePtr, operation: &'static str) -> Result<()> {
+    if dst.is_multiple_of(2) {
+        Ok(())
+    } else {
+        Err(crate::error::DriverError::invalid(
+            operation,
+            format!("destination {dst:#x} is not 2-byte aligned"),
+        ))
+    }
+}
+
 /// Copies `bytes` from host `src` to device `dst` and waits for it.
 ///
 /// # Safety
@@ -205,6 +218,30 @@ pub unsafe fn memset_d8(context: &Context, dst: DevicePtr, value: u8, bytes: usi
     complete_legacy_stream(api)
 }
 
+/// Sets `count` 16-bit values at `dst` to `value` and waits for it: the fill for `f16`, `bf16`
+/// and `u16` elements, which need only 2-byte alignment where [`memset_d32`] needs 4.
+///
+/// # Errors
+/// `InvalidArgument` when `dst` is not 2-byte aligned, before the driver is asked (which would
+/// answer `CUDA_ERROR_INVALID_VALUE`).
+///
+/// # Safety
+/// `dst` is 2-byte aligned device memory writable for `2 * count` bytes.
+pub unsafe fn memset_d16(
+    context: &Context,
+    dst: DevicePtr,
+    value: u16,
+    count: usize,
+) -> Result<()> {
+    ensure_aligned_d16(dst, "memory::memset_d16")?;
+    crate::graph::refuse_while_capturing(None, "memory::memset_d16")?;
+    context.bind_to_thread()?;
+    let api = driver()?;
+    // SAFETY: the caller's contract; `dst` is 2-byte aligned (checked above).
+    unsafe { cu!(api.memset_d16(dst, value, count)) }?;
+    complete_legacy_stream(api)
+}
+
 /// Sets `count` 32-bit words at `dst` (4-byte aligned) to `value` and waits for it.
 ///
 /// # Safety
@@ -239,6 +276,26 @@ pub unsafe fn memset_d8_async(
     unsafe { cu!(api.memset_d8_async(dst, value, bytes, stream.as_raw())) }
 }
 
+/// Queues a 16-bit memset of `count` values on `stream` (see [`memset_d16`]).
+///
+/// # Errors
+/// `InvalidArgument` when `dst` is not 2-byte aligned, before anything is queued.
+///
+/// # Safety
+/// `dst` is 2-byte aligned and stays valid for `2 * count` bytes until `stream` passes it.
+pub unsafe fn memset_d16_async(
+    dst: DevicePtr,
+    value: u16,
+    count: usize,
+    stream: &Stream,
+) -> Result<()> {
+    ensure_aligned_d16(dst, "memory::memset_d16_async")?;
+    stream.context().bind_to_thread()?;
+    let api = driver()?;
+    // SAFETY: the caller's contract; `dst` is 2-byte aligned (checked above).
+    unsafe { cu!(api.memset_d16_async(dst, value, count, stream.as_raw())) }
+}
+
 /// Queues a 32-bit memset of `count` words on `stream`.
 ///
 /// # Safety
@@ -253,4 +310,30 @@ pub unsafe fn memset_d32_async(
     let api = driver()?;
     // SAFETY: the caller's contract.
     unsafe { cu!(api.memset_d32_async(dst, value, count, stream.as_raw())) }
+}
+
+#[cfg(test)]
+mod tests {
+    use rstest::rstest;
+
+    use super::ensure_aligned_d16;
+    use crate::error::DriverError;
+
+    #[rstest]
+    #[case::zero(0, true)]
+    #[case::two(2, true)]
+    #[case::allocation(0x7f00_0000_0200, true)]
+    #[case::one(1, false)]
+    #[case::odd_inside_allocation(0x7f00_0000_0203, false)]
+    fn a_16_bit_memset_needs_a_2_byte_aligned_destination(#[case] dst: u64, #[case] ok: bool) {
+        match ensure_aligned_d16(dst, "memory::memset_d16_async") {
+            Ok(()) => assert!(ok, "{dst:#x} passed"),
+            Err(DriverError::InvalidArgument { operation, reason }) => {
+                assert!(!ok, "{dst:#x} refused: {reason}");
+                assert_eq!(operation, "memory::memset_d16_async");
+                assert!(reason.contains(&format!("{dst:#x}")), "{reason}");
+            }
+            Err(other) => panic!("{other:?}"),
+        }
+    }
 }

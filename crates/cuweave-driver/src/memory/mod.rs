@@ -21,7 +21,8 @@ pub use address_range::address_range;
 pub use completion_words::CompletionWords;
 pub use copy::{
     copy, copy_async, copy_dtod, copy_dtod_async, copy_dtoh, copy_dtoh_async, copy_htod,
-    copy_htod_async, copy_peer_async, memset_d8, memset_d8_async, memset_d32, memset_d32_async,
+    copy_htod_async, copy_peer_async, memset_d8, memset_d8_async, memset_d16, memset_d16_async,
+    memset_d32, memset_d32_async,
 };
 pub use device_alloc::{DeviceAllocation, alloc_async, free_async};
 pub use host::{HostAllocFlags, HostAllocation, HostRegistration};

@@ -1287,6 +1287,13 @@ pub type PFN_cuMemsetD8_v3020 = ::std::option::Option<
         N: usize,
     ) -> CUresult,
 >;
+pub type PFN_cuMemsetD16_v3020 = ::std::option::Option<
+    unsafe extern "C" fn(
+        dstDevice: CUdeviceptr_v2,
+        us: ::std::os::raw::c_ushort,
+        N: usize,
+    ) -> CUresult,
+>;
 pub type PFN_cuMemsetD32_v3020 = ::std::option::Option<
     unsafe extern "C" fn(
         dstDevice: CUdeviceptr_v2,
@@ -1328,6 +1335,14 @@ pub type PFN_cuMemsetD8Async_v3020 = ::std::option::Option<
     unsafe extern "C" fn(
         dstDevice: CUdeviceptr_v2,
         uc: ::std::os::raw::c_uchar,
+        N: usize,
+        hStream: CUstream,
+    ) -> CUresult,
+>;
+pub type PFN_cuMemsetD16Async_v3020 = ::std::option::Option<
+    unsafe extern "C" fn(
+        dstDevice: CUdeviceptr_v2,
+        us: ::std::os::raw::c_ushort,
         N: usize,
         hStream: CUstream,
     ) -> CUresult,
