@@ -1154,16 +1154,12 @@ fn async_polls(f: &mut Fixture) {
         DeviceBuffer::zeroed(&f.context, 1).expect("placeholder"),
     );
     let started = Instant::now();
-    let (owned, up_longest, _) =
-        timed_block_on(manager.upload_owned(host, device, 0).expect("upload_owned"));
+    let (owned, up_longest, _) = timed_block_on(manager.upload_owned(host, device, 0));
     owned.result.as_ref().expect("upload");
     let up_rate = gbps(GIB, started.elapsed());
     let started = Instant::now();
-    let (owned, down_longest, _) = timed_block_on(
-        manager
-            .download_owned(owned.device, 0, owned.host)
-            .expect("download_owned"),
-    );
+    let (owned, down_longest, _) =
+        timed_block_on(manager.download_owned(owned.device, 0, owned.host));
     owned.result.as_ref().expect("download");
     let down_rate = gbps(GIB, started.elapsed());
     let longest = up_longest.max(down_longest);

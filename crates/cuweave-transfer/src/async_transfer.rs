@@ -616,18 +616,19 @@ pub struct OwnedTransfer<T: Element> {
 }
 
 impl<T: Element> OwnedTransfer<T> {
-    /// A transfer of nothing, finished before it starts: both buffers back at the first poll.
-    fn finished(plan: Plan, host: Vec<T>, device: DeviceBuffer<T>) -> Self {
+    /// A transfer that ended before it started (one of nothing, or one refused): both buffers
+    /// and `result` back at the first poll.
+    fn finished(
+        path: TransferPath,
+        host: Vec<T>,
+        device: DeviceBuffer<T>,
+        result: Result<TransferReport>,
+    ) -> Self {
         let handoff = Handoff::new();
-        let path = plan.path;
         handoff.fill(Owned {
             host,
             device,
-            result: Ok(TransferReport {
-                plan,
-                bytes: 0,
-                elapsed: std::time::Duration::ZERO,
-            }),
+            result,
         });
         Self {
             handoff,
@@ -766,73 +767,96 @@ impl TransferManager {
     /// An empty `src` (with `offset` at most `dst.len()`) returns a transfer that is already
     /// finished, as [`transfer`](Self::transfer) returns at once.
     ///
-    /// # Errors
-    /// `OutOfRange` when `src` does not fit `dst` from `offset` (nothing starts, and both
-    /// buffers are dropped); `NoSuchDevice` for a device the manager does not serve; the
-    /// driver's error when the device cannot be opened.
+    /// The buffers always come back, as tokio-uring hands a buffer back with its result: a
+    /// transfer refused before it starts resolves at its first poll with both buffers untouched
+    /// and the error in [`Owned::result`]. Nothing is counted for it.
+    ///
+    /// # Errors (in [`Owned::result`])
+    /// `OutOfRange` when `src` does not fit `dst` from `offset`; `NoSuchDevice` for a device
+    /// the manager does not serve; the driver's error when the device cannot be opened; a
+    /// driver error or [`TransferError::WorkerPanicked`] from the copy itself.
     pub fn upload_owned<T: Element>(
         &self,
         src: Vec<T>,
         mut dst: DeviceBuffer<T>,
         offset: usize,
-    ) -> Result<OwnedTransfer<T>> {
-        crate::endpoint::Destination::Device(&mut dst, offset).check(src.len())?;
+    ) -> OwnedTransfer<T> {
         let device = dst.device().ordinal();
-        let path = TransferPath::PAGEABLE_TO_DEVICE;
-        let config = self.staging_for(path, device, size_of_val(src.as_slice()));
-        let plan = staged_plan(
-            Location::PageableHost,
-            Location::Device(device),
-            size_of_val(src.as_slice()),
-        );
-        if src.is_empty() {
-            self.slot(device)?;
-            return Ok(OwnedTransfer::finished(plan, src, dst));
+        let bytes = size_of_val(src.as_slice());
+        let plan = staged_plan(Location::PageableHost, Location::Device(device), bytes);
+        let checked = crate::endpoint::Destination::Device(&mut dst, offset).check(src.len());
+        match self.owned_start(checked, device, plan, src.is_empty()) {
+            Ok(Start::Run(plan, lane)) => {
+                let config = self.staging_for(plan.path, device, bytes);
+                spawn_owned(plan, src, dst, self.shared_stats(), move |host, device| {
+                    pipeline(&lane, config).upload(host, device, offset)
+                })
+            }
+            Ok(Start::Empty(plan)) => {
+                OwnedTransfer::finished(plan.path, src, dst, Ok(TransferReport::empty(plan)))
+            }
+            Err((path, error)) => OwnedTransfer::finished(path, src, dst, Err(error)),
         }
-        let lane = self.lane(device)?;
-        Ok(spawn_owned(
-            plan,
-            src,
-            dst,
-            self.shared_stats(),
-            move |host, device| pipeline(&lane, config).upload(host, device, offset),
-        ))
     }
 
     /// Starts downloading `dst.len()` elements of `src` from element `offset` into `dst` on
-    /// the staging workers; the future hands both buffers back ([`OwnedTransfer`]). Not
-    /// counted in [`stats`](Self::stats).
+    /// the staging workers; the future hands both buffers back ([`OwnedTransfer`]). Counted
+    /// in [`stats`](Self::stats) as [`upload_owned`](Self::upload_owned) is.
     ///
-    /// # Errors
-    /// As [`upload_owned`](Self::upload_owned).
+    /// # Errors (in [`Owned::result`])
+    /// As [`upload_owned`](Self::upload_owned): the buffers come back whatever happened.
     pub fn download_owned<T: Element>(
         &self,
         src: DeviceBuffer<T>,
         offset: usize,
         dst: Vec<T>,
-    ) -> Result<OwnedTransfer<T>> {
-        crate::endpoint::Source::device(&src, offset, dst.len()).check()?;
+    ) -> OwnedTransfer<T> {
         let device = src.device().ordinal();
-        let path = TransferPath::DEVICE_TO_PAGEABLE;
-        let config = self.staging_for(path, device, size_of_val(dst.as_slice()));
-        let plan = staged_plan(
-            Location::Device(device),
-            Location::PageableHost,
-            size_of_val(dst.as_slice()),
-        );
-        if dst.is_empty() {
-            self.slot(device)?;
-            return Ok(OwnedTransfer::finished(plan, dst, src));
+        let bytes = size_of_val(dst.as_slice());
+        let plan = staged_plan(Location::Device(device), Location::PageableHost, bytes);
+        let checked = crate::endpoint::Source::device(&src, offset, dst.len()).check();
+        match self.owned_start(checked, device, plan, dst.is_empty()) {
+            Ok(Start::Run(plan, lane)) => {
+                let config = self.staging_for(plan.path, device, bytes);
+                spawn_owned(plan, dst, src, self.shared_stats(), move |host, device| {
+                    pipeline(&lane, config).download(device, offset, host)
+                })
+            }
+            Ok(Start::Empty(plan)) => {
+                OwnedTransfer::finished(plan.path, dst, src, Ok(TransferReport::empty(plan)))
+            }
+            Err((path, error)) => OwnedTransfer::finished(path, dst, src, Err(error)),
         }
-        let lane = self.lane(device)?;
-        Ok(spawn_owned(
-            plan,
-            dst,
-            src,
-            self.shared_stats(),
-            move |host, device| pipeline(&lane, config).download(device, offset, host),
-        ))
     }
+
+    /// What an owned transfer does once its range is `checked`: run on `device`'s lane, end at
+    /// once when it moves nothing (the device still opened, as `transfer` opens it), or be
+    /// refused with the error, its path kept for the future's `Debug`.
+    fn owned_start(
+        &self,
+        checked: Result<()>,
+        device: usize,
+        plan: Plan,
+        empty: bool,
+    ) -> std::result::Result<Start, (TransferPath, TransferError)> {
+        let path = plan.path;
+        let started = checked.and_then(|()| {
+            if empty {
+                self.slot(device).map(|_| Start::Empty(plan))
+            } else {
+                self.lane(device).map(|lane| Start::Run(plan, lane))
+            }
+        });
+        started.map_err(|error| (path, error))
+    }
+}
+
+/// How an owned transfer starts ([`TransferManager::owned_start`]).
+enum Start {
+    /// Copy on this lane.
+    Run(Plan, Lane),
+    /// Nothing to copy.
+    Empty(Plan),
 }
 
 /// Runs `job` over `host` and `device` on a staging worker and hands both buffers and its

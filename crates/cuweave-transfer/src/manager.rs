@@ -34,6 +34,15 @@ pub struct TransferReport {
 }
 
 impl TransferReport {
+    /// The report of a transfer of nothing under `plan`: it returned at once.
+    pub(crate) fn empty(plan: Plan) -> Self {
+        Self {
+            plan,
+            bytes: 0,
+            elapsed: Duration::ZERO,
+        }
+    }
+
     /// Bandwidth of this transfer, GB/s (10^9 bytes per second); 0 for an empty transfer.
     pub fn gbps(&self) -> f64 {
         let secs = self.elapsed.as_secs_f64();
@@ -454,11 +463,7 @@ impl TransferManager {
     ) -> Result<TransferReport> {
         let bytes = src.bytes();
         if bytes == 0 {
-            return Ok(TransferReport {
-                plan,
-                bytes,
-                elapsed: Duration::ZERO,
-            });
+            return Ok(TransferReport::empty(plan));
         }
         let start = Instant::now();
         match crate::execute::execute(self, plan.method, src, dst) {

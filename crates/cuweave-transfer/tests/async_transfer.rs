@@ -243,17 +243,13 @@ fn owned_transfers_round_trip_and_hand_the_buffers_back() {
     let manager = TransferManager::new().unwrap();
     let data = pattern((40 << 20) / 4 + 3);
     let device = DeviceBuffer::<u32>::zeroed(&gpu.context, data.len() + 5).unwrap();
-    let (owned, _) = block_on(manager.upload_owned(data.clone(), device, 5).unwrap());
+    let (owned, _) = block_on(manager.upload_owned(data.clone(), device, 5));
     let report = owned.result.unwrap();
     assert_eq!(report.bytes, data.len() * 4);
     assert_eq!(owned.host, data);
     let device = owned.device;
     assert_eq!(&device.to_vec().unwrap()[5..], &data[..]);
-    let (owned, _) = block_on(
-        manager
-            .download_owned(device, 5, vec![0u32; data.len()])
-            .unwrap(),
-    );
+    let (owned, _) = block_on(manager.download_owned(device, 5, vec![0u32; data.len()]));
     owned.result.unwrap();
     assert_eq!(owned.host, data);
     // Both are in the manager's statistics by the time their buffers came back.
@@ -275,32 +271,52 @@ fn owned_transfers_round_trip_and_hand_the_buffers_back() {
     // (Not under compute-sanitizer, whose leak check would report the leak this makes.)
     if !sanitizer_active() {
         let device = DeviceBuffer::<u32>::zeroed(&gpu.context, data.len()).unwrap();
-        std::mem::forget(manager.upload_owned(data.clone(), device, 0).unwrap());
+        std::mem::forget(manager.upload_owned(data.clone(), device, 0));
     }
     let device = DeviceBuffer::<u32>::zeroed(&gpu.context, data.len()).unwrap();
-    drop(manager.upload_owned(data.clone(), device, 0).unwrap());
+    drop(manager.upload_owned(data.clone(), device, 0));
     let device = DeviceBuffer::<u32>::zeroed(&gpu.context, data.len()).unwrap();
-    let (owned, _) = block_on(manager.upload_owned(data.clone(), device, 0).unwrap());
+    let (owned, _) = block_on(manager.upload_owned(data.clone(), device, 0));
     owned.result.unwrap();
     assert_eq!(owned.device.to_vec().unwrap(), data);
-    // Bad ranges are refused before anything starts.
-    let small = DeviceBuffer::<u32>::zeroed(&gpu.context, 4).unwrap();
+    // Bad ranges are refused before anything starts, and both buffers come back untouched
+    // with the error (as tokio-uring hands a buffer back with its result): nothing is lost.
+    let small = DeviceBuffer::<u32>::from_slice(&gpu.context, &[1, 2, 3, 4]).unwrap();
+    let (owned, _) = block_on(manager.upload_owned(vec![9u32; 8], small, 0));
     assert!(matches!(
-        manager.upload_owned(vec![0u32; 8], small, 0),
+        owned.result,
         Err(TransferError::OutOfRange { .. })
     ));
+    assert_eq!(owned.host, vec![9u32; 8]);
+    assert_eq!(owned.device.to_vec().unwrap(), vec![1, 2, 3, 4]);
+    let (owned, _) = block_on(manager.download_owned(owned.device, 1, vec![7u32; 4]));
+    assert!(matches!(
+        owned.result,
+        Err(TransferError::OutOfRange { .. })
+    ));
+    assert_eq!(owned.host, vec![7u32; 4]);
+    assert_eq!(owned.device.to_vec().unwrap(), vec![1, 2, 3, 4]);
     // Empty ones finish at once, as an empty `transfer` does, and hand both buffers back
     // untouched.
-    let small = DeviceBuffer::<u32>::from_slice(&gpu.context, &[1, 2, 3, 4]).unwrap();
-    let (owned, _) = block_on(manager.upload_owned(Vec::new(), small, 4).unwrap());
+    let (owned, _) = block_on(manager.upload_owned(Vec::new(), owned.device, 4));
     assert_eq!(owned.result.unwrap().bytes, 0);
     assert!(owned.host.is_empty());
-    let (owned, _) = block_on(manager.download_owned(owned.device, 2, Vec::new()).unwrap());
+    let (owned, _) = block_on(manager.download_owned(owned.device, 2, Vec::new()));
     assert_eq!(owned.result.unwrap().bytes, 0);
     assert_eq!(owned.device.to_vec().unwrap(), vec![1, 2, 3, 4]);
-    let small = owned.device;
+    let (owned, _) = block_on(manager.upload_owned(Vec::new(), owned.device, 5));
     assert!(matches!(
-        manager.upload_owned(Vec::new(), small, 5),
+        owned.result,
         Err(TransferError::OutOfRange { .. })
     ));
+    assert_eq!(owned.device.to_vec().unwrap(), vec![1, 2, 3, 4]);
+    // Refusals are not counted: the two transfers above are still the only ones.
+    let class = SizeClass::of(data.len() * 4);
+    assert_eq!(
+        manager
+            .stats()
+            .get(TransferPath::PAGEABLE_TO_DEVICE, class)
+            .failures,
+        0
+    );
 }

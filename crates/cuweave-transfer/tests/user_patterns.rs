@@ -571,14 +571,15 @@ fn a_manager_refuses_devices_it_does_not_serve_on_every_entry_point() {
     assert!(unserved(
         manager.download_async(&device, 0, &mut dst).map(drop)
     ));
+    // The owned forms hand both buffers back with the refusal.
     let owned = DeviceBuffer::<u8>::zeroed(&gpu.context, 3).unwrap();
-    assert!(unserved(
-        manager.upload_owned(src.to_vec(), owned, 0).map(drop)
-    ));
-    let owned = DeviceBuffer::<u8>::zeroed(&gpu.context, 3).unwrap();
-    assert!(unserved(
-        manager.download_owned(owned, 0, vec![0; 3]).map(drop)
-    ));
+    let refused = block_on(manager.upload_owned(src.to_vec(), owned, 0));
+    assert!(unserved(refused.result.map(drop)));
+    assert_eq!(refused.host, src);
+    let refused = block_on(manager.download_owned(refused.device, 0, vec![5; 3]));
+    assert!(unserved(refused.result.map(drop)));
+    assert_eq!(refused.host, [5; 3]);
+    assert_eq!(refused.device.to_vec().unwrap(), [0; 3]);
     let mut host = vec![0u8; 4096];
     assert!(unserved(manager.register_host(0, &mut host).map(drop)));
     assert!(!manager.is_open(0));
@@ -767,7 +768,7 @@ fn owned_transfers_run_concurrently_and_hand_every_buffer_back() {
         .iter()
         .map(|&n| {
             let device = DeviceBuffer::<u8>::zeroed(&gpu.context, n + 3).unwrap();
-            Box::pin(manager.upload_owned(bytes(n, n as u64), device, 3).unwrap())
+            Box::pin(manager.upload_owned(bytes(n, n as u64), device, 3))
         })
         .collect();
     let returned = join_all(&mut uploads);
@@ -780,7 +781,7 @@ fn owned_transfers_run_concurrently_and_hand_every_buffer_back() {
             // The host vec is reused for the download, as a server reuses its batch buffers.
             let mut host = owned.host;
             host.fill(0);
-            Box::pin(manager.download_owned(owned.device, 3, host).unwrap())
+            Box::pin(manager.download_owned(owned.device, 3, host))
         })
         .collect();
     for (owned, &n) in join_all(&mut downloads).into_iter().zip(&sizes) {
@@ -792,9 +793,9 @@ fn owned_transfers_run_concurrently_and_hand_every_buffer_back() {
     // Typed, and a dropped one: it finishes in the background, later ones are unaffected.
     let data: Vec<f32> = (0..MIB + 1).map(|i| i as f32).collect();
     let device = DeviceBuffer::<f32>::zeroed(&gpu.context, data.len()).unwrap();
-    drop(manager.upload_owned(data.clone(), device, 0).unwrap());
+    drop(manager.upload_owned(data.clone(), device, 0));
     let device = DeviceBuffer::<f32>::zeroed(&gpu.context, data.len()).unwrap();
-    let owned = block_on(manager.upload_owned(data.clone(), device, 0).unwrap());
+    let owned = block_on(manager.upload_owned(data.clone(), device, 0));
     owned.result.unwrap();
     assert!(owned.device.to_vec().unwrap() == data);
 }
@@ -1193,8 +1194,7 @@ fn a_data_loader_moves_large_and_small_batches_both_ways_at_once() {
                 if round == 1 {
                     scope.spawn(move || {
                         let device = DeviceBuffer::<u8>::new(context, batch.len()).unwrap();
-                        let owned =
-                            block_on(manager.upload_owned(batch.clone(), device, 0).unwrap());
+                        let owned = block_on(manager.upload_owned(batch.clone(), device, 0));
                         owned.result.unwrap();
                         assert_same(&owned.device.to_vec().unwrap(), batch, "owned upload");
                     });
