@@ -76,6 +76,7 @@ pub(crate) const FUNCTION_TYPEDEFS: &[&str] = &[
     "PFN_cuEventElapsedTime_v2000",
     "PFN_cuEventElapsedTime_v12080",
     "PFN_cuModuleLoadData_v2000",
+    "PFN_cuModuleLoadDataEx_v2010",
     "PFN_cuModuleUnload_v2000",
     "PFN_cuModuleGetFunction_v2000",
     "PFN_cuLaunchKernel_v4000",
@@ -155,6 +156,7 @@ const EXTRA_TYPES: &[&str] = &[
     "CUgraphNodeType",
     "CUgraphDebugDot_flags",
     "CUgraphMem_attribute",
+    "CUjit_option",
 ];
 
 /// Constants defined as macros in `cuda.h`.

@@ -42,6 +42,24 @@ pub enum DriverError {
         /// The driver entry point that failed.
         operation: &'static str,
     },
+    /// The driver refused to load a module (PTX that does not JIT-compile, an image for
+    /// another architecture): the code as in [`Cuda`](Self::Cuda), plus what the JIT compiler
+    /// wrote to its error log (then its info log), bounded and trimmed; empty when it wrote
+    /// nothing, as for most cubin and fatbin failures.
+    #[error(
+        "{operation} failed: {} ({code}): {}{}",
+        cuda_name(*code),
+        cuda_description(*code),
+        jit_log_suffix(log)
+    )]
+    ModuleLoad {
+        /// The raw `CUresult` value, e.g. `CUDA_ERROR_INVALID_PTX` (218).
+        code: u32,
+        /// The driver entry point that failed (`cuModuleLoadDataEx`).
+        operation: &'static str,
+        /// The JIT compiler's log, e.g. `ptxas application ptx input, line 7; error   : …`.
+        log: String,
+    },
     /// The device lacks a capability the operation needs (managed memory, memory pools, …).
     #[error("device {device} lacks {capability}, which {operation} needs")]
     CapabilityMissing {
@@ -80,27 +98,31 @@ impl DriverError {
     /// The raw `CUresult`, when the driver itself reported the error.
     pub fn code(&self) -> Option<sys::CUresult> {
         match self {
-            Self::Cuda { code, .. } => Some(sys::CUresult(*code)),
+            Self::Cuda { code, .. } | Self::ModuleLoad { code, .. } => Some(sys::CUresult(*code)),
             _ => None,
         }
     }
 
-    /// The driver's name for the code of a [`Cuda`](Self::Cuda) error, e.g.
+    /// The driver's name for the code of a [`Cuda`](Self::Cuda) or
+    /// [`ModuleLoad`](Self::ModuleLoad) error, e.g.
     /// `CUDA_ERROR_OUT_OF_MEMORY` (`cuGetErrorName`, asked now; `CUresult N` when no driver is
     /// loaded or it does not know the code); `None` for the other variants.
     pub fn name(&self) -> Option<Cow<'static, str>> {
         match self {
-            Self::Cuda { code, .. } => Some(cuda_name(*code)),
+            Self::Cuda { code, .. } | Self::ModuleLoad { code, .. } => Some(cuda_name(*code)),
             _ => None,
         }
     }
 
-    /// The driver's description of the code of a [`Cuda`](Self::Cuda) error
+    /// The driver's description of the code of a [`Cuda`](Self::Cuda) or
+    /// [`ModuleLoad`](Self::ModuleLoad) error
     /// (`cuGetErrorString`, asked now; `unknown error` when no driver is loaded or it does not
     /// know the code); `None` for the other variants.
     pub fn description(&self) -> Option<&'static str> {
         match self {
-            Self::Cuda { code, .. } => Some(cuda_description(*code)),
+            Self::Cuda { code, .. } | Self::ModuleLoad { code, .. } => {
+                Some(cuda_description(*code))
+            }
             _ => None,
         }
     }
@@ -110,10 +132,20 @@ impl DriverError {
     pub fn operation(&self) -> Option<&'static str> {
         match self {
             Self::Cuda { operation, .. }
+            | Self::ModuleLoad { operation, .. }
             | Self::CapabilityMissing { operation, .. }
             | Self::InvalidArgument { operation, .. } => Some(operation),
             Self::Graph(error) => error.operation(),
             Self::NotFound { .. } | Self::Unsupported { .. } => None,
+        }
+    }
+
+    /// The JIT compiler's log of a failed module load ([`ModuleLoad`](Self::ModuleLoad)),
+    /// `None` for the other variants. Empty when the compiler wrote nothing.
+    pub fn jit_log(&self) -> Option<&str> {
+        match self {
+            Self::ModuleLoad { log, .. } => Some(log),
+            _ => None,
         }
     }
 
@@ -145,6 +177,15 @@ fn cuda_name(code: u32) -> Cow<'static, str> {
     crate::loader::loaded_driver()
         .and_then(|api| api.error_name(sys::CUresult(code)))
         .map_or_else(|| Cow::Owned(format!("CUresult {code}")), Cow::Borrowed)
+}
+
+/// The JIT log on lines of its own after the error's first line, or nothing when it is empty.
+fn jit_log_suffix(log: &str) -> String {
+    if log.is_empty() {
+        String::new()
+    } else {
+        format!("; JIT log:\n{log}")
+    }
 }
 
 /// The driver's description of `code`, asked of the loaded driver (never loading one).
@@ -181,5 +222,37 @@ mod tests {
             reason: "not installed".to_owned(),
         };
         assert!(!missing.is_capture_refusal());
+    }
+
+    /// A refused module reads like the driver error it is, plus the JIT's log on lines of its
+    /// own; with no log, exactly like a `Cuda` error of the same code and operation.
+    #[test]
+    fn a_module_load_error_shows_the_jit_log() {
+        let log = "ptxas application ptx input, line 7; error   : Unknown symbol '%r9'";
+        let error = DriverError::ModuleLoad {
+            code: 218,
+            operation: "cuModuleLoadDataEx",
+            log: log.to_owned(),
+        };
+        assert_eq!(error.code(), Some(sys::CUresult(218)));
+        assert!(error.name().is_some() && error.description().is_some());
+        assert_eq!(error.operation(), Some("cuModuleLoadDataEx"));
+        assert_eq!(error.jit_log(), Some(log));
+        let shown = error.to_string();
+        assert!(shown.starts_with("cuModuleLoadDataEx failed: "), "{shown}");
+        assert!(shown.ends_with(&format!("; JIT log:\n{log}")), "{shown}");
+
+        let silent = DriverError::ModuleLoad {
+            code: 209,
+            operation: "cuModuleLoadDataEx",
+            log: String::new(),
+        };
+        let plain = DriverError::Cuda {
+            code: 209,
+            operation: "cuModuleLoadDataEx",
+        };
+        assert_eq!(silent.to_string(), plain.to_string());
+        assert_eq!(silent.jit_log(), Some(""));
+        assert_eq!(plain.jit_log(), None);
     }
 }

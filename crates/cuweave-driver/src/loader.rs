@@ -278,6 +278,8 @@ driver_table! {
     event_elapsed_time: PFN_cuEventElapsedTime_v12080 = ["cuEventElapsedTime_v2", "cuEventElapsedTime"],
     /// `cuModuleLoadData`
     module_load_data: PFN_cuModuleLoadData_v2000 = ["cuModuleLoadData"],
+    /// `cuModuleLoadDataEx`
+    module_load_data_ex: PFN_cuModuleLoadDataEx_v2010 = ["cuModuleLoadDataEx"],
     /// `cuModuleUnload`
     module_unload: PFN_cuModuleUnload_v2000 = ["cuModuleUnload"],
     /// `cuModuleGetFunction`

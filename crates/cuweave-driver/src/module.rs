@@ -11,6 +11,9 @@ use crate::stream::Stream;
 use crate::sys;
 
 mod image;
+mod jit_log;
+
+use jit_log::JitLogs;
 
 /// A loaded module (PTX, cubin or fatbin) of one context. Unloaded when the last kernel taken
 /// from it and the module handle itself are gone.
@@ -30,7 +33,9 @@ impl Module {
     /// JIT-compiles and loads PTX source text.
     ///
     /// # Errors
-    /// `InvalidArgument` for text with a NUL byte; the driver's compile error otherwise.
+    /// `InvalidArgument` for text with a NUL byte; [`DriverError::ModuleLoad`] when the driver
+    /// refuses it, with the JIT compiler's log in [`DriverError::jit_log`] (the line and the
+    /// error, e.g. `ptxas application ptx input, line 7; error : Unknown symbol '%r9'`).
     pub fn from_ptx(context: &Arc<Context>, ptx: &str) -> Result<Arc<Self>> {
         let text = CString::new(ptx).map_err(|e| {
             DriverError::invalid(
@@ -38,13 +43,13 @@ impl Module {
                 format!("PTX has a NUL byte at {}", e.nul_position()),
             )
         })?;
-        // SAFETY: a NUL-terminated PTX string is a valid image for cuModuleLoadData.
+        // SAFETY: a NUL-terminated PTX string is a valid image for cuModuleLoadDataEx.
         unsafe { Self::load(context, text.as_ptr().cast()) }
     }
 
     /// Loads a cubin (ELF), fatbin or PTX image.
     ///
-    /// `cuModuleLoadData` takes only a pointer and trusts the lengths the image declares, so
+    /// `cuModuleLoadDataEx` takes only a pointer and trusts the lengths the image declares, so
     /// they are checked against the slice first, with no driver call: an ELF image's header,
     /// section and program header tables, sections and segments; a fatbin's (magic
     /// `0xBA55ED50`) header size plus fat size, and each entry inside it. PTX text is read up to
@@ -52,7 +57,8 @@ impl Module {
     ///
     /// # Errors
     /// `InvalidArgument` for an empty, truncated or unrecognised image (before any driver
-    /// call); the driver's error for an image whose contents it rejects.
+    /// call); [`DriverError::ModuleLoad`] for an image whose contents the driver rejects (with
+    /// the JIT log for PTX; usually an empty log for cubin and fatbin).
     pub fn from_cubin(context: &Arc<Context>, image: &[u8]) -> Result<Arc<Self>> {
         let image = image::check(image)?;
         // SAFETY: `check` proved that every extent the ELF or fatbin image declares lies inside
@@ -67,8 +73,33 @@ impl Module {
         context.bind_to_thread()?;
         let api = driver()?;
         let mut raw = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; the image contract is the caller's.
-        unsafe { cu!(api.module_load_data(&mut raw, image)) }?;
+        let mut logs = JitLogs::new();
+        let (mut options, mut values) = logs.options();
+        // SAFETY: valid out-pointer; four options, each log buffer's value its address in
+        // `logs` (alive and untouched until the call returns) followed by its true size; the
+        // image contract is the caller's.
+        let loaded = unsafe {
+            cu!(api.module_load_data_ex(
+                &mut raw,
+                image,
+                options.len() as std::ffi::c_uint,
+                options.as_mut_ptr(),
+                values.as_mut_ptr(),
+            ))
+        };
+        match loaded {
+            Ok(()) => {}
+            Err(DriverError::Cuda { code, operation }) => {
+                let log = logs.into_log(&values);
+                tracing::debug!(code, %log, "module load failed");
+                return Err(DriverError::ModuleLoad {
+                    code,
+                    operation,
+                    log,
+                });
+            }
+            Err(other) => return Err(other),
+        }
         Ok(Arc::new(Self {
             context: Arc::clone(context),
             raw,

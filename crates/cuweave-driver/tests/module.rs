@@ -129,10 +129,10 @@ fn garbage_ptx_is_a_driver_error_and_the_context_survives_it() {
     let context = &gpu.context;
     let garbage = ".version what\nthis is not PTX { at all";
     match Module::from_ptx(context, garbage) {
-        Err(error @ DriverError::Cuda { operation, .. }) => {
+        Err(error @ DriverError::ModuleLoad { operation, .. }) => {
             let (name, description) = (error.name().unwrap(), error.description().unwrap());
             eprintln!("garbage PTX: {name}: {description}");
-            assert_eq!(operation, "cuModuleLoadData");
+            assert_eq!(operation, "cuModuleLoadDataEx");
             assert!(name.starts_with("CUDA_ERROR_"), "{name}");
         }
         other => panic!("garbage PTX gave {other:?}"),
@@ -142,6 +142,72 @@ fn garbage_ptx_is_a_driver_error_and_the_context_survives_it() {
     let stream = Stream::new(context, StreamFlags::NON_BLOCKING).unwrap();
     kernels.spin_ns(&stream, 1000).unwrap();
     stream.synchronize().unwrap();
+}
+
+/// PTX that parses but does not assemble: an undeclared register on line 7.
+const BROKEN_PTX: &str = "\
+.version 8.0
+.target sm_75
+.address_size 64
+
+.visible .entry cuweave_broken()
+{
+    mov.u32 %cuweave_undeclared, 7;
+    ret;
+}
+";
+
+/// A PTX error comes back with the JIT compiler's own words: the typed error carries the code
+/// and a bounded, NUL-free log naming the bad symbol, and its message shows the log. Valid PTX
+/// loads and launches after it, as before.
+#[test]
+fn broken_ptx_is_a_module_load_error_with_the_jit_log() {
+    let gpu = require_gpu!();
+    let context = &gpu.context;
+    let error = Module::from_ptx(context, BROKEN_PTX).unwrap_err();
+    eprintln!("broken PTX: {error}");
+    let DriverError::ModuleLoad {
+        code,
+        operation,
+        log,
+    } = &error
+    else {
+        panic!("broken PTX gave {error:?}");
+    };
+    assert_eq!(*operation, "cuModuleLoadDataEx");
+    assert_eq!(error.code(), Some(sys::CUresult(*code)));
+    assert!(error.name().unwrap().starts_with("CUDA_ERROR_"), "{error}");
+    assert_eq!(error.jit_log(), Some(log.as_str()));
+    assert!(log.to_lowercase().contains("error"), "log: {log:?}");
+    assert!(log.contains("cuweave_undeclared"), "log: {log:?}");
+    assert!(!log.contains('\0'), "log: {log:?}");
+    assert!(log.len() <= 16 * 1024, "{} bytes of log", log.len());
+    assert_eq!(log.trim(), log, "untrimmed log");
+    assert!(error.to_string().contains("cuweave_undeclared"), "{error}");
+
+    // Valid PTX still loads, and its kernel runs and writes what it should.
+    let module = Module::from_ptx(context, PTX).unwrap();
+    let fill = module.function("fill_u32").unwrap();
+    let stream = Stream::new(context, StreamFlags::NON_BLOCKING).unwrap();
+    let n: u64 = 1000;
+    let value: u32 = 0x600D_F00D;
+    let buffer = DeviceAllocation::new(context, n as usize * 4).unwrap();
+    let dst = buffer.ptr();
+    let args = KernelArgs::new().arg(&dst).arg(&value).arg(&n);
+    let mut host = vec![0u32; n as usize];
+    // SAFETY: fill_u32(unsigned*, unsigned, size_t) matches the three arguments, and `buffer`
+    // holds `n` u32s until the synchronize; `host` is read only after it.
+    unsafe {
+        fill.launch(
+            &stream,
+            LaunchConfig::for_elements(n as usize, 256).unwrap(),
+            &args,
+        )
+        .unwrap();
+        memory::copy_dtoh_async(host.as_mut_ptr().cast(), dst, n as usize * 4, &stream).unwrap();
+    }
+    stream.synchronize().unwrap();
+    assert!(host.iter().all(|&word| word == value));
 }
 
 #[test]

@@ -1,5 +1,5 @@
 //! Checks a module image's own declared extents against the slice it came in, before
-//! `cuModuleLoadData` (which takes only a pointer) reads it: pure code, tested without a GPU.
+//! `cuModuleLoadDataEx` (which takes only a pointer) reads it: pure code, tested without a GPU.
 
 use std::borrow::Cow;
 use std::ffi::CStr;
@@ -29,7 +29,7 @@ pub(super) enum Image<'a> {
 }
 
 impl Image<'_> {
-    /// The pointer for `cuModuleLoadData`.
+    /// The pointer for `cuModuleLoadDataEx`.
     pub(super) fn as_ptr(&self) -> *const std::ffi::c_void {
         match self {
             Self::Binary(bytes) => bytes.as_ptr().cast(),
