@@ -127,6 +127,22 @@ pub enum MemoryError {
         /// The pool that was refused.
         requested: crate::caching::GraphPoolId,
     },
+    /// An operation that a stream capture cannot hold was asked of a capturing stream, and was
+    /// refused before anything was queued: the capture is still valid and can go on. A copy
+    /// between a device buffer and pageable host memory (a `Vec<T>` or `Box<[T]>` host side) is
+    /// one (the driver would answer it with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and
+    /// invalidate the whole capture); so are copies that return only once they have landed, and
+    /// fills whose value no memset can write (they stage it in pageable memory behind a host
+    /// function). The same call succeeds on a stream that is not capturing.
+    #[error(
+        "{operation} cannot be recorded into a stream capture ({reason}); nothing was queued and the capture is intact"
+    )]
+    NotCapturable {
+        /// The refused operation.
+        operation: &'static str,
+        /// Why a capture cannot hold it.
+        reason: &'static str,
+    },
     /// A pointer handed back to an allocator or pool is not one it gave out.
     #[error("{operation}: {ptr:#x} was not allocated here (or was already freed)")]
     UnknownAllocation {
@@ -149,7 +165,36 @@ impl MemoryError {
 
     /// Whether the operation was refused because a stream capture is active (it would have
     /// waited for the device or broken the capture); it may succeed once no capture is.
+    ///
+    /// Both the driver layer's refusal ([`GraphError::Capturing`](cuweave_driver::GraphError::Capturing))
+    /// and this layer's [`NotCapturable`](Self::NotCapturable) count.
     pub fn is_capture_refusal(&self) -> bool {
-        matches!(self, Self::Driver(error) if error.is_capture_refusal())
+        match self {
+            Self::Driver(error) => error.is_capture_refusal(),
+            Self::NotCapturable { .. } => true,
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn not_capturable_is_a_capture_refusal_naming_the_operation() {
+        let error = MemoryError::NotCapturable {
+            operation: "Buffer::copy_range_from_host_async",
+            reason: crate::buffer::capture::PAGEABLE,
+        };
+        assert!(error.is_capture_refusal());
+        assert!(!error.is_out_of_memory());
+        let text = error.to_string();
+        assert!(
+            text.starts_with("Buffer::copy_range_from_host_async cannot be recorded"),
+            "{text}"
+        );
+        assert!(text.contains("pageable"), "{text}");
+        assert!(!MemoryError::ZeroLength { operation: "x" }.is_capture_refusal());
     }
 }

@@ -241,10 +241,15 @@ fn ensure_same_device(operation: &'static str, dst: CoreRef<'_>, src: CoreRef<'_
     Ok(())
 }
 
-/// Queues the cheapest fill of `span` with `value` on `stream` (see [`FillPlan`]): the plan
-/// sees where the span starts, since a view need not start on a word boundary.
-fn enqueue_fill(span: DeviceSpan, value: &[u8], stream: &Stream) -> Result<()> {
-    match FillPlan::for_value(value, span.ptr(), span.bytes()) {
+/// The cheapest fill of `span` with `value` (see [`FillPlan`]): the plan sees where the span
+/// starts, since a view need not start on a word boundary.
+fn fill_plan(span: DeviceSpan, value: &[u8]) -> FillPlan {
+    FillPlan::for_value(value, span.ptr(), span.bytes())
+}
+
+/// Queues `plan`, a fill of `span` with `value`, on `stream`.
+fn enqueue_fill(plan: FillPlan, span: DeviceSpan, value: &[u8], stream: &Stream) -> Result<()> {
+    match plan {
         FillPlan::Bytes(byte) => raw::memset_d8(span, byte, stream),
         FillPlan::Words(word) => raw::memset_d32(span, word, stream),
         FillPlan::Pattern => raw::fill_pattern(span, value, stream),
@@ -342,21 +347,47 @@ pub trait Buffer<T: Element>: sealed::Sealed {
     fn fill(&mut self, value: T) -> Result<()> {
         let core = self.core();
         let span = core.whole();
+        let value = bytemuck::bytes_of(&value);
+        let plan = fill_plan(span, value);
         raw::run_blocking(
             "Buffer::fill",
             core.context(),
             &[(core.part(), Access::Write)],
-            |stream| enqueue_fill(span, bytemuck::bytes_of(&value), stream),
+            |stream| enqueue_fill(plan, span, value, stream),
         )
     }
 
     /// Queues setting every element to `value` on `stream`.
+    ///
+    /// On a capturing stream the fill is recorded into the graph when a memset can write it
+    /// (see [`fill`](Self::fill): a value whose bytes are all equal, or repeat every 4 bytes on
+    /// a word-aligned range).
+    ///
+    /// # Errors
+    /// [`MemoryError::NotCapturable`] on a capturing stream when no memset can write the value
+    /// (it would be staged from pageable host memory behind a host function, which would break
+    /// the capture); nothing is queued and the capture goes on. `ReadOnlyView` for a shared view;
+    /// the driver's error otherwise.
     fn fill_async(&mut self, value: T, stream: &Stream) -> Result<()> {
+        const OP: &str = "Buffer::fill_async";
         let core = self.core();
         let span = core.whole();
+        let value = bytemuck::bytes_of(&value);
+        let plan = fill_plan(span, value);
+        if plan == FillPlan::Pattern {
+            // The pattern path's pageable staging copy and host function cannot be captured:
+            // refuse before the tracker queues anything (one driver query, on a path that
+            // stages through the host anyway).
+            super::capture::refuse_in_capture(
+                OP,
+                stream,
+                cuweave_driver::graph::StatusCheck::Always,
+                super::capture::PATTERN_FILL,
+            )?;
+        }
         let uses = [(core.part(), Access::Write)];
-        super::tracker::run_uses("Buffer::fill_async", stream, &uses, || {
-            enqueue_fill(span, bytemuck::bytes_of(&value), stream)
+        super::tracker::run_uses(OP, stream, &uses, || {
+            enqueue_fill(plan, span, value, stream)
         })?;
         Ok(())
     }
@@ -472,6 +503,10 @@ pub trait Buffer<T: Element>: sealed::Sealed {
 
     /// Queues a copy of `host` (exactly [`len`](Self::len) elements) into the buffer on
     /// `stream`; the returned [`PendingCopy`] owns `host` until the copy has finished.
+    ///
+    /// On a capturing stream a pinned host side is captured (the graph reads it at every
+    /// launch; see [`HostSource`]) and a pageable one (`Vec`, `Box`) is refused with
+    /// [`MemoryError::NotCapturable`] before anything is queued, leaving the capture valid.
     fn copy_from_host_async<H: HostSource<T>>(
         &mut self,
         host: H,
@@ -505,6 +540,8 @@ pub trait Buffer<T: Element>: sealed::Sealed {
     /// # Errors
     /// As [`copy_range_from_host_async`](Self::copy_range_from_host_async); if the copy's end
     /// cannot be known (the context broke), `host` is leaked rather than freed.
+    /// [`MemoryError::NotCapturable`] on a capturing stream, whatever the host side: a capture
+    /// runs nothing, so the copy could never have landed when this returns.
     fn copy_range_from_host_on<H: HostSource<T>>(
         &mut self,
         offset: usize,
@@ -596,6 +633,10 @@ pub trait Buffer<T: Element>: sealed::Sealed {
 
     /// Queues a copy of the buffer into `host` (exactly [`len`](Self::len) elements) on
     /// `stream`; [`PendingCopy::wait`] returns `host` holding the data.
+    ///
+    /// On a capturing stream a pinned host side is captured (the graph writes it at every
+    /// launch) and a pageable one is refused with [`MemoryError::NotCapturable`], as for
+    /// [`copy_from_host_async`](Self::copy_from_host_async).
     fn copy_to_host_async<H: HostSink<T>>(
         &self,
         host: H,

@@ -5,11 +5,18 @@
 //! borrow of a [`PinnedBuffer`] (whose own tracker then remembers the copy), and the returned
 //! [`PendingCopy`](super::PendingCopy) gives it back only once the stream has passed the copy.
 //!
-//! | host side | source | sink | how the copy runs |
-//! |---|---|---|---|
-//! | `PinnedBuffer<T>`, `&mut PinnedBuffer<T>` | yes | yes | truly asynchronous (DMA from page-locked memory) |
-//! | `&PinnedBuffer<T>` | yes | no | truly asynchronous |
-//! | `Vec<T>`, `Box<[T]>` | yes | yes | pageable: the driver stages it; a device-to-host copy returns only when done |
+//! | host side | source | sink | how the copy runs | on a capturing stream |
+//! |---|---|---|---|---|
+//! | `PinnedBuffer<T>`, `&mut PinnedBuffer<T>` | yes | yes | truly asynchronous (DMA from page-locked memory) | captured |
+//! | `&PinnedBuffer<T>` | yes | no | truly asynchronous | captured |
+//! | `Vec<T>`, `Box<[T]>` | yes | yes | pageable: the driver stages it; a device-to-host copy returns only when done | refused: `MemoryError::NotCapturable` |
+//!
+//! A captured copy runs at every launch of the graph, reading or writing the pinned buffer's
+//! memory then; the buffer's tracker records the captured use, so dropping the buffer keeps the
+//! memory for the capture's graphs (until their graph pool dies; for a capture with no graph
+//! pool, for ever). A pageable copy cannot be captured (the driver would invalidate the whole
+//! capture), and nothing would keep a `Vec`'s memory alive for the graph: it is refused before
+//! anything is queued, and the capture goes on.
 //!
 //! The traits are sealed: their soundness rests on each implementation keeping its memory at
 //! the same address when the value is moved, which holds for exactly these types.
@@ -42,11 +49,11 @@ pub(crate) mod sealed {
 
 /// Host memory an asynchronous host-to-device copy can read from while it owns it.
 ///
-/// | host side | source | sink | how the copy runs |
-/// |---|---|---|---|
-/// | `PinnedBuffer<T>`, `&mut PinnedBuffer<T>` | yes | yes | truly asynchronous (DMA from page-locked memory) |
-/// | `&PinnedBuffer<T>` | yes | no | truly asynchronous |
-/// | `Vec<T>`, `Box<[T]>` | yes | yes | pageable: the driver stages it; a device-to-host copy returns only when done |
+/// | host side | source | sink | how the copy runs | on a capturing stream |
+/// |---|---|---|---|---|
+/// | `PinnedBuffer<T>`, `&mut PinnedBuffer<T>` | yes | yes | truly asynchronous (DMA from page-locked memory) | captured |
+/// | `&PinnedBuffer<T>` | yes | no | truly asynchronous | captured |
+/// | `Vec<T>`, `Box<[T]>` | yes | yes | pageable: the driver stages it; a device-to-host copy returns only when done | refused: [`MemoryError::NotCapturable`](crate::MemoryError::NotCapturable) |
 ///
 /// A borrowed [`PinnedBuffer`] also records the copy in its own tracker, so its host slices
 /// wait for the copy even if the [`PendingCopy`](super::PendingCopy) is forgotten.

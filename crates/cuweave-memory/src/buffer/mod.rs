@@ -57,6 +57,7 @@
 //! # }
 //! ```
 
+pub(crate) mod capture;
 mod common;
 mod device;
 mod fill;

@@ -11,6 +11,12 @@ use cuweave_driver::{OwnedPooledEvent, Stream};
 /// under the copy engine; `std::mem::forget` leaks the host side (it is never freed), which is
 /// safe. If waiting fails (the context is broken), the host side is leaked rather than freed.
 ///
+/// A copy queued on a capturing stream (only pinned host sides are accepted there: see
+/// [`MemoryError::NotCapturable`](crate::MemoryError::NotCapturable)) is recorded into the
+/// graph, not run: [`is_captured`](Self::is_captured) says so, and `wait` hands the host side
+/// back at once. The graph's memcpy node uses that pinned memory at every launch; the pinned
+/// buffer's drop keeps it for the capture's graphs.
+///
 /// ```no_run
 /// use cuweave_driver::{Context, Device, Stream, StreamFlags};
 /// use cuweave_memory::buffer::{Buffer, DeviceBuffer, PinnedBuffer};
@@ -31,7 +37,9 @@ use cuweave_driver::{OwnedPooledEvent, Stream};
 #[must_use = "dropping a PendingCopy blocks until the copy has finished; call `wait` to get the host side back"]
 pub struct PendingCopy<H> {
     host: Option<H>,
-    done: OwnedPooledEvent,
+    /// The event recorded behind the copy; `None` for a copy recorded into a stream capture,
+    /// which ran nothing (an event recorded in a capture can never be waited for).
+    done: Option<OwnedPooledEvent>,
     bytes: usize,
 }
 
@@ -40,7 +48,18 @@ impl<H> PendingCopy<H> {
     pub(crate) fn new(host: H, done: OwnedPooledEvent, bytes: usize) -> Self {
         Self {
             host: Some(host),
-            done,
+            done: Some(done),
+            bytes,
+        }
+    }
+
+    /// Wraps a copy of `bytes` recorded into a stream capture: nothing ran, so there is nothing
+    /// to wait for. `host` is a pinned buffer whose own tracker recorded the captured use (its
+    /// drop keeps the memory for the capture's graphs).
+    pub(crate) fn captured(host: H, bytes: usize) -> Self {
+        Self {
+            host: Some(host),
+            done: None,
             bytes,
         }
     }
@@ -50,7 +69,9 @@ impl<H> PendingCopy<H> {
     /// # Errors
     /// The driver's error if waiting fails; the host side is then leaked, not freed.
     pub fn wait(mut self) -> crate::Result<H> {
-        self.done.synchronize()?;
+        if let Some(done) = &self.done {
+            done.synchronize()?;
+        }
         Ok(self
             .host
             .take()
@@ -59,7 +80,18 @@ impl<H> PendingCopy<H> {
 
     /// Whether the copy has finished (then [`wait`](Self::wait) returns at once).
     pub fn is_complete(&self) -> crate::Result<bool> {
-        Ok(self.done.query()?)
+        match &self.done {
+            Some(done) => Ok(done.query()?),
+            None => Ok(true),
+        }
+    }
+
+    /// Whether the copy was recorded into a stream capture rather than queued to run: then it
+    /// runs at every launch of the graph made from the capture, [`wait`](Self::wait) returns the
+    /// host side at once, and the host side's contents say nothing of the copy until a launch
+    /// of the graph has finished.
+    pub fn is_captured(&self) -> bool {
+        self.done.is_none()
     }
 
     /// How many bytes the copy moves.
@@ -71,7 +103,12 @@ impl<H> PendingCopy<H> {
 impl<H> Drop for PendingCopy<H> {
     fn drop(&mut self) {
         let Some(host) = self.host.take() else { return };
-        match self.done.synchronize() {
+        let Some(done) = &self.done else {
+            // Captured: nothing ran; the host side's tracker keeps its memory for the graphs.
+            drop(host);
+            return;
+        };
+        match done.synchronize() {
             Ok(()) => drop(host),
             Err(error) => {
                 tracing::error!(%error, bytes = self.bytes, "waiting for an async copy failed; leaking its host memory");

@@ -24,6 +24,9 @@ use std::sync::Arc;
 use cuweave_driver::memory::{self, CompletionWords, ManagedAllocation, StreamMarks};
 use cuweave_driver::{Context, EventPool, OwnedPooledEvent, Stream};
 
+use cuweave_driver::graph::StatusCheck;
+
+use super::capture;
 use super::fill::{doubling_steps, pattern_chunk_len};
 use super::host::{HostSink, HostSource};
 use super::pending::{MarkedCopy, PendingCopy};
@@ -123,8 +126,16 @@ pub(crate) fn write_async<T: Element, H: HostSource<T>>(
 ) -> Result<PendingCopy<H>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
     tracker::ensure_same_device(operation, buffer.tracker.context(), stream)?;
-    // From the context's event pool, which every layer shares: no event created per copy.
-    let done = buffer.tracker.event_for(stream)?;
+    // Refused before anything touches the stream when the host side is pageable and the stream
+    // is capturing: the driver would invalidate the capture.
+    let captured = capture::host_copy_captured(operation, stream, host.host_tracker().is_some())?;
+    // From the context's event pool, which every layer shares: no event created per copy. A
+    // captured copy gets none: an event recorded in a capture can never be waited for.
+    let done = if captured {
+        None
+    } else {
+        Some(buffer.tracker.event_for(stream)?)
+    };
     let src = host.host_ptr();
     let uses: Vec<(Part<'_>, Access)> = [
         Some((buffer, Access::Write)),
@@ -138,9 +149,14 @@ pub(crate) fn write_async<T: Element, H: HostSource<T>>(
         // SAFETY: `src` is `host`'s memory, valid for `dst.bytes()` bytes; `host` is moved into
         // the returned PendingCopy (its memory does not move with it: HostSide's contract),
         // which frees it only after `done`, recorded behind this copy, has completed. A pinned
-        // host side's own tracker is ordered and recorded by `run` too. `dst` is a live span.
+        // host side's own tracker is ordered and recorded by `run` too. In a capture (pinned
+        // host sides only) nothing runs now; the graph reads `src` at each launch, and the
+        // pinned buffer's tracker, which `run` recorded the captured use in, makes its drop
+        // keep the memory for the capture's graphs. `dst` is a live span.
         unsafe { memory::copy_htod_async(dst.ptr(), src, dst.bytes(), stream) }?;
-        done.record(stream)?;
+        if let Some(done) = &done {
+            done.record(stream)?;
+        }
         Ok(())
     });
     finish(outcome, host, done, dst.bytes())
@@ -161,7 +177,16 @@ pub(crate) fn write_completed<T: Element, H: HostSource<T>>(
     buffer: Part<'_>,
 ) -> Result<H> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
-    if host.host_tracker().is_some() {
+    // A capture would record the copy and run nothing, so "landed" could never be true; a
+    // pageable one would also invalidate it. Refused before anything touches the stream.
+    let pinned = host.host_tracker().is_some();
+    let check = if pinned {
+        StatusCheck::WhileCuweaveCaptures
+    } else {
+        StatusCheck::Always
+    };
+    capture::refuse_in_capture(operation, stream, check, capture::BLOCKING)?;
+    if pinned {
         return write_async(operation, dst, host, stream, buffer)?.wait();
     }
     let src = host.host_ptr();
@@ -193,8 +218,14 @@ pub(crate) fn read_async<T: Element, H: HostSink<T>>(
 ) -> Result<PendingCopy<H>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), src.bytes());
     tracker::ensure_same_device(operation, buffer.tracker.context(), stream)?;
-    // From the context's event pool, which every layer shares: no event created per copy.
-    let done = buffer.tracker.event_for(stream)?;
+    // As in `write_async`: a pageable sink on a capturing stream is refused before anything is
+    // queued, and a captured copy records no event.
+    let captured = capture::host_copy_captured(operation, stream, host.host_tracker().is_some())?;
+    let done = if captured {
+        None
+    } else {
+        Some(buffer.tracker.event_for(stream)?)
+    };
     let dst = host.host_mut_ptr();
     let uses: Vec<(Part<'_>, Access)> = [
         Some((buffer, Access::Read)),
@@ -208,22 +239,31 @@ pub(crate) fn read_async<T: Element, H: HostSink<T>>(
         // SAFETY: `dst` is `host`'s memory, writable for `src.bytes()` bytes and reachable only
         // through `host`, which moves (without its memory moving) into the returned
         // PendingCopy; that frees or returns it only after `done`, recorded behind this copy,
-        // has completed. `src` is a live span.
+        // has completed. In a capture (pinned host sides only) nothing runs now; the graph
+        // writes `dst` at each launch, and the pinned buffer's tracker, which `run` recorded the
+        // captured use in, makes its drop keep the memory for the capture's graphs. `src` is a
+        // live span.
         unsafe { memory::copy_dtoh_async(dst, src.ptr(), src.bytes(), stream) }?;
-        done.record(stream)?;
+        if let Some(done) = &done {
+            done.record(stream)?;
+        }
         Ok(())
     });
     finish(outcome, host, done, src.bytes())
 }
 
+/// The pending copy of a queued `outcome`: tracked by `done`, or captured when there is none.
 fn finish<H>(
     outcome: Result<(), tracker::OpFailure>,
     host: H,
-    done: OwnedPooledEvent,
+    done: Option<OwnedPooledEvent>,
     bytes: usize,
 ) -> Result<PendingCopy<H>> {
     match outcome {
-        Ok(()) => Ok(PendingCopy::new(host, done, bytes)),
+        Ok(()) => Ok(match done {
+            Some(done) => PendingCopy::new(host, done, bytes),
+            None => PendingCopy::captured(host, bytes),
+        }),
         Err(failure) => Err(give_up_host(failure, host)),
     }
 }
@@ -387,17 +427,25 @@ pub(crate) fn write_chunk<T: Element, H: HostSource<T>>(
     events: &EventPool,
 ) -> Result<PendingCopy<H>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
+    let captured = capture::host_copy_captured(operation, stream, host.host_tracker().is_some())?;
     // From the buffer's context's event pool: no event created, and no lookup, per chunk.
-    let done = crate::events::event_on(events, stream)?;
+    let done = if captured {
+        None
+    } else {
+        Some(crate::events::event_on(events, stream)?)
+    };
     let src = host.host_ptr();
     let copy = || {
         // SAFETY: `src` is `host`'s memory, valid for `dst.bytes()` bytes; `host` moves into the
         // returned PendingCopy (its memory does not move), which frees it only after `done`,
         // recorded behind this copy, has completed. `dst` lies in a live span whose buffer is
         // exclusively borrowed by the `StagedWrite` that calls this, and that records the span's
-        // use on this stream before the borrow ends (super::staged).
+        // use on this stream before the borrow ends (super::staged). In a capture (pinned host
+        // sides only) the pinned buffer's tracker keeps its memory for the capture's graphs.
         unsafe { memory::copy_htod_async(dst.ptr(), src, dst.bytes(), stream) }?;
-        done.record(stream)?;
+        if let Some(done) = &done {
+            done.record(stream)?;
+        }
         Ok(())
     };
     let outcome = run_chunk(operation, stream, host.host_tracker(), Access::Read, copy);
@@ -421,6 +469,13 @@ fn queue_marked<'s, T, H: super::host::sealed::HostSide<T>>(
         return Err(MemoryError::InvalidStream {
             operation,
             reason: "the marks belong to another stream than the chunk's",
+        });
+    }
+    // Pageable host sides are refused on a capturing stream, and so is the mark itself.
+    if capture::host_copy_captured(operation, stream, host.host_tracker().is_some())? {
+        return Err(MemoryError::NotCapturable {
+            operation,
+            reason: capture::MARKED,
         });
     }
     let outcome = run_chunk(operation, stream, host.host_tracker(), access, || {
@@ -505,17 +560,25 @@ pub(crate) fn read_chunk<T: Element, H: HostSink<T>>(
     events: &EventPool,
 ) -> Result<PendingCopy<H>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), src.bytes());
+    let captured = capture::host_copy_captured(operation, stream, host.host_tracker().is_some())?;
     // From the buffer's context's event pool: no event created, and no lookup, per chunk.
-    let done = crate::events::event_on(events, stream)?;
+    let done = if captured {
+        None
+    } else {
+        Some(crate::events::event_on(events, stream)?)
+    };
     let dst = host.host_mut_ptr();
     let copy = || {
         // SAFETY: `dst` is `host`'s memory, writable for `src.bytes()` bytes and reachable only
         // through `host`, which moves (without its memory moving) into the returned PendingCopy;
         // that frees or returns it only after `done` has completed. `src` lies in a live span of
         // a buffer borrowed by the `StagedRead` that calls this, which records the span's read on
-        // this stream before the borrow ends (super::staged).
+        // this stream before the borrow ends (super::staged). In a capture (pinned host sides
+        // only) the pinned buffer's tracker keeps its memory for the capture's graphs.
         unsafe { memory::copy_dtoh_async(dst, src.ptr(), src.bytes(), stream) }?;
-        done.record(stream)?;
+        if let Some(done) = &done {
+            done.record(stream)?;
+        }
         Ok(())
     };
     let outcome = run_chunk(operation, stream, host.host_tracker(), Access::Write, copy);

@@ -119,7 +119,10 @@ impl<'a, T: Element> Staged<'a, T, ToDevice> {
     /// # Errors
     /// `OutOfRange` for a chunk outside the staged range or a lane outside the set; the
     /// driver's error if queueing fails (the stream is then synchronised before `host` is
-    /// dropped, or `host` is leaked if even that fails).
+    /// dropped, or `host` is leaked if even that fails). On a capturing lane a pinned host side
+    /// is captured and a pageable one refused with
+    /// [`MemoryError::NotCapturable`](crate::MemoryError::NotCapturable), before anything is
+    /// queued.
     pub fn copy_in<H: HostSource<T>>(
         &self,
         lane: usize,
@@ -137,7 +140,8 @@ impl<'a, T: Element> Staged<'a, T, ToDevice> {
     /// ([`MarkedCopy::wait`]) spins on the marks' word with no driver call.
     ///
     /// # Errors
-    /// As [`copy_in`](Self::copy_in); `InvalidStream` when `marks` belong to another stream.
+    /// As [`copy_in`](Self::copy_in); `InvalidStream` when `marks` belong to another stream;
+    /// `NotCapturable` on a capturing lane, whatever the host side (the mark cannot be captured).
     pub fn copy_in_marked<'m, H: HostSource<T>>(
         &self,
         lane: usize,
@@ -177,7 +181,8 @@ impl<'a, T: Element> Staged<'a, T, FromDevice> {
     /// ([`MarkedCopy::wait`]) spin on the marks' word with no driver call.
     ///
     /// # Errors
-    /// As [`copy_out`](Self::copy_out); `InvalidStream` when `marks` belong to another stream.
+    /// As [`copy_out`](Self::copy_out); `InvalidStream` when `marks` belong to another stream;
+    /// `NotCapturable` on a capturing lane, whatever the host side (the mark cannot be captured).
     pub fn copy_out_marked<'m, H: HostSink<T>>(
         &self,
         lane: usize,
