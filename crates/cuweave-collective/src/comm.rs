@@ -8,58 +8,14 @@ use std::time::{Duration, Instant};
 use cuweave_driver::{Context, Device};
 use parking_lot::{Mutex, MutexGuard};
 
+pub use crate::config::CommConfig;
+use crate::config::NcclConfig;
 use crate::error::{CollectiveError, NcclCode, Result};
 use crate::handle::{ABORT_GRACE, CallGuard, HandleCell, Polled, poll_until};
 use crate::id::UniqueId;
 use crate::loader::{self, NcclApi};
 use crate::raw::{self, HandleSlot, RawComm};
 use crate::sys::{self, ncclResult_t};
-
-/// How communicators are made and how long their work may take.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct CommConfig {
-    /// Make the communicator blocking (`ncclConfig_t::blocking = 1`). The default is
-    /// non-blocking: initialisation, splits and collectives return at once and cuweave polls
-    /// `ncclCommGetAsyncError`, so a peer that never arrives becomes a [`Timeout`] instead of a
-    /// hang. A blocking communicator can only time out in [`Communicator::synchronize`] and
-    /// futures, not inside NCCL's own calls.
-    ///
-    /// [`Timeout`]: CollectiveError::Timeout
-    pub blocking: bool,
-    /// The deadline for initialisation, splits, finalisation and each wait for queued work
-    /// ([`Communicator::synchronize`], [`Communicator::completion`]). When it passes the
-    /// communicator is aborted and the call returns [`CollectiveError::Timeout`].
-    pub timeout: Duration,
-}
-
-impl Default for CommConfig {
-    fn default() -> Self {
-        Self {
-            blocking: false,
-            timeout: Duration::from_secs(120),
-        }
-    }
-}
-
-impl CommConfig {
-    /// The default: non-blocking, a 120 s deadline.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// With another deadline.
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
-
-    /// Blocking or not.
-    pub fn with_blocking(mut self, blocking: bool) -> Self {
-        self.blocking = blocking;
-        self
-    }
-}
 
 pub(crate) struct CommInner {
     /// Serialises issuing work on the communicator (NCCL's rule: one thread at a time issues
@@ -171,6 +127,17 @@ pub(crate) fn settle_once(
     }
 }
 
+/// Checks `config` (before NCCL is loaded or called), then against the loaded NCCL, and
+/// converts it for NCCL.
+pub(crate) fn prepare(config: &CommConfig) -> Result<(&'static NcclApi, Arc<NcclConfig>)> {
+    config.validate()?;
+    let nccl = loader::nccl()?;
+    Ok((
+        nccl.api(),
+        Arc::new(NcclConfig::new(config, nccl.version())?),
+    ))
+}
+
 pub(crate) fn to_int(value: usize, what: &str, operation: &'static str) -> Result<c_int> {
     c_int::try_from(value).map_err(|_| {
         CollectiveError::invalid(operation, format!("{what} {value} does not fit a C int"))
@@ -216,7 +183,9 @@ impl Communicator {
     /// group so it can be non-blocking and time out).
     ///
     /// # Errors
-    /// `NotFound`; `InvalidArgument` for no devices; NCCL's error (a device listed twice is
+    /// `InvalidConfig` for a config field out of range, `ConfigUnsupported` for one the loaded
+    /// NCCL is too old for (both before NCCL is called); `NotFound`; `InvalidArgument` for no
+    /// devices; NCCL's error (a device listed twice is
     /// `ncclInvalidUsage`, "Duplicate GPU detected"); `Timeout`. Every rank made is aborted on
     /// failure.
     pub fn init_all(devices: &[Device], config: &CommConfig) -> Result<Vec<Self>> {
@@ -224,14 +193,17 @@ impl Communicator {
         if devices.is_empty() {
             return Err(CollectiveError::invalid(OP, "no devices"));
         }
-        let api = loader::api()?;
+        let (api, nccl_config) = prepare(config)?;
         let nranks = to_int(devices.len(), "device count", OP)?;
         let contexts = devices
             .iter()
             .map(|&device| Context::primary(device))
             .collect::<cuweave_driver::Result<Vec<_>>>()?;
         let id = UniqueId::new()?;
-        let slots: Vec<HandleSlot> = devices.iter().map(|_| HandleSlot::new()).collect();
+        let slots: Vec<HandleSlot> = devices
+            .iter()
+            .map(|_| HandleSlot::new(Arc::clone(&nccl_config)))
+            .collect();
         let started = raw::group_start(api)?;
         api.check(started, "ncclGroupStart", std::ptr::null_mut())?;
         let mut failure = None;
@@ -239,16 +211,7 @@ impl Communicator {
             let code = context
                 .bind_to_thread()
                 .map_err(CollectiveError::from)
-                .and_then(|()| {
-                    raw::init_rank(
-                        api,
-                        slot,
-                        nranks,
-                        rank as c_int,
-                        id.as_bytes(),
-                        config.blocking,
-                    )
-                });
+                .and_then(|()| raw::init_rank(api, slot, nranks, rank as c_int, id.as_bytes()));
             match code.map(|code| (NcclCode::from_raw(code), code)) {
                 Ok((None | Some(NcclCode::InProgress), _)) => {}
                 Ok((Some(kind), code)) => {
@@ -308,7 +271,9 @@ impl Communicator {
     /// processes and hosts) that call it with the same `id`.
     ///
     /// # Errors
-    /// `InvalidArgument` unless `rank < nranks`; NCCL's error; `Timeout` when the other ranks do
+    /// `InvalidArgument` unless `rank < nranks`; `InvalidConfig` for a config field out of
+    /// range, `ConfigUnsupported` for one the loaded NCCL is too old for (both before NCCL is
+    /// called); NCCL's error; `Timeout` when the other ranks do
     /// not all arrive within the configured deadline (the rank is then aborted).
     pub fn init_rank(
         nranks: usize,
@@ -325,11 +290,11 @@ impl Communicator {
             ));
         }
         let (nranks, rank) = (to_int(nranks, "nranks", OP)?, to_int(rank, "rank", OP)?);
-        let api = loader::api()?;
+        let (api, nccl_config) = prepare(config)?;
         let context = Context::primary(device)?;
         context.bind_to_thread()?;
-        let slot = HandleSlot::new();
-        let code = raw::init_rank(api, &slot, nranks, rank, id.as_bytes(), config.blocking)?;
+        let slot = HandleSlot::new(nccl_config);
+        let code = raw::init_rank(api, &slot, nranks, rank, id.as_bytes())?;
         let handle = slot.get();
         let settled = match NcclCode::from_raw(code) {
             None | Some(NcclCode::InProgress) => {

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::loader::NcclVersion;
 use crate::sys;
 
 /// The result type of this crate.
@@ -129,6 +130,28 @@ pub enum CollectiveError {
         operation: &'static str,
         /// What is wrong.
         reason: String,
+    },
+    /// A [`CommConfig`](crate::CommConfig) field out of its valid range, refused before NCCL
+    /// is called.
+    #[error("CommConfig::{field} = {value}: {reason}")]
+    InvalidConfig {
+        /// The field, as `CommConfig` names it (`min_ctas`, `comm_name`, …).
+        field: &'static str,
+        /// The value given, as Rust's `Debug` writes it.
+        value: String,
+        /// The valid range, or what is wrong.
+        reason: String,
+    },
+    /// A [`CommConfig`](crate::CommConfig) field set that the loaded NCCL is older than: its
+    /// `ncclConfig_t` ends before the field, so it would ignore the value without a word.
+    #[error("CommConfig::{field} needs NCCL {needs} or newer; the loaded NCCL is {loaded}")]
+    ConfigUnsupported {
+        /// The field, as `CommConfig` names it.
+        field: &'static str,
+        /// The first release whose `ncclConfig_t` has the field.
+        needs: NcclVersion,
+        /// The loaded release.
+        loaded: NcclVersion,
     },
     /// The driver layer failed.
     #[error(transparent)]

@@ -29,7 +29,7 @@
 //! | item | what it is for |
 //! |---|---|
 //! | [`loader`], [`nccl`], [`NcclVersion`] | finding and opening NCCL, its version |
-//! | [`Communicator`], [`CommConfig`], [`UniqueId`] | ranks: init, split, abort, [`finalize`](Communicator::finalize) (or on drop) |
+//! | [`Communicator`], [`CommConfig`], [`UniqueId`] | ranks: init, split, abort, [`finalize`](Communicator::finalize) (or on drop); NCCL's tuning fields (CTAs, cluster size, net plugin, name, split sharing, traffic class) |
 //! | [`collective`], [`Group`], [`ReduceOp`], [`NcclType`] | all-reduce, broadcast, reduce, all-gather, reduce-scatter, send/recv, group calls |
 //! | [`F16`], [`Bf16`] | 16-bit float elements (`ncclFloat16`, `ncclBfloat16`) for mixed-precision gradients |
 //! | [`CollectiveFuture`] | waiting with a deadline and async-error polling |
@@ -55,6 +55,7 @@
 
 pub mod collective;
 pub mod comm;
+mod config;
 pub mod coordinated;
 pub mod error;
 pub mod float16;
@@ -72,6 +73,7 @@ pub mod wait;
 
 pub use collective::Group;
 pub use comm::{CommConfig, Communicator};
+pub use config::{MAX_CGA_CLUSTER_SIZE, MAX_CTAS};
 pub use coordinated::CoordinatedCollectives;
 pub use error::{CollectiveError, NcclCode, Result};
 pub use float16::{Bf16, F16};

@@ -7,11 +7,13 @@
 //! `ncclInProgress` of a non-blocking communicator is settled.
 
 use std::ffi::{c_int, c_void};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
 use cuweave_driver::Stream;
 use cuweave_driver::memory::DevicePtr;
 
+use crate::config::NcclConfig;
 use crate::error::Result;
 use crate::loader::NcclApi;
 use crate::sys::{self, ncclResult_t};
@@ -56,104 +58,92 @@ pub(crate) fn unique_id(api: &NcclApi) -> Result<[u8; 128]> {
     Ok(id.internal.map(|byte| byte as u8))
 }
 
-/// A config as `NCCL_CONFIG_INITIALIZER` makes it, with `blocking` set. A newer struct than the
-/// loaded NCCL knows is fine: NCCL copies only the size it knows (fields are only appended).
-fn config(blocking: bool) -> sys::ncclConfig_t {
-    const UNDEF: c_int = c_int::MIN;
-    sys::ncclConfig_t {
-        size: size_of::<sys::ncclConfig_t>(),
-        magic: sys::NCCL_API_MAGIC,
-        version: sys::NCCL_VERSION_CODE,
-        blocking: c_int::from(blocking),
-        cgaClusterSize: UNDEF,
-        minCTAs: UNDEF,
-        maxCTAs: UNDEF,
-        netName: std::ptr::null(),
-        splitShare: UNDEF,
-        trafficClass: UNDEF,
-        commName: std::ptr::null(),
-        collnetEnable: UNDEF,
-        CTAPolicy: UNDEF,
-        shrinkShare: UNDEF,
-        nvlsCTAs: UNDEF,
-        nChannelsPerNetPeer: UNDEF,
-        nvlinkCentricSched: UNDEF,
-        graphUsageMode: UNDEF,
-        numRmaCtx: UNDEF,
-        maxP2pPeers: UNDEF,
-        graphStreamOrdering: UNDEF,
-        launchOrderImplicit: UNDEF,
-        numRmaSig: UNDEF,
-        rmaEagerInit: UNDEF,
-        hostCftMode: UNDEF,
-        nvlsHostMode: UNDEF,
-    }
+/// Where NCCL writes a new communicator's handle, and the config strings NCCL keeps pointers
+/// to. A non-blocking initialisation or split keeps the slot's address and writes it from its
+/// own thread, later (the handle once a split is done; `nullptr` when an initialisation fails
+/// and is undone), so the slot lives on the heap and is read atomically, and whoever owns it
+/// keeps it until NCCL can no longer write it: the communicator's whole life, or for ever
+/// (leaked) after a failure. NCCL reads the config's `commName` from the same thread, for as
+/// long (see [`crate::config`]), so the slot keeps that config alive too.
+#[derive(Debug)]
+pub(crate) struct HandleSlot {
+    handle: Box<AtomicPtr<sys::ncclComm>>,
+    config: Arc<NcclConfig>,
 }
 
-/// Where NCCL writes a new communicator's handle. A non-blocking initialisation or split keeps
-/// the address and writes it from its own thread, later (the handle once a split is done;
-/// `nullptr` when an initialisation fails and is undone), so the slot lives on the heap and is
-/// read atomically, and whoever owns it keeps it until NCCL can no longer write it: the
-/// communicator's whole life, or for ever (leaked) after a failure.
-#[derive(Debug)]
-pub(crate) struct HandleSlot(Box<AtomicPtr<sys::ncclComm>>);
-
 impl HandleSlot {
-    pub(crate) fn new() -> Self {
-        Self(Box::new(AtomicPtr::new(std::ptr::null_mut())))
+    /// An empty slot for a communicator made with `config`, which it keeps as long as itself.
+    pub(crate) fn new(config: Arc<NcclConfig>) -> Self {
+        Self {
+            handle: Box::new(AtomicPtr::new(std::ptr::null_mut())),
+            config,
+        }
     }
 
     /// The handle NCCL has written so far (null before it has).
     pub(crate) fn get(&self) -> RawComm {
-        RawComm(self.0.load(Ordering::Acquire))
+        RawComm(self.handle.load(Ordering::Acquire))
     }
 
-    /// Leaks the slot: NCCL may still write it.
+    /// Leaks the slot (and the config it keeps): NCCL may still write or read them.
     pub(crate) fn leak(self) {
         std::mem::forget(self);
+    }
+
+    /// Leaks the handle's cell but frees the config: for a split that made no communicator
+    /// (`NCCL_SPLIT_NOCOLOR`), where NCCL never parsed the config but had the cell's address.
+    pub(crate) fn leak_cell(self) {
+        std::mem::forget(self.handle);
+    }
+
+    /// The raw config for NCCL, pointing at the strings this slot keeps.
+    fn raw_config(&self) -> sys::ncclConfig_t {
+        self.config.to_raw()
     }
 
     fn as_out(&self) -> *mut sys::ncclComm_t {
         // `AtomicPtr<T>` has the layout of `*mut T`; NCCL's plain store of an aligned pointer
         // and our atomic loads agree on every platform NCCL supports.
-        self.0.as_ptr()
+        self.handle.as_ptr()
     }
 }
 
 /// `ncclCommInitRankConfig` for the device whose context is current on this thread, writing the
-/// handle into `slot` (which must outlive any write NCCL can make: see [`HandleSlot`]).
+/// handle into `slot` (which must outlive any write NCCL can make: see [`HandleSlot`]) with the
+/// config `slot` keeps.
 pub(crate) fn init_rank(
     api: &NcclApi,
     slot: &HandleSlot,
     nranks: c_int,
     rank: c_int,
     id: &[u8; 128],
-    blocking: bool,
 ) -> Result<ncclResult_t> {
     let f = api.comm_init_rank_config.get()?;
     let mut unique = sys::ncclUniqueId::default();
     for (dst, src) in unique.internal.iter_mut().zip(id) {
         *dst = *src as std::ffi::c_char;
     }
-    let mut config = config(blocking);
+    let mut config = slot.raw_config();
     // SAFETY: the slot is a heap cell its owner keeps alive while NCCL may write it; `config`
-    // is read during the call only; the id is passed by value.
+    // is copied during the call, and the strings it points at live in the slot, as long as
+    // NCCL may read them; the id is passed by value.
     Ok(unsafe { f(slot.as_out(), nranks, unique, rank, &mut config) })
 }
 
-/// `ncclCommSplit`, writing the child's handle into `slot` (see [`HandleSlot`]).
+/// `ncclCommSplit`, writing the child's handle into `slot` (see [`HandleSlot`]), with the config
+/// `slot` keeps.
 pub(crate) fn split(
     api: &NcclApi,
     parent: RawComm,
     slot: &HandleSlot,
     color: c_int,
     key: c_int,
-    blocking: bool,
 ) -> Result<ncclResult_t> {
     let f = api.comm_split.get()?;
-    let mut config = config(blocking);
-    // SAFETY: `parent` is a live communicator (the caller holds a guard of it); the slot outlives
-    // NCCL's writes (see above); `config` is read during the call only.
+    let mut config = slot.raw_config();
+    // SAFETY: `parent` is a live communicator (the caller holds a guard of it); the slot and
+    // the strings it keeps outlive NCCL's writes and reads (see above); `config` is copied
+    // during the call.
     Ok(unsafe { f(parent.0, color, key, slot.as_out(), &mut config) })
 }
 

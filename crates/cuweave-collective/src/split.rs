@@ -7,8 +7,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::comm::{Communicator, abort_raw, settle_raw, to_int};
+use crate::config::NcclConfig;
 use crate::error::{CollectiveError, NcclCode, Result};
 use crate::handle::{Polled, end_group, poll_until};
+use crate::loader;
 use crate::raw::{self, HandleSlot, RawComm};
 use crate::sys;
 
@@ -124,7 +126,14 @@ impl Communicator {
         let mut order: Vec<&Communicator> = parents.to_vec();
         order.sort_by_key(|comm| Arc::as_ptr(&comm.inner));
         let _issuing: Vec<_> = order.iter().map(|comm| comm.issue_lock()).collect();
-        let slots: Vec<HandleSlot> = parents.iter().map(|_| HandleSlot::new()).collect();
+        // Each child is made with its parent's config (checked when the parent was made).
+        let loaded = loader::nccl()?.version();
+        let slots = parents
+            .iter()
+            .map(|parent| {
+                NcclConfig::new(parent.config(), loaded).map(|c| HandleSlot::new(Arc::new(c)))
+            })
+            .collect::<Result<Vec<_>>>()?;
         let started = Instant::now();
         let mut accepted = vec![false; parents.len()];
         let failure = issue_splits(parents, &nccl_splits, &slots, &mut accepted, op)?;
@@ -180,8 +189,8 @@ impl Communicator {
         while let Some(((slot, parent), child)) = rest.next() {
             if child.is_null() {
                 // No part in any child; NCCL writes nothing more here, but the slot's address
-                // was handed over, so it is not reused.
-                slot.leak();
+                // was handed over, so it is not reused (NCCL never read the config).
+                slot.leak_cell();
                 made.push(None);
                 continue;
             }
@@ -241,9 +250,8 @@ fn issue_splits(
                 break;
             }
         };
-        let blocking = parent.config().blocking;
         let called = guard.call(|raw| {
-            let code = raw::split(api, raw, &slots[i], color, key, blocking)?;
+            let code = raw::split(api, raw, &slots[i], color, key)?;
             match NcclCode::from_raw(code) {
                 None | Some(NcclCode::InProgress) => Ok(()),
                 Some(kind) => Err(api.error(kind, code, "ncclCommSplit", raw.0)),
