@@ -252,6 +252,7 @@ fn enqueue_fill(plan: FillPlan, span: DeviceSpan, value: &[u8], stream: &Stream)
     match plan {
         FillPlan::Bytes(byte) => raw::memset_d8(span, byte, stream),
         FillPlan::Words(word) => raw::memset_d32(span, word, stream),
+        FillPlan::Halves(half) => raw::memset_d16(span, half, stream),
         FillPlan::Pattern => raw::fill_pattern(span, value, stream),
     }
 }
@@ -343,7 +344,8 @@ pub trait Buffer<T: Element>: sealed::Sealed {
 
     /// Sets every element to `value`, blocking: a byte memset when `value`'s bytes allow, a word
     /// memset when they repeat every 4 bytes and the elements start and end on word boundaries
-    /// (a view need not), else a host-staged chunk doubled on the device.
+    /// (a view need not), else a 16-bit memset when they repeat every 2 bytes (any `u16`, `f16`
+    /// or `bf16`, at any element offset), else a host-staged chunk doubled on the device.
     fn fill(&mut self, value: T) -> Result<()> {
         let core = self.core();
         let span = core.whole();
@@ -360,8 +362,8 @@ pub trait Buffer<T: Element>: sealed::Sealed {
     /// Queues setting every element to `value` on `stream`.
     ///
     /// On a capturing stream the fill is recorded into the graph when a memset can write it
-    /// (see [`fill`](Self::fill): a value whose bytes are all equal, or repeat every 4 bytes on
-    /// a word-aligned range).
+    /// (see [`fill`](Self::fill): a value whose bytes are all equal, repeat every 4 bytes on a
+    /// word-aligned range, or repeat every 2 bytes).
     ///
     /// # Errors
     /// [`MemoryError::NotCapturable`] on a capturing stream when no memset can write the value

@@ -1,14 +1,21 @@
 //! How to fill a buffer with one value of any plain-data type, in as few driver calls as possible.
 //!
-//! The driver sets memory a byte (`cuMemsetD8`) or a 32-bit word (`cuMemsetD32`) at a time. A
-//! value whose bytes are all equal is a byte memset; a value whose repeated bytes are 4-byte
-//! periodic (any `u32`/`f32`, a `u16` filling a whole number of words, a `u64` with equal
-//! halves, …) is a word memset, but only where the range starts on a 4-byte boundary: the
-//! driver refuses a misaligned word memset (`CUDA_ERROR_INVALID_VALUE`), and a view of a buffer
-//! starts wherever its first element does (`slice_mut(1..5)` of a `u16` buffer: 2 bytes in).
+//! The driver sets memory a byte (`cuMemsetD8`), a 16-bit half (`cuMemsetD16`) or a 32-bit word
+//! (`cuMemsetD32`) at a time. A value whose bytes are all equal is a byte memset; a value whose
+//! repeated bytes are 4-byte periodic (any `u32`/`f32`, a `u16` filling a whole number of words,
+//! a `u64` with equal halves, …) is a word memset, but only where the range starts on a 4-byte
+//! boundary and covers whole words: the driver refuses a misaligned word memset
+//! (`CUDA_ERROR_INVALID_VALUE`), and a view of a buffer starts wherever its first element does
+//! (`slice_mut(1..5)` of a `u16` buffer: 2 bytes in). Where the word memset does not apply, a
+//! value whose repeated bytes are 2-byte periodic (any `u16`/`f16`/`bf16`, a `u32` with equal
+//! halves, …) at a 2-byte-aligned start and an even length is a half memset. Words are
+//! preferred to halves (fewer, wider stores), and bytes come first.
+//!
 //! Anything else is a [`FillPlan::Pattern`]: one chunk of copies of the value is copied from the
 //! host, then doubled device-to-device until the range is full. Those copies take any byte
-//! address and length, so the pattern path is correct at every alignment.
+//! address and length, so the pattern path is correct at every alignment; but it stages the
+//! value in pageable host memory and frees it from a host function, so a stream capture cannot
+//! hold it (the memsets it can).
 
 /// Bytes of host-staged pattern copied before doubling on the device.
 pub(crate) const PATTERN_CHUNK_BYTES: usize = 64 * 1024;
@@ -20,6 +27,8 @@ pub(crate) enum FillPlan {
     Bytes(u8),
     /// `cuMemsetD32` with this word (as the device stores it, little-endian).
     Words(u32),
+    /// `cuMemsetD16` with this half (as the device stores it, little-endian).
+    Halves(u16),
     /// A host-staged chunk of the value, doubled by device-to-device copies.
     Pattern,
 }
@@ -35,15 +44,22 @@ impl FillPlan {
             return Self::Bytes(first);
         }
         // The repeated value is both `len`-periodic and, for a word memset, 4-periodic: so it
-        // must be gcd(len, 4)-periodic, and the word is its first four bytes.
+        // must be gcd(len, 4)-periodic, and the word is its first four bytes (the range starts
+        // at a value's first byte).
         let period = gcd(value.len(), 4);
-        let periodic = value
-            .iter()
-            .enumerate()
-            .all(|(index, &byte)| byte == value[index % period]);
-        if periodic && start.is_multiple_of(4) && total_bytes.is_multiple_of(4) {
+        if periodic(value, period) && start.is_multiple_of(4) && total_bytes.is_multiple_of(4) {
             let word = [0, 1, 2, 3].map(|index| value[index % period]);
             return Self::Words(u32::from_le_bytes(word));
+        }
+        // Likewise gcd(len, 2)-periodic for a half memset; period 1 (an odd-sized value) would
+        // be all bytes equal, handled above.
+        let period = gcd(value.len(), 2);
+        if period == 2
+            && periodic(value, period)
+            && start.is_multiple_of(2)
+            && total_bytes.is_multiple_of(2)
+        {
+            return Self::Halves(u16::from_le_bytes([value[0], value[1]]));
         }
         Self::Pattern
     }
@@ -67,6 +83,14 @@ pub(crate) fn doubling_steps(chunk: usize, len: usize) -> Vec<(usize, usize)> {
     steps
 }
 
+/// Whether `value`'s bytes repeat every `period` bytes.
+fn periodic(value: &[u8], period: usize) -> bool {
+    value
+        .iter()
+        .enumerate()
+        .all(|(index, &byte)| byte == value[index % period])
+}
+
 fn gcd(mut a: usize, mut b: usize) -> usize {
     while b != 0 {
         (a, b) = (b, a % b);
@@ -87,7 +111,7 @@ mod tests {
     #[case::u32(&0x0102_0304u32.to_le_bytes(), 8, FillPlan::Words(0x0102_0304))]
     #[case::f32(&1.5f32.to_le_bytes(), 4, FillPlan::Words(1.5f32.to_bits()))]
     #[case::u16_even(&0x0102u16.to_le_bytes(), 8, FillPlan::Words(0x0102_0102))]
-    #[case::u16_odd_count(&0x0102u16.to_le_bytes(), 6, FillPlan::Pattern)]
+    #[case::u16_odd_count(&0x0102u16.to_le_bytes(), 6, FillPlan::Halves(0x0102))]
     #[case::u64_equal_halves(&0x0a0b_0c0d_0a0b_0c0du64.to_le_bytes(), 16, FillPlan::Words(0x0a0b_0c0d))]
     #[case::u64(&0x1122_3344_5566_7788u64.to_le_bytes(), 16, FillPlan::Pattern)]
     #[case::three_bytes(&[1, 2, 3], 12, FillPlan::Pattern)]
@@ -104,8 +128,9 @@ mod tests {
     const ALIGNED: u64 = 0x7f00_0000_0000;
 
     /// Views of a buffer of elements of `size` bytes at every element offset: a word memset is
-    /// chosen only where the view starts on a 4-byte boundary and covers whole words, and the
-    /// word it sets is the value's bytes as they repeat from the view's start.
+    /// chosen only where the view starts on a 4-byte boundary and covers whole words, a half
+    /// memset elsewhere (every such view starts on a 2-byte boundary and covers whole halves),
+    /// and the word or half it sets is the value's bytes as they repeat from the view's start.
     #[rstest]
     fn word_memsets_only_start_on_word_boundaries(
         #[values(1, 2, 4, 8)] size: usize,
@@ -127,26 +152,103 @@ mod tests {
         if aligned {
             assert_eq!(plan, FillPlan::Words(0x2211_2211), "{start:#x} + {bytes}");
         } else {
-            assert_eq!(plan, FillPlan::Pattern, "{start:#x} + {bytes}");
+            assert_eq!(plan, FillPlan::Halves(0x2211), "{start:#x} + {bytes}");
         }
     }
 
     #[rstest]
     // The reviewer's case: `DeviceBuffer::<u16>` of 10, `slice_mut(1..5)`: 8 bytes from byte 2.
-    #[case::u16_view_at_element_1(&0x0102u16.to_le_bytes(), ALIGNED + 2, 8, FillPlan::Pattern)]
+    #[case::u16_view_at_element_1(&0x0102u16.to_le_bytes(), ALIGNED + 2, 8, FillPlan::Halves(0x0102))]
     #[case::u16_view_at_element_2(&0x0102u16.to_le_bytes(), ALIGNED + 4, 8, FillPlan::Words(0x0102_0102))]
     #[case::f32_view(&1.5f32.to_le_bytes(), ALIGNED + 12, 4, FillPlan::Words(1.5f32.to_bits()))]
     #[case::u8_view_odd(&[7], ALIGNED + 3, 5, FillPlan::Bytes(7))]
     #[case::zero_u16_odd_view(&0u16.to_le_bytes(), ALIGNED + 2, 6, FillPlan::Bytes(0))]
-    #[case::six_bytes_at_6(&[1, 2, 1, 2, 1, 2], ALIGNED + 6, 12, FillPlan::Pattern)]
+    #[case::six_bytes_at_6(&[1, 2, 1, 2, 1, 2], ALIGNED + 6, 12, FillPlan::Halves(0x0201))]
     #[case::f64_view(&2.5f64.to_le_bytes(), ALIGNED + 8, 24, FillPlan::Pattern)]
-    fn views_off_word_boundaries_take_the_pattern_path(
+    fn views_off_word_boundaries_take_halves_or_the_pattern_path(
         #[case] value: &[u8],
         #[case] start: u64,
         #[case] total: usize,
         #[case] plan: FillPlan,
     ) {
         assert_eq!(FillPlan::for_value(value, start, total), plan);
+    }
+
+    /// Where the word memset does not apply, a 2-periodic value at a 2-byte-aligned start over
+    /// whole halves is a half memset; words stay preferred where they apply, bytes first.
+    #[rstest]
+    // The brief's view: `DeviceBuffer::<u16>` `slice_mut(1..6)`: 10 bytes from byte 2.
+    #[case::u16_view_1_to_6(&0x1234u16.to_le_bytes(), ALIGNED + 2, 10, FillPlan::Halves(0x1234))]
+    #[case::f16_one_odd_count(&0x3c00u16.to_le_bytes(), ALIGNED, 6, FillPlan::Halves(0x3c00))]
+    #[case::bf16_view(&0x3f80u16.to_le_bytes(), ALIGNED + 6, 4, FillPlan::Halves(0x3f80))]
+    #[case::u16_single(&0xbeefu16.to_le_bytes(), ALIGNED + 2, 2, FillPlan::Halves(0xbeef))]
+    #[case::u32_equal_halves_misaligned(&0xabcd_abcdu32.to_le_bytes(), ALIGNED + 2, 8, FillPlan::Halves(0xabcd))]
+    #[case::u64_equal_quarters_at_2(&0x0506_0506_0506_0506u64.to_le_bytes(), ALIGNED + 2, 16, FillPlan::Halves(0x0506))]
+    #[case::u16_aligned_even_count_prefers_words(&0x1234u16.to_le_bytes(), ALIGNED + 4, 8, FillPlan::Words(0x1234_1234))]
+    #[case::u32_equal_halves_aligned_prefers_words(&0xabcd_abcdu32.to_le_bytes(), ALIGNED, 8, FillPlan::Words(0xabcd_abcd))]
+    #[case::u16_equal_bytes_prefers_bytes(&0x7777u16.to_le_bytes(), ALIGNED + 2, 6, FillPlan::Bytes(0x77))]
+    #[case::u32_unequal_halves_misaligned(&0x1234_5678u32.to_le_bytes(), ALIGNED + 2, 8, FillPlan::Pattern)]
+    #[case::u16_odd_start(&0x1234u16.to_le_bytes(), ALIGNED + 1, 4, FillPlan::Pattern)]
+    #[case::three_bytes_at_2(&[1, 2, 3], ALIGNED + 2, 6, FillPlan::Pattern)]
+    fn two_periodic_values_take_halves_where_words_do_not_apply(
+        #[case] value: &[u8],
+        #[case] start: u64,
+        #[case] total: usize,
+        #[case] plan: FillPlan,
+    ) {
+        assert_eq!(FillPlan::for_value(value, start, total), plan);
+    }
+
+    /// What each plan stores, byte by byte, for `total` bytes.
+    fn render(plan: FillPlan, value: &[u8], total: usize) -> Vec<u8> {
+        let unit: Vec<u8> = match plan {
+            FillPlan::Bytes(byte) => vec![byte],
+            FillPlan::Words(word) => word.to_le_bytes().to_vec(),
+            FillPlan::Halves(half) => half.to_le_bytes().to_vec(),
+            FillPlan::Pattern => value.to_vec(),
+        };
+        unit.iter().copied().cycle().take(total).collect()
+    }
+
+    /// Every plan, for values of every small size and period at every offset and count, stores
+    /// exactly the repeated value, and asks each memset only for the alignment the driver
+    /// accepts.
+    #[rstest]
+    fn every_plan_stores_the_repeated_value_at_an_alignment_the_driver_accepts(
+        #[values(1, 2, 3, 4, 6, 8, 12, 16)] size: usize,
+        #[values(1, 2, 3, 4, 5)] period: usize,
+        #[values(0, 1, 2, 3)] offset: usize,
+        #[values(1, 2, 3, 5)] count: usize,
+    ) {
+        let value: Vec<u8> = (0..size).map(|i| 0x10 + (i % period) as u8).collect();
+        let start = ALIGNED + (offset * size) as u64;
+        let total = count * size;
+        let plan = FillPlan::for_value(&value, start, total);
+        let expected: Vec<u8> = value.iter().copied().cycle().take(total).collect();
+        assert_eq!(render(plan, &value, total), expected, "{plan:?}");
+        match plan {
+            FillPlan::Words(_) => assert!(
+                start.is_multiple_of(4) && total.is_multiple_of(4),
+                "{plan:?}"
+            ),
+            FillPlan::Halves(_) => {
+                assert!(
+                    start.is_multiple_of(2) && total.is_multiple_of(2),
+                    "{plan:?}"
+                );
+                assert!(
+                    !(start.is_multiple_of(4) && total.is_multiple_of(4)),
+                    "a half memset where a word memset applies"
+                );
+            }
+            FillPlan::Bytes(_) | FillPlan::Pattern => {}
+        }
+        // Nothing 2-periodic at a 2-byte-aligned start over whole halves is left to the pattern
+        // path (which a capture cannot hold).
+        let two_periodic = size.is_multiple_of(2) && periodic(&value, 2);
+        if two_periodic && start.is_multiple_of(2) && total.is_multiple_of(2) {
+            assert_ne!(plan, FillPlan::Pattern);
+        }
     }
 
     #[test]

@@ -313,6 +313,25 @@ pub(crate) fn memset_d32(dst: DeviceSpan, value: u32, stream: &Stream) -> Result
     Ok(())
 }
 
+/// Queues a 16-bit memset of `dst` on `stream`.
+///
+/// # Errors
+/// `Misaligned` (nothing queued) unless `dst` starts on a 2-byte boundary and is a whole number
+/// of halves: the driver refuses anything else ([`FillPlan`](super::fill::FillPlan) never asks).
+pub(crate) fn memset_d16(dst: DeviceSpan, value: u16, stream: &Stream) -> Result<()> {
+    if !(dst.ptr().is_multiple_of(2) && dst.bytes().is_multiple_of(2)) {
+        return Err(MemoryError::Misaligned {
+            operation: "cuMemsetD16Async",
+            bytes: dst.bytes(),
+            element_size: 2,
+        });
+    }
+    // SAFETY: a live span (crate invariant), 2-byte aligned and a whole number of halves
+    // (checked), ordered by the caller's `tracker::run`.
+    unsafe { memory::memset_d16_async(dst.ptr(), value, dst.bytes() / 2, stream) }?;
+    Ok(())
+}
+
 /// Queues a fill of `dst` with repetitions of `value` (one element's bytes): a host-staged
 /// chunk, then device-to-device doublings. The staging memory is released by a host function
 /// queued behind the copy (or after synchronizing `stream` if that cannot be queued).
