@@ -312,9 +312,8 @@ impl StreamError {
     /// into it what must run once, and was not made. "Not now", not a failure of the work.
     pub fn is_capture_refusal(&self) -> bool {
         match self {
-            Self::Driver(error) | Self::Memory(MemoryError::Driver(error)) => {
-                error.is_capture_refusal()
-            }
+            Self::Driver(error) => error.is_capture_refusal(),
+            Self::Memory(error) => error.is_capture_refusal(),
             _ => false,
         }
     }
@@ -368,6 +367,12 @@ mod tests {
         };
         assert!(StreamError::from(refusal()).is_capture_refusal());
         assert!(StreamError::from(MemoryError::Driver(refusal())).is_capture_refusal());
+        // The memory layer's own refusal (a pageable copy, a staged fill) counts too.
+        let not_capturable = MemoryError::NotCapturable {
+            operation: "DeviceBuffer::copy_from_host_async",
+            reason: "pageable host memory",
+        };
+        assert!(StreamError::from(not_capturable).is_capture_refusal());
         let unjoined: StreamError = DriverError::from(GraphError::UnjoinedFork).into();
         assert!(!unjoined.is_capture_refusal());
         assert!(!StreamError::invalid("op", "x").is_capture_refusal());
