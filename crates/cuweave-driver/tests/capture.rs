@@ -201,3 +201,42 @@ fn the_recording_check_binds_the_streams_context_for_the_null_stream() {
     .unwrap();
     checked.expect("the null stream's status is asked in its own context");
 }
+
+#[test]
+fn pinning_host_memory_on_a_thread_local_capturing_thread_works_and_keeps_the_capture() {
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let device = cuweave_driver::memory::DeviceAllocation::new(&gpu.context, 64).unwrap();
+
+    stream.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    // The driver refuses cuMemHostAlloc on this thread in thread-local mode; cuweave pins in
+    // relaxed mode while its capture is active, and the pinning is not recorded.
+    let mut pinned = cuweave_driver::memory::HostAllocation::new(
+        &gpu.context,
+        4096,
+        cuweave_driver::memory::HostAllocFlags::default(),
+    )
+    .unwrap();
+    pinned.as_bytes_mut().fill(0x5a);
+    assert!(stream.is_capturing().unwrap(), "the capture survived");
+    // SAFETY: a live allocation of 64 bytes; the capture records the memset, nothing runs.
+    unsafe { cuweave_driver::memory::memset_d8_async(device.ptr(), 0x33, 64, &stream) }.unwrap();
+    let graph = stream.end_capture().unwrap();
+    assert_eq!(
+        graph.node_count().unwrap(),
+        1,
+        "only the memset was captured"
+    );
+    let exec = graph
+        .instantiate(&cuweave_driver::InstantiateOptions::default())
+        .unwrap();
+    exec.launch(&stream).unwrap();
+    stream.synchronize().unwrap();
+    let mut back = [0u8; 64];
+    // SAFETY: 64 writable bytes from a live 64-byte allocation; the stream was synchronised.
+    unsafe { cuweave_driver::memory::copy_dtoh(&gpu.context, back.as_mut_ptr(), device.ptr(), 64) }
+        .unwrap();
+    assert_eq!(back, [0x33; 64]);
+    assert!(pinned.as_bytes().iter().all(|&b| b == 0x5a));
+}

@@ -63,13 +63,23 @@ unsafe impl Sync for HostAllocation {}
 
 impl HostAllocation {
     /// Allocates `bytes` of pinned host memory.
+    ///
+    /// Works while a capture begun through cuweave is active, on the capturing thread too: a
+    /// capture does not record pinning, so the call is made in relaxed capture mode, where the
+    /// driver would otherwise refuse it (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`) under a
+    /// global or thread-local capture.
     pub fn new(context: &Arc<Context>, bytes: usize, flags: HostAllocFlags) -> Result<Self> {
         nonzero(bytes, "HostAllocation::new")?;
         context.bind_to_thread()?;
         let api = driver()?;
         let mut ptr = std::ptr::null_mut();
+        let relaxed = (crate::graph::active_captures() != 0)
+            .then(|| crate::graph::CaptureModeGuard::enter(crate::graph::CaptureMode::Relaxed))
+            .transpose()?;
         // SAFETY: valid out-pointer; nonzero size; the context is current.
-        unsafe { cu!(api.mem_host_alloc(&mut ptr, bytes, flags.bits())) }?;
+        let pinned = unsafe { cu!(api.mem_host_alloc(&mut ptr, bytes, flags.bits())) };
+        drop(relaxed);
+        pinned?;
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| {
             DriverError::invalid("HostAllocation::new", "driver returned a null pointer")
         })?;

@@ -4,7 +4,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cuweave_driver::graph::CaptureMode;
 use cuweave_driver::memory::HostAllocation;
 use cuweave_driver::{Context, DriverError, EventPool, OwnedPooledEvent, Stream};
 use parking_lot::Mutex;
@@ -339,13 +338,9 @@ impl Inner {
     fn pin(&self, class: usize) -> Result<HostAllocation> {
         let flags = self.config.host_alloc_flags();
         let started = Instant::now();
-        // Relaxed mode while a capture is active: pinning is not recorded by a capture, and the
-        // capturing thread must not be refused (or break the capture) for making it.
-        let relaxed = (cuweave_driver::graph::active_captures() != 0)
-            .then(|| cuweave_driver::graph::CaptureModeGuard::enter(CaptureMode::Relaxed))
-            .transpose()?;
+        // Works on a capturing thread too: `HostAllocation::new` pins in relaxed capture mode
+        // while a capture is active (a capture does not record pinning).
         let pinned = HostAllocation::new(&self.context, class, flags);
-        drop(relaxed);
         let allocation = match pinned {
             Ok(allocation) => allocation,
             Err(error) if error.is_out_of_memory() => {
