@@ -40,6 +40,33 @@ fn ensure_aligned_d16(dst: DevicePtr, operation: &'static str) -> Result<()> {
     }
 }
 
+/// Refuses a copy whose source and destination ranges overlap (other than a copy onto itself,
+/// which leaves every byte as it was): `cuMemcpy*` do not promise memmove semantics, and on the
+/// GPU an overlapping copy runs in parallel chunks, so later chunks may read bytes an earlier
+/// chunk has already overwritten. Both addresses lie in one unified address space, so ranges
+/// that overlap as numbers overlap in memory.
+fn ensure_disjoint(
+    dst: DevicePtr,
+    src: DevicePtr,
+    bytes: usize,
+    operation: &'static str,
+) -> Result<()> {
+    let len = bytes as u64;
+    let overlap =
+        dst != src && len != 0 && dst < src.saturating_add(len) && src < dst.saturating_add(len);
+    if overlap {
+        Err(crate::error::DriverError::invalid(
+            operation,
+            format!(
+                "source {src:#x} and destination {dst:#x} of a {bytes}-byte copy overlap \
+                 (copy through a temporary, or in non-overlapping pieces)"
+            ),
+        ))
+    } else {
+        Ok(())
+    }
+}
+
 /// Copies `bytes` from host `src` to device `dst` and waits for it.
 ///
 /// # Safety
@@ -78,6 +105,10 @@ pub unsafe fn copy_dtoh(
 
 /// Copies `bytes` between device ranges (same device, or peers with unified addressing).
 ///
+/// # Errors
+/// `InvalidArgument` when the two ranges overlap (and are not the same range), before the
+/// driver is asked: the driver's copies are undefined on overlapping ranges.
+///
 /// # Safety
 /// Both ranges are valid device memory for `bytes`.
 pub unsafe fn copy_dtod(
@@ -86,6 +117,7 @@ pub unsafe fn copy_dtod(
     src: DevicePtr,
     bytes: usize,
 ) -> Result<()> {
+    ensure_disjoint(dst, src, bytes, "memory::copy_dtod")?;
     crate::graph::refuse_while_capturing(None, "memory::copy_dtod")?;
     context.bind_to_thread()?;
     let api = driver()?;
@@ -97,10 +129,15 @@ pub unsafe fn copy_dtod(
 /// Copies `bytes` between any two addresses of the unified address space (host, pinned, device
 /// or managed: the driver infers each side from its address) and waits for it.
 ///
+/// # Errors
+/// `InvalidArgument` when the two ranges overlap (and are not the same range), before the
+/// driver is asked: the driver's copies are undefined on overlapping ranges.
+///
 /// # Safety
 /// `src` is readable and `dst` writable for `bytes`, each either host memory or memory the
 /// driver knows (device, pinned, registered or managed).
 pub unsafe fn copy(context: &Context, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
+    ensure_disjoint(dst, src, bytes, "memory::copy")?;
     crate::graph::refuse_while_capturing(None, "memory::copy")?;
     context.bind_to_thread()?;
     let api = driver()?;
@@ -112,6 +149,10 @@ pub unsafe fn copy(context: &Context, dst: DevicePtr, src: DevicePtr, bytes: usi
 /// Queues a copy between any two addresses of the unified address space on `stream` (see
 /// [`copy`]). Asynchronous with respect to the host only when no side is pageable host memory.
 ///
+/// # Errors
+/// `InvalidArgument` when the two ranges overlap (and are not the same range), before the
+/// driver is asked: the driver's copies are undefined on overlapping ranges.
+///
 /// # Safety
 /// Both ranges stay valid for `bytes`, `src` unwritten and `dst` unread by the host, until
 /// `stream` passes the copy.
@@ -121,6 +162,7 @@ pub unsafe fn copy_async(
     bytes: usize,
     stream: &Stream,
 ) -> Result<()> {
+    ensure_disjoint(dst, src, bytes, "memory::copy_async")?;
     stream.context().bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -162,6 +204,10 @@ pub unsafe fn copy_dtoh_async(
 
 /// Queues a device-to-device copy on `stream`.
 ///
+/// # Errors
+/// `InvalidArgument` when the two ranges overlap (and are not the same range), before the
+/// driver is asked: the driver's copies are undefined on overlapping ranges.
+///
 /// # Safety
 /// Both ranges stay valid until `stream` passes the copy.
 pub unsafe fn copy_dtod_async(
@@ -170,6 +216,7 @@ pub unsafe fn copy_dtod_async(
     bytes: usize,
     stream: &Stream,
 ) -> Result<()> {
+    ensure_disjoint(dst, src, bytes, "memory::copy_dtod_async")?;
     stream.context().bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -316,7 +363,7 @@ pub unsafe fn memset_d32_async(
 mod tests {
     use rstest::rstest;
 
-    use super::ensure_aligned_d16;
+    use super::{ensure_aligned_d16, ensure_disjoint};
     use crate::error::DriverError;
 
     #[rstest]
@@ -332,6 +379,33 @@ mod tests {
                 assert!(!ok, "{dst:#x} refused: {reason}");
                 assert_eq!(operation, "memory::memset_d16_async");
                 assert!(reason.contains(&format!("{dst:#x}")), "{reason}");
+            }
+            Err(other) => panic!("{other:?}"),
+        }
+    }
+
+    #[rstest]
+    #[case::disjoint(0x1000, 0x2000, 0x1000, true)]
+    #[case::adjacent_after(0x2000, 0x1000, 0x1000, true)]
+    #[case::adjacent_before(0x1000, 0x2000, 0x1000, true)]
+    #[case::same_range(0x1000, 0x1000, 0x1000, true)]
+    #[case::zero_bytes(0x1001, 0x1000, 0, true)]
+    #[case::shift_up_by_one(0x1001, 0x1000, 0x1000, false)]
+    #[case::shift_down_by_one(0x1000, 0x1001, 0x1000, false)]
+    #[case::one_byte_shared(0x1fff, 0x1000, 0x1000, false)]
+    #[case::near_the_top(u64::MAX - 4, u64::MAX - 8, 8, false)]
+    fn overlapping_copies_are_refused(
+        #[case] dst: u64,
+        #[case] src: u64,
+        #[case] bytes: usize,
+        #[case] ok: bool,
+    ) {
+        match ensure_disjoint(dst, src, bytes, "memory::copy_dtod") {
+            Ok(()) => assert!(ok, "{dst:#x} <- {src:#x} ({bytes}) passed"),
+            Err(DriverError::InvalidArgument { operation, reason }) => {
+                assert!(!ok, "{dst:#x} <- {src:#x} ({bytes}) refused: {reason}");
+                assert_eq!(operation, "memory::copy_dtod");
+                assert!(reason.contains("overlap"), "{reason}");
             }
             Err(other) => panic!("{other:?}"),
         }
