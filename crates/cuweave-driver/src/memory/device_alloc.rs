@@ -39,6 +39,23 @@ impl DeviceAllocation {
         })
     }
 
+    /// Allocates `bytes` of device memory in `context`, every byte zero: cudarc's
+    /// `alloc_zeros`, PyTorch's `torch.zeros`. `cuMemAlloc` hands back whatever a previous
+    /// owner left there (a freed block is reused as it is), so the memory is cleared with
+    /// `cuMemsetD8` and the call returns once the clearing has finished: work queued on any
+    /// stream afterwards reads zeros.
+    ///
+    /// # Errors
+    /// As [`new`](Self::new); the memset's error (the memory is freed again then), e.g.
+    /// [`GraphError::Capturing`](crate::GraphError::Capturing) while a capture is active.
+    pub fn zeroed(context: &Arc<Context>, bytes: usize) -> Result<Self> {
+        nonzero(bytes, "DeviceAllocation::zeroed")?;
+        let allocation = Self::new(context, bytes)?;
+        // SAFETY: the allocation is ours, `bytes` long, and no work has been queued on it.
+        unsafe { super::memset_d8(context, allocation.ptr, 0, bytes) }?;
+        Ok(allocation)
+    }
+
     /// Takes ownership of memory from `cuMemAlloc`.
     ///
     /// # Safety
