@@ -291,6 +291,33 @@ impl Stream {
         unsafe { cu!(api.stream_synchronize(self.raw)) }
     }
 
+    /// Makes later work on this stream wait for all work queued on `other` so far (device-side;
+    /// the host does not block): cudarc's `stream.join(&other)`, CUDA C++'s record-then-wait.
+    /// An event from the context's shared [`EventPool`](crate::EventPool) is recorded on
+    /// `other` and waited on here, then returned to the pool (the queued wait is unaffected).
+    /// `other` may belong to another device.
+    ///
+    /// # Errors
+    /// The driver's error from recording or waiting.
+    pub fn wait_stream(&self, other: &Stream) -> Result<()> {
+        let pool = crate::EventPool::for_context(other.context())?;
+        let event = pool.acquire_event(false)?;
+        event.record(other)?;
+        self.wait_event(&event)
+    }
+
+    /// A new [`StreamFlags::NON_BLOCKING`] stream of the same context whose work runs after
+    /// everything queued on this one so far: cudarc's `stream.fork()`. Join it back with
+    /// [`wait_stream`](Self::wait_stream) on this stream.
+    ///
+    /// # Errors
+    /// The driver's error from creating the stream, recording or waiting.
+    pub fn fork(&self) -> Result<Stream> {
+        let child = Stream::new(&self.context, StreamFlags::NON_BLOCKING)?;
+        child.wait_stream(self)?;
+        Ok(child)
+    }
+
     /// Makes later work on this stream wait until `event` has completed (device-side; the host
     /// does not block). The event may belong to another stream or device.
     pub fn wait_event(&self, event: &Event) -> Result<()> {

@@ -512,6 +512,58 @@ fn fork_to_four_priority_streams_of_another_context_handle_and_join_back_in_orde
 }
 
 #[test]
+fn stream_fork_and_wait_stream_order_work_as_cudarcs_fork_and_join() {
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let context = &gpu.context;
+    let kernels = warmed_kernels(context);
+    let parent = Stream::new(context, StreamFlags::NON_BLOCKING).unwrap();
+    const N: usize = 1 << 16;
+    const HALF: usize = N / 2;
+    let data = DeviceAllocation::zeroed(context, N * 4).unwrap();
+    let sum = DeviceAllocation::zeroed(context, 8).unwrap();
+
+    kernels.spin_ns(&parent, 30 * MS).unwrap();
+    // SAFETY: `data` holds N u32s until the synchronize below.
+    unsafe { kernels.fill_u32(&parent, data.ptr(), 1, N) }.unwrap();
+    let (first, second) = (parent.fork().unwrap(), parent.fork().unwrap());
+    for child in [&first, &second] {
+        assert!(child.flags().unwrap().is_non_blocking());
+        assert_eq!(child.context().as_raw(), context.as_raw());
+        assert_ne!(child.as_raw(), parent.as_raw());
+    }
+    // The join must wait for this spin too.
+    kernels.spin_ns(&first, 30 * MS).unwrap();
+    // SAFETY: each half lies inside `data`.
+    unsafe {
+        kernels.increment_u32(&first, data.ptr(), HALF).unwrap();
+        kernels
+            .increment_u32(&second, data.ptr() + (HALF * 4) as u64, HALF)
+            .unwrap();
+    }
+    parent.wait_stream(&first).unwrap();
+    parent.wait_stream(&second).unwrap();
+    // SAFETY: `data` holds N u32s, `sum` one u64.
+    unsafe { kernels.checksum_u32(&parent, data.ptr(), N, sum.ptr()) }.unwrap();
+    assert!(
+        !parent.query().unwrap(),
+        "the parent waits on a 60 ms chain"
+    );
+    parent.synchronize().unwrap();
+    assert!(first.query().unwrap() && second.query().unwrap());
+    assert_eq!(
+        download::<u64>(&sum, 0, 1),
+        [2 * N as u64],
+        "joined before the sum"
+    );
+    assert_eq!(
+        download::<u32>(&data, 0, N),
+        vec![2; N],
+        "forked after the fill"
+    );
+}
+
+#[test]
 fn a_stream_made_by_another_library_is_used_and_destroyed_exactly_once() {
     let gpu = require_gpu!();
     let _serial = cuweave_test_support::serial();
