@@ -124,9 +124,19 @@ impl<'s> StreamCapture<'s> {
     ///
     /// # Errors
     /// [`GraphError::LegacyDefaultStream`] for the legacy default stream,
-    /// [`GraphError::AlreadyCapturing`], or the driver's error (of the synchronisation too: a
-    /// fault of earlier work); the stream is left as it was.
+    /// [`GraphError::AlreadyCapturing`] for a stream that is already in a capture (one begun on
+    /// it, or one it was forked into: the driver would refuse with an untyped
+    /// `CUDA_ERROR_ILLEGAL_STATE`), or the driver's error (of the synchronisation too: a fault
+    /// of earlier work); the stream, and any capture it is in, are left as they were.
     pub fn begin(stream: &'s Stream, options: CaptureOptions) -> Result<Self> {
+        // A stream forked into a running capture is not that capture's origin, so the driver
+        // layer's own check does not see it: refuse before the driver is asked.
+        if capture_id(stream)?.is_some() {
+            return Err(DriverError::from(GraphError::AlreadyCapturing {
+                stream: stream.id(),
+            })
+            .into());
+        }
         stream.begin_capture_synchronized(options.mode)?;
         let pool = options.pool.unwrap_or_default();
         match begin_allocate_to_pool(stream, &pool, options.misses) {
