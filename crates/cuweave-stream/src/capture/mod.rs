@@ -98,6 +98,14 @@ impl CaptureOptions {
 
 /// An active capture on a stream: ends (and its recording is discarded) when dropped without
 /// [`finish`](Self::finish).
+///
+/// It stays on the thread that began it (the driver ends a global or thread-local capture only
+/// there), so it is not `Send`:
+///
+/// ```compile_fail
+/// fn sendable<T: Send>() {}
+/// sendable::<cuweave_stream::StreamCapture<'static>>();
+/// ```
 #[must_use = "dropping the capture ends it and discards what it recorded"]
 #[derive(Debug)]
 pub struct StreamCapture<'s> {
@@ -109,6 +117,11 @@ pub struct StreamCapture<'s> {
     /// Events recorded for joins, alive until the capture ends.
     joins: Vec<Event>,
     ended: bool,
+    /// Ended on the thread that began it: the driver refuses to end a global or thread-local
+    /// capture from another thread (`CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`), and the capture
+    /// would then stay active for good, refusing `Context::synchronize` process-wide. So a
+    /// capture cannot be sent (an async task resumed on another worker cannot carry it).
+    _begun_on_this_thread: std::marker::PhantomData<*const ()>,
 }
 
 impl<'s> StreamCapture<'s> {
@@ -147,6 +160,7 @@ impl<'s> StreamCapture<'s> {
                 forks: Vec::new(),
                 joins: Vec::new(),
                 ended: false,
+                _begun_on_this_thread: std::marker::PhantomData,
             }),
             Err(error) => {
                 if let Err(end) = stream.end_capture() {
