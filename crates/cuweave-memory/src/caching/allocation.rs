@@ -9,7 +9,7 @@ use cuweave_driver::{Device, Stream};
 use super::allocator::ShardHandle;
 use super::block::BlockId;
 use super::pool::Grant;
-use super::stream_uses::{StreamKey, record_uses};
+use super::stream_uses::{StreamKey, record_use, record_uses};
 use crate::buffer::tracker::FreeMarkers;
 use crate::error::Result;
 use crate::resource::check_stream;
@@ -178,6 +178,37 @@ impl CachedAllocation {
         let engine = &shared.engine;
         let uses = std::mem::take(&mut self.uses);
         match record_uses(&uses, shared.context(), &shared.events) {
+            Ok(events) => engine.free_after(self.stream, self.id, self.ptr, events),
+            Err(error) => {
+                engine.free_never_reuse(self.stream, self.id, self.ptr)?;
+                Err(error)
+            }
+        }
+    }
+}
+
+impl CachedAllocation {
+    /// Returns the memory to its stream's cache, to be handed out again only once the work
+    /// queued on `stream` so far (and on every recorded stream up to now) has finished: a free
+    /// ordered on another stream than the allocating one (what
+    /// [`CachingResource::deallocate`](super::CachingResource) needs).
+    ///
+    /// The caller has checked that no capture is active: an event is recorded on `stream`.
+    ///
+    /// # Errors
+    /// As [`free`](Self::free): the driver's error when no event could be recorded on a stream
+    /// and the stream could not be synchronised either; the block is then never reused.
+    pub(super) fn free_after_stream(mut self, stream: &Stream) -> Result<()> {
+        self.freed = true;
+        let shared = &self.shard.shared;
+        let engine = &shared.engine;
+        let uses = std::mem::take(&mut self.uses);
+        let recorded =
+            record_uses(&uses, shared.context(), &shared.events).and_then(|mut events| {
+                events.extend(record_use(stream, shared.context(), &shared.events)?);
+                Ok(events)
+            });
+        match recorded {
             Ok(events) => engine.free_after(self.stream, self.id, self.ptr, events),
             Err(error) => {
                 engine.free_never_reuse(self.stream, self.id, self.ptr)?;

@@ -61,6 +61,10 @@
 //!   event query, synchronisation) happens while one is active: see [`GraphPool`] and
 //!   `docs/graphs.md`.
 //!
+//! - **As a memory resource.** [`CachingResource`] wraps the allocator in the
+//!   [`MemoryResource`](crate::resource::MemoryResource) trait, so that adaptors can sit over
+//!   the cache (RMM's `statistics(limit(pool))`) and typed buffers can be made on such a stack.
+//!
 //! Rules for callers: do not drop allocations
 //! in a stream host callback: freeing a block recorded on other streams records events, and
 //! dropping the last handle of an allocator returns its memory, both CUDA calls.
@@ -102,6 +106,7 @@ mod engine;
 mod free_list;
 mod graph_pool;
 mod pool;
+mod resource;
 pub mod size_class;
 mod stash;
 mod stats;
@@ -122,6 +127,7 @@ pub(crate) use graph_pool::{
     pool_tag_of_capture, release_resource_during_capture, synchronize_once,
 };
 pub(crate) use pool::Grant;
+pub use resource::CachingResource;
 pub use size_class::PoolKind;
 pub use stats::{MemoryStats, Stat};
 pub use stream_uses::StreamKey;

@@ -134,15 +134,26 @@ pub(crate) fn record_uses(
 ) -> Result<Vec<OwnedPooledEvent>> {
     let mut recorded = Vec::with_capacity(streams.len());
     for stream in streams {
-        match record_one(stream, context, events) {
-            Ok(event) => recorded.push(event),
-            Err(error) => {
-                tracing::warn!(%error, "recording a stream-use event failed; synchronising the stream");
-                stream.synchronize()?;
-            }
-        }
+        recorded.extend(record_use(stream, context, events)?);
     }
     Ok(recorded)
+}
+
+/// [`record_uses`] for one stream: an event behind the work queued on `stream` so far, or `None`
+/// when no event could be recorded and the stream was synchronised instead.
+pub(crate) fn record_use(
+    stream: &Stream,
+    context: &Arc<Context>,
+    events: &ContextEvents,
+) -> Result<Option<OwnedPooledEvent>> {
+    match record_one(stream, context, events) {
+        Ok(event) => Ok(Some(event)),
+        Err(error) => {
+            tracing::warn!(%error, "recording a stream-use event failed; synchronising the stream");
+            stream.synchronize()?;
+            Ok(None)
+        }
+    }
 }
 
 fn record_one(

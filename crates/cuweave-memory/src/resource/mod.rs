@@ -11,7 +11,10 @@
 //!
 //! Adaptors wrap any resource (a concrete one, or an `Arc<dyn MemoryResource>`) and add one
 //! behaviour: [`StatisticsAdaptor`] counts, [`LimitAdaptor`] caps the bytes outstanding. The
-//! [`CachingAllocator`](crate::caching::CachingAllocator) takes any resource as its upstream.
+//! [`CachingAllocator`](crate::caching::CachingAllocator) takes any resource as its upstream,
+//! and is one itself through [`CachingResource`], so adaptors fit over the cache as well as
+//! under it: `StatisticsAdaptor::new(LimitAdaptor::new(CachingResource::new(allocator), cap))`
+//! counts and caps what the program holds, RMM's usual shape.
 //!
 //! Every resource checks its input: a zero-byte request is [`MemoryError::ZeroLength`], a stream
 //! of another device [`MemoryError::WrongDevice`], and a pointer it did not hand out (or already
@@ -45,6 +48,7 @@ mod driver;
 mod limit;
 mod statistics;
 
+pub use crate::caching::CachingResource;
 pub use async_pool::AsyncPoolResource;
 pub use driver::DriverResource;
 pub use limit::LimitAdaptor;
