@@ -1001,7 +1001,6 @@ fn ten_thousand_capture_instantiate_launch_drop_cycles_stay_bounded() {
 /// dead pools once the device has passed their graphs' launches, e.g. those dead before the
 /// context synchronisation of `begin_capture_synchronized`).
 #[test]
-#[ignore = "cuweave-memory: segments of dead graph pools are never reused by later captures"]
 fn recapturing_with_a_fresh_pool_each_cycle_keeps_reserved_memory_bounded() {
     let Some(Fixture {
         gpu,

@@ -81,6 +81,9 @@ struct Totals {
 pub(crate) struct Engine<E> {
     shards: Box<[Shard<E>]>,
     totals: Mutex<Totals>,
+    /// Free segments of dead graph pools seen by captures' misses, with the capture epoch read
+    /// after each was first seen: a later capture may adopt one ([`Adoption`]).
+    retired: Mutex<Vec<capture::Retired>>,
 }
 
 impl<E> Default for Engine<E> {
@@ -96,6 +99,7 @@ impl<E> Engine<E> {
         Self {
             shards: (0..shards).map(|_| Shard::default()).collect(),
             totals: Mutex::default(),
+            retired: Mutex::new(Vec::new()),
         }
     }
 
@@ -443,6 +447,7 @@ impl<E: Marker> Engine<E> {
 
 #[path = "engine_capture.rs"]
 mod capture;
+pub(crate) use capture::Adoption;
 
 #[cfg(test)]
 #[path = "engine_tests.rs"]

@@ -374,3 +374,270 @@ fn markers_go_back_to_their_pool_so_it_never_makes_more_than_are_held_at_once() 
     engine.release_cached(&upstream).unwrap();
     assert_eq!(upstream.outstanding_bytes(), 0);
 }
+
+/// Captures into fresh graph pools, simulated: private keys by pool id, the pools that have
+/// died, and the capture epoch with each capture's known-complete bound.
+mod adoption {
+    use std::collections::HashSet;
+
+    use rstest::rstest;
+
+    use super::*;
+
+    /// Pool ids far from any live pool of other tests (whose ids count up from 1), so that
+    /// `empty_cache`'s liveness check sees them dead once the simulation says so.
+    const FIRST_POOL: u32 = 0x6000_0000;
+    const PRIVATE: usize = 1 << (usize::BITS - 1);
+
+    fn private(pool: u32, stream: usize) -> StreamKey {
+        StreamKey::from_raw(PRIVATE | ((pool as usize) << 32) | stream)
+    }
+
+    fn pool_of(key: StreamKey) -> Option<u32> {
+        let raw = key.as_usize();
+        (raw & PRIVATE != 0).then_some(((raw & !PRIVATE) >> 32) as u32)
+    }
+
+    #[derive(Default)]
+    struct Captures {
+        dead: Mutex<HashSet<u32>>,
+        epoch: AtomicU64,
+        /// The bound of the capture running now (its begin's synchronisation).
+        complete_before: AtomicU64,
+    }
+
+    impl Captures {
+        /// A capture begins with the context synchronised (`begin_capture_synchronized`).
+        fn begin_synchronized(&self) {
+            let epoch = self.epoch.fetch_add(1, Ordering::SeqCst) + 1;
+            self.complete_before.store(epoch, Ordering::SeqCst);
+        }
+
+        /// A capture begins without the synchronisation: nothing is known complete.
+        fn begin_unsynchronized(&self) {
+            self.complete_before.store(0, Ordering::SeqCst);
+        }
+
+        fn kill(&self, pool: u32) {
+            self.dead.lock().insert(pool);
+        }
+
+        fn allocate(
+            &self,
+            engine: &Engine<Flag>,
+            key: StreamKey,
+            bytes: usize,
+            upstream: &FakeUpstream,
+        ) -> Grant {
+            let retired =
+                |key: StreamKey| pool_of(key).is_some_and(|p| self.dead.lock().contains(&p));
+            let epoch = || self.epoch.load(Ordering::SeqCst);
+            let complete_before = || self.complete_before.load(Ordering::SeqCst);
+            let adoption = Adoption {
+                retired: &retired,
+                epoch: &epoch,
+                complete_before: &complete_before,
+            };
+            engine
+                .allocate_quiet(key, bytes, upstream, true, Some(&adoption))
+                .unwrap()
+        }
+    }
+
+    /// One cycle of the recapture loop: a fresh pool, a scratch block allocated and freed in
+    /// the capture, the graph launched and dropped (the pool dies).
+    fn cycle(
+        engine: &Engine<Flag>,
+        captures: &Captures,
+        upstream: &FakeUpstream,
+        pool: u32,
+        bytes: usize,
+    ) {
+        captures.begin_synchronized();
+        let grant = captures.allocate(engine, private(pool, 7), bytes, upstream);
+        engine.free(grant.stream, grant.id, grant.ptr).unwrap();
+        captures.kill(pool);
+    }
+
+    #[rstest]
+    #[case::small_scratch(256)]
+    #[case::large_scratch(4 * MIB)]
+    fn ten_thousand_fresh_pool_captures_take_a_bounded_number_of_segments(#[case] bytes: usize) {
+        let engine = Engine::<Flag>::default();
+        let upstream = FakeUpstream::unlimited();
+        let captures = Captures::default();
+        for cycle_index in 0..10_000u32 {
+            cycle(
+                &engine,
+                &captures,
+                &upstream,
+                FIRST_POOL + cycle_index,
+                bytes,
+            );
+        }
+        assert!(
+            upstream.allocations.load(Ordering::SeqCst) <= 3,
+            "{} upstream segments for 10^4 captures",
+            upstream.allocations.load(Ordering::SeqCst)
+        );
+        let stats = engine.stats();
+        assert_eq!(stats.reserved_bytes.current, upstream.outstanding_bytes());
+        assert_eq!(stats.segments.current, upstream.outstanding.lock().len());
+        assert_eq!(
+            stats.cache_misses as usize,
+            upstream.allocations.load(Ordering::SeqCst)
+        );
+        assert_eq!(stats.segments_released, 0, "adoption is no release");
+        assert_eq!(stats.allocated_bytes.current, 0);
+        assert!(engine.retired_len() <= 3, "the retired list stays bounded");
+        engine.check_invariants();
+        // Nothing uses them: `empty_cache` still gives every one back.
+        engine.release_cached(&upstream).unwrap();
+        assert_eq!(upstream.outstanding_bytes(), 0);
+        assert_eq!(engine.stats().reserved_bytes.current, 0);
+        engine.check_invariants();
+    }
+
+    #[test]
+    fn a_segment_first_seen_dead_during_this_capture_is_not_adopted_until_the_next() {
+        // The graph of the dead pool may have been launched just before it died, after this
+        // capture's synchronisation: only a later synchronisation proves it finished.
+        let engine = Engine::<Flag>::default();
+        let upstream = FakeUpstream::unlimited();
+        let captures = Captures::default();
+        cycle(&engine, &captures, &upstream, FIRST_POOL + 100_000, 256);
+        captures.begin_synchronized();
+        let second = captures.allocate(&engine, private(FIRST_POOL + 100_001, 7), 256, &upstream);
+        assert_eq!(
+            upstream.allocations.load(Ordering::SeqCst),
+            2,
+            "seen now, not adopted"
+        );
+        engine.free(second.stream, second.id, second.ptr).unwrap();
+        captures.begin_synchronized();
+        let third = captures.allocate(&engine, private(FIRST_POOL + 100_002, 7), 256, &upstream);
+        assert_eq!(
+            upstream.allocations.load(Ordering::SeqCst),
+            2,
+            "adopted after a later sync"
+        );
+        assert_ne!(third.ptr, second.ptr, "the second pool is still alive");
+        engine.free(third.stream, third.id, third.ptr).unwrap();
+        engine.check_invariants();
+    }
+
+    #[test]
+    fn a_capture_begun_without_synchronising_adopts_nothing() {
+        let engine = Engine::<Flag>::default();
+        let upstream = FakeUpstream::unlimited();
+        let captures = Captures::default();
+        cycle(&engine, &captures, &upstream, FIRST_POOL + 200_000, 256);
+        // Seen by a capture's miss, then several synchronised captures pass.
+        cycle(&engine, &captures, &upstream, FIRST_POOL + 200_001, 256);
+        captures.begin_synchronized();
+        captures.begin_unsynchronized();
+        let before = upstream.allocations.load(Ordering::SeqCst);
+        let grant = captures.allocate(&engine, private(FIRST_POOL + 200_002, 7), 256, &upstream);
+        assert_eq!(upstream.allocations.load(Ordering::SeqCst), before + 1);
+        engine.free(grant.stream, grant.id, grant.ptr).unwrap();
+    }
+
+    #[test]
+    fn segments_of_live_pools_partly_used_segments_and_general_ones_are_never_adopted() {
+        let engine = Engine::<Flag>::default();
+        let upstream = FakeUpstream::unlimited();
+        let captures = Captures::default();
+        let live = FIRST_POOL + 300_000;
+        let held_pool = FIRST_POOL + 300_001;
+        // A live pool's free segment, a general-cache free segment, and a dead pool's segment
+        // with a block still allocated (a buffer that outlived its graph).
+        captures.begin_synchronized();
+        let a = captures.allocate(&engine, private(live, 7), 256, &upstream);
+        engine.free(a.stream, a.id, a.ptr).unwrap();
+        let b = engine.allocate(key(3), 256, &upstream).unwrap();
+        engine.free(b.stream, b.id, b.ptr).unwrap();
+        let kept = captures.allocate(&engine, private(held_pool, 7), 256, &upstream);
+        captures.kill(held_pool);
+        for pool in 0..5 {
+            captures.begin_synchronized();
+            let grant = captures.allocate(
+                &engine,
+                private(FIRST_POOL + 300_010 + pool, 9),
+                256,
+                &upstream,
+            );
+            assert!(![a.ptr, b.ptr, kept.ptr].contains(&grant.ptr));
+            // Kept alive: this test's own segments are not adoptable either.
+            engine.free(grant.stream, grant.id, grant.ptr).unwrap();
+        }
+        assert_eq!(upstream.allocations.load(Ordering::SeqCst), 8);
+        // Once the block is freed its segment is adoptable (after one more synchronisation).
+        engine.free(kept.stream, kept.id, kept.ptr).unwrap();
+        for pool in 0..2 {
+            captures.begin_synchronized();
+            let grant = captures.allocate(
+                &engine,
+                private(FIRST_POOL + 300_020 + pool, 9),
+                256,
+                &upstream,
+            );
+            engine.free(grant.stream, grant.id, grant.ptr).unwrap();
+        }
+        assert_eq!(
+            upstream.allocations.load(Ordering::SeqCst),
+            9,
+            "one more, then adopted"
+        );
+        engine.check_invariants();
+    }
+
+    #[test]
+    fn a_large_request_adopts_the_smallest_fitting_large_segment_and_never_a_small_one() {
+        let engine = Engine::<Flag>::default();
+        let upstream = FakeUpstream::unlimited();
+        let captures = Captures::default();
+        // Dead pools with a small segment, a 20 MiB one and a 40 MiB one.
+        for (pool, bytes) in [(0u32, 256), (1, 4 * MIB), (2, 40 * MIB)] {
+            cycle(
+                &engine,
+                &captures,
+                &upstream,
+                FIRST_POOL + 400_000 + pool,
+                bytes,
+            );
+        }
+        let segment_of = |ptr: u64| {
+            upstream
+                .outstanding
+                .lock()
+                .iter()
+                .find(|&(&start, &size)| start <= ptr && ptr < start + size as u64)
+                .map(|(_, &size)| size)
+        };
+        // A small request's miss sees the large ones (adoptable from the next capture on) and
+        // adopts the small segment, never a large one.
+        captures.begin_synchronized();
+        let small = captures.allocate(&engine, private(FIRST_POOL + 400_010, 7), 256, &upstream);
+        assert_eq!(upstream.allocations.load(Ordering::SeqCst), 3, "adopted");
+        assert_eq!(segment_of(small.ptr), Some(SMALL_SEGMENT));
+        captures.begin_synchronized();
+        let grant = captures.allocate(
+            &engine,
+            private(FIRST_POOL + 400_011, 7),
+            12 * MIB,
+            &upstream,
+        );
+        assert_eq!(upstream.allocations.load(Ordering::SeqCst), 3, "adopted");
+        let stats = engine.stats();
+        assert_eq!(stats.reserved_bytes.current, upstream.outstanding_bytes());
+        assert_eq!(grant.size, 12 * MIB);
+        assert_eq!(
+            segment_of(grant.ptr),
+            Some(LARGE_SEGMENT),
+            "the smallest that fits"
+        );
+        engine.free(grant.stream, grant.id, grant.ptr).unwrap();
+        engine.free(small.stream, small.id, small.ptr).unwrap();
+        engine.check_invariants();
+    }
+}

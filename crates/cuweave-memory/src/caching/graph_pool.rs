@@ -10,7 +10,9 @@
 //!   every stream forked into it) come from the pool's own free lists, keyed by (pool, stream):
 //!   a block is reused only by later work of the same capture on the same stream, or by a later
 //!   capture into the same pool, never by eager work.
-//! - A miss takes a new segment from the upstream with the thread in relaxed capture mode (the
+//! - A miss first adopts a whole free segment of a dead pool known idle (see
+//!   `engine_capture.rs`: seen dead and free before the capture's begin synchronisation), else
+//!   takes a new segment from the upstream with the thread in relaxed capture mode (the
 //!   allocation is not part of the graph and is safe to make), or, with
 //!   [`MissPolicy::Fail`], fails with [`GraphError::Capturing`]. No out-of-memory retry runs
 //!   during a capture (it would wait for the device).
@@ -47,14 +49,15 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use cuweave_driver::graph::{
-    CaptureMode, CaptureModeGuard, GraphError, KeepAlive, active_captures,
+    CaptureMode, CaptureModeGuard, GraphError, KeepAlive, active_captures, capture_state,
+    known_complete_before,
 };
 use cuweave_driver::{Context, Stream};
 use parking_lot::{Mutex, RwLock};
 
 use super::allocator::{CachingAllocator, ShardHandle, Shared};
 use super::block::BlockId;
-use super::engine::Upstream;
+use super::engine::{Adoption, Upstream};
 use super::pool::{Grant, Segment};
 use super::stream_uses::{StreamKey, record_uses};
 use crate::buffer::tracker::FreeMarkers;
@@ -610,16 +613,33 @@ impl CachingAllocator {
         stream: &Stream,
         key: StreamKey,
     ) -> Result<(Grant, Arc<ShardHandle>)> {
-        let (key, misses) = match route(stream)? {
-            Some((pool, misses)) => (private_key(pool, stream), misses),
-            None => (key, MissPolicy::AllocateRelaxed),
+        let (key, misses, private) = match route(stream)? {
+            Some((pool, misses)) => (private_key(pool, stream), misses, true),
+            None => (key, MissPolicy::AllocateRelaxed, false),
         };
         let upstream = CaptureUpstream { allocator: self };
-        let grant = self.shared().engine.allocate_quiet(
+        let shared = self.shared();
+        let retired = |key: StreamKey| key.as_usize() & PRIVATE_BIT != 0 && !is_retained(key);
+        let epoch = || capture_state().epoch;
+        // 0 (adopt nothing) for a capture begun without the synchronisation, or on another
+        // context: the device may still be using the dead pools' segments.
+        let complete_before = || match stream.capture_status() {
+            Ok(status) => status.id().map_or(0, |capture| {
+                known_complete_before(capture, shared.context())
+            }),
+            Err(_) => 0,
+        };
+        let adoption = Adoption {
+            retired: &retired,
+            epoch: &epoch,
+            complete_before: &complete_before,
+        };
+        let grant = shared.engine.allocate_quiet(
             key,
             bytes,
             &upstream,
             misses == MissPolicy::AllocateRelaxed,
+            private.then_some(&adoption),
         )?;
         Ok((grant, self.shard_handle(key)))
     }

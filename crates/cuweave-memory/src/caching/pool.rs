@@ -108,7 +108,19 @@ impl Pools {
         rounded: usize,
         requested: usize,
     ) -> Grant {
-        let pool = PoolKind::for_size(rounded);
+        let id = self.insert_segment(stream, ptr, segment_size, PoolKind::for_size(rounded));
+        self.stats.cache_misses += 1;
+        self.carve(id, rounded, requested)
+    }
+
+    /// Books a whole segment of `pool` for `stream` (allocated until carved).
+    fn insert_segment(
+        &mut self,
+        stream: StreamKey,
+        ptr: u64,
+        segment_size: usize,
+        pool: PoolKind,
+    ) -> BlockId {
         let mut block = Block::segment(ptr, segment_size, stream, pool);
         if pool == PoolKind::Small {
             block.slot = self.free.acquire_slot(stream);
@@ -116,8 +128,75 @@ impl Pools {
         let id = self.arena.insert(block);
         self.stats.reserved_bytes.add(segment_size);
         self.stats.segments.add(1);
-        self.stats.cache_misses += 1;
+        id
+    }
+
+    /// Adopts for `stream` a whole segment of the pool kind `rounded` needs that was taken off
+    /// another key ([`take_segment_to_move`](Self::take_segment_to_move)), and hands out its
+    /// first `rounded` bytes: served from the cache, so counted as a hit, not a miss.
+    pub fn adopt_segment(
+        &mut self,
+        stream: StreamKey,
+        segment: Segment,
+        rounded: usize,
+        requested: usize,
+    ) -> Grant {
+        let id = self.insert_segment(
+            stream,
+            segment.ptr,
+            segment.size,
+            PoolKind::for_size(rounded),
+        );
+        self.stats.cache_hits += 1;
         self.carve(id, rounded, requested)
+    }
+
+    /// The free whole segments (parked blocks merged first) of the stream keys `pick` accepts,
+    /// left in place, with their pool kinds.
+    pub fn whole_free_segments(
+        &mut self,
+        pick: impl Fn(StreamKey) -> bool,
+    ) -> Vec<(Segment, PoolKind)> {
+        self.flush_stash();
+        self.arena
+            .iter()
+            .filter(|(_, block)| {
+                block.state == BlockState::Free && block.is_whole_segment() && pick(block.stream)
+            })
+            .map(|(_, block)| {
+                let segment = Segment {
+                    ptr: block.ptr,
+                    size: block.size,
+                    stream: block.stream,
+                };
+                (segment, block.pool)
+            })
+            .collect()
+    }
+
+    /// Takes `segment` out of the pools, to be adopted by another key, if it is still a free
+    /// whole segment of the same key and size (not counted as released: it stays reserved).
+    pub fn take_segment_to_move(&mut self, segment: Segment) -> Option<Segment> {
+        self.flush_stash();
+        let id = self
+            .arena
+            .iter()
+            .find(|(_, block)| {
+                block.ptr == segment.ptr
+                    && block.size == segment.size
+                    && block.stream == segment.stream
+                    && block.state == BlockState::Free
+                    && block.is_whole_segment()
+            })
+            .map(|(id, _)| id)?;
+        self.remove_free(id);
+        let block = self.arena.remove(id);
+        if block.pool == PoolKind::Small {
+            self.free.release_slot(block.stream, block.slot);
+        }
+        self.stats.reserved_bytes.sub(block.size);
+        self.stats.segments.sub(1);
+        Some(segment)
     }
 
     /// Marks block `id` (out of its free list) allocated for `rounded` bytes, splitting the
