@@ -904,7 +904,15 @@ fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result<()> {
             bytes,
         } => {
             let legacy = crate::buffer::raw::legacy_stream(resource.context());
-            return resource.deallocate(ptr, bytes, &legacy);
+            let result = resource.deallocate(ptr, bytes, &legacy);
+            return redefer_refused(result, || Held {
+                memory: HeldMemory::Resource {
+                    resource,
+                    ptr,
+                    bytes,
+                },
+                also: held.also,
+            });
         }
         HeldMemory::Other(other) => {
             if let Some(again) = other.give_back(synced)? {
@@ -932,6 +940,21 @@ fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result<()> {
             engine.free_never_reuse(block.stream, block.id, block.ptr)?;
             Err(error)
         }
+    }
+}
+
+/// The result of returning held memory, with a refusal because a capture began since the
+/// flush checked (a `CachingResource` refuses a cross-stream free during a capture) turned into
+/// a deferral: `again` goes back to [`DEFERRED`], for the next flush with no capture active,
+/// instead of the memory never being freed.
+fn redefer_refused(result: Result<()>, again: impl FnOnce() -> Held) -> Result<()> {
+    match result {
+        Err(error) if error.is_capture_refusal() => {
+            tracing::debug!(%error, "returning held memory was refused by a capture; deferred");
+            DEFERRED.lock().push(again());
+            Ok(())
+        }
+        other => other,
     }
 }
 
@@ -1284,6 +1307,43 @@ mod tests {
         test_support::FAKE_CAPTURE.with(|fake| fake.set(false));
         assert_eq!(returned_eventually(&returned, 1), 1);
         assert_eq!(during_capture.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_free_refused_because_a_capture_began_is_deferred_not_dropped() {
+        // A resource's deallocate reached after a capture began (a `CachingResource` refuses
+        // a cross-stream free then): the memory is returned by a later flush.
+        let (held, returned) = probe();
+        let refusal = MemoryError::Driver(
+            GraphError::Capturing {
+                operation: "CachingResource::deallocate",
+                reason: "a capture began",
+            }
+            .into(),
+        );
+        let mut again = Some(held);
+        redefer_refused(Err(refusal), || again.take().unwrap()).unwrap();
+        assert!(again.is_none(), "deferred");
+        assert_eq!(
+            returned_eventually(&returned, 1),
+            1,
+            "freed by a later flush"
+        );
+        // Any other failure is reported, and nothing is deferred.
+        let (held, returned) = probe();
+        let mut again = Some(held);
+        let error = redefer_refused(
+            Err(MemoryError::ZeroLength {
+                operation: "deallocate",
+            }),
+            || again.take().unwrap(),
+        );
+        assert!(matches!(error, Err(MemoryError::ZeroLength { .. })));
+        assert!(again.is_some(), "not deferred");
+        assert!(redefer_refused(Ok(()), || unreachable!()).is_ok());
+        drop(again);
+        flush_deferred();
+        assert_eq!(returned.load(Ordering::SeqCst), 0);
     }
 
     #[test]
