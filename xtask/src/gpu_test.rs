@@ -449,6 +449,49 @@ mod tests {
         assert!(stdout.contains("b-fails: y::bad"), "{stdout}");
     }
 
+    /// With `$OUT` set, what ran so far is there after every binary: a run the machine stops
+    /// at its time limit (killing `run` and any pipe reading it) still brings back its logs.
+    #[cfg(unix)]
+    #[test]
+    fn run_script_leaves_each_finished_binary_in_out_before_the_next_starts() {
+        let dir = std::env::temp_dir().join(format!("cuweave-run-out-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(dir.join("tests")).unwrap();
+        let out = dir.join("out");
+        write_run_script(&dir.join("run")).unwrap();
+        let ok = "echo 'test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out'";
+        let fakes = [
+            ("a-first", format!("echo 'test a::one ... ok'\n{ok}")),
+            // Passes only if a-first's summary line and log are already in $OUT.
+            (
+                "b-second",
+                format!(
+                    "grep -q 'a-first' \"$OUT/gpu-test-summary.txt\" || exit 3\n\
+                     grep -q 'test a::one ... ok' \"$OUT/gpu-test.log\" || exit 4\n{ok}"
+                ),
+            ),
+        ];
+        for (name, body) in fakes {
+            let path = dir.join("tests").join(name);
+            fs::write(&path, format!("#!/usr/bin/env bash\n{body}\n")).unwrap();
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let output = Command::new("bash")
+            .arg(dir.join("run"))
+            .arg("--quiet")
+            .env("OUT", &out)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let summary = fs::read_to_string(out.join("gpu-test-summary.txt")).unwrap_or_default();
+        let _ = fs::remove_dir_all(&dir);
+        assert!(output.status.success(), "{stdout}");
+        assert!(stdout.trim_end().ends_with(" passed=2 failed=0 skipped=0"), "{stdout}");
+        assert_eq!(summary.lines().count(), 2, "{summary}");
+        assert!(summary.lines().all(|line| line.starts_with("ok ")), "{summary}");
+    }
+
     #[test]
     fn metadata_finds_benches_and_the_cli() {
         let metadata = serde_json::json!({ "packages": [

@@ -50,9 +50,12 @@ device="$(printf '%s' "$device" | sed 's/^[[:space:]]*//; s/[[:space:]]*$//')"
 
 rm -rf "$logs"
 mkdir -p "$logs"
+summaries=()
 
 # $OUT (set on the GPU machine) gets one combined log, not one file per binary: what comes back
-# from there is limited in file count.
+# from there is limited in file count. The test loop calls this after every binary, with the
+# summary lines so far in gpu-<mode>-summary.txt, so a run stopped at the machine's time limit
+# (which kills `run` and every pipe reading it) still brings back what it ran.
 copy_out() {
   if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT" || return 0
@@ -60,6 +63,9 @@ copy_out() {
       echo "===== $(basename "$log" .log)"
       cat "$log"
     done >"$OUT/gpu-${logname:-$mode}.log" 2>/dev/null
+    if [ ${#summaries[@]} -gt 0 ]; then
+      printf '%s\n' "${summaries[@]}" >"$OUT/gpu-${logname:-$mode}-summary.txt" 2>/dev/null
+    fi
     if [ "$mode" = bench ] && [ -d "$CRITERION_HOME" ]; then
       tar -czf "$OUT/criterion.tar.gz" -C "$(dirname "$CRITERION_HOME")" \
         "$(basename "$CRITERION_HOME")" 2>/dev/null
@@ -154,7 +160,6 @@ tests=("$here"/tests/*)
 passed=0
 failed=0
 skipped=0
-summaries=()
 failures=()
 for bin in ${tests[@]+"${tests[@]}"}; do
   [ -f "$bin" ] && [ -x "$bin" ] || continue
@@ -264,6 +269,7 @@ for bin in ${tests[@]+"${tests[@]}"}; do
   passed=$(( passed + p ))
   failed=$(( failed + f ))
   skipped=$(( skipped + i ))
+  copy_out
 done
 
 echo
