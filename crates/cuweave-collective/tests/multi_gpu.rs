@@ -35,11 +35,27 @@ fn devices(test: &str) -> Option<Vec<Device>> {
     Some(devices)
 }
 
-/// The expected all-reduce of rank r's `pattern(len, r + 1)` over `n` ranks, in f64 (exact:
-/// the patterns are multiples of 1/8 well inside f64's integer range).
-fn summed(len: usize, n: usize) -> Vec<f64> {
+/// Every rank's input (rank r holds `pattern(len, r + 1)`), built once per check: the expected
+/// results are element-wise over these, and rebuilding a rank's input for every element made
+/// the 1 Mi-element check quadratic (about 10^12 steps: it ran past the GPU run's limit).
+fn inputs(len: usize, n: usize) -> Vec<Vec<f64>> {
+    (0..n).map(|r| pattern::<f64>(len, r + 1)).collect()
+}
+
+/// The expected all-reduce (sum) of `inputs`, in f64 and rank order (exact: the patterns are
+/// multiples of 1/8 well inside f64's integer range).
+fn summed(inputs: &[Vec<f64>]) -> Vec<f64> {
+    let len = inputs.first().map_or(0, Vec::len);
     (0..len)
-        .map(|i| (0..n).map(|r| pattern::<f64>(len, r + 1)[i]).sum())
+        .map(|i| inputs.iter().map(|input| input[i]).sum())
+        .collect()
+}
+
+/// The expected reduce (max) of `inputs`.
+fn maxed(inputs: &[Vec<f64>]) -> Vec<f64> {
+    let len = inputs.first().map_or(0, Vec::len);
+    (0..len)
+        .map(|i| inputs.iter().map(|input| input[i]).fold(f64::MIN, f64::max))
         .collect()
 }
 
@@ -52,11 +68,12 @@ struct Rank<'a> {
 
 fn check_every_collective(ranks: &[Rank<'_>], size: usize, len: usize) {
     let n = size;
-    let local = |r: usize| pattern::<f64>(len, r + 1);
+    let inputs = inputs(len, n);
+    let local = |r: usize| -> &[f64] { &inputs[r] };
     let mut sends: Vec<DeviceBuffer<f64>> = ranks
         .iter()
         .map(|rank| {
-            DeviceBuffer::from_slice(rank.comm.context(), &local(rank.comm.rank())).expect("upload")
+            DeviceBuffer::from_slice(rank.comm.context(), local(rank.comm.rank())).expect("upload")
         })
         .collect();
     let mut recvs: Vec<DeviceBuffer<f64>> = ranks
@@ -77,7 +94,7 @@ fn check_every_collective(ranks: &[Rank<'_>], size: usize, len: usize) {
         assert_bytes_eq(
             "all_reduce sum",
             &recv.to_vec().expect("download"),
-            &summed(len, n),
+            &summed(&inputs),
         );
     }
 
@@ -95,7 +112,7 @@ fn check_every_collective(ranks: &[Rank<'_>], size: usize, len: usize) {
             assert_bytes_eq(
                 &format!("broadcast from {root}"),
                 &recv.to_vec().expect("download"),
-                &local(root),
+                local(root),
             );
         }
     }
@@ -112,10 +129,11 @@ fn check_every_collective(ranks: &[Rank<'_>], size: usize, len: usize) {
     for (rank, recv) in ranks.iter().zip(&recvs) {
         rank.comm.synchronize(&rank.stream).expect("synchronize");
         if rank.comm.rank() == root {
-            let want: Vec<f64> = (0..len)
-                .map(|i| (0..n).map(|r| local(r)[i]).fold(f64::MIN, f64::max))
-                .collect();
-            assert_bytes_eq("reduce max", &recv.to_vec().expect("download"), &want);
+            assert_bytes_eq(
+                "reduce max",
+                &recv.to_vec().expect("download"),
+                &maxed(&inputs),
+            );
         }
     }
 
@@ -131,7 +149,7 @@ fn check_every_collective(ranks: &[Rank<'_>], size: usize, len: usize) {
             .expect("add");
     }
     group.launch().expect("all_gather");
-    let want: Vec<f64> = (0..n).flat_map(local).collect();
+    let want: Vec<f64> = inputs.concat();
     for (rank, recv) in ranks.iter().zip(&gathered) {
         rank.comm.synchronize(&rank.stream).expect("synchronize");
         assert_bytes_eq("all_gather", &recv.to_vec().expect("download"), &want);
@@ -172,7 +190,7 @@ fn check_every_collective(ranks: &[Rank<'_>], size: usize, len: usize) {
         assert_bytes_eq(
             "ring",
             &recv.to_vec().expect("download"),
-            &local((rank.comm.rank() + n - 1) % n),
+            local((rank.comm.rank() + n - 1) % n),
         );
     }
     sends.clear();
@@ -327,10 +345,13 @@ fn a_rank_that_never_joins_is_a_typed_timeout_and_the_communicator_is_aborted() 
     let stream = Stream::new(comm.context(), StreamFlags::NON_BLOCKING).expect("stream");
     let mut buffer =
         DeviceBuffer::from_slice(comm.context(), &pattern::<f32>(1 << 20, 1)).expect("upload");
-    comm.all_reduce_in_place(&mut buffer, ReduceOp::Sum, &stream)
-        .expect("queued");
     let started = Instant::now();
-    let error = comm.synchronize(&stream).expect_err("rank 1 never joins");
+    // NCCL connects a rank to its peers on its first collective (runtime connection), so the
+    // call itself may wait for rank 1 and time out; where it queues, the wait times out.
+    let error = comm
+        .all_reduce_in_place(&mut buffer, ReduceOp::Sum, &stream)
+        .and_then(|()| comm.synchronize(&stream))
+        .expect_err("rank 1 never joins");
     eprintln!("lonely all_reduce: {error} after {:?}", started.elapsed());
     assert!(
         error.is_timeout() || error.nccl_code().is_some(),
