@@ -459,7 +459,8 @@ mod tests {
         fs::create_dir_all(dir.join("tests")).unwrap();
         let out = dir.join("out");
         write_run_script(&dir.join("run")).unwrap();
-        let ok = "echo 'test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out'";
+        let ok =
+            "echo 'test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out'";
         let fakes = [
             ("a-first", format!("echo 'test a::one ... ok'\n{ok}")),
             // Passes only if a-first's summary line and log are already in $OUT.
@@ -487,9 +488,15 @@ mod tests {
         let summary = fs::read_to_string(out.join("gpu-test-summary.txt")).unwrap_or_default();
         let _ = fs::remove_dir_all(&dir);
         assert!(output.status.success(), "{stdout}");
-        assert!(stdout.trim_end().ends_with(" passed=2 failed=0 skipped=0"), "{stdout}");
+        assert!(
+            stdout.trim_end().ends_with(" passed=2 failed=0 skipped=0"),
+            "{stdout}"
+        );
         assert_eq!(summary.lines().count(), 2, "{summary}");
-        assert!(summary.lines().all(|line| line.starts_with("ok ")), "{summary}");
+        assert!(
+            summary.lines().all(|line| line.starts_with("ok ")),
+            "{summary}"
+        );
     }
 
     #[test]
