@@ -2,13 +2,14 @@
 //! async pool keeps what is freed.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use cuweave_driver::memory::{self, DevicePtr};
 use cuweave_driver::{Context, Stream, StreamFlags};
-use cuweave_memory::MemoryError;
 use cuweave_memory::resource::{
     AsyncPoolResource, DriverResource, LimitAdaptor, MemoryResource, StatisticsAdaptor,
 };
+use cuweave_memory::{Buffer, DeviceBuffer, MemoryError};
 use cuweave_test_support::require_gpu;
 
 const MIB: usize = 1 << 20;
@@ -165,4 +166,72 @@ fn limit_adaptor_refuses_past_its_cap_without_calling_upstream() {
     limited.deallocate(held, 2 * MIB, &s).unwrap();
     limited.deallocate(fits, MIB, &s).unwrap();
     assert_eq!(limited.used(), 0);
+}
+
+/// A resource over the driver's that refuses its first free as a `CachingResource` does when a
+/// capture has begun on another thread between a buffer's capture check and its free; later
+/// frees go through.
+struct RefusesFirstFree {
+    upstream: DriverResource,
+    refused: AtomicBool,
+    freed: AtomicUsize,
+}
+
+impl MemoryResource for RefusesFirstFree {
+    fn allocate(&self, bytes: usize, stream: &Stream) -> cuweave_memory::Result<DevicePtr> {
+        self.upstream.allocate(bytes, stream)
+    }
+
+    fn deallocate(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: &Stream,
+    ) -> cuweave_memory::Result<()> {
+        if !self.refused.swap(true, Ordering::SeqCst) {
+            return Err(MemoryError::NotCapturable {
+                operation: "RefusesFirstFree::deallocate",
+                reason: "a capture began on another thread (simulated)",
+            });
+        }
+        self.upstream.deallocate(ptr, bytes, stream)?;
+        self.freed.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn context(&self) -> &Arc<Context> {
+        self.upstream.context()
+    }
+
+    fn name(&self) -> &str {
+        "refuses_first_free(driver)"
+    }
+}
+
+/// A buffer's free that a capture begun meanwhile refuses is deferred, not leaked: with no
+/// capture active, the flush right after it frees the memory (the resource's second call).
+#[test]
+fn a_free_refused_by_a_capture_begun_meanwhile_is_deferred_not_leaked() {
+    let gpu = require_gpu!();
+    let context = &gpu.context;
+    let resource = Arc::new(RefusesFirstFree {
+        upstream: DriverResource::new(context),
+        refused: AtomicBool::new(false),
+        freed: AtomicUsize::new(0),
+    });
+    let stream = stream(context);
+    let mut buffer = DeviceBuffer::<u32>::with_resource(
+        Arc::clone(&resource) as Arc<dyn MemoryResource>,
+        MIB / 4,
+        &stream,
+    )
+    .unwrap();
+    buffer.fill(7).unwrap();
+    drop(buffer);
+    assert!(resource.refused.load(Ordering::SeqCst));
+    assert_eq!(
+        resource.freed.load(Ordering::SeqCst),
+        1,
+        "the refused free was retried once no capture was active"
+    );
 }

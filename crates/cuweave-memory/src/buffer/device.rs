@@ -325,7 +325,17 @@ impl<T: Element> Drop for DeviceBuffer<T> {
                     crate::caching::release_resource_during_capture(resource, ptr, bytes, markers);
                 } else if let Err(error) = deallocate_after(&*resource, ptr, bytes, &markers.events)
                 {
-                    tracing::error!(%error, ptr, bytes, "deallocating a DeviceBuffer failed; the memory is leaked");
+                    if error.is_capture_refusal() {
+                        // A capture began on another thread after the check above, and the
+                        // resource refused the free (a `CachingResource` refuses cross-stream
+                        // frees during a capture) and kept the allocation: it waits with the
+                        // frees made during a capture, for the first flush with none active.
+                        crate::caching::release_resource_during_capture(
+                            resource, ptr, bytes, markers,
+                        );
+                    } else {
+                        tracing::error!(%error, ptr, bytes, "deallocating a DeviceBuffer failed; the memory is leaked");
+                    }
                 }
             }
             Memory::Freed => {}
