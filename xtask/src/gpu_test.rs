@@ -401,6 +401,17 @@ mod tests {
         );
     }
 
+    /// Writes each `(name, bash body)` as an executable fake test binary under `dir/tests`.
+    #[cfg(unix)]
+    fn write_fake_binaries(dir: &Path, fakes: &[(&str, &str)]) {
+        use std::os::unix::fs::PermissionsExt;
+        for (name, body) in fakes {
+            let path = dir.join("tests").join(name);
+            fs::write(&path, format!("#!/usr/bin/env bash\n{body}\n")).unwrap();
+            fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).unwrap();
+        }
+    }
+
     /// The run script's counting, on fake binaries that print what libtest prints.
     #[cfg(unix)]
     #[test]
@@ -424,12 +435,7 @@ mod tests {
             ),
             ("c-crashes", "printf 'test z::boom ... '; kill -SEGV $$"),
         ];
-        for (name, body) in fakes {
-            let path = dir.join("tests").join(name);
-            fs::write(&path, format!("#!/usr/bin/env bash\n{body}\n")).unwrap();
-            use std::os::unix::fs::PermissionsExt;
-            fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).unwrap();
-        }
+        write_fake_binaries(&dir, &fakes);
         let output = Command::new("bash")
             .arg(dir.join("run"))
             .arg("--quiet")
@@ -462,22 +468,17 @@ mod tests {
         let ok =
             "echo 'test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out'";
         let fakes = [
-            ("a-first", format!("echo 'test a::one ... ok'\n{ok}")),
+            ("a-first", &*format!("echo 'test a::one ... ok'\n{ok}")),
             // Passes only if a-first's summary line and log are already in $OUT.
             (
                 "b-second",
-                format!(
+                &*format!(
                     "grep -q 'a-first' \"$OUT/gpu-test-summary.txt\" || exit 3\n\
                      grep -q 'test a::one ... ok' \"$OUT/gpu-test.log\" || exit 4\n{ok}"
                 ),
             ),
         ];
-        for (name, body) in fakes {
-            let path = dir.join("tests").join(name);
-            fs::write(&path, format!("#!/usr/bin/env bash\n{body}\n")).unwrap();
-            use std::os::unix::fs::PermissionsExt;
-            fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).unwrap();
-        }
+        write_fake_binaries(&dir, &fakes);
         let output = Command::new("bash")
             .arg(dir.join("run"))
             .arg("--quiet")
