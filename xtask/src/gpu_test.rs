@@ -401,25 +401,27 @@ mod tests {
         );
     }
 
-    /// Writes each `(name, bash body)` as an executable fake test binary under `dir/tests`.
+    /// A fresh bundle in the temp dir, named by `tag`: the run script, and each `(name, bash
+    /// body)` as an executable fake test binary under `tests/`.
     #[cfg(unix)]
-    fn write_fake_binaries(dir: &Path, fakes: &[(&str, &str)]) {
+    fn fake_bundle(tag: &str, fakes: &[(&str, &str)]) -> PathBuf {
         use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("cuweave-{tag}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(dir.join("tests")).unwrap();
+        write_run_script(&dir.join("run")).unwrap();
         for (name, body) in fakes {
             let path = dir.join("tests").join(name);
             fs::write(&path, format!("#!/usr/bin/env bash\n{body}\n")).unwrap();
             fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).unwrap();
         }
+        dir
     }
 
     /// The run script's counting, on fake binaries that print what libtest prints.
     #[cfg(unix)]
     #[test]
     fn run_script_counts_passes_failures_skips_and_crashes() {
-        let dir = std::env::temp_dir().join(format!("cuweave-run-script-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(dir.join("tests")).unwrap();
-        write_run_script(&dir.join("run")).unwrap();
         let fakes = [
             (
                 "a-skips",
@@ -435,7 +437,7 @@ mod tests {
             ),
             ("c-crashes", "printf 'test z::boom ... '; kill -SEGV $$"),
         ];
-        write_fake_binaries(&dir, &fakes);
+        let dir = fake_bundle("run-script", &fakes);
         let output = Command::new("bash")
             .arg(dir.join("run"))
             .arg("--quiet")
@@ -460,11 +462,6 @@ mod tests {
     #[cfg(unix)]
     #[test]
     fn run_script_leaves_each_finished_binary_in_out_before_the_next_starts() {
-        let dir = std::env::temp_dir().join(format!("cuweave-run-out-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(dir.join("tests")).unwrap();
-        let out = dir.join("out");
-        write_run_script(&dir.join("run")).unwrap();
         let ok =
             "echo 'test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out'";
         let fakes = [
@@ -478,7 +475,8 @@ mod tests {
                 ),
             ),
         ];
-        write_fake_binaries(&dir, &fakes);
+        let dir = fake_bundle("run-out", &fakes);
+        let out = dir.join("out");
         let output = Command::new("bash")
             .arg(dir.join("run"))
             .arg("--quiet")

@@ -50,12 +50,9 @@ device="$(printf '%s' "$device" | sed 's/^[[:space:]]*//; s/[[:space:]]*$//')"
 
 rm -rf "$logs"
 mkdir -p "$logs"
-summaries=()
 
 # $OUT (set on the GPU machine) gets one combined log, not one file per binary: what comes back
-# from there is limited in file count. The test loop calls this after every binary, with the
-# summary lines so far in gpu-<mode>-summary.txt, so a run stopped at the machine's time limit
-# (which kills `run` and every pipe reading it) still brings back what it ran.
+# from there is limited in file count. (Test runs append to it binary by binary: out_append.)
 copy_out() {
   if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT" || return 0
@@ -63,9 +60,6 @@ copy_out() {
       echo "===== $(basename "$log" .log)"
       cat "$log"
     done >"$OUT/gpu-${logname:-$mode}.log" 2>/dev/null
-    if [ ${#summaries[@]} -gt 0 ]; then
-      printf '%s\n' "${summaries[@]}" >"$OUT/gpu-${logname:-$mode}-summary.txt" 2>/dev/null
-    fi
     if [ "$mode" = bench ] && [ -d "$CRITERION_HOME" ]; then
       tar -czf "$OUT/criterion.tar.gz" -C "$(dirname "$CRITERION_HOME")" \
         "$(basename "$CRITERION_HOME")" 2>/dev/null
@@ -160,7 +154,24 @@ tests=("$here"/tests/*)
 passed=0
 failed=0
 skipped=0
+summaries=()
 failures=()
+
+# A test run appends each finished binary's log to $OUT's combined log, and its summary line to
+# gpu-<mode>-summary.txt, as it goes: a run stopped at the machine's time limit (which kills
+# `run` and every pipe reading it) still brings back everything that finished.
+out_log=""
+if [ -n "${OUT:-}" ] && mkdir -p "$OUT"; then
+  out_log="$OUT/gpu-${logname:-$mode}.log"
+  : >"$out_log"
+  : >"${out_log%.log}-summary.txt"
+fi
+out_append() { # NAME LOG SUMMARY
+  [ -n "$out_log" ] || return 0
+  { echo "===== $1"; cat "$2"; } >>"$out_log" 2>/dev/null
+  printf '%s\n' "$3" >>"${out_log%.log}-summary.txt" 2>/dev/null
+  return 0
+}
 for bin in ${tests[@]+"${tests[@]}"}; do
   [ -f "$bin" ] && [ -x "$bin" ] || continue
   name="$(basename "$bin")"
@@ -269,7 +280,7 @@ for bin in ${tests[@]+"${tests[@]}"}; do
   passed=$(( passed + p ))
   failed=$(( failed + f ))
   skipped=$(( skipped + i ))
-  copy_out
+  out_append "$name" "$log" "$summary"
 done
 
 echo
@@ -287,7 +298,6 @@ if [ ${#summaries[@]} -eq 0 ]; then
   echo "run: this bundle has no test binaries" >&2
   failed=$(( failed + 1 ))
 fi
-copy_out
 if [ "$sanitize" = 1 ]; then
   if [ ${#memcheck_issues[@]} -gt 0 ]; then
     echo "memcheck:"
