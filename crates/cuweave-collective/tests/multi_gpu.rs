@@ -42,20 +42,16 @@ fn inputs(len: usize, n: usize) -> Vec<Vec<f64>> {
     (0..n).map(|r| pattern::<f64>(len, r + 1)).collect()
 }
 
-/// The expected all-reduce (sum) of `inputs`, in f64 and rank order (exact: the patterns are
-/// multiples of 1/8 well inside f64's integer range).
-fn summed(inputs: &[Vec<f64>]) -> Vec<f64> {
+/// What `reduce` makes of each element across the ranks' `inputs`, in rank order: the expected
+/// all-reduce and reduce results (exact in f64: the patterns are multiples of 1/8 well inside
+/// f64's integer range).
+fn per_element(
+    inputs: &[Vec<f64>],
+    reduce: impl Fn(&mut dyn Iterator<Item = f64>) -> f64,
+) -> Vec<f64> {
     let len = inputs.first().map_or(0, Vec::len);
     (0..len)
-        .map(|i| inputs.iter().map(|input| input[i]).sum())
-        .collect()
-}
-
-/// The expected reduce (max) of `inputs`.
-fn maxed(inputs: &[Vec<f64>]) -> Vec<f64> {
-    let len = inputs.first().map_or(0, Vec::len);
-    (0..len)
-        .map(|i| inputs.iter().map(|input| input[i]).fold(f64::MIN, f64::max))
+        .map(|i| reduce(&mut inputs.iter().map(|input| input[i])))
         .collect()
 }
 
@@ -69,11 +65,11 @@ struct Rank<'a> {
 fn check_every_collective(ranks: &[Rank<'_>], size: usize, len: usize) {
     let n = size;
     let inputs = inputs(len, n);
-    let local = |r: usize| -> &[f64] { &inputs[r] };
     let mut sends: Vec<DeviceBuffer<f64>> = ranks
         .iter()
         .map(|rank| {
-            DeviceBuffer::from_slice(rank.comm.context(), local(rank.comm.rank())).expect("upload")
+            DeviceBuffer::from_slice(rank.comm.context(), &inputs[rank.comm.rank()])
+                .expect("upload")
         })
         .collect();
     let mut recvs: Vec<DeviceBuffer<f64>> = ranks
@@ -94,12 +90,12 @@ fn check_every_collective(ranks: &[Rank<'_>], size: usize, len: usize) {
         assert_bytes_eq(
             "all_reduce sum",
             &recv.to_vec().expect("download"),
-            &summed(&inputs),
+            &per_element(&inputs, |values| values.sum()),
         );
     }
 
     // broadcast from each root.
-    for root in 0..n {
+    for (root, input) in inputs.iter().enumerate() {
         let mut group = Group::new();
         for ((rank, send), recv) in ranks.iter().zip(&sends).zip(&mut recvs) {
             group
@@ -112,7 +108,7 @@ fn check_every_collective(ranks: &[Rank<'_>], size: usize, len: usize) {
             assert_bytes_eq(
                 &format!("broadcast from {root}"),
                 &recv.to_vec().expect("download"),
-                local(root),
+                input,
             );
         }
     }
@@ -132,7 +128,7 @@ fn check_every_collective(ranks: &[Rank<'_>], size: usize, len: usize) {
             assert_bytes_eq(
                 "reduce max",
                 &recv.to_vec().expect("download"),
-                &maxed(&inputs),
+                &per_element(&inputs, |values| values.fold(f64::MIN, f64::max)),
             );
         }
     }
@@ -156,7 +152,7 @@ fn check_every_collective(ranks: &[Rank<'_>], size: usize, len: usize) {
     }
 
     // reduce_scatter (sum) of the gathered buffers: rank r gets n × its own slot... of the
-    // sum over ranks of the same gathered data, i.e. n × local(r).
+    // sum over ranks of the same gathered data, i.e. n × inputs[r].
     let mut group = Group::new();
     for ((rank, send), recv) in ranks.iter().zip(&gathered).zip(&mut recvs) {
         group
@@ -166,7 +162,7 @@ fn check_every_collective(ranks: &[Rank<'_>], size: usize, len: usize) {
     group.launch().expect("reduce_scatter");
     for (rank, recv) in ranks.iter().zip(&recvs) {
         rank.comm.synchronize(&rank.stream).expect("synchronize");
-        let want: Vec<f64> = local(rank.comm.rank())
+        let want: Vec<f64> = inputs[rank.comm.rank()]
             .iter()
             .map(|x| x * n as f64)
             .collect();
@@ -190,7 +186,7 @@ fn check_every_collective(ranks: &[Rank<'_>], size: usize, len: usize) {
         assert_bytes_eq(
             "ring",
             &recv.to_vec().expect("download"),
-            local((rank.comm.rank() + n - 1) % n),
+            &inputs[(rank.comm.rank() + n - 1) % n],
         );
     }
     sends.clear();
