@@ -191,7 +191,7 @@ impl MemoryResource for RefusesFirstFree {
         if !self.refused.swap(true, Ordering::SeqCst) {
             return Err(MemoryError::NotCapturable {
                 operation: "RefusesFirstFree::deallocate",
-                reason: "a capture began on another thread (simulated)",
+                reason: "a capture began on another thread: this test resource refuses its first free",
             });
         }
         self.upstream.deallocate(ptr, bytes, stream)?;
