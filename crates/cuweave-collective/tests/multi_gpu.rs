@@ -245,6 +245,8 @@ fn child_main(spec: &str) {
     for len in [1, 1000, 1 << 20, 16 << 20] {
         check_every_collective(std::slice::from_ref(&rank), 2, len);
     }
+    drop(rank);
+    comm.finalize().expect("rank 1 finalize");
     println!("child rank 1 passed");
 }
 
@@ -316,6 +318,10 @@ fn two_processes_joined_by_init_rank_run_every_collective_byte_exact() {
     for len in [1, 1000, 1 << 20, 16 << 20] {
         check_every_collective(std::slice::from_ref(&rank), 2, len);
     }
+    // Rank 1's finalize waits for this rank's (NCCL tears a communicator down with its peers):
+    // finalize here before waiting for rank 1's process to exit, or both wait out the timeout.
+    drop(rank);
+    comm.finalize().expect("rank 0 finalize");
     let (status, text) = child.finish(Duration::from_secs(120));
     assert!(
         status.is_some_and(|status| status.success()) && text.contains("child rank 1 passed"),
