@@ -144,6 +144,11 @@ fn eagerly_written_buffers_captured_and_replayed_bit_exact_then_used_eagerly() {
     kernels.saxpy(&eager, 2.0, &x, &mut y).unwrap();
     eager.synchronize().unwrap();
     assert_all_bits(&y, 305.0);
+    // The graph's launches recorded no uses on x and y: they count as busy until a wait that
+    // covers the launches (a context synchronisation), which `synchronize` makes.
+    assert!(!x.is_idle().unwrap() && !y.is_idle().unwrap());
+    x.synchronize().unwrap();
+    y.synchronize().unwrap();
     assert!(x.is_idle().unwrap() && y.is_idle().unwrap());
     drop((exec, graph));
 }

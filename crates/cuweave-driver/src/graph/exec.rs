@@ -206,8 +206,12 @@ impl GraphExec {
         }
         self.context.bind_to_thread()?;
         let api = driver()?;
-        // SAFETY: live executable and stream of the same (current) context.
-        unsafe { cu!(api.graph_launch(self.raw, stream.as_raw())) }?;
+        // Counted before it is enqueued, so host access to memory the graph uses waits for it
+        // (see `launches`).
+        super::launches::LAUNCHES.launch(|| {
+            // SAFETY: live executable and stream of the same (current) context.
+            unsafe { cu!(api.graph_launch(self.raw, stream.as_raw())) }
+        })?;
         self.launches.fetch_add(1, Ordering::Relaxed);
         retirement.launched(|| self.fence_behind(stream));
         Ok(())

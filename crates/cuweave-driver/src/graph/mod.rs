@@ -17,6 +17,7 @@
 //! | [`capture_state`], [`known_complete_before`], [`capture_is_active`] | the capture epoch that buffer trackers stamp uses with, and which uses a capture knows to be complete (`Stream::begin_capture_synchronized`) |
 //! | [`CaptureModeGuard`] | this thread in another capture mode for a scope (`cuThreadExchangeStreamCaptureMode`) |
 //! | [`Graph`], [`GraphExec`], [`InstantiateOptions`] | the recording and its executable form: instantiate, upload, launch, update, DOT dump |
+//! | [`synchronize_launches`], [`launched_since`], [`LaunchMark`] | the process's graph launches, counted: a context wait that covers every launch so far, and whether one has begun since (host access to memory a graph may use) |
 //! | [`GraphMemoryUsage`], [`trim_graph_memory`] | the driver's graph memory pool of a device |
 //! | [`GraphError`] | every graph-specific failure, inside [`DriverError::Graph`](crate::DriverError::Graph) |
 //!
@@ -31,6 +32,7 @@ mod error;
 mod exec;
 mod handle;
 mod keep_alive;
+mod launches;
 mod memory;
 
 #[cfg(test)]
@@ -43,6 +45,7 @@ pub use capture::{
 pub use error::GraphError;
 pub use exec::{GraphExec, InstantiateOptions};
 pub use handle::{Graph, GraphNodeType, KeepAlive};
+pub use launches::{LaunchMark, launched_since, synchronize_launches};
 pub use memory::{GraphMemoryUsage, graph_memory_usage, trim_graph_memory};
 
 pub(crate) use capture::{note_driver_failure, translate_driver_failure};

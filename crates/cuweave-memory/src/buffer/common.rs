@@ -731,12 +731,16 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         self.core().tracker().last_use()
     }
 
-    /// Whether every queued use of the buffer has finished, without blocking.
+    /// Whether every queued use of the buffer has finished, without blocking. For a buffer a
+    /// stream capture used, `false` while a graph launched since the last
+    /// [`synchronize`](Self::synchronize) may still run (launches record no uses).
     fn is_idle(&self) -> Result<bool> {
         self.core().tracker().is_idle()
     }
 
-    /// Blocks until every queued use of the buffer has finished.
+    /// Blocks until every queued use of the buffer has finished; for a buffer a stream capture
+    /// used, graph launches too (a context synchronisation, unless no graph was launched since
+    /// the last one; `GraphError::Capturing` while a capture is active).
     fn synchronize(&self) -> Result<()> {
         self.core().tracker().synchronize()
     }

@@ -24,6 +24,9 @@ use crate::pinned_pool::{PinnedBlock, PinnedPool};
 /// Host access waits for queued device work: [`as_slice`](Self::as_slice) and
 /// [`as_mut_slice`](Self::as_mut_slice) block until the last use on any stream has finished,
 /// [`try_as_slice`](Self::try_as_slice) refuses with [`MemoryError::DeviceBusy`] instead.
+/// Once a stream capture has used the buffer, host access also waits for graph launches, which
+/// record no uses: it synchronises the context unless no graph was launched since its last such
+/// wait (refused with `GraphError::Capturing` while a capture is active; see docs/graphs.md).
 /// Pinning is slow (tens of milliseconds for 64 MiB): keep pinned buffers, or use the pool.
 ///
 /// ```no_run

@@ -39,10 +39,19 @@
 //! in a capture order the capture's later work and are forgotten once it ends; anything else
 //! that would cross a capture boundary is a `GraphError::Capturing` refusal, never a broken
 //! capture. The rules live in [`super::uses`].
+//!
+//! **Graph launches.** A launch of a graph records no use here (the tracker saw the capture, not
+//! the launches), so once a capture has used the buffer, host access also waits for the graph
+//! launches: [`StreamTracker::synchronize`] synchronises the context unless no graph has been
+//! launched since its last such wait (`cuweave_driver::graph::launched_since`), and
+//! [`StreamTracker::is_idle`] says "busy" until such a wait covers the last launch.
 
 use std::sync::Arc;
 
-use cuweave_driver::graph::{CaptureStatus, active_captures, capture_is_active};
+use cuweave_driver::graph::{
+    CaptureStatus, LaunchMark, active_captures, capture_is_active, launched_since,
+    synchronize_launches,
+};
 use cuweave_driver::{Context, EventPool, OwnedPooledEvent, Stream};
 use parking_lot::{Mutex, MutexGuard};
 
@@ -130,6 +139,9 @@ pub enum Access {
 pub struct StreamTracker {
     owner: Owner,
     state: Mutex<UseState<OwnedPooledEvent>>,
+    /// The graph launches the last context wait of [`synchronize`](Self::synchronize) covered
+    /// (`None`: never waited), for a buffer that captures used.
+    graphs_waited: Mutex<Option<LaunchMark>>,
 }
 
 impl StreamTracker {
@@ -155,6 +167,7 @@ impl StreamTracker {
         Self {
             owner,
             state: Mutex::new(UseState::default()),
+            graphs_waited: Mutex::new(None),
         }
     }
 
@@ -248,25 +261,47 @@ impl StreamTracker {
         self.state.lock().readers()
     }
 
-    /// Blocks until every use has finished on the device.
+    /// Blocks until every use has finished on the device, the launches of graphs that may use
+    /// the buffer included (see the module docs).
+    ///
+    /// # Errors
+    /// `GraphError::Capturing` when an active capture used the buffer, or when it must wait for
+    /// graph launches while any capture is active (a context synchronisation would wait on the
+    /// capturing streams); the driver's error otherwise.
     pub(crate) fn synchronize(&self) -> Result<()> {
         // The events are cloned out so that no lock is held while the host waits for the GPU.
-        let events = self
-            .state
-            .lock()
-            .all_events("StreamTracker::synchronize", capture_is_active)?;
+        let (events, in_graphs) = {
+            let state = self.state.lock();
+            let events = state.all_events("StreamTracker::synchronize", capture_is_active)?;
+            (events, state.used_in_graphs())
+        };
         for event in events {
             event.synchronize()?;
+        }
+        if in_graphs && !self.graph_launches_waited() {
+            let mark = synchronize_launches(self.context())?;
+            *self.graphs_waited.lock() = Some(mark);
         }
         Ok(())
     }
 
-    /// Whether every use has finished, without blocking.
+    /// Whether a context wait since the last graph launch in the process covered the launches
+    /// of graphs that may use the buffer.
+    fn graph_launches_waited(&self) -> bool {
+        matches!(*self.graphs_waited.lock(), Some(mark) if !launched_since(mark))
+    }
+
+    /// Whether every use has finished, without blocking. For a buffer a capture used, `false`
+    /// while a graph launch since the last [`synchronize`](Self::synchronize) may still run.
     pub(crate) fn is_idle(&self) -> Result<bool> {
-        let events = self
-            .state
-            .lock()
-            .all_events("StreamTracker::is_idle", capture_is_active)?;
+        let (events, in_graphs) = {
+            let state = self.state.lock();
+            let events = state.all_events("StreamTracker::is_idle", capture_is_active)?;
+            (events, state.used_in_graphs())
+        };
+        if in_graphs && !self.graph_launches_waited() {
+            return Ok(false);
+        }
         for event in events {
             if !event.query()? {
                 return Ok(false);
