@@ -176,3 +176,90 @@ fn capture_refusals_are_recognised_through_the_driver_and_stream_layers() {
         .is_capture_refusal()
     );
 }
+
+/// An operation begun on a capturing stream with a dependency that ran eagerly: refused while
+/// the dependency may still run (the wait would invalidate the capture), accepted without a
+/// wait once a synchronised begin has proved it finished.
+#[test]
+fn a_capturing_stream_refuses_an_eager_dependency_unless_its_begin_proved_it_finished() {
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let pool = EventPool::new(&gpu.context, 4, 4).unwrap();
+    let coordinator = OperationCoordinator::new(pool).unwrap();
+    let (eager, capturing) = (common::stream(&gpu.context), common::stream(&gpu.context));
+    let eager_spin = |what| {
+        let op = coordinator
+            .register_operation(
+                OperationType::Kernel,
+                EventPriority::Normal,
+                None,
+                &[],
+                what,
+            )
+            .unwrap();
+        coordinator.begin_operation(op, &eager).unwrap();
+        kernels.spin_ns(&eager, 100 * MS).unwrap();
+        coordinator.complete_operation(op).unwrap();
+        op
+    };
+    let dependant = |dependency, what| {
+        coordinator
+            .register_operation(
+                OperationType::Kernel,
+                EventPriority::Normal,
+                None,
+                &[dependency],
+                what,
+            )
+            .unwrap()
+    };
+
+    // A capture begun without synchronising: the eager spin may still run.
+    let running = eager_spin("eager spin");
+    capturing.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    let refused_op = dependant(running, "refused");
+    let refused = coordinator
+        .begin_operation(refused_op, &capturing)
+        .expect_err("a wait across the capture's boundary was queued");
+    assert!(refused.is_capture_refusal(), "{refused}");
+    assert_eq!(
+        coordinator.state(refused_op).unwrap(),
+        OperationState::Registered
+    );
+    kernels.spin_ns(&capturing, 1000).unwrap();
+    let graph = capturing
+        .end_capture()
+        .expect("the refused begin left the capture valid");
+    assert_eq!(graph.node_count().unwrap(), 1, "nothing but the kernel");
+
+    // A synchronised begin waits for the context first: the eager spin has finished, so the
+    // dependant begins on the capturing stream with no wait to queue.
+    let finished = eager_spin("eager spin, finished by the begin");
+    capturing
+        .begin_capture_synchronized(CaptureMode::ThreadLocal)
+        .unwrap();
+    let accepted = dependant(finished, "accepted");
+    coordinator.begin_operation(accepted, &capturing).unwrap();
+    assert_eq!(
+        coordinator.metadata(accepted).unwrap().cross_stream_waits,
+        0
+    );
+    kernels.spin_ns(&capturing, 1000).unwrap();
+    let graph = capturing
+        .end_capture()
+        .expect("the accepted begin left the capture valid");
+    let exec = graph
+        .instantiate(&cuweave_driver::InstantiateOptions::default())
+        .unwrap();
+    exec.launch(&capturing).unwrap();
+    capturing.synchronize().unwrap();
+    // The refused operation begins once no capture is active, waiting on the device as usual.
+    coordinator.begin_operation(refused_op, &capturing).unwrap();
+    coordinator.complete_operation(refused_op).unwrap();
+    coordinator.synchronize(refused_op).unwrap();
+    assert_eq!(
+        coordinator.state(refused_op).unwrap(),
+        OperationState::Completed
+    );
+}

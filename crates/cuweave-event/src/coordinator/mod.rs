@@ -1,6 +1,7 @@
 //! [`OperationCoordinator`]: GPU operations with types, priorities and dependencies, ordered on
 //! the device with events, with deadlock (cycle) detection, completion callbacks and metrics.
 
+mod capture_waits;
 mod metrics;
 mod queries;
 mod queue;
@@ -20,6 +21,7 @@ pub use types::{EventMetadata, EventPriority, OperationId, OperationState, Opera
 
 use crate::error::{EventError, Result};
 use crate::waiter::{AsyncEventWaiter, WaitFuture, WaitResult};
+use capture_waits::{Recorded, WaitDecision};
 use cuweave_driver::{EventPool, OwnedPooledEvent};
 use metrics::MetricsCell;
 use queue::{Front, StreamQueues};
@@ -271,6 +273,8 @@ struct Operation {
     stream: Option<Arc<dyn AsStream>>,
     /// The completion event (a timing event while timing is on: it also ends the GPU span).
     done: Option<Arc<OwnedPooledEvent>>,
+    /// Where `done` was recorded: eagerly or into a capture (see [`capture_waits`]).
+    recorded: Option<Recorded>,
     span: Option<cuweave_stream::SpanStart>,
     /// Registered operations, not yet begun, that list this one as a dependency.
     dependants: usize,
@@ -307,6 +311,7 @@ impl Operation {
             },
             stream: None,
             done: None,
+            recorded: None,
             span: None,
             dependants: 0,
             watched: false,
@@ -477,12 +482,18 @@ impl OperationCoordinator {
     /// dependency cycle (it can never begin);
     /// `InvalidState` when `id` was already begun; [`EventError::ForeignStream`] for a stream
     /// of another context than the coordinator's event pool (checked before anything changes);
+    /// `GraphError::Capturing` (a [capture refusal](EventError::is_capture_refusal)) when the
+    /// stream is capturing and a dependency's completion was recorded outside its capture
+    /// without being known to have finished when the capture began: the wait would invalidate
+    /// the capture, so nothing is queued and the operation stays registered (see
+    /// `capture_waits` for every case);
     /// the driver's error (the operation then stays registered).
     pub fn begin_operation<S: AsStream>(&self, id: OperationId, stream: &Arc<S>) -> Result<()> {
         let _timed = self.timed();
         let handle: Arc<dyn AsStream> = Arc::clone(stream) as Arc<dyn AsStream>;
         let stream = handle.as_stream();
         self.check_stream_for(id, stream)?;
+        let dependent = capture_waits::dependent_capture(stream)?;
         let waits = {
             let mut state = self.inner.state.lock();
             let operation = operation_mut(&mut state, id, "begin_operation")?;
@@ -507,7 +518,15 @@ impl OperationCoordinator {
                     continue;
                 }
                 if dep.metadata.stream != Some(stream.id()) {
-                    waits.push(Arc::clone(dep.done.as_ref().expect("queued has event")));
+                    // Not known: treated as eager work that no capture knows finished.
+                    let recorded = dep.recorded.unwrap_or(Recorded::Eager { epoch: u64::MAX });
+                    match capture_waits::decide(dependent, recorded, capture_waits::is_active) {
+                        WaitDecision::Wait => {
+                            waits.push(Arc::clone(dep.done.as_ref().expect("queued has event")));
+                        }
+                        WaitDecision::Skip => {}
+                        WaitDecision::Refuse => return Err(capture_waits::refusal().into()),
+                    }
                 } else {
                     MetricsCell::add(&self.inner.metrics.same_stream_waits_skipped, 1);
                 }
@@ -629,6 +648,10 @@ impl OperationCoordinator {
         let stream_id = stream.id();
         let done = self.inner.pool.acquire_owned(timed)?;
         done.record(stream)?;
+        // A failed status query leaves it unknown: waited for by eager streams, refused by
+        // capturing ones.
+        let recorded =
+            capture_waits::recorded_on(stream).unwrap_or(Recorded::Eager { epoch: u64::MAX });
         let done = Arc::new(done);
         let watch = {
             let mut state = self.inner.state.lock();
@@ -639,6 +662,7 @@ impl OperationCoordinator {
                 .timer
                 .finish_with(span, Arc::clone(&done), (id, operation_type));
             operation.done = Some(Arc::clone(&done));
+            operation.recorded = Some(recorded);
             operation.metadata.state = OperationState::Queued;
             operation.metadata.queued_at = Some(Instant::now());
             let watch = !operation.callbacks.is_empty();

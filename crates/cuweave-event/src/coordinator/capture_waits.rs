@@ -1,0 +1,198 @@
+//! Which dependency waits an operation may queue beside stream captures.
+//!
+//! `begin_operation` makes the operation's stream wait for each dependency's completion event.
+//! Across a capture's boundary the driver refuses such a wait and invalidates the capture: a
+//! capturing stream may not wait for an event recorded outside its capture
+//! (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`). So each completion event remembers where it was
+//! recorded ([`Recorded`]), and [`decide`] says, before anything is queued, whether to wait,
+//! to skip the wait, or to refuse the begin with `GraphError::Capturing` (the capture stays
+//! valid), by the rules the buffer trackers follow:
+//!
+//! | operation's stream | dependency's event | decision |
+//! |---|---|---|
+//! | eager | eager | wait |
+//! | eager | in an active capture | wait: the stream joins the capture (a fork) |
+//! | eager | in an ended capture | skip: the captured work runs at the graph's launches, ordered by their stream |
+//! | capturing | in the same capture | wait (a join inside the graph) |
+//! | capturing | eager, before the capture's begin synchronised the context | skip: it has finished |
+//! | capturing | eager, after, or with no synchronisation | refuse |
+//! | capturing | in another capture | refuse |
+//!
+//! [`decide`] holds no CUDA, so the table is tested on its own.
+
+use cuweave_driver::graph::{
+    active_captures, capture_is_active, capture_state, known_complete_before,
+};
+use cuweave_driver::{DriverError, GraphError, Stream};
+
+/// Where a completion event was recorded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Recorded {
+    /// Eagerly; `epoch` is the capture epoch read just after the record.
+    Eager { epoch: u64 },
+    /// Into the capture sequence `capture` (the driver's capture id).
+    Captured { capture: u64 },
+}
+
+/// The capture a stream is recording into: its id, and the epoch before which its context's
+/// eager work is known to have finished when the capture began.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DependentCapture {
+    pub(crate) capture: u64,
+    pub(crate) complete_before: u64,
+}
+
+/// What `begin_operation` does about one dependency on another stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WaitDecision {
+    /// Queue the device-side wait.
+    Wait,
+    /// Queue nothing: the wait is not needed (see the module's table).
+    Skip,
+    /// Refuse the begin: the wait would invalidate a capture.
+    Refuse,
+}
+
+/// The rule of the module's table. `active` says whether a capture is still active.
+pub(crate) fn decide(
+    dependent: Option<DependentCapture>,
+    recorded: Recorded,
+    active: impl Fn(u64) -> bool,
+) -> WaitDecision {
+    match (dependent, recorded) {
+        (None, Recorded::Eager { .. }) => WaitDecision::Wait,
+        (None, Recorded::Captured { capture }) => {
+            if active(capture) {
+                WaitDecision::Wait
+            } else {
+                WaitDecision::Skip
+            }
+        }
+        (Some(dependent), Recorded::Captured { capture }) if capture == dependent.capture => {
+            WaitDecision::Wait
+        }
+        (Some(dependent), Recorded::Eager { epoch }) if epoch < dependent.complete_before => {
+            WaitDecision::Skip
+        }
+        (Some(_), _) => WaitDecision::Refuse,
+    }
+}
+
+/// Where an event just recorded on `stream` went. One atomic load while no capture begun
+/// through cuweave is active.
+///
+/// # Errors
+/// The driver's error from the capture status query.
+pub(crate) fn recorded_on(stream: &Stream) -> Result<Recorded, DriverError> {
+    if active_captures() != 0
+        && let Some(capture) = stream.capture_status()?.id()
+    {
+        return Ok(Recorded::Captured { capture });
+    }
+    Ok(Recorded::Eager {
+        epoch: capture_state().epoch,
+    })
+}
+
+/// The capture `stream` records into, if any. One atomic load while no capture begun through
+/// cuweave is active.
+///
+/// # Errors
+/// The driver's error from the capture status query.
+pub(crate) fn dependent_capture(stream: &Stream) -> Result<Option<DependentCapture>, DriverError> {
+    if active_captures() == 0 {
+        return Ok(None);
+    }
+    Ok(stream
+        .capture_status()?
+        .id()
+        .map(|capture| DependentCapture {
+            capture,
+            complete_before: known_complete_before(capture, stream.context()),
+        }))
+}
+
+/// Whether the capture `capture` is still active (for [`decide`]).
+pub(crate) fn is_active(capture: u64) -> bool {
+    capture_is_active(capture)
+}
+
+/// The refusal of a begin whose wait would cross a capture's boundary.
+pub(crate) fn refusal() -> DriverError {
+    GraphError::Capturing {
+        operation: "OperationCoordinator::begin_operation",
+        reason: "the operation's stream is capturing and a dependency's completion was recorded outside its capture (after the capture began, without a synchronised begin, or in another capture): the wait would invalidate the capture",
+    }
+    .into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CAPTURE: u64 = 7;
+    const OTHER: u64 = 9;
+
+    fn capturing(complete_before: u64) -> Option<DependentCapture> {
+        Some(DependentCapture {
+            capture: CAPTURE,
+            complete_before,
+        })
+    }
+
+    #[test]
+    fn an_eager_stream_waits_for_eager_work_and_active_captures_and_skips_ended_ones() {
+        let active = |capture| capture == CAPTURE;
+        assert_eq!(
+            decide(None, Recorded::Eager { epoch: 3 }, active),
+            WaitDecision::Wait
+        );
+        assert_eq!(
+            decide(None, Recorded::Captured { capture: CAPTURE }, active),
+            WaitDecision::Wait,
+            "a fork into the capture"
+        );
+        assert_eq!(
+            decide(None, Recorded::Captured { capture: OTHER }, active),
+            WaitDecision::Skip,
+            "an ended capture's event stands for no eager work"
+        );
+    }
+
+    #[test]
+    fn a_capturing_stream_joins_its_own_capture_and_skips_work_finished_before_it_began() {
+        let active = |_| true;
+        assert_eq!(
+            decide(
+                capturing(5),
+                Recorded::Captured { capture: CAPTURE },
+                active
+            ),
+            WaitDecision::Wait
+        );
+        assert_eq!(
+            decide(capturing(5), Recorded::Eager { epoch: 4 }, active),
+            WaitDecision::Skip,
+            "recorded before the begin's synchronisation"
+        );
+    }
+
+    #[test]
+    fn a_capturing_stream_refuses_eager_work_it_cannot_know_finished_and_other_captures() {
+        let active = |_| true;
+        assert_eq!(
+            decide(capturing(5), Recorded::Eager { epoch: 5 }, active),
+            WaitDecision::Refuse,
+            "recorded after the synchronisation began"
+        );
+        assert_eq!(
+            decide(capturing(0), Recorded::Eager { epoch: 0 }, active),
+            WaitDecision::Refuse,
+            "a capture begun without synchronising knows nothing finished"
+        );
+        assert_eq!(
+            decide(capturing(5), Recorded::Captured { capture: OTHER }, active),
+            WaitDecision::Refuse
+        );
+    }
+}
