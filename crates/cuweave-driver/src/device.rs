@@ -63,6 +63,15 @@ pub struct ManagedSupport {
 }
 
 impl Device {
+    /// A device handle for tests that never reach the driver (ordinal and handle equal).
+    #[cfg(test)]
+    pub(crate) fn for_tests(ordinal: usize) -> Self {
+        Self {
+            ordinal,
+            raw: sys::CUdevice::try_from(ordinal).expect("a small ordinal"),
+        }
+    }
+
     /// How many CUDA devices the driver sees.
     pub fn count() -> Result<usize> {
         let api = driver()?;

@@ -136,9 +136,10 @@ impl Event {
     /// Captures the work queued on `stream` so far: the event completes when that work has.
     ///
     /// # Errors
-    /// `InvalidArgument` when the stream belongs to another device.
+    /// `InvalidArgument` when the stream belongs to another device, or is the default stream
+    /// of another context (see [`Stream::ensure_context`]).
     pub fn record(&self, stream: &Stream) -> Result<()> {
-        stream.ensure_device(self.device(), "Event::record")?;
+        stream.ensure_context(&self.context, "Event::record")?;
         self.context.bind_to_thread()?;
         let api = driver()?;
         // SAFETY: live event and stream of the same context.

@@ -489,7 +489,7 @@ impl Kernel {
         args: &KernelArgs<'_>,
     ) -> Result<()> {
         config.validate()?;
-        stream.ensure_device(self.module.context.device(), "Kernel::launch")?;
+        stream.ensure_context(&self.module.context, "Kernel::launch")?;
         self.module.context.bind_to_thread()?;
         let api = driver()?;
         let mut pointers = args.pointers.clone();

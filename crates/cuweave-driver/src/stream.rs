@@ -443,6 +443,24 @@ impl Stream {
         unsafe { cu!(api.stream_wait_value64(self.raw, address, value, condition.bits())) }
     }
 
+    /// An error unless work that `context` queues lands on this stream, for calls that make
+    /// `context` current and pass this stream's handle: the stream must belong to `context`'s
+    /// device, and a special handle ([`legacy_default`](Self::legacy_default), the per-thread
+    /// default), which names the stream of whatever context is current, must belong to
+    /// `context` itself. Without that, the legacy stream of another context on the same device
+    /// (one made by another library, wrapped with [`Context::from_raw_borrowed`]) would be
+    /// read as `context`'s own, and the work would be ordered on the wrong stream.
+    pub fn ensure_context(&self, context: &Context, operation: &'static str) -> Result<()> {
+        self.ensure_device(context.device(), operation)?;
+        if self.is_special_handle() && self.context.as_raw() != context.as_raw() {
+            return Err(DriverError::invalid(
+                operation,
+                "the stream is the default stream of another context on this device; its handle would name the current context's default stream instead",
+            ));
+        }
+        Ok(())
+    }
+
     /// An error unless this stream belongs to `device`: a stream is usable only on its own device.
     pub fn ensure_device(&self, device: Device, operation: &'static str) -> Result<()> {
         if self.device() == device {
@@ -474,5 +492,54 @@ impl Drop for Stream {
         if let Err(error) = unsafe { cu!(api.stream_destroy(self.raw)) } {
             tracing::warn!(%error, "destroying a stream failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A context handle that is never used with the driver (only its raw value is compared).
+    fn fake_context(raw: usize, ordinal: usize) -> Arc<Context> {
+        // SAFETY: neither the handle nor anything made from it reaches the driver: the streams
+        // below are not owned (their drop calls nothing) and only `ensure_context` runs.
+        unsafe { Context::from_raw_borrowed(raw as sys::CUcontext, Device::for_tests(ordinal)) }
+    }
+
+    #[test]
+    fn a_default_stream_of_another_context_on_the_device_is_refused() {
+        let primary = fake_context(0x1000, 0);
+        let same_primary = fake_context(0x1000, 0);
+        let other_library = fake_context(0x2000, 0);
+        let legacy = Stream::legacy_default(&other_library);
+        let error = legacy
+            .ensure_context(&primary, "Event::record")
+            .expect_err("another context's default stream would be read as this one's");
+        assert!(
+            matches!(error, DriverError::InvalidArgument { .. }),
+            "{error}"
+        );
+        assert!(
+            legacy
+                .ensure_context(&other_library, "Event::record")
+                .is_ok()
+        );
+        assert!(
+            Stream::legacy_default(&primary)
+                .ensure_context(&same_primary, "Event::record")
+                .is_ok(),
+            "two handles of one context are the same context"
+        );
+    }
+
+    #[test]
+    fn a_created_stream_names_itself_and_is_checked_by_device_only() {
+        let primary = fake_context(0x1000, 0);
+        let other_library = fake_context(0x2000, 0);
+        let elsewhere = fake_context(0x3000, 1);
+        // SAFETY: never used with the driver; not owned, so its drop calls nothing.
+        let stream = unsafe { Stream::from_raw(&other_library, 0x4000 as sys::CUstream, false) };
+        assert!(stream.ensure_context(&primary, "Kernel::launch").is_ok());
+        assert!(stream.ensure_context(&elsewhere, "Kernel::launch").is_err());
     }
 }

@@ -199,7 +199,7 @@ impl GraphExec {
     /// was instantiated without auto-free; the driver's error otherwise.
     #[inline]
     pub fn launch(&self, stream: &Stream) -> Result<()> {
-        stream.ensure_device(self.context.device(), "GraphExec::launch")?;
+        stream.ensure_context(&self.context, "GraphExec::launch")?;
         let mut retirement = self.lock.lock();
         if self.single_launch && self.launches.load(Ordering::Relaxed) != 0 {
             return Err(GraphError::RelaunchNeedsAutoFree.into());
@@ -243,7 +243,7 @@ impl GraphExec {
     /// # Errors
     /// `InvalidArgument` for a stream of another device; the driver's error otherwise.
     pub fn upload(&self, stream: &Stream) -> Result<()> {
-        stream.ensure_device(self.context.device(), "GraphExec::upload")?;
+        stream.ensure_context(&self.context, "GraphExec::upload")?;
         let _guard = self.lock.lock();
         self.context.bind_to_thread()?;
         let api = driver()?;
