@@ -953,3 +953,34 @@ fn eight_threads_make_the_primary_context_current_and_launch_at_once() {
         }
     });
 }
+
+/// `alloc_zeros` beside a long kernel on a blocking stream: the clearing runs on a stream of
+/// its own, so the allocation returns, zeroed, while that kernel still runs (the legacy
+/// stream's `cuMemsetD8` would have waited for it).
+#[test]
+fn zeroed_allocations_do_not_wait_for_the_blocking_streams_work() {
+    let gpu = require_gpu!();
+    let context = &gpu.context;
+    let kernels = TestKernels::load(context).unwrap();
+    let blocking = Stream::new(context, StreamFlags::DEFAULT).unwrap();
+    // Leave non-zero bytes behind where the next allocation may land.
+    let dirty = DeviceAllocation::new(context, 4 * MIB).unwrap();
+    // SAFETY: `dirty` is 4 MiB of device memory of `context`; the memset waits for itself.
+    unsafe { memory::memset_d8(context, dirty.ptr(), 0xa5, 4 * MIB) }.unwrap();
+    drop(dirty);
+
+    kernels.spin_ns(&blocking, 500 * MS).unwrap();
+    let zeroed = DeviceAllocation::zeroed(context, 4 * MIB).unwrap();
+    assert!(
+        !blocking.query().unwrap(),
+        "zeroed waited for the blocking stream's 500 ms kernel"
+    );
+    blocking.synchronize().unwrap();
+    let mut host = vec![0xffu8; 4 * MIB];
+    // SAFETY: `host` and `zeroed` are 4 MiB each; nothing else uses them.
+    unsafe { memory::copy_dtoh(context, host.as_mut_ptr(), zeroed.ptr(), 4 * MIB) }.unwrap();
+    assert!(
+        host.iter().all(|&byte| byte == 0),
+        "zeroed memory was not zero"
+    );
+}

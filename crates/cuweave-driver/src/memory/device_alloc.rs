@@ -41,18 +41,25 @@ impl DeviceAllocation {
 
     /// Allocates `bytes` of device memory in `context`, every byte zero: cudarc's
     /// `alloc_zeros`, PyTorch's `torch.zeros`. `cuMemAlloc` hands back whatever a previous
-    /// owner left there (a freed block is reused as it is), so the memory is cleared with
-    /// `cuMemsetD8` and the call returns once the clearing has finished: work queued on any
-    /// stream afterwards reads zeros.
+    /// owner left there (a freed block is reused as it is), so the memory is cleared and the
+    /// call returns once the clearing has finished: work queued on any stream afterwards reads
+    /// zeros. The memset runs on a stream of its own, non-blocking: the legacy stream's
+    /// `cuMemsetD8` would also wait for all work on the context's blocking streams (an
+    /// unrelated kernel would delay the allocation).
     ///
     /// # Errors
-    /// As [`new`](Self::new); the memset's error (the memory is freed again then), e.g.
-    /// [`GraphError::Capturing`](crate::GraphError::Capturing) while a capture is active.
+    /// As [`new`](Self::new); [`GraphError::Capturing`](crate::GraphError::Capturing) while a
+    /// capture forbids the wait, before anything is allocated; the memset's error (the memory
+    /// is freed again then).
     pub fn zeroed(context: &Arc<Context>, bytes: usize) -> Result<Self> {
         nonzero(bytes, "DeviceAllocation::zeroed")?;
+        crate::graph::refuse_while_capturing(None, "DeviceAllocation::zeroed")?;
         let allocation = Self::new(context, bytes)?;
-        // SAFETY: the allocation is ours, `bytes` long, and no work has been queued on it.
-        unsafe { super::memset_d8(context, allocation.ptr, 0, bytes) }?;
+        let stream = Stream::new(context, crate::stream::StreamFlags::NON_BLOCKING)?;
+        // SAFETY: the allocation is ours and `bytes` long; it outlives the memset, which the
+        // stream's synchronisation waits for before the allocation is handed out or dropped.
+        unsafe { super::memset_d8_async(allocation.ptr, 0, bytes, &stream) }?;
+        stream.synchronize()?;
         Ok(allocation)
     }
 
