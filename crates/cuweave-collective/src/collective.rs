@@ -170,16 +170,25 @@ fn run(ops: Vec<Op<'_>>, grouped: bool) -> Result<()> {
     }
     let mut first_error = issued.failure;
     if issued.pending || first_error.is_some() {
+        let mut failed = false;
         for comm in &comms {
-            if let Err(error) = comm.settle(operation, started) {
+            // A group's communicators are aborted together below, never one by one.
+            let settled = if grouped {
+                comm.settle_without_abort(operation, started)
+            } else {
+                comm.settle(operation, started)
+            };
+            if let Err(error) = settled {
+                failed |= !matches!(error, CollectiveError::Aborted { .. });
                 first_error.get_or_insert(error);
             }
         }
+        if grouped && failed {
+            crate::comm::abort_all(&comms);
+        }
     }
     if grouped && comms.iter().any(|comm| comm.is_aborted()) {
-        for comm in &comms {
-            comm.abort();
-        }
+        crate::comm::abort_all(&comms);
     }
     let mut recorded = Ok(());
     for op in &ops {

@@ -101,11 +101,14 @@ pub(crate) fn settle_raw(
         |waited| CollectiveError::Timeout { operation, waited },
     );
     if polled.is_err() {
-        for (raw, context) in handles.iter().zip(contexts) {
-            if !raw.is_null() {
-                abort_raw(api, context, *raw);
-            }
-        }
+        abort_together(
+            handles
+                .iter()
+                .zip(contexts)
+                .filter(|(raw, _)| !raw.is_null())
+                .map(|(raw, context)| move || abort_raw(api, context, *raw))
+                .collect::<Vec<_>>(),
+        );
     }
     polled
 }
@@ -439,12 +442,7 @@ impl Communicator {
     /// communicator; an abort from another thread ends the wait at the next poll with
     /// `Aborted`. No guard is held between polls.
     pub(crate) fn settle(&self, operation: &'static str, started: Instant) -> Result<()> {
-        let settled = poll_until(
-            started,
-            self.inner.config.timeout,
-            || self.poll(operation),
-            |waited| CollectiveError::Timeout { operation, waited },
-        );
+        let settled = self.settle_without_abort(operation, started);
         if let Err(error) = &settled
             && !matches!(error, CollectiveError::Aborted { .. })
         {
@@ -452,6 +450,74 @@ impl Communicator {
         }
         settled
     }
+
+    /// As [`settle`](Self::settle), but a failure aborts nothing: for a group, whose
+    /// communicators must be aborted together ([`abort_together`]).
+    pub(crate) fn settle_without_abort(
+        &self,
+        operation: &'static str,
+        started: Instant,
+    ) -> Result<()> {
+        poll_until(
+            started,
+            self.inner.config.timeout,
+            || self.poll(operation),
+            |waited| CollectiveError::Timeout { operation, waited },
+        )
+    }
+}
+
+/// Runs every one of `aborts` at once, each on a thread of its own (inline when there is one, or
+/// when a thread cannot be started), and returns once all have returned.
+///
+/// Communicators whose non-blocking work NCCL runs as one group job (those of one group call,
+/// or of one `init_all`) must be aborted together: `ncclCommAbort` joins the group's job, and
+/// that job may be stuck connecting *another* communicator of the group, which only that
+/// communicator's abort flag stops. Aborted one after the other, the first abort can wait for
+/// ever (seen on two H200s with NCCL 2.28.3: a group of two lonely rank-0 all-reduces never
+/// returned from its launch's abort).
+pub(crate) fn abort_together<F: FnOnce() + Send>(aborts: Vec<F>) {
+    if aborts.len() <= 1 {
+        aborts.into_iter().for_each(|abort| abort());
+        return;
+    }
+    std::thread::scope(|scope| {
+        let mut inline = Vec::new();
+        for abort in aborts {
+            // `spawn_scoped` hands the closure back only by dropping it on failure, so the
+            // closure is shared through an Option: whoever takes it first runs it.
+            let cell = std::sync::Arc::new(parking_lot::Mutex::new(Some(abort)));
+            let spawned = std::thread::Builder::new()
+                .name("cuweave-nccl-abort".into())
+                .spawn_scoped(scope, {
+                    let cell = std::sync::Arc::clone(&cell);
+                    move || {
+                        if let Some(abort) = cell.lock().take() {
+                            abort();
+                        }
+                    }
+                });
+            if let Err(error) = spawned {
+                tracing::warn!(%error, "no thread for a concurrent NCCL abort; aborting inline after the others start");
+                inline.push(cell);
+            }
+        }
+        for cell in inline {
+            if let Some(abort) = cell.lock().take() {
+                abort();
+            }
+        }
+    });
+}
+
+/// Aborts `comms` together (see [`abort_together`]).
+pub(crate) fn abort_all(comms: &[&Communicator]) {
+    abort_together(
+        comms
+            .iter()
+            .map(|comm| move || comm.abort())
+            .collect::<Vec<_>>(),
+    );
 }
 
 impl CommInner {
@@ -526,5 +592,51 @@ impl Drop for CommInner {
                 tracing::error!(%error, "finalising or destroying an NCCL communicator failed");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod abort_tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::time::{Duration, Instant};
+
+    use super::abort_together;
+
+    /// The shape of NCCL's group job: the first abort returns only once the second has set its
+    /// flag. One after the other this never ends; together it does.
+    #[test]
+    fn an_abort_that_waits_for_another_communicators_abort_finishes_when_both_run_together() {
+        let second_flag = Arc::new(AtomicBool::new(false));
+        let ran = Arc::new(AtomicUsize::new(0));
+        let first = {
+            let (flag, ran) = (Arc::clone(&second_flag), Arc::clone(&ran));
+            Box::new(move || {
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while !flag.load(Ordering::Acquire) {
+                    assert!(Instant::now() < deadline, "the other abort never ran");
+                    std::thread::yield_now();
+                }
+                ran.fetch_add(1, Ordering::SeqCst);
+            }) as Box<dyn FnOnce() + Send>
+        };
+        let second = {
+            let (flag, ran) = (Arc::clone(&second_flag), Arc::clone(&ran));
+            Box::new(move || {
+                flag.store(true, Ordering::Release);
+                ran.fetch_add(1, Ordering::SeqCst);
+            }) as Box<dyn FnOnce() + Send>
+        };
+        abort_together(vec![first, second]);
+        assert_eq!(ran.load(Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn one_abort_runs_inline_and_none_is_nothing() {
+        let caller = std::thread::current().id();
+        let mut on = None;
+        abort_together(vec![|| on = Some(std::thread::current().id())]);
+        assert_eq!(on, Some(caller));
+        abort_together(Vec::<fn()>::new());
     }
 }

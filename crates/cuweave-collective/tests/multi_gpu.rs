@@ -367,6 +367,52 @@ fn a_rank_that_never_joins_is_a_typed_timeout_and_the_communicator_is_aborted() 
 }
 
 /// `init_all` over the first two devices, with `timeout`.
+/// Runs `body` on a thread of its own and fails the test, naming the last step `body` noted,
+/// when it has not finished within `limit`: a call that never returns (in NCCL or the driver)
+/// then fails this test with where it stopped, instead of hanging the binary until the run's
+/// limit kills it and loses every test's output.
+fn within_limit(limit: Duration, body: impl FnOnce(&Steps) + Send + 'static) {
+    let steps = Steps::default();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let worker = std::thread::spawn({
+        let steps = steps.clone();
+        move || {
+            body(&steps);
+            let _ = done_tx.send(());
+        }
+    });
+    match done_rx.recv_timeout(limit) {
+        Ok(()) => worker.join().expect("test body"),
+        // The body panicked: re-raise its panic here.
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            if let Err(panic) = worker.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!(
+            "still running after {limit:?}; the last step begun: {}",
+            steps.last()
+        ),
+    }
+}
+
+/// The steps a bounded test body has begun (see [`within_limit`]).
+#[derive(Clone, Default)]
+struct Steps(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Steps {
+    fn begin(&self, step: impl Into<String>) {
+        let step = step.into();
+        eprintln!("step: {step}");
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(step);
+    }
+
+    fn last(&self) -> String {
+        let steps = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        steps.last().cloned().unwrap_or_else(|| "none".to_owned())
+    }
+}
+
 fn two_ranks(devices: &[Device], timeout: Duration) -> Vec<Communicator> {
     Communicator::init_all(&devices[..2], &CommConfig::default().with_timeout(timeout))
         .expect("init_all over two devices")
@@ -465,56 +511,65 @@ fn a_failed_group_settles_or_aborts_every_communicator_and_records_every_use() {
     const TEST: &str = "a_failed_group_settles_or_aborts_every_communicator_and_records_every_use";
     let _gpu = require_gpu!(else return);
     let Some(devices) = devices(TEST) else { return };
-    let (a, b) = (
-        two_ranks(&devices, Duration::from_secs(3)),
-        two_ranks(&devices, Duration::from_secs(3)),
-    );
-    let context = a[0].context();
-    let stream = Stream::new(context, StreamFlags::NON_BLOCKING).expect("stream");
-    let sends: Vec<DeviceBuffer<f32>> = (0..2)
-        .map(|i| DeviceBuffer::from_slice(context, &pattern::<f32>(4096, i)).expect("upload"))
-        .collect();
-    let mut recvs: Vec<DeviceBuffer<f32>> = (0..2)
-        .map(|_| DeviceBuffer::<f32>::zeroed(context, 4096).expect("recv"))
-        .collect();
-    let result = {
-        let mut group = Group::new();
-        let (ra, rb) = recvs.split_at_mut(1);
-        // Rank 0 of two communicators in one group; neither rank 1 ever calls.
-        group
-            .all_reduce(&a[0], &sends[0], &mut ra[0], ReduceOp::Sum, &stream)
-            .expect("add");
-        group
-            .all_reduce(&b[0], &sends[1], &mut rb[0], ReduceOp::Sum, &stream)
-            .expect("add");
-        group.launch()
-    };
-    eprintln!("lonely group: {result:?}");
-    let handle = Some(stream.as_raw() as usize);
-    for buffer in sends.iter().chain(&recvs) {
-        assert_eq!(
-            buffer.last_use(),
-            handle,
-            "every use is recorded: {result:?}"
+    within_limit(Duration::from_secs(90), move |steps| {
+        steps.begin("init_all twice");
+        let (a, b) = (
+            two_ranks(&devices, Duration::from_secs(3)),
+            two_ranks(&devices, Duration::from_secs(3)),
         );
-    }
-    match result {
-        Err(error) => {
-            assert!(error.is_timeout() || error.nccl_code().is_some(), "{error}");
-            assert!(
-                a[0].is_aborted() && b[0].is_aborted(),
-                "neither is left unsettled"
+        let context = a[0].context();
+        let stream = Stream::new(context, StreamFlags::NON_BLOCKING).expect("stream");
+        let sends: Vec<DeviceBuffer<f32>> = (0..2)
+            .map(|i| DeviceBuffer::from_slice(context, &pattern::<f32>(4096, i)).expect("upload"))
+            .collect();
+        let mut recvs: Vec<DeviceBuffer<f32>> = (0..2)
+            .map(|_| DeviceBuffer::<f32>::zeroed(context, 4096).expect("recv"))
+            .collect();
+        steps.begin("the lonely group's launch");
+        let result = {
+            let mut group = Group::new();
+            let (ra, rb) = recvs.split_at_mut(1);
+            // Rank 0 of two communicators in one group; neither rank 1 ever calls.
+            group
+                .all_reduce(&a[0], &sends[0], &mut ra[0], ReduceOp::Sum, &stream)
+                .expect("add");
+            group
+                .all_reduce(&b[0], &sends[1], &mut rb[0], ReduceOp::Sum, &stream)
+                .expect("add");
+            group.launch()
+        };
+        steps.begin(format!("checks after the launch: {result:?}"));
+        let handle = Some(stream.as_raw() as usize);
+        for buffer in sends.iter().chain(&recvs) {
+            assert_eq!(
+                buffer.last_use(),
+                handle,
+                "every use is recorded: {result:?}"
             );
         }
-        Ok(()) => {
-            let error = a[0].synchronize(&stream).expect_err("rank 1 never calls");
-            assert!(error.is_timeout() || error.nccl_code().is_some(), "{error}");
-            b[0].abort();
+        match result {
+            Err(error) => {
+                assert!(error.is_timeout() || error.nccl_code().is_some(), "{error}");
+                assert!(
+                    a[0].is_aborted() && b[0].is_aborted(),
+                    "neither is left unsettled"
+                );
+            }
+            Ok(()) => {
+                steps.begin("rank 0's synchronize after an accepted launch");
+                let error = a[0].synchronize(&stream).expect_err("rank 1 never calls");
+                assert!(error.is_timeout() || error.nccl_code().is_some(), "{error}");
+                steps.begin("b's abort");
+                b[0].abort();
+            }
         }
-    }
-    stream.synchronize().expect("drained by the aborts");
-    a[1].abort();
-    b[1].abort();
+        steps.begin("the stream's synchronize after the aborts");
+        stream.synchronize().expect("drained by the aborts");
+        steps.begin("the rank-1 aborts");
+        a[1].abort();
+        b[1].abort();
+        steps.begin("dropping the communicators");
+    });
 }
 
 #[test]
