@@ -11,8 +11,8 @@ use std::time::Duration;
 use common::{Flags, MS, within};
 use cuweave_driver::{CaptureMode, DriverError, GraphError};
 use cuweave_event::{
-    AsyncEventWaiter, EventError, EventPool, EventPriority, OperationCoordinator, OperationState,
-    OperationType, WaitOptions, WakeMechanism,
+    AsyncEventWaiter, EventError, EventPool, OperationCoordinator, OperationState, WaitOptions,
+    WakeMechanism,
 };
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{require_gpu, serial};
@@ -32,15 +32,7 @@ fn waits_resolve_while_another_thread_runs_a_global_mode_capture() {
     // blocking-sync event exist before it begins, so the waits below make no call that a
     // capture forbids on this thread.
     futures::executor::block_on(waiter.stream_idle(&work).unwrap()).unwrap();
-    let op = coordinator
-        .register_operation(
-            OperationType::Kernel,
-            EventPriority::Normal,
-            None,
-            &[],
-            "spin",
-        )
-        .unwrap();
+    let op = common::register_kernel(&coordinator, &[], "spin");
 
     // Thread B: a global-mode capture, held until told to end it.
     let (began_tx, began_rx) = mpsc::channel();
@@ -189,31 +181,13 @@ fn a_capturing_stream_refuses_an_eager_dependency_unless_its_begin_proved_it_fin
     let coordinator = OperationCoordinator::new(pool).unwrap();
     let (eager, capturing) = (common::stream(&gpu.context), common::stream(&gpu.context));
     let eager_spin = |what| {
-        let op = coordinator
-            .register_operation(
-                OperationType::Kernel,
-                EventPriority::Normal,
-                None,
-                &[],
-                what,
-            )
-            .unwrap();
+        let op = common::register_kernel(&coordinator, &[], what);
         coordinator.begin_operation(op, &eager).unwrap();
         kernels.spin_ns(&eager, 100 * MS).unwrap();
         coordinator.complete_operation(op).unwrap();
         op
     };
-    let dependant = |dependency, what| {
-        coordinator
-            .register_operation(
-                OperationType::Kernel,
-                EventPriority::Normal,
-                None,
-                &[dependency],
-                what,
-            )
-            .unwrap()
-    };
+    let dependant = |dependency, what| common::register_kernel(&coordinator, &[dependency], what);
 
     // A capture begun without synchronising: the eager spin may still run.
     let running = eager_spin("eager spin");

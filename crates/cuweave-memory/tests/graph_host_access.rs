@@ -23,34 +23,50 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// A graph that spins for [`SPIN_NS`], then copies `source` into `output`, and its executable.
-fn spin_then_copy_graph(
-    kernels: &TestKernels,
-    stream: &Stream,
-    source: &DeviceBuffer<u32>,
-    output: &mut PinnedBuffer<u32>,
-) -> cuweave_driver::GraphExec {
-    stream
-        .begin_capture_synchronized(CaptureMode::ThreadLocal)
-        .unwrap();
-    kernels.spin_ns(stream, SPIN_NS).unwrap();
-    output.copy_from_async(source, stream).unwrap();
-    let graph = stream.end_capture().unwrap();
-    assert!(graph.node_count().unwrap() >= 2, "spin and copy captured");
-    graph.instantiate(&InstantiateOptions::default()).unwrap()
+/// A zeroed pinned buffer `output` and the executable of a graph that spins for [`SPIN_NS`],
+/// then copies `source` (every element `value`) into it, captured on `stream`.
+struct GraphWritesPinned {
+    stream: Stream,
+    output: PinnedBuffer<u32>,
+    exec: cuweave_driver::GraphExec,
+    /// What the graph copies from: kept alive as long as the executable (bind it, not `..`).
+    _source: DeviceBuffer<u32>,
+}
+
+impl GraphWritesPinned {
+    fn new(ctx: &std::sync::Arc<cuweave_driver::Context>, value: u32) -> Self {
+        let kernels = TestKernels::load(ctx).unwrap();
+        let stream = Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap();
+        let mut source = DeviceBuffer::<u32>::new(ctx, LEN).unwrap();
+        source.fill(value).unwrap();
+        let mut output = PinnedBuffer::<u32>::new(ctx, LEN).unwrap();
+        stream
+            .begin_capture_synchronized(CaptureMode::ThreadLocal)
+            .unwrap();
+        kernels.spin_ns(&stream, SPIN_NS).unwrap();
+        output.copy_from_async(&source, &stream).unwrap();
+        let graph = stream.end_capture().unwrap();
+        assert!(graph.node_count().unwrap() >= 2, "spin and copy captured");
+        let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
+        Self {
+            stream,
+            output,
+            exec,
+            _source: source,
+        }
+    }
 }
 
 #[test]
 fn host_access_to_a_pinned_buffer_waits_for_the_graph_launches_that_write_it() {
     let _serial = serial();
     let gpu = require_gpu!();
-    let ctx = &gpu.context;
-    let kernels = TestKernels::load(ctx).unwrap();
-    let stream = Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap();
-    let mut source = DeviceBuffer::<u32>::new(ctx, LEN).unwrap();
-    source.fill(7).unwrap();
-    let mut output = PinnedBuffer::<u32>::new(ctx, LEN).unwrap();
-    let exec = spin_then_copy_graph(&kernels, &stream, &source, &mut output);
+    let GraphWritesPinned {
+        stream,
+        mut output,
+        exec,
+        _source,
+    } = GraphWritesPinned::new(&gpu.context, 7);
 
     // A read right after a launch sees what the graph's copy wrote, never the zeros before it.
     exec.launch(&stream).unwrap();
@@ -83,14 +99,13 @@ fn host_access_to_a_pinned_buffer_waits_for_the_graph_launches_that_write_it() {
 fn a_wait_for_graph_launches_during_another_capture_is_a_typed_refusal() {
     let _serial = serial();
     let gpu = require_gpu!();
-    let ctx = &gpu.context;
-    let kernels = TestKernels::load(ctx).unwrap();
-    let stream = Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap();
-    let other = Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap();
-    let mut source = DeviceBuffer::<u32>::new(ctx, LEN).unwrap();
-    source.fill(9).unwrap();
-    let mut output = PinnedBuffer::<u32>::new(ctx, LEN).unwrap();
-    let exec = spin_then_copy_graph(&kernels, &stream, &source, &mut output);
+    let GraphWritesPinned {
+        stream,
+        output,
+        exec,
+        _source,
+    } = GraphWritesPinned::new(&gpu.context, 9);
+    let other = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
 
     exec.launch(&stream).unwrap();
     // Waiting for the launch means a context synchronisation, which would wait on the capturing

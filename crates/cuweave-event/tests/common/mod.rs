@@ -89,3 +89,20 @@ pub fn resident_bytes() -> u64 {
         })
         .map_or(0, |kib| kib * 1024)
 }
+
+/// Registers a normal-priority kernel operation described as `what`, after `dependencies`.
+pub fn register_kernel(
+    coordinator: &cuweave_event::OperationCoordinator,
+    dependencies: &[cuweave_event::OperationId],
+    what: &str,
+) -> cuweave_event::OperationId {
+    coordinator
+        .register_operation(
+            cuweave_event::OperationType::Kernel,
+            cuweave_event::EventPriority::Normal,
+            None,
+            dependencies,
+            what,
+        )
+        .unwrap()
+}
