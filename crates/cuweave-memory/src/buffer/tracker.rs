@@ -269,12 +269,7 @@ impl StreamTracker {
     /// graph launches while any capture is active (a context synchronisation would wait on the
     /// capturing streams); the driver's error otherwise.
     pub(crate) fn synchronize(&self) -> Result<()> {
-        // The events are cloned out so that no lock is held while the host waits for the GPU.
-        let (events, in_graphs) = {
-            let state = self.state.lock();
-            let events = state.all_events("StreamTracker::synchronize", capture_is_active)?;
-            (events, state.used_in_graphs())
-        };
+        let (events, in_graphs) = self.host_wait("StreamTracker::synchronize")?;
         for event in events {
             event.synchronize()?;
         }
@@ -283,6 +278,18 @@ impl StreamTracker {
             *self.graphs_waited.lock() = Some(mark);
         }
         Ok(())
+    }
+
+    /// What a host wait must cover, read under one lock: the events of every use (cloned out,
+    /// so that no lock is held while the host waits for the GPU), and whether a capture used the
+    /// buffer (then graph launches, which record no uses, must be covered too).
+    ///
+    /// # Errors
+    /// As [`UseState::all_events`].
+    fn host_wait(&self, operation: &'static str) -> Result<(Vec<Arc<OwnedPooledEvent>>, bool)> {
+        let state = self.state.lock();
+        let events = state.all_events(operation, capture_is_active)?;
+        Ok((events, state.used_in_graphs()))
     }
 
     /// Whether a context wait since the last graph launch in the process covered the launches
@@ -294,11 +301,7 @@ impl StreamTracker {
     /// Whether every use has finished, without blocking. For a buffer a capture used, `false`
     /// while a graph launch since the last [`synchronize`](Self::synchronize) may still run.
     pub(crate) fn is_idle(&self) -> Result<bool> {
-        let (events, in_graphs) = {
-            let state = self.state.lock();
-            let events = state.all_events("StreamTracker::is_idle", capture_is_active)?;
-            (events, state.used_in_graphs())
-        };
+        let (events, in_graphs) = self.host_wait("StreamTracker::is_idle")?;
         if in_graphs && !self.graph_launches_waited() {
             return Ok(false);
         }
