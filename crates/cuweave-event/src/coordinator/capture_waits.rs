@@ -20,9 +20,7 @@
 //!
 //! [`decide`] holds no CUDA, so the table is tested on its own.
 
-use cuweave_driver::graph::{
-    active_captures, capture_is_active, capture_state, known_complete_before,
-};
+use cuweave_driver::graph::{active_captures, capture_state, known_complete_before};
 use cuweave_driver::{DriverError, GraphError, Stream};
 
 /// Where a completion event was recorded.
@@ -32,6 +30,12 @@ pub(crate) enum Recorded {
     Eager { epoch: u64 },
     /// Into the capture sequence `capture` (the driver's capture id).
     Captured { capture: u64 },
+}
+
+impl Recorded {
+    /// Where nobody could tell (the status query failed): treated as eager work that no
+    /// capture knows to have finished, so eager streams wait for it and capturing ones refuse.
+    pub(crate) const UNKNOWN: Self = Self::Eager { epoch: u64::MAX };
 }
 
 /// The capture a stream is recording into: its id, and the epoch before which its context's
@@ -110,11 +114,6 @@ pub(crate) fn dependent_capture(stream: &Stream) -> Result<Option<DependentCaptu
             capture,
             complete_before: known_complete_before(capture, stream.context()),
         }))
-}
-
-/// Whether the capture `capture` is still active (for [`decide`]).
-pub(crate) fn is_active(capture: u64) -> bool {
-    capture_is_active(capture)
 }
 
 /// The refusal of a begin whose wait would cross a capture's boundary.

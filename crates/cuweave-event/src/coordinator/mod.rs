@@ -22,6 +22,7 @@ pub use types::{EventMetadata, EventPriority, OperationId, OperationState, Opera
 use crate::error::{EventError, Result};
 use crate::waiter::{AsyncEventWaiter, WaitFuture, WaitResult};
 use capture_waits::{Recorded, WaitDecision};
+use cuweave_driver::graph::capture_is_active;
 use cuweave_driver::{EventPool, OwnedPooledEvent};
 use metrics::MetricsCell;
 use queue::{Front, StreamQueues};
@@ -518,9 +519,8 @@ impl OperationCoordinator {
                     continue;
                 }
                 if dep.metadata.stream != Some(stream.id()) {
-                    // Not known: treated as eager work that no capture knows finished.
-                    let recorded = dep.recorded.unwrap_or(Recorded::Eager { epoch: u64::MAX });
-                    match capture_waits::decide(dependent, recorded, capture_waits::is_active) {
+                    let recorded = dep.recorded.unwrap_or(Recorded::UNKNOWN);
+                    match capture_waits::decide(dependent, recorded, capture_is_active) {
                         WaitDecision::Wait => {
                             waits.push(Arc::clone(dep.done.as_ref().expect("queued has event")));
                         }
@@ -648,10 +648,7 @@ impl OperationCoordinator {
         let stream_id = stream.id();
         let done = self.inner.pool.acquire_owned(timed)?;
         done.record(stream)?;
-        // A failed status query leaves it unknown: waited for by eager streams, refused by
-        // capturing ones.
-        let recorded =
-            capture_waits::recorded_on(stream).unwrap_or(Recorded::Eager { epoch: u64::MAX });
+        let recorded = capture_waits::recorded_on(stream).unwrap_or(Recorded::UNKNOWN);
         let done = Arc::new(done);
         let watch = {
             let mut state = self.inner.state.lock();
