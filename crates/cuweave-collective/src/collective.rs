@@ -169,8 +169,8 @@ fn run(ops: Vec<Op<'_>>, grouped: bool) -> Result<()> {
         return issued.failure.map_or(Ok(()), Err);
     }
     let mut first_error = issued.failure;
+    let mut settling_failed = false;
     if issued.pending || first_error.is_some() {
-        let mut failed = false;
         for comm in &comms {
             // A group's communicators are aborted together below, never one by one.
             let settled = if grouped {
@@ -179,15 +179,13 @@ fn run(ops: Vec<Op<'_>>, grouped: bool) -> Result<()> {
                 comm.settle(operation, started)
             };
             if let Err(error) = settled {
-                failed |= !matches!(error, CollectiveError::Aborted { .. });
+                settling_failed |= !matches!(error, CollectiveError::Aborted { .. });
                 first_error.get_or_insert(error);
             }
         }
-        if grouped && failed {
-            crate::comm::abort_all(&comms);
-        }
     }
-    if grouped && comms.iter().any(|comm| comm.is_aborted()) {
+    // A group's work waits on each other: one failed or aborted communicator aborts them all.
+    if grouped && (settling_failed || comms.iter().any(|comm| comm.is_aborted())) {
         crate::comm::abort_all(&comms);
     }
     let mut recorded = Ok(());

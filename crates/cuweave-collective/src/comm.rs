@@ -102,7 +102,7 @@ pub(crate) fn settle_raw(
     );
     if polled.is_err() {
         abort_together(
-            handles
+            &handles
                 .iter()
                 .zip(contexts)
                 .filter(|(raw, _)| !raw.is_null())
@@ -476,44 +476,30 @@ impl Communicator {
 /// communicator's abort flag stops. Aborted one after the other, the first abort can wait for
 /// ever (seen on two H200s with NCCL 2.28.3: a group of two lonely rank-0 all-reduces never
 /// returned from its launch's abort).
-pub(crate) fn abort_together<F: FnOnce() + Send>(aborts: Vec<F>) {
-    if aborts.len() <= 1 {
-        aborts.into_iter().for_each(|abort| abort());
+pub(crate) fn abort_together<F: Fn() + Sync>(aborts: &[F]) {
+    if let [abort] = aborts {
+        abort();
         return;
     }
     std::thread::scope(|scope| {
         let mut inline = Vec::new();
         for abort in aborts {
-            // `spawn_scoped` hands the closure back only by dropping it on failure, so the
-            // closure is shared through an Option: whoever takes it first runs it.
-            let cell = std::sync::Arc::new(parking_lot::Mutex::new(Some(abort)));
             let spawned = std::thread::Builder::new()
                 .name("cuweave-nccl-abort".into())
-                .spawn_scoped(scope, {
-                    let cell = std::sync::Arc::clone(&cell);
-                    move || {
-                        if let Some(abort) = cell.lock().take() {
-                            abort();
-                        }
-                    }
-                });
+                .spawn_scoped(scope, abort);
             if let Err(error) = spawned {
                 tracing::warn!(%error, "no thread for a concurrent NCCL abort; aborting inline after the others start");
-                inline.push(cell);
+                inline.push(abort);
             }
         }
-        for cell in inline {
-            if let Some(abort) = cell.lock().take() {
-                abort();
-            }
-        }
+        inline.into_iter().for_each(|abort| abort());
     });
 }
 
 /// Aborts `comms` together (see [`abort_together`]).
 pub(crate) fn abort_all(comms: &[&Communicator]) {
     abort_together(
-        comms
+        &comms
             .iter()
             .map(|comm| move || comm.abort())
             .collect::<Vec<_>>(),
@@ -597,7 +583,7 @@ impl Drop for CommInner {
 
 #[cfg(test)]
 mod abort_tests {
-    use std::sync::Arc;
+    use std::sync::Mutex;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::time::{Duration, Instant};
 
@@ -607,36 +593,31 @@ mod abort_tests {
     /// flag. One after the other this never ends; together it does.
     #[test]
     fn an_abort_that_waits_for_another_communicators_abort_finishes_when_both_run_together() {
-        let second_flag = Arc::new(AtomicBool::new(false));
-        let ran = Arc::new(AtomicUsize::new(0));
-        let first = {
-            let (flag, ran) = (Arc::clone(&second_flag), Arc::clone(&ran));
-            Box::new(move || {
-                let deadline = Instant::now() + Duration::from_secs(10);
-                while !flag.load(Ordering::Acquire) {
-                    assert!(Instant::now() < deadline, "the other abort never ran");
-                    std::thread::yield_now();
-                }
-                ran.fetch_add(1, Ordering::SeqCst);
-            }) as Box<dyn FnOnce() + Send>
+        let second_flag = AtomicBool::new(false);
+        let ran = AtomicUsize::new(0);
+        let first = || {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !second_flag.load(Ordering::Acquire) {
+                assert!(Instant::now() < deadline, "the other abort never ran");
+                std::thread::yield_now();
+            }
+            ran.fetch_add(1, Ordering::SeqCst);
         };
-        let second = {
-            let (flag, ran) = (Arc::clone(&second_flag), Arc::clone(&ran));
-            Box::new(move || {
-                flag.store(true, Ordering::Release);
-                ran.fetch_add(1, Ordering::SeqCst);
-            }) as Box<dyn FnOnce() + Send>
+        let second = || {
+            second_flag.store(true, Ordering::Release);
+            ran.fetch_add(1, Ordering::SeqCst);
         };
-        abort_together(vec![first, second]);
+        let aborts: [&(dyn Fn() + Sync); 2] = [&first, &second];
+        abort_together(&aborts);
         assert_eq!(ran.load(Ordering::SeqCst), 2);
     }
 
     #[test]
     fn one_abort_runs_inline_and_none_is_nothing() {
         let caller = std::thread::current().id();
-        let mut on = None;
-        abort_together(vec![|| on = Some(std::thread::current().id())]);
-        assert_eq!(on, Some(caller));
-        abort_together(Vec::<fn()>::new());
+        let on = Mutex::new(None);
+        abort_together(&[|| *on.lock().unwrap() = Some(std::thread::current().id())]);
+        assert_eq!(*on.lock().unwrap(), Some(caller));
+        abort_together::<fn()>(&[]);
     }
 }
