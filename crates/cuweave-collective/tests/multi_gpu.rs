@@ -396,20 +396,24 @@ fn within_limit(limit: Duration, body: impl FnOnce(&Steps) + Send + 'static) {
     }
 }
 
-/// The steps a bounded test body has begun (see [`within_limit`]).
+/// The last step a bounded test body began (see [`within_limit`]).
 #[derive(Clone, Default)]
-struct Steps(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+struct Steps(std::sync::Arc<std::sync::Mutex<String>>);
 
 impl Steps {
     fn begin(&self, step: impl Into<String>) {
         let step = step.into();
         eprintln!("step: {step}");
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(step);
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = step;
     }
 
     fn last(&self) -> String {
-        let steps = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        steps.last().cloned().unwrap_or_else(|| "none".to_owned())
+        let last = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_empty() {
+            "none".to_owned()
+        } else {
+            last.clone()
+        }
     }
 }
 
