@@ -12,11 +12,18 @@
 //! its ordering is tested on its own. A launch counts itself *before* it enqueues, under a shared
 //! gate; a synchronisation reads the count under the exclusive gate, so every launch that count
 //! includes has been enqueued when the context synchronisation starts, and one that begins later
-//! moves the count.
+//! moves the count. That ordering is model-checked with loom (`loom_tests`).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
+// loom's types only in the driver's own test build under `--cfg loom` (as `owner_slot`).
+#[cfg(all(loom, test))]
+use loom::sync::{
+    RwLock,
+    atomic::{AtomicU64, Ordering},
+};
+#[cfg(not(all(loom, test)))]
 use parking_lot::RwLock;
+#[cfg(not(all(loom, test)))]
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A point in the process's sequence of graph launches: every launch counted up to it had
 /// finished when it was taken by [`synchronize_launches`].
@@ -41,6 +48,7 @@ pub(crate) struct LaunchLedger {
 }
 
 impl LaunchLedger {
+    #[cfg(not(all(loom, test)))]
     pub(crate) const fn new() -> Self {
         Self {
             gate: RwLock::new(()),
@@ -53,6 +61,9 @@ impl LaunchLedger {
     /// missed one.
     #[inline]
     pub(crate) fn launch<R>(&self, enqueue: impl FnOnce() -> R) -> R {
+        #[cfg(all(loom, test))]
+        let _shared = self.gate.read().expect("the gate guards no data to poison");
+        #[cfg(not(all(loom, test)))]
         let _shared = self.gate.read();
         self.launches.fetch_add(1, Ordering::AcqRel);
         enqueue()
@@ -61,6 +72,12 @@ impl LaunchLedger {
     /// The count now, with every launch it includes enqueued (the exclusive gate waits for
     /// launches between their count and the end of their enqueue).
     pub(crate) fn settled_count(&self) -> LaunchMark {
+        #[cfg(all(loom, test))]
+        let _exclusive = self
+            .gate
+            .write()
+            .expect("the gate guards no data to poison");
+        #[cfg(not(all(loom, test)))]
         let _exclusive = self.gate.write();
         LaunchMark(self.launches.load(Ordering::Acquire))
     }
@@ -84,7 +101,13 @@ impl LaunchLedger {
 }
 
 /// The ledger of every [`GraphExec::launch`](super::GraphExec::launch) in the process.
+#[cfg(not(all(loom, test)))]
 pub(crate) static LAUNCHES: LaunchLedger = LaunchLedger::new();
+/// Under loom (whose types have no `const` constructor) made on first use, which no loom model
+/// reaches: the models build their own ledgers.
+#[cfg(all(loom, test))]
+pub(crate) static LAUNCHES: std::sync::LazyLock<LaunchLedger> =
+    std::sync::LazyLock::new(LaunchLedger::default);
 
 /// Blocks until every graph launch made so far through cuweave in `context` (and all other work
 /// queued in it) has finished, and returns the mark that wait covers.
@@ -104,11 +127,9 @@ pub fn launched_since(mark: LaunchMark) -> bool {
     LAUNCHES.launched_since(mark)
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use std::sync::Arc;
-    use std::sync::atomic::AtomicBool;
-    use std::time::Duration;
 
     use super::*;
 
@@ -151,39 +172,6 @@ mod tests {
         );
     }
 
-    /// A mark taken while a launch sits between its count and the end of its enqueue waits for
-    /// that enqueue: the wait it is paired with then covers the launch.
-    #[test]
-    fn a_mark_waits_for_a_launch_that_has_counted_itself_but_not_yet_enqueued() {
-        let ledger = Arc::new(LaunchLedger::new());
-        let enqueued = Arc::new(AtomicBool::new(false));
-        let (counted_tx, counted_rx) = std::sync::mpsc::sync_channel::<()>(0);
-        let launcher = {
-            let ledger = Arc::clone(&ledger);
-            let enqueued = Arc::clone(&enqueued);
-            std::thread::spawn(move || {
-                ledger.launch(|| {
-                    counted_tx.send(()).unwrap();
-                    std::thread::sleep(Duration::from_millis(50));
-                    enqueued.store(true, Ordering::SeqCst);
-                });
-            })
-        };
-        counted_rx.recv().unwrap();
-        let mark = ledger
-            .synchronize(|| {
-                assert!(
-                    enqueued.load(Ordering::SeqCst),
-                    "the wait began before a counted launch was enqueued"
-                );
-                Ok::<(), ()>(())
-            })
-            .unwrap();
-        assert_eq!(mark.launches(), 1);
-        launcher.join().unwrap();
-        assert!(!ledger.launched_since(mark));
-    }
-
     #[test]
     fn many_launches_and_marks_from_several_threads_leave_the_last_mark_exact() {
         let ledger = Arc::new(LaunchLedger::new());
@@ -207,5 +195,51 @@ mod tests {
         let mark = ledger.synchronize(|| Ok::<(), ()>(())).unwrap();
         assert_eq!(mark.launches(), 40_000);
         assert!(!ledger.launched_since(mark));
+    }
+}
+
+/// Loom models of the ledger: every interleaving of a launch (count, then enqueue) with a mark
+/// and its wait is explored.
+///
+/// Run with `RUSTFLAGS="--cfg loom" cargo test -p cuweave-driver --release --lib loom`.
+#[cfg(all(test, loom))]
+mod loom_tests {
+    use loom::sync::Arc;
+    use loom::sync::atomic::{AtomicBool, Ordering};
+    use loom::thread;
+
+    use super::LaunchLedger;
+
+    /// A mark that counts a launch is taken only once that launch has been enqueued, so the
+    /// wait paired with it covers the launch; a mark that does not count it sees it later.
+    #[test]
+    fn loom_a_mark_covers_every_launch_it_counts_and_misses_none_it_does_not() {
+        loom::model(|| {
+            let ledger = Arc::new(LaunchLedger::default());
+            let enqueued = Arc::new(AtomicBool::new(false));
+            let launcher = {
+                let (ledger, enqueued) = (Arc::clone(&ledger), Arc::clone(&enqueued));
+                thread::spawn(move || ledger.launch(|| enqueued.store(true, Ordering::Relaxed)))
+            };
+            let mut enqueued_at_wait = false;
+            let mark = ledger
+                .synchronize(|| {
+                    enqueued_at_wait = enqueued.load(Ordering::Relaxed);
+                    Ok::<(), ()>(())
+                })
+                .unwrap();
+            if mark.launches() == 1 {
+                assert!(
+                    enqueued_at_wait,
+                    "the wait began before a counted launch was enqueued"
+                );
+            }
+            launcher.join().unwrap();
+            assert_eq!(
+                ledger.launched_since(mark),
+                mark.launches() == 0,
+                "a launch the mark did not count went unseen"
+            );
+        });
     }
 }
