@@ -237,3 +237,100 @@ fn a_capturing_stream_refuses_an_eager_dependency_unless_its_begin_proved_it_fin
         OperationState::Completed
     );
 }
+
+/// Operations recorded into a capture across two streams (a fork and a join inside the graph):
+/// the coordinator decides them from their capture, never by querying their completion events
+/// (the driver refuses that, `CUDA_ERROR_CAPTURED_EVENT`, during the capture and after it).
+/// While the capture records they stay queued and host waits are refused; once it ends they
+/// complete, their callbacks run once with `Ok`, they retire, and eager work queued behind
+/// them on the same stream completes and retires too. The graph keeps the order: filled, then
+/// incremented on the other stream, then incremented again.
+#[test]
+fn captured_operations_complete_when_their_capture_ends_and_keep_their_order_in_the_graph() {
+    let gpu = require_gpu!();
+    let _serial = serial();
+    const N: usize = 4096;
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let pool = EventPool::new(&gpu.context, 4, 4).unwrap();
+    let coordinator = OperationCoordinator::new(pool).unwrap();
+    coordinator.set_timing(true);
+    let (origin, side) = (common::stream(&gpu.context), common::stream(&gpu.context));
+    let data = cuweave_driver::memory::DeviceAllocation::new(&gpu.context, N * 4).unwrap();
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+
+    origin.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    let fill = common::register_kernel(&coordinator, &[], "fill with 7 after a spin");
+    coordinator.begin_operation(fill, &origin).unwrap();
+    kernels.spin_ns(&origin, 30 * MS).unwrap();
+    // SAFETY: `data` is a live allocation of this context sized for N; the host reads it only
+    // after the graph's launch has been synchronised.
+    unsafe { kernels.fill_u32(&origin, data.ptr(), 7, N).unwrap() };
+    coordinator.complete_operation(fill).unwrap();
+    let counted = Arc::clone(&calls);
+    coordinator
+        .on_complete(fill, move |id, result| {
+            assert_eq!((id, result), (fill, Ok(())));
+            counted.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+
+    // Polls during the capture leave it queued and fail nothing.
+    coordinator.retire_finished();
+    assert_eq!(coordinator.state(fill).unwrap(), OperationState::Queued);
+    let refused = coordinator
+        .synchronize(fill)
+        .expect_err("a host wait for captured work was accepted");
+    assert!(refused.is_capture_refusal(), "{refused}");
+    assert!(coordinator.completion(fill).is_err());
+
+    // The side stream joins the capture by waiting for `fill`, and `origin` joins it back.
+    let bump = common::register_kernel(&coordinator, &[fill], "increment on the side");
+    coordinator.begin_operation(bump, &side).unwrap();
+    assert_eq!(coordinator.metadata(bump).unwrap().cross_stream_waits, 1);
+    // SAFETY: as above.
+    unsafe { kernels.increment_u32(&side, data.ptr(), N).unwrap() };
+    coordinator.complete_operation(bump).unwrap();
+    coordinator.retire_finished();
+    let again = common::register_kernel(&coordinator, &[bump], "increment back on origin");
+    coordinator.begin_operation(again, &origin).unwrap();
+    // SAFETY: as above.
+    unsafe { kernels.increment_u32(&origin, data.ptr(), N).unwrap() };
+    coordinator.complete_operation(again).unwrap();
+    let graph = origin
+        .end_capture()
+        .expect("the fork and join kept the capture valid");
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "ran during the capture");
+
+    // The capture ended: every captured operation is complete, ran its callback once, retired.
+    for op in [fill, bump, again] {
+        assert_eq!(coordinator.state(op).unwrap(), OperationState::Completed);
+        coordinator.synchronize(op).unwrap();
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_eq!(coordinator.live_operations(), 0);
+
+    // The graph runs in order, and eager work behind the captured operations on `origin`
+    // completes and retires.
+    let exec = graph
+        .instantiate(&cuweave_driver::InstantiateOptions::default())
+        .unwrap();
+    let after = common::register_kernel(&coordinator, &[again], "eager, after the graph");
+    exec.launch(&origin).unwrap();
+    coordinator.begin_operation(after, &origin).unwrap();
+    kernels.spin_ns(&origin, 1000).unwrap();
+    coordinator.complete_operation(after).unwrap();
+    coordinator.synchronize(after).unwrap();
+    assert_eq!(coordinator.state(after).unwrap(), OperationState::Completed);
+    assert_eq!(coordinator.live_operations(), 0);
+    let mut bytes = vec![0u8; N * 4];
+    // SAFETY: `bytes` holds N u32s; the launch finished (`after` follows it on `origin`).
+    unsafe {
+        cuweave_driver::memory::copy_dtoh(&gpu.context, bytes.as_mut_ptr(), data.ptr(), N * 4)
+            .unwrap()
+    };
+    let values: Vec<u32> = bytes
+        .chunks_exact(4)
+        .map(|word| u32::from_ne_bytes(word.try_into().unwrap()))
+        .collect();
+    assert!(values.iter().all(|&v| v == 9), "{:?}", &values[..8]);
+}

@@ -36,6 +36,48 @@ impl Recorded {
     /// Where nobody could tell (the status query failed): treated as eager work that no
     /// capture knows to have finished, so eager streams wait for it and capturing ones refuse.
     pub(crate) const UNKNOWN: Self = Self::Eager { epoch: u64::MAX };
+
+    /// The capture an event was recorded into, if any.
+    pub(crate) fn capture(self) -> Option<u64> {
+        match self {
+            Self::Captured { capture } => Some(capture),
+            Self::Eager { .. } => None,
+        }
+    }
+}
+
+/// Where a captured operation stands, decided without touching its completion event: the
+/// driver refuses to query or wait for an event recorded into a capture
+/// (`CUDA_ERROR_CAPTURED_EVENT`), before the capture ends and after.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CapturedCompletion {
+    /// Its capture is still recording: later operations of the same capture wait for it
+    /// inside the graph; nothing eager can.
+    Recording,
+    /// Its capture ended: the operation is complete as far as eager work goes (its work is a
+    /// node of the capture's graph and runs at each launch, ordered by the launch's stream).
+    Captured,
+}
+
+/// [`CapturedCompletion`] of an operation whose completion was recorded into `capture`.
+pub(crate) fn captured_completion(
+    capture: u64,
+    active: impl Fn(u64) -> bool,
+) -> CapturedCompletion {
+    if active(capture) {
+        CapturedCompletion::Recording
+    } else {
+        CapturedCompletion::Captured
+    }
+}
+
+/// The refusal of a host wait for an operation recorded into a capture still recording.
+pub(crate) fn host_wait_refusal(operation: &'static str) -> DriverError {
+    GraphError::Capturing {
+        operation,
+        reason: "the operation was recorded into a stream capture that is still active: its work runs only when the capture's graph is launched, so no host wait can see it finish (it counts as complete once the capture ends)",
+    }
+    .into()
 }
 
 /// The capture a stream is recording into: its id, and the epoch before which its context's
@@ -137,6 +179,21 @@ mod tests {
             capture: CAPTURE,
             complete_before,
         })
+    }
+
+    #[test]
+    fn a_captured_operation_is_recording_while_its_capture_is_active_and_captured_after() {
+        let active = |capture| capture == CAPTURE;
+        assert_eq!(
+            captured_completion(CAPTURE, active),
+            CapturedCompletion::Recording
+        );
+        assert_eq!(
+            captured_completion(OTHER, active),
+            CapturedCompletion::Captured
+        );
+        assert_eq!(Recorded::Captured { capture: OTHER }.capture(), Some(OTHER));
+        assert_eq!(Recorded::UNKNOWN.capture(), None);
     }
 
     #[test]

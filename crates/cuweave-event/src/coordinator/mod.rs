@@ -21,7 +21,7 @@ pub use types::{EventMetadata, EventPriority, OperationId, OperationState, Opera
 
 use crate::error::{EventError, Result};
 use crate::waiter::{AsyncEventWaiter, WaitFuture, WaitResult};
-use capture_waits::{Recorded, WaitDecision};
+use capture_waits::{CapturedCompletion, Recorded, WaitDecision, captured_completion};
 use cuweave_driver::graph::capture_is_active;
 use cuweave_driver::{EventPool, OwnedPooledEvent};
 use metrics::MetricsCell;
@@ -189,7 +189,15 @@ impl State {
             (OperationState::Failed, _) => Ok(CompletionPoint::Failed(
                 op.failure.clone().unwrap_or(EventError::WaiterShutDown),
             )),
-            (OperationState::Queued, Some(done)) => Ok(CompletionPoint::Event(Arc::clone(done))),
+            (OperationState::Queued, Some(done)) => match op.recorded.and_then(Recorded::capture) {
+                None => Ok(CompletionPoint::Event(Arc::clone(done))),
+                Some(capture) => match captured_completion(capture, capture_is_active) {
+                    CapturedCompletion::Recording => {
+                        Err(capture_waits::host_wait_refusal(operation).into())
+                    }
+                    CapturedCompletion::Captured => Ok(CompletionPoint::Reached),
+                },
+            },
             (state, _) => Err(EventError::InvalidState {
                 id,
                 action,
@@ -631,6 +639,11 @@ impl OperationCoordinator {
     /// dependants' streams wait on, and which ends its GPU-time span). Completion callbacks run
     /// once the GPU reaches the event.
     ///
+    /// On a capturing stream the event goes into the capture: operations of the same capture
+    /// wait for it inside the graph, and the operation counts as complete (callbacks run, it
+    /// retires) once the capture has ended, as the coordinator's next call observes; its work
+    /// then runs at each launch of the graph. It has no GPU time.
+    ///
     /// # Errors
     /// `InvalidState` unless `id` is begun; the driver's error.
     pub fn complete_operation(&self, id: OperationId) -> Result<()> {
@@ -655,14 +668,19 @@ impl OperationCoordinator {
             let operation = operation_mut(&mut state, id, "complete_operation")?;
             let span = operation.span.take();
             let operation_type = operation.metadata.operation_type;
-            self.inner
-                .timer
-                .finish_with(span, Arc::clone(&done), (id, operation_type));
+            // A span begun eagerly whose end went into a capture could never be read: dropped.
+            if recorded.capture().is_none() {
+                self.inner
+                    .timer
+                    .finish_with(span, Arc::clone(&done), (id, operation_type));
+            }
             operation.done = Some(Arc::clone(&done));
             operation.recorded = Some(recorded);
             operation.metadata.state = OperationState::Queued;
             operation.metadata.queued_at = Some(Instant::now());
-            let watch = !operation.callbacks.is_empty();
+            // The waiter cannot watch a captured event: the coordinator's own polls decide a
+            // captured operation (and run its callbacks) once its capture has ended.
+            let watch = !operation.callbacks.is_empty() && recorded.capture().is_none();
             operation.watched = watch;
             state.queued.push(stream_id, id);
             (watch, state.queued.len() >= POLL_AT)
@@ -702,12 +720,21 @@ impl OperationCoordinator {
                 .unwrap_or(EventError::WaiterShutDown)),
             state_now => {
                 operation.callbacks.push(Box::new(callback));
-                // A queued operation nobody watched yet: the waiter watches it from now on.
-                if state_now == OperationState::Queued && !operation.watched {
-                    operation.watched = true;
-                    let done = Arc::clone(operation.done.as_ref().expect("queued has event"));
-                    drop(state);
-                    self.inner.watch(id, done);
+                match operation.recorded.and_then(Recorded::capture) {
+                    // A queued operation nobody watched yet: the waiter watches it from now on.
+                    None if state_now == OperationState::Queued && !operation.watched => {
+                        operation.watched = true;
+                        let done = Arc::clone(operation.done.as_ref().expect("queued has event"));
+                        drop(state);
+                        self.inner.watch(id, done);
+                    }
+                    // Captured, and its capture has ended: the poll decides it and runs the
+                    // callbacks now (while the capture records, a later poll will).
+                    Some(capture) if !capture_is_active(capture) => {
+                        drop(state);
+                        self.inner.poll();
+                    }
+                    _ => {}
                 }
                 return Ok(());
             }
@@ -722,7 +749,9 @@ impl OperationCoordinator {
     /// stored error for a failed one.
     ///
     /// # Errors
-    /// `UnknownOperation`; `InvalidState` before `complete_operation` (there is no event yet).
+    /// `UnknownOperation`; `InvalidState` before `complete_operation` (there is no event yet);
+    /// `GraphError::Capturing` for an operation recorded into a capture still active (nothing
+    /// runs until its graph is launched).
     pub fn completion(&self, id: OperationId) -> Result<WaitFuture> {
         let point = self
             .inner
@@ -806,10 +835,19 @@ impl Inner {
     /// whose completion events the GPU has passed (a slow stream holds back only its own);
     /// then the finished GPU-time spans.
     fn poll(&self) {
-        let finished = self.state.lock().take_finished(|op| match &op.done {
-            Some(done) => done.query(),
-            // A queued operation always has its event; without one there is nothing to see.
-            None => Ok(true),
+        let finished = self.state.lock().take_finished(|op| {
+            // A captured completion event cannot be queried (the driver refuses); its capture
+            // says where the operation stands.
+            if let Some(capture) = op.recorded.and_then(Recorded::capture) {
+                return Ok(
+                    captured_completion(capture, capture_is_active) == CapturedCompletion::Captured
+                );
+            }
+            match &op.done {
+                Some(done) => done.query(),
+                // A queued operation always has its event; without one there is nothing to see.
+                None => Ok(true),
+            }
         });
         for (id, result) in finished {
             self.on_gpu_complete(id, result);
