@@ -177,6 +177,122 @@ impl MemoryError {
     }
 }
 
+/// A copy with a host side that was refused or failed: the [`MemoryError`], and the host side
+/// it was given (a `Vec`, a `Box`, a [`PinnedBuffer`](crate::PinnedBuffer)) whenever no copy of
+/// it can still run, so an owned buffer is never lost to an error.
+///
+/// The host side comes back for every refusal made before anything is queued (a length or
+/// range error, another device's stream, a pageable buffer on a capturing stream) and for a
+/// failure after which the stream was settled. It is `None` only when the copy may still be
+/// running (the stream could not be synchronised after a failure): its memory is then leaked,
+/// never freed under the copy engine. A sink handed back after a failed copy holds unspecified
+/// contents.
+///
+/// `?` converts it into a [`MemoryError`] (dropping the host side) in functions that return
+/// this crate's [`Result`].
+///
+/// ```no_run
+/// # use cuweave_memory::{Buffer, DeviceBuffer, MemoryError};
+/// # fn demo(buffer: &mut DeviceBuffer<f32>, stream: &cuweave_driver::Stream, data: Vec<f32>) -> Result<(), MemoryError> {
+/// let data = match buffer.copy_from_host_async(data, stream) {
+///     Ok(pending) => pending.wait()?,
+///     Err(refused) if refused.error().is_capture_refusal() => {
+///         // Capturing: keep the data and upload it once the capture has ended.
+///         refused.into_host().expect("refused before anything was queued")
+///     }
+///     Err(failed) => return Err(failed.into()),
+/// };
+/// # drop(data);
+/// # Ok(())
+/// # }
+/// ```
+pub struct HostCopyError<H, E = MemoryError> {
+    error: E,
+    host: Option<H>,
+}
+
+impl<H, E> HostCopyError<H, E> {
+    /// `error`, handing back `host` (`None` when the copy may still run and the host side was
+    /// leaked). For layers above that wrap these copies in their own errors.
+    pub fn new(error: E, host: Option<H>) -> Self {
+        Self { error, host }
+    }
+
+    /// What went wrong.
+    pub fn error(&self) -> &E {
+        &self.error
+    }
+
+    /// Whether the host side is handed back (see the type's docs for when it is not).
+    pub fn has_host(&self) -> bool {
+        self.host.is_some()
+    }
+
+    /// The host side, when it is handed back.
+    pub fn into_host(self) -> Option<H> {
+        self.host
+    }
+
+    /// The error and the host side.
+    pub fn into_parts(self) -> (E, Option<H>) {
+        (self.error, self.host)
+    }
+
+    /// The error alone (the host side, if any, is dropped).
+    pub fn into_error(self) -> E {
+        self.error
+    }
+
+    /// The same host side with the error converted (into a layer's own error type).
+    pub fn map_error<F>(self, convert: impl FnOnce(E) -> F) -> HostCopyError<H, F> {
+        HostCopyError {
+            error: convert(self.error),
+            host: self.host,
+        }
+    }
+}
+
+impl<H> From<HostCopyError<H>> for MemoryError {
+    fn from(error: HostCopyError<H>) -> Self {
+        error.error
+    }
+}
+
+impl<H, E: std::fmt::Debug> std::fmt::Debug for HostCopyError<H, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostCopyError")
+            .field("error", &self.error)
+            .field("host_returned", &self.host.is_some())
+            .finish()
+    }
+}
+
+impl<H, E: std::fmt::Display> std::fmt::Display for HostCopyError<H, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.error, f)
+    }
+}
+
+impl<H, E: std::error::Error> std::error::Error for HostCopyError<H, E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.error.source()
+    }
+}
+
+/// `$result`'s value, or a return of its error as a [`HostCopyError`] that hands `$host`
+/// back: for refusals made before a copy of `$host` is queued.
+macro_rules! hand_back_on_error {
+    ($result:expr, $host:expr) => {
+        match $result {
+            Ok(value) => value,
+            Err(error) => {
+                return Err($crate::error::HostCopyError::new(error.into(), Some($host)));
+            }
+        }
+    };
+}
+pub(crate) use hand_back_on_error;
+
 #[cfg(test)]
 mod tests {
     use super::*;

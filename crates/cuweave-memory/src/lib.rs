@@ -80,7 +80,7 @@ pub use buffer::{
 };
 pub use caching::{CachedAllocation, CachingAllocator, MemoryStats, PoolKind, Stat, StreamKey};
 pub use element::Element;
-pub use error::{MemoryError, Result};
+pub use error::{HostCopyError, MemoryError, Result};
 pub use host_copy::copy_streaming;
 pub use launch::TrackedLaunch;
 pub use pinned_pool::{

@@ -349,10 +349,15 @@ fn a_blocking_upload_on_a_stream_lands_after_the_uses_it_conflicts_with() {
         .unwrap();
     assert_eq!(pinned.as_slice().unwrap(), &[9u32; 16]);
     assert_eq!(device.to_vec().unwrap()[len - 16..], [9u32; 16]);
-    assert!(matches!(
-        device.copy_range_from_host_on(len - 1, vec![1u32; 2], &b),
-        Err(MemoryError::OutOfRange { .. })
-    ));
+    let refused = device
+        .copy_range_from_host_on(len - 1, vec![1u32; 2], &b)
+        .expect_err("a range past the end was copied");
+    assert!(matches!(refused.error(), MemoryError::OutOfRange { .. }));
+    assert_eq!(
+        refused.into_host(),
+        Some(vec![1u32; 2]),
+        "the Vec handed back"
+    );
 }
 
 #[test]
@@ -486,14 +491,17 @@ fn bad_requests_are_typed_errors() {
         device.copy_range_from(10, &shorter, 0, 8),
         Err(MemoryError::OutOfRange { .. })
     ));
-    assert!(matches!(
-        device.copy_from_host_async(vec![1u32; 15], &s),
-        Err(MemoryError::SizeMismatch { .. })
-    ));
-    assert!(matches!(
-        device.copy_range_to_host_async(10, vec![0u32; 7], &s),
-        Err(MemoryError::OutOfRange { .. })
-    ));
+    // Refused host copies hand their owned host side back, unchanged.
+    let refused = device
+        .copy_from_host_async(vec![1u32; 15], &s)
+        .expect_err("a shorter Vec was copied");
+    assert!(matches!(refused.error(), MemoryError::SizeMismatch { .. }));
+    assert_eq!(refused.into_host(), Some(vec![1u32; 15]));
+    let refused = device
+        .copy_range_to_host_async(10, vec![3u32; 7].into_boxed_slice(), &s)
+        .expect_err("a range past the end was copied");
+    assert!(matches!(refused.error(), MemoryError::OutOfRange { .. }));
+    assert_eq!(refused.into_host().as_deref(), Some(&[3u32; 7][..]));
     assert!(matches!(
         device.copy_range_from_async(0, &pinned, 0, 0, &s),
         Err(MemoryError::ZeroLength { .. })

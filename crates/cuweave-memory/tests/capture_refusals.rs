@@ -8,8 +8,8 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use cuweave_driver::graph::{CaptureMode, CaptureStatus};
 use cuweave_driver::{InstantiateOptions, Stream, StreamFlags};
-use cuweave_memory::MemoryError;
 use cuweave_memory::buffer::{Buffer, DeviceBuffer, PinnedBuffer};
+use cuweave_memory::{HostCopyError, MemoryError};
 use cuweave_test_support::require_gpu;
 
 const LEN: usize = 4096;
@@ -31,6 +31,17 @@ fn assert_refused<T: std::fmt::Debug>(result: cuweave_memory::Result<T>, operati
         }
         other => panic!("{operation}: expected NotCapturable, got {other:?}"),
     }
+}
+
+/// `result` is a `NotCapturable` refusal of `operation` that hands the host side back; returns
+/// it.
+fn refused_host<T: std::fmt::Debug, H>(result: Result<T, HostCopyError<H>>, operation: &str) -> H {
+    let (error, host) = match result {
+        Err(refused) => refused.into_parts(),
+        Ok(other) => panic!("{operation}: expected NotCapturable, got {other:?}"),
+    };
+    assert_refused::<()>(Err(error), operation);
+    host.unwrap_or_else(|| panic!("{operation}: the refusal kept the host side"))
 }
 
 fn assert_capture_active(stream: &Stream) {
@@ -55,30 +66,34 @@ fn uncapturable_operations_are_refused_and_the_capture_survives() {
     stream
         .begin_capture_synchronized(CaptureMode::ThreadLocal)
         .unwrap();
-    // Pageable host sides, both directions, owned as Vec and Box.
-    assert_refused(
+    // Pageable host sides, both directions, owned as Vec and Box: each refusal hands the host
+    // side back, unchanged, for the caller to use once the capture has ended.
+    let upload = refused_host(
         words.copy_from_host_async(vec![5u32; LEN], &stream),
         "Buffer::copy_range_from_host_async",
     );
-    assert_refused(
+    assert_eq!(upload, vec![5u32; LEN]);
+    let boxed = refused_host(
         words.copy_from_host_async(vec![5u32; LEN].into_boxed_slice(), &stream),
         "Buffer::copy_range_from_host_async",
     );
-    assert_refused(
-        words.copy_to_host_async(vec![0u32; LEN], &stream),
+    assert_eq!(&*boxed, &[5u32; LEN][..]);
+    let sink = refused_host(
+        words.copy_to_host_async(vec![9u32; LEN], &stream),
         "Buffer::copy_range_to_host_async",
     );
-    assert_refused(
+    assert_eq!(sink, vec![9u32; LEN]);
+    refused_host(
         words.copy_range_to_host_async(1, vec![0u32; 3].into_boxed_slice(), &stream),
         "Buffer::copy_range_to_host_async",
     );
     // Copies that return once landed, pageable or pinned.
-    assert_refused(
+    refused_host(
         words.copy_range_from_host_on(0, vec![5u32; 8], &stream),
         "Buffer::copy_range_from_host_on",
     );
     let pinned = PinnedBuffer::from_slice(ctx, &[5u32; 8]).unwrap();
-    assert_refused(
+    refused_host(
         words.copy_range_from_host_on(0, &pinned, &stream),
         "Buffer::copy_range_from_host_on",
     );
@@ -123,12 +138,19 @@ fn uncapturable_operations_are_refused_and_the_capture_survives() {
     assert_eq!(words.to_vec().unwrap(), vec![0x0a0b_0c0d; LEN]);
     assert_eq!(wide.to_vec().unwrap(), vec![0x0707_0707_0707_0707; LEN]);
 
-    // Off the capture, the refused operations run.
+    // Off the capture, the refused operations run, on the host sides they handed back.
     words
-        .copy_from_host_async(vec![5u32; LEN], &stream)
+        .copy_from_host_async(upload, &stream)
         .unwrap()
         .wait()
         .unwrap();
+    let sink = words
+        .copy_to_host_async(sink, &stream)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(sink, vec![5u32; LEN]);
+    drop(boxed);
     wide.fill_async(0x1122_3344_5566_7788, &stream).unwrap();
     stream.synchronize().unwrap();
     assert_eq!(words.to_vec().unwrap(), vec![5; LEN]);

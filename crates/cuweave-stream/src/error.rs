@@ -131,6 +131,20 @@ pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
+impl<H> From<cuweave_memory::HostCopyError<H, StreamError>> for StreamError {
+    /// The error of a refused or failed copy, its host side dropped.
+    fn from(error: cuweave_memory::HostCopyError<H, StreamError>) -> Self {
+        error.into_error()
+    }
+}
+
+impl<H> From<cuweave_memory::HostCopyError<H>> for StreamError {
+    /// The memory layer's error of a refused or failed copy, its host side dropped.
+    fn from(error: cuweave_memory::HostCopyError<H>) -> Self {
+        error.into_error().into()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

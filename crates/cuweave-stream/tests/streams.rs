@@ -160,6 +160,20 @@ fn operations_are_counted_and_timed_on_the_gpu() {
         "GPU time {} ns",
         metrics.gpu_time_ns
     );
+
+    // A refused copy hands its Vec back, unchanged, and is not counted.
+    let refused = stream
+        .copy_to_host(&a, vec![1u32; N - 1])
+        .expect_err("a shorter Vec was copied into");
+    assert!(
+        matches!(
+            refused.error(),
+            StreamError::Memory(cuweave_memory::MemoryError::SizeMismatch { .. })
+        ),
+        "{refused}"
+    );
+    assert_eq!(refused.into_host(), Some(vec![1u32; N - 1]));
+    assert_eq!(stream.metrics().unwrap().operations, 5);
 }
 
 #[test]

@@ -89,3 +89,11 @@ pub enum TransferError {
     #[error("a staging worker thread panicked")]
     WorkerPanicked,
 }
+
+impl<H> From<cuweave_memory::HostCopyError<H>> for TransferError {
+    /// The memory layer's error of a refused or failed copy, its host side dropped (the
+    /// transfer's own staging blocks go back to their pool).
+    fn from(error: cuweave_memory::HostCopyError<H>) -> Self {
+        error.into_error().into()
+    }
+}

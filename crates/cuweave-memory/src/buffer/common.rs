@@ -14,7 +14,7 @@ use super::tracker::{Access, Part, StreamTracker};
 use super::uses::ByteRange;
 use super::view::{BufferSlice, BufferSliceMut};
 use crate::element::Element;
-use crate::error::{MemoryError, Result};
+use crate::error::{HostCopyError, MemoryError, Result, hand_back_on_error};
 use std::ops::RangeBounds;
 
 /// The untyped part every buffer holds: where its memory is, and its last use.
@@ -509,25 +509,38 @@ pub trait Buffer<T: Element>: sealed::Sealed {
     /// On a capturing stream a pinned host side is captured (the graph reads it at every
     /// launch; see [`HostSource`]) and a pageable one (`Vec`, `Box`) is refused with
     /// [`MemoryError::NotCapturable`] before anything is queued, leaving the capture valid.
+    ///
+    /// # Errors
+    /// A [`HostCopyError`] that hands `host` back whenever no copy of it can still run (every
+    /// refusal, and failures after which the stream was settled): `SizeMismatch` for another
+    /// length, `WrongDevice` for a stream of another device, `NotCapturable`, the driver's
+    /// error. `?` turns it into a [`MemoryError`].
     fn copy_from_host_async<H: HostSource<T>>(
         &mut self,
         host: H,
         stream: &Stream,
-    ) -> Result<PendingCopy<H>> {
-        check_same_len("Buffer::copy_from_host_async", self.len(), host.host_len())?;
+    ) -> Result<PendingCopy<H>, HostCopyError<H>> {
+        hand_back_on_error!(
+            check_same_len("Buffer::copy_from_host_async", self.len(), host.host_len()),
+            host
+        );
         self.copy_range_from_host_async(0, host, stream)
     }
 
     /// Queues a copy of `host` into elements `offset..offset + host_len` on `stream`.
+    ///
+    /// # Errors
+    /// As [`copy_from_host_async`](Self::copy_from_host_async), with `OutOfRange` /
+    /// `ZeroLength` for a bad range (`host` handed back).
     fn copy_range_from_host_async<H: HostSource<T>>(
         &mut self,
         offset: usize,
         host: H,
         stream: &Stream,
-    ) -> Result<PendingCopy<H>> {
+    ) -> Result<PendingCopy<H>, HostCopyError<H>> {
         const OP: &str = "Buffer::copy_range_from_host_async";
         let core = self.core();
-        let span = core.span(OP, offset, host.host_len())?;
+        let span = hand_back_on_error!(core.span(OP, offset, host.host_len()), host);
         raw::write_async::<T, H>(OP, span, host, stream, core.part_of(span))
     }
 
@@ -540,8 +553,9 @@ pub trait Buffer<T: Element>: sealed::Sealed {
     /// that the copy landed through a completion word instead, which is quicker still.
     ///
     /// # Errors
-    /// As [`copy_range_from_host_async`](Self::copy_range_from_host_async); if the copy's end
-    /// cannot be known (the context broke), `host` is leaked rather than freed.
+    /// As [`copy_range_from_host_async`](Self::copy_range_from_host_async) (`host` handed back
+    /// in the [`HostCopyError`]); if the copy's end cannot be known (the context broke), `host`
+    /// is leaked rather than freed.
     /// [`MemoryError::NotCapturable`] on a capturing stream, whatever the host side: a capture
     /// runs nothing, so the copy could never have landed when this returns.
     fn copy_range_from_host_on<H: HostSource<T>>(
@@ -549,10 +563,10 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         offset: usize,
         host: H,
         stream: &Stream,
-    ) -> Result<H> {
+    ) -> Result<H, HostCopyError<H>> {
         const OP: &str = "Buffer::copy_range_from_host_on";
         let core = self.core();
-        let span = core.span(OP, offset, host.host_len())?;
+        let span = hand_back_on_error!(core.span(OP, offset, host.host_len()), host);
         raw::write_completed::<T, H>(OP, span, host, stream, None, core.part_of(span))
     }
 
@@ -575,10 +589,10 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         host: H,
         stream: &Stream,
         words: &CompletionWords,
-    ) -> Result<H> {
+    ) -> Result<H, HostCopyError<H>> {
         const OP: &str = "Buffer::copy_range_from_host_watched";
         let core = self.core();
-        let span = core.span(OP, offset, host.host_len())?;
+        let span = hand_back_on_error!(core.span(OP, offset, host.host_len()), host);
         raw::write_completed::<T, H>(OP, span, host, stream, Some(words), core.part_of(span))
     }
 
@@ -639,25 +653,37 @@ pub trait Buffer<T: Element>: sealed::Sealed {
     /// On a capturing stream a pinned host side is captured (the graph writes it at every
     /// launch) and a pageable one is refused with [`MemoryError::NotCapturable`], as for
     /// [`copy_from_host_async`](Self::copy_from_host_async).
+    ///
+    /// # Errors
+    /// As [`copy_from_host_async`](Self::copy_from_host_async): the [`HostCopyError`] hands
+    /// `host` back whenever no copy into it can still run (its contents are then unspecified
+    /// if the copy failed after it was queued).
     fn copy_to_host_async<H: HostSink<T>>(
         &self,
         host: H,
         stream: &Stream,
-    ) -> Result<PendingCopy<H>> {
-        check_same_len("Buffer::copy_to_host_async", self.len(), host.host_len())?;
+    ) -> Result<PendingCopy<H>, HostCopyError<H>> {
+        hand_back_on_error!(
+            check_same_len("Buffer::copy_to_host_async", self.len(), host.host_len()),
+            host
+        );
         self.copy_range_to_host_async(0, host, stream)
     }
 
     /// Queues a copy of elements `offset..offset + host_len` into `host` on `stream`.
+    ///
+    /// # Errors
+    /// As [`copy_to_host_async`](Self::copy_to_host_async), with `OutOfRange` / `ZeroLength`
+    /// for a bad range (`host` handed back).
     fn copy_range_to_host_async<H: HostSink<T>>(
         &self,
         offset: usize,
         host: H,
         stream: &Stream,
-    ) -> Result<PendingCopy<H>> {
+    ) -> Result<PendingCopy<H>, HostCopyError<H>> {
         const OP: &str = "Buffer::copy_range_to_host_async";
         let core = self.core();
-        let span = core.span(OP, offset, host.host_len())?;
+        let span = hand_back_on_error!(core.span(OP, offset, host.host_len()), host);
         raw::read_async::<T, H>(OP, span, host, stream, core.part_of(span))
     }
 

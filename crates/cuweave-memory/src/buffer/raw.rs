@@ -33,7 +33,7 @@ use super::pending::{MarkedCopy, PendingCopy};
 use super::range::DeviceSpan;
 use super::tracker::{self, Access, Part, StreamTracker};
 use crate::element::Element;
-use crate::error::{MemoryError, Result};
+use crate::error::{HostCopyError, MemoryError, Result, hand_back_on_error};
 
 /// The context's legacy default stream (`NULL`), on which blocking operations are ordered.
 pub(crate) fn legacy_stream(context: &Arc<Context>) -> Stream {
@@ -123,19 +123,12 @@ pub(crate) fn write_async<T: Element, H: HostSource<T>>(
     host: H,
     stream: &Stream,
     buffer: Part<'_>,
-) -> Result<PendingCopy<H>> {
+) -> Result<PendingCopy<H>, HostCopyError<H>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
-    tracker::ensure_same_device(operation, buffer.tracker.context(), stream)?;
-    // Refused before anything touches the stream when the host side is pageable and the stream
-    // is capturing: the driver would invalidate the capture.
-    let captured = capture::host_copy_captured(operation, stream, host.host_tracker().is_some())?;
-    // From the context's event pool, which every layer shares: no event created per copy. A
-    // captured copy gets none: an event recorded in a capture can never be waited for.
-    let done = if captured {
-        None
-    } else {
-        Some(buffer.tracker.event_for(stream)?)
-    };
+    let done = hand_back_on_error!(
+        prepare(operation, stream, &buffer, host.host_tracker()),
+        host
+    );
     let src = host.host_ptr();
     let uses: Vec<(Part<'_>, Access)> = [
         Some((buffer, Access::Write)),
@@ -175,7 +168,7 @@ pub(crate) fn write_completed<T: Element, H: HostSource<T>>(
     stream: &Stream,
     words: Option<&CompletionWords>,
     buffer: Part<'_>,
-) -> Result<H> {
+) -> Result<H, HostCopyError<H>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
     // A capture would record the copy and run nothing, so "landed" could never be true; a
     // pageable one would also invalidate it. Refused before anything touches the stream.
@@ -185,9 +178,15 @@ pub(crate) fn write_completed<T: Element, H: HostSource<T>>(
     } else {
         StatusCheck::Always
     };
-    capture::refuse_in_capture(operation, stream, check, capture::BLOCKING)?;
+    hand_back_on_error!(
+        capture::refuse_in_capture(operation, stream, check, capture::BLOCKING),
+        host
+    );
     if pinned {
-        return write_async(operation, dst, host, stream, buffer)?.wait();
+        // A failed wait leaves the copy's end unknown: the pending copy keeps the host side.
+        return write_async(operation, dst, host, stream, buffer)?
+            .wait()
+            .map_err(|error| HostCopyError::new(error, None));
     }
     let src = host.host_ptr();
     let outcome = tracker::run_completed(operation, stream, buffer, Access::Write, || {
@@ -215,17 +214,12 @@ pub(crate) fn read_async<T: Element, H: HostSink<T>>(
     mut host: H,
     stream: &Stream,
     buffer: Part<'_>,
-) -> Result<PendingCopy<H>> {
+) -> Result<PendingCopy<H>, HostCopyError<H>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), src.bytes());
-    tracker::ensure_same_device(operation, buffer.tracker.context(), stream)?;
-    // As in `write_async`: a pageable sink on a capturing stream is refused before anything is
-    // queued, and a captured copy records no event.
-    let captured = capture::host_copy_captured(operation, stream, host.host_tracker().is_some())?;
-    let done = if captured {
-        None
-    } else {
-        Some(buffer.tracker.event_for(stream)?)
-    };
+    let done = hand_back_on_error!(
+        prepare(operation, stream, &buffer, host.host_tracker()),
+        host
+    );
     let dst = host.host_mut_ptr();
     let uses: Vec<(Part<'_>, Access)> = [
         Some((buffer, Access::Read)),
@@ -252,13 +246,32 @@ pub(crate) fn read_async<T: Element, H: HostSink<T>>(
     finish(outcome, host, done, src.bytes())
 }
 
+/// Checks, before anything is queued, that a host copy can run on `stream`: a stream of the
+/// buffer's device, and no capture unless the host side is pinned (`host_tracker`: a pageable
+/// one would invalidate the capture). Returns the event to record behind the copy: from the
+/// context's event pool, which every layer shares (none is created per copy); none for a
+/// captured copy, since an event recorded in a capture can never be waited for.
+fn prepare(
+    operation: &'static str,
+    stream: &Stream,
+    buffer: &Part<'_>,
+    host_tracker: Option<&StreamTracker>,
+) -> Result<Option<OwnedPooledEvent>> {
+    tracker::ensure_same_device(operation, buffer.tracker.context(), stream)?;
+    if capture::host_copy_captured(operation, stream, host_tracker.is_some())? {
+        Ok(None)
+    } else {
+        Ok(Some(buffer.tracker.event_for(stream)?))
+    }
+}
+
 /// The pending copy of a queued `outcome`: tracked by `done`, or captured when there is none.
 fn finish<H>(
     outcome: Result<(), tracker::OpFailure>,
     host: H,
     done: Option<OwnedPooledEvent>,
     bytes: usize,
-) -> Result<PendingCopy<H>> {
+) -> Result<PendingCopy<H>, HostCopyError<H>> {
     match outcome {
         Ok(()) => Ok(match done {
             Some(done) => PendingCopy::new(host, done, bytes),
@@ -268,14 +281,16 @@ fn finish<H>(
     }
 }
 
-/// The error of a failed copy with a host side: `host` is dropped if the stream was settled,
-/// leaked if the copy may still be running (its memory must never be freed under the copy
-/// engine).
-fn give_up_host<H>(failure: tracker::OpFailure, host: H) -> MemoryError {
-    if !failure.settled {
+/// The error of a failed copy with a host side: `host` is handed back if the stream was
+/// settled, leaked if the copy may still be running (its memory must never be freed under the
+/// copy engine).
+fn give_up_host<H>(failure: tracker::OpFailure, host: H) -> HostCopyError<H> {
+    if failure.settled {
+        HostCopyError::new(failure.error, Some(host))
+    } else {
         std::mem::forget(host);
+        HostCopyError::new(failure.error, None)
     }
-    failure.error
 }
 
 /// Queues a device-to-device copy of `src` into `dst` (same length) on `stream`.
@@ -468,7 +483,8 @@ pub(crate) fn write_chunk<T: Element, H: HostSource<T>>(
         Ok(())
     };
     let outcome = run_chunk(operation, stream, host.host_tracker(), Access::Read, copy);
-    finish(outcome, host, done, dst.bytes())
+    // Chunks are the staging pipelines' own blocks: an error drops the block (back to its pool).
+    finish(outcome, host, done, dst.bytes()).map_err(HostCopyError::into_error)
 }
 
 /// Queues a chunk copy (`copy`, touching `host`'s memory) on `stream` with a mark of `marks`
@@ -503,7 +519,7 @@ fn queue_marked<'s, T, H: super::host::sealed::HostSide<T>>(
     });
     match outcome {
         Ok(mark) => Ok(MarkedCopy::new(host, marks, mark, stream, bytes)),
-        Err(failure) => Err(give_up_host(failure, host)),
+        Err(failure) => Err(give_up_host(failure, host).into_error()),
     }
 }
 
@@ -601,5 +617,5 @@ pub(crate) fn read_chunk<T: Element, H: HostSink<T>>(
         Ok(())
     };
     let outcome = run_chunk(operation, stream, host.host_tracker(), Access::Write, copy);
-    finish(outcome, host, done, src.bytes())
+    finish(outcome, host, done, src.bytes()).map_err(HostCopyError::into_error)
 }

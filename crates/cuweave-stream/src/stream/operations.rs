@@ -2,11 +2,11 @@
 //! and unified-memory prefetch, each checked for the device and counted.
 
 use cuweave_memory::{
-    Buffer, Element, HostSink, HostSource, MemLocation, PendingCopy, UnifiedBuffer,
+    Buffer, Element, HostCopyError, HostSink, HostSource, MemLocation, PendingCopy, UnifiedBuffer,
 };
 
 use super::{OperationKind, PriorityStream};
-use crate::error::{Result, ensure_device};
+use crate::error::{Result, StreamError, ensure_device};
 
 impl PriorityStream {
     fn ensure_buffer_device(
@@ -21,16 +21,19 @@ impl PriorityStream {
     /// owns `host` until the GPU is past the copy.
     ///
     /// # Errors
+    /// A [`HostCopyError`] that hands `host` back whenever no copy of it can still run:
     /// [`StreamError::WrongDevice`](crate::StreamError::WrongDevice) for a buffer of another
-    /// device; the memory layer's errors for mismatched lengths.
+    /// device; the memory layer's errors (mismatched lengths, a pageable host side on a
+    /// capturing stream, the driver's). `?` turns it into a [`StreamError`].
     pub fn copy_from_host<T: Element, B: Buffer<T>, H: HostSource<T>>(
         &self,
         dst: &mut B,
         host: H,
-    ) -> Result<PendingCopy<H>> {
-        self.ensure_buffer_device("PriorityStream::copy_from_host", dst.device())?;
+    ) -> std::result::Result<PendingCopy<H>, HostCopyError<H, StreamError>> {
+        const OP: &str = "PriorityStream::copy_from_host";
         let bytes = dst.byte_size() as u64;
-        self.enqueue(OperationKind::Copy, bytes, |stream| {
+        let device = dst.device();
+        self.copy_with_host(OP, device, bytes, host, |host, stream| {
             dst.copy_from_host_async(host, stream)
         })
     }
@@ -44,12 +47,42 @@ impl PriorityStream {
         &self,
         src: &B,
         host: H,
-    ) -> Result<PendingCopy<H>> {
-        self.ensure_buffer_device("PriorityStream::copy_to_host", src.device())?;
+    ) -> std::result::Result<PendingCopy<H>, HostCopyError<H, StreamError>> {
+        const OP: &str = "PriorityStream::copy_to_host";
         let bytes = src.byte_size() as u64;
-        self.enqueue(OperationKind::Copy, bytes, |stream| {
+        self.copy_with_host(OP, src.device(), bytes, host, |host, stream| {
             src.copy_to_host_async(host, stream)
         })
+    }
+
+    /// Queues `copy` of `host` through [`enqueue`](Self::enqueue) for a buffer of `device`, and
+    /// hands `host` back with any error that leaves it unused: refused before `copy` ran, or
+    /// handed back by the memory layer.
+    fn copy_with_host<H>(
+        &self,
+        operation: &'static str,
+        device: cuweave_driver::Device,
+        bytes: u64,
+        host: H,
+        copy: impl FnOnce(
+            H,
+            &cuweave_driver::Stream,
+        ) -> std::result::Result<PendingCopy<H>, HostCopyError<H>>,
+    ) -> std::result::Result<PendingCopy<H>, HostCopyError<H, StreamError>> {
+        if let Err(error) = self.ensure_buffer_device(operation, device) {
+            return Err(HostCopyError::new(error, Some(host)));
+        }
+        let mut unused = Some(host);
+        let mut handed_back = None;
+        let queued = self.enqueue(OperationKind::Copy, bytes, |stream| {
+            let host = unused.take().expect("the copy runs once");
+            copy(host, stream).map_err(|refused| {
+                let (error, host) = refused.into_parts();
+                handed_back = host;
+                error
+            })
+        });
+        queued.map_err(|error| HostCopyError::new(error, handed_back.or(unused)))
     }
 
     /// Queues a device-to-device copy of `src` into `dst` (same length, same device).
