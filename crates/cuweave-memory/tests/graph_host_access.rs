@@ -1,6 +1,7 @@
 //! GPU tests: host access to a pinned buffer that a graph copies into waits for the graph's
 //! launches, which record no uses on the buffer (its tracker saw the capture, not the
-//! launches).
+//! launches); and eager device work on another stream waits for them too, through the fences
+//! the launches leave (`cuweave_driver::graph::wait_for_graph_launches`).
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -117,4 +118,101 @@ fn a_wait_for_graph_launches_during_another_capture_is_a_typed_refusal() {
     drop(graph);
     assert!(output.as_slice().unwrap().iter().all(|&x| x == 9));
     drop(exec);
+}
+
+/// A graph that spins, then fills a device buffer with 7, launched on one stream; eager work
+/// on another stream right after the launch is ordered after it: a download reads the 7s (not
+/// what was there before), and a fill of 9 lands after the graph's fill, so 9 stays. A graph
+/// that does not use the buffer, spinning on a third stream, is not waited for.
+#[test]
+fn eager_work_on_another_stream_waits_for_the_graph_launches_that_use_the_buffer() {
+    let _serial = serial();
+    let gpu = require_gpu!();
+    let ctx = &gpu.context;
+    let kernels = TestKernels::load(ctx).unwrap();
+    let (graph_stream, other) = (
+        Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap(),
+        Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap(),
+    );
+    let mut data = DeviceBuffer::<u32>::new(ctx, LEN).unwrap();
+    graph_stream
+        .begin_capture_synchronized(CaptureMode::ThreadLocal)
+        .unwrap();
+    kernels.spin_ns(&graph_stream, SPIN_NS).unwrap();
+    data.fill_async(7, &graph_stream).unwrap();
+    let graph = graph_stream.end_capture().unwrap();
+    let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
+    assert!(
+        graph.tracked_capture().is_some(),
+        "a tracked buffer was used"
+    );
+    // A graph of another buffer, spinning long: eager work on `data` does not wait for it.
+    let (unrelated_stream, mut unrelated) = (
+        Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap(),
+        DeviceBuffer::<u32>::new(ctx, 1024).unwrap(),
+    );
+    unrelated_stream
+        .begin_capture_synchronized(CaptureMode::ThreadLocal)
+        .unwrap();
+    kernels.spin_ns(&unrelated_stream, 5 * SPIN_NS).unwrap();
+    unrelated.fill_async(5, &unrelated_stream).unwrap();
+    let unrelated_exec = unrelated_stream
+        .end_capture()
+        .unwrap()
+        .instantiate(&InstantiateOptions::default())
+        .unwrap();
+    unrelated_exec.launch(&unrelated_stream).unwrap();
+
+    // A reader on another stream.
+    data.fill(1).unwrap();
+    exec.launch(&graph_stream).unwrap();
+    let read = data
+        .copy_to_host_async(vec![0u32; LEN], &other)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(
+        read.iter().all(|&x| x == 7),
+        "the download on another stream overlapped the graph's launch: read {}",
+        read[0]
+    );
+    assert!(
+        !unrelated_stream.query().unwrap(),
+        "the download waited for a graph that does not use its buffer"
+    );
+
+    // A writer on another stream.
+    exec.launch(&graph_stream).unwrap();
+    data.fill_async(9, &other).unwrap();
+    other.synchronize().unwrap();
+    graph_stream.synchronize().unwrap();
+    unrelated_stream.synchronize().unwrap();
+    assert!(
+        data.to_vec().unwrap().iter().all(|&x| x == 9),
+        "the graph's fill landed after the later eager fill on another stream"
+    );
+
+    // The fences stay bounded: one per stream that launched, and finished ones (of streams
+    // since dropped) are pruned.
+    let mut scratch = DeviceBuffer::<u32>::new(ctx, 1024).unwrap();
+    graph_stream
+        .begin_capture_synchronized(CaptureMode::ThreadLocal)
+        .unwrap();
+    scratch.fill_async(3, &graph_stream).unwrap();
+    let quick = graph_stream
+        .end_capture()
+        .unwrap()
+        .instantiate(&InstantiateOptions::default())
+        .unwrap();
+    for _ in 0..64 {
+        let launcher = Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap();
+        quick.launch(&launcher).unwrap();
+        launcher.synchronize().unwrap();
+    }
+    let fences = cuweave_driver::graph::graph_launch_fences();
+    assert!(
+        fences <= cuweave_driver::graph::PRUNE_FENCES_AT,
+        "{fences} fences kept after 64 launching streams"
+    );
+    assert_eq!(scratch.to_vec().unwrap(), vec![3u32; 1024]);
 }

@@ -115,6 +115,9 @@ struct Record {
     capture_id: u64,
     context: usize,
     complete_before: u64,
+    /// A tracked buffer (of the memory layer) was used in the capture: its graph's launches
+    /// leave fences (see `fences`).
+    tracked: bool,
 }
 
 /// Every capture begun through cuweave and not yet ended (few at a time: one per capturing
@@ -160,6 +163,21 @@ impl CaptureState {
             active: (word & COUNT_MASK) as usize,
             epoch: word >> COUNT_BITS,
         }
+    }
+}
+
+/// Notes that a tracked buffer was used in the active capture `capture_id` (begun through
+/// cuweave): the graph it ends in then leaves a fence behind each launch, which eager work on
+/// other streams that uses such a buffer waits for
+/// ([`wait_for_graph_launches`](super::wait_for_graph_launches)). The memory layer calls it;
+/// cheap when already noted.
+pub fn note_tracked_use(capture_id: u64) {
+    if let Some(record) = RECORDS
+        .lock()
+        .iter_mut()
+        .find(|record| record.capture_id == capture_id)
+    {
+        record.tracked = true;
     }
 }
 
@@ -522,6 +540,7 @@ impl Stream {
             capture_id,
             context: self.context().as_raw() as usize,
             complete_before,
+            tracked: false,
         });
         STATE.fetch_add(1, Ordering::AcqRel);
         if mode == CaptureMode::Global {
@@ -575,7 +594,8 @@ impl Stream {
         match ended {
             Ok(()) if !raw.is_null() => {
                 // SAFETY: the driver just created this graph and hands it to us.
-                Ok(unsafe { Graph::from_raw(self.context(), raw) })
+                let graph = unsafe { Graph::from_raw(self.context(), raw) };
+                Ok(graph.with_tracked_capture(record.tracked.then_some(record.capture_id)))
             }
             Ok(()) => Err(invalidated_since(record.first_failure)),
             Err(DriverError::Graph(GraphError::CaptureInvalidated { .. })) => {

@@ -79,6 +79,12 @@ pub struct GraphExec {
     launches: AtomicU64,
     /// The current generation, each value once (replaced only under `&mut self`).
     keep_alive: Vec<KeepAlive>,
+    /// The context's shared event pool, for the fences behind launches (see `fences`); taken
+    /// on the first fenced launch.
+    fence_pool: std::sync::OnceLock<EventPool>,
+    /// The capture of the current graph, when tracked buffers were used in it: launches leave
+    /// fences under it.
+    tracked_capture: Option<u64>,
 }
 
 // SAFETY: a CUgraphExec may be used from any thread; every call on it holds `lock`.
@@ -103,6 +109,7 @@ impl GraphExec {
         options: &InstantiateOptions,
         allocates: bool,
         keep_alive: Vec<KeepAlive>,
+        tracked_capture: Option<u64>,
     ) -> Result<Self> {
         context.bind_to_thread()?;
         let api = driver()?;
@@ -141,6 +148,8 @@ impl GraphExec {
             lock: Mutex::new(Retirement::default()),
             single_launch: allocates && !options.auto_free_on_launch,
             launches: AtomicU64::new(0),
+            fence_pool: std::sync::OnceLock::new(),
+            tracked_capture,
             keep_alive: deduplicated(&keep_alive),
         })
     }
@@ -157,6 +166,8 @@ impl GraphExec {
             lock: Mutex::new(Retirement::default()),
             single_launch: false,
             launches: AtomicU64::new(0),
+            fence_pool: std::sync::OnceLock::new(),
+            tracked_capture: None,
             keep_alive: Vec::new(),
         }
     }
@@ -193,6 +204,12 @@ impl GraphExec {
     /// before, and work queued after waits for all of it. A graph's launches on one or several
     /// streams run one after another, never overlapped.
     ///
+    /// A graph ended from a capture in which tracked buffers were used
+    /// ([`Graph::tracked_capture`]) leaves a fence (one pooled event) behind each launch on an
+    /// eager stream, which eager work on those buffers on other streams waits for
+    /// ([`wait_for_graph_launches`](super::wait_for_graph_launches)); other graphs' launches
+    /// cost nothing more.
+    ///
     /// # Errors
     /// `InvalidArgument` for a stream of another device;
     /// [`GraphError::RelaunchNeedsAutoFree`] for a second launch of a graph that allocates and
@@ -214,6 +231,10 @@ impl GraphExec {
         })?;
         self.launches.fetch_add(1, Ordering::Relaxed);
         retirement.launched(|| self.fence_behind(stream));
+        // Eager work on other streams that uses memory a capture used waits for this.
+        if let Some(capture) = self.tracked_capture {
+            super::fences::fence_launch(&self.context, &self.fence_pool, stream, capture);
+        }
         Ok(())
     }
 
@@ -280,6 +301,9 @@ impl GraphExec {
             return Err(error);
         }
         retirement.update(&mut self.keep_alive, graph.kept_alive());
+        // Later launches run `graph`'s parameters: they are fenced under its capture. Launches
+        // made before keep their fences under the old one until those finish.
+        self.tracked_capture = graph.tracked_capture();
         Ok(())
     }
 }

@@ -89,6 +89,9 @@ pub struct Graph {
     /// Serialises driver calls on `raw`.
     lock: Mutex<()>,
     keep_alive: Vec<KeepAlive>,
+    /// The capture the graph came from, when a tracked buffer was used in it: its executables'
+    /// launches leave fences for eager work on other streams (see `fences`).
+    tracked_capture: Option<u64>,
 }
 
 // SAFETY: a CUgraph may be used from any thread; concurrent calls are serialised by `lock`.
@@ -117,7 +120,22 @@ impl Graph {
             raw,
             lock: Mutex::new(()),
             keep_alive: Vec::new(),
+            tracked_capture: None,
         }
+    }
+
+    /// The same graph, marked as ended from capture `capture` in which tracked buffers were
+    /// used (`None`: none were).
+    pub(crate) fn with_tracked_capture(mut self, capture: Option<u64>) -> Self {
+        self.tracked_capture = capture;
+        self
+    }
+
+    /// The capture the graph ended from, when tracked buffers (of the memory layer) were used
+    /// in it: the executables' launches then leave fences that eager work on those buffers on
+    /// other streams waits for.
+    pub fn tracked_capture(&self) -> Option<u64> {
+        self.tracked_capture
     }
 
     /// The raw `CUgraph` (still owned by this handle).
@@ -198,6 +216,7 @@ impl Graph {
             options,
             allocates,
             self.keep_alive.clone(),
+            self.tracked_capture,
         )
     }
 

@@ -30,6 +30,7 @@
 mod capture;
 mod error;
 mod exec;
+mod fences;
 mod handle;
 mod keep_alive;
 mod launches;
@@ -39,11 +40,12 @@ mod memory;
 pub(crate) use capture::CAPTURE_COUNT_TEST_LOCK;
 pub use capture::{
     CaptureMode, CaptureModeGuard, CaptureState, CaptureStatus, StatusCheck, active_captures,
-    capture_is_active, capture_state, known_complete_before, refuse_recording,
+    capture_is_active, capture_state, known_complete_before, note_tracked_use, refuse_recording,
     refuse_while_capturing,
 };
 pub use error::GraphError;
 pub use exec::{GraphExec, InstantiateOptions};
+pub use fences::{PRUNE_FENCES_AT, graph_launch_fences, wait_for_graph_launches};
 pub use handle::{Graph, GraphNodeType, KeepAlive};
 pub use launches::{LaunchMark, launched_since, synchronize_launches};
 pub use memory::{GraphMemoryUsage, graph_memory_usage, trim_graph_memory};

@@ -44,7 +44,10 @@
 //! the launches), so once a capture has used the buffer, host access also waits for the graph
 //! launches: [`StreamTracker::synchronize`] synchronises the context unless no graph has been
 //! launched since its last such wait (`cuweave_driver::graph::launched_since`), and
-//! [`StreamTracker::is_idle`] says "busy" until such a wait covers the last launch.
+//! [`StreamTracker::is_idle`] says "busy" until such a wait covers the last launch. Eager
+//! device work on another stream waits for the fences the launches of graphs from the
+//! buffer's captures leave (`cuweave_driver::graph::wait_for_graph_launches`), so it is ordered
+//! after them without a host wait.
 
 use std::sync::Arc;
 
@@ -373,10 +376,9 @@ impl<'a> Part<'a> {
         self.check(operation, access)?;
         ensure_same_device(operation, self.tracker.context(), stream)?;
         let view = capture_view(self.tracker.context(), stream)?;
-        self.tracker
-            .state
-            .lock()
-            .wait_on_range(operation, stream, self.range, access, &view)
+        let mut state = self.tracker.state.lock();
+        wait_for_graphs(&state, stream, &view)?;
+        state.wait_on_range(operation, stream, self.range, access, &view)
     }
 
     /// Records an `access` of this part by the work just queued on `stream`, after making
@@ -389,6 +391,25 @@ impl<'a> Part<'a> {
     ) -> Result<()> {
         run_uses(operation, stream, &[(*self, access)], || Ok(())).map_err(|failure| failure.error)
     }
+}
+
+/// Makes eager `stream` wait for the graph launches on the context's other streams when a
+/// capture used the buffer: a launch records no use here (see the module docs), so without this
+/// eager work on another stream could overlap a replay that reads or writes the memory. A
+/// capturing stream waits for nothing eager (the wait would break its capture; its captured
+/// uses are ordered by the rules of [`super::uses`]).
+#[inline]
+fn wait_for_graphs(
+    state: &UseState<OwnedPooledEvent>,
+    stream: &Stream,
+    view: &CaptureView,
+) -> Result<()> {
+    if state.used_in_graphs() && view.capture.is_none() {
+        cuweave_driver::graph::wait_for_graph_launches(stream, |capture| {
+            state.waits_for_capture(capture)
+        })?;
+    }
+    Ok(())
 }
 
 /// Where `stream` stands with respect to capture, for a buffer of `context`: one atomic load
@@ -413,6 +434,11 @@ fn capture_view_slow(context: &Context, stream: &Stream) -> Result<CaptureView> 
             complete_before: cuweave_driver::graph::known_complete_before(id, context),
         }),
     };
+    if let Some(capturing) = capture {
+        // A tracked buffer is about to be used in this capture: its graph's launches leave
+        // fences for eager work on other streams to wait on (`wait_for_graphs`).
+        cuweave_driver::graph::note_tracked_use(capturing.id);
+    }
     Ok(CaptureView {
         any_active: true,
         capture,
@@ -505,6 +531,7 @@ pub(crate) fn run_uses<R>(
         let tracker = part.tracker;
         let view = capture_view(tracker.context(), stream).map_err(unqueued)?;
         let mut state = tracker.state.lock();
+        wait_for_graphs(&state, stream, &view).map_err(unqueued)?;
         state
             .wait_on_range(operation, stream, part.range, *access, &view)
             .map_err(unqueued)?;
@@ -528,6 +555,7 @@ pub(crate) fn run_uses<R>(
     for &(guard, range, access) in &order {
         let view = view_of(guards[guard].0);
         // Waits touch no memory: a failure here leaves nothing unsafe queued.
+        wait_for_graphs(&guards[guard].1, stream, &view).map_err(unqueued)?;
         guards[guard]
             .1
             .wait_on_range(operation, stream, range, access, &view)
@@ -571,6 +599,7 @@ pub(crate) fn run_completed<R>(
     ensure_same_device(operation, part.tracker.context(), stream).map_err(unqueued)?;
     let view = capture_view(part.tracker.context(), stream).map_err(unqueued)?;
     let mut state = part.tracker.state.lock();
+    wait_for_graphs(&state, stream, &view).map_err(unqueued)?;
     state
         .wait_on_range(operation, stream, part.range, access, &view)
         .map_err(unqueued)?;

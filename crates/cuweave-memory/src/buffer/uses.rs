@@ -297,6 +297,11 @@ pub(crate) struct UseState<E> {
     /// next record and at the free (a capture is bound only once it has begun, so a use may
     /// come first). Those that ended unresolved are settled as [`NO_POOL`] as the list grows.
     unbound: Vec<u64>,
+    /// The latest captures that used the buffer (at most [`CAPTURES_KEPT`]): eager work on
+    /// another stream waits for the fenced launches of their graphs.
+    captures: Vec<u64>,
+    /// More captures used the buffer than are kept: eager work waits for every fenced launch.
+    many_captures: bool,
     /// Records so far (each use's `seq` is the count when it was last recorded).
     records: u64,
 }
@@ -304,6 +309,10 @@ pub(crate) struct UseState<E> {
 /// How many graph pools a buffer remembers before it first drops the dead ones (and again at
 /// each doubling).
 pub(crate) const PRUNE_GRAPHS_AT: usize = 16;
+
+/// How many captures a buffer remembers for ordering eager work after their graphs' launches
+/// (see [`UseState::waits_for_capture`]).
+pub(crate) const CAPTURES_KEPT: usize = 8;
 
 impl<E> Default for UseState<E> {
     fn default() -> Self {
@@ -315,6 +324,8 @@ impl<E> Default for UseState<E> {
             graphs: Vec::new(),
             last_graph: None,
             unbound: Vec::new(),
+            captures: Vec::new(),
+            many_captures: false,
             records: 0,
         }
     }
@@ -338,12 +349,28 @@ impl<E: UseEvent> UseState<E> {
         !self.graphs.is_empty() || !self.unbound.is_empty()
     }
 
+    /// Whether eager work on the buffer must wait for the launches of graphs ended from
+    /// `capture`: a capture that used it (or any, past [`CAPTURES_KEPT`] captures).
+    pub(crate) fn waits_for_capture(&self, capture: u64) -> bool {
+        self.many_captures || self.captures.contains(&capture)
+    }
+
     /// Remembers the graph pool of the capture `id`, which used the buffer through `stream`.
     ///
     /// Captures recaptured into one pool share its entry; past [`PRUNE_GRAPHS_AT`] entries
     /// (and at each doubling) the pools that died are dropped: no graph of theirs is left.
     #[cold]
     fn note_graph<S: UseStream<Event = E>>(&mut self, stream: &S, id: u64) {
+        if !self.many_captures && !self.captures.contains(&id) {
+            if self.captures.len() < CAPTURES_KEPT {
+                self.captures.push(id);
+            } else {
+                // Bounded: past this, every fenced launch is waited for (more than needed, never
+                // less).
+                self.captures.clear();
+                self.many_captures = true;
+            }
+        }
         let tag = match self.last_graph {
             Some((capture, tag)) if capture == id => tag,
             _ => {

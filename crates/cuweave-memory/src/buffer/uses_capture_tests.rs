@@ -327,6 +327,31 @@ fn captures_begun_and_ended_many_times_keep_the_state_bounded() {
 }
 
 #[test]
+fn eager_work_waits_for_the_launches_of_the_captures_that_used_the_buffer_and_stays_bounded() {
+    let (mut state, events, _eager, cap) = written_eagerly();
+    assert!(!state.waits_for_capture(CAPTURE), "no capture used it yet");
+    let first = 1_000u64;
+    for id in first..first + CAPTURES_KEPT as u64 {
+        let view = capturing(id, begin(id));
+        state.op(&events, &cap, Access::Read, &view).unwrap();
+        end(id);
+    }
+    for id in first..first + CAPTURES_KEPT as u64 {
+        assert!(state.waits_for_capture(id), "capture {id} used the buffer");
+    }
+    assert!(
+        !state.waits_for_capture(first - 1),
+        "a capture that never used the buffer: its graphs' launches are not waited for"
+    );
+    // One capture more than are kept: every fenced launch is waited for (more, never less).
+    let id = first + CAPTURES_KEPT as u64;
+    let view = capturing(id, begin(id));
+    state.op(&events, &cap, Access::Read, &view).unwrap();
+    end(id);
+    assert!(state.waits_for_capture(id) && state.waits_for_capture(first - 1));
+}
+
+#[test]
 fn a_buffer_used_in_a_capture_is_remembered_after_the_capture_ended() {
     // Allocated and written eagerly, used inside a capture, then used eagerly again after the
     // capture ended (which forgets the captured use): the free still names the capture, whose

@@ -22,7 +22,7 @@ impl PriorityStream {
     ///
     /// # Errors
     /// A [`HostCopyError`] that hands `host` back whenever no copy of it can still run:
-    /// [`StreamError::WrongDevice`](crate::StreamError::WrongDevice) for a buffer of another
+    /// [`StreamError::WrongDevice`] for a buffer of another
     /// device; the memory layer's errors (mismatched lengths, a pageable host side on a
     /// capturing stream, the driver's). `?` turns it into a [`StreamError`].
     pub fn copy_from_host<T: Element, B: Buffer<T>, H: HostSource<T>>(
@@ -105,7 +105,7 @@ impl PriorityStream {
     /// Queues setting every element of `dst` to `value` (a memset where the value's bytes allow).
     ///
     /// # Errors
-    /// [`StreamError::WrongDevice`](crate::StreamError::WrongDevice) for a buffer of another device.
+    /// [`StreamError::WrongDevice`] for a buffer of another device.
     pub fn fill<T: Element, B: Buffer<T>>(&self, dst: &mut B, value: T) -> Result<()> {
         self.ensure_buffer_device("PriorityStream::fill", dst.device())?;
         let bytes = dst.byte_size() as u64;
@@ -117,7 +117,7 @@ impl PriorityStream {
     /// Queues a migration of a unified buffer to `location` (a device or the host).
     ///
     /// # Errors
-    /// [`StreamError::WrongDevice`](crate::StreamError::WrongDevice) for a buffer of another
+    /// [`StreamError::WrongDevice`] for a buffer of another
     /// device; the memory layer's capability errors on devices without managed memory.
     pub fn prefetch<T: Element>(
         &self,
