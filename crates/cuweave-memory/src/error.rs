@@ -279,14 +279,18 @@ impl<H, E: std::error::Error> std::error::Error for HostCopyError<H, E> {
     }
 }
 
-/// `$result`'s value, or a return of its error as a [`HostCopyError`] that hands `$host`
-/// back: for refusals made before a copy of `$host` is queued.
+/// `$result`'s value, or a return of its error as the host side's refusal
+/// ([`HostRefusal`](crate::buffer::HostRefusal)), which hands `$host` back where it is owned:
+/// for refusals made before a copy of `$host` is queued.
 macro_rules! hand_back_on_error {
     ($result:expr, $host:expr) => {
         match $result {
             Ok(value) => value,
             Err(error) => {
-                return Err($crate::error::HostCopyError::new(error.into(), Some($host)));
+                return Err($crate::buffer::host::sealed::HostSide::refusal(
+                    ::std::convert::Into::<$crate::error::MemoryError>::into(error),
+                    Some($host),
+                ));
             }
         }
     };

@@ -6,7 +6,7 @@ use cuweave_driver::memory::{CompletionWords, DevicePtr};
 use cuweave_driver::{Context, Device, Stream};
 
 use super::fill::FillPlan;
-use super::host::{HostSink, HostSource};
+use super::host::{HostRefusal, HostSink, HostSource};
 use super::pending::PendingCopy;
 use super::range::{DeviceSpan, check_same_len};
 use super::raw;
@@ -14,7 +14,7 @@ use super::tracker::{Access, Part, StreamTracker};
 use super::uses::ByteRange;
 use super::view::{BufferSlice, BufferSliceMut};
 use crate::element::Element;
-use crate::error::{HostCopyError, MemoryError, Result, hand_back_on_error};
+use crate::error::{MemoryError, Result, hand_back_on_error};
 use std::ops::RangeBounds;
 
 /// The untyped part every buffer holds: where its memory is, and its last use.
@@ -511,15 +511,17 @@ pub trait Buffer<T: Element>: sealed::Sealed {
     /// [`MemoryError::NotCapturable`] before anything is queued, leaving the capture valid.
     ///
     /// # Errors
-    /// A [`HostCopyError`] that hands `host` back whenever no copy of it can still run (every
-    /// refusal, and failures after which the stream was settled): `SizeMismatch` for another
-    /// length, `WrongDevice` for a stream of another device, `NotCapturable`, the driver's
-    /// error. `?` turns it into a [`MemoryError`].
+    /// The host side's [`HostRefusal`]: for an owned host side a
+    /// [`HostCopyError`](crate::HostCopyError) that hands `host` back whenever no copy of it
+    /// can still run (every refusal, and failures after which the stream was settled); for a
+    /// borrowed pinned buffer the [`MemoryError`] alone. `SizeMismatch` for another length,
+    /// `WrongDevice` for a stream of another device, `NotCapturable`, the driver's error. `?`
+    /// turns either into a [`MemoryError`].
     fn copy_from_host_async<H: HostSource<T>>(
         &mut self,
         host: H,
         stream: &Stream,
-    ) -> Result<PendingCopy<H>, HostCopyError<H>> {
+    ) -> Result<PendingCopy<H>, HostRefusal<H, T>> {
         hand_back_on_error!(
             check_same_len("Buffer::copy_from_host_async", self.len(), host.host_len()),
             host
@@ -537,7 +539,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         offset: usize,
         host: H,
         stream: &Stream,
-    ) -> Result<PendingCopy<H>, HostCopyError<H>> {
+    ) -> Result<PendingCopy<H>, HostRefusal<H, T>> {
         const OP: &str = "Buffer::copy_range_from_host_async";
         let core = self.core();
         let span = hand_back_on_error!(core.span(OP, offset, host.host_len()), host);
@@ -554,7 +556,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
     ///
     /// # Errors
     /// As [`copy_range_from_host_async`](Self::copy_range_from_host_async) (`host` handed back
-    /// in the [`HostCopyError`]); if the copy's end cannot be known (the context broke), `host`
+    /// in the [`HostRefusal`] where owned); if the copy's end cannot be known (the context broke), `host`
     /// is leaked rather than freed.
     /// [`MemoryError::NotCapturable`] on a capturing stream, whatever the host side: a capture
     /// runs nothing, so the copy could never have landed when this returns.
@@ -563,7 +565,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         offset: usize,
         host: H,
         stream: &Stream,
-    ) -> Result<H, HostCopyError<H>> {
+    ) -> Result<H, HostRefusal<H, T>> {
         const OP: &str = "Buffer::copy_range_from_host_on";
         let core = self.core();
         let span = hand_back_on_error!(core.span(OP, offset, host.host_len()), host);
@@ -589,7 +591,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         host: H,
         stream: &Stream,
         words: &CompletionWords,
-    ) -> Result<H, HostCopyError<H>> {
+    ) -> Result<H, HostRefusal<H, T>> {
         const OP: &str = "Buffer::copy_range_from_host_watched";
         let core = self.core();
         let span = hand_back_on_error!(core.span(OP, offset, host.host_len()), host);
@@ -655,14 +657,14 @@ pub trait Buffer<T: Element>: sealed::Sealed {
     /// [`copy_from_host_async`](Self::copy_from_host_async).
     ///
     /// # Errors
-    /// As [`copy_from_host_async`](Self::copy_from_host_async): the [`HostCopyError`] hands
+    /// As [`copy_from_host_async`](Self::copy_from_host_async): the [`HostRefusal`] hands
     /// `host` back whenever no copy into it can still run (its contents are then unspecified
     /// if the copy failed after it was queued).
     fn copy_to_host_async<H: HostSink<T>>(
         &self,
         host: H,
         stream: &Stream,
-    ) -> Result<PendingCopy<H>, HostCopyError<H>> {
+    ) -> Result<PendingCopy<H>, HostRefusal<H, T>> {
         hand_back_on_error!(
             check_same_len("Buffer::copy_to_host_async", self.len(), host.host_len()),
             host
@@ -680,7 +682,7 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         offset: usize,
         host: H,
         stream: &Stream,
-    ) -> Result<PendingCopy<H>, HostCopyError<H>> {
+    ) -> Result<PendingCopy<H>, HostRefusal<H, T>> {
         const OP: &str = "Buffer::copy_range_to_host_async";
         let core = self.core();
         let span = hand_back_on_error!(core.span(OP, offset, host.host_len()), host);

@@ -25,6 +25,7 @@ use super::common::Buffer;
 use super::pinned::PinnedBuffer;
 use super::tracker::StreamTracker;
 use crate::element::Element;
+use crate::error::MemoryError;
 
 pub(crate) mod sealed {
     use super::StreamTracker;
@@ -38,6 +39,21 @@ pub(crate) mod sealed {
         fn host_ptr(&self) -> *const u8;
         /// The tracker of a buffer that remembers its own device uses, if any.
         fn host_tracker(&self) -> Option<&StreamTracker>;
+
+        /// The error of a refused or failed copy of this host side, over the layer's error
+        /// `E`: [`HostCopyError<Self, E>`](crate::HostCopyError) for an owned host side, which
+        /// it hands back; `E` itself for a borrowed one (the borrow is still the caller's).
+        type Refusal<E>;
+
+        /// The refusal of `error`, handing back `host` where it is owned.
+        fn refusal<E>(error: E, host: Option<Self>) -> Self::Refusal<E>
+        where
+            Self: Sized;
+
+        /// The error and the handed-back host side of a refusal.
+        fn split_refusal<E>(refusal: Self::Refusal<E>) -> (E, Option<Self>)
+        where
+            Self: Sized;
     }
 
     /// Writable raw access for device-to-host copies.
@@ -65,7 +81,76 @@ pub trait HostSource<T: Element>: sealed::HostSide<T> + Send {}
 /// [`HostSource`] for how each copy runs).
 pub trait HostSink<T: Element>: sealed::HostSideMut<T> + Send {}
 
+/// The refusal items of an owned host side: it comes back in a [`HostCopyError`].
+macro_rules! owned_refusal {
+    () => {
+        type Refusal<E> = $crate::error::HostCopyError<Self, E>;
+        fn refusal<E>(error: E, host: Option<Self>) -> Self::Refusal<E> {
+            $crate::error::HostCopyError::new(error, host)
+        }
+        fn split_refusal<E>(refusal: Self::Refusal<E>) -> (E, Option<Self>) {
+            refusal.into_parts()
+        }
+    };
+}
+
+pub(crate) use owned_refusal;
+
+/// The refusal items of a borrowed host side: the layer's error alone.
+macro_rules! borrowed_refusal {
+    () => {
+        type Refusal<E> = E;
+        fn refusal<E>(error: E, _host: Option<Self>) -> Self::Refusal<E> {
+            error
+        }
+        fn split_refusal<E>(refusal: Self::Refusal<E>) -> (E, Option<Self>) {
+            (refusal, None)
+        }
+    };
+}
+
+/// The error of an async copy with host side `H` (elements `T`) over the layer's error `E`:
+/// [`HostCopyError<H, E>`](crate::HostCopyError), which hands the host side back, for an owned host
+/// side (`Vec<T>`, `Box<[T]>`, [`PinnedBuffer<T>`]); `E` itself for a borrowed
+/// `&PinnedBuffer<T>` / `&mut PinnedBuffer<T>`, whose borrow is still the caller's.
+///
+/// Either converts with `?` into this crate's [`MemoryError`], and into a
+/// `Box<dyn Error + Send + Sync>` (or `anyhow::Error`) whenever `E` does:
+///
+/// ```no_run
+/// # use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer};
+/// # use cuweave_driver::Stream;
+/// fn upload(
+///     device: &mut DeviceBuffer<f32>,
+///     staging: &PinnedBuffer<f32>,
+///     data: Vec<f32>,
+///     stream: &Stream,
+/// ) -> Result<Vec<f32>, Box<dyn std::error::Error + Send + Sync>> {
+///     device.copy_from_host_async(staging, stream)?.wait()?; // borrowed: a MemoryError
+///     Ok(device.copy_from_host_async(data, stream)?.wait()?) // owned: a HostCopyError
+/// }
+/// ```
+pub type HostRefusal<H, T, E = MemoryError> = <H as sealed::HostSide<T>>::Refusal<E>;
+
+/// The [`HostRefusal`] of `error` for host side `H`, handing `host` back where `H` is owned: for
+/// layers above that refuse a copy (or wrap the memory layer's refusal in their own error).
+pub fn host_refusal<T, H: sealed::HostSide<T>, E>(
+    error: E,
+    host: Option<H>,
+) -> HostRefusal<H, T, E> {
+    H::refusal(error, host)
+}
+
+/// The error of a [`HostRefusal`] and the host side it hands back (`None` for a borrowed host
+/// side, or an owned one that was leaked because its copy may still run).
+pub fn split_host_refusal<T, H: sealed::HostSide<T>, E>(
+    refusal: HostRefusal<H, T, E>,
+) -> (E, Option<H>) {
+    H::split_refusal(refusal)
+}
+
 impl<T: Element> sealed::HostSide<T> for Vec<T> {
+    owned_refusal!();
     fn host_len(&self) -> usize {
         self.len()
     }
@@ -87,6 +172,7 @@ impl<T: Element> HostSource<T> for Vec<T> {}
 impl<T: Element> HostSink<T> for Vec<T> {}
 
 impl<T: Element> sealed::HostSide<T> for Box<[T]> {
+    owned_refusal!();
     fn host_len(&self) -> usize {
         self.len()
     }
@@ -108,6 +194,7 @@ impl<T: Element> HostSource<T> for Box<[T]> {}
 impl<T: Element> HostSink<T> for Box<[T]> {}
 
 impl<T: Element> sealed::HostSide<T> for PinnedBuffer<T> {
+    owned_refusal!();
     fn host_len(&self) -> usize {
         Buffer::len(self)
     }
@@ -129,6 +216,7 @@ impl<T: Element> HostSource<T> for PinnedBuffer<T> {}
 impl<T: Element> HostSink<T> for PinnedBuffer<T> {}
 
 impl<T: Element> sealed::HostSide<T> for &PinnedBuffer<T> {
+    borrowed_refusal!();
     fn host_len(&self) -> usize {
         Buffer::len(&**self)
     }
@@ -143,6 +231,7 @@ impl<T: Element> sealed::HostSide<T> for &PinnedBuffer<T> {
 impl<T: Element> HostSource<T> for &PinnedBuffer<T> {}
 
 impl<T: Element> sealed::HostSide<T> for &mut PinnedBuffer<T> {
+    borrowed_refusal!();
     fn host_len(&self) -> usize {
         Buffer::len(&**self)
     }

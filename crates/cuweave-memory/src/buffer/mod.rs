@@ -62,7 +62,7 @@ mod common;
 mod device;
 mod fill;
 mod graph_held;
-mod host;
+pub(crate) mod host;
 mod pending;
 // Unsafe is allowed here too: the peer copy calls the driver's raw `cuMemcpyPeerAsync`.
 #[allow(unsafe_code)]
@@ -82,7 +82,7 @@ mod view;
 
 pub use common::Buffer;
 pub use device::DeviceBuffer;
-pub use host::{HostSink, HostSource};
+pub use host::{HostRefusal, HostSink, HostSource, host_refusal, split_host_refusal};
 pub use peer::copy_peer;
 pub use pending::{MarkedCopy, PendingCopy};
 pub use pinned::PinnedBuffer;

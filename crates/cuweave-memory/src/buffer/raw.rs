@@ -28,12 +28,13 @@ use cuweave_driver::graph::StatusCheck;
 
 use super::capture;
 use super::fill::{doubling_steps, pattern_chunk_len};
-use super::host::{HostSink, HostSource};
+use super::host::sealed::HostSide;
+use super::host::{HostRefusal, HostSink, HostSource};
 use super::pending::{MarkedCopy, PendingCopy};
 use super::range::DeviceSpan;
 use super::tracker::{self, Access, Part, StreamTracker};
 use crate::element::Element;
-use crate::error::{HostCopyError, MemoryError, Result, hand_back_on_error};
+use crate::error::{MemoryError, Result, hand_back_on_error};
 
 /// The context's legacy default stream (`NULL`), on which blocking operations are ordered.
 pub(crate) fn legacy_stream(context: &Arc<Context>) -> Stream {
@@ -123,7 +124,7 @@ pub(crate) fn write_async<T: Element, H: HostSource<T>>(
     host: H,
     stream: &Stream,
     buffer: Part<'_>,
-) -> Result<PendingCopy<H>, HostCopyError<H>> {
+) -> Result<PendingCopy<H>, HostRefusal<H, T>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
     let done = hand_back_on_error!(
         prepare(operation, stream, &buffer, host.host_tracker()),
@@ -168,7 +169,7 @@ pub(crate) fn write_completed<T: Element, H: HostSource<T>>(
     stream: &Stream,
     words: Option<&CompletionWords>,
     buffer: Part<'_>,
-) -> Result<H, HostCopyError<H>> {
+) -> Result<H, HostRefusal<H, T>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), dst.bytes());
     // A capture would record the copy and run nothing, so "landed" could never be true; a
     // pageable one would also invalidate it. Refused before anything touches the stream.
@@ -186,7 +187,7 @@ pub(crate) fn write_completed<T: Element, H: HostSource<T>>(
         // A failed wait leaves the copy's end unknown: the pending copy keeps the host side.
         return write_async(operation, dst, host, stream, buffer)?
             .wait()
-            .map_err(|error| HostCopyError::new(error, None));
+            .map_err(|error| H::refusal(error, None));
     }
     let src = host.host_ptr();
     let outcome = tracker::run_completed(operation, stream, buffer, Access::Write, || {
@@ -214,7 +215,7 @@ pub(crate) fn read_async<T: Element, H: HostSink<T>>(
     mut host: H,
     stream: &Stream,
     buffer: Part<'_>,
-) -> Result<PendingCopy<H>, HostCopyError<H>> {
+) -> Result<PendingCopy<H>, HostRefusal<H, T>> {
     debug_assert_eq!(host.host_len() * size_of::<T>(), src.bytes());
     let done = hand_back_on_error!(
         prepare(operation, stream, &buffer, host.host_tracker()),
@@ -266,12 +267,12 @@ fn prepare(
 }
 
 /// The pending copy of a queued `outcome`: tracked by `done`, or captured when there is none.
-fn finish<H>(
+fn finish<T, H: HostSide<T>>(
     outcome: Result<(), tracker::OpFailure>,
     host: H,
     done: Option<OwnedPooledEvent>,
     bytes: usize,
-) -> Result<PendingCopy<H>, HostCopyError<H>> {
+) -> Result<PendingCopy<H>, HostRefusal<H, T>> {
     match outcome {
         Ok(()) => Ok(match done {
             Some(done) => PendingCopy::new(host, done, bytes),
@@ -284,12 +285,12 @@ fn finish<H>(
 /// The error of a failed copy with a host side: `host` is handed back if the stream was
 /// settled, leaked if the copy may still be running (its memory must never be freed under the
 /// copy engine).
-fn give_up_host<H>(failure: tracker::OpFailure, host: H) -> HostCopyError<H> {
+fn give_up_host<T, H: HostSide<T>>(failure: tracker::OpFailure, host: H) -> HostRefusal<H, T> {
     if failure.settled {
-        HostCopyError::new(failure.error, Some(host))
+        H::refusal(failure.error, Some(host))
     } else {
         std::mem::forget(host);
-        HostCopyError::new(failure.error, None)
+        H::refusal(failure.error, None)
     }
 }
 
@@ -484,7 +485,7 @@ pub(crate) fn write_chunk<T: Element, H: HostSource<T>>(
     };
     let outcome = run_chunk(operation, stream, host.host_tracker(), Access::Read, copy);
     // Chunks are the staging pipelines' own blocks: an error drops the block (back to its pool).
-    finish(outcome, host, done, dst.bytes()).map_err(HostCopyError::into_error)
+    finish(outcome, host, done, dst.bytes()).map_err(|refusal| H::split_refusal(refusal).0)
 }
 
 /// Queues a chunk copy (`copy`, touching `host`'s memory) on `stream` with a mark of `marks`
@@ -519,7 +520,7 @@ fn queue_marked<'s, T, H: super::host::sealed::HostSide<T>>(
     });
     match outcome {
         Ok(mark) => Ok(MarkedCopy::new(host, marks, mark, stream, bytes)),
-        Err(failure) => Err(give_up_host(failure, host).into_error()),
+        Err(failure) => Err(H::split_refusal(give_up_host(failure, host)).0),
     }
 }
 
@@ -617,5 +618,5 @@ pub(crate) fn read_chunk<T: Element, H: HostSink<T>>(
         Ok(())
     };
     let outcome = run_chunk(operation, stream, host.host_tracker(), Access::Write, copy);
-    finish(outcome, host, done, src.bytes()).map_err(HostCopyError::into_error)
+    finish(outcome, host, done, src.bytes()).map_err(|refusal| H::split_refusal(refusal).0)
 }

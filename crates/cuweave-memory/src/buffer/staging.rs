@@ -14,6 +14,7 @@ use crate::element::Element;
 use crate::pinned_pool::{PinnedBlock, TypedPinnedBlock};
 
 impl sealed::HostSide<u8> for PinnedBlock {
+    super::host::owned_refusal!();
     fn host_len(&self) -> usize {
         self.len()
     }
@@ -35,6 +36,7 @@ impl HostSource<u8> for PinnedBlock {}
 impl HostSink<u8> for PinnedBlock {}
 
 impl<T: Element> sealed::HostSide<T> for TypedPinnedBlock<T> {
+    super::host::owned_refusal!();
     fn host_len(&self) -> usize {
         self.len()
     }
