@@ -376,9 +376,14 @@ impl<'a> Part<'a> {
         self.check(operation, access)?;
         ensure_same_device(operation, self.tracker.context(), stream)?;
         let view = capture_view(self.tracker.context(), stream)?;
-        let mut state = self.tracker.state.lock();
-        wait_for_graphs(&state, stream, &view)?;
-        state.wait_on_range(operation, stream, self.range, access, &view)
+        wait_before_use(
+            &mut self.tracker.state.lock(),
+            operation,
+            stream,
+            self.range,
+            access,
+            &view,
+        )
     }
 
     /// Records an `access` of this part by the work just queued on `stream`, after making
@@ -393,15 +398,19 @@ impl<'a> Part<'a> {
     }
 }
 
-/// Makes eager `stream` wait for the graph launches on the context's other streams when a
-/// capture used the buffer: a launch records no use here (see the module docs), so without this
-/// eager work on another stream could overlap a replay that reads or writes the memory. A
-/// capturing stream waits for nothing eager (the wait would break its capture; its captured
-/// uses are ordered by the rules of [`super::uses`]).
+/// Makes `stream` wait for what a `range` / `access` use conflicts with, before the use is
+/// queued: the tracked uses ([`UseState::wait_on_range`]) and, for a buffer a capture used,
+/// the launches of that capture's graphs on the context's other streams. A launch records no
+/// use here (see the module docs), so without the second eager work on another stream could
+/// overlap a replay that reads or writes the memory. A capturing stream waits for no launch
+/// (the wait would break its capture; its captured uses follow the rules of [`super::uses`]).
 #[inline]
-fn wait_for_graphs(
-    state: &UseState<OwnedPooledEvent>,
+fn wait_before_use(
+    state: &mut UseState<OwnedPooledEvent>,
+    operation: &'static str,
     stream: &Stream,
+    range: ByteRange,
+    access: Access,
     view: &CaptureView,
 ) -> Result<()> {
     if state.used_in_graphs() && view.capture.is_none() {
@@ -409,7 +418,7 @@ fn wait_for_graphs(
             state.waits_for_capture(capture)
         })?;
     }
-    Ok(())
+    state.wait_on_range(operation, stream, range, access, view)
 }
 
 /// Where `stream` stands with respect to capture, for a buffer of `context`: one atomic load
@@ -436,7 +445,7 @@ fn capture_view_slow(context: &Context, stream: &Stream) -> Result<CaptureView> 
     };
     if let Some(capturing) = capture {
         // A tracked buffer is about to be used in this capture: its graph's launches leave
-        // fences for eager work on other streams to wait on (`wait_for_graphs`).
+        // fences for eager work on other streams to wait on (`wait_before_use`).
         cuweave_driver::graph::note_tracked_use(capturing.id);
     }
     Ok(CaptureView {
@@ -531,9 +540,7 @@ pub(crate) fn run_uses<R>(
         let tracker = part.tracker;
         let view = capture_view(tracker.context(), stream).map_err(unqueued)?;
         let mut state = tracker.state.lock();
-        wait_for_graphs(&state, stream, &view).map_err(unqueued)?;
-        state
-            .wait_on_range(operation, stream, part.range, *access, &view)
+        wait_before_use(&mut state, operation, stream, part.range, *access, &view)
             .map_err(unqueued)?;
         let outcome = op();
         let recorded =
@@ -555,11 +562,15 @@ pub(crate) fn run_uses<R>(
     for &(guard, range, access) in &order {
         let view = view_of(guards[guard].0);
         // Waits touch no memory: a failure here leaves nothing unsafe queued.
-        wait_for_graphs(&guards[guard].1, stream, &view).map_err(unqueued)?;
-        guards[guard]
-            .1
-            .wait_on_range(operation, stream, range, access, &view)
-            .map_err(unqueued)?;
+        wait_before_use(
+            &mut guards[guard].1,
+            operation,
+            stream,
+            range,
+            access,
+            &view,
+        )
+        .map_err(unqueued)?;
     }
     let outcome = op();
     let mut recorded = Ok(());
@@ -599,10 +610,7 @@ pub(crate) fn run_completed<R>(
     ensure_same_device(operation, part.tracker.context(), stream).map_err(unqueued)?;
     let view = capture_view(part.tracker.context(), stream).map_err(unqueued)?;
     let mut state = part.tracker.state.lock();
-    wait_for_graphs(&state, stream, &view).map_err(unqueued)?;
-    state
-        .wait_on_range(operation, stream, part.range, access, &view)
-        .map_err(unqueued)?;
+    wait_before_use(&mut state, operation, stream, part.range, access, &view).map_err(unqueued)?;
     match op() {
         Ok(value) => {
             state.settle_range(stream, part.range, access);
