@@ -153,7 +153,7 @@ pub(crate) fn write_async<T: Element, H: HostSource<T>>(
         }
         Ok(())
     });
-    finish(outcome, host, done, dst.bytes())
+    finish(outcome, host, done, dst.bytes()).map_err(refuse)
 }
 
 /// Copies the host side `host` into `dst` on `stream` and returns it once the copy has landed:
@@ -203,7 +203,7 @@ pub(crate) fn write_completed<T: Element, H: HostSource<T>>(
     });
     match outcome {
         Ok(()) => Ok(host),
-        Err(failure) => Err(give_up_host(failure, host)),
+        Err(failure) => Err(refuse(give_up_host(failure, host))),
     }
 }
 
@@ -244,7 +244,7 @@ pub(crate) fn read_async<T: Element, H: HostSink<T>>(
         }
         Ok(())
     });
-    finish(outcome, host, done, src.bytes())
+    finish(outcome, host, done, src.bytes()).map_err(refuse)
 }
 
 /// Checks, before anything is queued, that a host copy can run on `stream`: a stream of the
@@ -266,13 +266,14 @@ fn prepare(
     }
 }
 
-/// The pending copy of a queued `outcome`: tracked by `done`, or captured when there is none.
-fn finish<T, H: HostSide<T>>(
+/// The pending copy of a queued `outcome`: tracked by `done`, or captured when there is none;
+/// on failure the error and the host side where it can be handed back ([`give_up_host`]).
+fn finish<H>(
     outcome: Result<(), tracker::OpFailure>,
     host: H,
     done: Option<OwnedPooledEvent>,
     bytes: usize,
-) -> Result<PendingCopy<H>, HostRefusal<H, T>> {
+) -> Result<PendingCopy<H>, (MemoryError, Option<H>)> {
     match outcome {
         Ok(()) => Ok(match done {
             Some(done) => PendingCopy::new(host, done, bytes),
@@ -282,16 +283,21 @@ fn finish<T, H: HostSide<T>>(
     }
 }
 
-/// The error of a failed copy with a host side: `host` is handed back if the stream was
-/// settled, leaked if the copy may still be running (its memory must never be freed under the
-/// copy engine).
-fn give_up_host<T, H: HostSide<T>>(failure: tracker::OpFailure, host: H) -> HostRefusal<H, T> {
+/// The error of a failed copy with a host side, and `host` if the stream was settled; it is
+/// leaked if the copy may still be running (its memory must never be freed under the copy
+/// engine).
+fn give_up_host<H>(failure: tracker::OpFailure, host: H) -> (MemoryError, Option<H>) {
     if failure.settled {
-        H::refusal(failure.error, Some(host))
+        (failure.error, Some(host))
     } else {
         std::mem::forget(host);
-        H::refusal(failure.error, None)
+        (failure.error, None)
     }
+}
+
+/// The host side's refusal of an error and the host side handed back with it.
+fn refuse<T, H: HostSide<T>>((error, host): (MemoryError, Option<H>)) -> HostRefusal<H, T> {
+    H::refusal(error, host)
 }
 
 /// Queues a device-to-device copy of `src` into `dst` (same length) on `stream`.
@@ -485,7 +491,7 @@ pub(crate) fn write_chunk<T: Element, H: HostSource<T>>(
     };
     let outcome = run_chunk(operation, stream, host.host_tracker(), Access::Read, copy);
     // Chunks are the staging pipelines' own blocks: an error drops the block (back to its pool).
-    finish(outcome, host, done, dst.bytes()).map_err(|refusal| H::split_refusal(refusal).0)
+    finish(outcome, host, done, dst.bytes()).map_err(|(error, _)| error)
 }
 
 /// Queues a chunk copy (`copy`, touching `host`'s memory) on `stream` with a mark of `marks`
@@ -520,7 +526,7 @@ fn queue_marked<'s, T, H: super::host::sealed::HostSide<T>>(
     });
     match outcome {
         Ok(mark) => Ok(MarkedCopy::new(host, marks, mark, stream, bytes)),
-        Err(failure) => Err(H::split_refusal(give_up_host(failure, host)).0),
+        Err(failure) => Err(give_up_host(failure, host).0),
     }
 }
 
@@ -618,5 +624,5 @@ pub(crate) fn read_chunk<T: Element, H: HostSink<T>>(
         Ok(())
     };
     let outcome = run_chunk(operation, stream, host.host_tracker(), Access::Write, copy);
-    finish(outcome, host, done, src.bytes()).map_err(|refusal| H::split_refusal(refusal).0)
+    finish(outcome, host, done, src.bytes()).map_err(|(error, _)| error)
 }
