@@ -189,7 +189,7 @@ impl State {
             (OperationState::Failed, _) => Ok(CompletionPoint::Failed(
                 op.failure.clone().unwrap_or(EventError::WaiterShutDown),
             )),
-            (OperationState::Queued, Some(done)) => match op.recorded.and_then(Recorded::capture) {
+            (OperationState::Queued, Some(done)) => match op.captured_into() {
                 None => Ok(CompletionPoint::Event(Arc::clone(done))),
                 Some(capture) => match captured_completion(capture, capture_is_active) {
                     CapturedCompletion::Recording => {
@@ -294,6 +294,12 @@ struct Operation {
 }
 
 impl Operation {
+    /// The capture its completion event was recorded into, if any (such an event can never be
+    /// queried or waited for: the capture decides where the operation stands).
+    fn captured_into(&self) -> Option<u64> {
+        self.recorded.and_then(Recorded::capture)
+    }
+
     /// A just-registered operation of `operation_type` waiting for `dependencies` (normal
     /// priority, no description, no preferred stream).
     fn registered(
@@ -720,7 +726,7 @@ impl OperationCoordinator {
                 .unwrap_or(EventError::WaiterShutDown)),
             state_now => {
                 operation.callbacks.push(Box::new(callback));
-                match operation.recorded.and_then(Recorded::capture) {
+                match operation.captured_into() {
                     // A queued operation nobody watched yet: the waiter watches it from now on.
                     None if state_now == OperationState::Queued && !operation.watched => {
                         operation.watched = true;
@@ -730,7 +736,10 @@ impl OperationCoordinator {
                     }
                     // Captured, and its capture has ended: the poll decides it and runs the
                     // callbacks now (while the capture records, a later poll will).
-                    Some(capture) if !capture_is_active(capture) => {
+                    Some(capture)
+                        if captured_completion(capture, capture_is_active)
+                            == CapturedCompletion::Captured =>
+                    {
                         drop(state);
                         self.inner.poll();
                     }
@@ -838,7 +847,7 @@ impl Inner {
         let finished = self.state.lock().take_finished(|op| {
             // A captured completion event cannot be queried (the driver refuses); its capture
             // says where the operation stands.
-            if let Some(capture) = op.recorded.and_then(Recorded::capture) {
+            if let Some(capture) = op.captured_into() {
                 return Ok(
                     captured_completion(capture, capture_is_active) == CapturedCompletion::Captured
                 );
