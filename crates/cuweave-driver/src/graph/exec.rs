@@ -79,9 +79,9 @@ pub struct GraphExec {
     launches: AtomicU64,
     /// The current generation, each value once (replaced only under `&mut self`).
     keep_alive: Vec<KeepAlive>,
-    /// The context's shared event pool, for the fences behind launches (see `fences`); taken
-    /// on the first fenced launch.
-    fence_pool: std::sync::OnceLock<EventPool>,
+    /// The context's shared event pool, for the events recorded behind launches (keep-alive
+    /// retirement, `fences`); taken on first use.
+    event_pool: std::sync::OnceLock<EventPool>,
     /// The capture of the current graph, when tracked buffers were used in it: launches leave
     /// fences under it.
     tracked_capture: Option<u64>,
@@ -148,7 +148,7 @@ impl GraphExec {
             lock: Mutex::new(Retirement::default()),
             single_launch: allocates && !options.auto_free_on_launch,
             launches: AtomicU64::new(0),
-            fence_pool: std::sync::OnceLock::new(),
+            event_pool: std::sync::OnceLock::new(),
             tracked_capture,
             keep_alive: deduplicated(&keep_alive),
         })
@@ -166,7 +166,7 @@ impl GraphExec {
             lock: Mutex::new(Retirement::default()),
             single_launch: false,
             launches: AtomicU64::new(0),
-            fence_pool: std::sync::OnceLock::new(),
+            event_pool: std::sync::OnceLock::new(),
             tracked_capture: None,
             keep_alive: Vec::new(),
         }
@@ -233,7 +233,9 @@ impl GraphExec {
         retirement.launched(|| self.fence_behind(stream));
         // Eager work on other streams that uses memory a capture used waits for this.
         if let Some(capture) = self.tracked_capture {
-            super::fences::fence_launch(&self.context, &self.fence_pool, stream, capture);
+            super::fences::fence_launch(&self.context, stream, capture, || {
+                self.record_behind(stream)
+            });
         }
         Ok(())
     }
@@ -246,16 +248,27 @@ impl GraphExec {
         if !matches!(stream.is_capturing(), Ok(false)) {
             return None;
         }
-        let fence = EventPool::for_context(&self.context)
-            .and_then(|pool| pool.acquire_owned(false))
-            .and_then(|event| event.record(stream).map(|()| event));
-        match fence {
+        match self.record_behind(stream) {
             Ok(event) => Some(event),
             Err(error) => {
                 tracing::warn!(%error, "recording a graph's keep-alive fence failed; the old keep-alives wait for a later launch");
                 None
             }
         }
+    }
+
+    /// An event of the context's shared pool, recorded on `stream` now (behind a launch).
+    fn record_behind(&self, stream: &Stream) -> Result<OwnedPooledEvent> {
+        let pool = match self.event_pool.get() {
+            Some(pool) => pool,
+            None => {
+                let made = EventPool::for_context(&self.context)?;
+                self.event_pool.get_or_init(|| made)
+            }
+        };
+        let event = pool.acquire_owned(false)?;
+        event.record(stream)?;
+        Ok(event)
     }
 
     /// Uploads the executable's work descriptions to the device ahead of the first launch

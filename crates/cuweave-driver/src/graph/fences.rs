@@ -21,13 +21,12 @@
 //! captured from raw pointers only) record no fence and cost nothing more per launch.
 
 use std::sync::Arc;
-use std::sync::OnceLock;
 
 use parking_lot::Mutex;
 
 use crate::context::Context;
 use crate::error::Result;
-use crate::event_pool::{EventPool, OwnedPooledEvent};
+use crate::event_pool::OwnedPooledEvent;
 use crate::stream::Stream;
 
 /// Past this many fences a launch of a new (stream, capture) pair drops the finished ones.
@@ -43,34 +42,22 @@ struct LaunchFence {
     event: Arc<OwnedPooledEvent>,
 }
 
-/// Records a fence behind a launch, just queued on `stream` (of `context`), of a graph ended
+/// Keeps the fence `record` makes behind a launch, just queued on `stream` (in `context`), of a graph ended
 /// from tracked capture `capture`, unless the stream is capturing (a launch into a capture is
-/// a node of that graph: it runs when that graph does). `pool` is the context's shared event
-/// pool, taken on first use.
+/// a node of that graph: it runs when that graph does; `record` is not called then).
 ///
 /// A fence that cannot be recorded is logged, and the key's previous fence dropped: a failed
 /// record means the context is broken, and a stale fence would order nothing anyway.
 pub(crate) fn fence_launch(
-    context: &Arc<Context>,
-    pool: &OnceLock<EventPool>,
+    context: &Context,
     stream: &Stream,
     capture: u64,
+    record: impl FnOnce() -> Result<OwnedPooledEvent>,
 ) {
     if super::active_captures() != 0 && !matches!(stream.is_capturing(), Ok(false)) {
         return;
     }
-    let recorded = (|| -> Result<OwnedPooledEvent> {
-        let pool = match pool.get() {
-            Some(pool) => pool,
-            None => {
-                let made = EventPool::for_context(context)?;
-                pool.get_or_init(|| made)
-            }
-        };
-        let event = pool.acquire_owned(false)?;
-        event.record(stream)?;
-        Ok(event)
-    })();
+    let recorded = record();
     let key = (context.as_raw() as usize, stream.id(), capture);
     let mut fences = FENCES.lock();
     let slot = fences
