@@ -1,7 +1,8 @@
 //! GPU tests: host access to a pinned buffer that a graph copies into waits for the graph's
 //! launches, which record no uses on the buffer (its tracker saw the capture, not the
 //! launches); and eager device work on another stream waits for them too, through the fences
-//! the launches leave (`cuweave_driver::graph::wait_for_graph_launches`).
+//! the launches leave (`cuweave_driver::graph::wait_for_graph_launches`); and a launch waits for
+//! the eager work on another stream that it conflicts with (`fence_eager_use`).
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -215,4 +216,89 @@ fn eager_work_on_another_stream_waits_for_the_graph_launches_that_use_the_buffer
         "{fences} fences kept after 64 launching streams"
     );
     assert_eq!(scratch.to_vec().unwrap(), vec![3u32; 1024]);
+}
+
+/// The other direction: a graph launched on one stream is ordered after the eager work on
+/// another stream that it conflicts with, as two eager operations would be. A graph that copies
+/// `input` into `output` reads the 7s an eager fill queued behind a spin wrote (not the 1s from
+/// before); a graph that overwrites `input` waits for an eager download of it behind a spin,
+/// which reads the 7s (not the graph's 5s). A graph that only reads `input` overlaps an eager
+/// read of it. The fences stay bounded over many writing streams.
+#[test]
+fn a_graph_launch_waits_for_the_eager_work_on_another_stream_that_it_conflicts_with() {
+    let _serial = serial();
+    let gpu = require_gpu!();
+    let ctx = &gpu.context;
+    let kernels = TestKernels::load(ctx).unwrap();
+    let (graph_stream, other) = (
+        Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap(),
+        Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap(),
+    );
+    let mut input = DeviceBuffer::<u32>::new(ctx, LEN).unwrap();
+    let mut output = DeviceBuffer::<u32>::new(ctx, LEN).unwrap();
+    input.fill(1).unwrap();
+    output.fill(0).unwrap();
+    let capture = |record: &mut dyn FnMut()| {
+        graph_stream
+            .begin_capture_synchronized(CaptureMode::ThreadLocal)
+            .unwrap();
+        record();
+        graph_stream
+            .end_capture()
+            .unwrap()
+            .instantiate(&InstantiateOptions::default())
+            .unwrap()
+    };
+    let copy = capture(&mut || output.copy_from_async(&input, &graph_stream).unwrap());
+    let overwrite = capture(&mut || input.fill_async(5, &graph_stream).unwrap());
+
+    // Read after an eager write.
+    kernels.spin_ns(&other, SPIN_NS).unwrap();
+    input.fill_async(7, &other).unwrap();
+    copy.launch(&graph_stream).unwrap();
+    graph_stream.synchronize().unwrap();
+    assert!(
+        output.to_vec().unwrap().iter().all(|&x| x == 7),
+        "the graph read its input before the eager write on another stream landed"
+    );
+
+    // Write after an eager read.
+    kernels.spin_ns(&other, SPIN_NS).unwrap();
+    let download = input.copy_to_host_async(vec![0u32; LEN], &other).unwrap();
+    overwrite.launch(&graph_stream).unwrap();
+    let read = download.wait().unwrap();
+    assert!(
+        read.iter().all(|&x| x == 7),
+        "the graph overwrote its input before the eager download on another stream read it: read {}",
+        read[0]
+    );
+    graph_stream.synchronize().unwrap();
+    assert!(input.to_vec().unwrap().iter().all(|&x| x == 5));
+
+    // Reads overlap: a graph that only reads the input does not wait for an eager read.
+    kernels.spin_ns(&other, SPIN_NS).unwrap();
+    let download = input.copy_to_host_async(vec![0u32; LEN], &other).unwrap();
+    copy.launch(&graph_stream).unwrap();
+    graph_stream.synchronize().unwrap();
+    assert!(
+        !other.query().unwrap(),
+        "a graph that only reads its input waited for an eager read of it"
+    );
+    assert!(download.wait().unwrap().iter().all(|&x| x == 5));
+    assert!(output.to_vec().unwrap().iter().all(|&x| x == 5));
+
+    // Bounded: one fence per (stream, capture) pair, the finished ones pruned.
+    for value in 0..64u32 {
+        let writer = Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap();
+        input.fill_async(value, &writer).unwrap();
+        writer.synchronize().unwrap();
+    }
+    let fences = cuweave_driver::graph::eager_use_fences();
+    assert!(
+        fences <= cuweave_driver::graph::PRUNE_FENCES_AT,
+        "{fences} eager fences kept after 64 writing streams"
+    );
+    copy.launch(&graph_stream).unwrap();
+    graph_stream.synchronize().unwrap();
+    assert!(output.to_vec().unwrap().iter().all(|&x| x == 63));
 }

@@ -205,10 +205,12 @@ impl GraphExec {
     /// streams run one after another, never overlapped.
     ///
     /// A graph ended from a capture in which tracked buffers were used
-    /// ([`Graph::tracked_capture`]) leaves a fence (one pooled event) behind each launch on an
-    /// eager stream, which eager work on those buffers on other streams waits for
-    /// ([`wait_for_graph_launches`](super::wait_for_graph_launches)); other graphs' launches
-    /// cost nothing more.
+    /// ([`Graph::tracked_capture`]) is ordered with eager work on those buffers on other streams
+    /// as eager work is: the launch first waits for the fenced eager work it conflicts with (a
+    /// write of a buffer the graph uses; a read of one it writes), and leaves a fence (one
+    /// pooled event) behind itself on an eager stream, which later eager work on those buffers
+    /// on other streams waits for ([`wait_for_graph_launches`](super::wait_for_graph_launches)).
+    /// Other graphs' launches cost nothing more.
     ///
     /// # Errors
     /// `InvalidArgument` for a stream of another device;
@@ -223,6 +225,10 @@ impl GraphExec {
         }
         self.context.bind_to_thread()?;
         let api = driver()?;
+        // Eager work on other streams that this graph's memory is ordered after goes first.
+        if let Some(capture) = self.tracked_capture {
+            super::fences::wait_for_eager_uses(stream, capture)?;
+        }
         // Counted before it is enqueued, so host access to memory the graph uses waits for it
         // (see `launches`).
         super::launches::LAUNCHES.launch(|| {

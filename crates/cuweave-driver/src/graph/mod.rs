@@ -18,6 +18,7 @@
 //! | [`CaptureModeGuard`] | this thread in another capture mode for a scope (`cuThreadExchangeStreamCaptureMode`) |
 //! | [`Graph`], [`GraphExec`], [`InstantiateOptions`] | the recording and its executable form: instantiate, upload, launch, update, DOT dump |
 //! | [`synchronize_launches`], [`launched_since`], [`LaunchMark`] | the process's graph launches, counted: a context wait that covers every launch so far, and whether one has begun since (host access to memory a graph may use) |
+//! | [`wait_for_graph_launches`], [`fence_eager_use`], [`LaunchesAfter`] | the fences that order graph launches and eager work on memory their captures used, both ways |
 //! | [`GraphMemoryUsage`], [`trim_graph_memory`] | the driver's graph memory pool of a device |
 //! | [`GraphError`] | every graph-specific failure, inside [`DriverError::Graph`](crate::DriverError::Graph) |
 //!
@@ -45,7 +46,10 @@ pub use capture::{
 };
 pub use error::GraphError;
 pub use exec::{GraphExec, InstantiateOptions};
-pub use fences::{PRUNE_FENCES_AT, graph_launch_fences, wait_for_graph_launches};
+pub use fences::{
+    LaunchesAfter, PRUNE_FENCES_AT, eager_use_fences, fence_eager_use, graph_launch_fences,
+    wait_for_graph_launches,
+};
 pub use handle::{Graph, GraphNodeType, KeepAlive};
 pub use launches::{LaunchMark, launched_since, synchronize_launches};
 pub use memory::{GraphMemoryUsage, graph_memory_usage, trim_graph_memory};

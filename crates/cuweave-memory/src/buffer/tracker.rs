@@ -52,13 +52,13 @@
 use std::sync::Arc;
 
 use cuweave_driver::graph::{
-    CaptureStatus, LaunchMark, active_captures, capture_is_active, launched_since,
+    CaptureStatus, LaunchMark, LaunchesAfter, active_captures, capture_is_active, launched_since,
     synchronize_launches,
 };
 use cuweave_driver::{Context, EventPool, OwnedPooledEvent, Stream};
 use parking_lot::{Mutex, MutexGuard};
 
-use super::uses::{ByteRange, CaptureView, Capturing, UseState};
+use super::uses::{ByteRange, CaptureView, Capturing, FencedCaptures, UseState};
 use crate::caching::ShardHandle;
 use crate::error::{MemoryError, Result};
 
@@ -400,10 +400,11 @@ impl<'a> Part<'a> {
 
 /// Makes `stream` wait for what a `range` / `access` use conflicts with, before the use is
 /// queued: the tracked uses ([`UseState::wait_on_range`]) and, for a buffer a capture used,
-/// the launches of that capture's graphs on the context's other streams. A launch records no
-/// use here (see the module docs), so without the second eager work on another stream could
-/// overlap a replay that reads or writes the memory. A capturing stream waits for no launch
-/// (the wait would break its capture; its captured uses follow the rules of [`super::uses`]).
+/// the launches of that capture's graphs on the context's other streams (for a read, of the
+/// captures that wrote it). A launch records no use here (see the module docs), so without the
+/// second eager work on another stream could overlap a replay that reads or writes the memory.
+/// A capturing stream waits for no launch (the wait would break its capture; its captured uses
+/// follow the rules of [`super::uses`]).
 #[inline]
 fn wait_before_use(
     state: &mut UseState<OwnedPooledEvent>,
@@ -415,10 +416,51 @@ fn wait_before_use(
 ) -> Result<()> {
     if state.used_in_graphs() && view.capture.is_none() {
         cuweave_driver::graph::wait_for_graph_launches(stream, |capture| {
-            state.waits_for_capture(capture)
+            state.waits_for_capture(capture, access)
         })?;
     }
     state.wait_on_range(operation, stream, range, access, view)
+}
+
+/// The captures whose graphs' launches must be ordered after an eager `access` just recorded
+/// ([`UseState::launches_after`]); `None` for a use recorded into a capture (it belongs to
+/// that graph) and for a buffer no capture used.
+#[inline]
+fn launches_after(
+    state: &UseState<OwnedPooledEvent>,
+    access: Access,
+    view: &CaptureView,
+) -> Option<FencedCaptures> {
+    if view.capture.is_some() || !state.used_in_graphs() {
+        return None;
+    }
+    state.launches_after(access)
+}
+
+/// Records one event on `stream` behind eager work just queued there, as the fence the
+/// launches of the graphs of `fenced` wait for on other streams
+/// ([`cuweave_driver::graph::fence_eager_use`]). Nothing when `fenced` is `None`.
+///
+/// # Errors
+/// The driver's error when the event cannot be recorded: the caller then drains the stream,
+/// so no unfenced work is left running.
+#[cold]
+fn fence_for_launches(
+    tracker: &StreamTracker,
+    stream: &Stream,
+    fenced: Option<FencedCaptures>,
+) -> Result<()> {
+    let Some(fenced) = fenced else {
+        return Ok(());
+    };
+    let event = tracker.event_for(stream)?;
+    event.record(stream)?;
+    let after = match &fenced {
+        FencedCaptures::These(captures) => LaunchesAfter::Captures(captures),
+        FencedCaptures::Any => LaunchesAfter::AnyCapture,
+    };
+    cuweave_driver::graph::fence_eager_use(stream, after, event);
+    Ok(())
 }
 
 /// Where `stream` stands with respect to capture, for a buffer of `context`: one atomic load
@@ -545,7 +587,9 @@ pub(crate) fn run_uses<R>(
         let outcome = op();
         let recorded =
             state.record_range(stream, part.range, *access, &view, || tracker.new_event());
+        let fenced = launches_after(&state, *access, &view);
         drop(state);
+        let recorded = recorded.and_then(|()| fence_for_launches(tracker, stream, fenced));
         return finish(outcome, recorded, stream);
     }
     let views = uses
@@ -574,6 +618,7 @@ pub(crate) fn run_uses<R>(
     }
     let outcome = op();
     let mut recorded = Ok(());
+    let mut fenced: Option<FencedCaptures> = None;
     for &(guard, range, access) in &order {
         let view = view_of(guards[guard].0);
         let (tracker, state) = &mut guards[guard];
@@ -581,8 +626,15 @@ pub(crate) fn run_uses<R>(
         {
             recorded = recorded.and(Err(error));
         }
+        if let Some(captures) = launches_after(state, access, &view) {
+            match &mut fenced {
+                Some(all) => all.merge(captures),
+                None => fenced = Some(captures),
+            }
+        }
     }
     drop(guards);
+    let recorded = recorded.and_then(|()| fence_for_launches(uses[0].0.tracker, stream, fenced));
     finish(outcome, recorded, stream)
 }
 

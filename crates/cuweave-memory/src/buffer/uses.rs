@@ -297,13 +297,50 @@ pub(crate) struct UseState<E> {
     /// next record and at the free (a capture is bound only once it has begun, so a use may
     /// come first). Those that ended unresolved are settled as [`NO_POOL`] as the list grows.
     unbound: Vec<u64>,
-    /// The latest captures that used the buffer (at most [`CAPTURES_KEPT`]): eager work on
-    /// another stream waits for the fenced launches of their graphs.
-    captures: Vec<u64>,
-    /// More captures used the buffer than are kept: eager work waits for every fenced launch.
+    /// The latest captures that used the buffer (at most [`CAPTURES_KEPT`]), and whether each
+    /// wrote it: eager work on another stream and the launches of their graphs are ordered
+    /// where they conflict (see [`UseState::waits_for_capture`], [`UseState::launches_after`]).
+    captures: Vec<CapturedUse>,
+    /// More captures used the buffer than are kept: the fenced launches of every tracked
+    /// capture's graph are taken to use it (and to write it if [`Self::captures_wrote`]).
     many_captures: bool,
+    /// A capture wrote the buffer (any of them, those no longer kept included).
+    captures_wrote: bool,
     /// Records so far (each use's `seq` is the count when it was last recorded).
     records: u64,
+}
+
+/// A capture that used a buffer, and whether it wrote it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct CapturedUse {
+    id: u64,
+    wrote: bool,
+}
+
+/// The captures whose graphs' launches must wait for an eager use ([`UseState::launches_after`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum FencedCaptures {
+    /// These captures.
+    These(Vec<u64>),
+    /// Every tracked capture (the buffer was used by more than it remembers).
+    Any,
+}
+
+impl FencedCaptures {
+    /// Adds `other`'s captures (for an operation on several buffers).
+    pub(crate) fn merge(&mut self, other: Self) {
+        match (&mut *self, other) {
+            (Self::Any, _) => {}
+            (_, Self::Any) => *self = Self::Any,
+            (Self::These(ids), Self::These(more)) => {
+                for id in more {
+                    if !ids.contains(&id) {
+                        ids.push(id);
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// How many graph pools a buffer remembers before it first drops the dead ones (and again at
@@ -326,6 +363,7 @@ impl<E> Default for UseState<E> {
             unbound: Vec::new(),
             captures: Vec::new(),
             many_captures: false,
+            captures_wrote: false,
             records: 0,
         }
     }
@@ -349,21 +387,49 @@ impl<E: UseEvent> UseState<E> {
         !self.graphs.is_empty() || !self.unbound.is_empty()
     }
 
-    /// Whether eager work on the buffer must wait for the launches of graphs ended from
-    /// `capture`: a capture that used it (or any, past [`CAPTURES_KEPT`] captures).
-    pub(crate) fn waits_for_capture(&self, capture: u64) -> bool {
-        self.many_captures || self.captures.contains(&capture)
+    /// Whether eager work that makes an `access` of the buffer must wait for the launches of
+    /// graphs ended from `capture`: a write, when that capture used the buffer; a read, when it
+    /// wrote it (past [`CAPTURES_KEPT`] captures: any capture, and for a read only if one of
+    /// them wrote the buffer).
+    pub(crate) fn waits_for_capture(&self, capture: u64, access: Access) -> bool {
+        if self.many_captures {
+            return access == Access::Write || self.captures_wrote;
+        }
+        self.captures
+            .iter()
+            .any(|used| used.id == capture && (access == Access::Write || used.wrote))
     }
 
-    /// Remembers the graph pool of the capture `id`, which used the buffer through `stream`.
+    /// The captures whose graphs' launches must wait for eager work just recorded that makes an
+    /// `access` of the buffer: for a write, every capture that used it; for a read, those that
+    /// wrote it. `None` when there are none.
+    pub(crate) fn launches_after(&self, access: Access) -> Option<FencedCaptures> {
+        if self.many_captures {
+            return (access == Access::Write || self.captures_wrote).then_some(FencedCaptures::Any);
+        }
+        let ids: Vec<u64> = self
+            .captures
+            .iter()
+            .filter(|used| access == Access::Write || used.wrote)
+            .map(|used| used.id)
+            .collect();
+        (!ids.is_empty()).then_some(FencedCaptures::These(ids))
+    }
+
+    /// Remembers the graph pool of the capture `id`, which used the buffer through `stream`
+    /// (an `access` of it).
     ///
     /// Captures recaptured into one pool share its entry; past [`PRUNE_GRAPHS_AT`] entries
     /// (and at each doubling) the pools that died are dropped: no graph of theirs is left.
     #[cold]
-    fn note_graph<S: UseStream<Event = E>>(&mut self, stream: &S, id: u64) {
-        if !self.many_captures && !self.captures.contains(&id) {
-            if self.captures.len() < CAPTURES_KEPT {
-                self.captures.push(id);
+    fn note_graph<S: UseStream<Event = E>>(&mut self, stream: &S, id: u64, access: Access) {
+        let wrote = access == Access::Write;
+        self.captures_wrote |= wrote;
+        if !self.many_captures {
+            if let Some(used) = self.captures.iter_mut().find(|used| used.id == id) {
+                used.wrote |= wrote;
+            } else if self.captures.len() < CAPTURES_KEPT {
+                self.captures.push(CapturedUse { id, wrote });
             } else {
                 // Bounded: past this, every fenced launch is waited for (more than needed, never
                 // less).
@@ -553,7 +619,7 @@ impl<E: UseEvent> UseState<E> {
         let tag = view.tag();
         if let Some(id) = tag {
             self.has_captured = true;
-            self.note_graph(stream, id);
+            self.note_graph(stream, id, access);
         }
         self.records += 1;
         let seq = self.records;

@@ -329,7 +329,11 @@ fn captures_begun_and_ended_many_times_keep_the_state_bounded() {
 #[test]
 fn eager_work_waits_for_the_launches_of_the_captures_that_used_the_buffer_and_stays_bounded() {
     let (mut state, events, _eager, cap) = written_eagerly();
-    assert!(!state.waits_for_capture(CAPTURE), "no capture used it yet");
+    assert!(
+        !state.waits_for_capture(CAPTURE, Access::Write),
+        "no capture used it yet"
+    );
+    assert_eq!(state.launches_after(Access::Write), None);
     let first = 1_000u64;
     for id in first..first + CAPTURES_KEPT as u64 {
         let view = capturing(id, begin(id));
@@ -337,18 +341,70 @@ fn eager_work_waits_for_the_launches_of_the_captures_that_used_the_buffer_and_st
         end(id);
     }
     for id in first..first + CAPTURES_KEPT as u64 {
-        assert!(state.waits_for_capture(id), "capture {id} used the buffer");
+        assert!(
+            state.waits_for_capture(id, Access::Write),
+            "capture {id} read the buffer: an eager write waits for its launches"
+        );
+        assert!(
+            !state.waits_for_capture(id, Access::Read),
+            "capture {id} only read the buffer: an eager read overlaps its launches"
+        );
     }
     assert!(
-        !state.waits_for_capture(first - 1),
+        !state.waits_for_capture(first - 1, Access::Write),
         "a capture that never used the buffer: its graphs' launches are not waited for"
+    );
+    // Launches wait for an eager write (all the captures read it), not for an eager read.
+    let kept: Vec<u64> = (first..first + CAPTURES_KEPT as u64).collect();
+    assert_eq!(
+        state.launches_after(Access::Write),
+        Some(FencedCaptures::These(kept))
+    );
+    assert_eq!(state.launches_after(Access::Read), None);
+    // A capture that writes it: eager reads wait for its launches too, and its launches for
+    // eager reads.
+    let writer = first + 1;
+    let view = capturing(writer, begin(writer));
+    state.op(&events, &cap, Access::Write, &view).unwrap();
+    end(writer);
+    assert!(state.waits_for_capture(writer, Access::Read));
+    assert!(!state.waits_for_capture(first, Access::Read));
+    assert_eq!(
+        state.launches_after(Access::Read),
+        Some(FencedCaptures::These(vec![writer]))
     );
     // One capture more than are kept: every fenced launch is waited for (more, never less).
     let id = first + CAPTURES_KEPT as u64;
     let view = capturing(id, begin(id));
     state.op(&events, &cap, Access::Read, &view).unwrap();
     end(id);
-    assert!(state.waits_for_capture(id) && state.waits_for_capture(first - 1));
+    assert!(
+        state.waits_for_capture(id, Access::Write)
+            && state.waits_for_capture(first - 1, Access::Write)
+    );
+    assert!(
+        state.waits_for_capture(first - 1, Access::Read),
+        "a capture wrote the buffer: past the kept ones, reads wait for every launch"
+    );
+    assert_eq!(
+        state.launches_after(Access::Read),
+        Some(FencedCaptures::Any)
+    );
+    assert_eq!(
+        state.launches_after(Access::Write),
+        Some(FencedCaptures::Any)
+    );
+}
+
+#[test]
+fn fenced_captures_merge_without_repeats_and_any_absorbs_the_rest() {
+    let mut fenced = FencedCaptures::These(vec![1, 2]);
+    fenced.merge(FencedCaptures::These(vec![2, 3]));
+    assert_eq!(fenced, FencedCaptures::These(vec![1, 2, 3]));
+    fenced.merge(FencedCaptures::Any);
+    assert_eq!(fenced, FencedCaptures::Any);
+    fenced.merge(FencedCaptures::These(vec![4]));
+    assert_eq!(fenced, FencedCaptures::Any);
 }
 
 #[test]
