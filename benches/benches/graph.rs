@@ -3,7 +3,7 @@
 //! | group | cuweave | raw |
 //! |---|---|---|
 //! | `graph_100_kernels` | one `PriorityStream::launch_graph` of a captured 100-kernel graph + sync; 100 `Kernel::launch` + one sync | 100 `cuLaunchKernel` + `cuStreamSynchronize`; `cuGraphLaunch` + `cuStreamSynchronize` |
-//! | `graph_launch_host` | `GraphExec::launch` (host time only, synchronised every 32 launches outside the timing) | `cuGraphLaunch` |
+//! | `graph_launch_host` | `GraphExec::launch` (host time only, synchronised every 32 launches outside the timing), of the noop graph and of a graph that fills a tracked `DeviceBuffer` (one fence per launch), alone and after an eager fill of the buffer on another stream | `cuGraphLaunch` |
 //! | `graph_first_launch` | launch + sync of a fresh executable after `GraphExec::upload`, and without it; steady state | — |
 //! | `graph_pool` | 1 MiB allocate + free from a capture's private pool during the capture; the same from the general cache with no capture | — |
 //!
@@ -13,14 +13,16 @@
 //! prints `skipping benches: no CUDA driver` and exits 0.
 
 use std::hint::black_box;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
 use cuweave_benches::{Gpu, measuring, median_per_iteration};
 use cuweave_driver::{
     DriverApi, Graph, GraphExec, InstantiateOptions, Kernel, KernelArgs, LaunchConfig, Stream,
-    driver, sys,
+    StreamFlags, driver, sys,
 };
+use cuweave_memory::buffer::{Buffer, DeviceBuffer};
 use cuweave_memory::caching::CachingAllocator;
 use cuweave_stream::capture::{CaptureOptions, StreamCapture};
 use cuweave_stream::{PriorityStream, StreamPriority};
@@ -58,6 +60,11 @@ struct Setup {
     exec: GraphExec,
     raw_exec: sys::CUgraphExec,
     allocator: CachingAllocator,
+    /// A graph that fills `tracked_buffer` (a tracked capture: its launches leave fences).
+    tracked: GraphExec,
+    tracked_buffer: Mutex<DeviceBuffer<u32>>,
+    /// Where eager fills of `tracked_buffer` run, for launches that wait for them.
+    other: Stream,
     _kernels: EventKernels,
 }
 
@@ -91,7 +98,20 @@ impl Setup {
             raw
         };
         exec.upload(&stream).expect("upload");
+        let mut tracked_buffer = DeviceBuffer::<u32>::new(&gpu.context, 1024).expect("buffer");
+        let capture =
+            StreamCapture::begin(&stream, CaptureOptions::default()).expect("begin capture");
+        tracked_buffer
+            .fill_async(1, &stream)
+            .expect("captured fill");
+        let tracked = capture
+            .finish()
+            .expect("end capture")
+            .instantiate(&InstantiateOptions::default())
+            .expect("instantiate");
+        tracked.upload(&stream).expect("upload");
         stream.synchronize().expect("sync");
+        let other = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).expect("stream");
         Self {
             stream,
             noop,
@@ -99,6 +119,9 @@ impl Setup {
             exec,
             raw_exec,
             allocator: CachingAllocator::with_driver(&gpu.context),
+            tracked,
+            tracked_buffer: Mutex::new(tracked_buffer),
+            other,
             _kernels: kernels,
         }
     }
@@ -233,6 +256,59 @@ fn cuweave_launch_host(setup: &Setup, iters: u64) -> Duration {
     })
 }
 
+fn tracked_launch_host(setup: &Setup, iters: u64) -> Duration {
+    host_launches(setup, iters, || {
+        setup.tracked.launch(&setup.stream).expect("launch")
+    })
+}
+
+/// An eager fill of the tracked buffer on the other stream.
+fn fill_tracked(setup: &Setup) {
+    setup
+        .tracked_buffer
+        .lock()
+        .expect("not poisoned")
+        .fill_async(2, &setup.other)
+        .expect("eager fill");
+}
+
+/// Host time of `iters` rounds of an eager fill of the tracked buffer on another stream (which
+/// leaves a fence) and a launch of its graph (which waits for it); the fill is timed too.
+fn tracked_after_eager_host(setup: &Setup, iters: u64) -> Duration {
+    let mut total = Duration::ZERO;
+    let mut left = iters;
+    while left > 0 {
+        let batch = left.min(32);
+        let started = Instant::now();
+        for _ in 0..batch {
+            fill_tracked(setup);
+            setup.tracked.launch(&setup.stream).expect("launch");
+        }
+        total += started.elapsed();
+        setup.stream.synchronize().expect("sync");
+        setup.other.synchronize().expect("sync");
+        left -= batch;
+    }
+    total
+}
+
+/// Host time of `iters` eager fills of the tracked buffer on the other stream alone.
+fn eager_fill_host(setup: &Setup, iters: u64) -> Duration {
+    let mut total = Duration::ZERO;
+    let mut left = iters;
+    while left > 0 {
+        let batch = left.min(32);
+        let started = Instant::now();
+        for _ in 0..batch {
+            fill_tracked(setup);
+        }
+        total += started.elapsed();
+        setup.other.synchronize().expect("sync");
+        left -= batch;
+    }
+    total
+}
+
 fn raw_launch_host(setup: &Setup, iters: u64) -> Duration {
     host_launches(setup, iters, || {
         raw_graph_launch(setup.raw_exec, &setup.stream)
@@ -243,6 +319,12 @@ fn launch_host(c: &mut Criterion, setup: &Setup) {
     let mut group = c.benchmark_group("graph_launch_host");
     group.bench_function("cuweave/GraphExec::launch", |b| {
         b.iter_custom(|iters| cuweave_launch_host(setup, iters))
+    });
+    group.bench_function("cuweave/GraphExec::launch (tracked buffer)", |b| {
+        b.iter_custom(|iters| tracked_launch_host(setup, iters))
+    });
+    group.bench_function("cuweave/eager fill + tracked launch", |b| {
+        b.iter_custom(|iters| tracked_after_eager_host(setup, iters))
     });
     group.bench_function("raw/cuGraphLaunch", |b| {
         b.iter_custom(|iters| raw_launch_host(setup, iters))
@@ -359,6 +441,18 @@ fn summary(setup: &Setup) {
         "summary graph_launch_host: GraphExec::launch {:.2} us (target <= 2 us), raw cuGraphLaunch {:.2} us",
         us(host),
         us(raw_host)
+    );
+    // A graph of a tracked buffer: its launch records a fence; after an eager fill of the
+    // buffer on another stream, the fill records one too and the launch waits for it.
+    let tracked = median_per_iteration(11, 320, |n| tracked_launch_host(setup, n));
+    let fill = median_per_iteration(11, 320, |n| eager_fill_host(setup, n));
+    let both = median_per_iteration(11, 320, |n| tracked_after_eager_host(setup, n));
+    println!(
+        "summary graph_tracked_launch: GraphExec::launch of a tracked graph {:.2} us; eager fill on another stream {:.2} us; fill + launch ordered after it {:.2} us (the ordering costs {:.2} us over fill + launch)",
+        us(tracked),
+        us(fill),
+        us(both),
+        us(both) - us(fill) - us(tracked)
     );
     let uploaded = median_per_iteration(11, 5, |n| first_launches(setup, n, true));
     let cold = median_per_iteration(11, 5, |n| first_launches(setup, n, false));

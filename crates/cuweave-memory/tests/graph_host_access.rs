@@ -221,7 +221,7 @@ fn eager_work_on_another_stream_waits_for_the_graph_launches_that_use_the_buffer
 /// The other direction: a graph launched on one stream is ordered after the eager work on
 /// another stream that it conflicts with, as two eager operations would be. A graph that copies
 /// `input` into `output` reads the 7s an eager fill queued behind a spin wrote (not the 1s from
-/// before); a graph that overwrites `input` waits for an eager download of it behind a spin,
+/// before); a graph that overwrites `input` waits for an eager copy out of it behind a spin,
 /// which reads the 7s (not the graph's 5s). A graph that only reads `input` overlaps an eager
 /// read of it. The fences stay bounded over many writing streams.
 #[test]
@@ -262,29 +262,33 @@ fn a_graph_launch_waits_for_the_eager_work_on_another_stream_that_it_conflicts_w
         "the graph read its input before the eager write on another stream landed"
     );
 
-    // Write after an eager read.
+    // Write after an eager read (a device-to-device copy: a download into pageable memory
+    // would return only once it has run).
+    let mut scratch = DeviceBuffer::<u32>::new(ctx, LEN).unwrap();
     kernels.spin_ns(&other, SPIN_NS).unwrap();
-    let download = input.copy_to_host_async(vec![0u32; LEN], &other).unwrap();
+    scratch.copy_from_async(&input, &other).unwrap();
     overwrite.launch(&graph_stream).unwrap();
-    let read = download.wait().unwrap();
+    other.synchronize().unwrap();
+    graph_stream.synchronize().unwrap();
+    let read = scratch.to_vec().unwrap();
     assert!(
         read.iter().all(|&x| x == 7),
-        "the graph overwrote its input before the eager download on another stream read it: read {}",
+        "the graph overwrote its input before the eager copy on another stream read it: read {}",
         read[0]
     );
-    graph_stream.synchronize().unwrap();
     assert!(input.to_vec().unwrap().iter().all(|&x| x == 5));
 
     // Reads overlap: a graph that only reads the input does not wait for an eager read.
     kernels.spin_ns(&other, SPIN_NS).unwrap();
-    let download = input.copy_to_host_async(vec![0u32; LEN], &other).unwrap();
+    scratch.copy_from_async(&input, &other).unwrap();
     copy.launch(&graph_stream).unwrap();
     graph_stream.synchronize().unwrap();
     assert!(
         !other.query().unwrap(),
         "a graph that only reads its input waited for an eager read of it"
     );
-    assert!(download.wait().unwrap().iter().all(|&x| x == 5));
+    other.synchronize().unwrap();
+    assert!(scratch.to_vec().unwrap().iter().all(|&x| x == 5));
     assert!(output.to_vec().unwrap().iter().all(|&x| x == 5));
 
     // Bounded: one fence per (stream, capture) pair, the finished ones pruned.

@@ -634,7 +634,12 @@ pub(crate) fn run_uses<R>(
         }
     }
     drop(guards);
-    let recorded = recorded.and_then(|()| fence_for_launches(uses[0].0.tracker, stream, fenced));
+    let recorded = match (fenced, uses.first()) {
+        (Some(fenced), Some((part, _))) => {
+            recorded.and_then(|()| fence_for_launches(part.tracker, stream, Some(fenced)))
+        }
+        _ => recorded,
+    };
     finish(outcome, recorded, stream)
 }
 
