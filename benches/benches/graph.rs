@@ -233,21 +233,27 @@ fn hundred_kernels(c: &mut Criterion, setup: &Setup) {
     group.finish();
 }
 
-/// Host time of `iters` launches, synchronising every 32 outside the timing.
-fn host_launches(setup: &Setup, iters: u64, launch: impl Fn()) -> Duration {
+/// Host time of `iters` runs of `run`, in batches of 32 with `settle` (a synchronisation)
+/// after each batch, outside the timing.
+fn timed_batches(iters: u64, mut run: impl FnMut(), settle: impl Fn()) -> Duration {
     let mut total = Duration::ZERO;
     let mut left = iters;
     while left > 0 {
         let batch = left.min(32);
         let started = Instant::now();
         for _ in 0..batch {
-            launch();
+            run();
         }
         total += started.elapsed();
-        setup.stream.synchronize().expect("sync");
+        settle();
         left -= batch;
     }
     total
+}
+
+/// Host time of `iters` launches, synchronising every 32 outside the timing.
+fn host_launches(setup: &Setup, iters: u64, launch: impl Fn()) -> Duration {
+    timed_batches(iters, launch, || setup.stream.synchronize().expect("sync"))
 }
 
 fn cuweave_launch_host(setup: &Setup, iters: u64) -> Duration {
@@ -275,38 +281,26 @@ fn fill_tracked(setup: &Setup) {
 /// Host time of `iters` rounds of an eager fill of the tracked buffer on another stream (which
 /// leaves a fence) and a launch of its graph (which waits for it); the fill is timed too.
 fn tracked_after_eager_host(setup: &Setup, iters: u64) -> Duration {
-    let mut total = Duration::ZERO;
-    let mut left = iters;
-    while left > 0 {
-        let batch = left.min(32);
-        let started = Instant::now();
-        for _ in 0..batch {
+    timed_batches(
+        iters,
+        || {
             fill_tracked(setup);
             setup.tracked.launch(&setup.stream).expect("launch");
-        }
-        total += started.elapsed();
-        setup.stream.synchronize().expect("sync");
-        setup.other.synchronize().expect("sync");
-        left -= batch;
-    }
-    total
+        },
+        || {
+            setup.stream.synchronize().expect("sync");
+            setup.other.synchronize().expect("sync");
+        },
+    )
 }
 
 /// Host time of `iters` eager fills of the tracked buffer on the other stream alone.
 fn eager_fill_host(setup: &Setup, iters: u64) -> Duration {
-    let mut total = Duration::ZERO;
-    let mut left = iters;
-    while left > 0 {
-        let batch = left.min(32);
-        let started = Instant::now();
-        for _ in 0..batch {
-            fill_tracked(setup);
-        }
-        total += started.elapsed();
-        setup.other.synchronize().expect("sync");
-        left -= batch;
-    }
-    total
+    timed_batches(
+        iters,
+        || fill_tracked(setup),
+        || setup.other.synchronize().expect("sync"),
+    )
 }
 
 fn raw_launch_host(setup: &Setup, iters: u64) -> Duration {

@@ -25,6 +25,10 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+fn non_blocking(ctx: &std::sync::Arc<cuweave_driver::Context>) -> Stream {
+    Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap()
+}
+
 /// A zeroed pinned buffer `output` and the executable of a graph that spins for [`SPIN_NS`],
 /// then copies `source` (every element `value`) into it, captured on `stream`.
 struct GraphWritesPinned {
@@ -131,10 +135,7 @@ fn eager_work_on_another_stream_waits_for_the_graph_launches_that_use_the_buffer
     let gpu = require_gpu!();
     let ctx = &gpu.context;
     let kernels = TestKernels::load(ctx).unwrap();
-    let (graph_stream, other) = (
-        Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap(),
-        Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap(),
-    );
+    let (graph_stream, other) = (non_blocking(ctx), non_blocking(ctx));
     let mut data = DeviceBuffer::<u32>::new(ctx, LEN).unwrap();
     graph_stream
         .begin_capture_synchronized(CaptureMode::ThreadLocal)
@@ -230,10 +231,7 @@ fn a_graph_launch_waits_for_the_eager_work_on_another_stream_that_it_conflicts_w
     let gpu = require_gpu!();
     let ctx = &gpu.context;
     let kernels = TestKernels::load(ctx).unwrap();
-    let (graph_stream, other) = (
-        Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap(),
-        Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap(),
-    );
+    let (graph_stream, other) = (non_blocking(ctx), non_blocking(ctx));
     let mut input = DeviceBuffer::<u32>::new(ctx, LEN).unwrap();
     let mut output = DeviceBuffer::<u32>::new(ctx, LEN).unwrap();
     input.fill(1).unwrap();
