@@ -224,7 +224,8 @@ fn eager_work_on_another_stream_waits_for_the_graph_launches_that_use_the_buffer
 /// `input` into `output` reads the 7s an eager fill queued behind a spin wrote (not the 1s from
 /// before); a graph that overwrites `input` waits for an eager copy out of it behind a spin,
 /// which reads the 7s (not the graph's 5s). A graph that only reads `input` overlaps an eager
-/// read of it. The fences stay bounded over many writing streams.
+/// read of it, and a graph that fills one half of it an eager fill of the other half. The fences
+/// stay bounded over many writing streams.
 #[test]
 fn a_graph_launch_waits_for_the_eager_work_on_another_stream_that_it_conflicts_with() {
     let _serial = serial();
@@ -288,6 +289,32 @@ fn a_graph_launch_waits_for_the_eager_work_on_another_stream_that_it_conflicts_w
     other.synchronize().unwrap();
     assert!(scratch.to_vec().unwrap().iter().all(|&x| x == 5));
     assert!(output.to_vec().unwrap().iter().all(|&x| x == 5));
+
+    // Disjoint bytes are not ordered: a graph that fills the first half does not wait for an
+    // eager fill of the second half.
+    let half = LEN / 2;
+    let first_half = capture(&mut || {
+        input
+            .slice_mut(..half)
+            .unwrap()
+            .fill_async(3, &graph_stream)
+            .unwrap()
+    });
+    kernels.spin_ns(&other, SPIN_NS).unwrap();
+    input
+        .slice_mut(half..)
+        .unwrap()
+        .fill_async(4, &other)
+        .unwrap();
+    first_half.launch(&graph_stream).unwrap();
+    graph_stream.synchronize().unwrap();
+    assert!(
+        !other.query().unwrap(),
+        "a graph that fills one half waited for an eager fill of the other half"
+    );
+    other.synchronize().unwrap();
+    let halves = input.to_vec().unwrap();
+    assert!(halves[..half].iter().all(|&x| x == 3) && halves[half..].iter().all(|&x| x == 4));
 
     // Bounded: one fence per (stream, capture) pair, the finished ones pruned.
     for value in 0..64u32 {

@@ -400,8 +400,8 @@ impl<'a> Part<'a> {
 
 /// Makes `stream` wait for what a `range` / `access` use conflicts with, before the use is
 /// queued: the tracked uses ([`UseState::wait_on_range`]) and, for a buffer a capture used,
-/// the launches of that capture's graphs on the context's other streams (for a read, of the
-/// captures that wrote it). A launch records no use here (see the module docs), so without the
+/// the launches of that capture's graphs on the context's other streams (those of captures
+/// that used bytes of `range`; for a read, that wrote some). A launch records no use here (see the module docs), so without the
 /// second eager work on another stream could overlap a replay that reads or writes the memory.
 /// A capturing stream waits for no launch (the wait would break its capture; its captured uses
 /// follow the rules of [`super::uses`]).
@@ -416,25 +416,26 @@ fn wait_before_use(
 ) -> Result<()> {
     if state.used_in_graphs() && view.capture.is_none() {
         cuweave_driver::graph::wait_for_graph_launches(stream, |capture| {
-            state.waits_for_capture(capture, access)
+            state.waits_for_capture(capture, range, access)
         })?;
     }
     state.wait_on_range(operation, stream, range, access, view)
 }
 
-/// The captures whose graphs' launches must be ordered after an eager `access` just recorded
-/// ([`UseState::launches_after`]); `None` for a use recorded into a capture (it belongs to
-/// that graph) and for a buffer no capture used.
+/// The captures whose graphs' launches must be ordered after an eager `access` of `range` just
+/// recorded ([`UseState::launches_after`]); `None` for a use recorded into a capture (it
+/// belongs to that graph) and for a buffer no capture used.
 #[inline]
 fn launches_after(
     state: &UseState<OwnedPooledEvent>,
+    range: ByteRange,
     access: Access,
     view: &CaptureView,
 ) -> Option<FencedCaptures> {
     if view.capture.is_some() || !state.used_in_graphs() {
         return None;
     }
-    state.launches_after(access)
+    state.launches_after(range, access)
 }
 
 /// Records one event on `stream` behind eager work just queued there, as the fence the
@@ -587,7 +588,7 @@ pub(crate) fn run_uses<R>(
         let outcome = op();
         let recorded =
             state.record_range(stream, part.range, *access, &view, || tracker.new_event());
-        let fenced = launches_after(&state, *access, &view);
+        let fenced = launches_after(&state, part.range, *access, &view);
         drop(state);
         let recorded = recorded.and_then(|()| fence_for_launches(tracker, stream, fenced));
         return finish(outcome, recorded, stream);
@@ -626,7 +627,7 @@ pub(crate) fn run_uses<R>(
         {
             recorded = recorded.and(Err(error));
         }
-        if let Some(captures) = launches_after(state, access, &view) {
+        if let Some(captures) = launches_after(state, range, access, &view) {
             match &mut fenced {
                 Some(all) => all.merge(captures),
                 None => fenced = Some(captures),

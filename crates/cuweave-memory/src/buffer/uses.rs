@@ -297,24 +297,53 @@ pub(crate) struct UseState<E> {
     /// next record and at the free (a capture is bound only once it has begun, so a use may
     /// come first). Those that ended unresolved are settled as [`NO_POOL`] as the list grows.
     unbound: Vec<u64>,
-    /// The latest captures that used the buffer (at most [`CAPTURES_KEPT`]), and whether each
-    /// wrote it: eager work on another stream and the launches of their graphs are ordered
-    /// where they conflict (see [`UseState::waits_for_capture`], [`UseState::launches_after`]).
+    /// The latest captures that used the buffer (at most [`CAPTURES_KEPT`]), with the bytes
+    /// each used and wrote: eager work on another stream and the launches of their graphs are
+    /// ordered where they conflict (see [`UseState::waits_for_capture`],
+    /// [`UseState::launches_after`]).
     captures: Vec<CapturedUse>,
     /// More captures used the buffer than are kept: the fenced launches of every tracked
-    /// capture's graph are taken to use it (and to write it if [`Self::captures_wrote`]).
+    /// capture's graph are taken to make the uses of [`Self::all_captured`].
     many_captures: bool,
-    /// A capture wrote the buffer (any of them, those no longer kept included).
-    captures_wrote: bool,
+    /// The bytes every capture together used and wrote (those no longer kept included).
+    all_captured: CapturedBytes,
     /// Records so far (each use's `seq` is the count when it was last recorded).
     records: u64,
 }
 
-/// A capture that used a buffer, and whether it wrote it.
+/// A capture that used a buffer, and the bytes it used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct CapturedUse {
     id: u64,
-    wrote: bool,
+    bytes: CapturedBytes,
+}
+
+/// The bytes of a buffer that captured work used and wrote, each as one hull (more than were
+/// touched, never less).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct CapturedBytes {
+    used: Option<ByteRange>,
+    written: Option<ByteRange>,
+}
+
+impl CapturedBytes {
+    fn add(&mut self, range: ByteRange, access: Access) {
+        let grow = |hull: Option<ByteRange>| Some(hull.map_or(range, |hull| hull.hull(range)));
+        self.used = grow(self.used);
+        if access == Access::Write {
+            self.written = grow(self.written);
+        }
+    }
+
+    /// Whether an `access` of `range` conflicts with these: a write with any byte used, a read
+    /// with any byte written.
+    fn conflicts(&self, range: ByteRange, access: Access) -> bool {
+        let bytes = match access {
+            Access::Write => self.used,
+            Access::Read => self.written,
+        };
+        bytes.is_some_and(|bytes| bytes.overlaps(range))
+    }
 }
 
 /// The captures whose graphs' launches must wait for an eager use ([`UseState::launches_after`]).
@@ -363,7 +392,7 @@ impl<E> Default for UseState<E> {
             unbound: Vec::new(),
             captures: Vec::new(),
             many_captures: false,
-            captures_wrote: false,
+            all_captured: CapturedBytes::default(),
             records: 0,
         }
     }
@@ -387,49 +416,63 @@ impl<E: UseEvent> UseState<E> {
         !self.graphs.is_empty() || !self.unbound.is_empty()
     }
 
-    /// Whether eager work that makes an `access` of the buffer must wait for the launches of
-    /// graphs ended from `capture`: a write, when that capture used the buffer; a read, when it
-    /// wrote it (past [`CAPTURES_KEPT`] captures: any capture, and for a read only if one of
-    /// them wrote the buffer).
-    pub(crate) fn waits_for_capture(&self, capture: u64, access: Access) -> bool {
+    /// Whether eager work that makes an `access` of `range` must wait for the launches of
+    /// graphs ended from `capture`: a write, when that capture used bytes of `range`; a read,
+    /// when it wrote some (past [`CAPTURES_KEPT`] captures: any capture, against the bytes all
+    /// captures together used and wrote).
+    pub(crate) fn waits_for_capture(&self, capture: u64, range: ByteRange, access: Access) -> bool {
         if self.many_captures {
-            return access == Access::Write || self.captures_wrote;
+            return self.all_captured.conflicts(range, access);
         }
         self.captures
             .iter()
-            .any(|used| used.id == capture && (access == Access::Write || used.wrote))
+            .any(|used| used.id == capture && used.bytes.conflicts(range, access))
     }
 
     /// The captures whose graphs' launches must wait for eager work just recorded that makes an
-    /// `access` of the buffer: for a write, every capture that used it; for a read, those that
-    /// wrote it. `None` when there are none.
-    pub(crate) fn launches_after(&self, access: Access) -> Option<FencedCaptures> {
+    /// `access` of `range`: for a write, those that used bytes of it; for a read, those that
+    /// wrote some. `None` when there are none.
+    pub(crate) fn launches_after(
+        &self,
+        range: ByteRange,
+        access: Access,
+    ) -> Option<FencedCaptures> {
         if self.many_captures {
-            return (access == Access::Write || self.captures_wrote).then_some(FencedCaptures::Any);
+            return self
+                .all_captured
+                .conflicts(range, access)
+                .then_some(FencedCaptures::Any);
         }
         let ids: Vec<u64> = self
             .captures
             .iter()
-            .filter(|used| access == Access::Write || used.wrote)
+            .filter(|used| used.bytes.conflicts(range, access))
             .map(|used| used.id)
             .collect();
         (!ids.is_empty()).then_some(FencedCaptures::These(ids))
     }
 
     /// Remembers the graph pool of the capture `id`, which used the buffer through `stream`
-    /// (an `access` of it).
+    /// (an `access` of `range`).
     ///
     /// Captures recaptured into one pool share its entry; past [`PRUNE_GRAPHS_AT`] entries
     /// (and at each doubling) the pools that died are dropped: no graph of theirs is left.
     #[cold]
-    fn note_graph<S: UseStream<Event = E>>(&mut self, stream: &S, id: u64, access: Access) {
-        let wrote = access == Access::Write;
-        self.captures_wrote |= wrote;
+    fn note_graph<S: UseStream<Event = E>>(
+        &mut self,
+        stream: &S,
+        id: u64,
+        range: ByteRange,
+        access: Access,
+    ) {
+        self.all_captured.add(range, access);
         if !self.many_captures {
             if let Some(used) = self.captures.iter_mut().find(|used| used.id == id) {
-                used.wrote |= wrote;
+                used.bytes.add(range, access);
             } else if self.captures.len() < CAPTURES_KEPT {
-                self.captures.push(CapturedUse { id, wrote });
+                let mut bytes = CapturedBytes::default();
+                bytes.add(range, access);
+                self.captures.push(CapturedUse { id, bytes });
             } else {
                 // Bounded: past this, every fenced launch is waited for (more than needed, never
                 // less).
@@ -619,7 +662,7 @@ impl<E: UseEvent> UseState<E> {
         let tag = view.tag();
         if let Some(id) = tag {
             self.has_captured = true;
-            self.note_graph(stream, id, access);
+            self.note_graph(stream, id, range, access);
         }
         self.records += 1;
         let seq = self.records;

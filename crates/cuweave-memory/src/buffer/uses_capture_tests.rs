@@ -57,8 +57,20 @@ impl UseState<FakeEvent> {
         access: Access,
         view: &CaptureView,
     ) -> Result<Vec<usize>> {
-        self.wait_on_range("test", stream, ByteRange::WHOLE, access, view)?;
-        self.record_range(stream, ByteRange::WHOLE, access, view, events.make())?;
+        self.op_on(events, stream, ByteRange::WHOLE, access, view)
+    }
+
+    /// [`op`](Self::op) on `range` alone.
+    fn op_on(
+        &mut self,
+        events: &Events,
+        stream: &FakeStream,
+        range: ByteRange,
+        access: Access,
+        view: &CaptureView,
+    ) -> Result<Vec<usize>> {
+        self.wait_on_range("test", stream, range, access, view)?;
+        self.record_range(stream, range, access, view, events.make())?;
         Ok(stream.take_waits())
     }
 }
@@ -328,12 +340,13 @@ fn captures_begun_and_ended_many_times_keep_the_state_bounded() {
 
 #[test]
 fn eager_work_waits_for_the_launches_of_the_captures_that_used_the_buffer_and_stays_bounded() {
+    const WHOLE: ByteRange = ByteRange::WHOLE;
     let (mut state, events, _eager, cap) = written_eagerly();
     assert!(
-        !state.waits_for_capture(CAPTURE, Access::Write),
+        !state.waits_for_capture(CAPTURE, WHOLE, Access::Write),
         "no capture used it yet"
     );
-    assert_eq!(state.launches_after(Access::Write), None);
+    assert_eq!(state.launches_after(WHOLE, Access::Write), None);
     let first = 1_000u64;
     for id in first..first + CAPTURES_KEPT as u64 {
         let view = capturing(id, begin(id));
@@ -342,35 +355,35 @@ fn eager_work_waits_for_the_launches_of_the_captures_that_used_the_buffer_and_st
     }
     for id in first..first + CAPTURES_KEPT as u64 {
         assert!(
-            state.waits_for_capture(id, Access::Write),
+            state.waits_for_capture(id, WHOLE, Access::Write),
             "capture {id} read the buffer: an eager write waits for its launches"
         );
         assert!(
-            !state.waits_for_capture(id, Access::Read),
+            !state.waits_for_capture(id, WHOLE, Access::Read),
             "capture {id} only read the buffer: an eager read overlaps its launches"
         );
     }
     assert!(
-        !state.waits_for_capture(first - 1, Access::Write),
+        !state.waits_for_capture(first - 1, WHOLE, Access::Write),
         "a capture that never used the buffer: its graphs' launches are not waited for"
     );
     // Launches wait for an eager write (all the captures read it), not for an eager read.
     let kept: Vec<u64> = (first..first + CAPTURES_KEPT as u64).collect();
     assert_eq!(
-        state.launches_after(Access::Write),
+        state.launches_after(WHOLE, Access::Write),
         Some(FencedCaptures::These(kept))
     );
-    assert_eq!(state.launches_after(Access::Read), None);
+    assert_eq!(state.launches_after(WHOLE, Access::Read), None);
     // A capture that writes it: eager reads wait for its launches too, and its launches for
     // eager reads.
     let writer = first + 1;
     let view = capturing(writer, begin(writer));
     state.op(&events, &cap, Access::Write, &view).unwrap();
     end(writer);
-    assert!(state.waits_for_capture(writer, Access::Read));
-    assert!(!state.waits_for_capture(first, Access::Read));
+    assert!(state.waits_for_capture(writer, WHOLE, Access::Read));
+    assert!(!state.waits_for_capture(first, WHOLE, Access::Read));
     assert_eq!(
-        state.launches_after(Access::Read),
+        state.launches_after(WHOLE, Access::Read),
         Some(FencedCaptures::These(vec![writer]))
     );
     // One capture more than are kept: every fenced launch is waited for (more, never less).
@@ -379,21 +392,62 @@ fn eager_work_waits_for_the_launches_of_the_captures_that_used_the_buffer_and_st
     state.op(&events, &cap, Access::Read, &view).unwrap();
     end(id);
     assert!(
-        state.waits_for_capture(id, Access::Write)
-            && state.waits_for_capture(first - 1, Access::Write)
+        state.waits_for_capture(id, WHOLE, Access::Write)
+            && state.waits_for_capture(first - 1, WHOLE, Access::Write)
     );
     assert!(
-        state.waits_for_capture(first - 1, Access::Read),
+        state.waits_for_capture(first - 1, WHOLE, Access::Read),
         "a capture wrote the buffer: past the kept ones, reads wait for every launch"
     );
     assert_eq!(
-        state.launches_after(Access::Read),
+        state.launches_after(WHOLE, Access::Read),
         Some(FencedCaptures::Any)
     );
     assert_eq!(
-        state.launches_after(Access::Write),
+        state.launches_after(WHOLE, Access::Write),
         Some(FencedCaptures::Any)
     );
+}
+
+#[test]
+fn graph_launches_and_eager_work_on_disjoint_bytes_are_not_ordered() {
+    // A capture writes bytes 0..1024 and reads 4096..8192 (a KV cache's slots, say).
+    let (mut state, events, _eager, cap) = written_eagerly();
+    let view = capturing(CAPTURE, begin(CAPTURE));
+    state
+        .op_on(&events, &cap, ByteRange::new(0, 1024), Access::Write, &view)
+        .unwrap();
+    state
+        .op_on(
+            &events,
+            &cap,
+            ByteRange::new(4096, 4096),
+            Access::Read,
+            &view,
+        )
+        .unwrap();
+    end(CAPTURE);
+    let cases = [
+        // (eager range, access, ordered with the capture's launches)
+        (ByteRange::new(512, 16), Access::Read, true),
+        (ByteRange::new(512, 16), Access::Write, true),
+        (ByteRange::new(5000, 16), Access::Write, true),
+        (ByteRange::new(5000, 16), Access::Read, false),
+        (ByteRange::new(1 << 20, 64), Access::Write, false),
+        (ByteRange::new(1 << 20, 64), Access::Read, false),
+    ];
+    for (range, access, ordered) in cases {
+        assert_eq!(
+            state.waits_for_capture(CAPTURE, range, access),
+            ordered,
+            "eager {access:?} of {range:?} waiting for the launches"
+        );
+        assert_eq!(
+            state.launches_after(range, access).is_some(),
+            ordered,
+            "launches waiting for an eager {access:?} of {range:?}"
+        );
+    }
 }
 
 #[test]
