@@ -22,7 +22,7 @@ pub(crate) fn relaxed_thread(thread: &'static str) -> Option<CaptureModeGuard> {
         .ok()
 }
 
-/// Refuses, with [`GraphError::Capturing`], a wait on `stream` while it is capturing: the
+/// Refuses, with [`GraphError::Capturing`](cuweave_driver::graph::GraphError::Capturing), a wait on `stream` while it is capturing: the
 /// marker the wait queues (a completion-word write, an event record, a host function) would be
 /// recorded into the graph instead of run, so the wait would never resolve and its word would
 /// stay lent for ever. Called before anything is queued or leased.
@@ -34,7 +34,7 @@ pub(crate) fn relaxed_thread(thread: &'static str) -> Option<CaptureModeGuard> {
 /// capture active is not seen.
 ///
 /// # Errors
-/// [`GraphError::Capturing`] naming `operation`; the driver's error when the status query
+/// [`GraphError::Capturing`](cuweave_driver::graph::GraphError::Capturing) naming `operation`; the driver's error when the status query
 /// fails.
 pub(crate) fn refuse_capturing_stream(
     stream: &Stream,

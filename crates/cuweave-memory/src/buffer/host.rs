@@ -69,7 +69,7 @@ pub(crate) mod sealed {
 /// |---|---|---|---|---|
 /// | `PinnedBuffer<T>`, `&mut PinnedBuffer<T>` | yes | yes | truly asynchronous (DMA from page-locked memory) | captured |
 /// | `&PinnedBuffer<T>` | yes | no | truly asynchronous | captured |
-/// | `Vec<T>`, `Box<[T]>` | yes | yes | pageable: the driver stages it; a device-to-host copy returns only when done | refused: [`MemoryError::NotCapturable`](crate::MemoryError::NotCapturable) |
+/// | `Vec<T>`, `Box<[T]>` | yes | yes | pageable: the driver stages it; a device-to-host copy returns only when done | refused: [`crate::MemoryError::NotCapturable`] |
 ///
 /// A borrowed [`PinnedBuffer`] also records the copy in its own tracker, so its host slices
 /// wait for the copy even if the [`PendingCopy`](super::PendingCopy) is forgotten.
@@ -81,7 +81,7 @@ pub trait HostSource<T: Element>: sealed::HostSide<T> + Send {}
 /// [`HostSource`] for how each copy runs).
 pub trait HostSink<T: Element>: sealed::HostSideMut<T> + Send {}
 
-/// The refusal items of an owned host side: it comes back in a [`HostCopyError`].
+/// The refusal items of an owned host side: it comes back in a [`HostCopyError`](crate::HostCopyError).
 macro_rules! owned_refusal {
     () => {
         type Refusal<E> = $crate::error::HostCopyError<Self, E>;

@@ -121,7 +121,7 @@ impl<'a, T: Element> Staged<'a, T, ToDevice> {
     /// driver's error if queueing fails (the stream is then synchronised before `host` is
     /// dropped, or `host` is leaked if even that fails). On a capturing lane a pinned host side
     /// is captured and a pageable one refused with
-    /// [`MemoryError::NotCapturable`](crate::MemoryError::NotCapturable), before anything is
+    /// [`crate::MemoryError::NotCapturable`], before anything is
     /// queued.
     pub fn copy_in<H: HostSource<T>>(
         &self,

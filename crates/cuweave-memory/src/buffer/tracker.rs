@@ -648,7 +648,7 @@ pub(crate) fn run_uses<R>(
 /// access conflicts with, `op` does the work on `stream` and returns only once it, and so
 /// everything queued on `stream` before it, has completed (the driver's blocking copies on the
 /// legacy stream do), and the tracker then forgets what is now known to be finished
-/// ([`UseState::settle_completed`]) instead of recording an event behind work that is done.
+/// ([`UseState::settle_range`]) instead of recording an event behind work that is done.
 ///
 /// The lock is held until the state is settled, so no other thread's use can slip between the
 /// completed work and the settling. On failure the stream is drained and the state is left as

@@ -134,7 +134,7 @@ impl GraphHeld for LeftOver {
 /// - `allocate(bytes, stream)` is [`CachingAllocator::allocate`]: from `stream`'s cache, or a new
 ///   upstream segment, with the out-of-memory retry. On a capturing stream it comes from the
 ///   capture's [graph pool](super::GraphPool), or fails with
-///   [`GraphError::Capturing`](cuweave_driver::GraphError::Capturing) when none is bound.
+///   [`cuweave_driver::GraphError::Capturing`] when none is bound.
 /// - `deallocate(ptr, bytes, stream)` on the allocating stream is the plain free. On another
 ///   stream an event is recorded there and the block, back on its allocating stream's free
 ///   list, is handed out again only once that event has completed (as after

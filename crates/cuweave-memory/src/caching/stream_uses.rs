@@ -23,7 +23,7 @@ pub(crate) const PER_THREAD_STREAM: usize = 2;
 /// The legacy default stream (`NULL` or `CU_STREAM_LEGACY`), one stream per context whatever the
 /// handle, has one key, [`StreamKey::LEGACY`]. The per-thread default stream
 /// (`CU_STREAM_PER_THREAD`) is refused by the allocator
-/// ([`MemoryError::InvalidStream`](crate::MemoryError::InvalidStream)): its one handle names a
+/// ([`crate::MemoryError::InvalidStream`]): its one handle names a
 /// different stream on each thread, so a free list keyed by it would hand a block to a thread
 /// whose stream is not ordered after the last user.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

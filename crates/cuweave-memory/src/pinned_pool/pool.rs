@@ -46,7 +46,7 @@ impl Fence for OwnedPooledEvent {
 ///
 /// Blocks are pinned portable, so streams of every context and device may use them, and
 /// optionally mapped for zero-copy kernels ([`PinnedPoolConfig`]). Requests are rounded to a size
-/// class ([`block_size`](super::block_size)); a block is reused only for its own class.
+/// class ([`super::block_size`]); a block is reused only for its own class.
 ///
 /// A returned block whose use was [`record`](PinnedBlock::record)ed on streams waits until
 /// every such stream has passed that use; [`get`](Self::get) never waits for it, it pins a new

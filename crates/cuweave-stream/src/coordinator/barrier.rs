@@ -35,7 +35,7 @@ pub struct BarrierInfo {
 /// by invalidating the capture. Such a barrier is refused before anything is queued.
 ///
 /// # Errors
-/// [`GraphError::Capturing`](cuweave_driver::graph::GraphError::Capturing) for a barrier across
+/// [`cuweave_driver::graph::GraphError::Capturing`] for a barrier across
 /// a capture's boundary, before anything is queued; the driver's error from an event record or
 /// wait; the waits queued before it stay queued.
 pub fn queue_barrier(streams: &[(&Stream, &EventPool)]) -> Result<BarrierInfo> {
