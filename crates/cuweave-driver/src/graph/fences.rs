@@ -18,10 +18,10 @@
 //! that each replay their own graph stay concurrent.
 //!
 //! **A launch after eager work.** The other way round, eager work on such a buffer that a
-//! launch conflicts with (a write, or a read of a buffer the capture writes) leaves one event
-//! behind it, kept per (context, stream, capture) in the same way ([`fence_eager_use`]); a
-//! launch of a graph of that capture first makes its stream wait for those fences on the
-//! context's other streams. So an input written on one stream and a graph that reads it,
+//! launch conflicts with (a write of bytes the capture used, or a read of bytes it wrote) leaves
+//! one event behind it, kept per (context, stream, capture) in the same way
+//! ([`fence_eager_use`]); a launch of a graph of that capture first makes its stream wait for
+//! those fences on the context's other streams. So an input written on one stream and a graph that reads it,
 //! launched on another, are ordered as two eager operations would be.
 //!
 //! The lists are bounded: one fence per (stream, capture) pair, and past [`PRUNE_FENCES_AT`]
@@ -165,8 +165,8 @@ pub fn wait_for_graph_launches(stream: &Stream, uses: impl Fn(u64) -> bool) -> R
 /// Keeps `event`, just recorded on `stream` behind eager work on memory that tracked captures
 /// used, as the fence that launches of the graphs `after` names wait for on the context's other
 /// streams ([`GraphExec::launch`](super::GraphExec::launch)); replaces the previous fence of
-/// each (stream, capture). The memory layer calls it, after a write of such a buffer, and after
-/// a read of one that a capture writes. Ignored on a capturing stream (its work belongs to the
+/// each (stream, capture). The memory layer calls it after a write of bytes such a capture
+/// used, and after a read of bytes it wrote. Ignored on a capturing stream (its work belongs to the
 /// graph being captured).
 pub fn fence_eager_use(stream: &Stream, after: LaunchesAfter<'_>, event: OwnedPooledEvent) {
     if !is_eager(stream) {
