@@ -206,11 +206,11 @@ impl GraphExec {
     ///
     /// A graph ended from a capture in which tracked buffers were used
     /// ([`Graph::tracked_capture`]) is ordered with eager work on those buffers on other streams
-    /// as eager work is: the launch first waits for the fenced eager work it conflicts with (a
-    /// write of a buffer the graph uses; a read of one it writes), and leaves a fence (one
-    /// pooled event) behind itself on an eager stream, which later eager work on those buffers
-    /// on other streams waits for ([`wait_for_graph_launches`](super::wait_for_graph_launches)).
-    /// Other graphs' launches cost nothing more.
+    /// as eager work is: on an eager stream the launch first waits for the fenced eager work it
+    /// conflicts with (a write of bytes the graph uses; a read of bytes it writes), and leaves a
+    /// fence (one pooled event) behind itself, which later eager work on those buffers on other
+    /// streams waits for ([`wait_for_graph_launches`](super::wait_for_graph_launches)). A launch
+    /// into a capture does neither. Other graphs' launches cost nothing more.
     ///
     /// # Errors
     /// `InvalidArgument` for a stream of another device;
@@ -225,8 +225,13 @@ impl GraphExec {
         }
         self.context.bind_to_thread()?;
         let api = driver()?;
+        // A tracked graph launched on an eager stream is fenced both ways (a launch into a
+        // capture is a node of that graph: it runs when that graph does).
+        let fenced = self
+            .tracked_capture
+            .filter(|_| super::fences::is_eager(stream));
         // Eager work on other streams that this graph's memory is ordered after goes first.
-        if let Some(capture) = self.tracked_capture {
+        if let Some(capture) = fenced {
             super::fences::wait_for_eager_uses(stream, capture)?;
         }
         // Counted before it is enqueued, so host access to memory the graph uses waits for it
@@ -238,7 +243,7 @@ impl GraphExec {
         self.launches.fetch_add(1, Ordering::Relaxed);
         retirement.launched(|| self.fence_behind(stream));
         // Eager work on other streams that uses memory a capture used waits for this.
-        if let Some(capture) = self.tracked_capture {
+        if let Some(capture) = fenced {
             super::fences::fence_launch(&self.context, stream, capture, || {
                 self.record_behind(stream)
             });

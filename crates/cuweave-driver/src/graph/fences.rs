@@ -21,8 +21,8 @@
 //! launch conflicts with (a write of bytes the capture used, or a read of bytes it wrote) leaves
 //! one event behind it, kept per (context, stream, capture) in the same way
 //! ([`fence_eager_use`]); a launch of a graph of that capture first makes its stream wait for
-//! those fences on the context's other streams. So an input written on one stream and a graph that reads it,
-//! launched on another, are ordered as two eager operations would be.
+//! those fences on the context's other streams. So an input written on one stream and a graph
+//! that reads it, launched on another, are ordered as two eager operations would be.
 //!
 //! The lists are bounded: one fence per (stream, capture) pair, and past [`PRUNE_FENCES_AT`]
 //! fences the finished ones (those of destroyed streams among them) are dropped when a new pair
@@ -72,8 +72,8 @@ pub enum LaunchesAfter<'a> {
 
 /// Whether `stream` may wait for or record an eager fence: not while it captures (a launch
 /// into a capture is a node of that graph, which runs when that graph does; an event recorded
-/// or waited for there would belong to the graph).
-fn is_eager(stream: &Stream) -> bool {
+/// or waited for there would belong to the graph). One atomic load while no capture is active.
+pub(crate) fn is_eager(stream: &Stream) -> bool {
     super::active_captures() == 0 || matches!(stream.is_capturing(), Ok(false))
 }
 
@@ -125,9 +125,8 @@ fn wait_for_fences(
     Ok(waits.len())
 }
 
-/// Keeps the fence `record` makes behind a launch, just queued on `stream` (in `context`), of a
-/// graph ended from tracked capture `capture`, unless the stream is capturing (`record` is not
-/// called then).
+/// Keeps the fence `record` makes behind a launch, just queued on eager `stream` (in `context`;
+/// the caller checked [`is_eager`]), of a graph ended from tracked capture `capture`.
 ///
 /// A fence that cannot be recorded is logged, and the key's previous fence dropped: a failed
 /// record means the context is broken, and a stale fence would order nothing anyway.
@@ -137,9 +136,6 @@ pub(crate) fn fence_launch(
     capture: u64,
     record: impl FnOnce() -> Result<OwnedPooledEvent>,
 ) {
-    if !is_eager(stream) {
-        return;
-    }
     let recorded = record();
     let key = (context.as_raw() as usize, stream.id(), capture);
     let mut fences = FENCES.lock();
@@ -166,8 +162,8 @@ pub fn wait_for_graph_launches(stream: &Stream, uses: impl Fn(u64) -> bool) -> R
 /// used, as the fence that launches of the graphs `after` names wait for on the context's other
 /// streams ([`GraphExec::launch`](super::GraphExec::launch)); replaces the previous fence of
 /// each (stream, capture). The memory layer calls it after a write of bytes such a capture
-/// used, and after a read of bytes it wrote. Ignored on a capturing stream (its work belongs to the
-/// graph being captured).
+/// used, and after a read of bytes it wrote. Ignored on a capturing stream (its work belongs to
+/// the graph being captured).
 pub fn fence_eager_use(stream: &Stream, after: LaunchesAfter<'_>, event: OwnedPooledEvent) {
     if !is_eager(stream) {
         return;
@@ -185,13 +181,10 @@ pub fn fence_eager_use(stream: &Stream, after: LaunchesAfter<'_>, event: OwnedPo
     }
 }
 
-/// Makes `stream` wait for the eager work fenced for launches of graphs ended from `capture` on
-/// the other streams of its context ([`fence_eager_use`]), before such a launch; nothing on a
-/// capturing stream. Returns how many waits it queued.
+/// Makes eager `stream` (the caller checked [`is_eager`]) wait for the eager work fenced for
+/// launches of graphs ended from `capture` on the other streams of its context
+/// ([`fence_eager_use`]), before such a launch. Returns how many waits it queued.
 pub(crate) fn wait_for_eager_uses(stream: &Stream, capture: u64) -> Result<usize> {
-    if !is_eager(stream) {
-        return Ok(0);
-    }
     wait_for_fences(&USE_FENCES, stream, |fenced| {
         fenced == capture || fenced == ANY_CAPTURE
     })

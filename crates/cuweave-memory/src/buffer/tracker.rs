@@ -401,10 +401,10 @@ impl<'a> Part<'a> {
 /// Makes `stream` wait for what a `range` / `access` use conflicts with, before the use is
 /// queued: the tracked uses ([`UseState::wait_on_range`]) and, for a buffer a capture used,
 /// the launches of that capture's graphs on the context's other streams (those of captures
-/// that used bytes of `range`; for a read, that wrote some). A launch records no use here (see the module docs), so without the
-/// second eager work on another stream could overlap a replay that reads or writes the memory.
-/// A capturing stream waits for no launch (the wait would break its capture; its captured uses
-/// follow the rules of [`super::uses`]).
+/// that used bytes of `range`; for a read, that wrote some). A launch records no use here (see
+/// the module docs), so without the second eager work on another stream could overlap a replay
+/// that reads or writes the memory. A capturing stream waits for no launch (the wait would
+/// break its capture; its captured uses follow the rules of [`super::uses`]).
 #[inline]
 fn wait_before_use(
     state: &mut UseState<OwnedPooledEvent>,
@@ -438,9 +438,9 @@ fn launches_after(
     state.launches_after(range, access)
 }
 
-/// Records one event on `stream` behind eager work just queued there, as the fence the
-/// launches of the graphs of `fenced` wait for on other streams
-/// ([`cuweave_driver::graph::fence_eager_use`]). Nothing when `fenced` is `None`.
+/// Records one event on `stream` behind eager work just queued there, taken from `tracker`'s
+/// pool, as the fence the launches of the graphs of `fenced` wait for on other streams
+/// ([`cuweave_driver::graph::fence_eager_use`]).
 ///
 /// # Errors
 /// The driver's error when the event cannot be recorded: the caller then drains the stream,
@@ -449,14 +449,11 @@ fn launches_after(
 fn fence_for_launches(
     tracker: &StreamTracker,
     stream: &Stream,
-    fenced: Option<FencedCaptures>,
+    fenced: &FencedCaptures,
 ) -> Result<()> {
-    let Some(fenced) = fenced else {
-        return Ok(());
-    };
     let event = tracker.event_for(stream)?;
     event.record(stream)?;
-    let after = match &fenced {
+    let after = match fenced {
         FencedCaptures::These(captures) => LaunchesAfter::Captures(captures),
         FencedCaptures::Any => LaunchesAfter::AnyCapture,
     };
@@ -590,7 +587,10 @@ pub(crate) fn run_uses<R>(
             state.record_range(stream, part.range, *access, &view, || tracker.new_event());
         let fenced = launches_after(&state, part.range, *access, &view);
         drop(state);
-        let recorded = recorded.and_then(|()| fence_for_launches(tracker, stream, fenced));
+        let recorded = match fenced {
+            Some(fenced) => recorded.and_then(|()| fence_for_launches(tracker, stream, &fenced)),
+            None => recorded,
+        };
         return finish(outcome, recorded, stream);
     }
     let views = uses
@@ -619,7 +619,8 @@ pub(crate) fn run_uses<R>(
     }
     let outcome = op();
     let mut recorded = Ok(());
-    let mut fenced: Option<FencedCaptures> = None;
+    // The captures to fence for, over every buffer, and a tracker to take the event from.
+    let mut fenced: Option<(FencedCaptures, &StreamTracker)> = None;
     for &(guard, range, access) in &order {
         let view = view_of(guards[guard].0);
         let (tracker, state) = &mut guards[guard];
@@ -629,17 +630,17 @@ pub(crate) fn run_uses<R>(
         }
         if let Some(captures) = launches_after(state, range, access, &view) {
             match &mut fenced {
-                Some(all) => all.merge(captures),
-                None => fenced = Some(captures),
+                Some((all, _)) => all.merge(captures),
+                None => fenced = Some((captures, *tracker)),
             }
         }
     }
     drop(guards);
-    let recorded = match (fenced, uses.first()) {
-        (Some(fenced), Some((part, _))) => {
-            recorded.and_then(|()| fence_for_launches(part.tracker, stream, Some(fenced)))
+    let recorded = match fenced {
+        Some((fenced, tracker)) => {
+            recorded.and_then(|()| fence_for_launches(tracker, stream, &fenced))
         }
-        _ => recorded,
+        None => recorded,
     };
     finish(outcome, recorded, stream)
 }
