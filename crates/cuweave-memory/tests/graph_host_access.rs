@@ -7,7 +7,7 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use cuweave_driver::graph::CaptureMode;
-use cuweave_driver::{InstantiateOptions, Stream, StreamFlags};
+use cuweave_driver::{Graph, GraphExec, InstantiateOptions, Stream, StreamFlags};
 use cuweave_memory::MemoryError;
 use cuweave_memory::buffer::{Buffer, DeviceBuffer, PinnedBuffer};
 use cuweave_test_support::kernels::TestKernels;
@@ -29,12 +29,28 @@ fn non_blocking(ctx: &std::sync::Arc<cuweave_driver::Context>) -> Stream {
     Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap()
 }
 
+/// The graph of what `record` queues on `stream`, captured after a context synchronisation.
+fn capture_graph(stream: &Stream, record: impl FnOnce()) -> Graph {
+    stream
+        .begin_capture_synchronized(CaptureMode::ThreadLocal)
+        .unwrap();
+    record();
+    stream.end_capture().unwrap()
+}
+
+/// [`capture_graph`], instantiated.
+fn capture_exec(stream: &Stream, record: impl FnOnce()) -> GraphExec {
+    capture_graph(stream, record)
+        .instantiate(&InstantiateOptions::default())
+        .unwrap()
+}
+
 /// A zeroed pinned buffer `output` and the executable of a graph that spins for [`SPIN_NS`],
 /// then copies `source` (every element `value`) into it, captured on `stream`.
 struct GraphWritesPinned {
     stream: Stream,
     output: PinnedBuffer<u32>,
-    exec: cuweave_driver::GraphExec,
+    exec: GraphExec,
     /// What the graph copies from: kept alive as long as the executable (bind it, not `..`).
     _source: DeviceBuffer<u32>,
 }
@@ -42,16 +58,14 @@ struct GraphWritesPinned {
 impl GraphWritesPinned {
     fn new(ctx: &std::sync::Arc<cuweave_driver::Context>, value: u32) -> Self {
         let kernels = TestKernels::load(ctx).unwrap();
-        let stream = Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap();
+        let stream = non_blocking(ctx);
         let mut source = DeviceBuffer::<u32>::new(ctx, LEN).unwrap();
         source.fill(value).unwrap();
         let mut output = PinnedBuffer::<u32>::new(ctx, LEN).unwrap();
-        stream
-            .begin_capture_synchronized(CaptureMode::ThreadLocal)
-            .unwrap();
-        kernels.spin_ns(&stream, SPIN_NS).unwrap();
-        output.copy_from_async(&source, &stream).unwrap();
-        let graph = stream.end_capture().unwrap();
+        let graph = capture_graph(&stream, || {
+            kernels.spin_ns(&stream, SPIN_NS).unwrap();
+            output.copy_from_async(&source, &stream).unwrap();
+        });
         assert!(graph.node_count().unwrap() >= 2, "spin and copy captured");
         let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
         Self {
@@ -111,7 +125,7 @@ fn a_wait_for_graph_launches_during_another_capture_is_a_typed_refusal() {
         exec,
         _source,
     } = GraphWritesPinned::new(&gpu.context, 9);
-    let other = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let other = non_blocking(&gpu.context);
 
     exec.launch(&stream).unwrap();
     // Waiting for the launch means a context synchronisation, which would wait on the capturing
@@ -137,12 +151,10 @@ fn eager_work_on_another_stream_waits_for_the_graph_launches_that_use_the_buffer
     let kernels = TestKernels::load(ctx).unwrap();
     let (graph_stream, other) = (non_blocking(ctx), non_blocking(ctx));
     let mut data = DeviceBuffer::<u32>::new(ctx, LEN).unwrap();
-    graph_stream
-        .begin_capture_synchronized(CaptureMode::ThreadLocal)
-        .unwrap();
-    kernels.spin_ns(&graph_stream, SPIN_NS).unwrap();
-    data.fill_async(7, &graph_stream).unwrap();
-    let graph = graph_stream.end_capture().unwrap();
+    let graph = capture_graph(&graph_stream, || {
+        kernels.spin_ns(&graph_stream, SPIN_NS).unwrap();
+        data.fill_async(7, &graph_stream).unwrap();
+    });
     let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
     assert!(
         graph.tracked_capture().is_some(),
@@ -150,19 +162,13 @@ fn eager_work_on_another_stream_waits_for_the_graph_launches_that_use_the_buffer
     );
     // A graph of another buffer, spinning long: eager work on `data` does not wait for it.
     let (unrelated_stream, mut unrelated) = (
-        Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap(),
+        non_blocking(ctx),
         DeviceBuffer::<u32>::new(ctx, 1024).unwrap(),
     );
-    unrelated_stream
-        .begin_capture_synchronized(CaptureMode::ThreadLocal)
-        .unwrap();
-    kernels.spin_ns(&unrelated_stream, 5 * SPIN_NS).unwrap();
-    unrelated.fill_async(5, &unrelated_stream).unwrap();
-    let unrelated_exec = unrelated_stream
-        .end_capture()
-        .unwrap()
-        .instantiate(&InstantiateOptions::default())
-        .unwrap();
+    let unrelated_exec = capture_exec(&unrelated_stream, || {
+        kernels.spin_ns(&unrelated_stream, 5 * SPIN_NS).unwrap();
+        unrelated.fill_async(5, &unrelated_stream).unwrap();
+    });
     unrelated_exec.launch(&unrelated_stream).unwrap();
 
     // A reader on another stream.
@@ -197,17 +203,11 @@ fn eager_work_on_another_stream_waits_for_the_graph_launches_that_use_the_buffer
     // The fences stay bounded: one per stream that launched, and finished ones (of streams
     // since dropped) are pruned.
     let mut scratch = DeviceBuffer::<u32>::new(ctx, 1024).unwrap();
-    graph_stream
-        .begin_capture_synchronized(CaptureMode::ThreadLocal)
-        .unwrap();
-    scratch.fill_async(3, &graph_stream).unwrap();
-    let quick = graph_stream
-        .end_capture()
-        .unwrap()
-        .instantiate(&InstantiateOptions::default())
-        .unwrap();
+    let quick = capture_exec(&graph_stream, || {
+        scratch.fill_async(3, &graph_stream).unwrap()
+    });
     for _ in 0..64 {
-        let launcher = Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap();
+        let launcher = non_blocking(ctx);
         quick.launch(&launcher).unwrap();
         launcher.synchronize().unwrap();
     }
@@ -237,19 +237,12 @@ fn a_graph_launch_waits_for_the_eager_work_on_another_stream_that_it_conflicts_w
     let mut output = DeviceBuffer::<u32>::new(ctx, LEN).unwrap();
     input.fill(1).unwrap();
     output.fill(0).unwrap();
-    let capture = |record: &mut dyn FnMut()| {
-        graph_stream
-            .begin_capture_synchronized(CaptureMode::ThreadLocal)
-            .unwrap();
-        record();
-        graph_stream
-            .end_capture()
-            .unwrap()
-            .instantiate(&InstantiateOptions::default())
-            .unwrap()
-    };
-    let copy = capture(&mut || output.copy_from_async(&input, &graph_stream).unwrap());
-    let overwrite = capture(&mut || input.fill_async(5, &graph_stream).unwrap());
+    let copy = capture_exec(&graph_stream, || {
+        output.copy_from_async(&input, &graph_stream).unwrap()
+    });
+    let overwrite = capture_exec(&graph_stream, || {
+        input.fill_async(5, &graph_stream).unwrap()
+    });
 
     // Read after an eager write.
     kernels.spin_ns(&other, SPIN_NS).unwrap();
@@ -293,7 +286,7 @@ fn a_graph_launch_waits_for_the_eager_work_on_another_stream_that_it_conflicts_w
     // Disjoint bytes are not ordered: a graph that fills the first half does not wait for an
     // eager fill of the second half.
     let half = LEN / 2;
-    let first_half = capture(&mut || {
+    let first_half = capture_exec(&graph_stream, || {
         input
             .slice_mut(..half)
             .unwrap()
@@ -318,7 +311,7 @@ fn a_graph_launch_waits_for_the_eager_work_on_another_stream_that_it_conflicts_w
 
     // Bounded: one fence per (stream, capture) pair, the finished ones pruned.
     for value in 0..64u32 {
-        let writer = Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap();
+        let writer = non_blocking(ctx);
         input.fill_async(value, &writer).unwrap();
         writer.synchronize().unwrap();
     }
