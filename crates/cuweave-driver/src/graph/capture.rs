@@ -99,6 +99,9 @@ struct Failure {
     seq: u64,
     operation: &'static str,
     code: sys::CUresult,
+    /// The thread that made the call: a thread-local capture is broken by its own thread's
+    /// calls, so its end looks there first.
+    thread: std::thread::ThreadId,
 }
 
 /// The most recent capture failures, oldest first (bounded by [`FAILURE_LOG`]).
@@ -115,9 +118,20 @@ struct Record {
     capture_id: u64,
     context: usize,
     complete_before: u64,
+    /// The thread that began the capture.
+    thread: std::thread::ThreadId,
     /// A tracked buffer (of the memory layer) was used in the capture: its graph's launches
     /// leave fences (see `fences`).
     tracked: bool,
+}
+
+impl Record {
+    /// The thread whose failed calls are looked at first when the capture turns out broken:
+    /// its own, unless it is global, which any thread's unsafe call breaks (then the first
+    /// failure anywhere is the cause).
+    fn blamed_thread(&self) -> Option<std::thread::ThreadId> {
+        (self.mode != CaptureMode::Global).then_some(self.thread)
+    }
 }
 
 /// Every capture begun through cuweave and not yet ended (few at a time: one per capturing
@@ -244,6 +258,7 @@ pub(crate) fn note_driver_failure(code: sys::CUresult, operation: &'static str) 
         seq,
         operation,
         code,
+        thread: std::thread::current().id(),
     });
 }
 
@@ -259,16 +274,19 @@ pub(crate) fn translate_driver_failure(code: sys::CUresult) -> Option<DriverErro
         .iter()
         .map(|record| record.first_failure)
         .min()?;
-    Some(invalidated_since(start))
+    Some(invalidated_since(start, Some(std::thread::current().id())))
 }
 
-/// The first capture failure after sequence number `after`, if still remembered.
-fn first_failure_after(after: u64) -> Option<Failure> {
-    FAILURES
-        .lock()
-        .iter()
-        .find(|failure| failure.seq > after)
-        .copied()
+/// The first capture failure after sequence number `after`, if still remembered: the first on
+/// `thread` when there is one (another thread's failure may have broken another capture), else
+/// the first on any thread.
+fn first_failure_after(after: u64, thread: Option<std::thread::ThreadId>) -> Option<Failure> {
+    let failures = FAILURES.lock();
+    let mut since = failures.iter().filter(|failure| failure.seq > after);
+    let first = since.clone().next().copied();
+    thread
+        .and_then(|thread| since.find(|failure| failure.thread == thread).copied())
+        .or(first)
 }
 
 /// Whether the calling thread may make a call that capture forbids (an event query, a
@@ -540,6 +558,7 @@ impl Stream {
             capture_id,
             context: self.context().as_raw() as usize,
             complete_before,
+            thread: std::thread::current().id(),
             tracked: false,
         });
         STATE.fetch_add(1, Ordering::AcqRel);
@@ -597,16 +616,16 @@ impl Stream {
                 let graph = unsafe { Graph::from_raw(self.context(), raw) };
                 Ok(graph.with_tracked_capture(record.tracked.then_some(record.capture_id)))
             }
-            Ok(()) => Err(invalidated_since(record.first_failure)),
+            Ok(()) => Err(invalidated_since(record.first_failure, record.blamed_thread())),
             Err(DriverError::Graph(GraphError::CaptureInvalidated { .. })) => {
-                Err(invalidated_since(record.first_failure))
+                Err(invalidated_since(record.first_failure, record.blamed_thread()))
             }
             Err(error) => Err(match error.code() {
                 Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNJOINED) => {
                     GraphError::UnjoinedFork.into()
                 }
                 Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED) => {
-                    invalidated_since(record.first_failure)
+                    invalidated_since(record.first_failure, record.blamed_thread())
                 }
                 _ => error,
             }),
@@ -700,8 +719,8 @@ impl Stream {
     }
 }
 
-fn invalidated_since(start: u64) -> DriverError {
-    let first = first_failure_after(start);
+fn invalidated_since(start: u64, thread: Option<std::thread::ThreadId>) -> DriverError {
+    let first = first_failure_after(start, thread);
     GraphError::CaptureInvalidated {
         broken_by: first.map(|failure| failure.operation),
         code_name: first.map(|failure| capture_error_name(failure.code)),
@@ -746,9 +765,48 @@ mod tests {
         STATE.fetch_sub(1, Ordering::AcqRel);
         assert!(FAILURES.lock().len() <= FAILURE_LOG);
         // With no capture recorded, nobody asks about old failures: the log keeps the newest.
-        assert!(first_failure_after(start).is_some_and(|first| first.operation == "cuLater"));
+        assert!(
+            first_failure_after(start, None).is_some_and(|first| first.operation == "cuLater")
+        );
         let last = FAILURE_SEQ.load(Ordering::Acquire);
-        assert!(first_failure_after(last).is_none());
+        assert!(first_failure_after(last, None).is_none());
+    }
+
+    #[test]
+    fn a_capture_looks_first_at_its_own_threads_failures() {
+        let _count = CAPTURE_COUNT_TEST_LOCK.lock();
+        let here = std::thread::current().id();
+        let other = std::thread::spawn(|| std::thread::current().id())
+            .join()
+            .unwrap();
+        // Another thread broke its capture first, then this one broke its own.
+        let start = FAILURE_SEQ.fetch_add(2, Ordering::AcqRel);
+        {
+            let mut failures = FAILURES.lock();
+            failures.clear();
+            for (seq, operation, thread) in [
+                (start + 1, "cuOtherThread", other),
+                (start + 2, "cuThisThread", here),
+            ] {
+                failures.push_back(Failure {
+                    seq,
+                    operation,
+                    code: sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                    thread,
+                });
+            }
+        }
+        let operation = |thread| first_failure_after(start, thread).map(|f| f.operation);
+        assert_eq!(operation(Some(here)), Some("cuThisThread"));
+        assert_eq!(operation(Some(other)), Some("cuOtherThread"));
+        // A global capture (no thread) is broken by the first failure anywhere; a thread with
+        // no failure of its own is given that one too.
+        assert_eq!(operation(None), Some("cuOtherThread"));
+        let third = std::thread::spawn(|| std::thread::current().id())
+            .join()
+            .unwrap();
+        assert_eq!(operation(Some(third)), Some("cuOtherThread"));
+        FAILURES.lock().clear();
     }
 
     #[test]
