@@ -455,8 +455,9 @@ impl CalibrationTable {
     /// A table from JSON (as [`to_json`](Self::to_json) writes it).
     ///
     /// # Errors
-    /// [`TransferError::CalibrationFile`] (path `<json>`) when the text is not a table or names a staging
-    /// configuration that cannot run ([`StagingConfig::validate`]).
+    /// [`TransferError::CalibrationFile`] (path `<json>`) when the text is not a table, names a
+    /// staging configuration that cannot run ([`StagingConfig::validate`]), or holds a negative
+    /// bandwidth or registration cost.
     pub fn from_json(json: &str) -> Result<Self> {
         Self::parse(json, "<json>")
     }
@@ -475,6 +476,26 @@ impl CalibrationTable {
                 .config
                 .validate()
                 .map_err(|e| file_error(e.to_string()))?;
+        }
+        // A planner that compares figures must never read a negative one as a real speed, nor a
+        // negative registration cost as a saving.
+        let figures = table
+            .entries
+            .iter()
+            .map(|e| ("a bandwidth", e.gbps))
+            .chain(table.staging.iter().map(|c| ("a staging bandwidth", c.gbps)))
+            .chain(table.registration.iter().flat_map(|r| {
+                [
+                    ("the fixed registration cost", r.fixed_ms),
+                    ("the registration cost per MiB", r.ms_per_mib),
+                ]
+            }));
+        for (what, figure) in figures {
+            if !(figure.is_finite() && figure >= 0.0) {
+                return Err(file_error(format!(
+                    "{what} of {figure} (figures are finite and not negative)"
+                )));
+            }
         }
         Ok(table)
     }
@@ -682,6 +703,33 @@ mod tests {
             CalibrationTable::h100_defaults().registration,
             Some(RegistrationCost::H100_DEFAULT)
         );
+    }
+}
+
+#[cfg(test)]
+mod figure_tests {
+    use super::*;
+
+    #[test]
+    fn negative_figures_in_a_file_are_refused_by_name() {
+        let table = CalibrationTable::h100_defaults();
+        let json = table.to_json();
+        assert_eq!(CalibrationTable::from_json(&json).unwrap(), table);
+        let mut bad = table.clone();
+        bad.entries[0].gbps = -3.5;
+        let error = CalibrationTable::from_json(&bad.to_json()).unwrap_err();
+        assert!(error.to_string().contains("a bandwidth of -3.5"), "{error}");
+        let mut bad = table.clone();
+        bad.registration = Some(RegistrationCost {
+            fixed_ms: 0.2,
+            ms_per_mib: -0.01,
+        });
+        let error = CalibrationTable::from_json(&bad.to_json()).unwrap_err();
+        assert!(error.to_string().contains("per MiB of -0.01"), "{error}");
+        // Zero is a figure a failed measurement can round to: it loads, and never wins.
+        let mut zero = table;
+        zero.entries[0].gbps = 0.0;
+        assert_eq!(CalibrationTable::from_json(&zero.to_json()).unwrap(), zero);
     }
 }
 
