@@ -483,7 +483,12 @@ impl CalibrationTable {
             .entries
             .iter()
             .map(|e| ("a bandwidth", e.gbps))
-            .chain(table.staging.iter().map(|c| ("a staging bandwidth", c.gbps)))
+            .chain(
+                table
+                    .staging
+                    .iter()
+                    .map(|c| ("a staging bandwidth", c.gbps)),
+            )
             .chain(table.registration.iter().flat_map(|r| {
                 [
                     ("the fixed registration cost", r.fixed_ms),

@@ -616,10 +616,13 @@ impl Stream {
                 let graph = unsafe { Graph::from_raw(self.context(), raw) };
                 Ok(graph.with_tracked_capture(record.tracked.then_some(record.capture_id)))
             }
-            Ok(()) => Err(invalidated_since(record.first_failure, record.blamed_thread())),
-            Err(DriverError::Graph(GraphError::CaptureInvalidated { .. })) => {
-                Err(invalidated_since(record.first_failure, record.blamed_thread()))
-            }
+            Ok(()) => Err(invalidated_since(
+                record.first_failure,
+                record.blamed_thread(),
+            )),
+            Err(DriverError::Graph(GraphError::CaptureInvalidated { .. })) => Err(
+                invalidated_since(record.first_failure, record.blamed_thread()),
+            ),
             Err(error) => Err(match error.code() {
                 Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNJOINED) => {
                     GraphError::UnjoinedFork.into()
@@ -765,9 +768,7 @@ mod tests {
         STATE.fetch_sub(1, Ordering::AcqRel);
         assert!(FAILURES.lock().len() <= FAILURE_LOG);
         // With no capture recorded, nobody asks about old failures: the log keeps the newest.
-        assert!(
-            first_failure_after(start, None).is_some_and(|first| first.operation == "cuLater")
-        );
+        assert!(first_failure_after(start, None).is_some_and(|first| first.operation == "cuLater"));
         let last = FAILURE_SEQ.load(Ordering::Acquire);
         assert!(first_failure_after(last, None).is_none());
     }
