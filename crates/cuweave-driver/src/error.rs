@@ -159,9 +159,17 @@ impl DriverError {
         self.code() == Some(sys::CUresult::CUDA_ERROR_NOT_READY)
     }
 
-    /// Whether no driver is installed (as opposed to a driver that failed).
+    /// Whether no driver is installed (as opposed to a driver that failed). A kernel or global
+    /// name that a module does not define is [`is_name_not_found`](Self::is_name_not_found).
     pub fn is_not_found(&self) -> bool {
         matches!(self, Self::NotFound { .. })
+    }
+
+    /// Whether the driver reported `CUDA_ERROR_NOT_FOUND`: a name that is not there, such as a
+    /// kernel or global that a module does not define ([`Module::function`](crate::Module::function),
+    /// [`Module::global`](crate::Module::global)).
+    pub fn is_name_not_found(&self) -> bool {
+        self.code() == Some(sys::CUresult::CUDA_ERROR_NOT_FOUND)
     }
 
     pub(crate) fn invalid(operation: &'static str, reason: impl Into<String>) -> Self {

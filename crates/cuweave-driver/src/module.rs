@@ -132,6 +132,10 @@ impl Module {
     }
 
     /// Looks up a kernel by its (unmangled, `extern "C"`) name.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a name with a NUL byte; the driver's `CUDA_ERROR_NOT_FOUND`
+    /// ([`DriverError::is_name_not_found`]) for a name the module does not define.
     pub fn function(self: &Arc<Self>, name: &str) -> Result<Kernel> {
         let c_name = CString::new(name).map_err(|_| {
             DriverError::invalid("Module::function", format!("name {name:?} has a NUL byte"))
@@ -154,8 +158,8 @@ impl Module {
     /// kernel kept; the memory lives as long as the module is loaded.
     ///
     /// # Errors
-    /// `InvalidArgument` for a name with a NUL byte; the driver's `CUDA_ERROR_NOT_FOUND` for a
-    /// name the module does not define.
+    /// `InvalidArgument` for a name with a NUL byte; the driver's `CUDA_ERROR_NOT_FOUND`
+    /// ([`DriverError::is_name_not_found`]) for a name the module does not define.
     pub fn global(&self, name: &str) -> Result<(crate::memory::DevicePtr, usize)> {
         let c_name = CString::new(name).map_err(|_| {
             DriverError::invalid("Module::global", format!("name {name:?} has a NUL byte"))
