@@ -6,7 +6,7 @@
 //! [`StreamProfiler`](crate::StreamProfiler) and the event layer's operation coordinator all
 //! time their work through it.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -24,6 +24,8 @@ pub const DEFAULT_PENDING_SPANS: usize = 4096;
 #[must_use = "a started span is timed only once `GpuTimer::finish` records its end"]
 pub struct SpanStart {
     start: OwnedPooledEvent,
+    /// The stream the span runs on ([`Stream::id`]).
+    stream: u64,
 }
 
 #[derive(Debug)]
@@ -31,17 +33,65 @@ struct Span<T> {
     start: OwnedPooledEvent,
     end: Arc<OwnedPooledEvent>,
     tag: T,
+    /// The order the span was queued in, across streams.
+    seq: u64,
+}
+
+/// The spans waiting for the GPU, one queue per stream: a stream passes its events in the
+/// order they were recorded, so each queue is read from its front up to its first unfinished
+/// span, and a slow stream never holds back another stream's finished spans.
+#[derive(Debug)]
+struct Pending<T> {
+    streams: HashMap<u64, VecDeque<Span<T>>>,
+    len: usize,
+    next_seq: u64,
+}
+
+impl<T> Pending<T> {
+    fn push(&mut self, stream: u64, start: OwnedPooledEvent, end: Arc<OwnedPooledEvent>, tag: T) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.len += 1;
+        self.streams.entry(stream).or_default().push_back(Span {
+            start,
+            end,
+            tag,
+            seq,
+        });
+    }
+
+    /// Every span, in queueing order, leaving none.
+    fn take_all(&mut self) -> Vec<(u64, Span<T>)> {
+        let mut spans: Vec<(u64, Span<T>)> = self
+            .streams
+            .drain()
+            .flat_map(|(stream, queue)| queue.into_iter().map(move |span| (stream, span)))
+            .collect();
+        spans.sort_unstable_by_key(|(_, span)| span.seq);
+        self.len = 0;
+        spans
+    }
+
+    /// Puts `spans` (in queueing order, all queued before any still here) back in front.
+    fn put_back(&mut self, spans: impl DoubleEndedIterator<Item = (u64, Span<T>)>) {
+        for (stream, span) in spans.rev() {
+            self.len += 1;
+            self.streams.entry(stream).or_default().push_front(span);
+        }
+    }
 }
 
 /// Timing-event pairs around work on streams, each carrying a tag `T` (what was timed), read
-/// back in the order they finished being queued once the GPU has passed them.
+/// back once the GPU has passed them: on each stream in the order they were queued, and a
+/// stream's finished spans are read however far behind another stream is.
 ///
 /// Events come from the context's [`EventPool`] and go back to it once read, so a timer holds
 /// at most two events per span in flight. The spans waiting for the GPU are bounded
 /// ([`with_capacity`](Self::with_capacity), [`DEFAULT_PENDING_SPANS`]): when that many are
 /// pending and none has finished, [`start`](Self::start) times nothing (returns `None`) and
 /// counts the span in [`skipped`](Self::skipped), so a host running far ahead of the GPU costs
-/// bounded memory and never blocks.
+/// bounded memory and never blocks. A span counts as finished when its stream has passed it, so
+/// a long operation on one stream does not fill the timer with another stream's finished spans.
 ///
 /// The duration of a span is measured between its own two events, so its resolution is that
 /// of timing events (about half a microsecond) however long the program has run.
@@ -50,7 +100,7 @@ pub struct GpuTimer<T> {
     events: EventPool,
     enabled: AtomicBool,
     capacity: usize,
-    pending: Mutex<VecDeque<Span<T>>>,
+    pending: Mutex<Pending<T>>,
     skipped: AtomicU64,
 }
 
@@ -67,7 +117,11 @@ impl<T> GpuTimer<T> {
             events,
             enabled: AtomicBool::new(true),
             capacity: capacity.max(1),
-            pending: Mutex::new(VecDeque::new()),
+            pending: Mutex::new(Pending {
+                streams: HashMap::new(),
+                len: 0,
+                next_seq: 0,
+            }),
             skipped: AtomicU64::new(0),
         }
     }
@@ -89,7 +143,7 @@ impl<T> GpuTimer<T> {
 
     /// Spans queued whose time has not been read yet.
     pub fn pending(&self) -> usize {
-        self.pending.lock().len()
+        self.pending.lock().len
     }
 
     /// Records the start of a span on `stream`; `None` (nothing recorded) when timing is off,
@@ -112,13 +166,16 @@ impl<T> GpuTimer<T> {
         if !self.is_enabled() {
             return Ok(None);
         }
-        if self.pending.lock().len() >= self.capacity {
+        if self.pending.lock().len >= self.capacity {
             self.skipped.fetch_add(1, Ordering::Relaxed);
             return Ok(None);
         }
         let start = self.events.acquire_owned(true)?;
         start.record(stream)?;
-        Ok(Some(SpanStart { start }))
+        Ok(Some(SpanStart {
+            start,
+            stream: stream.id(),
+        }))
     }
 
     /// Records the end of the span begun by `start` on `stream` (nothing for `None`); its
@@ -144,16 +201,14 @@ impl<T> GpuTimer<T> {
         stream: &Stream,
         tag: T,
     ) -> Result<()> {
-        let Some(SpanStart { start }) = start else {
+        let Some(SpanStart { start, .. }) = start else {
             return Ok(());
         };
         let end = self.events.acquire_owned(true)?;
         end.record(stream)?;
-        self.pending.lock().push_back(Span {
-            start,
-            end: Arc::new(end),
-            tag,
-        });
+        self.pending
+            .lock()
+            .push(stream.id(), start, Arc::new(end), tag);
         Ok(())
     }
 
@@ -162,14 +217,15 @@ impl<T> GpuTimer<T> {
     /// on): one record less than [`finish`](Self::finish). `end` must be a timing event recorded
     /// outside any capture (otherwise the span reads as an error, once, and is dropped).
     pub fn finish_with(&self, start: Option<SpanStart>, end: Arc<OwnedPooledEvent>, tag: T) {
-        if let Some(SpanStart { start }) = start {
-            self.pending.lock().push_back(Span { start, end, tag });
+        if let Some(SpanStart { start, stream }) = start {
+            self.pending.lock().push(stream, start, end, tag);
         }
     }
 
     /// Hands `sink` the tag, the GPU duration and the start event (to place the span on a
-    /// timeline) of every span the GPU has finished, in queueing order up to the first
-    /// unfinished one, without blocking; their events go back to the pool afterwards.
+    /// timeline) of every span the GPU has finished (on each stream, those up to its first
+    /// unfinished one), in queueing order, without blocking; their events go back to the pool
+    /// afterwards.
     ///
     /// A span that cannot be read (an end event that is not a timing event, or was recorded
     /// into a capture) is dropped and the others are still read; the first such error is
@@ -182,32 +238,39 @@ impl<T> GpuTimer<T> {
     /// read.
     pub fn harvest(&self, mut sink: impl FnMut(T, Duration, &Event)) -> Result<()> {
         let mut first_error = None;
-        loop {
-            let next = {
-                let mut pending = self.pending.lock();
-                let Some(front) = pending.front() else { break };
-                match front.end.query() {
-                    Ok(false) => break,
-                    Ok(true) => pending.pop_front().map(Ok),
-                    Err(error) if error.is_capture_refusal() => {
-                        first_error.get_or_insert(error.into());
-                        break;
+        let mut finished = Vec::new();
+        let mut broken = Vec::new();
+        {
+            let mut pending = self.pending.lock();
+            let pending = &mut *pending;
+            'streams: for queue in pending.streams.values_mut() {
+                while let Some(front) = queue.front() {
+                    match front.end.query() {
+                        Ok(false) => break,
+                        Ok(true) => finished.extend(queue.pop_front()),
+                        Err(error) if error.is_capture_refusal() => {
+                            first_error.get_or_insert(error.into());
+                            break 'streams;
+                        }
+                        Err(error) => {
+                            first_error.get_or_insert(error.into());
+                            broken.extend(queue.pop_front());
+                        }
                     }
-                    Err(error) => pending.pop_front().map(|span| Err((span, error))),
                 }
-            };
-            match next {
-                Some(Ok(span)) => match Self::duration(&span) {
-                    Ok(duration) => sink(span.tag, duration, &span.start),
-                    Err(error) => {
-                        first_error.get_or_insert(error);
-                    }
-                },
-                // Dropped outside the lock: its events go back to the pool.
-                Some(Err((_broken, error))) => {
-                    first_error.get_or_insert(error.into());
+            }
+            pending.len -= finished.len() + broken.len();
+            pending.streams.retain(|_, queue| !queue.is_empty());
+        }
+        // Dropped outside the lock: their events go back to the pool.
+        drop(broken);
+        finished.sort_unstable_by_key(|span| span.seq);
+        for span in finished {
+            match Self::duration(&span) {
+                Ok(duration) => sink(span.tag, duration, &span.start),
+                Err(error) => {
+                    first_error.get_or_insert(error);
                 }
-                None => break,
             }
         }
         first_error.map_or(Ok(()), Err)
@@ -224,9 +287,9 @@ impl<T> GpuTimer<T> {
     /// is capturing; otherwise the driver's error from the first span that could not be
     /// waited for or read.
     pub fn harvest_all(&self, mut sink: impl FnMut(T, Duration, &Event)) -> Result<()> {
-        let mut spans = std::mem::take(&mut *self.pending.lock());
+        let mut spans = self.pending.lock().take_all().into_iter();
         let mut first_error = None;
-        while let Some(span) = spans.pop_front() {
+        while let Some((stream, span)) = spans.next() {
             let read = span
                 .end
                 .synchronize()
@@ -237,10 +300,9 @@ impl<T> GpuTimer<T> {
                 Err(StreamError::Driver(error)) if error.is_capture_refusal() => {
                     // Every later wait would be refused too: put the unread spans back ahead
                     // of any queued meanwhile, which started later.
-                    spans.push_front(span);
-                    let mut pending = self.pending.lock();
-                    spans.append(&mut pending);
-                    *pending = spans;
+                    self.pending
+                        .lock()
+                        .put_back(std::iter::once((stream, span)).chain(spans));
                     return Err(error.into());
                 }
                 Err(error) => {
