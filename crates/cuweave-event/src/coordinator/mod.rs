@@ -141,8 +141,16 @@ struct Inner {
     metrics: MetricsCell,
 }
 
+/// A number no other coordinator of the process has (from 1), for its operation ids.
+fn next_coordinator() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 #[derive(Default)]
 struct State {
+    /// This coordinator's number in the process (0 in unit tests), part of its ids.
+    coordinator: u64,
     next_id: u64,
     /// Live operations: not yet retired.
     operations: HashMap<OperationId, Operation>,
@@ -154,7 +162,9 @@ struct State {
 impl State {
     /// Whether `id` was registered and has retired (completed, nothing depends on it).
     fn is_retired(&self, id: OperationId) -> bool {
-        (1..=self.next_id).contains(&id.0) && !self.operations.contains_key(&id)
+        id.coordinator() == self.coordinator
+            && (1..=self.next_id).contains(&id.get())
+            && !self.operations.contains_key(&id)
     }
 
     /// The state of a registered id, live or retired.
@@ -371,7 +381,10 @@ impl OperationCoordinator {
                 timer,
                 pool,
                 waiter,
-                state: Mutex::new(State::default()),
+                state: Mutex::new(State {
+                    coordinator: next_coordinator(),
+                    ..State::default()
+                }),
                 changed: Condvar::new(),
                 metrics: MetricsCell::default(),
             }),
@@ -438,7 +451,7 @@ impl OperationCoordinator {
             }
         }
         state.next_id += 1;
-        let id = OperationId(state.next_id);
+        let id = OperationId::new(state.coordinator, state.next_id);
         let mut unique = dependencies.to_vec();
         unique.sort_unstable();
         unique.dedup();

@@ -44,14 +44,19 @@ impl OperationCoordinator {
             for op in state.operations.values() {
                 for dep in &op.metadata.dependencies {
                     if state.operations.contains_key(dep) {
-                        graph.add_unchecked(op.metadata.id.0, dep.0);
+                        graph.add_unchecked(op.metadata.id.get(), dep.get());
                     }
                 }
             }
             graph
                 .elementary_cycles()
                 .into_iter()
-                .map(|cycle| cycle.into_iter().map(OperationId).collect::<Vec<_>>())
+                .map(|cycle| {
+                    cycle
+                        .into_iter()
+                        .map(|number| OperationId::new(state.coordinator, number))
+                        .collect::<Vec<_>>()
+                })
                 .collect::<Vec<_>>()
         };
         if !cycles.is_empty() {
@@ -90,7 +95,8 @@ impl OperationCoordinator {
     /// which no wait can resolve; `UnknownOperation`.
     pub fn wait_until_ready(&self, id: OperationId, timeout: Duration) -> Result<()> {
         let started = Instant::now();
-        let deadline = started + timeout;
+        // A timeout past what a clock can hold (`Duration::MAX`) waits as long as it takes.
+        let deadline = started.checked_add(timeout);
         let mut state = self.inner.state.lock();
         if state.is_retired(id) {
             return Ok(());
@@ -111,12 +117,18 @@ impl OperationCoordinator {
             if let Some(cycle) = state.cycle_through(id) {
                 return Err(EventError::DependencyCycle { id, cycle });
             }
-            if self
-                .inner
-                .changed
-                .wait_until(&mut state, deadline)
-                .timed_out()
-            {
+            let timed_out = match deadline {
+                Some(deadline) => self
+                    .inner
+                    .changed
+                    .wait_until(&mut state, deadline)
+                    .timed_out(),
+                None => {
+                    self.inner.changed.wait(&mut state);
+                    false
+                }
+            };
+            if timed_out {
                 let blocked_on = state.blocked_on(id);
                 if blocked_on.is_empty() {
                     return Ok(());

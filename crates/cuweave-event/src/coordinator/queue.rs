@@ -93,27 +93,27 @@ mod tests {
     fn a_slow_stream_holds_back_only_its_own_queue() {
         let mut queues = StreamQueues::default();
         let (slow, fast) = (1, 2);
-        queues.push(slow, OperationId(1));
+        queues.push(slow, OperationId::new(0, 1));
         for id in 2..=5 {
-            queues.push(fast, OperationId(id));
+            queues.push(fast, OperationId::new(0, id));
         }
-        queues.push(slow, OperationId(6));
+        queues.push(slow, OperationId::new(0, 6));
         assert_eq!(queues.len(), 6);
         // The GPU has finished everything but op 1 (and op 6 behind it on the same stream).
         let done = queues.drain_done(|id| {
-            if id.0 == 1 {
+            if id.get() == 1 {
                 Front::NotYet
             } else {
                 Front::Done(())
             }
         });
-        let done: Vec<u64> = done.into_iter().map(|(id, ())| id.0).collect();
+        let done: Vec<u64> = done.into_iter().map(|(id, ())| id.get()).collect();
         assert_eq!(done, vec![2, 3, 4, 5]);
         assert_eq!((queues.len(), queues.streams()), (2, 1));
         // The waiter decides op 1; op 6 is then at the front.
-        queues.remove_front(slow, OperationId(6));
+        queues.remove_front(slow, OperationId::new(0, 6));
         assert_eq!(queues.len(), 2, "op 6 is not at the front: kept");
-        queues.remove_front(slow, OperationId(1));
+        queues.remove_front(slow, OperationId::new(0, 1));
         let done = queues.drain_done(|_| Front::Done(()));
         assert_eq!(done.len(), 1);
         assert_eq!((queues.len(), queues.streams()), (0, 0));
@@ -123,14 +123,14 @@ mod tests {
     fn decided_operations_are_dropped_and_a_stream_walk_stops_at_the_first_not_yet() {
         let mut queues = StreamQueues::default();
         for id in 1..=4 {
-            queues.push(7, OperationId(id));
+            queues.push(7, OperationId::new(0, id));
         }
-        let done = queues.drain_done(|id| match id.0 {
+        let done = queues.drain_done(|id| match id.get() {
             1 => Front::Drop,
             2 => Front::Done("ok"),
             _ => Front::NotYet,
         });
-        assert_eq!(done, vec![(OperationId(2), "ok")]);
+        assert_eq!(done, vec![(OperationId::new(0, 2), "ok")]);
         assert_eq!(queues.len(), 2);
     }
 }

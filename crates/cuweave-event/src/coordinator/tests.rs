@@ -4,8 +4,12 @@
 use super::*;
 
 fn operation(id: u64, state: OperationState, dependencies: Vec<u64>) -> Operation {
-    let dependencies = dependencies.into_iter().map(OperationId).collect();
-    let mut operation = Operation::registered(OperationId(id), OperationType::Kernel, dependencies);
+    let dependencies = dependencies
+        .into_iter()
+        .map(|n| OperationId::new(0, n))
+        .collect();
+    let mut operation =
+        Operation::registered(OperationId::new(0, id), OperationType::Kernel, dependencies);
     operation.metadata.state = state;
     operation
 }
@@ -15,14 +19,17 @@ fn completed_operations_retire_only_once_nothing_depends_on_them() {
     let mut state = State::default();
     for round in 0..100_000u64 {
         // Operation `round + 1` completes while `round + 2`, registered, depends on it.
-        let (done, next) = (OperationId(round + 1), OperationId(round + 2));
+        let (done, next) = (
+            OperationId::new(0, round + 1),
+            OperationId::new(0, round + 2),
+        );
         state.next_id = round + 2;
-        let mut finished = operation(done.0, OperationState::Completed, vec![]);
+        let mut finished = operation(done.get(), OperationState::Completed, vec![]);
         finished.dependants = 1;
         state.operations.insert(done, finished);
         state.operations.insert(
             next,
-            operation(next.0, OperationState::Registered, vec![done.0]),
+            operation(next.get(), OperationState::Registered, vec![done.get()]),
         );
         state.try_retire(done);
         assert_eq!(state.state_of(done), Some(OperationState::Completed));
@@ -38,13 +45,14 @@ fn completed_operations_retire_only_once_nothing_depends_on_them() {
         state.operations.remove(&next);
     }
     assert!(state.operations.is_empty(), "records stay bounded");
-    assert_eq!(state.state_of(OperationId(state.next_id + 1)), None);
+    assert_eq!(state.state_of(OperationId::new(0, state.next_id + 1)), None);
     // Failed operations keep their record (and error).
     state.next_id += 1;
-    let failed = OperationId(state.next_id);
-    state
-        .operations
-        .insert(failed, operation(failed.0, OperationState::Failed, vec![]));
+    let failed = OperationId::new(0, state.next_id);
+    state.operations.insert(
+        failed,
+        operation(failed.get(), OperationState::Failed, vec![]),
+    );
     state.try_retire(failed);
     assert_eq!(state.state_of(failed), Some(OperationState::Failed));
 }
@@ -57,7 +65,7 @@ fn a_slow_operation_on_one_stream_does_not_hide_completions_on_another() {
     const SLOW_STREAM: u64 = 1;
     const FAST_STREAM: u64 = 2;
     let mut state = State::default();
-    let slow = OperationId(1);
+    let slow = OperationId::new(0, 1);
     state.next_id = 1;
     let mut op = operation(1, OperationState::Queued, vec![]);
     op.metadata.stream = Some(SLOW_STREAM);
@@ -66,8 +74,8 @@ fn a_slow_operation_on_one_stream_does_not_hide_completions_on_another() {
     let mut peak = (0, 0);
     for _ in 0..100_000 {
         state.next_id += 1;
-        let id = OperationId(state.next_id);
-        let mut op = operation(id.0, OperationState::Queued, vec![]);
+        let id = OperationId::new(0, state.next_id);
+        let mut op = operation(id.get(), OperationState::Queued, vec![]);
         op.metadata.stream = Some(FAST_STREAM);
         state.operations.insert(id, op);
         state.queued.push(FAST_STREAM, id);
@@ -104,8 +112,8 @@ fn a_query_refused_during_a_capture_leaves_the_operation_queued() {
     for id in 1..=2 {
         let mut op = operation(id, OperationState::Queued, vec![]);
         op.metadata.stream = Some(id);
-        state.operations.insert(OperationId(id), op);
-        state.queued.push(id, OperationId(id));
+        state.operations.insert(OperationId::new(0, id), op);
+        state.queued.push(id, OperationId::new(0, id));
     }
     // Another thread's global-mode capture: this thread's event queries are refused.
     let refused = || {
@@ -118,13 +126,13 @@ fn a_query_refused_during_a_capture_leaves_the_operation_queued() {
     assert_eq!(state.queued.len(), 2);
     for id in 1..=2 {
         assert_eq!(
-            state.state_of(OperationId(id)),
+            state.state_of(OperationId::new(0, id)),
             Some(OperationState::Queued)
         );
     }
     // The capture ended: the GPU had finished op 1; op 2's context died meanwhile.
     let finished = state.take_finished(|op| {
-        if op.metadata.id.0 == 1 {
+        if op.metadata.id.get() == 1 {
             Ok(true)
         } else {
             Err(DriverError::Cuda {
@@ -137,10 +145,13 @@ fn a_query_refused_during_a_capture_leaves_the_operation_queued() {
         state.decide(id, &result);
     }
     assert_eq!(
-        state.state_of(OperationId(1)),
+        state.state_of(OperationId::new(0, 1)),
         Some(OperationState::Completed)
     );
-    assert_eq!(state.state_of(OperationId(2)), Some(OperationState::Failed));
+    assert_eq!(
+        state.state_of(OperationId::new(0, 2)),
+        Some(OperationState::Failed)
+    );
 }
 
 #[test]
@@ -152,9 +163,9 @@ fn completion_of_a_completed_operation_kept_for_a_dependant_is_reached() {
     // 1 completed but kept: 2, registered, depends on it.
     let mut kept = operation(1, OperationState::Completed, vec![]);
     kept.dependants = 1;
-    state.operations.insert(OperationId(1), kept);
+    state.operations.insert(OperationId::new(0, 1), kept);
     state.operations.insert(
-        OperationId(2),
+        OperationId::new(0, 2),
         operation(2, OperationState::Registered, vec![1]),
     );
     let mut failed = operation(3, OperationState::Failed, vec![]);
@@ -162,9 +173,9 @@ fn completion_of_a_completed_operation_kept_for_a_dependant_is_reached() {
         timeout: std::time::Duration::from_millis(7),
     };
     failed.failure = Some(error.clone());
-    state.operations.insert(OperationId(3), failed);
+    state.operations.insert(OperationId::new(0, 3), failed);
     // 4 retired.
-    let point = |id| state.completion_point(OperationId(id), "completion", "await");
+    let point = |id| state.completion_point(OperationId::new(0, id), "completion", "await");
     assert!(matches!(point(1), Ok(CompletionPoint::Reached)));
     assert!(matches!(point(3), Ok(CompletionPoint::Failed(e)) if e == error));
     assert!(matches!(point(4), Ok(CompletionPoint::Reached)));
@@ -194,7 +205,7 @@ fn an_operation_that_retired_while_waited_for_is_blocked_on_nothing() {
         next_id: 2,
         ..State::default()
     };
-    let (dependency, waiting) = (OperationId(1), OperationId(2));
+    let (dependency, waiting) = (OperationId::new(0, 1), OperationId::new(0, 2));
     state
         .operations
         .insert(dependency, operation(1, OperationState::Registered, vec![]));
@@ -208,7 +219,10 @@ fn an_operation_that_retired_while_waited_for_is_blocked_on_nothing() {
     state.operations.clear();
     assert!(state.is_retired(waiting));
     assert_eq!(state.blocked_on(waiting), Vec::<OperationId>::new());
-    assert_eq!(state.blocked_on(OperationId(99)), Vec::<OperationId>::new());
+    assert_eq!(
+        state.blocked_on(OperationId::new(0, 99)),
+        Vec::<OperationId>::new()
+    );
 }
 
 /// `begin_operation`'s rule for dependencies, which `dependencies_queued` checks before
@@ -229,14 +243,20 @@ fn dependencies_are_checked_by_begin_operations_rule(
         ..State::default()
     };
     // op#1 retired; op#2 in `dependency_state`; op#3 queued.
-    state
-        .operations
-        .insert(OperationId(2), operation(2, dependency_state, vec![]));
-    state
-        .operations
-        .insert(OperationId(3), operation(3, OperationState::Queued, vec![]));
-    let dependencies = [OperationId(1), OperationId(3), OperationId(2)];
-    for id in [OperationId::UNREGISTERED, OperationId(7)] {
+    state.operations.insert(
+        OperationId::new(0, 2),
+        operation(2, dependency_state, vec![]),
+    );
+    state.operations.insert(
+        OperationId::new(0, 3),
+        operation(3, OperationState::Queued, vec![]),
+    );
+    let dependencies = [
+        OperationId::new(0, 1),
+        OperationId::new(0, 3),
+        OperationId::new(0, 2),
+    ];
+    for id in [OperationId::UNREGISTERED, OperationId::new(0, 7)] {
         let checked = state.check_queued(id, &dependencies, "test");
         if passes {
             assert_eq!(checked, Ok(()));
@@ -245,16 +265,16 @@ fn dependencies_are_checked_by_begin_operations_rule(
                 checked,
                 Err(EventError::DependencyNotQueued {
                     id,
-                    dependency: OperationId(2),
+                    dependency: OperationId::new(0, 2),
                 })
             );
         }
     }
     assert_eq!(
-        state.check_queued(OperationId::UNREGISTERED, &[OperationId(4)], "test"),
+        state.check_queued(OperationId::UNREGISTERED, &[OperationId::new(0, 4)], "test"),
         Err(EventError::UnknownOperation {
             operation: "test",
-            id: OperationId(4),
+            id: OperationId::new(0, 4),
         })
     );
 }
@@ -263,13 +283,13 @@ fn dependencies_are_checked_by_begin_operations_rule(
 fn an_unregistered_operation_is_named_as_such_in_errors() {
     let error = EventError::DependencyNotQueued {
         id: OperationId::UNREGISTERED,
-        dependency: OperationId(5),
+        dependency: OperationId::new(0, 5),
     };
     assert_eq!(
         error.to_string(),
         "operation (not yet registered) cannot begin: its dependency op#5 has not been queued yet"
     );
-    assert_eq!(OperationId(5).to_string(), "op#5");
+    assert_eq!(OperationId::new(0, 5).to_string(), "op#5");
 }
 
 /// A cycle closed with `add_dependency` is named from its lowest id in dependency order, as
@@ -285,29 +305,34 @@ fn the_cycle_through_an_operation_is_named_in_dependency_order() {
     // 2 -> 3 -> 4 -> 2 (each waits for the next), 5 waits for 2, 1 is queued, 6 waits for 1.
     for (id, deps) in [(2, vec![3, 1]), (3, vec![4]), (4, vec![2]), (5, vec![2])] {
         state.operations.insert(
-            OperationId(id),
+            OperationId::new(0, id),
             operation(id, OperationState::Registered, deps),
         );
     }
-    state
-        .operations
-        .insert(OperationId(1), operation(1, OperationState::Queued, vec![]));
     state.operations.insert(
-        OperationId(6),
+        OperationId::new(0, 1),
+        operation(1, OperationState::Queued, vec![]),
+    );
+    state.operations.insert(
+        OperationId::new(0, 6),
         operation(6, OperationState::Registered, vec![1]),
     );
-    let ring = vec![OperationId(2), OperationId(3), OperationId(4)];
+    let ring = vec![
+        OperationId::new(0, 2),
+        OperationId::new(0, 3),
+        OperationId::new(0, 4),
+    ];
     for member in [2, 3, 4] {
         assert_eq!(
-            state.cycle_through(OperationId(member)).as_ref(),
+            state.cycle_through(OperationId::new(0, member)).as_ref(),
             Some(&ring)
         );
     }
     for outside in [1, 5, 6, 99] {
-        assert_eq!(state.cycle_through(OperationId(outside)), None);
+        assert_eq!(state.cycle_through(OperationId::new(0, outside)), None);
     }
     let error = EventError::DependencyCycle {
-        id: OperationId(3),
+        id: OperationId::new(0, 3),
         cycle: ring,
     };
     assert_eq!(
@@ -320,12 +345,39 @@ fn the_cycle_through_an_operation_is_named_in_dependency_order() {
     for id in 1..=N {
         let next = if id == N { 1 } else { id + 1 };
         long.operations.insert(
-            OperationId(id),
+            OperationId::new(0, id),
             operation(id, OperationState::Registered, vec![next]),
         );
     }
-    let cycle = long.cycle_through(OperationId(N / 2)).unwrap();
+    let cycle = long.cycle_through(OperationId::new(0, N / 2)).unwrap();
     assert_eq!(cycle.len(), N as usize);
-    assert_eq!(cycle.first(), Some(&OperationId(1)));
-    assert!(cycle.windows(2).all(|pair| pair[1].0 == pair[0].0 + 1));
+    assert_eq!(cycle.first(), Some(&OperationId::new(0, 1)));
+    assert!(
+        cycle
+            .windows(2)
+            .all(|pair| pair[1].get() == pair[0].get() + 1)
+    );
+}
+
+#[test]
+fn another_coordinators_id_is_unknown_here_never_retired() {
+    let state = State {
+        coordinator: 2,
+        next_id: 5,
+        ..State::default()
+    };
+    // This coordinator's retired operation 3, and operation 3 of coordinator 1.
+    assert_eq!(
+        state.state_of(OperationId::new(2, 3)),
+        Some(OperationState::Completed)
+    );
+    assert_eq!(state.state_of(OperationId::new(1, 3)), None);
+    assert!(!state.is_retired(OperationId::new(1, 3)));
+    assert_eq!(
+        state.check_queued(OperationId::UNREGISTERED, &[OperationId::new(1, 3)], "test"),
+        Err(EventError::UnknownOperation {
+            operation: "test",
+            id: OperationId::new(1, 3),
+        })
+    );
 }

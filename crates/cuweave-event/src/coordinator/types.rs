@@ -4,9 +4,16 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 /// Identifies an operation registered with an
-/// [`OperationCoordinator`](super::OperationCoordinator).
+/// [`OperationCoordinator`](super::OperationCoordinator), and that coordinator: another
+/// coordinator does not know it (`UnknownOperation`), so an id handed to the wrong coordinator
+/// can never pass for one of its own finished operations and let work skip its wait.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct OperationId(pub(crate) u64);
+pub struct OperationId {
+    /// The coordinator that registered it (unique in the process; 0 for none).
+    coordinator: u64,
+    /// Its registration order in that coordinator, from 1.
+    number: u64,
+}
 
 impl OperationId {
     /// Stands for an operation not registered yet, in the errors of checks made before
@@ -15,11 +22,26 @@ impl OperationId {
     ///
     /// [`check_stream`]: super::OperationCoordinator::check_stream
     /// [`dependencies_queued`]: super::OperationCoordinator::dependencies_queued
-    pub const UNREGISTERED: Self = Self(0);
+    pub const UNREGISTERED: Self = Self {
+        coordinator: 0,
+        number: 0,
+    };
+
+    pub(crate) const fn new(coordinator: u64, number: u64) -> Self {
+        Self {
+            coordinator,
+            number,
+        }
+    }
+
+    /// The coordinator that registered it (its number in the process).
+    pub(crate) fn coordinator(self) -> u64 {
+        self.coordinator
+    }
 
     /// The id's number (registration order, from 1; 0 for [`UNREGISTERED`](Self::UNREGISTERED)).
     pub fn get(self) -> u64 {
-        self.0
+        self.number
     }
 }
 
@@ -28,7 +50,7 @@ impl fmt::Display for OperationId {
         if *self == Self::UNREGISTERED {
             f.write_str("(not yet registered)")
         } else {
-            write!(f, "op#{}", self.0)
+            write!(f, "op#{}", self.number)
         }
     }
 }
