@@ -306,6 +306,7 @@ impl Reactor<'_> {
                             .fetch_add(1, Ordering::Relaxed);
                         self.finish(entry, Ok(()), true);
                     } else {
+                        self.count_cancelled_meanwhile(&entry.cell);
                         self.retire(entry, true);
                     }
                     progressed = true;
@@ -325,6 +326,7 @@ impl Reactor<'_> {
                                 .fetch_add(1, Ordering::Relaxed);
                             self.finish(entry, Err(EventError::TimedOut { timeout }), false);
                         } else {
+                            self.count_cancelled_meanwhile(&entry.cell);
                             self.retire(entry, false);
                         }
                         progressed = true;
@@ -416,10 +418,24 @@ impl Reactor<'_> {
                 self.shared.callbacks.lock().remove(&id);
                 run_callback(callback, Err(error));
             }
-        } else if let Some((id, _)) = callback {
-            self.shared.callbacks.lock().remove(&id);
+        } else {
+            self.count_cancelled_meanwhile(cell);
+            if let Some((id, _)) = callback {
+                self.shared.callbacks.lock().remove(&id);
+            }
         }
         self.shared.counters.pending.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Counts a wait whose outcome this reactor was about to decide when it was cancelled (the
+    /// cancel won the race): every registered wait ends in exactly one counter.
+    fn count_cancelled_meanwhile(&self, cell: &Cell) {
+        if cell.outcome() == Outcome::Cancelled {
+            self.shared
+                .counters
+                .cancelled
+                .fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Ends a wait whose cell this reactor decided: runs its callback with `result`.
