@@ -104,14 +104,17 @@ impl CompletionWords {
             // Another context's stream, or no stream memory operations on this device.
             Err(_) => return stream.synchronize(),
         }
-        let deadline = Instant::now() + self.spin;
+        // A spin past what a clock can hold spins until the word lands.
+        let deadline = Instant::now().checked_add(self.spin);
         let mut polls: u32 = 0;
         loop {
             if self.words.load(index) == Some(value) {
                 return Ok(());
             }
             polls = polls.wrapping_add(1);
-            if polls.is_multiple_of(64) && Instant::now() >= deadline {
+            if polls.is_multiple_of(64)
+                && deadline.is_some_and(|deadline| Instant::now() >= deadline)
+            {
                 return stream.synchronize();
             }
             std::hint::spin_loop();

@@ -106,8 +106,11 @@ impl Future for WaitFuture {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         if !self.spin.is_zero() {
             // Only the first poll spins; later polls come from a wake or a spurious poll.
-            let deadline = Instant::now() + std::mem::take(&mut self.spin);
-            while !self.cell.outcome().is_decided() && Instant::now() < deadline {
+            // A budget past what a clock can hold spins until the wait is decided.
+            let deadline = Instant::now().checked_add(std::mem::take(&mut self.spin));
+            while !self.cell.outcome().is_decided()
+                && deadline.is_none_or(|deadline| Instant::now() < deadline)
+            {
                 std::hint::spin_loop();
             }
         }

@@ -420,8 +420,10 @@ impl Drop for AsyncEventWaiter {
     }
 }
 
+/// When a wait of `timeout` times out; none for no timeout, or one past what a clock can hold
+/// (`Duration::MAX`: as long as it takes).
 fn deadline(timeout: Option<Duration>) -> Option<(Instant, Duration)> {
-    timeout.map(|timeout| (Instant::now() + timeout, timeout))
+    timeout.and_then(|timeout| Some((Instant::now().checked_add(timeout)?, timeout)))
 }
 
 /// A future for the work queued on `stream` so far, served by [`AsyncEventWaiter::global`].
