@@ -442,11 +442,18 @@ impl StreamPool {
     /// The first idle stream looking at high, then normal, then low priority, else the least
     /// loaded high-priority one. A capturing stream is never idle, and is handed out only when
     /// every stream of the pool captures.
+    ///
+    /// Each set is looked at from the stream after the one last handed out of it (PyTorch's
+    /// round robin within a priority), so callers asking at once, before any work they queue
+    /// shows, spread over the idle streams instead of all getting the first.
     fn most_urgent_idle(&self) -> Result<Arc<PriorityStream>> {
-        for set in &self.sets {
-            for stream in set {
-                if load_of(stream)? == 0 {
-                    return Ok(Arc::clone(stream));
+        for (level, set) in self.sets.iter().enumerate() {
+            let start = self.priority_cursors[level].load(Ordering::Relaxed);
+            for offset in 0..set.len() {
+                let i = (start + offset) % set.len();
+                if load_of(&set[i])? == 0 {
+                    self.priority_cursors[level].store(i + 1, Ordering::Relaxed);
+                    return Ok(Arc::clone(&set[i]));
                 }
             }
         }
