@@ -118,7 +118,8 @@ struct Sleeper {
 #[derive(Default)]
 struct SleeperState {
     target: Option<Arc<OwnedPooledEvent>>,
-    busy: bool,
+    /// The event the sleeper is asleep on, while it is.
+    asleep_on: Option<Arc<OwnedPooledEvent>>,
     stop: bool,
 }
 
@@ -154,7 +155,7 @@ impl Sleeper {
                         return;
                     }
                     if let Some(event) = state.target.take() {
-                        state.busy = true;
+                        state.asleep_on = Some(Arc::clone(&event));
                         break event;
                     }
                     self.changed.wait(&mut state);
@@ -164,17 +165,20 @@ impl Sleeper {
             // reactor's scan then finds the failure).
             let _ = event.synchronize();
             drop(event);
-            self.state.lock().busy = false;
+            self.state.lock().asleep_on = None;
             self.rang.store(true, Ordering::Release);
             reactor.unpark();
         }
     }
 
-    /// Hands `event` to the sleeper; `false` while it still sleeps on an earlier one.
+    /// Hands `event` to the sleeper: whether it sleeps on it now (it already did, or it was
+    /// free to take it); `false` while it still sleeps on another one.
     fn arm(&self, event: &Arc<OwnedPooledEvent>) -> bool {
         let mut state = self.state.lock();
-        if state.busy {
-            return false;
+        if let Some(asleep_on) = &state.asleep_on {
+            // Asleep on this very event (one long wait, the reactor back from a park): it will
+            // ring when the GPU gets there, so the reactor may park long again.
+            return Arc::ptr_eq(asleep_on, event);
         }
         state.target = Some(Arc::clone(event));
         self.changed.notify_one();
