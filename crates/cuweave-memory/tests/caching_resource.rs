@@ -214,6 +214,11 @@ fn free_under_watch(
             .unwrap();
     }
     let free_on = if cross_stream { &s2 } else { &s1 };
+    if !cross_stream {
+        // A free on the allocating stream waits for the work queued there so far (its fill):
+        // past it, nothing known uses the block, and only the unrecorded watch on s2 reads it.
+        s1.synchronize().unwrap();
+    }
     stack.deallocate(old, MIB, free_on).unwrap();
     let new = stack.allocate(MIB, &s1).unwrap();
     // SAFETY: `new` holds `n` u32s until the caller frees it, after s1 is synchronised here.
@@ -273,7 +278,10 @@ fn a_free_on_the_allocating_stream_is_reused_under_the_watch_control() {
     }
     let (stack, _allocator, _driver) = stack(&gpu.context, 64 * MIB);
     let (old, new, mismatches, _s1) = free_under_watch(&gpu.context, &stack, false);
-    assert_eq!(new, old, "same stream, no other use known: reused at once");
+    assert_eq!(
+        new, old,
+        "same stream, its queued work done, no other use known: reused at once"
+    );
     assert!(mismatches > 0, "the watch kernel saw the new fill");
 }
 

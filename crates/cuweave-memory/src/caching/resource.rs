@@ -135,11 +135,12 @@ impl GraphHeld for LeftOver {
 ///   upstream segment, with the out-of-memory retry. On a capturing stream it comes from the
 ///   capture's [graph pool](super::GraphPool), or fails with
 ///   [`cuweave_driver::GraphError::Capturing`] when none is bound.
-/// - `deallocate(ptr, bytes, stream)` on the allocating stream is the plain free. On another
-///   stream an event is recorded there and the block, back on its allocating stream's free
-///   list, is handed out again only once that event has completed (as after
-///   [`CachedAllocation::record_stream`]). While any capture is active such a cross-stream free
-///   is refused with `GraphError::Capturing` (recording the event could break the capture, and
+/// - `deallocate(ptr, bytes, stream)` records an event on `stream` and the block, back on its
+///   allocating stream's free list, is handed out again only once that event has completed (as
+///   after [`CachedAllocation::record_stream`]), on the allocating stream too: the allocator
+///   hands its blocks to typed buffers as well, which use them on any stream without waiting
+///   for the allocating one. While a capture is active a free on the allocating stream is the
+///   plain free (the capture's pool defers it), and a cross-stream free is refused with `GraphError::Capturing` (recording the event could break the capture, and
 ///   the resource cannot keep the borrowed stream to record it later); the allocation stays
 ///   live, and a free on its own stream, or one after the capture, works.
 /// - A wrong address or one already freed is [`MemoryError::UnknownAllocation`], a wrong size
@@ -232,7 +233,15 @@ impl MemoryResource for CachingResource {
     fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
         const OPERATION: &str = "CachingResource::deallocate";
         check_stream(self.allocator.device(), stream, OPERATION)?;
-        if self.live.stream_of(ptr, bytes, OPERATION)? == StreamKey::of(stream) {
+        // During a capture a free on the allocating stream is the plain one, which the capture's
+        // pool defers; outside one even that free records an event (below). The block goes
+        // back to its stream's free list, and the allocator hands such blocks to typed buffers
+        // too, which may use them on any stream at once: it must not come back before the
+        // work queued on the stream so far has run (a typed buffer freed by the legacy stream,
+        // its allocating one, was otherwise written on another stream under its last reader).
+        if self.live.stream_of(ptr, bytes, OPERATION)? == StreamKey::of(stream)
+            && active_captures() != 0
+        {
             return self.live.take(ptr, bytes, OPERATION)?.free();
         }
         refuse_cross_stream_during_capture()?;
