@@ -709,11 +709,6 @@ mod tests {
             Some(RegistrationCost::H100_DEFAULT)
         );
     }
-}
-
-#[cfg(test)]
-mod figure_tests {
-    use super::*;
 
     #[test]
     fn negative_figures_in_a_file_are_refused_by_name() {
@@ -737,7 +732,6 @@ mod figure_tests {
         assert_eq!(CalibrationTable::from_json(&zero.to_json()).unwrap(), zero);
     }
 }
-
 #[cfg(test)]
 mod machine_tests {
     use super::*;

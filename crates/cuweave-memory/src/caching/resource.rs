@@ -140,7 +140,8 @@ impl GraphHeld for LeftOver {
 ///   after [`CachedAllocation::record_stream`]), on the allocating stream too: the allocator
 ///   hands its blocks to typed buffers as well, which use them on any stream without waiting
 ///   for the allocating one. While a capture is active a free on the allocating stream is the
-///   plain free (the capture's pool defers it), and a cross-stream free is refused with `GraphError::Capturing` (recording the event could break the capture, and
+///   plain free (the capture's pool defers it), and a cross-stream free is refused with
+///   `GraphError::Capturing` (recording the event could break the capture, and
 ///   the resource cannot keep the borrowed stream to record it later); the allocation stays
 ///   live, and a free on its own stream, or one after the capture, works.
 /// - A wrong address or one already freed is [`MemoryError::UnknownAllocation`], a wrong size
