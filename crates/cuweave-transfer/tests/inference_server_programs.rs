@@ -28,6 +28,9 @@ use cuweave_transfer::{
     StagingConfig, TWO_STREAMS_FROM, TransferError, TransferManager, TransferMethod, TransferPath,
 };
 
+mod common;
+use common::bytes;
+
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
 /// What memory outside the range a transfer writes is filled with.
@@ -39,21 +42,6 @@ static SENTINELS: [u8; 4096] = [SENTINEL; 4096];
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
-
-/// `len` bytes with no short period, different for each `seed` (a word at a time: tens of MiB
-/// are quick even in a debug build).
-fn bytes(len: usize, seed: u64) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        out.extend_from_slice(&state.to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
 
 /// `len` pattern `u16`s, different for each `seed`.
 fn words16(len: usize, seed: u64) -> Vec<u16> {

@@ -20,25 +20,11 @@ use cuweave_transfer::{
     StagingConfig, TWO_STREAMS_FROM, TransferError, TransferManager, TransferMethod, TransferPath,
 };
 
+mod common;
+use common::{SENTINEL, bytes};
+
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
-/// What the tests fill device memory with outside the range a transfer writes.
-const SENTINEL: u8 = 0xEE;
-
-/// `len` bytes with no short period, different for each `seed` (built a word at a time, so
-/// that tens of MiB are quick even in a debug build).
-fn bytes(len: usize, seed: u64) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        out.extend_from_slice(&state.to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
 
 /// Asserts `whole` is `SENTINEL` outside `offset..offset + len` without printing megabytes.
 fn assert_untouched_around(whole: &[u8], offset: usize, len: usize, what: &str) {

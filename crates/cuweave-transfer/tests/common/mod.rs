@@ -1,4 +1,6 @@
-//! Helpers shared by the transfer crate's GPU tests.
+//! Helpers shared by the transfer crate's GPU tests (each test binary uses some of them).
+
+#![allow(dead_code)]
 
 /// What the tests fill memory with outside the range a transfer writes.
 pub const SENTINEL: u8 = 0xEE;
@@ -8,6 +10,21 @@ pub fn pattern(len: usize, seed: u32) -> Vec<u8> {
     (0..len)
         .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8)
         .collect()
+}
+
+/// `len` bytes with no short period, different for each `seed` (built a word at a time, so
+/// that tens of MiB are quick even in a debug build).
+pub fn bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        out.extend_from_slice(&state.to_le_bytes());
+    }
+    out.truncate(len);
+    out
 }
 
 /// Asserts that `buffer` holds `expected` from `offset` and [`SENTINEL`] everywhere else,
