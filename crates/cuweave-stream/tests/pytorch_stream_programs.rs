@@ -17,9 +17,9 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use cuweave_driver::memory::{HostAllocFlags, HostAllocation};
-use cuweave_driver::{Context, InstantiateOptions, Kernel, LaunchConfig, Stream};
+use cuweave_driver::{Context, InstantiateOptions};
 use cuweave_memory::caching::CachingAllocator;
-use cuweave_memory::{Buffer, DeviceBuffer, MemoryError, TrackedLaunch};
+use cuweave_memory::{Buffer, DeviceBuffer};
 use cuweave_stream::capture::CaptureOptions;
 use cuweave_stream::timing::DEFAULT_PENDING_SPANS;
 use cuweave_stream::{
@@ -30,6 +30,9 @@ use cuweave_stream::{
 use cuweave_test_support::event_kernels::EventKernels;
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{require_gpu, serial, skip_under_sanitizer};
+
+mod common;
+use common::Kit;
 
 const MS: u64 = 1_000_000;
 const US: u64 = 1_000;
@@ -122,82 +125,6 @@ fn normal_stream(context: &Arc<Context>) -> Arc<PriorityStream> {
 /// What the order-sensitive transform `x -> x * mul + add` gives, as the kernel computes it.
 fn affine(x: u32, mul: u32, add: u32) -> u32 {
     x.wrapping_mul(mul).wrapping_add(add)
-}
-
-/// The test kernels as `Kernel`s that `TrackedLaunch` launches on typed buffers.
-struct Kit {
-    test: TestKernels,
-    fill: Kernel,
-    saxpy: Kernel,
-    increment: Kernel,
-    config: LaunchConfig,
-}
-
-impl Kit {
-    fn load(context: &Arc<Context>) -> Self {
-        let test = TestKernels::load(context).unwrap();
-        Self {
-            fill: test.module().function("fill_u32").unwrap(),
-            saxpy: test.module().function("saxpy_f32").unwrap(),
-            increment: test.module().function("increment_u32").unwrap(),
-            test,
-            config: LaunchConfig::for_elements(G, 256).unwrap(),
-        }
-    }
-
-    /// `buffer[i] = value`, tracked as a write.
-    fn fill(
-        &self,
-        stream: &Stream,
-        buffer: &mut DeviceBuffer<f32>,
-        value: f32,
-    ) -> Result<(), MemoryError> {
-        let (bits, n) = (value.to_bits(), buffer.len() as u64);
-        // SAFETY: fill_u32(unsigned*, unsigned, size_t) writes n 4-byte elements of `buffer`,
-        // which holds n f32s; declared written.
-        unsafe {
-            TrackedLaunch::new(&self.fill, stream, self.config)
-                .write(buffer)
-                .arg(&bits)
-                .arg(&n)
-                .launch()
-        }
-    }
-
-    /// `y[i] += a * x[i]`, tracked as a read of `x` and a write of `y`.
-    fn saxpy(
-        &self,
-        stream: &Stream,
-        a: f32,
-        x: &DeviceBuffer<f32>,
-        y: &mut DeviceBuffer<f32>,
-    ) -> Result<(), MemoryError> {
-        let n = y.len().min(x.len()) as u64;
-        // SAFETY: saxpy_f32(float, const float*, float*, size_t) reads n elements of `x` and
-        // writes n of `y`, both at least n f32s long, declared so.
-        unsafe {
-            TrackedLaunch::new(&self.saxpy, stream, self.config)
-                .arg(&a)
-                .read(x)
-                .write(y)
-                .arg(&n)
-                .launch()
-        }
-    }
-
-    /// `data[i] += 1`, tracked as a write.
-    fn increment(&self, stream: &Stream, data: &mut DeviceBuffer<u32>) -> Result<(), MemoryError> {
-        let n = data.len() as u64;
-        let config = LaunchConfig::for_elements(data.len(), 256).map_err(MemoryError::from)?;
-        // SAFETY: increment_u32(unsigned*, size_t) reads and writes n elements of `data`,
-        // which holds n u32s; declared written.
-        unsafe {
-            TrackedLaunch::new(&self.increment, stream, config)
-                .write(data)
-                .arg(&n)
-                .launch()
-        }
-    }
 }
 
 /// Small integers, so that `2x + 1` is exact in `f32`.
@@ -712,7 +639,7 @@ fn one_graph_replayed_by_eight_threads_on_pool_streams_answers_every_request_exa
     const REQUESTS: usize = 40;
     let gpu = require_gpu!();
     let _serial = serial();
-    let kit = Kit::load(&gpu.context);
+    let kit = Kit::load(&gpu.context, G);
     let allocator = CachingAllocator::with_driver(&gpu.context);
     let pool = StreamPool::new(&gpu.context, StreamPoolConfig::default()).unwrap();
     let origin = pool.get_stream_for_workload(WorkloadType::Compute).unwrap();
@@ -807,7 +734,7 @@ fn a_step_with_stream_ordered_scratch_captured_on_a_pool_stream_replays_500_inpu
     const N: usize = 1 << 14;
     let gpu = require_gpu!();
     let _serial = serial();
-    let kit = Kit::load(&gpu.context);
+    let kit = Kit::load(&gpu.context, G);
     let pool = StreamPool::new(&gpu.context, StreamPoolConfig::default()).unwrap();
     let origin = pool.get_stream_for_workload(WorkloadType::Compute).unwrap();
     let allocator = StreamOrderedAllocator::default();

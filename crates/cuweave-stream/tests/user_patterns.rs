@@ -13,82 +13,24 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+use cuweave_driver::InstantiateOptions;
 use cuweave_driver::graph::CaptureMode;
 use cuweave_driver::memory::{address_range, copy_dtod_async};
-use cuweave_driver::{Context, InstantiateOptions, Kernel, LaunchConfig, Stream};
 use cuweave_memory::caching::{CachingAllocator, GraphPool};
-use cuweave_memory::{Buffer, DeviceBuffer, MemoryError, PinnedBuffer, TrackedLaunch};
+use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer};
 use cuweave_stream::capture::{CaptureOptions, StreamCapture};
 use cuweave_stream::{
     AllocationStrategy, MultiStreamCoordinator, OperationKind, PriorityStream, StreamError,
     StreamOrderedAllocator, StreamPool, StreamPoolConfig, StreamPriority, StreamProfiler,
     WorkloadType,
 };
-use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{serial, skip_under_sanitizer};
+
+mod common;
+use common::Kit;
 
 const G: usize = 1 << 14; // elements of the graph tests' tensors
 const MS: u64 = 1_000_000;
-
-/// The test kernels, also as `Kernel`s that `TrackedLaunch` launches on typed buffers.
-struct Kit {
-    test: TestKernels,
-    fill: Kernel,
-    saxpy: Kernel,
-    config: LaunchConfig,
-}
-
-impl Kit {
-    fn load(context: &Arc<Context>) -> Self {
-        let test = TestKernels::load(context).unwrap();
-        Self {
-            fill: test.module().function("fill_u32").unwrap(),
-            saxpy: test.module().function("saxpy_f32").unwrap(),
-            test,
-            config: LaunchConfig::for_elements(G, 256).unwrap(),
-        }
-    }
-
-    /// `buffer[i] = value`, tracked as a write.
-    fn fill(
-        &self,
-        stream: &Stream,
-        buffer: &mut DeviceBuffer<f32>,
-        value: f32,
-    ) -> Result<(), MemoryError> {
-        let (bits, n) = (value.to_bits(), buffer.len() as u64);
-        // SAFETY: fill_u32(unsigned*, unsigned, size_t) writes n 4-byte elements of `buffer`,
-        // which holds n f32s; declared written.
-        unsafe {
-            TrackedLaunch::new(&self.fill, stream, self.config)
-                .write(buffer)
-                .arg(&bits)
-                .arg(&n)
-                .launch()
-        }
-    }
-
-    /// `y[i] += a * x[i]`, tracked as a read of `x` and a write of `y`.
-    fn saxpy(
-        &self,
-        stream: &Stream,
-        a: f32,
-        x: &DeviceBuffer<f32>,
-        y: &mut DeviceBuffer<f32>,
-    ) -> Result<(), MemoryError> {
-        let n = y.len().min(x.len()) as u64;
-        // SAFETY: saxpy_f32(float, const float*, float*, size_t) reads n elements of `x` and
-        // writes n of `y`, both at least n f32s long, declared so.
-        unsafe {
-            TrackedLaunch::new(&self.saxpy, stream, self.config)
-                .arg(&a)
-                .read(x)
-                .write(y)
-                .arg(&n)
-                .launch()
-        }
-    }
-}
 
 /// The "model step" of the graph tests: `out = 2 * x + 1`, with its scratch tensor allocated
 /// from `allocator` on `stream` (the capture's private pool while `stream` captures) and freed
@@ -146,7 +88,7 @@ fn priority_streams_use_the_device_range_and_high_priority_work_finishes_beside_
     ) {
         return;
     }
-    let kit = Kit::load(&gpu.context);
+    let kit = Kit::load(&gpu.context, G);
     let range = gpu.context.stream_priority_range().unwrap();
     let (least, greatest) = (range.least, range.greatest);
     let high = PriorityStream::new(&gpu.context, StreamPriority::High).unwrap();
@@ -235,7 +177,7 @@ fn a_pool_shared_by_many_threads_hands_out_working_streams_under_every_strategy(
 fn waiting_for_a_ready_stream_times_out_with_none_while_spins_keep_every_stream_busy() {
     let gpu = cuweave_test_support::require_gpu!();
     let _serial = serial();
-    let kit = Kit::load(&gpu.context);
+    let kit = Kit::load(&gpu.context, G);
     let pool = StreamPool::new(
         &gpu.context,
         StreamPoolConfig::default().with_counts(1, 1, 1),
@@ -267,7 +209,7 @@ fn waiting_for_a_ready_stream_times_out_with_none_while_spins_keep_every_stream_
 fn pool_streams_capturing_on_another_thread_are_skipped_as_ready_and_idle_streams() {
     let gpu = cuweave_test_support::require_gpu!();
     let _serial = serial();
-    let kit = Kit::load(&gpu.context);
+    let kit = Kit::load(&gpu.context, G);
     let allocator = CachingAllocator::with_driver(&gpu.context);
     let pool = StreamPool::new(
         &gpu.context,
@@ -352,7 +294,7 @@ fn pool_streams_capturing_on_another_thread_are_skipped_as_ready_and_idle_stream
 fn a_side_stream_taken_from_a_load_balanced_pool_inside_a_capture_joins_the_graph() {
     let gpu = cuweave_test_support::require_gpu!();
     let _serial = serial();
-    let kit = Kit::load(&gpu.context);
+    let kit = Kit::load(&gpu.context, G);
     let allocator = CachingAllocator::with_driver(&gpu.context);
     let pool = StreamPool::new(
         &gpu.context,
@@ -443,7 +385,7 @@ fn torch_style_graph(test: &str, mode: CaptureMode) {
         return;
     };
     let _serial = serial();
-    let kit = Kit::load(&gpu.context);
+    let kit = Kit::load(&gpu.context, G);
     let allocator = CachingAllocator::with_driver(&gpu.context);
     let main = PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap();
     let side = PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap();
@@ -536,7 +478,7 @@ fn torch_style_graph(test: &str, mode: CaptureMode) {
 fn a_graph_with_pinned_host_input_and_output_copies_replays_new_host_data() {
     let gpu = cuweave_test_support::require_gpu!();
     let _serial = serial();
-    let kit = Kit::load(&gpu.context);
+    let kit = Kit::load(&gpu.context, G);
     let allocator = CachingAllocator::with_driver(&gpu.context);
     let main = PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap();
     let mut pinned_in = PinnedBuffer::<f32>::from_slice(&gpu.context, &input(0)).unwrap();
@@ -572,7 +514,7 @@ fn a_graph_with_pinned_host_input_and_output_copies_replays_new_host_data() {
 fn two_graphs_sharing_a_pool_replay_in_order_after_the_cache_is_emptied_and_then_free_it() {
     let gpu = cuweave_test_support::require_gpu!();
     let _serial = serial();
-    let kit = Kit::load(&gpu.context);
+    let kit = Kit::load(&gpu.context, G);
     let allocator = CachingAllocator::with_driver(&gpu.context);
     let main = PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap();
     let mut x = allocator.buffer::<f32>(G, main.stream()).unwrap();
@@ -661,7 +603,7 @@ fn two_graphs_sharing_a_pool_replay_in_order_after_the_cache_is_emptied_and_then
 fn a_graph_replays_exactly_after_the_allocator_its_scratch_came_from_is_dropped() {
     let gpu = cuweave_test_support::require_gpu!();
     let _serial = serial();
-    let kit = Kit::load(&gpu.context);
+    let kit = Kit::load(&gpu.context, G);
     let main = PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap();
     let mut x = DeviceBuffer::<f32>::new(&gpu.context, G).unwrap();
     let mut out = DeviceBuffer::<f32>::new(&gpu.context, G).unwrap();
@@ -732,7 +674,7 @@ fn a_graph_replays_exactly_after_the_allocator_its_scratch_came_from_is_dropped(
 fn blocking_calls_inside_a_capture_are_typed_refusals_and_the_capture_still_replays() {
     let gpu = cuweave_test_support::require_gpu!();
     let _serial = serial();
-    let kit = Kit::load(&gpu.context);
+    let kit = Kit::load(&gpu.context, G);
     let allocator = CachingAllocator::with_driver(&gpu.context);
     let main = PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap();
     let x = DeviceBuffer::from_slice(&gpu.context, &input(5)).unwrap();
@@ -775,7 +717,7 @@ fn blocking_calls_inside_a_capture_are_typed_refusals_and_the_capture_still_repl
 fn a_capturing_stream_waiting_on_eager_work_is_refused_and_the_capture_survives() {
     let gpu = cuweave_test_support::require_gpu!();
     let _serial = serial();
-    let kit = Kit::load(&gpu.context);
+    let kit = Kit::load(&gpu.context, G);
     let allocator = CachingAllocator::with_driver(&gpu.context);
     let main = Arc::new(PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap());
     let eager = Arc::new(PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap());
@@ -829,7 +771,7 @@ fn a_capturing_stream_waiting_on_eager_work_is_refused_and_the_capture_survives(
 fn eager_allocations_on_another_thread_during_a_capture_corrupt_neither() {
     let gpu = cuweave_test_support::require_gpu!();
     let _serial = serial();
-    let kit = Kit::load(&gpu.context);
+    let kit = Kit::load(&gpu.context, G);
     let allocator = CachingAllocator::with_driver(&gpu.context);
     let main = PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap();
     let other = PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap();
@@ -904,7 +846,7 @@ fn eager_allocations_on_another_thread_during_a_capture_corrupt_neither() {
 fn producer_consumer_barrier_and_parallel_work_are_ordered_on_the_gpu() {
     let gpu = cuweave_test_support::require_gpu!();
     let _serial = serial();
-    let kit = Kit::load(&gpu.context);
+    let kit = Kit::load(&gpu.context, G);
     let streams: Vec<Arc<PriorityStream>> = (0..4)
         .map(|_| Arc::new(PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap()))
         .collect();
@@ -989,7 +931,7 @@ fn producer_consumer_barrier_and_parallel_work_are_ordered_on_the_gpu() {
 fn stream_ordered_memory_handed_from_a_to_b_stays_ordered_and_bounded_over_2000_rounds() {
     let gpu = cuweave_test_support::require_gpu!();
     let _serial = serial();
-    let kit = Kit::load(&gpu.context);
+    let kit = Kit::load(&gpu.context, G);
     let a = Arc::new(PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap());
     let b = Arc::new(PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap());
     let allocator = StreamOrderedAllocator::default();
@@ -1055,7 +997,7 @@ fn stream_ordered_memory_handed_from_a_to_b_stays_ordered_and_bounded_over_2000_
 fn freeing_eager_stream_ordered_memory_inside_a_capture_is_refused_until_it_ends() {
     let gpu = cuweave_test_support::require_gpu!();
     let _serial = serial();
-    let kit = Kit::load(&gpu.context);
+    let kit = Kit::load(&gpu.context, G);
     let a = Arc::new(PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap());
     let allocator = StreamOrderedAllocator::default();
     let n = 1 << 16;
@@ -1108,7 +1050,7 @@ fn freeing_eager_stream_ordered_memory_inside_a_capture_is_refused_until_it_ends
 fn the_profiler_over_many_iterations_stays_bounded_and_accounts_for_every_operation() {
     let gpu = cuweave_test_support::require_gpu!();
     let _serial = serial();
-    let kit = Kit::load(&gpu.context);
+    let kit = Kit::load(&gpu.context, G);
     let profiler = StreamProfiler::new(&gpu.context).unwrap();
     let compute = PriorityStream::new(&gpu.context, StreamPriority::High).unwrap();
     let copies = PriorityStream::new(&gpu.context, StreamPriority::Low).unwrap();
