@@ -68,3 +68,24 @@ pub(crate) fn event_on(pool: &EventPool, stream: &Stream) -> Result<OwnedPooledE
     };
     Ok(event)
 }
+
+/// An event recorded on a stream, with that stream's identity: two events of one stream
+/// complete in the order they were recorded, so whoever polls many of them can stop at a
+/// stream's first unfinished one.
+#[derive(Debug)]
+pub(crate) struct StreamEvent {
+    /// The event, recorded behind the stream's work.
+    pub(crate) event: OwnedPooledEvent,
+    /// The stream's [`Stream::id`]; `None` for a default-stream handle (`CUstream` 0, 1 or 2),
+    /// whose one handle can name several streams.
+    pub(crate) stream: Option<u64>,
+}
+
+impl StreamEvent {
+    /// `event`, just recorded on `stream`.
+    #[inline]
+    pub(crate) fn recorded_on(event: OwnedPooledEvent, stream: &Stream) -> Self {
+        let stream = (stream.as_raw() as usize > 2).then(|| stream.id());
+        Self { event, stream }
+    }
+}

@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cuweave_driver::memory::DevicePtr;
-use cuweave_driver::{Context, OwnedPooledEvent, Stream};
+use cuweave_driver::{Context, Stream};
 
 use super::common::{Buffer, BufferCore, CoreRef, sealed::Sealed};
 use super::range::allocation_bytes;
@@ -15,6 +15,7 @@ use crate::caching::default::{check_context, with_default};
 use crate::caching::{CachedBlock, CachingAllocator, Grant, ShardHandle, StreamKey};
 use crate::element::Element;
 use crate::error::Result;
+use crate::events::StreamEvent;
 use crate::resource::{MemoryResource, check_stream};
 
 /// Where a buffer's memory came from, and where it goes back.
@@ -286,10 +287,10 @@ fn deallocate_after(
     resource: &dyn MemoryResource,
     ptr: DevicePtr,
     bytes: usize,
-    events: &[OwnedPooledEvent],
+    events: &[StreamEvent],
 ) -> Result<()> {
     let legacy = legacy_stream(resource.context());
-    for event in events {
+    for StreamEvent { event, .. } in events {
         if legacy.wait_event(event).is_err() {
             event.synchronize()?;
         }

@@ -81,8 +81,8 @@ pub(crate) fn free_own_allocation<A: Send + 'static>(
         defer_until_no_capture(held(allocation));
         return;
     }
-    for event in markers.events {
-        if let Err(error) = event.synchronize() {
+    for used in markers.events {
+        if let Err(error) = used.event.synchronize() {
             tracing::error!(%error, what, "waiting for a buffer's last use before freeing it failed; leaking it");
             std::mem::forget(allocation);
             return;

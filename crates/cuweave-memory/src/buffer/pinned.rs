@@ -302,7 +302,7 @@ impl<T: Element> Drop for PinnedBuffer<T> {
                 if markers.used_in_graphs() {
                     block.hold_for_graphs(markers.graph_pools);
                 }
-                block.add_events(markers.events);
+                block.add_events(markers.events.into_iter().map(|used| used.event));
             }
             HostMemory::Own(allocation) => {
                 let bytes = allocation.len();

@@ -61,6 +61,7 @@ use parking_lot::{Mutex, MutexGuard};
 use super::uses::{ByteRange, CaptureView, Capturing, FencedCaptures, UseState};
 use crate::caching::ShardHandle;
 use crate::error::{MemoryError, Result};
+use crate::events::StreamEvent;
 
 /// Where a tracked buffer's context and events come from: the context's event pool, or the
 /// caching allocator's shard handle its memory came from (so that making a cached buffer writes
@@ -96,8 +97,8 @@ impl std::fmt::Debug for Owner {
 /// What a freed buffer's tracker hands over ([`StreamTracker::take_for_free`]).
 #[derive(Debug, Default)]
 pub(crate) struct FreeMarkers {
-    /// The events recorded behind its uses.
-    pub(crate) events: Vec<OwnedPooledEvent>,
+    /// The events recorded behind its uses, each with its stream's identity.
+    pub(crate) events: Vec<StreamEvent>,
     /// The tags of the graph pools bound to the captures that used the buffer (of ended
     /// captures too; [`NO_POOL`](crate::caching::NO_POOL) for a capture no pool was bound to):
     /// the graphs of those pools may replay with the memory while the pools live. Empty when no
@@ -237,9 +238,9 @@ impl StreamTracker {
         let none_active = active_captures() == 0;
         let taken = state.take_all(|id| none_active || !capture_is_active(id));
         let mut events = Vec::with_capacity(taken.events.len());
-        for event in taken.events {
+        for (event, stream) in taken.events {
             match Arc::try_unwrap(event) {
-                Ok(event) => events.push(event),
+                Ok(event) => events.push(StreamEvent { event, stream }),
                 Err(shared) => {
                     if let Err(error) = shared.synchronize() {
                         tracing::error!(%error, "waiting for a shared use event of a freed buffer failed");

@@ -80,8 +80,9 @@ pub(crate) struct CaptureView {
 /// What [`UseState::take_all`] hands over when a buffer is freed.
 #[derive(Debug)]
 pub(crate) struct Taken<E> {
-    /// The events recorded behind the uses that are kept.
-    pub(crate) events: Vec<Arc<E>>,
+    /// The events recorded behind the uses that are kept, each with the identity of its
+    /// stream (`None` for a default stream).
+    pub(crate) events: Vec<(Arc<E>, Option<u64>)>,
     /// The distinct tags of the graph pools bound to the captures that used the buffer (of
     /// ended captures too), or [`NO_POOL`] for a capture no pool was bound to.
     pub(crate) graph_pools: Vec<u64>,
@@ -901,7 +902,7 @@ impl<E: UseEvent> UseState<E> {
         let mut events = Vec::with_capacity(self.tracked());
         for used in self.writes.drain(..).chain(self.reads.drain(..)) {
             if !used.capture.is_some_and(&ended) {
-                events.push(used.event);
+                events.push((used.event, used.stream));
             }
         }
         self.last_stream = None;

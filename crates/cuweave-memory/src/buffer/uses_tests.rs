@@ -626,7 +626,8 @@ fn buffers_made_used_and_freed_in_a_loop_hold_their_events_only_while_tracked() 
     // makes only the events held at once.
     let events = Events::default();
     let (w, r) = (FakeStream::own(1), FakeStream::own(2));
-    let mut freed: std::collections::VecDeque<Vec<Arc<FakeEvent>>> = Default::default();
+    let mut freed: std::collections::VecDeque<Vec<(Arc<FakeEvent>, Option<u64>)>> =
+        Default::default();
     for _ in 0..100_000 {
         let mut state = UseState::default();
         use_on(&mut state, &events, &w, Access::Write);

@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::{Arc, OnceLock};
 
 use cuweave_driver::graph::active_captures;
-use cuweave_driver::{Context, Device, EventPool, OwnedPooledEvent, Stream, StreamFlags};
+use cuweave_driver::{Context, Device, EventPool, Stream, StreamFlags};
 
 use super::allocation::CachedAllocation;
 use super::engine::{Engine, Release, SHARDS, Upstream};
@@ -13,7 +13,7 @@ use super::pool::{Grant, Segment};
 use super::stats::MemoryStats;
 use super::stream_uses::StreamKey;
 use crate::error::Result;
-use crate::events::ContextEvents;
+use crate::events::{ContextEvents, StreamEvent};
 use crate::resource::{DriverResource, MemoryResource, check_stream};
 
 /// Where the allocator's segments come from and go back to: the upstream, and the stream
@@ -81,7 +81,7 @@ impl SegmentHome for Source {
 pub(crate) struct Shared {
     /// The cache; a pending block's markers are events of the context's pool, which go back
     /// there once they complete.
-    pub(crate) engine: Engine<OwnedPooledEvent>,
+    pub(crate) engine: Engine<StreamEvent>,
     /// The upstream, which graph pools holding segments keep alive past the allocator.
     source: Arc<Source>,
     pub(crate) device: Device,

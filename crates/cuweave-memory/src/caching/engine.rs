@@ -15,10 +15,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use parking_lot::{Mutex, MutexGuard};
 
 use super::block::BlockId;
+use super::pending::PendingFrees;
 use super::pool::{Grant, Pools, Segment};
 use super::size_class::segment_size;
 use super::stats::{MemoryStats, Stat};
-use super::stream_uses::{Marker, Pending, StreamKey};
+use super::stream_uses::{Marker, StreamKey};
 use crate::error::{MemoryError, Result};
 
 /// Gives whole segments back to where they came from.
@@ -49,8 +50,8 @@ pub(crate) const SHARDS: usize = 32;
 struct Shard<E> {
     pools: Mutex<Pools>,
     /// Blocks freed while recorded on other streams, with the markers they wait for.
-    pending: Mutex<Vec<Pending<E>>>,
-    /// `pending.len()`, readable without the lock: the hot path skips all polling while it is 0.
+    pending: Mutex<PendingFrees<E>>,
+    /// `pending.blocks()`, readable without the lock: the hot path skips all polling while it is 0.
     pending_count: AtomicUsize,
 }
 
@@ -58,7 +59,7 @@ impl<E> Default for Shard<E> {
     fn default() -> Self {
         Self {
             pools: Mutex::default(),
-            pending: Mutex::new(Vec::new()),
+            pending: Mutex::new(PendingFrees::default()),
             pending_count: AtomicUsize::new(0),
         }
     }
@@ -256,8 +257,10 @@ impl<E: Marker> Engine<E> {
         }
         drop(pools);
         let mut pending = shard.pending.lock();
-        pending.push(Pending { block: id, markers });
-        shard.pending_count.store(pending.len(), Ordering::Release);
+        pending.push(id, markers);
+        shard
+            .pending_count
+            .store(pending.blocks(), Ordering::Release);
         Ok(())
     }
 
@@ -286,15 +289,10 @@ impl<E: Marker> Engine<E> {
         };
         let mut completed = Vec::new();
         let mut ready = Vec::new();
-        let mut index = 0;
-        while index < pending.len() {
-            if pending[index].poll(&mut completed) {
-                ready.push(pending.swap_remove(index).block);
-            } else {
-                index += 1;
-            }
-        }
-        shard.pending_count.store(pending.len(), Ordering::Release);
+        pending.poll(&mut completed, &mut ready);
+        shard
+            .pending_count
+            .store(pending.blocks(), Ordering::Release);
         drop(pending);
         // Back to their pool, outside the lock.
         drop(completed);
@@ -322,14 +320,8 @@ impl<E: Marker> Engine<E> {
                 continue;
             }
             let mut ready = Vec::new();
-            for entry in taken {
-                match entry.markers.iter().try_for_each(Marker::wait) {
-                    Ok(()) => ready.push(entry.block),
-                    Err(error) => {
-                        tracing::error!(%error, "waiting for a block's stream use failed; the block is never reused");
-                        first_error.get_or_insert(error);
-                    }
-                }
+            if let Err(error) = taken.wait_all(&mut ready) {
+                first_error.get_or_insert(error);
             }
             let mut pools = shard.pools.lock();
             for id in ready {

@@ -308,7 +308,14 @@ fn run(ops: Vec<Op>, cap_mib: usize, shards: usize) {
             Op::FreeRecorded { index, uses } => {
                 if let Some(live) = model.take_live(index) {
                     let grant = live.grant;
-                    let markers: Vec<Flag> = (0..uses).map(|_| Flag::default()).collect();
+                    // On one of three streams, or on no known stream; completed in any
+                    // order by `Complete`, so the per-stream queues are often out of order.
+                    let markers: Vec<Flag> = (0..uses)
+                        .map(|use_| match (index + use_) % 4 {
+                            3 => Flag::default(),
+                            stream => Flag::on(stream as u64),
+                        })
+                        .collect();
                     engine
                         .free_after(grant.stream, grant.id, grant.ptr, markers.clone())
                         .unwrap();

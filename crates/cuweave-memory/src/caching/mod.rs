@@ -28,7 +28,9 @@
 //!   context's [`EventPool`](cuweave_driver::EventPool) is recorded on each such stream and the
 //!   block waits in a pending list; it is handed out again only once every one of those events
 //!   has completed (polled with `cuEventQuery`, without blocking, at the next allocation; never
-//!   while none are pending), and the events then go back to the pool. A typed buffer's drop
+//!   while none are pending; a poll stops at each stream's first unfinished event, so it costs
+//!   one query per stream with frees waiting, not one per block), and the events then go back to
+//!   the pool. A typed buffer's drop
 //!   hands the events of its tracked uses to its block the same way.
 //! - **Out of memory.** When the upstream runs out, the allocator waits for its pending blocks,
 //!   returns every wholly free cached segment to the upstream, and retries once; then it fails
@@ -105,6 +107,7 @@ pub(crate) mod default;
 mod engine;
 mod free_list;
 mod graph_pool;
+mod pending;
 mod pool;
 mod resource;
 pub mod size_class;

@@ -3,11 +3,10 @@
 
 use std::sync::Arc;
 
-use cuweave_driver::{Context, OwnedPooledEvent, Stream};
+use cuweave_driver::{Context, Stream};
 
-use super::block::BlockId;
 use crate::error::{MemoryError, Result};
-use crate::events::ContextEvents;
+use crate::events::{ContextEvents, StreamEvent};
 
 /// The raw value of `CU_STREAM_PER_THREAD`.
 pub(crate) const PER_THREAD_STREAM: usize = 2;
@@ -78,45 +77,25 @@ pub(crate) trait Marker: Send + 'static {
     fn is_complete(&self) -> Result<bool>;
     /// Blocks until the marked work has finished.
     fn wait(&self) -> Result<()>;
+    /// The identity of the stream the marker was recorded on, when it is known: markers of one
+    /// stream complete in the order they were recorded, which lets a poll of many stop at a
+    /// stream's first unfinished one ([`super::pending`]).
+    fn stream(&self) -> Option<u64> {
+        None
+    }
 }
 
-impl Marker for OwnedPooledEvent {
+impl Marker for StreamEvent {
     fn is_complete(&self) -> Result<bool> {
-        Ok(self.query()?)
+        Ok(self.event.query()?)
     }
 
     fn wait(&self) -> Result<()> {
-        Ok(self.synchronize()?)
+        Ok(self.event.synchronize()?)
     }
-}
 
-/// A freed block waiting for the markers recorded on the streams it was used on.
-#[derive(Debug)]
-pub(crate) struct Pending<E> {
-    /// The block, in state `Pending`.
-    pub block: BlockId,
-    /// Markers not yet seen complete.
-    pub markers: Vec<E>,
-}
-
-impl<E: Marker> Pending<E> {
-    /// Moves every completed marker into `completed` (for the caller to drop once it has let
-    /// go of its lock: dropping a pooled event returns it to its pool); `true` when none is left
-    /// to wait for.
-    ///
-    /// A marker whose query fails stays: a block is never handed out on a guess.
-    pub fn poll(&mut self, completed: &mut Vec<E>) -> bool {
-        while let Some(marker) = self.markers.first() {
-            match marker.is_complete() {
-                Ok(true) => completed.push(self.markers.swap_remove(0)),
-                Ok(false) => return false,
-                Err(error) => {
-                    tracing::warn!(%error, "querying a block's stream-use event failed; keeping the block");
-                    return false;
-                }
-            }
-        }
-        true
+    fn stream(&self) -> Option<u64> {
+        self.stream
     }
 }
 
@@ -131,7 +110,7 @@ pub(crate) fn record_uses(
     streams: &[Arc<Stream>],
     context: &Arc<Context>,
     events: &ContextEvents,
-) -> Result<Vec<OwnedPooledEvent>> {
+) -> Result<Vec<StreamEvent>> {
     let mut recorded = Vec::with_capacity(streams.len());
     for stream in streams {
         recorded.extend(record_use(stream, context, events)?);
@@ -145,9 +124,9 @@ pub(crate) fn record_use(
     stream: &Stream,
     context: &Arc<Context>,
     events: &ContextEvents,
-) -> Result<Option<OwnedPooledEvent>> {
+) -> Result<Option<StreamEvent>> {
     match record_one(stream, context, events) {
-        Ok(event) => Ok(Some(event)),
+        Ok(event) => Ok(Some(StreamEvent::recorded_on(event, stream))),
         Err(error) => {
             tracing::warn!(%error, "recording a stream-use event failed; synchronising the stream");
             stream.synchronize()?;
@@ -160,7 +139,7 @@ fn record_one(
     stream: &Stream,
     context: &Arc<Context>,
     events: &ContextEvents,
-) -> Result<OwnedPooledEvent> {
+) -> Result<cuweave_driver::OwnedPooledEvent> {
     let event = events.for_stream(context, stream)?;
     event.record(stream)?;
     Ok(event)
@@ -179,11 +158,17 @@ pub(crate) mod fake {
     use super::Marker;
     use crate::error::Result;
 
-    /// A marker that completes when its flag is set (or on `wait`, which sets it).
+    /// A marker that completes when its flag is set (or on `wait`, which sets it), recorded on
+    /// the stream of identity `.1` when that is known.
     #[derive(Debug, Clone, Default)]
-    pub struct Flag(pub Arc<AtomicBool>);
+    pub struct Flag(pub Arc<AtomicBool>, pub Option<u64>);
 
     impl Flag {
+        /// A flag recorded on the stream of identity `stream`.
+        pub fn on(stream: u64) -> Self {
+            Self(Arc::default(), Some(stream))
+        }
+
         pub fn complete(&self) {
             self.0.store(true, Ordering::SeqCst);
         }
@@ -197,6 +182,10 @@ pub(crate) mod fake {
         fn wait(&self) -> Result<()> {
             self.complete();
             Ok(())
+        }
+
+        fn stream(&self) -> Option<u64> {
+            self.1
         }
     }
 
@@ -285,28 +274,7 @@ pub(crate) mod fake {
 
 #[cfg(test)]
 mod tests {
-    use super::fake::Flag;
     use super::*;
-
-    #[test]
-    fn pending_is_done_only_when_every_marker_completed() {
-        let (a, b) = (Flag::default(), Flag::default());
-        let mut pending = Pending {
-            block: 7,
-            markers: vec![a.clone(), b.clone()],
-        };
-        let mut completed = Vec::new();
-        assert!(!pending.poll(&mut completed));
-        b.complete();
-        assert!(
-            !pending.poll(&mut completed),
-            "the first marker is still running"
-        );
-        a.complete();
-        assert!(pending.poll(&mut completed));
-        assert_eq!(completed.len(), 2, "completed markers are handed back");
-        assert!(pending.markers.is_empty());
-    }
 
     #[test]
     fn stream_keys_order_by_raw_handle() {

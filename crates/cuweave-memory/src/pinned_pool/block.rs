@@ -137,7 +137,7 @@ impl PinnedBlock {
 
     /// Adds events recorded behind uses of the block (a typed buffer's tracked uses): it goes
     /// back to the pool's ready list only once they have completed.
-    pub(crate) fn add_events(&mut self, events: Vec<OwnedPooledEvent>) {
+    pub(crate) fn add_events(&mut self, events: impl IntoIterator<Item = OwnedPooledEvent>) {
         self.events.extend(events);
     }
 
