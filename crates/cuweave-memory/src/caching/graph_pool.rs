@@ -321,7 +321,9 @@ pub(crate) fn pool_tag_of_capture(capture: u64) -> u64 {
 }
 
 /// Binds `capture` to `pool`. A capture bound to `pool` already stays bound (its policy is
-/// updated, its streams kept); one bound to another pool is refused: the capture's graph keeps
+/// updated, its streams kept) and counts one more guard: it is unbound when the last of its
+/// guards drops (PyTorch's nested `beginAllocateToPool` / `endAllocateToPool`, as a library
+/// called inside a capture does). One bound to another pool is refused: the capture's graph keeps
 /// only the pool it was bound to, and buffers used after a rebind would name a pool the graph
 /// does not keep alive (their memory freed under a graph that replays into it).
 fn bind_capture(
@@ -344,6 +346,7 @@ fn bind_capture(
             });
         }
         binding.misses = misses;
+        binding.guards += 1;
         for stream in streams {
             if !binding.streams.contains(&stream) {
                 binding.streams.push(stream);
@@ -355,6 +358,7 @@ fn bind_capture(
             pool: pool.clone(),
             misses,
             streams,
+            guards: 1,
         });
     }
     EPOCH.fetch_add(1, Ordering::AcqRel);
@@ -385,6 +389,8 @@ struct Binding {
     misses: MissPolicy,
     /// Ids of the streams seen in the capture (its origin, streams forked into it).
     streams: Vec<u64>,
+    /// The [`AllocateToPool`] guards alive for it: the binding ends when the last one drops.
+    guards: usize,
 }
 
 static BINDINGS: RwLock<Vec<Binding>> = RwLock::new(Vec::new());
@@ -442,13 +448,16 @@ impl Drop for AllocateToPool {
     fn drop(&mut self) {
         let mut ended = None;
         let mut bindings = BINDINGS.write();
-        bindings.retain(|binding| {
-            if binding.capture == self.capture {
-                ended = Some(u64::from(binding.pool.token.id));
-                false
-            } else {
-                true
+        bindings.retain_mut(|binding| {
+            if binding.capture != self.capture {
+                return true;
             }
+            binding.guards = binding.guards.saturating_sub(1);
+            if binding.guards > 0 {
+                return true;
+            }
+            ended = Some(u64::from(binding.pool.token.id));
+            false
         });
         if let Some(tag) = ended {
             // Under the bindings' lock, so that `pool_tag_of_capture` (which reads the
@@ -473,8 +482,8 @@ impl Drop for AllocateToPool {
 /// # Errors
 /// [`GraphError::NotCapturing`] when `stream` is not capturing;
 /// [`MemoryError::CaptureBoundToAnotherPool`] when its capture is bound to another pool (the
-/// binding is left as it was; binding the same pool again is fine); the driver's error when
-/// its capture status cannot be read.
+/// binding is left as it was; binding the same pool again is fine, and nests: the capture stays
+/// bound until its last guard drops); the driver's error when its capture status cannot be read.
 pub fn begin_allocate_to_pool(
     stream: &Stream,
     pool: &GraphPool,
@@ -1084,7 +1093,7 @@ pub(crate) mod test_support {
 
 #[cfg(test)]
 mod tests {
-    use super::test_support::returned_eventually;
+    use super::test_support::{bind, returned_eventually, try_bind};
     use super::*;
 
     #[test]
@@ -1115,19 +1124,6 @@ mod tests {
 
     /// Binds `capture` to `pool` as `begin_allocate_to_pool` does (capture ids here are far
     /// from any other test's).
-    fn bind(capture: u64, pool: &GraphPool) -> AllocateToPool {
-        BINDINGS.write().push(Binding {
-            capture,
-            pool: pool.clone(),
-            misses: MissPolicy::AllocateRelaxed,
-            streams: Vec::new(),
-        });
-        AllocateToPool {
-            capture,
-            pool: pool.clone(),
-        }
-    }
-
     /// The tag a buffer would remember for `pool`.
     fn tag(pool: &GraphPool) -> u64 {
         u64::from(pool.token.id)
@@ -1168,6 +1164,46 @@ mod tests {
         assert_eq!(returned.load(Ordering::SeqCst), 0);
         drop(second);
         assert_eq!(returned_eventually(&returned, 1), 1);
+    }
+
+    #[test]
+    fn a_capture_bound_twice_to_its_pool_stays_bound_until_both_guards_drop() {
+        // A library inside a capture routes its allocations to the capture's own pool and lets
+        // go of its guard: the capture's own binding must survive.
+        let pool = GraphPool::new();
+        let capture = u64::MAX - 40;
+        let own = bind(capture, &pool);
+        let library = bind(capture, &pool);
+        drop(library);
+        assert_eq!(pool_tag_of_capture(capture), tag(&pool), "still bound");
+        assert!(
+            BINDINGS
+                .read()
+                .iter()
+                .any(|binding| binding.capture == capture),
+            "the binding outlives the inner guard"
+        );
+        let other = GraphPool::new();
+        assert!(
+            matches!(
+                try_bind(capture, &other),
+                Err(MemoryError::CaptureBoundToAnotherPool { .. })
+            ),
+            "still refuses another pool"
+        );
+        drop(own);
+        assert!(
+            !BINDINGS
+                .read()
+                .iter()
+                .any(|binding| binding.capture == capture),
+            "unbound with its last guard"
+        );
+        assert_eq!(
+            pool_tag_of_capture(capture),
+            tag(&pool),
+            "found among the ended"
+        );
     }
 
     #[test]
