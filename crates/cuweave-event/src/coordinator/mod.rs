@@ -567,6 +567,9 @@ impl OperationCoordinator {
             for event in &waits {
                 stream.wait_event(event)?;
             }
+            if !waits.is_empty() {
+                cuweave_stream::capture::note_wait_joined_capture(stream)?;
+            }
             Ok(self.inner.timer.start(stream)?)
         })();
         let mut state = self.inner.state.lock();

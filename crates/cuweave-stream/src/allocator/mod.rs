@@ -332,6 +332,7 @@ impl StreamOrderedAllocator {
         let event = prerequisite.event_pool().acquire_owned(false)?;
         event.record(prerequisite.stream())?;
         dependent.stream().wait_event(&event)?;
+        crate::capture::note_wait_joined_capture(dependent.stream())?;
         let (pre, dep) = (prerequisite.id(), dependent.id());
         for entry in self.entries.lock().values_mut() {
             let usable = entry.owner.id() == pre || entry.users.iter().any(|user| user.id() == pre);

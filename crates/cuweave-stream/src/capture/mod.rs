@@ -191,7 +191,9 @@ impl<'s> StreamCapture<'s> {
     /// `stream`: a graph edge). Its allocations come from the capture's pool from now on.
     ///
     /// # Errors
-    /// `InvalidArgument` for the origin itself; the driver's error.
+    /// `InvalidArgument` for the origin itself; [`GraphError::Capturing`], before anything is
+    /// queued, for a stream capturing into another capture (the driver would merge or
+    /// invalidate the two); the driver's error.
     pub fn fork(&mut self, stream: &Stream) -> Result<()> {
         if stream.id() == self.origin.id() {
             return Err(StreamError::invalid(
@@ -199,6 +201,7 @@ impl<'s> StreamCapture<'s> {
                 "the origin stream is already in its capture",
             ));
         }
+        refuse_wait_across_capture(stream, self.origin, "StreamCapture::fork")?;
         let event = Event::new(self.origin.context(), EventFlags::DISABLE_TIMING)?;
         event.record(self.origin)?;
         stream.wait_event(&event)?;
@@ -273,6 +276,27 @@ pub(crate) fn capture_id(stream: &Stream) -> Result<Option<u64>> {
         return Ok(None);
     }
     Ok(stream.capture_status()?.id())
+}
+
+/// Notes that `stream`, just made to wait on another stream's work, may have joined that
+/// stream's capture: a stream that waits on an event recorded in a capture joins the capture
+/// (as [`StreamCapture::fork`] makes it). Listed among the capture's streams, the blocks of
+/// the general cache it frees during the capture stay graph memory, held for the graph, rather
+/// than going back to eager work that the graph's replays would overwrite.
+///
+/// Every wait cuweave queues between streams calls it ([`PriorityStream::wait_for`], barriers,
+/// the stream-ordered allocator's dependencies, the operation coordinator's begin); a program
+/// that queues `cuStreamWaitEvent` itself calls it after. One atomic load while no capture is
+/// active anywhere; nothing for a stream that is not capturing.
+///
+/// # Errors
+/// The driver's error when the stream's capture status cannot be read.
+pub fn note_wait_joined_capture(stream: &Stream) -> Result<()> {
+    if active_captures() == 0 {
+        return Ok(());
+    }
+    note_capture_stream(stream)?;
+    Ok(())
 }
 
 /// Refuses, before anything is queued, a device-side wait of `dependent` on work of

@@ -54,10 +54,12 @@ pub fn queue_barrier(streams: &[(&Stream, &EventPool)]) -> Result<BarrierInfo> {
         hub.wait_event(&arrived)?;
         waits += 1;
     }
+    crate::capture::note_wait_joined_capture(hub)?;
     let all_arrived = hub_pool.acquire_event(false)?;
     all_arrived.record(hub)?;
     for (stream, _) in others {
         stream.wait_event(&all_arrived)?;
+        crate::capture::note_wait_joined_capture(stream)?;
         waits += 1;
     }
     Ok(BarrierInfo {

@@ -206,7 +206,7 @@ impl PriorityStream {
         let event = other.events.acquire_event(false)?;
         event.record(other.stream())?;
         self.inner.wait_event(&event)?;
-        Ok(())
+        crate::capture::note_wait_joined_capture(&self.inner)
     }
 
     /// Queues work through `f` on this stream, counting it as one operation of `kind` moving
