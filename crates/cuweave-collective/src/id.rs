@@ -59,6 +59,10 @@ impl UniqueId {
         let mut bytes = [0u8; UNIQUE_ID_BYTES];
         for (i, byte) in bytes.iter_mut().enumerate() {
             let pair = text.get(2 * i..2 * i + 2).ok_or_else(|| bad("not ASCII"))?;
+            // `from_str_radix` alone would take a leading `+` ("+f").
+            if !pair.bytes().all(|digit| digit.is_ascii_hexdigit()) {
+                return Err(bad("not a hex digit"));
+            }
             *byte = u8::from_str_radix(pair, 16).map_err(|_| bad("not a hex digit"))?;
         }
         Ok(Self(bytes))
@@ -107,6 +111,11 @@ mod tests {
             Err(CollectiveError::InvalidArgument { .. })
         ));
         assert!(UniqueId::from_hex(&"zz".repeat(UNIQUE_ID_BYTES)).is_err());
+        assert!(
+            UniqueId::from_hex(&"+0".repeat(UNIQUE_ID_BYTES)).is_err(),
+            "a sign is not a hex digit"
+        );
+        assert!(UniqueId::from_hex(&"0+".repeat(UNIQUE_ID_BYTES)).is_err());
         assert!(serde_json::from_str::<UniqueId>("\"00\"").is_err());
     }
 }

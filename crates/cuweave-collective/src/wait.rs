@@ -25,7 +25,10 @@ pub const ASYNC_ERROR_TICK: Duration = Duration::from_millis(10);
 
 /// Resolves when the work queued on a stream before [`Communicator::completion`] has finished,
 /// or to an error: NCCL's asynchronous error, or [`CollectiveError::Timeout`] after the
-/// communicator's deadline (the communicator is then aborted).
+/// communicator's deadline (the communicator is then aborted), or
+/// [`CollectiveError::Aborted`] when the communicator was aborted (by any thread) before the
+/// wait saw the work finish: an abort makes NCCL's kernels exit early, so the stream drains
+/// with the collectives cut short and their outputs undefined.
 ///
 /// Runtime-agnostic, like the event layer's [`WaitFuture`] it is built on.
 #[must_use = "futures do nothing unless awaited"]
@@ -65,7 +68,16 @@ impl Future for CollectiveFuture {
         loop {
             match Pin::new(&mut self.current).poll(cx) {
                 Poll::Pending => return Poll::Pending,
-                Poll::Ready(Ok(())) => return Poll::Ready(Ok(())),
+                Poll::Ready(Ok(())) => {
+                    // An abort makes NCCL's kernels exit early, so the stream drains and the
+                    // event completes with the collectives cut short: not a success.
+                    if self.comm.is_aborted() {
+                        return Poll::Ready(Err(CollectiveError::Aborted {
+                            operation: self.operation,
+                        }));
+                    }
+                    return Poll::Ready(Ok(()));
+                }
                 Poll::Ready(Err(EventError::TimedOut { .. })) => {
                     // A tick: has NCCL reported an error, or has the deadline passed?
                     if let Err(error) = self.comm.check_async_error() {
