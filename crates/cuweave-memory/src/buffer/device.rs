@@ -198,8 +198,9 @@ impl<T: Element> DeviceBuffer<T> {
                 device: stream.device().ordinal(),
             });
         }
-        let ptr = resource.allocate(bytes, stream)?;
+        // The tracker first: made after the allocation, its failure would lose the memory.
         let tracker = StreamTracker::new(resource.context())?;
+        let ptr = resource.allocate(bytes, stream)?;
         let buffer = Self {
             core: BufferCore::with_tracker(tracker, ptr, len, size_of::<T>()),
             memory: Memory::Resource {

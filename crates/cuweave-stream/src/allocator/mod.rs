@@ -222,7 +222,24 @@ impl StreamOrderedAllocator {
         })?;
         let pool = self.pool_for(stream)?;
         let capture = crate::capture::capture_id(stream.stream())?;
-        let ptr = stream.enqueue(OperationKind::Other, 0, |s| pool.allocate(rounded, s))?;
+        let mut allocated = None;
+        let queued = stream.enqueue(OperationKind::Other, 0, |s| {
+            let result = pool.allocate(rounded, s);
+            allocated = result.as_ref().ok().copied();
+            result
+        });
+        let ptr = match (queued, allocated) {
+            (Ok(ptr), _) => ptr,
+            (Err(error), Some(ptr)) => {
+                // Allocated, but the bookkeeping behind it failed: give the memory back in the
+                // stream's order rather than lose it.
+                if let Err(free_error) = pool.deallocate(ptr, rounded, stream.stream()) {
+                    tracing::warn!(%free_error, "freeing an allocation whose bookkeeping failed");
+                }
+                return Err(error);
+            }
+            (Err(error), None) => return Err(error),
+        };
         let allocation = StreamAllocation {
             id: NEXT_ALLOCATION_ID.fetch_add(1, Ordering::Relaxed),
             ptr,
@@ -232,6 +249,9 @@ impl StreamOrderedAllocator {
             device: stream.device().ordinal(),
         };
         let class = size_class(rounded);
+        // Counted before it is listed: once listed, another thread's `free_for_stream` may take
+        // it and count its free, which must never come before its allocation.
+        self.with_stats(|stats| stats.on_allocate(class, rounded as u64, bytes as u64));
         self.entries.lock().insert(
             allocation.id,
             Entry {
@@ -242,7 +262,6 @@ impl StreamOrderedAllocator {
                 capture,
             },
         );
-        self.with_stats(|stats| stats.on_allocate(class, rounded as u64, bytes as u64));
         Ok(allocation)
     }
 
@@ -442,14 +461,21 @@ impl StreamOrderedAllocator {
         Ok(count)
     }
 
-    /// Releases `entry`, or puts it back on the books when that fails (nothing was freed).
+    /// Releases `entry`, or puts it back on the books when that fails before the memory was
+    /// freed. When the free was queued and only the bookkeeping behind it failed, the entry
+    /// stays off the books (its address is no longer the allocation's) and the error is
+    /// returned.
     fn release_or_restore(&self, entry: Entry) -> Result<()> {
         match self.release(&entry) {
             Ok(()) => Ok(()),
-            Err(error) => {
+            Err(Unreleased {
+                error,
+                freed: false,
+            }) => {
                 self.entries.lock().insert(entry.allocation.id, entry);
                 Err(error)
             }
+            Err(Unreleased { error, freed: true }) => Err(error),
         }
     }
 
@@ -461,31 +487,43 @@ impl StreamOrderedAllocator {
         Ok(())
     }
 
-    fn release(&self, entry: &Entry) -> Result<()> {
-        let capture = crate::capture::capture_id(entry.owner.stream())?;
+    /// Queues the free of `entry` on its owner, after its users, and counts it once queued.
+    fn release(&self, entry: &Entry) -> std::result::Result<(), Unreleased> {
+        let before_free = |error: StreamError| Unreleased {
+            error,
+            freed: false,
+        };
+        let capture = crate::capture::capture_id(entry.owner.stream()).map_err(before_free)?;
         if capture.is_some() && capture != entry.capture {
             // Recorded into the graph, the free would not run now (the memory stays taken) and
             // would run at every launch of the graph: a double free from the second on.
-            return Err(DriverError::from(GraphError::Capturing {
-                operation: "StreamOrderedAllocator::free",
-                reason: "the owner stream is capturing and the allocation was not made in its capture: the free would be recorded into the graph and run at every launch",
-            })
-            .into());
+            return Err(before_free(
+                DriverError::from(GraphError::Capturing {
+                    operation: "StreamOrderedAllocator::free",
+                    reason: "the owner stream is capturing and the allocation was not made in its capture: the free would be recorded into the graph and run at every launch",
+                })
+                .into(),
+            ));
         }
-        self.order_after_users(entry)?;
-        let pool = self.pool_for(&entry.owner)?;
+        self.order_after_users(entry).map_err(before_free)?;
+        let pool = self.pool_for(&entry.owner).map_err(before_free)?;
         let allocation = entry.allocation;
-        entry.owner.enqueue(OperationKind::Other, 0, |s| {
-            pool.deallocate(allocation.ptr, allocation.bytes, s)
-        })?;
-        self.with_stats(|stats| {
-            stats.on_free(
-                entry.class,
-                allocation.bytes as u64,
-                allocation.requested as u64,
-            )
+        let mut freed = false;
+        let queued = entry.owner.enqueue(OperationKind::Other, 0, |s| {
+            let result = pool.deallocate(allocation.ptr, allocation.bytes, s);
+            freed = result.is_ok();
+            result
         });
-        Ok(())
+        if freed {
+            self.with_stats(|stats| {
+                stats.on_free(
+                    entry.class,
+                    allocation.bytes as u64,
+                    allocation.requested as u64,
+                )
+            });
+        }
+        queued.map_err(|error| Unreleased { error, freed })
     }
 
     /// Allocations outstanding.
@@ -553,11 +591,18 @@ fn retain_pending<D>(
     failure.map_or(Ok(()), Err)
 }
 
+/// A release that failed: the error, and whether the free itself was queued (only the
+/// bookkeeping queued behind it failed), in which case the allocation is gone.
+struct Unreleased {
+    error: StreamError,
+    freed: bool,
+}
+
 impl Drop for StreamOrderedAllocator {
     fn drop(&mut self) {
         let entries = std::mem::take(&mut *self.entries.lock());
         for (_, entry) in entries {
-            if let Err(error) = self.release(&entry) {
+            if let Err(Unreleased { error, .. }) = self.release(&entry) {
                 tracing::warn!(%error, "freeing a stream-ordered allocation on drop failed");
             }
         }
