@@ -203,7 +203,9 @@ impl StreamOrderedAllocator {
     /// Allocates `bytes` (rounded to a size class) for `stream`, in its order.
     ///
     /// # Errors
-    /// [`StreamError::InvalidArgument`] for zero or overflowing sizes; the driver's error on a
+    /// [`StreamError::InvalidArgument`] for zero or overflowing sizes and for the per-thread
+    /// default stream (its one handle names a different stream on each thread, so a free from
+    /// another thread would not be ordered after the owner's work); the driver's error on a
     /// device without memory pools or out of memory.
     pub fn allocate_for_stream(
         &self,
@@ -213,6 +215,16 @@ impl StreamOrderedAllocator {
         const OPERATION: &str = "StreamOrderedAllocator::allocate_for_stream";
         if bytes == 0 {
             return Err(StreamError::invalid(OPERATION, "zero-byte allocation"));
+        }
+        if stream.stream().as_raw() as usize == PER_THREAD_STREAM {
+            // Its free is queued on the owner from whichever thread frees: on another thread
+            // the handle names another stream, not ordered after the owner's work.
+            return Err(StreamError::invalid(
+                OPERATION,
+                "the per-thread default stream (CU_STREAM_PER_THREAD) names a different stream \
+                 on each thread, so the allocation's free could not be ordered after its uses; \
+                 use a created stream",
+            ));
         }
         let rounded = rounded_size(bytes).ok_or_else(|| {
             StreamError::invalid(
@@ -597,6 +609,9 @@ struct Unreleased {
     error: StreamError,
     freed: bool,
 }
+
+/// The raw value of `CU_STREAM_PER_THREAD`.
+const PER_THREAD_STREAM: usize = 2;
 
 impl Drop for StreamOrderedAllocator {
     fn drop(&mut self) {
