@@ -239,6 +239,8 @@ pub(crate) fn run<R>(
     streams: &[Stream],
     work: impl FnOnce() -> R,
 ) -> Result<R> {
+    // Also with no stream at all: a write through a read-only view is refused either way.
+    part.check(operation, access)?;
     for stream in streams {
         part.prepare(operation, stream, access)?;
     }

@@ -358,7 +358,7 @@ impl<'a> Part<'a> {
     }
 
     /// `Err(ReadOnlyView)` for a write through a shared view.
-    fn check(&self, operation: &'static str, access: Access) -> Result<()> {
+    pub(crate) fn check(&self, operation: &'static str, access: Access) -> Result<()> {
         if access == Access::Write && !self.writable {
             Err(MemoryError::ReadOnlyView { operation })
         } else {

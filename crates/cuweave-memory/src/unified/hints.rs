@@ -174,8 +174,10 @@ impl<'a> ManagedMemoryHints<'a> {
     }
 
     /// Replaces the range's policy with `policy`: clears read-mostly, the preferred location and
-    /// every accessed-by (the ones the range reports and those of every device that could hold
-    /// one), then issues [`MigrationPolicy::advice`]. Targets are checked before anything changes.
+    /// every accessed-by (the ones the range reports, the host's, and those of every device that
+    /// could hold one: the driver reports an accessed-by only when it covers the whole range, so
+    /// one set on part of it is cleared by name), then issues [`MigrationPolicy::advice`].
+    /// Targets are checked before anything changes.
     pub fn apply_policy(&self, policy: &MigrationPolicy) -> Result<()> {
         const OP: &str = "ManagedMemoryHints::apply_policy";
         let advice = policy.advice();
@@ -185,6 +187,9 @@ impl<'a> ManagedMemoryHints<'a> {
         raw::advise(&self.range, MemAdvice::UnsetReadMostly)?;
         raw::advise(&self.range, MemAdvice::UnsetPreferredLocation)?;
         let mut accessors = self.accessed_by()?;
+        if !accessors.contains(&MemLocation::Host) {
+            accessors.push(MemLocation::Host);
+        }
         for ordinal in 0..Device::count()? {
             let device = MemLocation::Device(ordinal);
             if !accessors.contains(&device)
