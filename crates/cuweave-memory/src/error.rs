@@ -151,6 +151,18 @@ pub enum MemoryError {
         /// The pointer.
         ptr: u64,
     },
+    /// A resource's memory that a cuweave object owns (a typed buffer, a caching allocator's
+    /// segment) was handed to [`MemoryResource::deallocate`](crate::resource::MemoryResource):
+    /// only its owner frees it, when it is dropped.
+    #[error(
+        "{operation}: {ptr:#x} belongs to a typed buffer or a cache segment, which frees it when dropped"
+    )]
+    OwnedAllocation {
+        /// The operation.
+        operation: &'static str,
+        /// The pointer.
+        ptr: u64,
+    },
 }
 
 impl MemoryError {

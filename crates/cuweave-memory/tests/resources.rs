@@ -235,3 +235,78 @@ fn a_free_refused_by_a_capture_begun_meanwhile_is_deferred_not_leaked() {
         "the refused free was retried once no capture was active"
     );
 }
+
+/// A typed buffer's address is visible to safe code (`Buffer::device_ptr`), so a free of it by
+/// address through its resource, or of a cache's segment through the cache's upstream, would
+/// hand memory still in use to the next allocation. Every resource refuses it with
+/// `OwnedAllocation`, the buffer keeps its data, and its own drop still frees it.
+#[test]
+fn a_typed_buffers_memory_cannot_be_freed_by_address_through_its_resource() {
+    let gpu = require_gpu!();
+    let s = stream(&gpu.context);
+    let data: Vec<u32> = (0..4096u32)
+        .map(|i| i.wrapping_mul(2_654_435_761))
+        .collect();
+    let mut resources: Vec<Arc<dyn MemoryResource>> = vec![
+        Arc::new(DriverResource::new(&gpu.context)),
+        Arc::new(StatisticsAdaptor::new(Arc::new(LimitAdaptor::new(
+            Arc::new(DriverResource::new(&gpu.context)) as Arc<dyn MemoryResource>,
+            64 * MIB,
+        ))
+            as Arc<dyn MemoryResource>)),
+        Arc::new(cuweave_memory::caching::CachingResource::new(
+            cuweave_memory::caching::CachingAllocator::with_driver(&gpu.context),
+        )),
+    ];
+    if gpu.device.supports_memory_pools().unwrap() {
+        resources.push(Arc::new(AsyncPoolResource::new(&gpu.context).unwrap()));
+    }
+    for resource in resources {
+        let name = resource.name().to_string();
+        let mut buffer =
+            DeviceBuffer::<u32>::with_resource(Arc::clone(&resource), data.len(), &s).unwrap();
+        buffer.copy_from_host(&data).unwrap();
+        let refused = resource.deallocate(buffer.device_ptr(), buffer.byte_size(), &s);
+        assert!(
+            matches!(refused, Err(MemoryError::OwnedAllocation { .. })),
+            "{name}: {refused:?}"
+        );
+        // A plain allocation next to it is freed by address as before.
+        let plain = resource.allocate(buffer.byte_size(), &s).unwrap();
+        assert_ne!(plain, buffer.device_ptr(), "{name}: not handed out again");
+        let mut back = vec![0u32; data.len()];
+        buffer.copy_to_host(&mut back).unwrap();
+        assert_eq!(back, data, "{name}: the buffer kept its memory and data");
+        resource.deallocate(plain, buffer.byte_size(), &s).unwrap();
+        drop(buffer);
+        // Its own drop freed it: the same pointer is unknown now.
+        s.synchronize().unwrap();
+    }
+
+    // A caching allocator's segment, through the cache's upstream.
+    let upstream = Arc::new(DriverResource::new(&gpu.context));
+    let cache = cuweave_memory::caching::CachingAllocator::new(
+        Arc::clone(&upstream) as Arc<dyn MemoryResource>
+    );
+    let block = cache.allocate(4 * MIB, &s).unwrap();
+    let refused = upstream.deallocate(block.ptr(), block.block_size(), &s);
+    assert!(
+        matches!(
+            refused,
+            Err(MemoryError::OwnedAllocation { .. } | MemoryError::UnknownAllocation { .. })
+        ),
+        "{refused:?}"
+    );
+    assert_eq!(
+        upstream.outstanding(),
+        1,
+        "the segment is still the cache's"
+    );
+    drop(block);
+    cache.empty_cache().unwrap();
+    assert_eq!(
+        upstream.outstanding(),
+        0,
+        "the cache gave its segment back itself"
+    );
+}

@@ -200,7 +200,7 @@ impl<T: Element> DeviceBuffer<T> {
         }
         // The tracker first: made after the allocation, its failure would lose the memory.
         let tracker = StreamTracker::new(resource.context())?;
-        let ptr = resource.allocate(bytes, stream)?;
+        let ptr = resource.allocate_owned(bytes, stream)?;
         let buffer = Self {
             core: BufferCore::with_tracker(tracker, ptr, len, size_of::<T>()),
             memory: Memory::Resource {
@@ -296,7 +296,7 @@ fn deallocate_after(
             event.synchronize()?;
         }
     }
-    resource.deallocate(ptr, bytes, &legacy)
+    resource.deallocate_owned(ptr, bytes, &legacy)
 }
 
 impl<T: Element> Drop for DeviceBuffer<T> {

@@ -52,7 +52,10 @@ impl Release for Source {
         let stream = self.release_stream()?;
         let mut first_error = None;
         for segment in segments {
-            if let Err(error) = self.upstream.deallocate(segment.ptr, segment.size, stream) {
+            if let Err(error) = self
+                .upstream
+                .deallocate_owned(segment.ptr, segment.size, stream)
+            {
                 tracing::warn!(%error, ptr = segment.ptr, bytes = segment.size, "returning a cached segment failed");
                 first_error.get_or_insert(error);
             }
@@ -170,7 +173,7 @@ impl Release for RequestUpstream<'_> {
 
 impl Upstream for RequestUpstream<'_> {
     fn allocate_segment(&self, bytes: usize) -> Result<u64> {
-        self.shared.upstream().allocate(bytes, self.stream)
+        self.shared.upstream().allocate_owned(bytes, self.stream)
     }
 }
 

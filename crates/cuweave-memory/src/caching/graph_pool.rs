@@ -605,7 +605,7 @@ impl Upstream for CaptureUpstream<'_> {
         let shared = self.allocator.shared();
         let _relaxed = CaptureModeGuard::enter(CaptureMode::Relaxed)?;
         let side = shared.release_stream()?;
-        let ptr = shared.upstream().allocate(bytes, side)?;
+        let ptr = shared.upstream().allocate_owned(bytes, side)?;
         side.synchronize()?;
         Ok(ptr)
     }
@@ -913,7 +913,7 @@ fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result<()> {
             bytes,
         } => {
             let legacy = crate::buffer::raw::legacy_stream(resource.context());
-            let result = resource.deallocate(ptr, bytes, &legacy);
+            let result = resource.deallocate_owned(ptr, bytes, &legacy);
             return redefer_refused(result, || Held {
                 memory: HeldMemory::Resource {
                     resource,

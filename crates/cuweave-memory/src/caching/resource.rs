@@ -14,13 +14,15 @@ use super::allocator::CachingAllocator;
 use super::graph_pool::{GraphHeld, defer_until_no_capture, synchronize_once};
 use super::stream_uses::StreamKey;
 use crate::error::{MemoryError, Result};
-use crate::resource::{MemoryResource, check_stream, unknown_or_mismatch};
+use crate::resource::{MemoryResource, check_stream, refused_free};
 
 /// One live allocation: the bytes asked for, the stream it was asked on, and what frees it.
 #[derive(Debug)]
 struct Live<A> {
     bytes: usize,
     stream: StreamKey,
+    /// Allocated owned ([`MemoryResource::allocate_owned`]): only its owner frees it.
+    owned: bool,
     allocation: A,
 }
 
@@ -38,12 +40,13 @@ impl<A> Registry<A> {
         }
     }
 
-    fn insert(&self, ptr: DevicePtr, bytes: usize, stream: StreamKey, allocation: A) {
+    fn insert(&self, ptr: DevicePtr, bytes: usize, stream: StreamKey, owned: bool, allocation: A) {
         let previous = self.live.insert(
             ptr,
             Live {
                 bytes,
                 stream,
+                owned,
                 allocation,
             },
         );
@@ -51,32 +54,48 @@ impl<A> Registry<A> {
         debug_assert!(previous.is_none(), "address {ptr:#x} handed out twice");
     }
 
-    /// The stream `ptr` was allocated on, when it is live with `bytes`.
+    /// The stream `ptr` was allocated on, when it is live with `bytes` and, as `owned` says,
+    /// allocated owned or not.
     fn stream_of(
         &self,
         ptr: DevicePtr,
         bytes: usize,
+        owned: bool,
         operation: &'static str,
     ) -> Result<StreamKey> {
-        let recorded = self.live.get(&ptr).map(|live| (live.bytes, live.stream));
+        let recorded = self
+            .live
+            .get(&ptr)
+            .map(|live| (live.bytes, live.owned, live.stream));
         match recorded {
-            Some((size, stream)) if size == bytes => Ok(stream),
-            other => Err(unknown_or_mismatch(
+            Some((size, marked, stream)) if size == bytes && marked == owned => Ok(stream),
+            other => Err(refused_free(
                 ptr,
                 bytes,
-                other.map(|(size, _)| size),
+                other.map(|(size, marked, _)| (size, marked)),
+                owned,
                 operation,
             )),
         }
     }
 
-    /// Takes `ptr` out when it is live with `bytes`; otherwise leaves everything as it is.
-    fn take(&self, ptr: DevicePtr, bytes: usize, operation: &'static str) -> Result<A> {
-        if let Some((_, live)) = self.live.remove_if(&ptr, |_, live| live.bytes == bytes) {
+    /// Takes `ptr` out when it is live with `bytes` and `owned` as it was allocated; otherwise
+    /// leaves everything as it is.
+    fn take(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        owned: bool,
+        operation: &'static str,
+    ) -> Result<A> {
+        let taken = self
+            .live
+            .remove_if(&ptr, |_, live| live.bytes == bytes && live.owned == owned);
+        if let Some((_, live)) = taken {
             return Ok(live.allocation);
         }
-        let recorded = self.live.get(&ptr).map(|live| live.bytes);
-        Err(unknown_or_mismatch(ptr, bytes, recorded, operation))
+        let recorded = self.live.get(&ptr).map(|live| (live.bytes, live.owned));
+        Err(refused_free(ptr, bytes, recorded, owned, operation))
     }
 
     fn len(&self) -> usize {
@@ -218,8 +237,8 @@ fn refuse_cross_stream_during_capture() -> Result<()> {
     ))
 }
 
-impl MemoryResource for CachingResource {
-    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+impl CachingResource {
+    fn allocate_marked(&self, bytes: usize, stream: &Stream, owned: bool) -> Result<DevicePtr> {
         let (grant, shard) =
             self.allocator
                 .allocate_grant(bytes, stream, "CachingResource::allocate")?;
@@ -227,11 +246,17 @@ impl MemoryResource for CachingResource {
         let key = grant.stream;
         let allocation = CachedAllocation::new(shard, grant, bytes, key);
         self.live
-            .insert(ptr, bytes, StreamKey::of(stream), allocation);
+            .insert(ptr, bytes, StreamKey::of(stream), owned, allocation);
         Ok(ptr)
     }
 
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+    fn deallocate_marked(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: &Stream,
+        owned: bool,
+    ) -> Result<()> {
         const OPERATION: &str = "CachingResource::deallocate";
         check_stream(self.allocator.device(), stream, OPERATION)?;
         // During a capture a free on the allocating stream is the plain one, which the capture's
@@ -240,15 +265,33 @@ impl MemoryResource for CachingResource {
         // too, which may use them on any stream at once: it must not come back before the
         // work queued on the stream so far has run (a typed buffer freed by the legacy stream,
         // its allocating one, was otherwise written on another stream under its last reader).
-        if self.live.stream_of(ptr, bytes, OPERATION)? == StreamKey::of(stream)
+        if self.live.stream_of(ptr, bytes, owned, OPERATION)? == StreamKey::of(stream)
             && active_captures() != 0
         {
-            return self.live.take(ptr, bytes, OPERATION)?.free();
+            return self.live.take(ptr, bytes, owned, OPERATION)?.free();
         }
         refuse_cross_stream_during_capture()?;
         self.live
-            .take(ptr, bytes, OPERATION)?
+            .take(ptr, bytes, owned, OPERATION)?
             .free_after_stream(stream)
+    }
+}
+
+impl MemoryResource for CachingResource {
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        self.allocate_marked(bytes, stream, false)
+    }
+
+    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        self.deallocate_marked(ptr, bytes, stream, false)
+    }
+
+    fn allocate_owned(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        self.allocate_marked(bytes, stream, true)
+    }
+
+    fn deallocate_owned(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        self.deallocate_marked(ptr, bytes, stream, true)
     }
 
     fn context(&self) -> &Arc<Context> {
@@ -318,30 +361,42 @@ mod tests {
     }
 
     #[rstest]
-    #[case::right(0x1000, 256, Ok(7))]
-    #[case::wrong_size(0x1000, 255, Err(MemoryError::SizeMismatch { operation: OP, expected: 256, actual: 255 }))]
-    #[case::unknown(0x2000, 256, Err(MemoryError::UnknownAllocation { operation: OP, ptr: 0x2000 }))]
-    #[case::interior(0x1001, 256, Err(MemoryError::UnknownAllocation { operation: OP, ptr: 0x1001 }))]
+    #[case::right(0x1000, 256, false, Ok(7))]
+    #[case::wrong_size(0x1000, 255, false, Err(MemoryError::SizeMismatch { operation: OP, expected: 256, actual: 255 }))]
+    #[case::unknown(0x2000, 256, false, Err(MemoryError::UnknownAllocation { operation: OP, ptr: 0x2000 }))]
+    #[case::interior(0x1001, 256, false, Err(MemoryError::UnknownAllocation { operation: OP, ptr: 0x1001 }))]
+    #[case::owned_freed_by_address(0x3000, 256, false, Err(MemoryError::OwnedAllocation { operation: OP, ptr: 0x3000 }))]
+    #[case::owner_freeing_a_plain_one(0x1000, 256, true, Err(MemoryError::UnknownAllocation { operation: OP, ptr: 0x1000 }))]
+    #[case::owner_freeing_its_own(0x3000, 256, true, Ok(9))]
     fn a_bad_free_is_typed_and_leaves_the_allocation_live(
         #[case] ptr: DevicePtr,
         #[case] bytes: usize,
+        #[case] owned: bool,
         #[case] outcome: Result<usize>,
     ) {
         let registry = Registry::new();
-        registry.insert(0x1000, 256, key(7), ());
+        registry.insert(0x1000, 256, key(7), false, ());
+        registry.insert(0x3000, 256, key(9), true, ());
         assert_eq!(
-            registry.stream_of(ptr, bytes, OP).map(StreamKey::as_usize),
+            registry
+                .stream_of(ptr, bytes, owned, OP)
+                .map(StreamKey::as_usize),
             outcome
         );
-        let taken = registry.take(ptr, bytes, OP);
+        let taken = registry.take(ptr, bytes, owned, OP);
         assert_eq!(taken.is_ok(), outcome.is_ok());
         if let Err(error) = taken {
             assert_eq!(Err(error), outcome);
-            assert_eq!(registry.len(), 1, "a refused free leaves it live");
-            registry.take(0x1000, 256, OP).unwrap();
+            assert_eq!(registry.len(), 2, "a refused free leaves it live");
+            registry.take(0x1000, 256, false, OP).unwrap();
+            registry.take(0x3000, 256, true, OP).unwrap();
+        } else if ptr == 0x1000 {
+            registry.take(0x3000, 256, true, OP).unwrap();
+        } else {
+            registry.take(0x1000, 256, false, OP).unwrap();
         }
         assert_eq!(
-            registry.take(0x1000, 256, OP),
+            registry.take(0x1000, 256, false, OP),
             Err(MemoryError::UnknownAllocation {
                 operation: OP,
                 ptr: 0x1000
@@ -363,9 +418,9 @@ mod tests {
         let mut most = 0;
         for i in 0..100_000u64 {
             // Fresh addresses every time, as a cache handing out blocks of many segments does.
-            registry.insert(i * 512, 512, key(1), Probe(Arc::clone(&freed)));
+            registry.insert(i * 512, 512, key(1), false, Probe(Arc::clone(&freed)));
             if i >= WINDOW {
-                drop(registry.take((i - WINDOW) * 512, 512, OP).unwrap());
+                drop(registry.take((i - WINDOW) * 512, 512, false, OP).unwrap());
             }
             assert_eq!(registry.len() as u64, (i + 1).min(WINDOW));
             most = most.max(registry.live.capacity());
@@ -390,11 +445,13 @@ mod tests {
         let registry = Arc::new(Registry::new());
         let freed = Arc::new(AtomicUsize::new(0));
         for round in 0..200u64 {
-            registry.insert(round, 64, key(1), Probe(Arc::clone(&freed)));
+            registry.insert(round, 64, key(1), false, Probe(Arc::clone(&freed)));
             let winners: usize = (0..4)
                 .map(|_| {
                     let registry = Arc::clone(&registry);
-                    std::thread::spawn(move || usize::from(registry.take(round, 64, OP).is_ok()))
+                    std::thread::spawn(move || {
+                        usize::from(registry.take(round, 64, false, OP).is_ok())
+                    })
                 })
                 .collect::<Vec<_>>()
                 .into_iter()

@@ -11,7 +11,7 @@ use cuweave_driver::memory::{self, DevicePtr, MemoryPool};
 use cuweave_driver::{Context, Stream};
 use dashmap::DashMap;
 
-use super::{MemoryResource, check_request, check_stream, unknown_or_mismatch};
+use super::{MemoryResource, check_request, check_stream, refused_free};
 use crate::error::Result;
 
 /// Stream-ordered device memory (`cuMemAllocFromPoolAsync` / `cuMemFreeAsync`) from a private
@@ -44,7 +44,8 @@ use crate::error::Result;
 #[derive(Debug)]
 pub struct AsyncPoolResource {
     pool: MemoryPool,
-    live: DashMap<DevicePtr, usize>,
+    /// The live allocations: their sizes, and whether each was allocated owned.
+    live: DashMap<DevicePtr, (usize, bool)>,
 }
 
 impl AsyncPoolResource {
@@ -73,38 +74,63 @@ impl AsyncPoolResource {
     }
 }
 
-impl MemoryResource for AsyncPoolResource {
-    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+impl AsyncPoolResource {
+    fn allocate_marked(&self, bytes: usize, stream: &Stream, owned: bool) -> Result<DevicePtr> {
         check_request(self.device(), bytes, stream, "AsyncPoolResource::allocate")?;
-        // SAFETY: the pointer is recorded in `live` and freed only by `deallocate`, which takes it
-        // out of `live` first, so it is freed exactly once. Ordering other streams' uses after
-        // `stream` is the caller's part of the stream-ordered contract every resource has.
+        // SAFETY: the pointer is recorded in `live` and freed only by `deallocate_marked`,
+        // which takes it out of `live` first, so it is freed exactly once. Ordering other
+        // streams' uses after `stream` is the caller's part of the stream-ordered contract every
+        // resource has.
         let ptr = unsafe { self.pool.alloc_async(bytes, stream) }?;
-        self.live.insert(ptr, bytes);
+        self.live.insert(ptr, (bytes, owned));
         Ok(ptr)
     }
 
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+    fn deallocate_marked(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: &Stream,
+        owned: bool,
+    ) -> Result<()> {
         const OPERATION: &str = "AsyncPoolResource::deallocate";
         check_stream(self.device(), stream, OPERATION)?;
         if self
             .live
-            .remove_if(&ptr, |_, &size| size == bytes)
+            .remove_if(&ptr, |_, &(size, marked)| size == bytes && marked == owned)
             .is_none()
         {
-            let recorded = self.live.get(&ptr).map(|size| *size);
-            return Err(unknown_or_mismatch(ptr, bytes, recorded, OPERATION));
+            let recorded = self.live.get(&ptr).map(|entry| *entry);
+            return Err(refused_free(ptr, bytes, recorded, owned, OPERATION));
         }
-        // SAFETY: `ptr` was allocated from this pool by `allocate` and was still in `live`, which
-        // we just took it out of: no other call can free it again.
+        // SAFETY: `ptr` was allocated from this pool by `allocate_marked` and was still in
+        // `live`, which we just took it out of: no other call can free it again.
         match unsafe { memory::free_async(ptr, stream) } {
             Ok(()) => Ok(()),
             Err(error) => {
                 // Not freed: keep it on the books so that a later deallocate can still free it.
-                self.live.insert(ptr, bytes);
+                self.live.insert(ptr, (bytes, owned));
                 Err(error.into())
             }
         }
+    }
+}
+
+impl MemoryResource for AsyncPoolResource {
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        self.allocate_marked(bytes, stream, false)
+    }
+
+    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        self.deallocate_marked(ptr, bytes, stream, false)
+    }
+
+    fn allocate_owned(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        self.allocate_marked(bytes, stream, true)
+    }
+
+    fn deallocate_owned(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        self.deallocate_marked(ptr, bytes, stream, true)
     }
 
     fn context(&self) -> &Arc<Context> {

@@ -6,7 +6,7 @@ use cuweave_driver::memory::{DeviceAllocation, DevicePtr};
 use cuweave_driver::{Context, Stream};
 use dashmap::DashMap;
 
-use super::{MemoryResource, check_request, check_stream, unknown_or_mismatch};
+use super::{MemoryResource, check_request, check_stream, refused_free};
 use crate::error::Result;
 
 /// Device memory from `cuMemAlloc`, freed with `cuMemFree`: the base resource, and the slowest
@@ -33,7 +33,8 @@ use crate::error::Result;
 #[derive(Debug)]
 pub struct DriverResource {
     context: Arc<Context>,
-    live: DashMap<DevicePtr, DeviceAllocation>,
+    /// The live allocations, each with whether it was allocated owned.
+    live: DashMap<DevicePtr, (DeviceAllocation, bool)>,
 }
 
 impl DriverResource {
@@ -49,26 +50,51 @@ impl DriverResource {
     pub fn outstanding(&self) -> usize {
         self.live.len()
     }
+
+    fn allocate_marked(&self, bytes: usize, stream: &Stream, owned: bool) -> Result<DevicePtr> {
+        check_request(self.device(), bytes, stream, "DriverResource::allocate")?;
+        let allocation = DeviceAllocation::new(&self.context, bytes)?;
+        let ptr = allocation.ptr();
+        self.live.insert(ptr, (allocation, owned));
+        Ok(ptr)
+    }
+
+    fn deallocate_marked(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: &Stream,
+        owned: bool,
+    ) -> Result<()> {
+        const OPERATION: &str = "DriverResource::deallocate";
+        check_stream(self.device(), stream, OPERATION)?;
+        // The map's shard lock is released before the (blocking) cuMemFree.
+        let taken = self
+            .live
+            .remove_if(&ptr, |_, (a, marked)| a.len() == bytes && *marked == owned);
+        let Some((_, (allocation, _))) = taken else {
+            let recorded = self.live.get(&ptr).map(|entry| (entry.0.len(), entry.1));
+            return Err(refused_free(ptr, bytes, recorded, owned, OPERATION));
+        };
+        Ok(allocation.free()?)
+    }
 }
 
 impl MemoryResource for DriverResource {
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
-        check_request(self.device(), bytes, stream, "DriverResource::allocate")?;
-        let allocation = DeviceAllocation::new(&self.context, bytes)?;
-        let ptr = allocation.ptr();
-        self.live.insert(ptr, allocation);
-        Ok(ptr)
+        self.allocate_marked(bytes, stream, false)
     }
 
     fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
-        const OPERATION: &str = "DriverResource::deallocate";
-        check_stream(self.device(), stream, OPERATION)?;
-        // The map's shard lock is released before the (blocking) cuMemFree.
-        let Some((_, allocation)) = self.live.remove_if(&ptr, |_, a| a.len() == bytes) else {
-            let recorded = self.live.get(&ptr).map(|a| a.len());
-            return Err(unknown_or_mismatch(ptr, bytes, recorded, OPERATION));
-        };
-        Ok(allocation.free()?)
+        self.deallocate_marked(ptr, bytes, stream, false)
+    }
+
+    fn allocate_owned(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        self.allocate_marked(bytes, stream, true)
+    }
+
+    fn deallocate_owned(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        self.deallocate_marked(ptr, bytes, stream, true)
     }
 
     fn context(&self) -> &Arc<Context> {

@@ -95,8 +95,13 @@ impl<R: MemoryResource> LimitAdaptor<R> {
     }
 }
 
-impl<R: MemoryResource> MemoryResource for LimitAdaptor<R> {
-    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+impl<R: MemoryResource> LimitAdaptor<R> {
+    /// Reserves `bytes` of the budget and allocates them through `upstream`'s call.
+    fn allocate_with(
+        &self,
+        bytes: usize,
+        allocate: impl FnOnce(&R) -> Result<DevicePtr>,
+    ) -> Result<DevicePtr> {
         if bytes == 0 {
             return Err(MemoryError::ZeroLength {
                 operation: "LimitAdaptor::allocate",
@@ -110,13 +115,29 @@ impl<R: MemoryResource> MemoryResource for LimitAdaptor<R> {
                 limit: Some(self.budget.cap),
             });
         }
-        self.upstream.allocate(bytes, stream).inspect_err(|_| {
+        allocate(&self.upstream).inspect_err(|_| {
             self.budget.release(bytes);
         })
+    }
+}
+
+impl<R: MemoryResource> MemoryResource for LimitAdaptor<R> {
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        self.allocate_with(bytes, |upstream| upstream.allocate(bytes, stream))
     }
 
     fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
         self.upstream.deallocate(ptr, bytes, stream)?;
+        self.budget.release(bytes);
+        Ok(())
+    }
+
+    fn allocate_owned(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        self.allocate_with(bytes, |upstream| upstream.allocate_owned(bytes, stream))
+    }
+
+    fn deallocate_owned(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        self.upstream.deallocate_owned(ptr, bytes, stream)?;
         self.budget.release(bytes);
         Ok(())
     }

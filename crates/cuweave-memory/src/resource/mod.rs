@@ -80,6 +80,34 @@ pub trait MemoryResource: Send + Sync {
     /// [`MemoryError::SizeMismatch`] when `bytes` is not its size; both leave it allocated.
     fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()>;
 
+    /// Allocates memory that a cuweave object will own for its whole life (a typed buffer, a
+    /// caching allocator's segment), as [`allocate`](Self::allocate) does, but marked so that
+    /// [`deallocate`](Self::deallocate) refuses it with [`MemoryError::OwnedAllocation`]: its
+    /// address is visible to safe code ([`Buffer::device_ptr`](crate::Buffer::device_ptr)), and
+    /// a free by address would hand memory its owner still uses to the next allocation. Only
+    /// [`deallocate_owned`](Self::deallocate_owned) frees it.
+    ///
+    /// cuweave's resources and adaptors keep the mark (adaptors forward both calls to their
+    /// upstream). The default, for a resource of a user's, is a plain `allocate`: such a
+    /// resource keeps no mark, and `deallocate` there frees what its caller names.
+    ///
+    /// # Errors
+    /// As [`allocate`](Self::allocate).
+    fn allocate_owned(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        self.allocate(bytes, stream)
+    }
+
+    /// Frees memory from [`allocate_owned`](Self::allocate_owned), as
+    /// [`deallocate`](Self::deallocate) does; called by its owner only. The default is a plain
+    /// `deallocate`.
+    ///
+    /// # Errors
+    /// As [`deallocate`](Self::deallocate); [`MemoryError::UnknownAllocation`] for memory that
+    /// was not allocated owned.
+    fn deallocate_owned(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        self.deallocate(ptr, bytes, stream)
+    }
+
     /// The context whose device the memory is on.
     fn context(&self) -> &Arc<Context>;
 
@@ -116,6 +144,14 @@ impl<R: MemoryResource + ?Sized> MemoryResource for Arc<R> {
         (**self).deallocate(ptr, bytes, stream)
     }
 
+    fn allocate_owned(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        (**self).allocate_owned(bytes, stream)
+    }
+
+    fn deallocate_owned(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        (**self).deallocate_owned(ptr, bytes, stream)
+    }
+
     fn context(&self) -> &Arc<Context> {
         (**self).context()
     }
@@ -140,6 +176,14 @@ impl<R: MemoryResource + ?Sized> MemoryResource for Box<R> {
 
     fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
         (**self).deallocate(ptr, bytes, stream)
+    }
+
+    fn allocate_owned(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        (**self).allocate_owned(bytes, stream)
+    }
+
+    fn deallocate_owned(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        (**self).deallocate_owned(ptr, bytes, stream)
     }
 
     fn context(&self) -> &Arc<Context> {
@@ -185,16 +229,21 @@ pub(crate) fn check_request(
     check_stream(device, stream, operation)
 }
 
-/// The error for a pointer that is absent from a resource's books (`recorded` is the size it is
-/// known by, if it is there at all).
-pub(crate) fn unknown_or_mismatch(
+/// The error for a free (`owned`: by its owner, through
+/// [`MemoryResource::deallocate_owned`]) that did not take `ptr` off a resource's books:
+/// `recorded` is the size it is known by and whether it was allocated owned, if it is there at
+/// all. Memory allocated owned is only ever freed by its owner, and the other way round.
+pub(crate) fn refused_free(
     ptr: DevicePtr,
     bytes: usize,
-    recorded: Option<usize>,
+    recorded: Option<(usize, bool)>,
+    owned: bool,
     operation: &'static str,
 ) -> MemoryError {
     match recorded {
-        Some(expected) => MemoryError::SizeMismatch {
+        Some((_, true)) if !owned => MemoryError::OwnedAllocation { operation, ptr },
+        Some((_, false)) if owned => MemoryError::UnknownAllocation { operation, ptr },
+        Some((expected, _)) => MemoryError::SizeMismatch {
             operation,
             expected,
             actual: bytes,

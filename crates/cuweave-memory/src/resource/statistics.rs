@@ -146,9 +146,10 @@ impl<R: MemoryResource> StatisticsAdaptor<R> {
     }
 }
 
-impl<R: MemoryResource> MemoryResource for StatisticsAdaptor<R> {
-    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
-        match self.upstream.allocate(bytes, stream) {
+impl<R: MemoryResource> StatisticsAdaptor<R> {
+    /// Counts what `allocated` (the upstream's answer for `bytes`) did.
+    fn count(&self, bytes: usize, allocated: Result<DevicePtr>) -> Result<DevicePtr> {
+        match allocated {
             Ok(ptr) => {
                 self.counters.allocated(bytes);
                 Ok(ptr)
@@ -159,9 +160,25 @@ impl<R: MemoryResource> MemoryResource for StatisticsAdaptor<R> {
             }
         }
     }
+}
+
+impl<R: MemoryResource> MemoryResource for StatisticsAdaptor<R> {
+    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        self.count(bytes, self.upstream.allocate(bytes, stream))
+    }
 
     fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
         self.upstream.deallocate(ptr, bytes, stream)?;
+        self.counters.deallocated(bytes);
+        Ok(())
+    }
+
+    fn allocate_owned(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+        self.count(bytes, self.upstream.allocate_owned(bytes, stream))
+    }
+
+    fn deallocate_owned(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+        self.upstream.deallocate_owned(ptr, bytes, stream)?;
         self.counters.deallocated(bytes);
         Ok(())
     }
