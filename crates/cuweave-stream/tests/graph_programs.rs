@@ -11,86 +11,24 @@
 use std::sync::Arc;
 
 use cuweave_driver::graph::{GraphError, active_captures};
-use cuweave_driver::memory::{
-    copy_dtod_async, copy_dtoh, copy_htod, copy_htod_async, memset_d32_async,
-};
-use cuweave_driver::{Context, Graph, InstantiateOptions, Stream};
+use cuweave_driver::memory::{copy_dtod_async, copy_htod_async, memset_d32_async};
+use cuweave_driver::{Graph, InstantiateOptions, Stream};
 use cuweave_memory::PinnedBuffer;
 use cuweave_memory::caching::{
-    CachedAllocation, CachingAllocator, GraphPool, MemoryStats, stranded_graph_memory,
+    CachedAllocation, CachingAllocator, GraphPool, stranded_graph_memory,
 };
 use cuweave_memory::resource::{DriverResource, MemoryResource};
 use cuweave_stream::capture::{CaptureOptions, StreamCapture};
 use cuweave_stream::{PriorityStream, StreamError, StreamPool, StreamPoolConfig, StreamPriority};
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::stream_kernels::StreamKernels;
-use cuweave_test_support::{Gpu, gpu, sanitizer_active, serial, skip_under_sanitizer};
+use cuweave_test_support::{sanitizer_active, skip_under_sanitizer};
 
-const MS: u64 = 1_000_000;
-
-struct Fixture {
-    gpu: Gpu,
-    kernels: TestKernels,
-    allocator: CachingAllocator,
-    _serial: std::sync::MutexGuard<'static, ()>,
-}
-
-fn fixture(test: &str) -> Option<Fixture> {
-    let gpu = gpu(test)?;
-    let serial = serial();
-    Some(Fixture {
-        kernels: TestKernels::load(&gpu.context).unwrap(),
-        allocator: CachingAllocator::with_driver(&gpu.context),
-        gpu,
-        _serial: serial,
-    })
-}
-
-fn priority_stream(gpu: &Gpu) -> PriorityStream {
-    PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap()
-}
-
-fn read_u32(context: &Context, ptr: u64, n: usize) -> Vec<u32> {
-    let mut host = vec![0u32; n];
-    // SAFETY: `ptr` is device memory of at least `n` u32s whose writers the caller synchronised.
-    unsafe { copy_dtoh(context, host.as_mut_ptr().cast(), ptr, n * 4) }.unwrap();
-    host
-}
-
-fn write_u32(context: &Context, ptr: u64, data: &[u32]) {
-    // SAFETY: `ptr` is device memory of at least `data.len()` u32s, idle.
-    unsafe { copy_htod(context, ptr, data.as_ptr().cast(), data.len() * 4) }.unwrap();
-}
-
-fn bits(values: &[f32]) -> Vec<u32> {
-    values.iter().map(|v| v.to_bits()).collect()
-}
-
-fn graph_error(error: &StreamError) -> &GraphError {
-    error
-        .graph_error()
-        .unwrap_or_else(|| panic!("expected a graph error, got {error}"))
-}
-
-/// Integers small enough that every `a * x + c` below is exact in `f32`.
-fn input_value(k: usize) -> f32 {
-    ((k * 7919) % 60_001) as f32 - 30_000.0
-}
-
-/// Asserts `actual` (f32 bits) equals `expected` bit for bit, naming the first difference.
-fn assert_exact(actual: &[u32], expected: impl Fn(usize) -> f32, what: &str) {
-    if let Some((i, &value)) = actual
-        .iter()
-        .enumerate()
-        .find(|(i, value)| **value != expected(*i).to_bits())
-    {
-        panic!(
-            "{what}: element {i} is {}, expected {}",
-            f32::from_bits(value),
-            expected(i)
-        );
-    }
-}
+mod common;
+use common::graph::{
+    Fixture, MS, assert_exact, bits, fixture, graph_error, input_value, priority_stream, read_u32,
+    settled, write_u32,
+};
 
 /// The model step of most tests: `out = (2x + 1) + x`, its scratch allocated from `allocator`
 /// on `stream` (the capture's pool while it captures) and freed inside the step.
@@ -117,12 +55,6 @@ fn step(
 
 fn step_reference(x: f32) -> f32 {
     (2.0 * x + 1.0) + x
-}
-
-/// Reserved bytes and segments after `empty_cache`: what the live allocations hold.
-fn settled(allocator: &CachingAllocator) -> MemoryStats {
-    allocator.empty_cache().unwrap();
-    allocator.stats()
 }
 
 /// `torch.cuda.graph`'s recipe: three warm-up steps on a side stream that waits for the current

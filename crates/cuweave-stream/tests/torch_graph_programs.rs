@@ -19,12 +19,12 @@ use std::path::Path;
 use std::sync::Arc;
 
 use cuweave_driver::graph::{CaptureMode, CaptureModeGuard, GraphError, active_captures};
-use cuweave_driver::memory::{copy_dtod_async, copy_dtoh, copy_htod, memset_d32_async};
+use cuweave_driver::memory::{copy_dtod_async, copy_dtoh, memset_d32_async};
 use cuweave_driver::{
     Context, Device, DriverError, Event, EventFlags, Graph, InstantiateOptions, Stream, StreamFlags,
 };
 use cuweave_memory::caching::{
-    CachedAllocation, CachingAllocator, GraphPool, MemoryStats, MissPolicy, begin_allocate_to_pool,
+    CachedAllocation, CachingAllocator, GraphPool, MissPolicy, begin_allocate_to_pool,
     stranded_graph_memory,
 };
 use cuweave_memory::{Buffer, DeviceBuffer};
@@ -34,76 +34,14 @@ use cuweave_stream::{
     WorkloadType,
 };
 use cuweave_test_support::kernels::TestKernels;
-use cuweave_test_support::{Gpu, gpu, sanitizer_active, serial, skip};
+use cuweave_test_support::{sanitizer_active, skip};
 
 mod common;
 use common::Kit;
-
-const MS: u64 = 1_000_000;
-
-struct Fixture {
-    gpu: Gpu,
-    kernels: TestKernels,
-    allocator: CachingAllocator,
-    _serial: std::sync::MutexGuard<'static, ()>,
-}
-
-fn fixture(test: &str) -> Option<Fixture> {
-    let gpu = gpu(test)?;
-    let serial = serial();
-    Some(Fixture {
-        kernels: TestKernels::load(&gpu.context).unwrap(),
-        allocator: CachingAllocator::with_driver(&gpu.context),
-        gpu,
-        _serial: serial,
-    })
-}
-
-fn priority_stream(gpu: &Gpu) -> PriorityStream {
-    PriorityStream::new(&gpu.context, StreamPriority::Normal).unwrap()
-}
-
-fn read_u32(context: &Context, ptr: u64, n: usize) -> Vec<u32> {
-    let mut host = vec![0u32; n];
-    // SAFETY: `ptr` is device memory of at least `n` u32s whose writers the caller synchronised.
-    unsafe { copy_dtoh(context, host.as_mut_ptr().cast(), ptr, n * 4) }.unwrap();
-    host
-}
-
-fn write_u32(context: &Context, ptr: u64, data: &[u32]) {
-    // SAFETY: `ptr` is device memory of at least `data.len()` u32s, idle.
-    unsafe { copy_htod(context, ptr, data.as_ptr().cast(), data.len() * 4) }.unwrap();
-}
-
-fn bits(values: &[f32]) -> Vec<u32> {
-    values.iter().map(|v| v.to_bits()).collect()
-}
-
-/// Integers small enough that every affine map below is exact in `f32`.
-fn input_value(k: usize) -> f32 {
-    ((k * 7919) % 60_001) as f32 - 30_000.0
-}
-
-/// Asserts `actual` (f32 bits) equals `expected` bit for bit, naming the first difference.
-fn assert_exact(actual: &[u32], expected: impl Fn(usize) -> f32, what: &str) {
-    if let Some((i, &value)) = actual
-        .iter()
-        .enumerate()
-        .find(|(i, value)| **value != expected(*i).to_bits())
-    {
-        panic!(
-            "{what}: element {i} is {}, expected {}",
-            f32::from_bits(value),
-            expected(i)
-        );
-    }
-}
-
-fn graph_error(error: &StreamError) -> &GraphError {
-    error
-        .graph_error()
-        .unwrap_or_else(|| panic!("expected a graph error, got {error}"))
-}
+use common::graph::{
+    Fixture, MS, assert_exact, bits, fixture, graph_error, input_value, priority_stream, read_u32,
+    settled, write_u32,
+};
 
 /// Asserts that `result` is a capture refusal (`GraphError::Capturing` or `NotCapturable`).
 fn assert_refusal<T: std::fmt::Debug, E: Into<StreamError>>(result: Result<T, E>, what: &str) {
@@ -117,12 +55,6 @@ fn assert_refusal<T: std::fmt::Debug, E: Into<StreamError>>(result: Result<T, E>
             );
         }
     }
-}
-
-/// Reserved bytes and segments after `empty_cache`: what the live allocations hold.
-fn settled(allocator: &CachingAllocator) -> MemoryStats {
-    allocator.empty_cache().unwrap();
-    allocator.stats()
 }
 
 /// `make_graphed_callables`: the forward and the backward of one module, warmed up eagerly on a

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod graph;
+
 use std::sync::Arc;
 
 use cuweave_driver::{Context, Kernel, LaunchConfig, Stream};
