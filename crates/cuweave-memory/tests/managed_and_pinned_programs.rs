@@ -29,8 +29,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use cuweave_driver::memory::{
-    HostAllocFlags, HostAllocation, MemLocation, range_accessed_by, range_last_prefetch_location,
-    range_preferred_location, range_read_mostly,
+    MemLocation, range_accessed_by, range_last_prefetch_location, range_preferred_location,
+    range_read_mostly,
 };
 use cuweave_driver::{Context, Device, DriverError, Stream, StreamFlags};
 use cuweave_memory::pinned_pool::PinnedPoolConfig;
@@ -44,7 +44,10 @@ use cuweave_test_support::{require_gpu, serial, skip};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
-const MS: u64 = 1_000_000;
+
+#[path = "common/gate.rs"]
+mod gate;
+use gate::Gate;
 
 fn stream(context: &Arc<Context>) -> Stream {
     Stream::new(context, StreamFlags::NON_BLOCKING).expect("create stream")
@@ -59,44 +62,6 @@ fn managed_usable(device: Device, test: &str) -> bool {
     } else {
         skip(test, "no managed memory with concurrent access on device 0");
         false
-    }
-}
-
-/// A gate on mapped pinned memory that a `wait_u32` kernel holds a stream behind until the host
-/// opens it: work queued behind it is provably still pending while the gate is closed, without
-/// timing anything. Dropping the gate opens it (before its flag is freed), so a failing test
-/// never leaves a kernel spinning.
-struct Gate {
-    flag: HostAllocation,
-}
-
-impl Gate {
-    fn new(context: &Arc<Context>) -> Self {
-        let mut flag = HostAllocation::new(context, 4, HostAllocFlags::PORTABLE_MAPPED)
-            .expect("pin the gate's flag");
-        flag.as_bytes_mut().fill(0);
-        Self { flag }
-    }
-
-    fn hold(&self, kernels: &TestKernels, stream: &Stream) {
-        let flag = self.flag.device_ptr().expect("mapped flag");
-        // SAFETY: `flag` maps the 4 bytes of `self.flag`, which outlive the kernel (the gate is
-        // opened before it is freed, and freeing pinned memory waits for the device); the host
-        // writes it only with a volatile store.
-        unsafe { kernels.wait_u32(stream, flag, 1, 10_000 * MS) }.expect("gate kernel");
-    }
-
-    fn open(&self) {
-        let flag = self.flag.as_ptr().cast::<u32>().cast_mut();
-        // SAFETY: 4 aligned bytes of live pinned memory that kernels only read.
-        unsafe { flag.write_volatile(1) };
-        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
-impl Drop for Gate {
-    fn drop(&mut self) {
-        self.open();
     }
 }
 

@@ -19,7 +19,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use bytemuck::{Pod, Zeroable};
-use cuweave_driver::memory::{HostAllocFlags, HostAllocation, MemLocation};
+use cuweave_driver::memory::MemLocation;
 use cuweave_driver::{Context, Event, EventFlags, LaunchConfig, Stream, StreamFlags};
 use cuweave_memory::resource::CachingResource;
 use cuweave_memory::{
@@ -34,6 +34,10 @@ const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
 const US: u64 = 1_000;
 const MS: u64 = 1_000_000;
+
+#[path = "common/gate.rs"]
+mod gate;
+use gate::Gate;
 
 fn stream(context: &Arc<Context>) -> Stream {
     Stream::new(context, StreamFlags::NON_BLOCKING).expect("create stream")
@@ -67,43 +71,6 @@ fn within<R: Send + 'static>(
         Err(mpsc::RecvTimeoutError::Timeout) => {
             panic!("{what}: not finished after {limit:?} (deadlock?)")
         }
-    }
-}
-
-/// A gate on mapped pinned memory that a `wait_u32` kernel holds a stream behind until the host
-/// opens it. Dropping it opens it, so a failing test never leaves the kernel spinning (and never
-/// frees the flag under it: the struct's drop runs before its field's).
-struct Gate {
-    flag: HostAllocation,
-}
-
-impl Gate {
-    fn new(context: &Arc<Context>) -> Self {
-        let mut flag = HostAllocation::new(context, 4, HostAllocFlags::PORTABLE_MAPPED)
-            .expect("pin the gate's flag");
-        flag.as_bytes_mut().fill(0);
-        Self { flag }
-    }
-
-    fn hold(&self, kernels: &TestKernels, stream: &Stream) {
-        let flag = self.flag.device_ptr().expect("mapped flag");
-        // SAFETY: `flag` maps the 4 bytes of `self.flag`, which outlive the kernel (the gate is
-        // opened before it is freed, and freeing pinned memory waits for the device); the host
-        // writes it only with a volatile store.
-        unsafe { kernels.wait_u32(stream, flag, 1, 10_000 * MS) }.expect("gate kernel");
-    }
-
-    fn open(&self) {
-        let flag = self.flag.as_ptr().cast::<u32>().cast_mut();
-        // SAFETY: 4 aligned bytes of live pinned memory that kernels only read.
-        unsafe { flag.write_volatile(1) };
-        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
-impl Drop for Gate {
-    fn drop(&mut self) {
-        self.open();
     }
 }
 
