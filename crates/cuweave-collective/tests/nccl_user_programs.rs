@@ -16,11 +16,11 @@
 mod common;
 
 use std::ops::Range;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use common::{Pattern, assert_bytes_eq, nccl_or_skip, pattern, skip};
+use common::{Pattern, assert_bytes_eq, comm, nccl_or_skip, own_comm, pattern, skip, stream};
 use cuweave_collective::{
     Bf16, CollectiveError, CollectiveFuture, CommConfig, Communicator, CoordinatedCollectives, F16,
     Group, NcclType, ReduceOp, UniqueId,
@@ -49,46 +49,8 @@ macro_rules! gate {
 /// another stream that did not wait for it would run first and show in the bytes.
 const SPIN_NS: u64 = 50_000_000;
 
-/// A 1-rank communicator shared by the tests that neither abort nor drop theirs.
-fn comm() -> &'static Communicator {
-    static COMM: OnceLock<Communicator> = OnceLock::new();
-    COMM.get_or_init(|| {
-        let device = Device::get(0).expect("device 0");
-        Communicator::init_rank(
-            1,
-            0,
-            &UniqueId::new().expect("id"),
-            device,
-            &CommConfig::default(),
-        )
-        .expect("1-rank init")
-    })
-}
-
-/// A 1-rank communicator of its own on device 0, for tests that abort, finalize or drop it.
-fn own_comm(config: &CommConfig) -> Communicator {
-    let id = UniqueId::new().expect("id");
-    Communicator::init_rank(1, 0, &id, Device::get(0).expect("device 0"), config).expect("init")
-}
-
-fn stream(context: &Arc<Context>) -> Stream {
-    Stream::new(context, StreamFlags::NON_BLOCKING).expect("stream")
-}
-
 fn upload<T: NcclType>(context: &Arc<Context>, values: &[T]) -> DeviceBuffer<T> {
     DeviceBuffer::from_slice(context, values).expect("upload")
-}
-
-impl Pattern for F16 {
-    fn at(i: usize, seed: usize) -> Self {
-        F16::from_f32(((i * 31 + seed * 7) % 2001) as f32 * 0.5 - 500.0)
-    }
-}
-
-impl Pattern for Bf16 {
-    fn at(i: usize, seed: usize) -> Self {
-        Bf16::from_f32(((i * 31 + seed * 7) % 2001) as f32 * 0.25 - 250.0)
-    }
 }
 
 /// Every device, or `None` after printing why the two-GPU program is skipped.

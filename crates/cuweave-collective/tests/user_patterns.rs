@@ -8,15 +8,15 @@
 
 mod common;
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Pattern, assert_bytes_eq, nccl_or_skip, pattern, skip};
+use common::{Pattern, assert_bytes_eq, comm, nccl_or_skip, own_comm, pattern, skip, stream};
 use cuweave_collective::{
     Bf16, CollectiveError, CommConfig, Communicator, CoordinatedCollectives, F16, Group, NcclType,
     ReduceOp, UniqueId,
 };
-use cuweave_driver::{CaptureMode, Context, Device, InstantiateOptions, Stream, StreamFlags};
+use cuweave_driver::{CaptureMode, Context, Device, InstantiateOptions, Stream};
 use cuweave_event::{EventPool, EventPriority, OperationCoordinator, OperationType};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer, UnifiedBuffer};
 use cuweave_test_support::kernels::TestKernels;
@@ -32,46 +32,8 @@ macro_rules! gate {
     }};
 }
 
-/// A 1-rank communicator shared by the tests that do not abort or drop theirs.
-fn comm() -> &'static Communicator {
-    static COMM: OnceLock<Communicator> = OnceLock::new();
-    COMM.get_or_init(|| {
-        let device = Device::get(0).expect("device 0");
-        Communicator::init_rank(
-            1,
-            0,
-            &UniqueId::new().expect("id"),
-            device,
-            &CommConfig::default(),
-        )
-        .expect("1-rank init")
-    })
-}
-
-/// A communicator of its own, for tests that abort, time out or drop it.
-fn own_comm(config: &CommConfig) -> Communicator {
-    let id = UniqueId::new().expect("id");
-    Communicator::init_rank(1, 0, &id, Device::get(0).expect("device 0"), config).expect("init")
-}
-
-fn stream(context: &Arc<Context>) -> Stream {
-    Stream::new(context, StreamFlags::NON_BLOCKING).expect("stream")
-}
-
 fn upload<T: Pattern>(context: &Arc<Context>, values: &[T]) -> DeviceBuffer<T> {
     DeviceBuffer::from_slice(context, values).expect("upload")
-}
-
-impl Pattern for F16 {
-    fn at(i: usize, seed: usize) -> Self {
-        F16::from_f32(((i * 31 + seed * 7) % 2001) as f32 * 0.5 - 500.0)
-    }
-}
-
-impl Pattern for Bf16 {
-    fn at(i: usize, seed: usize) -> Self {
-        Bf16::from_f32(((i * 31 + seed * 7) % 2001) as f32 * 0.25 - 250.0)
-    }
 }
 
 /// 100 ms of a spinning kernel: what is queued behind it on the same stream starts that late,

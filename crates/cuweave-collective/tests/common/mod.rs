@@ -2,7 +2,10 @@
 
 #![allow(dead_code)]
 
-use cuweave_collective::NcclType;
+use std::sync::{Arc, OnceLock};
+
+use cuweave_collective::{Bf16, CommConfig, Communicator, F16, NcclType, UniqueId};
+use cuweave_driver::{Context, Device, Stream, StreamFlags};
 
 /// Whether NCCL loads; prints `SKIPPED <test>: <reason>` when it does not. On a GPU machine run
 /// with `CUWEAVE_REQUIRE_GPU=1`, NCCL is part of what is required, so its absence fails.
@@ -57,6 +60,47 @@ impl Pattern for f64 {
     fn at(i: usize, seed: usize) -> Self {
         ((i * 31 + seed * 7) % 65_521) as f64 * 0.125 - 4000.0
     }
+}
+
+impl Pattern for F16 {
+    fn at(i: usize, seed: usize) -> Self {
+        F16::from_f32(((i * 31 + seed * 7) % 2001) as f32 * 0.5 - 500.0)
+    }
+}
+
+impl Pattern for Bf16 {
+    fn at(i: usize, seed: usize) -> Self {
+        Bf16::from_f32(((i * 31 + seed * 7) % 2001) as f32 * 0.25 - 250.0)
+    }
+}
+
+/// A 1-rank communicator on device 0 shared by the tests of a binary that neither abort nor
+/// drop theirs.
+pub fn comm() -> &'static Communicator {
+    static COMM: OnceLock<Communicator> = OnceLock::new();
+    COMM.get_or_init(|| {
+        let device = Device::get(0).expect("device 0");
+        Communicator::init_rank(
+            1,
+            0,
+            &UniqueId::new().expect("id"),
+            device,
+            &CommConfig::default(),
+        )
+        .expect("1-rank init")
+    })
+}
+
+/// A 1-rank communicator of its own on device 0, for tests that abort, time out, finalize or
+/// drop it.
+pub fn own_comm(config: &CommConfig) -> Communicator {
+    let id = UniqueId::new().expect("id");
+    Communicator::init_rank(1, 0, &id, Device::get(0).expect("device 0"), config).expect("init")
+}
+
+/// A non-blocking stream of `context`.
+pub fn stream(context: &Arc<Context>) -> Stream {
+    Stream::new(context, StreamFlags::NON_BLOCKING).expect("stream")
 }
 
 pub fn pattern<T: Pattern>(len: usize, seed: usize) -> Vec<T> {
