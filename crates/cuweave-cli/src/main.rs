@@ -54,7 +54,8 @@ enum Command {
         /// Also write bandwidth against size as an SVG plot to this file.
         #[arg(long, value_name = "FILE.svg")]
         plot: Option<std::path::PathBuf>,
-        /// Sizes to measure, comma-separated (e.g. 4K,1M,256M,1G); 4 KiB to 1 GiB by default.
+        /// Sizes to measure, comma-separated (e.g. 4K,1M,256M,1G), each at least 4 bytes; 4 KiB to
+        /// 1 GiB by default.
         #[arg(long, value_delimiter = ',', value_parser = bench::parse_size)]
         sizes: Vec<usize>,
         /// Timed copies per point (the median is reported, after one warm-up copy).
@@ -114,7 +115,13 @@ fn bench_command(
     let report = match outcome {
         Ok(report) => report,
         Err(bench::BenchError::NoGpu(why)) => {
-            println!("cuweave bench: nothing to measure: {why}");
+            // `--json` answers in JSON, as `info --json` does: a reader must be able to parse it.
+            if json {
+                let answer = serde_json::json!({ "error": format!("nothing to measure: {why}") });
+                println!("{answer:#}");
+            } else {
+                println!("cuweave bench: nothing to measure: {why}");
+            }
             return ExitCode::SUCCESS;
         }
         Err(bench::BenchError::DoesNotFit(why)) => {
@@ -127,12 +134,19 @@ fn bench_command(
         }
     };
     if let Some(path) = &save_calibration {
-        let saved = cuweave::transfer::TransferManager::new()
-            .and_then(|manager| manager.calibrate())
-            .and_then(|table| table.save(path));
-        if let Err(error) = saved {
+        let table =
+            cuweave::transfer::TransferManager::new().and_then(|manager| manager.calibrate());
+        let table = match table {
+            Ok(table) => table,
+            Err(error) => {
+                complain(&format!("calibration: {error}"));
+                return ExitCode::FAILURE;
+            }
+        };
+        // Not written, like an unwritable plot: the report cannot be delivered.
+        if let Err(error) = table.save(path) {
             complain(&format!("calibration: {error}"));
-            return ExitCode::FAILURE;
+            return ExitCode::from(EXIT_OUTPUT_FAILED);
         }
     }
     show(&report, json, plot)

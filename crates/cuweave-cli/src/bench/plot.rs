@@ -84,7 +84,10 @@ pub fn svg(report: &BenchReport) -> String {
 fn panel(out: &mut String, report: &BenchReport, direction: &str, series: &[&Series], top: f64) {
     let plot_w = WIDTH - LEFT - RIGHT;
     let plot_h = PANEL_HEIGHT;
-    let logs: Vec<f64> = report.sizes.iter().map(|&b| (b as f64).log2()).collect();
+    // A report read back from JSON may name a 0-byte size: drawn where 1 byte would be, so that
+    // no coordinate is `log2(0)` (every x would be NaN).
+    let log_size = |bytes: usize| (bytes.max(1) as f64).log2();
+    let logs: Vec<f64> = report.sizes.iter().map(|&b| log_size(b)).collect();
     let (x_min, x_max) = logs
         .iter()
         .fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
@@ -97,7 +100,7 @@ fn panel(out: &mut String, report: &BenchReport, direction: &str, series: &[&Ser
     );
     let x = |bytes: usize| {
         if x_max > x_min {
-            LEFT + ((bytes as f64).log2() - x_min) / x_span * plot_w
+            LEFT + (log_size(bytes) - x_min) / x_span * plot_w
         } else {
             LEFT + plot_w / 2.0
         }

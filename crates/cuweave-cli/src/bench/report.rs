@@ -108,11 +108,21 @@ pub fn parse_size(text: &str) -> Result<usize, String> {
         "g" | "gb" | "gib" => 30,
         _ => return Err(format!("`{text}`: unknown unit `{unit}` (use K, M or G)")),
     };
-    value
+    let bytes = value
         .checked_mul(1 << shift)
         .filter(|&b| b > 0)
-        .ok_or_else(|| format!("`{text}` is zero or too large"))
+        .ok_or_else(|| format!("`{text}` is zero or too large"))?;
+    // The latency rows move 4 bytes and the four-thread case a quarter of the largest size.
+    if bytes < MIN_SIZE {
+        return Err(format!(
+            "`{text}` is under {MIN_SIZE} bytes, the smallest size the bench measures"
+        ));
+    }
+    Ok(bytes)
 }
+
+/// The smallest size `--sizes` takes.
+pub const MIN_SIZE: usize = 4;
 
 impl BenchReport {
     /// The report as text: a table per direction (sizes down, methods across, GB/s), then the
@@ -253,6 +263,10 @@ pub(crate) mod tests {
         assert_eq!(parse_size("1g"), Ok(1 << 30));
         assert_eq!(parse_size("4096"), Ok(4096));
         assert!(parse_size("0").is_err());
+        assert_eq!(parse_size("4"), Ok(4));
+        for tiny in ["1", "2", "3b"] {
+            assert!(parse_size(tiny).is_err(), "{tiny}");
+        }
         assert!(parse_size("1T").is_err());
         assert!(parse_size("abc").is_err());
         assert_eq!(size_label(4096), "4KiB");
