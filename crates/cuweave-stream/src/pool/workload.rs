@@ -79,7 +79,12 @@ impl WorkloadRecord {
     pub(crate) fn record(&self, duration: Duration) {
         let ns = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
         self.count.fetch_add(1, Ordering::Relaxed);
-        self.total_ns.fetch_add(ns, Ordering::Relaxed);
+        // Saturating: a wrapped total would make a huge record read as a short one.
+        let _ = self
+            .total_ns
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |total| {
+                Some(total.saturating_add(ns))
+            });
     }
 
     pub(crate) fn count(&self) -> u64 {
@@ -214,6 +219,16 @@ mod tests {
         low: 2,
         compute_streams: 2,
     };
+
+    #[test]
+    fn a_huge_record_saturates_the_total_instead_of_wrapping() {
+        let record = WorkloadRecord::default();
+        record.record(Duration::MAX);
+        record.record(Duration::from_millis(10));
+        assert_eq!(record.count(), 2);
+        assert_eq!(record.total(), Duration::from_nanos(u64::MAX));
+        assert!(record.average().unwrap() > Duration::from_secs(1 << 30));
+    }
 
     #[test]
     fn memory_work_never_lands_on_a_compute_stream() {

@@ -105,6 +105,8 @@ impl StreamProfiler {
     /// timed nor recorded (an event recorded there could never be read): profile the graph's
     /// launches ([`PriorityStream::launch_graph`]) instead.
     ///
+    /// An operation whose `f` fails is not recorded.
+    ///
     /// # Errors
     /// [`StreamError::WrongDevice`] for a stream of another device; `f`'s error; the driver's.
     pub fn profile<R>(
@@ -130,6 +132,12 @@ impl StreamProfiler {
         }
         let span = self.timer.start(stream.stream())?;
         let result = f(stream);
+        if result.is_err() {
+            // Nothing (or not all of it) was queued: not an operation to report, as the
+            // stream's own metrics do not count it either. The start event goes back unread.
+            drop(span);
+            return result;
+        }
         self.timer.finish(
             span,
             stream.stream(),
