@@ -16,7 +16,6 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
-use cuweave_driver::memory::{HostAllocFlags, HostAllocation};
 use cuweave_driver::{Context, InstantiateOptions};
 use cuweave_memory::caching::CachingAllocator;
 use cuweave_memory::{Buffer, DeviceBuffer};
@@ -33,6 +32,7 @@ use cuweave_test_support::{require_gpu, serial, skip_under_sanitizer};
 
 mod common;
 use common::Kit;
+use common::mapped::Mapped;
 
 const MS: u64 = 1_000_000;
 const US: u64 = 1_000;
@@ -41,59 +41,6 @@ const G: usize = 1 << 14;
 
 /// `u32` words of mapped pinned memory: kernels store into them through `device(i)`, the host
 /// reads and writes them with volatile accesses while kernels may run. Dropping it opens
-/// every word as a gate (writes 1), so a failing test never leaves a `wait_u32` spinning.
-struct Mapped {
-    memory: HostAllocation,
-    len: usize,
-    device: u64,
-}
-
-impl Mapped {
-    fn new(context: &Arc<Context>, len: usize) -> Self {
-        let mut memory =
-            HostAllocation::new(context, len * 4, HostAllocFlags::PORTABLE_MAPPED).unwrap();
-        memory.as_bytes_mut().fill(0);
-        let device = memory.device_ptr().unwrap();
-        Self {
-            memory,
-            len,
-            device,
-        }
-    }
-
-    fn device(&self, index: usize) -> u64 {
-        assert!(index < self.len);
-        self.device + 4 * index as u64
-    }
-
-    fn read(&self, index: usize) -> u32 {
-        assert!(index < self.len);
-        // SAFETY: in bounds of a live, 4-byte-aligned allocation; a volatile read of a word a
-        // kernel may be storing to (aligned 32-bit stores do not tear).
-        unsafe { std::ptr::read_volatile(self.memory.as_ptr().cast::<u32>().add(index)) }
-    }
-
-    fn write(&self, index: usize, value: u32) {
-        assert!(index < self.len);
-        // SAFETY: as `read`; kernels only read these words with volatile loads meanwhile.
-        unsafe {
-            std::ptr::write_volatile(
-                self.memory.as_ptr().cast::<u32>().cast_mut().add(index),
-                value,
-            )
-        }
-        std::sync::atomic::fence(Ordering::SeqCst);
-    }
-}
-
-impl Drop for Mapped {
-    fn drop(&mut self) {
-        for index in 0..self.len {
-            self.write(index, 1);
-        }
-    }
-}
-
 /// Queues a `wait_u32` gate on `stream` that holds it until word 0 of `gate` becomes 1 (or
 /// 10 s pass), counted as one operation.
 fn hold(kernels: &TestKernels, stream: &PriorityStream, gate: &Mapped) {

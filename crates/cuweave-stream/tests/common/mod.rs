@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod graph;
+pub mod mapped;
 
 use std::sync::Arc;
 
