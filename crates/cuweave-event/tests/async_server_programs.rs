@@ -679,7 +679,7 @@ fn a_hundred_thousand_operations_with_callbacks_run_each_once_and_stay_bounded()
             live_peak = live_peak.max(coordinator.live_operations());
         }
         if i == OPS / 10 {
-            rss_warm = common::resident_bytes();
+            rss_warm = cuweave_test_support::resident_bytes();
         }
     }
     coordinator.synchronize(last.unwrap()).unwrap();
@@ -691,7 +691,7 @@ fn a_hundred_thousand_operations_with_callbacks_run_each_once_and_stay_bounded()
     settle(&waiter, Duration::from_secs(5));
     std::thread::sleep(Duration::from_millis(20));
     coordinator.retire_finished();
-    let rss_end = common::resident_bytes();
+    let rss_end = cuweave_test_support::resident_bytes();
     let never: Vec<usize> = (0..OPS)
         .filter(|&i| runs[i].load(Ordering::SeqCst) == 0)
         .take(5)

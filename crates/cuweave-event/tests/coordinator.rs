@@ -341,12 +341,12 @@ fn a_million_sequential_operations_retire_and_stay_within_64_events() {
             live_peak = live_peak.max(coordinator.live_operations());
         }
         if i == 100_000 {
-            rss_after_warmup = common::resident_bytes();
+            rss_after_warmup = cuweave_test_support::resident_bytes();
         }
     }
     coordinator.synchronize(previous.unwrap()).unwrap();
     coordinator.retire_finished();
-    let rss_end = common::resident_bytes();
+    let rss_end = cuweave_test_support::resident_bytes();
     let counters = pool.counters();
     let created = counters.created_regular + counters.created_timing;
     let metrics = coordinator.metrics();

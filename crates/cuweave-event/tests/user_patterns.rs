@@ -422,12 +422,12 @@ fn a_hundred_thousand_diamond_operations_retire_and_stay_bounded() {
             live_peak = live_peak.max(coordinator.live_operations());
         }
         if i == 2_500 {
-            rss_warm = common::resident_bytes();
+            rss_warm = cuweave_test_support::resident_bytes();
         }
     }
     coordinator.synchronize(last.unwrap()).unwrap();
     coordinator.retire_finished();
-    let rss_end = common::resident_bytes();
+    let rss_end = cuweave_test_support::resident_bytes();
     let counters = pool.counters();
     let created = counters.created_regular + counters.created_timing;
     let metrics = coordinator.metrics();

@@ -33,6 +33,7 @@ use cuweave_test_support::{require_gpu, serial, skip_under_sanitizer};
 mod common;
 use common::Kit;
 use common::mapped::Mapped;
+use cuweave_test_support::resident_bytes;
 
 const MS: u64 = 1_000_000;
 const US: u64 = 1_000;
@@ -50,19 +51,6 @@ fn hold(kernels: &TestKernels, stream: &PriorityStream, gate: &Mapped) {
     stream
         .launch(|s| unsafe { kernels.wait_u32(s, flag, 1, 10_000 * MS) })
         .unwrap();
-}
-
-/// This process's resident memory in bytes (0 where there is no procfs).
-fn resident_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status.lines().find_map(|line| {
-                line.strip_prefix("VmRSS:")
-                    .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
-            })
-        })
-        .map_or(0, |kib: u64| kib * 1024)
 }
 
 fn normal_stream(context: &Arc<Context>) -> Arc<PriorityStream> {

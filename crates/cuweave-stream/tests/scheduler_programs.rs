@@ -33,6 +33,7 @@ use cuweave_test_support::{require_gpu, serial, skip, skip_under_sanitizer};
 mod common;
 use common::Kit;
 use common::mapped::Mapped;
+use cuweave_test_support::resident_bytes;
 
 const MS: u64 = 1_000_000;
 const US: u64 = 1_000;
@@ -74,19 +75,6 @@ fn maps_host_memory(gpu: &cuweave_test_support::Gpu, test: &str) -> bool {
     }
     skip(test, "the device cannot map host memory");
     false
-}
-
-/// This process's resident memory in bytes (0 where there is no procfs).
-fn resident_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status.lines().find_map(|line| {
-                line.strip_prefix("VmRSS:")
-                    .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
-            })
-        })
-        .map_or(0, |kib: u64| kib * 1024)
 }
 
 /// What the order-sensitive transform `x -> x * mul + add` gives, as the kernel computes it.

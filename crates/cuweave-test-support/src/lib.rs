@@ -223,6 +223,20 @@ macro_rules! require_gpu {
     };
 }
 
+/// This process's resident memory in bytes (`VmRSS`; 0 where there is no procfs), for tests
+/// that check a long loop's memory stays flat.
+pub fn resident_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status.lines().find_map(|line| {
+                line.strip_prefix("VmRSS:")
+                    .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+            })
+        })
+        .map_or(0, |kib: u64| kib * 1024)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -70,26 +70,6 @@ pub fn within<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send +
 
 pub const MS: u64 = 1_000_000;
 
-/// This process's resident memory in bytes (`VmRSS` of `/proc/self/status`; 0 where there is
-/// no procfs).
-pub fn resident_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|line| line.strip_prefix("VmRSS:"))
-                .and_then(|rest| {
-                    rest.trim()
-                        .trim_end_matches("kB")
-                        .trim()
-                        .parse::<u64>()
-                        .ok()
-                })
-        })
-        .map_or(0, |kib| kib * 1024)
-}
-
 /// Registers a normal-priority kernel operation described as `what`, after `dependencies`.
 pub fn register_kernel(
     coordinator: &cuweave_event::OperationCoordinator,
