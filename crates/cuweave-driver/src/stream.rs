@@ -277,9 +277,17 @@ impl Stream {
         }
     }
 
-    /// Whether the handle is one of the driver's context-relative stream names.
-    pub(crate) fn is_special_handle(&self) -> bool {
+    /// Whether the handle is one of the driver's context-relative stream names (`NULL`,
+    /// `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`): one handle that can name several streams,
+    /// so its [`id`](Self::id) does not identify the stream work goes to.
+    pub fn is_special_handle(&self) -> bool {
         (self.raw as usize) <= 2
+    }
+
+    /// Whether the handle is `CU_STREAM_PER_THREAD`, which names a different stream on each
+    /// thread.
+    pub fn is_per_thread_default(&self) -> bool {
+        self.raw as usize == 2
     }
 
     /// Blocks until all work queued so far has finished.

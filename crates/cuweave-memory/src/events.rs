@@ -85,7 +85,7 @@ impl StreamEvent {
     /// `event`, just recorded on `stream`.
     #[inline]
     pub(crate) fn recorded_on(event: OwnedPooledEvent, stream: &Stream) -> Self {
-        let stream = (stream.as_raw() as usize > 2).then(|| stream.id());
+        let stream = (!stream.is_special_handle()).then(|| stream.id());
         Self { event, stream }
     }
 }

@@ -8,9 +8,6 @@ use cuweave_driver::{Context, Stream};
 use crate::error::{MemoryError, Result};
 use crate::events::{ContextEvents, StreamEvent};
 
-/// The raw value of `CU_STREAM_PER_THREAD`.
-pub(crate) const PER_THREAD_STREAM: usize = 2;
-
 /// The identity of a stream for the caching allocator: the handle's process-unique
 /// [`Stream::id`], not its raw `CUstream` value, which the driver recycles after a stream is
 /// destroyed (a new stream must never inherit a dead stream's free list while the dead stream's
@@ -44,7 +41,7 @@ impl StreamKey {
     /// `Err(InvalidStream)` for the per-thread default stream, which cannot key a free list.
     #[inline]
     pub(crate) fn checked(stream: &Stream, operation: &'static str) -> Result<Self> {
-        if stream.as_raw() as usize == PER_THREAD_STREAM {
+        if stream.is_per_thread_default() {
             return Err(MemoryError::InvalidStream {
                 operation,
                 reason: "the per-thread default stream (CU_STREAM_PER_THREAD) names a different \

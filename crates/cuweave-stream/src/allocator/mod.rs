@@ -216,7 +216,7 @@ impl StreamOrderedAllocator {
         if bytes == 0 {
             return Err(StreamError::invalid(OPERATION, "zero-byte allocation"));
         }
-        if stream.stream().as_raw() as usize == PER_THREAD_STREAM {
+        if stream.stream().is_per_thread_default() {
             // Its free is queued on the owner from whichever thread frees: on another thread
             // the handle names another stream, not ordered after the owner's work.
             return Err(StreamError::invalid(
@@ -609,9 +609,6 @@ struct Unreleased {
     error: StreamError,
     freed: bool,
 }
-
-/// The raw value of `CU_STREAM_PER_THREAD`.
-const PER_THREAD_STREAM: usize = 2;
 
 impl Drop for StreamOrderedAllocator {
     fn drop(&mut self) {
