@@ -87,7 +87,7 @@ impl Fixture {
 
     /// `memcpy` into the pinned block and queue its upload on the stream.
     fn pinned_upload(&mut self, bytes: usize) {
-        let block = self.pinned.as_mut_slice().expect("pinned slice");
+        let mut block = self.pinned.as_mut_slice().expect("pinned slice");
         block[..bytes].copy_from_slice(&self.host[..bytes]);
         // SAFETY: the pinned block stays alive and untouched until the caller has waited for
         // the stream; `device` is writable for `bytes`.

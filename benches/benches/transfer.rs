@@ -175,7 +175,7 @@ impl Fixture {
 
     fn raw_d2h_pinned(&mut self, bytes: usize) {
         let ptr = self.device.device_ptr();
-        let dst = self.pinned.as_mut_slice().expect("pinned slice");
+        let mut dst = self.pinned.as_mut_slice().expect("pinned slice");
         // SAFETY: pinned memory writable for `bytes`, exclusively borrowed; blocking copy.
         unsafe { memory::copy_dtoh(&self.context, dst.as_mut_ptr(), ptr, bytes) }
             .expect("cuMemcpyDtoH (pinned)");
@@ -265,7 +265,7 @@ impl Fixture {
     fn raw_both_directions(&mut self) {
         let (up_dst, down_src) = (self.device.device_ptr(), self.device3.device_ptr());
         let up_src = self.pinned.as_slice().expect("pinned slice");
-        let down_dst = self.pinned2.as_mut_slice().expect("pinned slice");
+        let mut down_dst = self.pinned2.as_mut_slice().expect("pinned slice");
         let (up_stream, down_stream) = (&self.streams[0], &self.streams[1]);
         std::thread::scope(|s| {
             s.spawn(|| {

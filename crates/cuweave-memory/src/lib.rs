@@ -75,8 +75,9 @@ pub mod resource;
 pub mod unified;
 
 pub use buffer::{
-    Access, Buffer, BufferSlice, BufferSliceMut, DeviceBuffer, HostRefusal, HostSink, HostSource,
-    PendingCopy, PinnedBuffer, UnifiedBuffer, host_refusal, split_host_refusal,
+    Access, Buffer, BufferSlice, BufferSliceMut, DeviceBuffer, HostRefusal, HostSink, HostSlice,
+    HostSliceMut, HostSource, PendingCopy, PinnedBuffer, UnifiedBuffer, host_refusal,
+    split_host_refusal,
 };
 pub use caching::{CachedAllocation, CachingAllocator, MemoryStats, PoolKind, Stat, StreamKey};
 pub use element::Element;

@@ -499,7 +499,7 @@ fn a_graph_with_pinned_host_input_and_output_copies_replays_new_host_data() {
         main.launch_graph(&exec).unwrap();
         main.synchronize().unwrap();
         assert_bits(
-            pinned_out.as_slice().unwrap(),
+            &pinned_out.as_slice().unwrap(),
             |i| 2.0 * x[i] + 1.0,
             &format!("round {round}"),
         );

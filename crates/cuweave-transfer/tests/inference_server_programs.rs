@@ -1058,7 +1058,7 @@ fn views_of_pinned_and_unified_buffers_move_exactly_to_and_from_pageable_memory_
                 Some(m) => manager.transfer_with(m, &data, into),
             }
             .unwrap_or_else(|e| panic!("{what}: upload: {e}"));
-            assert_placed(pinned.as_slice().unwrap(), 3, &data, &what);
+            assert_placed(&pinned.as_slice().unwrap(), 3, &data, &what);
             let mut back = vec![SENTINEL; len + 2];
             let from = pinned.slice(3..3 + len).unwrap();
             match method {
@@ -1081,7 +1081,7 @@ fn views_of_pinned_and_unified_buffers_move_exactly_to_and_from_pageable_memory_
                 Some(m) => manager.transfer_with(m, &data, into),
             }
             .unwrap_or_else(|e| panic!("{what}: upload: {e}"));
-            assert_placed(unified.as_slice().unwrap(), 5, &data, &what);
+            assert_placed(&unified.as_slice().unwrap(), 5, &data, &what);
             let mut back = vec![SENTINEL; len + 2];
             let from = unified.slice(5..5 + len).unwrap();
             match method {
@@ -1107,7 +1107,7 @@ fn views_of_pinned_and_unified_buffers_move_exactly_to_and_from_pageable_memory_
                 )
                 .unwrap();
             assert_placed(
-                pinned.as_slice().unwrap(),
+                &pinned.as_slice().unwrap(),
                 2,
                 &data,
                 "unified view -> pinned view",

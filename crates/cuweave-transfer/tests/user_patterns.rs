@@ -1101,7 +1101,7 @@ fn views_of_buffers_are_sources_and_destinations_as_cudarc_slices_are() {
         manager
             .transfer(device.slice(1..).unwrap(), &mut out)
             .unwrap();
-        assert_same(out.as_slice().unwrap(), &data, "pinned <-> view");
+        assert_same(&out.as_slice().unwrap(), &data, "pinned <-> view");
     }
     // A view longer than the source is written from its start; a shorter one is refused.
     let mut device = DeviceBuffer::<u32>::zeroed(&gpu.context, 10).unwrap();

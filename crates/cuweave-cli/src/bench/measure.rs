@@ -354,11 +354,11 @@ fn concurrent(
     let label = size_label(bytes);
     let raw = median(iterations, || {
         let up_src = pinned.as_slice().map_err(memory)?;
-        let down_dst = pinned2.as_mut_slice().map_err(memory)?;
+        let mut down_dst = pinned2.as_mut_slice().map_err(memory)?;
         let (a, b) = (&mut *a, &*b);
         std::thread::scope(|s| {
-            let up = s.spawn(|| a.copy_range_from_host(0, up_src));
-            let down = b.copy_range_to_host(0, down_dst);
+            let up = s.spawn(|| a.copy_range_from_host(0, &up_src));
+            let down = b.copy_range_to_host(0, &mut down_dst);
             up.join()
                 .map_err(|_| BenchError::Failed("upload thread panicked".to_owned()))?
                 .map_err(memory)?;

@@ -70,6 +70,27 @@ pub enum GraphError {
         /// The type of the node that blocked the update, when the driver named one.
         node_type: Option<super::GraphNodeType>,
     },
+    /// The graph, ended from capture `capture`, may use memory the host is borrowing now
+    /// (a host slice of a pinned or unified buffer that capture wrote, or used while the host
+    /// writes): launched, it would race the host's reads or writes. Drop the slice first.
+    #[error(
+        "a graph of capture {capture} was not launched: the host borrows memory it uses (drop the host slice first)"
+    )]
+    HostBorrowed {
+        /// The capture the graph was ended from.
+        capture: u64,
+    },
+    /// The graph, ended from capture `capture` in which tracked buffers were used, was launched
+    /// into another capture. The graph recorded there would replay it with neither the ordering
+    /// against eager work nor the lifetimes that cuweave keeps for those buffers under its own
+    /// capture. Refused before anything is queued; the capture stays valid.
+    #[error(
+        "a graph of capture {capture} uses tracked buffers and cannot be launched into another capture (capture that work directly)"
+    )]
+    TrackedGraphInCapture {
+        /// The capture the graph was ended from.
+        capture: u64,
+    },
 }
 
 impl GraphError {
@@ -83,7 +104,9 @@ impl GraphError {
             Self::AlreadyCapturing { .. } => Some("Stream::begin_capture"),
             Self::UnjoinedFork => Some("Stream::end_capture"),
             Self::Instantiate { .. } => Some("Graph::instantiate"),
-            Self::RelaunchNeedsAutoFree => Some("GraphExec::launch"),
+            Self::RelaunchNeedsAutoFree
+            | Self::HostBorrowed { .. }
+            | Self::TrackedGraphInCapture { .. } => Some("GraphExec::launch"),
             Self::UpdateRejected { .. } => Some("GraphExec::update"),
         }
     }

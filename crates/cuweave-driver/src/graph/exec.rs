@@ -209,13 +209,17 @@ impl GraphExec {
     /// as eager work is: on an eager stream the launch first waits for the fenced eager work it
     /// conflicts with (a write of bytes the graph uses; a read of bytes it writes), and leaves a
     /// fence (one pooled event) behind itself, which later eager work on those buffers on other
-    /// streams waits for ([`wait_for_graph_launches`](super::wait_for_graph_launches)). A launch
-    /// into a capture does neither. Other graphs' launches cost nothing more.
+    /// streams waits for ([`wait_for_graph_launches`](super::wait_for_graph_launches)). Such a
+    /// graph is not launched while a host slice of memory it conflicts with is live, nor into a
+    /// capture. Other graphs' launches cost nothing more.
     ///
     /// # Errors
     /// `InvalidArgument` for a stream of another device;
     /// [`GraphError::RelaunchNeedsAutoFree`] for a second launch of a graph that allocates and
-    /// was instantiated without auto-free; the driver's error otherwise.
+    /// was instantiated without auto-free; [`GraphError::HostBorrowed`] while the host borrows
+    /// memory the graph's capture used ([`HostBorrow`](super::HostBorrow)), and
+    /// [`GraphError::TrackedGraphInCapture`] for a tracked graph launched into a capture, both
+    /// before anything is queued; the driver's error otherwise.
     #[inline]
     pub fn launch(&self, stream: &Stream) -> Result<()> {
         stream.ensure_context(&self.context, "GraphExec::launch")?;
@@ -225,21 +229,29 @@ impl GraphExec {
         }
         self.context.bind_to_thread()?;
         let api = driver()?;
-        // A tracked graph launched on an eager stream is fenced both ways (a launch into a
-        // capture is a node of that graph: it runs when that graph does).
-        let fenced = self
-            .tracked_capture
-            .filter(|_| super::fences::is_eager(stream));
+        // A tracked graph launched on an eager stream is fenced both ways. Into a capture it
+        // would become a node of that graph, which neither the fences nor the buffers' graph
+        // pools know: refused.
+        let fenced = match self.tracked_capture {
+            Some(capture) if !super::fences::is_eager(stream) => {
+                return Err(GraphError::TrackedGraphInCapture { capture }.into());
+            }
+            tracked => tracked,
+        };
         // Eager work on other streams that this graph's memory is ordered after goes first.
         if let Some(capture) = fenced {
             super::fences::wait_for_eager_uses(stream, capture)?;
         }
-        // Counted before it is enqueued, so host access to memory the graph uses waits for it
-        // (see `launches`).
-        super::launches::LAUNCHES.launch(|| {
-            // SAFETY: live executable and stream of the same (current) context.
-            unsafe { cu!(api.graph_launch(self.raw, stream.as_raw())) }
-        })?;
+        // Counted before it is enqueued, so host access to memory the graph uses waits for it,
+        // and refused while such access is under way (see `launches`).
+        super::launches::LAUNCHES
+            .launch(self.tracked_capture, || {
+                // SAFETY: live executable and stream of the same (current) context.
+                unsafe { cu!(api.graph_launch(self.raw, stream.as_raw())) }
+            })
+            .map_err(|refused| GraphError::HostBorrowed {
+                capture: refused.capture,
+            })??;
         self.launches.fetch_add(1, Ordering::Relaxed);
         retirement.launched(|| self.fence_behind(stream));
         // Eager work on other streams that uses memory a capture used waits for this.

@@ -18,6 +18,7 @@
 //! | [`CaptureModeGuard`] | this thread in another capture mode for a scope (`cuThreadExchangeStreamCaptureMode`) |
 //! | [`Graph`], [`GraphExec`], [`InstantiateOptions`] | the recording and its executable form: instantiate, upload, launch, update, DOT dump |
 //! | [`synchronize_launches`], [`launched_since`], [`LaunchMark`] | the process's graph launches, counted: a context wait that covers every launch so far, and whether one has begun since (host access to memory a graph may use) |
+//! | [`HostBorrow`], [`host_borrowed_captures`] | a live host borrow of memory that tracked captures used: their graphs' launches are refused until it ends |
 //! | [`wait_for_graph_launches`], [`fence_eager_use`], [`LaunchesAfter`] | the fences that order graph launches and eager work on memory their captures used, both ways |
 //! | [`GraphMemoryUsage`], [`trim_graph_memory`] | the driver's graph memory pool of a device |
 //! | [`GraphError`] | every graph-specific failure, inside [`DriverError::Graph`](crate::DriverError::Graph) |
@@ -51,7 +52,9 @@ pub use fences::{
     wait_for_graph_launches,
 };
 pub use handle::{Graph, GraphNodeType, KeepAlive};
-pub use launches::{LaunchMark, launched_since, synchronize_launches};
+pub use launches::{
+    HostBorrow, LaunchMark, host_borrowed_captures, launched_since, synchronize_launches,
+};
 pub use memory::{GraphMemoryUsage, graph_memory_usage, trim_graph_memory};
 
 pub(crate) use capture::{note_driver_failure, translate_driver_failure};

@@ -12,7 +12,9 @@
 //!
 //! - two uses of one buffer never race on the GPU, whatever streams they are on, and reads on
 //!   different streams run at the same time;
-//! - host access to pinned and unified buffers waits for (or refuses while) queued device work;
+//! - host access to pinned and unified buffers waits for (or refuses while) queued device work,
+//!   and its guard ([`HostSlice`], [`HostSliceMut`]) holds back the launches of graphs whose
+//!   captures conflict with it;
 //! - a buffer's memory is never reused or freed under queued work: a [`DeviceBuffer`] hands its
 //!   use events to its allocator on drop (which reuses the block only once they have passed, and
 //!   never blocks), pinned and unified buffers wait for them.
@@ -63,6 +65,7 @@ mod device;
 mod fill;
 mod graph_held;
 pub(crate) mod host;
+mod host_slice;
 mod pending;
 // Unsafe is allowed here too: the peer copy calls the driver's raw `cuMemcpyPeerAsync`.
 #[allow(unsafe_code)]
@@ -83,6 +86,7 @@ mod view;
 pub use common::Buffer;
 pub use device::DeviceBuffer;
 pub use host::{HostRefusal, HostSink, HostSource, host_refusal, split_host_refusal};
+pub use host_slice::{HostIter, HostIterMut, HostSlice, HostSliceMut};
 pub use peer::copy_peer;
 pub use pending::{MarkedCopy, PendingCopy};
 pub use pinned::PinnedBuffer;

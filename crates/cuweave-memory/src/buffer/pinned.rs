@@ -7,8 +7,10 @@ use cuweave_driver::Context;
 use cuweave_driver::memory::{DevicePtr, HostAllocFlags, HostAllocation};
 
 use super::common::{Buffer, BufferCore, CoreRef, sealed::Sealed};
+use super::host_slice::{HostSlice, HostSliceMut};
 use super::range::{allocation_bytes, check_range};
-use super::tracker::StreamTracker;
+use super::tracker::{Access, StreamTracker};
+use super::uses::ByteRange;
 use crate::element::Element;
 use crate::error::{MemoryError, Result};
 use crate::pinned_pool::{PinnedBlock, PinnedPool};
@@ -167,32 +169,57 @@ impl<T: Element> PinnedBuffer<T> {
         Ok(buffer)
     }
 
-    /// The elements, after waiting for every queued device use of the buffer (blocks).
-    pub fn as_slice(&self) -> Result<&[T]> {
-        self.core.tracker().synchronize()?;
-        self.host_slice()
+    /// The elements, after waiting for every queued device use of the buffer (blocks). While
+    /// the slice lives, graphs whose captures wrote the buffer are not launched (see
+    /// [`HostSlice`]).
+    ///
+    /// # Errors
+    /// As [`Buffer::synchronize`].
+    pub fn as_slice(&self) -> Result<HostSlice<'_, T>> {
+        let held = self
+            .core
+            .tracker()
+            .synchronize_for_host(self.whole(), Access::Read)?;
+        Ok(HostSlice::new(self.host_slice()?, held))
     }
 
     /// The elements, or `DeviceBusy` while queued device work may still use the buffer.
-    pub fn try_as_slice(&self) -> Result<&[T]> {
-        self.core
-            .tracker()
-            .ensure_idle("PinnedBuffer::try_as_slice")?;
-        self.host_slice()
+    pub fn try_as_slice(&self) -> Result<HostSlice<'_, T>> {
+        let held = self.core.tracker().ensure_idle_for_host(
+            self.whole(),
+            Access::Read,
+            "PinnedBuffer::try_as_slice",
+        )?;
+        Ok(HostSlice::new(self.host_slice()?, held))
     }
 
-    /// The elements, writable, after waiting for every queued device use (blocks).
-    pub fn as_mut_slice(&mut self) -> Result<&mut [T]> {
-        self.core.tracker().synchronize()?;
-        self.host_slice_mut()
+    /// The elements, writable, after waiting for every queued device use (blocks). While the
+    /// slice lives, graphs whose captures used the buffer are not launched (see
+    /// [`HostSliceMut`]).
+    ///
+    /// # Errors
+    /// As [`Buffer::synchronize`].
+    pub fn as_mut_slice(&mut self) -> Result<HostSliceMut<'_, T>> {
+        let held = self
+            .core
+            .tracker()
+            .synchronize_for_host(self.whole(), Access::Write)?;
+        Ok(HostSliceMut::new(self.host_slice_mut()?, held))
     }
 
     /// The elements, writable, or `DeviceBusy` while queued device work may use the buffer.
-    pub fn try_as_mut_slice(&mut self) -> Result<&mut [T]> {
-        self.core
-            .tracker()
-            .ensure_idle("PinnedBuffer::try_as_mut_slice")?;
-        self.host_slice_mut()
+    pub fn try_as_mut_slice(&mut self) -> Result<HostSliceMut<'_, T>> {
+        let held = self.core.tracker().ensure_idle_for_host(
+            self.whole(),
+            Access::Write,
+            "PinnedBuffer::try_as_mut_slice",
+        )?;
+        Ok(HostSliceMut::new(self.host_slice_mut()?, held))
+    }
+
+    /// Every byte of the buffer, as a tracked range.
+    fn whole(&self) -> ByteRange {
+        ByteRange::new(0, self.core.bytes())
     }
 
     /// The host address of element 0, for interop. Safe reads and writes go through

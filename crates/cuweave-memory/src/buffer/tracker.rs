@@ -52,8 +52,8 @@
 use std::sync::Arc;
 
 use cuweave_driver::graph::{
-    CaptureStatus, LaunchMark, LaunchesAfter, active_captures, capture_is_active, launched_since,
-    synchronize_launches,
+    CaptureStatus, HostBorrow, LaunchMark, LaunchesAfter, active_captures, capture_is_active,
+    launched_since, synchronize_launches,
 };
 use cuweave_driver::{Context, EventPool, OwnedPooledEvent, Stream};
 use parking_lot::{Mutex, MutexGuard};
@@ -327,6 +327,56 @@ impl StreamTracker {
                 stream: self.last_use().unwrap_or_default(),
             })
         }
+    }
+
+    /// Waits as [`synchronize`](Self::synchronize) does before a host `access` of `range`, and
+    /// returns the borrow that holds back the launches of graphs whose captures conflict with
+    /// that access (a read: captures that wrote bytes of it; a write: those that used some)
+    /// until it is dropped; `None` when no capture did.
+    ///
+    /// The borrow is registered before the wait: a launch it does not refuse was enqueued
+    /// before the wait began, so the wait covers it.
+    ///
+    /// # Errors
+    /// As [`synchronize`](Self::synchronize); the borrow ends with the error.
+    pub(crate) fn synchronize_for_host(
+        &self,
+        range: ByteRange,
+        access: Access,
+    ) -> Result<Option<HostBorrow>> {
+        let borrow = self.begin_host_borrow(range, access);
+        self.synchronize()?;
+        Ok(borrow)
+    }
+
+    /// As [`synchronize_for_host`](Self::synchronize_for_host), without blocking:
+    /// `Err(DeviceBusy)` unless every use has finished.
+    ///
+    /// # Errors
+    /// As [`ensure_idle`](Self::ensure_idle); the borrow ends with the error.
+    pub(crate) fn ensure_idle_for_host(
+        &self,
+        range: ByteRange,
+        access: Access,
+        operation: &'static str,
+    ) -> Result<Option<HostBorrow>> {
+        let borrow = self.begin_host_borrow(range, access);
+        self.ensure_idle(operation)?;
+        Ok(borrow)
+    }
+
+    fn begin_host_borrow(&self, range: ByteRange, access: Access) -> Option<HostBorrow> {
+        let conflicting = {
+            let state = self.state.lock();
+            if !state.used_in_graphs() {
+                return None;
+            }
+            state.launches_after(range, access)?
+        };
+        Some(HostBorrow::begin(match &conflicting {
+            FencedCaptures::These(captures) => LaunchesAfter::Captures(captures),
+            FencedCaptures::Any => LaunchesAfter::AnyCapture,
+        }))
     }
 
     /// How many uses are tracked (bounded by the merge rule of [`UseState::record_range`]).

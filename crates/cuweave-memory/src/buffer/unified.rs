@@ -4,12 +4,15 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cuweave_driver::Context;
+use cuweave_driver::graph::HostBorrow;
 use cuweave_driver::memory::ManagedAllocation;
 
 use super::common::{Buffer, BufferCore, CoreRef, sealed::Sealed};
+use super::host_slice::{HostSlice, HostSliceMut};
 use super::range::allocation_bytes;
 use super::raw;
-use super::tracker::StreamTracker;
+use super::tracker::{Access, StreamTracker};
+use super::uses::ByteRange;
 use crate::element::Element;
 use crate::error::Result;
 use crate::unified::ManagedCapabilities;
@@ -100,15 +103,20 @@ impl<T: Element> UnifiedBuffer<T> {
         })
     }
 
-    /// The elements, after waiting for every queued device use of the buffer (blocks).
+    /// The elements, after waiting for every queued device use of the buffer (blocks). While
+    /// the slice lives, graphs whose captures wrote the buffer are not launched (see
+    /// [`HostSlice`]).
     ///
     /// # Errors
     /// `CapabilityMissing` on devices without concurrent managed access: there any GPU work
     /// queued later in the context (by any thread) would fault the host's reads, which a slice
     /// cannot prevent; use the [`Buffer`] copies there.
-    pub fn as_slice(&self) -> Result<&[T]> {
-        self.wait_for_host("UnifiedBuffer::as_slice")?;
-        raw::managed_slice(self.managed(), self.core.len())
+    pub fn as_slice(&self) -> Result<HostSlice<'_, T>> {
+        let held = self.wait_for_host("UnifiedBuffer::as_slice", Access::Read)?;
+        Ok(HostSlice::new(
+            raw::managed_slice(self.managed(), self.core.len())?,
+            held,
+        ))
     }
 
     /// The elements, or `DeviceBusy` while queued device work may still use the buffer.
@@ -116,23 +124,34 @@ impl<T: Element> UnifiedBuffer<T> {
     /// # Errors
     /// `CapabilityMissing` on devices without concurrent managed access, as for
     /// [`as_slice`](Self::as_slice).
-    pub fn try_as_slice(&self) -> Result<&[T]> {
-        self.ensure_host_ready("UnifiedBuffer::try_as_slice")?;
-        raw::managed_slice(self.managed(), self.core.len())
+    pub fn try_as_slice(&self) -> Result<HostSlice<'_, T>> {
+        let held = self.ensure_host_ready("UnifiedBuffer::try_as_slice", Access::Read)?;
+        Ok(HostSlice::new(
+            raw::managed_slice(self.managed(), self.core.len())?,
+            held,
+        ))
     }
 
-    /// The elements, writable, after waiting for every queued device use (blocks).
-    pub fn as_mut_slice(&mut self) -> Result<&mut [T]> {
-        self.wait_for_host("UnifiedBuffer::as_mut_slice")?;
+    /// The elements, writable, after waiting for every queued device use (blocks). While the
+    /// slice lives, graphs whose captures used the buffer are not launched (see
+    /// [`HostSliceMut`]).
+    pub fn as_mut_slice(&mut self) -> Result<HostSliceMut<'_, T>> {
+        let held = self.wait_for_host("UnifiedBuffer::as_mut_slice", Access::Write)?;
         let len = self.core.len();
-        raw::managed_slice_mut(self.managed_mut(), len)
+        Ok(HostSliceMut::new(
+            raw::managed_slice_mut(self.managed_mut(), len)?,
+            held,
+        ))
     }
 
     /// The elements, writable, or `DeviceBusy` while queued device work may use the buffer.
-    pub fn try_as_mut_slice(&mut self) -> Result<&mut [T]> {
-        self.ensure_host_ready("UnifiedBuffer::try_as_mut_slice")?;
+    pub fn try_as_mut_slice(&mut self) -> Result<HostSliceMut<'_, T>> {
+        let held = self.ensure_host_ready("UnifiedBuffer::try_as_mut_slice", Access::Write)?;
         let len = self.core.len();
-        raw::managed_slice_mut(self.managed_mut(), len)
+        Ok(HostSliceMut::new(
+            raw::managed_slice_mut(self.managed_mut(), len)?,
+            held,
+        ))
     }
 
     /// The driver allocation, for interop.
@@ -152,14 +171,24 @@ impl<T: Element> UnifiedBuffer<T> {
             .expect("a UnifiedBuffer holds its allocation until it is dropped")
     }
 
-    fn wait_for_host(&self, operation: &'static str) -> Result<()> {
+    fn wait_for_host(&self, operation: &'static str, access: Access) -> Result<Option<HostBorrow>> {
         self.require_concurrent_access(operation)?;
-        self.core.tracker().synchronize()
+        self.core
+            .tracker()
+            .synchronize_for_host(ByteRange::new(0, self.core.bytes()), access)
     }
 
-    fn ensure_host_ready(&self, operation: &'static str) -> Result<()> {
+    fn ensure_host_ready(
+        &self,
+        operation: &'static str,
+        access: Access,
+    ) -> Result<Option<HostBorrow>> {
         self.require_concurrent_access(operation)?;
-        self.core.tracker().ensure_idle(operation)
+        self.core.tracker().ensure_idle_for_host(
+            ByteRange::new(0, self.core.bytes()),
+            access,
+            operation,
+        )
     }
 
     /// Host slices need concurrent managed access: without it, any GPU work queued later in the
