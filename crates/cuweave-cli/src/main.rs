@@ -65,7 +65,11 @@ enum Command {
         #[arg(long, value_name = "FILE.json")]
         save_calibration: Option<std::path::PathBuf>,
         /// Measure nothing: show (and --plot) a report saved earlier with --json.
-        #[arg(long, value_name = "FILE.json", conflicts_with_all = ["sizes", "save_calibration"])]
+        #[arg(
+            long,
+            value_name = "FILE.json",
+            conflicts_with_all = ["sizes", "iterations", "save_calibration"]
+        )]
         from_json: Option<std::path::PathBuf>,
     },
 }
@@ -156,7 +160,11 @@ fn bench_command(
 fn replay(path: &std::path::Path, json: bool, plot: Option<std::path::PathBuf>) -> ExitCode {
     let report = std::fs::read_to_string(path)
         .map_err(|error| error.to_string())
-        .and_then(|text| serde_json::from_str(&text).map_err(|error| error.to_string()));
+        .and_then(|text| {
+            serde_json::from_str::<bench::report::BenchReport>(&text)
+                .map_err(|error| error.to_string())
+        })
+        .and_then(|report| report.check().map(|()| report));
     match report {
         Ok(report) => show(&report, json, plot),
         Err(error) => {

@@ -504,6 +504,11 @@ fn bad_bench_values_are_refused_before_anything_is_measured() {
             ],
             &["--save-calibration", "--from-json"],
         ),
+        // A replay repeats nothing: the report says how many runs its medians came from.
+        (
+            &["bench", "--from-json", "r.json", "--iterations", "9"],
+            &["--iterations", "--from-json"],
+        ),
     ] {
         let output = assert_refused(args, mentions);
         assert_eq!(output.status.code(), Some(2), "{}", describe(args, &output));
@@ -613,6 +618,27 @@ fn reports_that_are_missing_empty_or_malformed_are_refused_with_the_file_named()
             "negative-chunk.json",
             FOREIGN_REPORT.replace("\"chunk_bytes\": 4194304", "\"chunk_bytes\": -1"),
             "-1",
+        ),
+        // Parsed, then refused as the calibration loader refuses such figures.
+        (
+            "negative-bandwidth.json",
+            FOREIGN_REPORT.replace("\"gbps\": 20.0", "\"gbps\": -20.0"),
+            "-20 is not a measured figure",
+        ),
+        (
+            "negative-latency.json",
+            FOREIGN_REPORT.replace("\"micros\": 5.5", "\"micros\": -5.5"),
+            "latency H2D raw pinned",
+        ),
+        (
+            "zero-iterations.json",
+            FOREIGN_REPORT.replace("\"iterations\": 3", "\"iterations\": 0"),
+            "`iterations` is 0",
+        ),
+        (
+            "two-byte-size.json",
+            FOREIGN_REPORT.replace("[4096, 1048576]", "[2, 1048576]"),
+            "2 bytes",
         ),
     ];
     let mut paths = vec![(missing.clone(), "No such file".to_owned())];

@@ -125,6 +125,60 @@ pub fn parse_size(text: &str) -> Result<usize, String> {
 pub const MIN_SIZE: usize = 4;
 
 impl BenchReport {
+    /// Checks a report read back from JSON (`--from-json`) for figures no run can measure: no
+    /// iterations, sizes under [`MIN_SIZE`], and bandwidths or latencies that are negative (the
+    /// JSON cannot hold a NaN or an infinity), so that a bad file is refused as the calibration
+    /// loader refuses one, rather than printed and plotted.
+    ///
+    /// # Errors
+    /// What is wrong, and where.
+    pub fn check(&self) -> Result<(), String> {
+        if self.iterations == 0 {
+            return Err("`iterations` is 0: a report holds the median of at least one run".into());
+        }
+        let sizes = self.sizes.iter().copied().chain(
+            self.series
+                .iter()
+                .flat_map(|s| s.points.iter().map(|p| p.bytes)),
+        );
+        for bytes in sizes {
+            if bytes < MIN_SIZE {
+                return Err(format!(
+                    "a size of {bytes} bytes: the bench measures sizes from {MIN_SIZE} bytes"
+                ));
+            }
+        }
+        let figure = |value: f64, what: &dyn Fn() -> String| {
+            if value.is_finite() && value >= 0.0 {
+                Ok(())
+            } else {
+                Err(format!("{}: {value} is not a measured figure", what()))
+            }
+        };
+        for series in &self.series {
+            for point in &series.points {
+                figure(point.gbps, &|| {
+                    format!(
+                        "{} {} at {} bytes, GB/s",
+                        series.direction, series.method, point.bytes
+                    )
+                })?;
+            }
+        }
+        for latency in &self.latency {
+            figure(latency.micros, &|| format!("latency {}, µs", latency.name))?;
+        }
+        for case in &self.concurrent {
+            figure(case.raw_gbps, &|| {
+                format!("{}, {} GB/s", case.case, case.raw)
+            })?;
+            figure(case.cuweave_gbps, &|| {
+                format!("{}, cuweave GB/s", case.case)
+            })?;
+        }
+        Ok(())
+    }
+
     /// The report as text: a table per direction (sizes down, methods across, GB/s), then the
     /// latencies.
     pub fn text(&self) -> String {
@@ -247,6 +301,24 @@ pub(crate) mod tests {
                 threads: 12,
             },
         }
+    }
+
+    #[test]
+    fn a_sample_report_passes_its_check_and_bad_figures_fail_it() {
+        let good = sample();
+        assert_eq!(good.check(), Ok(()));
+        let mut negative = sample();
+        negative.series[0].points[0].gbps = -1.0;
+        assert!(negative.check().unwrap_err().contains("-1"));
+        let mut latency = sample();
+        latency.latency[0].micros = -0.5;
+        assert!(latency.check().unwrap_err().contains("latency"));
+        let mut tiny = sample();
+        tiny.sizes[0] = 0;
+        assert!(tiny.check().unwrap_err().contains("0 bytes"));
+        let mut none = sample();
+        none.iterations = 0;
+        assert!(none.check().is_err());
     }
 
     #[test]
