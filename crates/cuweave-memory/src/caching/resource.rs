@@ -7,108 +7,19 @@ use std::sync::Arc;
 use cuweave_driver::graph::{GraphError, active_captures};
 use cuweave_driver::memory::DevicePtr;
 use cuweave_driver::{Context, Device, Stream};
-use dashmap::DashMap;
 
 use super::allocation::CachedAllocation;
 use super::allocator::CachingAllocator;
 use super::graph_pool::{GraphHeld, defer_until_no_capture, synchronize_once};
 use super::stream_uses::StreamKey;
 use crate::error::{MemoryError, Result};
-use crate::resource::{MemoryResource, check_stream, refused_free};
+use crate::resource::{LiveAllocations, MemoryResource, check_stream};
 
-/// One live allocation: the bytes asked for, the stream it was asked on, and what frees it.
+/// What the books keep with a live allocation: the stream it was asked on, and what frees it.
 #[derive(Debug)]
-struct Live<A> {
-    bytes: usize,
+struct Held {
     stream: StreamKey,
-    /// Allocated owned ([`MemoryResource::allocate_owned`]): only its owner frees it.
-    owned: bool,
-    allocation: A,
-}
-
-/// The live allocations of a resource, by address: an entry goes in at `allocate` and out at the
-/// `deallocate` that frees it, so the map holds exactly what is live (a bounded registry).
-#[derive(Debug)]
-struct Registry<A> {
-    live: DashMap<DevicePtr, Live<A>>,
-}
-
-impl<A> Registry<A> {
-    fn new() -> Self {
-        Self {
-            live: DashMap::new(),
-        }
-    }
-
-    fn insert(&self, ptr: DevicePtr, bytes: usize, stream: StreamKey, owned: bool, allocation: A) {
-        let previous = self.live.insert(
-            ptr,
-            Live {
-                bytes,
-                stream,
-                owned,
-                allocation,
-            },
-        );
-        // The cache never hands out a live block twice.
-        debug_assert!(previous.is_none(), "address {ptr:#x} handed out twice");
-    }
-
-    /// The stream `ptr` was allocated on, when it is live with `bytes` and, as `owned` says,
-    /// allocated owned or not.
-    fn stream_of(
-        &self,
-        ptr: DevicePtr,
-        bytes: usize,
-        owned: bool,
-        operation: &'static str,
-    ) -> Result<StreamKey> {
-        let recorded = self
-            .live
-            .get(&ptr)
-            .map(|live| (live.bytes, live.owned, live.stream));
-        match recorded {
-            Some((size, marked, stream)) if size == bytes && marked == owned => Ok(stream),
-            other => Err(refused_free(
-                ptr,
-                bytes,
-                other.map(|(size, marked, _)| (size, marked)),
-                owned,
-                operation,
-            )),
-        }
-    }
-
-    /// Takes `ptr` out when it is live with `bytes` and `owned` as it was allocated; otherwise
-    /// leaves everything as it is.
-    fn take(
-        &self,
-        ptr: DevicePtr,
-        bytes: usize,
-        owned: bool,
-        operation: &'static str,
-    ) -> Result<A> {
-        let taken = self
-            .live
-            .remove_if(&ptr, |_, live| live.bytes == bytes && live.owned == owned);
-        if let Some((_, live)) = taken {
-            return Ok(live.allocation);
-        }
-        let recorded = self.live.get(&ptr).map(|live| (live.bytes, live.owned));
-        Err(refused_free(ptr, bytes, recorded, owned, operation))
-    }
-
-    fn len(&self) -> usize {
-        self.live.len()
-    }
-
-    /// Takes every live allocation out.
-    fn drain(&mut self) -> Vec<A> {
-        std::mem::take(&mut self.live)
-            .into_iter()
-            .map(|(_, live)| live.allocation)
-            .collect()
-    }
+    allocation: CachedAllocation,
 }
 
 /// Allocations still live when their resource was dropped: nobody can free them by address any
@@ -196,7 +107,7 @@ impl GraphHeld for LeftOver {
 pub struct CachingResource {
     allocator: CachingAllocator,
     name: String,
-    live: Registry<CachedAllocation>,
+    live: LiveAllocations<Held>,
 }
 
 impl CachingResource {
@@ -206,7 +117,7 @@ impl CachingResource {
         Self {
             allocator,
             name,
-            live: Registry::new(),
+            live: LiveAllocations::new(),
         }
     }
 
@@ -245,8 +156,9 @@ impl CachingResource {
         let ptr = grant.ptr;
         let key = grant.stream;
         let allocation = CachedAllocation::new(shard, grant, bytes, key);
+        let stream = StreamKey::of(stream);
         self.live
-            .insert(ptr, bytes, StreamKey::of(stream), owned, allocation);
+            .insert(ptr, bytes, owned, Held { stream, allocation });
         Ok(ptr)
     }
 
@@ -265,14 +177,20 @@ impl CachingResource {
         // too, which may use them on any stream at once: it must not come back before the
         // work queued on the stream so far has run (a typed buffer freed by the legacy stream,
         // its allocating one, was otherwise written on another stream under its last reader).
-        if self.live.stream_of(ptr, bytes, owned, OPERATION)? == StreamKey::of(stream)
-            && active_captures() != 0
-        {
-            return self.live.take(ptr, bytes, owned, OPERATION)?.free();
+        let allocated_on = self
+            .live
+            .check(ptr, bytes, owned, OPERATION, |held| held.stream)?;
+        if allocated_on == StreamKey::of(stream) && active_captures() != 0 {
+            return self
+                .live
+                .take(ptr, bytes, owned, OPERATION)?
+                .allocation
+                .free();
         }
         refuse_cross_stream_during_capture()?;
         self.live
             .take(ptr, bytes, owned, OPERATION)?
+            .allocation
             .free_after_stream(stream)
     }
 }
@@ -313,7 +231,12 @@ impl MemoryResource for CachingResource {
 
 impl Drop for CachingResource {
     fn drop(&mut self) {
-        let allocations = self.live.drain();
+        let allocations: Vec<CachedAllocation> = self
+            .live
+            .drain()
+            .into_iter()
+            .map(|held| held.allocation)
+            .collect();
         if allocations.is_empty() {
             return;
         }
@@ -341,127 +264,6 @@ impl fmt::Debug for CachingResource {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rstest::rstest;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    const OP: &str = "test";
-
-    /// Counts its drops: a registry entry freed exactly once.
-    #[derive(Debug)]
-    struct Probe(Arc<AtomicUsize>);
-
-    impl Drop for Probe {
-        fn drop(&mut self) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    fn key(raw: usize) -> StreamKey {
-        StreamKey::from_raw(raw)
-    }
-
-    #[rstest]
-    #[case::right(0x1000, 256, false, Ok(7))]
-    #[case::wrong_size(0x1000, 255, false, Err(MemoryError::SizeMismatch { operation: OP, expected: 256, actual: 255 }))]
-    #[case::unknown(0x2000, 256, false, Err(MemoryError::UnknownAllocation { operation: OP, ptr: 0x2000 }))]
-    #[case::interior(0x1001, 256, false, Err(MemoryError::UnknownAllocation { operation: OP, ptr: 0x1001 }))]
-    #[case::owned_freed_by_address(0x3000, 256, false, Err(MemoryError::OwnedAllocation { operation: OP, ptr: 0x3000 }))]
-    #[case::owner_freeing_a_plain_one(0x1000, 256, true, Err(MemoryError::UnknownAllocation { operation: OP, ptr: 0x1000 }))]
-    #[case::owner_freeing_its_own(0x3000, 256, true, Ok(9))]
-    fn a_bad_free_is_typed_and_leaves_the_allocation_live(
-        #[case] ptr: DevicePtr,
-        #[case] bytes: usize,
-        #[case] owned: bool,
-        #[case] outcome: Result<usize>,
-    ) {
-        let registry = Registry::new();
-        registry.insert(0x1000, 256, key(7), false, ());
-        registry.insert(0x3000, 256, key(9), true, ());
-        assert_eq!(
-            registry
-                .stream_of(ptr, bytes, owned, OP)
-                .map(StreamKey::as_usize),
-            outcome
-        );
-        let taken = registry.take(ptr, bytes, owned, OP);
-        assert_eq!(taken.is_ok(), outcome.is_ok());
-        if let Err(error) = taken {
-            assert_eq!(Err(error), outcome);
-            assert_eq!(registry.len(), 2, "a refused free leaves it live");
-            registry.take(0x1000, 256, false, OP).unwrap();
-            registry.take(0x3000, 256, true, OP).unwrap();
-        } else if ptr == 0x1000 {
-            registry.take(0x3000, 256, true, OP).unwrap();
-        } else {
-            registry.take(0x1000, 256, false, OP).unwrap();
-        }
-        assert_eq!(
-            registry.take(0x1000, 256, false, OP),
-            Err(MemoryError::UnknownAllocation {
-                operation: OP,
-                ptr: 0x1000
-            }),
-            "a second free is refused"
-        );
-        assert_eq!(registry.len(), 0);
-    }
-
-    #[test]
-    fn holds_exactly_the_live_allocations_over_100k_cycles() {
-        const SHARDS: usize = 4;
-        const WINDOW: u64 = 8;
-        // Four shards, so that the bound on the tables does not depend on this machine's cores.
-        let registry = Registry {
-            live: DashMap::with_shard_amount(SHARDS),
-        };
-        let freed = Arc::new(AtomicUsize::new(0));
-        let mut most = 0;
-        for i in 0..100_000u64 {
-            // Fresh addresses every time, as a cache handing out blocks of many segments does.
-            registry.insert(i * 512, 512, key(1), false, Probe(Arc::clone(&freed)));
-            if i >= WINDOW {
-                drop(registry.take((i - WINDOW) * 512, 512, false, OP).unwrap());
-            }
-            assert_eq!(registry.len() as u64, (i + 1).min(WINDOW));
-            most = most.max(registry.live.capacity());
-        }
-        assert_eq!(freed.load(Ordering::SeqCst), 100_000 - WINDOW as usize);
-        // A shard never holds more than WINDOW entries, so its table never passes 32 buckets
-        // (28 slots): removed entries' slots are reclaimed by rehashing in place, not growth.
-        assert!(
-            most <= SHARDS * 28,
-            "the map grew with the cycles, not with what is live: {most} slots"
-        );
-        drop(registry);
-        assert_eq!(
-            freed.load(Ordering::SeqCst),
-            100_000,
-            "dropping the registry frees what was live"
-        );
-    }
-
-    #[test]
-    fn concurrent_frees_of_one_address_free_it_once() {
-        let registry = Arc::new(Registry::new());
-        let freed = Arc::new(AtomicUsize::new(0));
-        for round in 0..200u64 {
-            registry.insert(round, 64, key(1), false, Probe(Arc::clone(&freed)));
-            let winners: usize = (0..4)
-                .map(|_| {
-                    let registry = Arc::clone(&registry);
-                    std::thread::spawn(move || {
-                        usize::from(registry.take(round, 64, false, OP).is_ok())
-                    })
-                })
-                .collect::<Vec<_>>()
-                .into_iter()
-                .map(|thread| thread.join().unwrap())
-                .sum();
-            assert_eq!(winners, 1, "exactly one free succeeds");
-        }
-        assert_eq!(freed.load(Ordering::SeqCst), 200);
-        assert_eq!(registry.len(), 0);
-    }
 
     #[test]
     fn is_a_send_sync_resource() {

@@ -9,9 +9,8 @@ use std::sync::Arc;
 
 use cuweave_driver::memory::{self, DevicePtr, MemoryPool};
 use cuweave_driver::{Context, Stream};
-use dashmap::DashMap;
 
-use super::{MemoryResource, check_request, check_stream, refused_free};
+use super::{LiveAllocations, MemoryResource, check_request, check_stream};
 use crate::error::Result;
 
 /// Stream-ordered device memory (`cuMemAllocFromPoolAsync` / `cuMemFreeAsync`) from a private
@@ -44,8 +43,8 @@ use crate::error::Result;
 #[derive(Debug)]
 pub struct AsyncPoolResource {
     pool: MemoryPool,
-    /// The live allocations: their sizes, and whether each was allocated owned.
-    live: DashMap<DevicePtr, (usize, bool)>,
+    /// The live allocations, by address.
+    live: LiveAllocations<()>,
 }
 
 impl AsyncPoolResource {
@@ -59,7 +58,7 @@ impl AsyncPoolResource {
         pool.set_release_threshold(u64::MAX)?;
         Ok(Self {
             pool,
-            live: DashMap::new(),
+            live: LiveAllocations::new(),
         })
     }
 
@@ -82,7 +81,7 @@ impl AsyncPoolResource {
         // streams' uses after `stream` is the caller's part of the stream-ordered contract every
         // resource has.
         let ptr = unsafe { self.pool.alloc_async(bytes, stream) }?;
-        self.live.insert(ptr, (bytes, owned));
+        self.live.insert(ptr, bytes, owned, ());
         Ok(ptr)
     }
 
@@ -95,21 +94,14 @@ impl AsyncPoolResource {
     ) -> Result<()> {
         const OPERATION: &str = "AsyncPoolResource::deallocate";
         check_stream(self.device(), stream, OPERATION)?;
-        if self
-            .live
-            .remove_if(&ptr, |_, &(size, marked)| size == bytes && marked == owned)
-            .is_none()
-        {
-            let recorded = self.live.get(&ptr).map(|entry| *entry);
-            return Err(refused_free(ptr, bytes, recorded, owned, OPERATION));
-        }
+        self.live.take(ptr, bytes, owned, OPERATION)?;
         // SAFETY: `ptr` was allocated from this pool by `allocate_marked` and was still in
         // `live`, which we just took it out of: no other call can free it again.
         match unsafe { memory::free_async(ptr, stream) } {
             Ok(()) => Ok(()),
             Err(error) => {
                 // Not freed: keep it on the books so that a later deallocate can still free it.
-                self.live.insert(ptr, (bytes, owned));
+                self.live.insert(ptr, bytes, owned, ());
                 Err(error.into())
             }
         }

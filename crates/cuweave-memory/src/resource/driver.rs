@@ -2,12 +2,10 @@
 
 use std::sync::Arc;
 
+use super::{LiveAllocations, MemoryResource, check_request, check_stream};
+use crate::error::Result;
 use cuweave_driver::memory::{DeviceAllocation, DevicePtr};
 use cuweave_driver::{Context, Stream};
-use dashmap::DashMap;
-
-use super::{MemoryResource, check_request, check_stream, refused_free};
-use crate::error::Result;
 
 /// Device memory from `cuMemAlloc`, freed with `cuMemFree`: the base resource, and the slowest
 /// (each call is a driver round trip, and `cuMemFree` waits for the device).
@@ -33,8 +31,8 @@ use crate::error::Result;
 #[derive(Debug)]
 pub struct DriverResource {
     context: Arc<Context>,
-    /// The live allocations, each with whether it was allocated owned.
-    live: DashMap<DevicePtr, (DeviceAllocation, bool)>,
+    /// The live allocations, by address.
+    live: LiveAllocations<DeviceAllocation>,
 }
 
 impl DriverResource {
@@ -42,7 +40,7 @@ impl DriverResource {
     pub fn new(context: &Arc<Context>) -> Self {
         Self {
             context: Arc::clone(context),
-            live: DashMap::new(),
+            live: LiveAllocations::new(),
         }
     }
 
@@ -55,7 +53,7 @@ impl DriverResource {
         check_request(self.device(), bytes, stream, "DriverResource::allocate")?;
         let allocation = DeviceAllocation::new(&self.context, bytes)?;
         let ptr = allocation.ptr();
-        self.live.insert(ptr, (allocation, owned));
+        self.live.insert(ptr, bytes, owned, allocation);
         Ok(ptr)
     }
 
@@ -68,14 +66,8 @@ impl DriverResource {
     ) -> Result<()> {
         const OPERATION: &str = "DriverResource::deallocate";
         check_stream(self.device(), stream, OPERATION)?;
-        // The map's shard lock is released before the (blocking) cuMemFree.
-        let taken = self
-            .live
-            .remove_if(&ptr, |_, (a, marked)| a.len() == bytes && *marked == owned);
-        let Some((_, (allocation, _))) = taken else {
-            let recorded = self.live.get(&ptr).map(|entry| (entry.0.len(), entry.1));
-            return Err(refused_free(ptr, bytes, recorded, owned, OPERATION));
-        };
+        // Off the books (the map's lock released) before the blocking cuMemFree.
+        let allocation = self.live.take(ptr, bytes, owned, OPERATION)?;
         Ok(allocation.free()?)
     }
 }

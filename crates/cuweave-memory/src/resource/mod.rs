@@ -46,12 +46,14 @@ use crate::error::{MemoryError, Result};
 mod async_pool;
 mod driver;
 mod limit;
+mod live;
 mod statistics;
 
 pub use crate::caching::CachingResource;
 pub use async_pool::AsyncPoolResource;
 pub use driver::DriverResource;
 pub use limit::LimitAdaptor;
+pub(crate) use live::LiveAllocations;
 pub use statistics::{ResourceStats, StatisticsAdaptor};
 
 /// A source of device memory whose allocations and frees are ordered on streams (RMM's
@@ -227,27 +229,4 @@ pub(crate) fn check_request(
         return Err(MemoryError::ZeroLength { operation });
     }
     check_stream(device, stream, operation)
-}
-
-/// The error for a free (`owned`: by its owner, through
-/// [`MemoryResource::deallocate_owned`]) that did not take `ptr` off a resource's books:
-/// `recorded` is the size it is known by and whether it was allocated owned, if it is there at
-/// all. Memory allocated owned is only ever freed by its owner, and the other way round.
-pub(crate) fn refused_free(
-    ptr: DevicePtr,
-    bytes: usize,
-    recorded: Option<(usize, bool)>,
-    owned: bool,
-    operation: &'static str,
-) -> MemoryError {
-    match recorded {
-        Some((_, true)) if !owned => MemoryError::OwnedAllocation { operation, ptr },
-        Some((_, false)) if owned => MemoryError::UnknownAllocation { operation, ptr },
-        Some((expected, _)) => MemoryError::SizeMismatch {
-            operation,
-            expected,
-            actual: bytes,
-        },
-        None => MemoryError::UnknownAllocation { operation, ptr },
-    }
 }
