@@ -244,6 +244,24 @@ macro_rules! compare_as_slices {
             }
         }
 
+        impl<T: PartialEq<U>, U> PartialEq<&Vec<U>> for $guard<'_, T> {
+            fn eq(&self, other: &&Vec<U>) -> bool {
+                self.elements[..] == other[..]
+            }
+        }
+
+        impl<T: PartialEq<U>, U> PartialEq<&mut [U]> for $guard<'_, T> {
+            fn eq(&self, other: &&mut [U]) -> bool {
+                self.elements[..] == **other
+            }
+        }
+
+        impl<T: PartialEq<U>, U> PartialEq<$guard<'_, U>> for $guard<'_, T> {
+            fn eq(&self, other: &$guard<'_, U>) -> bool {
+                self.elements[..] == other.elements[..]
+            }
+        }
+
         impl<T, U: PartialEq<T>> PartialEq<$guard<'_, T>> for Vec<U> {
             fn eq(&self, other: &$guard<'_, T>) -> bool {
                 self[..] == other.elements[..]
@@ -286,6 +304,8 @@ mod tests {
         assert_eq!(slice, &[1, 2, 3]);
         assert_eq!(slice, vec![1, 2, 3]);
         assert_eq!(vec![1, 2, 3], slice);
+        assert_eq!(slice, &vec![1, 2, 3]);
+        assert_eq!(slice, HostSlice::new(&[1u32, 2, 3], None));
         assert_eq!(&data[..], slice);
         assert_ne!(slice, [1, 2, 4]);
         assert_eq!(format!("{slice:?}"), "[1, 2, 3]");
