@@ -572,7 +572,11 @@ fn read_mostly_weights_read_on_two_streams_are_updated_by_the_host_after_both_re
     };
     let (on_a, on_b) = (checksum(&a, &weights), checksum(&b, &weights));
     assert_eq!(weights.concurrent_readers(), 2);
-    for w in weights.as_mut_slice().expect("waits for both readers") {
+    for w in weights
+        .as_mut_slice()
+        .expect("waits for both readers")
+        .iter_mut()
+    {
         *w += 1;
     }
     assert_eq!(

@@ -177,7 +177,8 @@ struct RefusesFirstFree {
     freed: AtomicUsize,
 }
 
-impl MemoryResource for RefusesFirstFree {
+// SAFETY: hands out exactly what the driver resource does, and frees through it (or refuses).
+unsafe impl MemoryResource for RefusesFirstFree {
     fn allocate(&self, bytes: usize, stream: &Stream) -> cuweave_memory::Result<DevicePtr> {
         self.upstream.allocate(bytes, stream)
     }

@@ -10,6 +10,17 @@
 //! used it. Such a launch is refused with
 //! [`GraphError::HostBorrowed`](cuweave_driver::GraphError::HostBorrowed) until the guard is
 //! dropped. Other graphs, and buffers no capture used, cost nothing more.
+//!
+//! Everything borrowed from a guard borrows the guard: elements, subslices and iterators come
+//! through `Deref` or `&guard` / `&mut guard`, so none outlives it. (A guard does not iterate by
+//! value: the items would outlive the guard, and with it the hold on the launches.)
+//!
+//! ```compile_fail
+//! # fn leak(buffer: &cuweave_memory::PinnedBuffer<u32>) -> cuweave_memory::Result<()> {
+//! let items: Vec<&u32> = buffer.as_slice()?.into_iter().collect();
+//! assert_eq!(*items[0], 7); // the guard is gone by here
+//! # Ok(()) }
+//! ```
 
 use std::fmt;
 use std::ops::{Deref, DerefMut};
@@ -113,73 +124,6 @@ impl<T: fmt::Debug> fmt::Debug for HostSlice<'_, T> {
 impl<T: fmt::Debug> fmt::Debug for HostSliceMut<'_, T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.elements.fmt(f)
-    }
-}
-
-/// The elements of a [`HostSlice`] taken by value (`for x in buffer.as_slice()?`); holds back
-/// the same launches until it is dropped.
-#[derive(Debug)]
-pub struct HostIter<'a, T> {
-    elements: std::slice::Iter<'a, T>,
-    _launches_held: Option<HostBorrow>,
-}
-
-/// The elements of a [`HostSliceMut`] taken by value (`for x in buffer.as_mut_slice()?`);
-/// holds back the same launches until it is dropped.
-#[derive(Debug)]
-pub struct HostIterMut<'a, T> {
-    elements: std::slice::IterMut<'a, T>,
-    _launches_held: Option<HostBorrow>,
-}
-
-impl<'a, T> Iterator for HostIter<'a, T> {
-    type Item = &'a T;
-
-    fn next(&mut self) -> Option<&'a T> {
-        self.elements.next()
-    }
-
-    fn size_hint(&self) -> (usize, Option<usize>) {
-        self.elements.size_hint()
-    }
-}
-
-impl<'a, T> Iterator for HostIterMut<'a, T> {
-    type Item = &'a mut T;
-
-    fn next(&mut self) -> Option<&'a mut T> {
-        self.elements.next()
-    }
-
-    fn size_hint(&self) -> (usize, Option<usize>) {
-        self.elements.size_hint()
-    }
-}
-
-impl<T> ExactSizeIterator for HostIter<'_, T> {}
-impl<T> ExactSizeIterator for HostIterMut<'_, T> {}
-
-impl<'a, T> IntoIterator for HostSlice<'a, T> {
-    type Item = &'a T;
-    type IntoIter = HostIter<'a, T>;
-
-    fn into_iter(self) -> HostIter<'a, T> {
-        HostIter {
-            elements: self.elements.iter(),
-            _launches_held: self._launches_held,
-        }
-    }
-}
-
-impl<'a, T> IntoIterator for HostSliceMut<'a, T> {
-    type Item = &'a mut T;
-    type IntoIter = HostIterMut<'a, T>;
-
-    fn into_iter(self) -> HostIterMut<'a, T> {
-        HostIterMut {
-            elements: self.elements.iter_mut(),
-            _launches_held: self._launches_held,
-        }
     }
 }
 
@@ -322,10 +266,11 @@ mod tests {
             assert_eq!(slice, [1, 8, 7, 6]);
         }
         assert_eq!(data, [1, 8, 7, 6]);
-        for x in HostSliceMut::new(&mut data, None) {
+        let mut slice = HostSliceMut::new(&mut data, None);
+        for x in &mut slice {
             *x += 1;
         }
-        let sum: u8 = HostSlice::new(&data, None).into_iter().sum();
+        let sum: u8 = (&slice).into_iter().sum();
         assert_eq!(sum, 2 + 9 + 8 + 7);
     }
 

@@ -86,7 +86,7 @@ mod view;
 pub use common::Buffer;
 pub use device::DeviceBuffer;
 pub use host::{HostRefusal, HostSink, HostSource, host_refusal, split_host_refusal};
-pub use host_slice::{HostIter, HostIterMut, HostSlice, HostSliceMut};
+pub use host_slice::{HostSlice, HostSliceMut};
 pub use peer::copy_peer;
 pub use pending::{MarkedCopy, PendingCopy};
 pub use pinned::PinnedBuffer;

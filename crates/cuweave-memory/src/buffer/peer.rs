@@ -22,7 +22,8 @@ use crate::error::Result;
 ///
 /// # Errors
 /// `ZeroLength` / `OutOfRange` for bad ranges on either side, `WrongDevice` when `stream` is not
-/// on `dst`'s device, the driver's error otherwise.
+/// on `dst`'s device, `GraphError::Capturing` on a capturing stream (or while a capture forbids
+/// the wait), the driver's error otherwise.
 pub fn copy_peer<T, D, S>(
     dst: &mut D,
     dst_offset: usize,
@@ -37,6 +38,10 @@ where
     S: Buffer<T> + ?Sized,
 {
     const OP: &str = "copy_peer";
+    // A blocking copy: on a capturing stream the copy would be recorded, not run, and the wait
+    // for it refused, leaving a node that reads `src` whenever the graph runs while nothing
+    // records that read. Refused before anything is queued.
+    cuweave_driver::graph::refuse_while_capturing(Some(stream), OP)?;
     let (dst, src) = (dst.core(), src.core());
     let (dst_span, src_span) = (
         dst.span(OP, dst_offset, len)?,

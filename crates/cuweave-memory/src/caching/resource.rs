@@ -195,7 +195,11 @@ impl CachingResource {
     }
 }
 
-impl MemoryResource for CachingResource {
+// SAFETY: blocks come from the caching allocator, which hands a block to one owner at a time and
+// takes it back only after the uses recorded on its free have finished; `live` takes each
+// address off its books once, and any other free is refused.
+#[allow(unsafe_code)]
+unsafe impl MemoryResource for CachingResource {
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
         self.allocate_marked(bytes, stream, false)
     }

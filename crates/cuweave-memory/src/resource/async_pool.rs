@@ -10,7 +10,9 @@ use std::sync::Arc;
 use cuweave_driver::memory::{self, DevicePtr, MemoryPool};
 use cuweave_driver::{Context, Stream};
 
-use super::{LiveAllocations, MemoryResource, check_request, check_stream};
+use super::{
+    LiveAllocations, MemoryResource, check_request, check_stream, refuse_capturing_stream,
+};
 use crate::error::Result;
 
 /// Stream-ordered device memory (`cuMemAllocFromPoolAsync` / `cuMemFreeAsync`) from a private
@@ -76,6 +78,12 @@ impl AsyncPoolResource {
 impl AsyncPoolResource {
     fn allocate_marked(&self, bytes: usize, stream: &Stream, owned: bool) -> Result<DevicePtr> {
         check_request(self.device(), bytes, stream, "AsyncPoolResource::allocate")?;
+        if owned {
+            // Typed buffers own what they allocate: on a capturing stream that would be an
+            // allocation node, memory that exists only while the graph runs. (A raw allocation
+            // there is the stream-ordered allocator's graph allocation, freed in its capture.)
+            refuse_capturing_stream(stream, "AsyncPoolResource::allocate_owned")?;
+        }
         // SAFETY: the pointer is recorded in `live` and freed only by `deallocate_marked`,
         // which takes it out of `live` first, so it is freed exactly once. Ordering other
         // streams' uses after `stream` is the caller's part of the stream-ordered contract every
@@ -94,6 +102,9 @@ impl AsyncPoolResource {
     ) -> Result<()> {
         const OPERATION: &str = "AsyncPoolResource::deallocate";
         check_stream(self.device(), stream, OPERATION)?;
+        if owned {
+            refuse_capturing_stream(stream, OPERATION)?;
+        }
         self.live.take(ptr, bytes, owned, OPERATION)?;
         // SAFETY: `ptr` was allocated from this pool by `allocate_marked` and was still in
         // `live`, which we just took it out of: no other call can free it again.
@@ -108,7 +119,10 @@ impl AsyncPoolResource {
     }
 }
 
-impl MemoryResource for AsyncPoolResource {
+// SAFETY: memory comes from the driver's pool, one allocation per address while live; `live`
+// takes each address off its books once, at its free, which `cuMemFreeAsync` orders after the
+// stream's queued work; any other free is refused.
+unsafe impl MemoryResource for AsyncPoolResource {
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
         self.allocate_marked(bytes, stream, false)
     }

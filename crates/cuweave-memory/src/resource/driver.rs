@@ -51,6 +51,8 @@ impl DriverResource {
 
     fn allocate_marked(&self, bytes: usize, stream: &Stream, owned: bool) -> Result<DevicePtr> {
         check_request(self.device(), bytes, stream, "DriverResource::allocate")?;
+        // cuMemAlloc breaks a capture that forbids it (thread-local or global mode).
+        cuweave_driver::graph::refuse_while_capturing(None, "DriverResource::allocate")?;
         let allocation = DeviceAllocation::new(&self.context, bytes)?;
         let ptr = allocation.ptr();
         self.live.insert(ptr, bytes, owned, allocation);
@@ -66,13 +68,19 @@ impl DriverResource {
     ) -> Result<()> {
         const OPERATION: &str = "DriverResource::deallocate";
         check_stream(self.device(), stream, OPERATION)?;
+        // cuMemFree waits for the device: it breaks a capture that forbids that.
+        cuweave_driver::graph::refuse_while_capturing(None, OPERATION)?;
         // Off the books (the map's lock released) before the blocking cuMemFree.
         let allocation = self.live.take(ptr, bytes, owned, OPERATION)?;
         Ok(allocation.free()?)
     }
 }
 
-impl MemoryResource for DriverResource {
+// SAFETY: memory comes from `cuMemAlloc`, one allocation per address while live; `live` takes
+// each address off its books once, at its free, and `cuMemFree` waits for the device first; any
+// other free is refused.
+#[allow(unsafe_code)]
+unsafe impl MemoryResource for DriverResource {
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
         self.allocate_marked(bytes, stream, false)
     }

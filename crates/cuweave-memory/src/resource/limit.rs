@@ -121,7 +121,9 @@ impl<R: MemoryResource> LimitAdaptor<R> {
     }
 }
 
-impl<R: MemoryResource> MemoryResource for LimitAdaptor<R> {
+// SAFETY: hands out and frees exactly what the upstream does (it only refuses some requests).
+#[allow(unsafe_code)]
+unsafe impl<R: MemoryResource> MemoryResource for LimitAdaptor<R> {
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
         self.allocate_with(bytes, |upstream| upstream.allocate(bytes, stream))
     }

@@ -66,7 +66,56 @@ pub use statistics::{ResourceStats, StatisticsAdaptor};
 ///
 /// Object safe and `Send + Sync`: `Arc<dyn MemoryResource>` is the common currency, and adaptors
 /// accept it as their upstream.
-pub trait MemoryResource: Send + Sync {
+///
+/// # Safety
+///
+/// Typed buffers ([`DeviceBuffer::with_resource`](crate::DeviceBuffer::with_resource)) and the
+/// [`CachingAllocator`](crate::CachingAllocator) build safe objects on the addresses a resource
+/// hands out, so, as with [`std::alloc::GlobalAlloc`], the trait is `unsafe` to implement. An
+/// implementation must:
+///
+/// - return from [`allocate`](Self::allocate) and [`allocate_owned`](Self::allocate_owned) the
+///   address of at least `bytes` bytes of device memory of [`device`](Self::device), usable from
+///   [`context`](Self::context), that nothing else uses (no other live allocation of this or any
+///   resource, no buffer, no host memory) from the call until it is freed through this
+///   resource;
+/// - never free, reuse or hand out again such memory before its
+///   [`deallocate`](Self::deallocate) / [`deallocate_owned`](Self::deallocate_owned), and then
+///   not before the work queued on that call's stream so far has finished with it;
+/// - free nothing else: a free of an address it did not hand out (or of memory allocated owned,
+///   through plain `deallocate`, where it keeps that mark) is an error, not a free.
+///
+/// An adaptor that forwards each call to an upstream resource upholding this, and hands back
+/// exactly what the upstream hands out, upholds it too (cuweave's adaptors do).
+///
+/// A resource written without `unsafe` does not compile, so safe code cannot lay a buffer over
+/// memory that another owner uses:
+///
+/// ```compile_fail
+/// use std::sync::Arc;
+/// use cuweave_driver::memory::DevicePtr;
+/// use cuweave_driver::{Context, Stream};
+/// use cuweave_memory::MemoryResource;
+///
+/// struct HandsOutOneBlock(Arc<Context>, DevicePtr);
+///
+/// impl MemoryResource for HandsOutOneBlock {
+///     fn allocate(&self, _: usize, _: &Stream) -> cuweave_memory::Result<DevicePtr> {
+///         Ok(self.1) // the same block to every caller: two live buffers would share it
+///     }
+///     fn deallocate(&self, _: DevicePtr, _: usize, _: &Stream) -> cuweave_memory::Result<()> {
+///         Ok(())
+///     }
+///     fn context(&self) -> &Arc<Context> {
+///         &self.0
+///     }
+///     fn name(&self) -> &str {
+///         "one block"
+///     }
+/// }
+/// ```
+#[allow(unsafe_code)] // the trait's contract, above; no unsafe block
+pub unsafe trait MemoryResource: Send + Sync {
     /// Allocates `bytes` of device memory, usable by work queued on `stream` after this call.
     ///
     /// # Errors
@@ -137,7 +186,9 @@ pub trait MemoryResource: Send + Sync {
     }
 }
 
-impl<R: MemoryResource + ?Sized> MemoryResource for Arc<R> {
+// SAFETY: every call forwards to the shared resource, which upholds the contract.
+#[allow(unsafe_code)]
+unsafe impl<R: MemoryResource + ?Sized> MemoryResource for Arc<R> {
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
         (**self).allocate(bytes, stream)
     }
@@ -171,7 +222,9 @@ impl<R: MemoryResource + ?Sized> MemoryResource for Arc<R> {
     }
 }
 
-impl<R: MemoryResource + ?Sized> MemoryResource for Box<R> {
+// SAFETY: every call forwards to the boxed resource, which upholds the contract.
+#[allow(unsafe_code)]
+unsafe impl<R: MemoryResource + ?Sized> MemoryResource for Box<R> {
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
         (**self).allocate(bytes, stream)
     }
@@ -216,6 +269,25 @@ pub(crate) fn check_stream(device: Device, stream: &Stream, operation: &'static 
             actual: stream.device().ordinal(),
         })
     }
+}
+
+/// Refuses a stream-ordered allocation or free on a capturing stream: recorded into the graph,
+/// it would become an allocation node (memory that exists only while the graph runs, handed
+/// out as if it were allocated now) or a free node (repeated by every launch). One atomic load
+/// while no capture is active.
+pub(crate) fn refuse_capturing_stream(stream: &Stream, operation: &'static str) -> Result<()> {
+    if cuweave_driver::graph::active_captures() == 0 || matches!(stream.is_capturing(), Ok(false)) {
+        return Ok(());
+    }
+    Err(MemoryError::Driver(
+        cuweave_driver::GraphError::Capturing {
+            operation,
+            reason: "on a capturing stream a stream-ordered allocation or free becomes a node of \
+                     the graph; allocate before the capture, or through the caching allocator, \
+                     whose captures draw on a graph pool",
+        }
+        .into(),
+    ))
 }
 
 /// An error for a zero-byte request or a stream of another device.

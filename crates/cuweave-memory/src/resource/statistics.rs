@@ -162,7 +162,9 @@ impl<R: MemoryResource> StatisticsAdaptor<R> {
     }
 }
 
-impl<R: MemoryResource> MemoryResource for StatisticsAdaptor<R> {
+// SAFETY: hands out and frees exactly what the upstream does (it only counts).
+#[allow(unsafe_code)]
+unsafe impl<R: MemoryResource> MemoryResource for StatisticsAdaptor<R> {
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
         self.count(bytes, self.upstream.allocate(bytes, stream))
     }
