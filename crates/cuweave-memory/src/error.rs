@@ -143,6 +143,18 @@ pub enum MemoryError {
         /// Why a capture cannot hold it.
         reason: &'static str,
     },
+    /// The buffer's memory is a graph allocation of capture `capture` (a stream-ordered
+    /// resource's allocation made on a capturing stream): it exists only while a launch of that
+    /// graph holds it, so only work captured into that capture may use it.
+    #[error(
+        "{operation}: the buffer was allocated inside capture {capture}, as a graph allocation that exists only while the graph runs; only work captured into that capture can use it (allocate before the capture, or from the caching allocator, to use it eagerly)"
+    )]
+    GraphAllocation {
+        /// The refused operation.
+        operation: &'static str,
+        /// The capture whose graph allocates the memory.
+        capture: u64,
+    },
     /// A pointer handed back to an allocator or pool is not one it gave out.
     #[error("{operation}: {ptr:#x} was not allocated here (or was already freed)")]
     UnknownAllocation {

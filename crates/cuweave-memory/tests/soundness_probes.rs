@@ -126,18 +126,16 @@ fn copy_peer_on_a_capturing_stream_leaves_no_read_of_a_source_that_can_be_freed(
     );
 }
 
-// A regression test. `DeviceBuffer::with_resource` (buffer/device.rs) calls
-// `resource.allocate_owned(bytes, stream)` on a capturing stream with no capture check, and
-// `AsyncPoolResource::allocate_marked` (resource/async_pool.rs:83) calls
-// `cuMemAllocFromPoolAsync`, which during a capture makes an allocation *node*: the address
-// belongs to the graph (mapped only while a launch's allocation lives; freed and remapped by
-// `AUTO_FREE_ON_LAUNCH` relaunches), yet it comes back as an eager `DeviceBuffer` that safe code
-// may fill, read and drop (`cuMemFreeAsync`) outside any launch. Expected: a typed refusal
-// (`NotCapturable` / `GraphError::Capturing`) that leaves the capture valid: now
-// `AsyncPoolResource::allocate_owned` refuses a capturing stream. The probe never
-// touches the memory if it is handed out (it forgets the buffer), so no fault follows.
+// A regression test. `DeviceBuffer::with_resource` (buffer/device.rs) on a capturing stream
+// with `AsyncPoolResource` makes `cuMemAllocFromPoolAsync` record an allocation *node*: the
+// address belongs to the graph (mapped only while a launch's allocation lives), yet it came
+// back as an ordinary `DeviceBuffer` that safe code could fill, read and drop outside any
+// launch. Now the buffer is marked as that capture's graph allocation (the resource says it
+// `allocates_in_graphs`): work captured into the capture may use it (PyTorch's
+// `cudaMallocAsync` scratch inside `torch.cuda.graph`), and any use outside it is refused with
+// `MemoryError::GraphAllocation` before anything is queued; the capture stays valid.
 #[test]
-fn a_resource_buffer_is_not_handed_out_from_an_allocation_node_of_a_capture() {
+fn a_resource_buffer_from_an_allocation_node_serves_only_its_capture() {
     let _serial = serial();
     let gpu = require_gpu!();
     let ctx = &gpu.context;
@@ -152,28 +150,34 @@ fn a_resource_buffer_is_not_handed_out_from_an_allocation_node_of_a_capture() {
     stream
         .begin_capture_synchronized(CaptureMode::ThreadLocal)
         .unwrap();
-    let made = DeviceBuffer::<u32>::with_resource(Arc::clone(&resource), 1 << 16, &stream);
-    let handed_out = match made {
-        Ok(buffer) => {
-            let ptr = buffer.device_ptr();
-            std::mem::forget(buffer);
-            Some(ptr)
-        }
-        Err(error) => {
-            eprintln!("refused: {error}");
-            None
-        }
-    };
-    let ended = stream.end_capture();
+    let mut scratch =
+        DeviceBuffer::<u32>::with_resource(Arc::clone(&resource), 1 << 16, &stream).unwrap();
+    scratch
+        .fill_async(3, &stream)
+        .expect("the capture's own work uses its scratch");
+    let other = non_blocking(ctx);
     assert!(
-        handed_out.is_none(),
-        "a DeviceBuffer was made over graph-owned memory at {handed_out:#x?}"
+        matches!(
+            scratch.fill_async(4, &other),
+            Err(MemoryError::GraphAllocation { .. })
+        ),
+        "eager work on another stream, during the capture"
     );
-    assert!(
-        ended.is_ok(),
-        "the refusal broke the capture: {:?}",
-        ended.err()
-    );
+    let graph = stream.end_capture().expect("the capture stays valid");
+    assert!(matches!(
+        scratch.to_vec(),
+        Err(MemoryError::GraphAllocation { .. })
+    ));
+    assert!(matches!(
+        scratch.fill(1),
+        Err(MemoryError::GraphAllocation { .. })
+    ));
+    let exec = instantiate(&graph);
+    exec.launch(&stream).unwrap();
+    stream.synchronize().unwrap();
+    drop(exec);
+    drop(graph);
+    drop(scratch);
 }
 
 // Expected to pass. Staged chunks whose host sides are borrowed pinned buffers record their use

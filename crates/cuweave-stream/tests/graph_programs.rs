@@ -17,7 +17,6 @@ use cuweave_memory::PinnedBuffer;
 use cuweave_memory::caching::{
     CachedAllocation, CachingAllocator, GraphPool, stranded_graph_memory,
 };
-use cuweave_memory::resource::{DriverResource, MemoryResource};
 use cuweave_stream::capture::{CaptureOptions, StreamCapture};
 use cuweave_stream::{PriorityStream, StreamError, StreamPool, StreamPoolConfig, StreamPriority};
 use cuweave_test_support::kernels::TestKernels;
@@ -739,17 +738,14 @@ fn capture_mistakes_are_typed_leave_streams_usable_leak_no_pool_and_a_fresh_capt
     // Broken by a raw call; its scratch from the pool; then a fresh capture on the same stream.
     let capture = main.begin_capture(CaptureOptions::default()).unwrap();
     let scratch = allocator.allocate(N * 4, s).unwrap();
-    let raw = DriverResource::new(&gpu.context);
-    let broke = raw.allocate(1 << 20, s);
+    let broke = cuweave_driver::memory::DeviceAllocation::new(&gpu.context, 1 << 20);
     drop(scratch);
     let error = capture.finish().unwrap_err();
     assert!(
         matches!(graph_error(&error), GraphError::CaptureInvalidated { .. }),
         "{error}"
     );
-    if let Ok(ptr) = broke {
-        raw.deallocate(ptr, 1 << 20, s).unwrap();
-    }
+    drop(broke);
     assert_eq!(active_captures(), 0);
     usable(&main);
     let capture = main.begin_capture(CaptureOptions::default()).unwrap();

@@ -387,10 +387,25 @@ fn every_bad_use_is_a_typed_error_and_leaves_the_stream_usable() {
     usable(&main);
     usable(&other);
 
-    // A call capture forbids, made anyway: one typed error naming it at the end.
+    // The driver resource refuses cuMemAlloc while the capture forbids it, typed, and the
+    // capture stays valid.
     let capture = StreamCapture::begin(&main, CaptureOptions::default()).unwrap();
     let raw = DriverResource::new(&gpu.context);
-    let broke = raw.allocate(1 << 20, &main);
+    let refused = StreamError::from(raw.allocate(1 << 20, &main).unwrap_err());
+    assert!(
+        matches!(graph_error(&refused), GraphError::Capturing { .. }),
+        "{refused}"
+    );
+    drop(
+        capture
+            .finish()
+            .expect("the refused allocation left the capture valid"),
+    );
+
+    // A call capture forbids, made anyway (the driver's own allocation, below every check):
+    // one typed error naming it at the end.
+    let capture = StreamCapture::begin(&main, CaptureOptions::default()).unwrap();
+    let broke = cuweave_driver::memory::DeviceAllocation::new(&gpu.context, 1 << 20);
     // Every later call on the broken capture reports the same cause, not a bare INVALIDATED.
     let later = StreamError::from(kernels.spin_ns(&main, 1000).unwrap_err());
     assert!(
@@ -415,9 +430,7 @@ fn every_bad_use_is_a_typed_error_and_leaves_the_stream_usable() {
         }
         other => panic!("expected CaptureInvalidated, got {other}"),
     }
-    if let Ok(ptr) = broke {
-        raw.deallocate(ptr, 1 << 20, &main).unwrap();
-    }
+    drop(broke);
     usable(&main);
 
     // Pool misses refused by policy.

@@ -181,6 +181,12 @@ impl<T: Element> DeviceBuffer<T> {
     /// streams are ordered after the allocation (an event is recorded on `stream` for them,
     /// since a stream-ordered resource's memory exists there only from that point).
     ///
+    /// On a capturing stream, a resource that
+    /// [`allocates_in_graphs`](MemoryResource::allocates_in_graphs) (a stream-ordered pool)
+    /// records a graph allocation node: such a buffer is scratch of that capture, and any use
+    /// outside it is [`MemoryError::GraphAllocation`](crate::MemoryError::GraphAllocation)
+    /// (PyTorch's `cudaMallocAsync` backend inside `torch.cuda.graph`).
+    ///
     /// # Errors
     /// `ZeroLength`, `Misaligned` as for [`new_on`](Self::new_on); `WrongDevice` /
     /// `WrongContext` for a stream that is not of the resource's context; the resource's error.
@@ -199,7 +205,15 @@ impl<T: Element> DeviceBuffer<T> {
             });
         }
         // The tracker first: made after the allocation, its failure would lose the memory.
-        let tracker = StreamTracker::new(resource.context())?;
+        let mut tracker = StreamTracker::new(resource.context())?;
+        // On a capturing stream a graph-allocating resource records an allocation node: the
+        // memory exists only while the graph's launch holds it, so only that capture's work
+        // may use the buffer.
+        if resource.allocates_in_graphs()
+            && let Some(capture) = capturing_into(stream)?
+        {
+            tracker.set_graph_allocation(capture);
+        }
         let ptr = resource.allocate_owned(bytes, stream)?;
         let buffer = Self {
             core: BufferCore::with_tracker(tracker, ptr, len, size_of::<T>()),
@@ -297,6 +311,14 @@ fn deallocate_after(
         }
     }
     resource.deallocate_owned(ptr, bytes, &legacy)
+}
+
+/// The capture `stream` records into, if any (one atomic load while none is active).
+fn capturing_into(stream: &Stream) -> Result<Option<u64>> {
+    if cuweave_driver::graph::active_captures() == 0 {
+        return Ok(None);
+    }
+    Ok(stream.capture_status()?.id())
 }
 
 impl<T: Element> Drop for DeviceBuffer<T> {

@@ -146,6 +146,9 @@ pub struct StreamTracker {
     /// The graph launches the last context wait of [`synchronize`](Self::synchronize) covered
     /// (`None`: never waited), for a buffer that captures used.
     graphs_waited: Mutex<Option<LaunchMark>>,
+    /// The capture whose graph allocates the buffer's memory (a stream-ordered resource's
+    /// allocation on a capturing stream): only work captured into it may use the buffer.
+    graph_allocation_of: Option<u64>,
 }
 
 impl StreamTracker {
@@ -172,7 +175,14 @@ impl StreamTracker {
             owner,
             state: Mutex::new(UseState::default()),
             graphs_waited: Mutex::new(None),
+            graph_allocation_of: None,
         }
+    }
+
+    /// Marks the buffer's memory as a graph allocation of `capture`: from now on only work
+    /// captured into that capture may use it ([`MemoryError::GraphAllocation`] otherwise).
+    pub(crate) fn set_graph_allocation(&mut self, capture: u64) {
+        self.graph_allocation_of = Some(capture);
     }
 
     /// The context of the buffer this tracker belongs to.
@@ -426,7 +436,7 @@ impl<'a> Part<'a> {
     ) -> Result<()> {
         self.check(operation, access)?;
         ensure_same_device(operation, self.tracker.context(), stream)?;
-        let view = capture_view(self.tracker.context(), stream)?;
+        let view = capture_view(self.tracker, stream, operation)?;
         wait_before_use(
             &mut self.tracker.state.lock(),
             operation,
@@ -512,14 +522,29 @@ fn fence_for_launches(
     Ok(())
 }
 
-/// Where `stream` stands with respect to capture, for a buffer of `context`: one atomic load
-/// while no capture is active anywhere.
+/// Where `stream` stands with respect to capture, for a use of `tracker`'s buffer: one atomic
+/// load while no capture is active anywhere.
+///
+/// # Errors
+/// [`MemoryError::GraphAllocation`] when the buffer's memory is a graph allocation and `stream`
+/// does not capture into that graph's capture; the driver's error from the status query.
 #[inline]
-fn capture_view(context: &Context, stream: &Stream) -> Result<CaptureView> {
-    if active_captures() == 0 {
-        return Ok(CaptureView::NONE);
+fn capture_view(
+    tracker: &StreamTracker,
+    stream: &Stream,
+    operation: &'static str,
+) -> Result<CaptureView> {
+    let view = if active_captures() == 0 {
+        CaptureView::NONE
+    } else {
+        capture_view_slow(tracker.context(), stream)?
+    };
+    match tracker.graph_allocation_of {
+        Some(capture) if view.capture.is_none_or(|c| c.id != capture) => {
+            Err(MemoryError::GraphAllocation { operation, capture })
+        }
+        _ => Ok(view),
     }
-    capture_view_slow(context, stream)
 }
 
 #[cold]
@@ -629,7 +654,7 @@ pub(crate) fn run_uses<R>(
     if let [(part, access)] = uses {
         // One buffer: no sorting, no allocation.
         let tracker = part.tracker;
-        let view = capture_view(tracker.context(), stream).map_err(unqueued)?;
+        let view = capture_view(tracker, stream, operation).map_err(unqueued)?;
         let mut state = tracker.state.lock();
         wait_before_use(&mut state, operation, stream, part.range, *access, &view)
             .map_err(unqueued)?;
@@ -646,7 +671,7 @@ pub(crate) fn run_uses<R>(
     }
     let views = uses
         .iter()
-        .map(|(part, _)| capture_view(part.tracker.context(), stream))
+        .map(|(part, _)| capture_view(part.tracker, stream, operation))
         .collect::<Result<Vec<_>>>()
         .map_err(unqueued)?;
     let view_of = |tracker: &StreamTracker| {
@@ -718,7 +743,7 @@ pub(crate) fn run_completed<R>(
     };
     part.check(operation, access).map_err(unqueued)?;
     ensure_same_device(operation, part.tracker.context(), stream).map_err(unqueued)?;
-    let view = capture_view(part.tracker.context(), stream).map_err(unqueued)?;
+    let view = capture_view(part.tracker, stream, operation).map_err(unqueued)?;
     let mut state = part.tracker.state.lock();
     wait_before_use(&mut state, operation, stream, part.range, access, &view).map_err(unqueued)?;
     match op() {

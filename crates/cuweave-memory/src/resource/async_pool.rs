@@ -10,9 +10,7 @@ use std::sync::Arc;
 use cuweave_driver::memory::{self, DevicePtr, MemoryPool};
 use cuweave_driver::{Context, Stream};
 
-use super::{
-    LiveAllocations, MemoryResource, check_request, check_stream, refuse_capturing_stream,
-};
+use super::{LiveAllocations, MemoryResource, check_request, check_stream};
 use crate::error::Result;
 
 /// Stream-ordered device memory (`cuMemAllocFromPoolAsync` / `cuMemFreeAsync`) from a private
@@ -78,12 +76,6 @@ impl AsyncPoolResource {
 impl AsyncPoolResource {
     fn allocate_marked(&self, bytes: usize, stream: &Stream, owned: bool) -> Result<DevicePtr> {
         check_request(self.device(), bytes, stream, "AsyncPoolResource::allocate")?;
-        if owned {
-            // Typed buffers own what they allocate: on a capturing stream that would be an
-            // allocation node, memory that exists only while the graph runs. (A raw allocation
-            // there is the stream-ordered allocator's graph allocation, freed in its capture.)
-            refuse_capturing_stream(stream, "AsyncPoolResource::allocate_owned")?;
-        }
         // SAFETY: the pointer is recorded in `live` and freed only by `deallocate_marked`,
         // which takes it out of `live` first, so it is freed exactly once. Ordering other
         // streams' uses after `stream` is the caller's part of the stream-ordered contract every
@@ -102,9 +94,6 @@ impl AsyncPoolResource {
     ) -> Result<()> {
         const OPERATION: &str = "AsyncPoolResource::deallocate";
         check_stream(self.device(), stream, OPERATION)?;
-        if owned {
-            refuse_capturing_stream(stream, OPERATION)?;
-        }
         self.live.take(ptr, bytes, owned, OPERATION)?;
         // SAFETY: `ptr` was allocated from this pool by `allocate_marked` and was still in
         // `live`, which we just took it out of: no other call can free it again.
@@ -145,6 +134,12 @@ unsafe impl MemoryResource for AsyncPoolResource {
 
     fn name(&self) -> &str {
         "async-pool"
+    }
+
+    /// `true`: `cuMemAllocFromPoolAsync` on a capturing stream is recorded as an allocation
+    /// node of the graph.
+    fn allocates_in_graphs(&self) -> bool {
+        true
     }
 
     /// Trims the pool to nothing: every byte no allocation holds, and whose free has completed

@@ -144,6 +144,10 @@ unsafe impl<R: MemoryResource> MemoryResource for LimitAdaptor<R> {
         Ok(())
     }
 
+    fn allocates_in_graphs(&self) -> bool {
+        self.upstream.allocates_in_graphs()
+    }
+
     fn context(&self) -> &Arc<Context> {
         self.upstream.context()
     }

@@ -83,7 +83,9 @@ pub use statistics::{ResourceStats, StatisticsAdaptor};
 ///   [`deallocate`](Self::deallocate) / [`deallocate_owned`](Self::deallocate_owned), and then
 ///   not before the work queued on that call's stream so far has finished with it;
 /// - free nothing else: a free of an address it did not hand out (or of memory allocated owned,
-///   through plain `deallocate`, where it keeps that mark) is an error, not a free.
+///   through plain `deallocate`, where it keeps that mark) is an error, not a free;
+/// - answer [`allocates_in_graphs`](Self::allocates_in_graphs) `true` when an allocation on a
+///   capturing stream is a graph allocation node.
 ///
 /// An adaptor that forwards each call to an upstream resource upholding this, and hands back
 /// exactly what the upstream hands out, upholds it too (cuweave's adaptors do).
@@ -159,6 +161,16 @@ pub unsafe trait MemoryResource: Send + Sync {
         self.deallocate(ptr, bytes, stream)
     }
 
+    /// Whether an allocation on a capturing stream is recorded into the graph as an allocation
+    /// node (as `cuMemAllocFromPoolAsync`'s is) instead of handing out memory that exists now.
+    /// Such memory exists only while a launch of the graph holds it, so a typed buffer made from
+    /// it is usable by work captured into that capture alone
+    /// ([`MemoryError::GraphAllocation`] otherwise). The default is `false`; a resource whose
+    /// captured allocations are graph nodes must answer `true` (part of the trait's contract).
+    fn allocates_in_graphs(&self) -> bool {
+        false
+    }
+
     /// The context whose device the memory is on.
     fn context(&self) -> &Arc<Context>;
 
@@ -205,6 +217,10 @@ unsafe impl<R: MemoryResource + ?Sized> MemoryResource for Arc<R> {
         (**self).deallocate_owned(ptr, bytes, stream)
     }
 
+    fn allocates_in_graphs(&self) -> bool {
+        (**self).allocates_in_graphs()
+    }
+
     fn context(&self) -> &Arc<Context> {
         (**self).context()
     }
@@ -241,6 +257,10 @@ unsafe impl<R: MemoryResource + ?Sized> MemoryResource for Box<R> {
         (**self).deallocate_owned(ptr, bytes, stream)
     }
 
+    fn allocates_in_graphs(&self) -> bool {
+        (**self).allocates_in_graphs()
+    }
+
     fn context(&self) -> &Arc<Context> {
         (**self).context()
     }
@@ -269,25 +289,6 @@ pub(crate) fn check_stream(device: Device, stream: &Stream, operation: &'static 
             actual: stream.device().ordinal(),
         })
     }
-}
-
-/// Refuses a stream-ordered allocation or free on a capturing stream: recorded into the graph,
-/// it would become an allocation node (memory that exists only while the graph runs, handed
-/// out as if it were allocated now) or a free node (repeated by every launch). One atomic load
-/// while no capture is active.
-pub(crate) fn refuse_capturing_stream(stream: &Stream, operation: &'static str) -> Result<()> {
-    if cuweave_driver::graph::active_captures() == 0 || matches!(stream.is_capturing(), Ok(false)) {
-        return Ok(());
-    }
-    Err(MemoryError::Driver(
-        cuweave_driver::GraphError::Capturing {
-            operation,
-            reason: "on a capturing stream a stream-ordered allocation or free becomes a node of \
-                     the graph; allocate before the capture, or through the caching allocator, \
-                     whose captures draw on a graph pool",
-        }
-        .into(),
-    ))
 }
 
 /// An error for a zero-byte request or a stream of another device.

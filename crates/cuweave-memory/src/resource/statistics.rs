@@ -185,6 +185,10 @@ unsafe impl<R: MemoryResource> MemoryResource for StatisticsAdaptor<R> {
         Ok(())
     }
 
+    fn allocates_in_graphs(&self) -> bool {
+        self.upstream.allocates_in_graphs()
+    }
+
     fn context(&self) -> &Arc<Context> {
         self.upstream.context()
     }
