@@ -5,7 +5,7 @@
 //!
 //! Every test starts with `require_gpu!()` (it skips without a GPU); those that capture graphs
 //! or rely on a spinning kernel's timing take `serial()`. A test named for the behaviour it
-//! expects and commented "EXPECTED TO FAIL" documents a suspected bug above it.
+//! expects; a regression test says above it which sequence broke and where.
 
 use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
@@ -79,7 +79,7 @@ fn finish_and_replay(capture: StreamCapture<'_>, origin: &PriorityStream, what: 
 // StreamOrderedAllocator: frees while a stream the memory was given to captures
 // ---------------------------------------------------------------------------------------------
 
-/// EXPECTED TO FAIL (suspected bug).
+/// A regression test (it failed on the H200 before the fix).
 ///
 /// Sequence: `a` owns a raw receipt; `add_stream_dependency(b, a)` gives it to `b`; `b` begins a
 /// capture; the program frees the receipt (`free`, then `free_for_stream`) from eager code.
@@ -138,7 +138,8 @@ fn freeing_memory_given_to_a_stream_that_now_captures_never_pulls_the_owner_into
     }
 }
 
-/// EXPECTED TO FAIL (suspected bug), same root cause as the test above, through `Drop`.
+/// A regression test (it failed on the H200 before the fix), same root cause as the test above,
+/// through `Drop`.
 ///
 /// `Drop for StreamOrderedAllocator` (allocator/mod.rs:588-597) calls `release` on every held
 /// entry; `order_after_users` makes the owner `a` wait on the user `b`, which captures, so `a`
@@ -176,7 +177,7 @@ fn dropping_the_allocator_while_a_user_stream_captures_leaves_that_capture_intac
 // The legacy default stream and captures
 // ---------------------------------------------------------------------------------------------
 
-/// EXPECTED TO FAIL (suspected bug).
+/// A regression test (it failed on the H200 before the fix).
 ///
 /// The legacy default stream can never be captured (`StreamCapture::begin` refuses it with
 /// `GraphError::LegacyDefaultStream`), yet every way of making a stream wait on a capturing
@@ -246,7 +247,7 @@ fn the_legacy_default_stream_cannot_join_a_capture_and_the_capture_survives_the_
 // MultiStreamCoordinator: refused calls and dropped streams
 // ---------------------------------------------------------------------------------------------
 
-/// EXPECTED TO FAIL (suspected bug).
+/// A regression test (it failed on the H200 before the fix).
 ///
 /// `MultiStreamCoordinator::add_dependency` (coordinator/mod.rs:111-132) adds both streams to
 /// the coordinator *before* `dependent.wait_for(prerequisite)?` can refuse. A refused call
@@ -277,7 +278,7 @@ fn a_refused_dependency_leaves_the_coordinator_as_it_was() {
     barrier.expect("a barrier over the two eager streams works during the capture");
 }
 
-/// EXPECTED TO FAIL (unbounded registry).
+/// A regression test (unbounded registry; it failed on the H200 before the fix).
 ///
 /// `add_dependency` adds both streams, as `Arc`s, to the coordinator's list
 /// (coordinator/mod.rs:91-97, 122-123) and nothing ever retires them: a loop that orders
@@ -334,7 +335,7 @@ fn quiet_probe_panics() {
     });
 }
 
-/// EXPECTED TO FAIL (unbounded registry).
+/// A regression test (unbounded registry; it failed on the H200 before the fix).
 ///
 /// Every panicking host callback pushes a `CallbackFailure` (with its message `String`) onto
 /// `Shared::failures`, a `Vec` that is never trimmed (stream/callback.rs:146-157);

@@ -517,6 +517,20 @@ impl StreamOrderedAllocator {
                 .into(),
             ));
         }
+        for user in &entry.users {
+            let user_capture = crate::capture::capture_id(user.stream()).map_err(before_free)?;
+            if user_capture.is_some() && user_capture != entry.capture {
+                // The owner's wait on a capturing user would pull the owner into that capture,
+                // and the free with it (recorded, not run, and run at every launch).
+                return Err(before_free(
+                    DriverError::from(GraphError::Capturing {
+                        operation: "StreamOrderedAllocator::free",
+                        reason: "a stream the allocation was given to is capturing: the owner's wait on it would join the owner, and the free, to that capture; free once the capture has ended",
+                    })
+                    .into(),
+                ));
+            }
+        }
         self.order_after_users(entry).map_err(before_free)?;
         let pool = self.pool_for(&entry.owner).map_err(before_free)?;
         let allocation = entry.allocation;
@@ -614,8 +628,10 @@ impl Drop for StreamOrderedAllocator {
     fn drop(&mut self) {
         let entries = std::mem::take(&mut *self.entries.lock());
         for (_, entry) in entries {
+            // A free refused because a stream captures leaves the memory allocated (logged)
+            // rather than recording it into that capture.
             if let Err(Unreleased { error, .. }) = self.release(&entry) {
-                tracing::warn!(%error, "freeing a stream-ordered allocation on drop failed");
+                tracing::warn!(%error, "freeing a stream-ordered allocation on drop failed; it stays allocated");
             }
         }
     }

@@ -316,6 +316,14 @@ pub(crate) fn refuse_wait_across_capture(
     operation: &'static str,
 ) -> Result<()> {
     let Some(capture) = capture_id(dependent)? else {
+        // An eager stream that waits on a capturing one joins its capture (a fork); the legacy
+        // default stream cannot be captured, and its wait would invalidate the capture.
+        if dependent.is_special_handle()
+            && !dependent.is_per_thread_default()
+            && capture_id(prerequisite)?.is_some()
+        {
+            return Err(DriverError::from(GraphError::LegacyDefaultStream { operation }).into());
+        }
         return Ok(());
     };
     if capture_id(prerequisite)? == Some(capture) {

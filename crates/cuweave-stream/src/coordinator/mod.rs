@@ -19,6 +19,10 @@ mod graph;
 pub use barrier::{BarrierInfo, queue_barrier};
 pub use graph::DependencyGraph;
 
+/// Past this many streams, [`MultiStreamCoordinator::add_stream`] first retires the streams only
+/// the coordinator holds whose work has finished.
+pub const RETIRE_STREAMS_AT: usize = 64;
+
 /// Counts of what the coordinator has done.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CoordinatorStats {
@@ -68,6 +72,9 @@ pub struct CoordinatorStats {
 #[derive(Debug, Default)]
 pub struct MultiStreamCoordinator {
     streams: Mutex<Vec<Arc<PriorityStream>>>,
+    /// How many streams the list may hold before adding one retires the streams no one else
+    /// holds (0: [`RETIRE_STREAMS_AT`]); twice what a retirement kept.
+    retire_at: AtomicUsize,
     graph: Mutex<DependencyGraph>,
     dependencies: AtomicU64,
     barriers: AtomicU64,
@@ -90,10 +97,41 @@ impl MultiStreamCoordinator {
     }
 
     /// Adds a stream (again adding one already there does nothing).
+    ///
+    /// The list is bounded for programs that order short-lived streams: past
+    /// [`RETIRE_STREAMS_AT`] streams (and then twice what the last retirement kept), adding one
+    /// first retires the streams that only the coordinator still holds and whose work has
+    /// finished. No one can queue work on those any more, so no barrier or callback needs them.
     pub fn add_stream(&self, stream: Arc<PriorityStream>) {
         let mut streams = self.streams.lock();
-        if !streams.iter().any(|own| own.id() == stream.id()) {
-            streams.push(stream);
+        if streams.iter().any(|own| own.id() == stream.id()) {
+            return;
+        }
+        let mut retired = Vec::new();
+        if streams.len()
+            >= self
+                .retire_at
+                .load(Ordering::Relaxed)
+                .max(RETIRE_STREAMS_AT)
+        {
+            // No other thread can clone a stream out meanwhile (`streams` clones under the
+            // lock), so a count of one means the coordinator is the last holder.
+            streams.retain(|own| {
+                let keep = Arc::strong_count(own) > 1 || !matches!(own.query(), Ok(true));
+                if !keep {
+                    retired.push(own.id());
+                }
+                keep
+            });
+            self.retire_at.store(2 * streams.len(), Ordering::Relaxed);
+        }
+        streams.push(stream);
+        drop(streams);
+        if !retired.is_empty() {
+            let mut graph = self.graph.lock();
+            for id in retired {
+                graph.remove(id);
+            }
         }
     }
 
@@ -128,9 +166,10 @@ impl MultiStreamCoordinator {
                 stream: dependent.id(),
             });
         }
+        // The wait first: a refused one (a capture's boundary) leaves the coordinator as it was.
+        dependent.wait_for(prerequisite)?;
         self.add_stream(Arc::clone(dependent));
         self.add_stream(Arc::clone(prerequisite));
-        dependent.wait_for(prerequisite)?;
         self.graph
             .lock()
             .add_unchecked(dependent.id(), prerequisite.id());

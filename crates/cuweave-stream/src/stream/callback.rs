@@ -34,10 +34,14 @@ impl std::fmt::Display for CallbackFailure {
 
 type Job = (u64, Box<dyn FnOnce() + Send + 'static>);
 
+/// How many callback failures a stream keeps (the latest); its panic count stays exact.
+pub(crate) const FAILURES_KEPT: usize = 256;
+
 /// What the worker shares with the stream.
 #[derive(Debug, Default)]
 struct Shared {
-    failures: Mutex<Vec<CallbackFailure>>,
+    /// The latest [`FAILURES_KEPT`] failures (the count in `panics` stays exact).
+    failures: Mutex<std::collections::VecDeque<CallbackFailure>>,
     panics: AtomicU64,
 }
 
@@ -108,7 +112,7 @@ impl CallbackWorker {
     }
 
     pub(crate) fn failures(&self) -> Vec<CallbackFailure> {
-        self.shared.failures.lock().clone()
+        self.shared.failures.lock().iter().cloned().collect()
     }
 
     pub(crate) fn panics(&self) -> u64 {
@@ -121,7 +125,11 @@ fn run(shared: &Shared, stream: u64, sequence: u64, callback: Box<dyn FnOnce() +
         let message = panic_message(&*payload);
         tracing::error!(stream, sequence, %message, "a stream callback panicked; the panic was caught");
         shared.panics.fetch_add(1, Ordering::Relaxed);
-        shared.failures.lock().push(CallbackFailure {
+        let mut failures = shared.failures.lock();
+        if failures.len() == FAILURES_KEPT {
+            failures.pop_front();
+        }
+        failures.push_back(CallbackFailure {
             stream,
             sequence,
             message,
@@ -135,6 +143,41 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    #[test]
+    fn a_stream_keeps_only_its_latest_failures_and_counts_every_panic() {
+        let worker = CallbackWorker::new(3);
+        let relays: Vec<_> = (0..1_000u32)
+            .map(|i| {
+                worker
+                    .relay(Box::new(move || panic!("callback {i} fails")))
+                    .unwrap()
+            })
+            .collect();
+        let quiet = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        std::thread::spawn(move || relays.into_iter().for_each(|relay| relay()))
+            .join()
+            .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while worker.panics() < 1_000 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::panic::set_hook(quiet);
+        assert_eq!(worker.panics(), 1_000);
+        let failures = worker.failures();
+        assert_eq!(failures.len(), FAILURES_KEPT);
+        assert!(
+            failures[0]
+                .message
+                .contains(&format!("callback {} fails", 1_000 - FAILURES_KEPT))
+        );
+        assert!(
+            failures[FAILURES_KEPT - 1]
+                .message
+                .contains("callback 999 fails")
+        );
+    }
 
     #[test]
     fn relayed_callbacks_run_in_order_and_panics_are_reported() {

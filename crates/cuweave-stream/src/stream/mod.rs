@@ -342,7 +342,9 @@ impl PriorityStream {
         )?)
     }
 
-    /// The callbacks that panicked so far.
+    /// The latest callbacks that panicked, oldest first: at most 256, so a program whose
+    /// callbacks keep failing holds a bounded list; [`metrics`](Self::metrics)
+    /// (`callback_panics`) counts every panic.
     pub fn callback_failures(&self) -> Vec<CallbackFailure> {
         self.callbacks.failures()
     }
