@@ -634,6 +634,20 @@ impl Drop for StreamOrderedAllocator {
                 tracing::warn!(%error, "freeing a stream-ordered allocation on drop failed; it stays allocated");
             }
         }
+        // `cuMemPoolDestroy` breaks a capture that forbids it: while one does, the pools are
+        // left to the process (logged) rather than destroyed under it.
+        if cuweave_driver::graph::refuse_while_capturing(None, "StreamOrderedAllocator::drop")
+            .is_err()
+        {
+            let pools = std::mem::take(&mut self.pools);
+            tracing::warn!(
+                pools = pools.len(),
+                "StreamOrderedAllocator dropped while a capture forbids destroying memory pools; they are kept for the process"
+            );
+            for (_, pool) in pools {
+                std::mem::forget(pool);
+            }
+        }
     }
 }
 
