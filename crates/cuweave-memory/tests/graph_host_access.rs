@@ -7,11 +7,15 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use cuweave_driver::graph::CaptureMode;
-use cuweave_driver::{Graph, GraphExec, InstantiateOptions, Stream, StreamFlags};
+use cuweave_driver::{GraphExec, InstantiateOptions, Stream};
 use cuweave_memory::MemoryError;
 use cuweave_memory::buffer::{Buffer, DeviceBuffer, PinnedBuffer};
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::require_gpu;
+
+#[path = "common/graph.rs"]
+mod graph;
+use graph::{capture_graph, instantiate, non_blocking};
 
 const LEN: usize = 1 << 20;
 /// How long the graph's kernel spins before its copy: far longer than a host access takes.
@@ -25,24 +29,9 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn non_blocking(ctx: &std::sync::Arc<cuweave_driver::Context>) -> Stream {
-    Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap()
-}
-
-/// The graph of what `record` queues on `stream`, captured after a context synchronisation.
-fn capture_graph(stream: &Stream, record: impl FnOnce()) -> Graph {
-    stream
-        .begin_capture_synchronized(CaptureMode::ThreadLocal)
-        .unwrap();
-    record();
-    stream.end_capture().unwrap()
-}
-
 /// [`capture_graph`], instantiated.
 fn capture_exec(stream: &Stream, record: impl FnOnce()) -> GraphExec {
-    capture_graph(stream, record)
-        .instantiate(&InstantiateOptions::default())
-        .unwrap()
+    instantiate(&capture_graph(stream, record))
 }
 
 /// A zeroed pinned buffer `output` and the executable of a graph that spins for [`SPIN_NS`],

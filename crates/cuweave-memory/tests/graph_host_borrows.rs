@@ -7,37 +7,20 @@
 //! live, a launch of the graph that copies into `output` was queued, and its copy landed under
 //! the host's reads.
 
-use std::sync::Arc;
-
 use cuweave_driver::graph::{CaptureMode, host_borrowed_captures};
-use cuweave_driver::{
-    Context, DriverError, Graph, GraphError, GraphExec, InstantiateOptions, Stream, StreamFlags,
-};
+use cuweave_driver::{DriverError, GraphError};
 use cuweave_memory::buffer::{Buffer, DeviceBuffer, PinnedBuffer, UnifiedBuffer};
 use cuweave_memory::{ManagedCapabilities, MemoryError};
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{require_gpu, serial};
 
+#[path = "common/graph.rs"]
+mod graph;
+use graph::{capture_graph, instantiate, non_blocking};
+
 const LEN: usize = 1 << 18;
 /// How long a graph spins before its copy: longer than the checks made while it may run.
 const SPIN_NS: u64 = 50_000_000;
-
-fn non_blocking(ctx: &Arc<Context>) -> Stream {
-    Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap()
-}
-
-/// The graph of what `record` queues on `stream`, captured after a context synchronisation.
-fn capture_graph(stream: &Stream, record: impl FnOnce()) -> Graph {
-    stream
-        .begin_capture_synchronized(CaptureMode::ThreadLocal)
-        .unwrap();
-    record();
-    stream.end_capture().unwrap()
-}
-
-fn instantiate(graph: &Graph) -> GraphExec {
-    graph.instantiate(&InstantiateOptions::default()).unwrap()
-}
 
 /// The capture a launch was refused for, when it was refused because the host borrows memory
 /// the graph uses.

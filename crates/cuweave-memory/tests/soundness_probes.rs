@@ -15,9 +15,7 @@
 use std::sync::Arc;
 
 use cuweave_driver::graph::CaptureMode;
-use cuweave_driver::{
-    Context, DriverError, Graph, GraphError, GraphExec, InstantiateOptions, Stream, StreamFlags,
-};
+use cuweave_driver::{Context, DriverError, GraphError};
 use cuweave_memory::buffer::{Buffer, DeviceBuffer, PinnedBuffer, UnifiedBuffer, copy_peer};
 use cuweave_memory::parts::SharedParts;
 use cuweave_memory::{
@@ -27,6 +25,10 @@ use cuweave_memory::{
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{require_gpu, serial};
 
+#[path = "common/graph.rs"]
+mod graph;
+use graph::{capture_graph, instantiate, non_blocking};
+
 const MS: u64 = 1_000_000;
 /// How long a stream or graph spins before the work a probe races against: longer than the host
 /// checks made meanwhile.
@@ -34,27 +36,10 @@ const SPIN_NS: u64 = 50 * MS;
 /// Elements of the buffers the graph probes use (1 MiB of `u32`).
 const LEN: usize = 1 << 18;
 
-fn non_blocking(ctx: &Arc<Context>) -> Stream {
-    Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap()
-}
-
 fn pattern(len: usize, seed: u32) -> Vec<u32> {
     (0..len as u32)
         .map(|i| i.wrapping_mul(2_654_435_761) ^ seed)
         .collect()
-}
-
-/// The graph of what `record` queues on `stream`, captured after a context synchronisation.
-fn capture_graph(stream: &Stream, record: impl FnOnce()) -> Graph {
-    stream
-        .begin_capture_synchronized(CaptureMode::ThreadLocal)
-        .unwrap();
-    record();
-    stream.end_capture().unwrap()
-}
-
-fn instantiate(graph: &Graph) -> GraphExec {
-    graph.instantiate(&InstantiateOptions::default()).unwrap()
 }
 
 fn refused_for_host_borrow(result: &cuweave_driver::Result<()>) -> bool {

@@ -28,6 +28,9 @@ use cuweave_transfer::{
     TransferManager, TransferMethod, TransferPath,
 };
 
+mod common;
+use common::bytes;
+
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
 
@@ -38,20 +41,6 @@ const SPIN_NS: u64 = 150_000_000;
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
-
-/// `len` bytes with no short period, different for each `seed`.
-fn bytes(len: usize, seed: u64) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        out.extend_from_slice(&state.to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
 
 fn words16(len: usize, seed: u64) -> Vec<u16> {
     bytes(len * 2, seed)
