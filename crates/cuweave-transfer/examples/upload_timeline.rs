@@ -49,7 +49,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut pinned_times = Vec::new();
     for _ in 0..7 {
         let start = Instant::now();
-        device.copy_range_from_host(0, pinned.as_slice().unwrap())?;
+        device.copy_range_from_host(0, &pinned.as_slice().unwrap())?;
         pinned_times.push(start.elapsed());
     }
     pinned_times.sort_unstable();
