@@ -1,26 +1,5 @@
 //! [`HostSlice`] and [`HostSliceMut`]: the host's view of a pinned or unified buffer's elements,
-//! held as a guard.
-//!
-//! A host slice is handed out once the buffer's queued device uses have finished. Eager work
-//! cannot use the buffer while it lives: borrowing rules keep a `&mut` buffer (needed to write
-//! it) away from a shared slice, and every use from a mutable one. A graph launch takes no
-//! borrow of the memory its capture used, though, so the guard also keeps the launches of the
-//! graphs that conflict with the host's access from starting while it lives: for a shared
-//! slice, the graphs whose captures wrote the buffer; for a mutable one, those whose captures
-//! used it. Such a launch is refused with
-//! [`GraphError::HostBorrowed`](cuweave_driver::GraphError::HostBorrowed) until the guard is
-//! dropped. Other graphs, and buffers no capture used, cost nothing more.
-//!
-//! Everything borrowed from a guard borrows the guard: elements, subslices and iterators come
-//! through `Deref` or `&guard` / `&mut guard`, so none outlives it. (A guard does not iterate by
-//! value: the items would outlive the guard, and with it the hold on the launches.)
-//!
-//! ```compile_fail
-//! # fn leak(buffer: &cuweave_memory::PinnedBuffer<u32>) -> cuweave_memory::Result<()> {
-//! let items: Vec<&u32> = buffer.as_slice()?.into_iter().collect();
-//! assert_eq!(*items[0], 7); // the guard is gone by here
-//! # Ok(()) }
-//! ```
+//! held as a guard. The model is on [`HostSlice`].
 
 use std::fmt;
 use std::ops::{Deref, DerefMut};
@@ -31,7 +10,28 @@ use cuweave_driver::graph::HostBorrow;
 /// [`PinnedBuffer::as_slice`](super::PinnedBuffer::as_slice),
 /// [`UnifiedBuffer::as_slice`](super::UnifiedBuffer::as_slice) and their `try_` forms).
 /// Dereferences to `[T]`; while it lives, graphs whose captures wrote the buffer are not
-/// launched (see the [module docs](self)).
+/// launched.
+///
+/// A host slice is handed out once the buffer's queued device uses have finished. Eager work
+/// cannot use the buffer while it lives: borrowing rules keep a `&mut` buffer (needed to write
+/// it) away from a shared slice, and every use from a mutable one. A graph launch takes no
+/// borrow of the memory its capture used, though, so the guard also keeps the launches of the
+/// graphs that conflict with the host's access from starting while it lives: for a shared
+/// slice, the graphs whose captures wrote the buffer; for a mutable one, those whose captures
+/// used it. Such a launch is refused with
+/// [`GraphError::HostBorrowed`](cuweave_driver::GraphError::HostBorrowed) until the guard is
+/// dropped. Other graphs, and buffers no capture used, cost nothing more.
+///
+/// Everything borrowed from a guard borrows the guard: elements, subslices and iterators come
+/// through `Deref` or `&guard` / `&mut guard`, so none outlives it. (A guard does not iterate by
+/// value: the items would outlive the guard, and with it the hold on the launches.)
+///
+/// ```compile_fail
+/// # fn leak(buffer: &cuweave_memory::PinnedBuffer<u32>) -> cuweave_memory::Result<()> {
+/// let items: Vec<&u32> = buffer.as_slice()?.into_iter().collect();
+/// assert_eq!(*items[0], 7); // the guard is gone by here
+/// # Ok(()) }
+/// ```
 #[must_use = "the slice is the reason to take the guard"]
 pub struct HostSlice<'a, T> {
     elements: &'a [T],
@@ -40,7 +40,7 @@ pub struct HostSlice<'a, T> {
 
 /// The elements of a pinned or unified buffer, readable and writable on the host (from the
 /// buffers' `as_mut_slice` and `try_as_mut_slice`). Dereferences to `[T]`; while it lives,
-/// graphs whose captures used the buffer are not launched (see the [module docs](self)).
+/// graphs whose captures used the buffer are not launched (see [`HostSlice`]).
 #[must_use = "the slice is the reason to take the guard"]
 pub struct HostSliceMut<'a, T> {
     elements: &'a mut [T],
