@@ -10,7 +10,6 @@ use super::common::{Buffer, BufferCore, CoreRef, sealed::Sealed};
 use super::host_slice::{HostSlice, HostSliceMut};
 use super::range::{allocation_bytes, check_range};
 use super::tracker::{Access, StreamTracker};
-use super::uses::ByteRange;
 use crate::element::Element;
 use crate::error::{MemoryError, Result};
 use crate::pinned_pool::{PinnedBlock, PinnedPool};
@@ -176,20 +175,16 @@ impl<T: Element> PinnedBuffer<T> {
     /// # Errors
     /// As [`Buffer::synchronize`].
     pub fn as_slice(&self) -> Result<HostSlice<'_, T>> {
-        let held = self
-            .core
-            .tracker()
-            .synchronize_for_host(self.whole(), Access::Read)?;
+        let held = self.core.tracker().synchronize_for_host(Access::Read)?;
         Ok(HostSlice::new(self.host_slice()?, held))
     }
 
     /// The elements, or `DeviceBusy` while queued device work may still use the buffer.
     pub fn try_as_slice(&self) -> Result<HostSlice<'_, T>> {
-        let held = self.core.tracker().ensure_idle_for_host(
-            self.whole(),
-            Access::Read,
-            "PinnedBuffer::try_as_slice",
-        )?;
+        let held = self
+            .core
+            .tracker()
+            .ensure_idle_for_host(Access::Read, "PinnedBuffer::try_as_slice")?;
         Ok(HostSlice::new(self.host_slice()?, held))
     }
 
@@ -200,26 +195,17 @@ impl<T: Element> PinnedBuffer<T> {
     /// # Errors
     /// As [`Buffer::synchronize`].
     pub fn as_mut_slice(&mut self) -> Result<HostSliceMut<'_, T>> {
-        let held = self
-            .core
-            .tracker()
-            .synchronize_for_host(self.whole(), Access::Write)?;
+        let held = self.core.tracker().synchronize_for_host(Access::Write)?;
         Ok(HostSliceMut::new(self.host_slice_mut()?, held))
     }
 
     /// The elements, writable, or `DeviceBusy` while queued device work may use the buffer.
     pub fn try_as_mut_slice(&mut self) -> Result<HostSliceMut<'_, T>> {
-        let held = self.core.tracker().ensure_idle_for_host(
-            self.whole(),
-            Access::Write,
-            "PinnedBuffer::try_as_mut_slice",
-        )?;
+        let held = self
+            .core
+            .tracker()
+            .ensure_idle_for_host(Access::Write, "PinnedBuffer::try_as_mut_slice")?;
         Ok(HostSliceMut::new(self.host_slice_mut()?, held))
-    }
-
-    /// Every byte of the buffer, as a tracked range.
-    fn whole(&self) -> ByteRange {
-        ByteRange::new(0, self.core.bytes())
     }
 
     /// The host address of element 0, for interop. Safe reads and writes go through

@@ -339,22 +339,18 @@ impl StreamTracker {
         }
     }
 
-    /// Waits as [`synchronize`](Self::synchronize) does before a host `access` of `range`, and
-    /// returns the borrow that holds back the launches of graphs whose captures conflict with
-    /// that access (a read: captures that wrote bytes of it; a write: those that used some)
-    /// until it is dropped; `None` when no capture did.
+    /// Waits as [`synchronize`](Self::synchronize) does before a host `access` of the whole
+    /// buffer, and returns the borrow that holds back the launches of graphs whose captures
+    /// conflict with that access (a read: captures that wrote some of its bytes; a write: those
+    /// that used some) until it is dropped; `None` when no capture did.
     ///
     /// The borrow is registered before the wait: a launch it does not refuse was enqueued
     /// before the wait began, so the wait covers it.
     ///
     /// # Errors
     /// As [`synchronize`](Self::synchronize); the borrow ends with the error.
-    pub(crate) fn synchronize_for_host(
-        &self,
-        range: ByteRange,
-        access: Access,
-    ) -> Result<Option<HostBorrow>> {
-        let borrow = self.begin_host_borrow(range, access);
+    pub(crate) fn synchronize_for_host(&self, access: Access) -> Result<Option<HostBorrow>> {
+        let borrow = self.begin_host_borrow(access);
         self.synchronize()?;
         Ok(borrow)
     }
@@ -366,22 +362,21 @@ impl StreamTracker {
     /// As [`ensure_idle`](Self::ensure_idle); the borrow ends with the error.
     pub(crate) fn ensure_idle_for_host(
         &self,
-        range: ByteRange,
         access: Access,
         operation: &'static str,
     ) -> Result<Option<HostBorrow>> {
-        let borrow = self.begin_host_borrow(range, access);
+        let borrow = self.begin_host_borrow(access);
         self.ensure_idle(operation)?;
         Ok(borrow)
     }
 
-    fn begin_host_borrow(&self, range: ByteRange, access: Access) -> Option<HostBorrow> {
+    fn begin_host_borrow(&self, access: Access) -> Option<HostBorrow> {
         let conflicting = {
             let state = self.state.lock();
             if !state.used_in_graphs() {
                 return None;
             }
-            state.launches_after(range, access)?
+            state.launches_after(ByteRange::WHOLE, access)?
         };
         Some(HostBorrow::begin(match &conflicting {
             FencedCaptures::These(captures) => LaunchesAfter::Captures(captures),

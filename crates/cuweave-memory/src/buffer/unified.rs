@@ -12,7 +12,6 @@ use super::host_slice::{HostSlice, HostSliceMut};
 use super::range::allocation_bytes;
 use super::raw;
 use super::tracker::{Access, StreamTracker};
-use super::uses::ByteRange;
 use crate::element::Element;
 use crate::error::Result;
 use crate::unified::ManagedCapabilities;
@@ -173,9 +172,7 @@ impl<T: Element> UnifiedBuffer<T> {
 
     fn wait_for_host(&self, operation: &'static str, access: Access) -> Result<Option<HostBorrow>> {
         self.require_concurrent_access(operation)?;
-        self.core
-            .tracker()
-            .synchronize_for_host(ByteRange::new(0, self.core.bytes()), access)
+        self.core.tracker().synchronize_for_host(access)
     }
 
     fn ensure_host_ready(
@@ -184,11 +181,7 @@ impl<T: Element> UnifiedBuffer<T> {
         access: Access,
     ) -> Result<Option<HostBorrow>> {
         self.require_concurrent_access(operation)?;
-        self.core.tracker().ensure_idle_for_host(
-            ByteRange::new(0, self.core.bytes()),
-            access,
-            operation,
-        )
+        self.core.tracker().ensure_idle_for_host(access, operation)
     }
 
     /// Host slices need concurrent managed access: without it, any GPU work queued later in the
