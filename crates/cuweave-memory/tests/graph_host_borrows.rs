@@ -16,20 +16,11 @@ use cuweave_test_support::{require_gpu, serial};
 
 #[path = "common/graph.rs"]
 mod graph;
-use graph::{capture_graph, instantiate, non_blocking};
+use graph::{capture_graph, instantiate, non_blocking, refused_for_host_borrow};
 
 const LEN: usize = 1 << 18;
 /// How long a graph spins before its copy: longer than the checks made while it may run.
 const SPIN_NS: u64 = 50_000_000;
-
-/// The capture a launch was refused for, when it was refused because the host borrows memory
-/// the graph uses.
-fn refused_for_host_borrow(result: cuweave_driver::Result<()>) -> Option<u64> {
-    match result {
-        Err(DriverError::Graph(GraphError::HostBorrowed { capture })) => Some(capture),
-        _ => None,
-    }
-}
 
 #[test]
 fn a_graph_that_writes_a_pinned_buffer_waits_out_a_shared_host_slice_of_it() {
@@ -64,11 +55,14 @@ fn a_graph_that_writes_a_pinned_buffer_waits_out_a_shared_host_slice_of_it() {
     assert!(slice.iter().all(|&x| x == 7));
     // The next launch would copy 8s into the slice under the host's reads.
     source.fill(8).unwrap();
-    assert_eq!(refused_for_host_borrow(exec.launch(&stream)), Some(capture));
+    assert_eq!(
+        refused_for_host_borrow(&exec.launch(&stream)),
+        Some(capture)
+    );
     std::thread::scope(|s| {
         let refused = s.spawn(|| exec.launch(&stream)).join().unwrap();
         assert_eq!(
-            refused_for_host_borrow(refused),
+            refused_for_host_borrow(&refused),
             Some(capture),
             "a launch from another thread"
         );
@@ -120,7 +114,10 @@ fn a_graph_that_reads_a_pinned_buffer_launches_under_a_shared_slice_but_not_a_mu
     // A host write must not land under the graph's read of it.
     let mut written = input.as_mut_slice().unwrap();
     assert!(written.holds_launches());
-    assert_eq!(refused_for_host_borrow(exec.launch(&stream)), Some(capture));
+    assert_eq!(
+        refused_for_host_borrow(&exec.launch(&stream)),
+        Some(capture)
+    );
     written.fill(5);
     drop(written);
     exec.launch(&stream).unwrap();
@@ -156,12 +153,18 @@ fn a_unified_buffer_that_a_graph_writes_holds_its_launches_while_sliced() {
         let slice = managed.as_slice().unwrap();
         assert!(slice.iter().all(|&x| x == 11));
         source.fill(12).unwrap();
-        assert_eq!(refused_for_host_borrow(exec.launch(&stream)), Some(capture));
+        assert_eq!(
+            refused_for_host_borrow(&exec.launch(&stream)),
+            Some(capture)
+        );
         assert!(slice.iter().all(|&x| x == 11));
     }
     {
         let mut slice = managed.as_mut_slice().unwrap();
-        assert_eq!(refused_for_host_borrow(exec.launch(&stream)), Some(capture));
+        assert_eq!(
+            refused_for_host_borrow(&exec.launch(&stream)),
+            Some(capture)
+        );
         slice.fill(1);
     }
     exec.launch(&stream).unwrap();
