@@ -302,11 +302,27 @@ fn stream_marks_are_reached_in_order_only_after_the_work_before_them() {
         Err(DriverError::InvalidArgument { .. })
     ));
 
-    // The word handed on with its last number: the next owner's marks start above it, so a
-    // mark of the new owner is never reached by what the old one wrote.
+    // The word is the marks' alone: second marks on it, a host store and another stream's
+    // queued write are refused, and the word keeps what the marks wrote.
+    assert!(matches!(
+        StreamMarks::new(words.clone(), 3, &other, 0),
+        Err(DriverError::InvalidArgument { .. })
+    ));
+    assert!(!words.store(3, u64::MAX));
+    assert!(matches!(
+        words.enqueue_write(&other, 3, u64::MAX),
+        Err(DriverError::InvalidArgument { .. })
+    ));
+    other.synchronize().unwrap();
+    assert_eq!(words.load(3), Some(3));
+    assert!(words.store(2, 9), "a word no marks hold takes host stores");
+
+    // The word handed on, even with a stale last number: the next owner's marks start above
+    // everything queued into it, so a mark of the new owner is never reached by what the old
+    // one wrote.
     let (words, index, last) = marks.into_parts();
     assert_eq!(last, 3);
-    let next = StreamMarks::new(words, index, &other, last).unwrap();
+    let next = StreamMarks::new(words, index, &other, 0).unwrap();
     kernels.spin_ns(&other, 20 * MS).unwrap();
     let mark = next.mark(&other).unwrap();
     assert_eq!(mark.value(), 4);

@@ -128,9 +128,9 @@ fn marked_chunks_land_in_order_behind_earlier_work_and_wrong_marks_are_refused()
     // do: the driver waits for that stream before it returns.)
     let lanes = streams(context, 2);
     kernels.spin_ns(&lanes[0], 50 * MS).unwrap();
-    let words = Arc::new(MappedWords::new(context, 1).unwrap());
+    let words = Arc::new(MappedWords::new(context, 2).unwrap());
     let marks = StreamMarks::new(words.clone(), 0, &lanes[0], 0).unwrap();
-    let wrong = StreamMarks::new(words, 0, &lanes[1], 0).unwrap();
+    let wrong = StreamMarks::new(words, 1, &lanes[1], 0).unwrap();
     // Pinned host sides: a copy into pageable memory returns only once it has landed.
     let pool = cuweave_memory::PinnedPool::new(context);
     let back = buffer
@@ -179,9 +179,9 @@ fn marked_uploads_of_blocks_filled_in_parts_by_threads_land_whole_and_in_order()
     let lanes = streams(context, 2);
     // A 50 ms spin on the marks' stream: no chunk is reported landed before it ends.
     kernels.spin_ns(&lanes[0], 50 * MS).unwrap();
-    let words = Arc::new(MappedWords::new(context, 1).unwrap());
+    let words = Arc::new(MappedWords::new(context, 2).unwrap());
     let marks = StreamMarks::new(words.clone(), 0, &lanes[0], 0).unwrap();
-    let wrong = StreamMarks::new(words, 0, &lanes[1], 0).unwrap();
+    let wrong = StreamMarks::new(words, 1, &lanes[1], 0).unwrap();
     let pool = cuweave_memory::PinnedPool::new(context);
     buffer
         .staged_write(0, len, &lanes, |staged| {

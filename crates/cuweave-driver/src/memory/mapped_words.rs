@@ -5,6 +5,7 @@ use std::mem::ManuallyDrop;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use super::word_claims::WordClaims;
 use super::{DevicePtr, HostAllocFlags, HostAllocation};
 use crate::context::Context;
 use crate::error::{DriverError, Result};
@@ -33,6 +34,13 @@ use crate::stream::{Stream, WriteOrdering};
 /// [`CompletionWords`](super::CompletionWords) and the event crate's word slabs may drop words
 /// at any time; no caller needs to leak them by hand. Drop leaves the words' context current
 /// on the calling thread when it waited.
+///
+/// # Claimed words
+/// A word that a [`StreamMarks`](super::StreamMarks) holds is *claimed*: its marks prove how
+/// far their stream has got, and buffers are handed back on that proof, so nothing else may
+/// write it while they hold it. [`store`](Self::store) and [`enqueue_write`](Self::enqueue_write)
+/// refuse a claimed word, and each word remembers the highest value ever queued into it, so
+/// marks that claim it later start above anything a late write can still put there.
 #[derive(Debug)]
 pub struct MappedWords {
     allocation: ManuallyDrop<HostAllocation>,
@@ -40,6 +48,8 @@ pub struct MappedWords {
     len: usize,
     /// Whether `enqueue_write` ever queued a write (set before queuing it).
     written: AtomicBool,
+    /// Which words marks hold, and the highest value queued into each.
+    claims: WordClaims,
 }
 
 impl MappedWords {
@@ -62,6 +72,7 @@ impl MappedWords {
             device_base,
             len,
             written: AtomicBool::new(false),
+            claims: WordClaims::new(len),
         };
         for word in words.words() {
             word.store(0, Ordering::Relaxed);
@@ -104,12 +115,30 @@ impl MappedWords {
             .map(|word| word.load(Ordering::Acquire))
     }
 
-    /// Writes word `index` from the host (a release store); `false` past the end.
+    /// Writes word `index` from the host (a release store); `false` past the end, and for a
+    /// word a [`StreamMarks`](super::StreamMarks) holds (see [Claimed words](Self#claimed-words)),
+    /// which is left as it is.
     pub fn store(&self, index: usize, value: u64) -> bool {
-        self.words()
-            .get(index)
-            .map(|word| word.store(value, Ordering::Release))
-            .is_some()
+        let Some(word) = self.words().get(index) else {
+            return false;
+        };
+        self.claims
+            .store(index, || word.store(value, Ordering::Release))
+    }
+
+    /// Claims word `index` for one [`StreamMarks`](super::StreamMarks) and returns the highest
+    /// value it holds or may still receive from a write queued before (marks start above it);
+    /// `None` when it is past the end or already claimed.
+    pub(crate) fn claim(&self, index: usize) -> Option<u64> {
+        let word = self.words().get(index)?;
+        self.claims.claim(index, || word.load(Ordering::Acquire))
+    }
+
+    /// Gives back a word [`claim`](Self::claim) took.
+    pub(crate) fn release(&self, index: usize) {
+        if index < self.len {
+            self.claims.release(index);
+        }
     }
 
     /// The device address of word `index`, for a stream or kernel to write; `None` past the end.
@@ -138,11 +167,27 @@ impl MappedWords {
     /// whoever begins one must not queue these writes on it.
     ///
     /// # Errors
-    /// `InvalidArgument` when `index` is past the end or `stream` belongs to another context;
-    /// [`GraphError::Capturing`](crate::GraphError::Capturing) when the stream is capturing,
-    /// nothing queued; the driver's error when the write cannot be queued (e.g. a device
-    /// without stream memory operations).
+    /// `InvalidArgument` when `index` is past the end, `stream` belongs to another context, or
+    /// a [`StreamMarks`](super::StreamMarks) holds the word (see
+    /// [Claimed words](Self#claimed-words)); [`GraphError::Capturing`](crate::GraphError::Capturing)
+    /// when the stream is capturing, nothing queued; the driver's error when the write cannot
+    /// be queued (e.g. a device without stream memory operations).
     pub fn enqueue_write(&self, stream: &Stream, index: usize, value: u64) -> Result<()> {
+        self.queue_write(stream, index, value, false)
+    }
+
+    /// [`enqueue_write`](Self::enqueue_write) for the [`StreamMarks`](super::StreamMarks) that
+    /// claimed word `index`.
+    pub(crate) fn enqueue_claimed_write(
+        &self,
+        stream: &Stream,
+        index: usize,
+        value: u64,
+    ) -> Result<()> {
+        self.queue_write(stream, index, value, true)
+    }
+
+    fn queue_write(&self, stream: &Stream, index: usize, value: u64, claimed: bool) -> Result<()> {
         let address = self.device_address(index).ok_or_else(|| {
             DriverError::invalid(
                 "MappedWords::enqueue_write",
@@ -161,6 +206,12 @@ impl MappedWords {
             "MappedWords::enqueue_write",
             "a word write recorded into a graph would land at every launch, possibly after the words are freed",
         )?;
+        if !self.claims.before_queue(index, value, claimed) {
+            return Err(DriverError::invalid(
+                "MappedWords::enqueue_write",
+                format!("word {index} belongs to a StreamMarks: only its stream writes it"),
+            ));
+        }
         // Set before queuing, so that a drop racing nothing (we hold `&self`) always sees it.
         self.written.store(true, Ordering::Relaxed);
         // SAFETY: `address` is an 8-byte-aligned word of this mapped allocation, mapped in the

@@ -16,6 +16,7 @@ mod mapped_words;
 mod pointer;
 mod pool;
 mod stream_marks;
+mod word_claims;
 
 pub use address_range::address_range;
 pub use completion_words::CompletionWords;

@@ -34,10 +34,12 @@ impl Mark {
 ///
 /// The marks belong to one stream, fixed at construction: marks from two streams would make
 /// the word jump past work the other stream has not done, so [`mark`](Self::mark) refuses every
-/// other stream. The word and the last number travel together ([`into_parts`](Self::into_parts)),
-/// so a word handed on to another stream's marks starts above every number written into it
-/// before (a late write of the old stream can only make the word fall back, which delays a
-/// waiter and never releases one early).
+/// other stream, and the word is the marks' alone while they live: a second `StreamMarks` on it
+/// is refused, and so are [`MappedWords::store`] and [`MappedWords::enqueue_write`] into it
+/// (see [Claimed words](MappedWords#claimed-words)). Marks on a word start above every number
+/// ever queued into it or stored in it before, so a word handed on to another stream's marks
+/// ([`into_parts`](Self::into_parts), or a drop) is safe too: a late write of the old stream can
+/// only make the word fall back, which delays a waiter and never releases one early.
 #[derive(Debug)]
 pub struct StreamMarks {
     words: Arc<MappedWords>,
@@ -56,11 +58,13 @@ impl StreamMarks {
     pub const YIELD_FOR: Duration = Duration::from_millis(20);
 
     /// Marks of `stream` in word `index` of `words`, starting above `last` (the number the
-    /// word's previous owner wrote last; 0 for a fresh word, whose value is 0).
+    /// word's previous owner wrote last; 0 for a fresh word) and above every number queued into
+    /// the word or stored in it before, whatever `last` says.
     ///
     /// # Errors
-    /// `InvalidArgument` when `index` is past the end of `words`, or `stream` belongs to
-    /// another context than the words' mapping.
+    /// `InvalidArgument` when `index` is past the end of `words`, `stream` belongs to another
+    /// context than the words' mapping, other marks hold the word, or it holds `u64::MAX` (no
+    /// number is left above it).
     pub fn new(words: Arc<MappedWords>, index: usize, stream: &Stream, last: u64) -> Result<Self> {
         if index >= words.len() {
             return Err(DriverError::invalid(
@@ -74,6 +78,20 @@ impl StreamMarks {
                 "the stream belongs to another context than the words' mapping",
             ));
         }
+        let Some(floor) = words.claim(index) else {
+            return Err(DriverError::invalid(
+                "StreamMarks::new",
+                format!("word {index} already belongs to other marks"),
+            ));
+        };
+        let last = last.max(floor);
+        if last == u64::MAX {
+            words.release(index);
+            return Err(DriverError::invalid(
+                "StreamMarks::new",
+                format!("word {index} holds u64::MAX: no mark is left above it"),
+            ));
+        }
         Ok(Self {
             words,
             index,
@@ -83,10 +101,13 @@ impl StreamMarks {
         })
     }
 
-    /// The word and the last number queued into it, to hand to the next owner of the word.
+    /// The word and the last number queued into it, to hand to the next owner of the word
+    /// (which may claim it as soon as this returns).
     pub fn into_parts(self) -> (Arc<MappedWords>, usize, u64) {
         let last = *self.last.lock();
-        (self.words, self.index, last)
+        let (words, index) = (Arc::clone(&self.words), self.index);
+        drop(self);
+        (words, index, last)
     }
 
     /// Whether `stream` is the stream these marks belong to.
@@ -110,7 +131,8 @@ impl StreamMarks {
         }
         let mut last = self.last.lock();
         let value = *last + 1;
-        self.words.enqueue_write(stream, self.index, value)?;
+        self.words
+            .enqueue_claimed_write(stream, self.index, value)?;
         *last = value;
         Ok(Mark(value))
     }
@@ -179,5 +201,11 @@ impl StreamMarks {
                 ),
             ))
         }
+    }
+}
+
+impl Drop for StreamMarks {
+    fn drop(&mut self) {
+        self.words.release(self.index);
     }
 }
