@@ -7,9 +7,10 @@ use parking_lot::Mutex;
 
 use super::error::GraphError;
 use super::handle::{Graph, GraphNodeType, KeepAlive};
-use super::keep_alive::{Retirement, deduplicated};
+use super::keep_alive::{Deferred, Retirement, deduplicated};
 use crate::context::Context;
 use crate::error::Result;
+use crate::event::{Event, EventFlags};
 use crate::event_pool::{EventPool, OwnedPooledEvent};
 use crate::loader::{cu, driver};
 use crate::stream::Stream;
@@ -68,12 +69,21 @@ impl InstantiateOptions {
 /// update proves it: one event record per update, none on other launches. A generation never
 /// launched is dropped at the next update at once. So however many update loops run, what is
 /// held is the current generation plus the generations still in flight.
+///
+/// # Keep-alives after a drop
+/// Dropping the executable does not wait for its queued launches, and neither do the values it
+/// keeps alive: while it holds any, each launch on a stream that is not capturing re-records one
+/// event of its own behind itself (a `cuEventRecord`, no pool round trip), and at drop the
+/// values whose last launch has not finished wait, with that event, until a later
+/// instantiate, update or drop of any executable finds it complete
+/// ([`held_for_dropped_executables`] counts them). A launch *into* a capture becomes a node of
+/// that capture's graph, which these values cannot follow: keep them alive with that graph
+/// ([`Graph::keep_alive`]) too.
 pub struct GraphExec {
     context: Arc<Context>,
     raw: sys::CUgraphExec,
-    /// Serialises driver calls on `raw`; holds the retirement of old keep-alive generations,
-    /// which launches feed.
-    lock: Mutex<Retirement<OwnedPooledEvent>>,
+    /// Serialises driver calls on `raw`; holds what launches leave behind.
+    lock: Mutex<LaunchState>,
     /// The graph allocates memory and was instantiated without auto-free.
     single_launch: bool,
     launches: AtomicU64,
@@ -85,6 +95,34 @@ pub struct GraphExec {
     /// The capture of the current graph, when tracked buffers were used in it: launches leave
     /// fences under it.
     tracked_capture: Option<u64>,
+}
+
+/// What launches leave behind, under the executable's lock.
+#[derive(Default)]
+struct LaunchState {
+    /// Old keep-alive generations, each waiting for a launch after its update to finish.
+    retirement: Retirement<OwnedPooledEvent>,
+    /// Re-recorded behind every launch on an eager stream while values are kept alive: the
+    /// executable's launches run one after another, so its completion proves they all have.
+    behind_last: Option<Event>,
+    /// A launch that needed `behind_last` could not record it: at drop nothing proves the
+    /// launches finished, so the values are leaked rather than dropped under them.
+    unfenced: bool,
+}
+
+/// Values of dropped executables whose last launch had not finished at the drop.
+static DEFERRED: Mutex<Deferred<Event>> = Mutex::new(Deferred::new());
+
+/// How many values dropped executables still keep alive for launches that had not finished
+/// when last looked at (see [Keep-alives after a drop](GraphExec#keep-alives-after-a-drop)).
+pub fn held_for_dropped_executables() -> usize {
+    DEFERRED.lock().len()
+}
+
+/// Drops the values of dropped executables whose launches have finished (outside the lock).
+fn release_finished_keep_alives() {
+    let finished = DEFERRED.lock().take_finished();
+    drop(finished);
 }
 
 // SAFETY: a CUgraphExec may be used from any thread; every call on it holds `lock`.
@@ -128,6 +166,7 @@ impl GraphExec {
             flags,
             ..Default::default()
         };
+        release_finished_keep_alives();
         let mut raw = std::ptr::null_mut();
         // SAFETY: live graph of the current context; valid out-pointers.
         let outcome =
@@ -145,7 +184,7 @@ impl GraphExec {
         Ok(Self {
             context: Arc::clone(context),
             raw,
-            lock: Mutex::new(Retirement::default()),
+            lock: Mutex::new(LaunchState::default()),
             single_launch: allocates && !options.auto_free_on_launch,
             launches: AtomicU64::new(0),
             event_pool: std::sync::OnceLock::new(),
@@ -163,7 +202,7 @@ impl GraphExec {
         Self {
             context: Arc::clone(context),
             raw,
-            lock: Mutex::new(Retirement::default()),
+            lock: Mutex::new(LaunchState::default()),
             single_launch: false,
             launches: AtomicU64::new(0),
             event_pool: std::sync::OnceLock::new(),
@@ -197,7 +236,7 @@ impl GraphExec {
     /// still held for launches made before an update (see
     /// [Keep-alives across updates](Self#keep-alives-across-updates)).
     pub fn kept_alive_count(&self) -> usize {
-        self.keep_alive.len() + self.lock.lock().retired_len()
+        self.keep_alive.len() + self.lock.lock().retirement.retired_len()
     }
 
     /// Queues the whole graph on `stream` (`cuGraphLaunch`): it runs after the work queued there
@@ -223,7 +262,7 @@ impl GraphExec {
     #[inline]
     pub fn launch(&self, stream: &Stream) -> Result<()> {
         stream.ensure_context(&self.context, "GraphExec::launch")?;
-        let mut retirement = self.lock.lock();
+        let mut state = self.lock.lock();
         if self.single_launch && self.launches.load(Ordering::Relaxed) != 0 {
             return Err(GraphError::RelaunchNeedsAutoFree.into());
         }
@@ -253,7 +292,10 @@ impl GraphExec {
                 capture: refused.capture,
             })??;
         self.launches.fetch_add(1, Ordering::Relaxed);
-        retirement.launched(|| self.fence_behind(stream));
+        state.retirement.launched(|| self.fence_behind(stream));
+        if !self.keep_alive.is_empty() || state.retirement.retired_len() != 0 {
+            self.fence_last_launch(&mut state, stream);
+        }
         // Eager work on other streams that uses memory a capture used waits for this.
         if let Some(capture) = fenced {
             super::fences::fence_launch(&self.context, stream, capture, || {
@@ -277,6 +319,27 @@ impl GraphExec {
                 tracing::warn!(%error, "recording a graph's keep-alive fence failed; the old keep-alives wait for a later launch");
                 None
             }
+        }
+    }
+
+    /// Re-records the executable's own event behind the launch just queued on `stream`, so that
+    /// a drop can tell when the values it keeps alive are no longer used. A stream that is
+    /// capturing gets none (the launch is a node of that capture's graph).
+    fn fence_last_launch(&self, state: &mut LaunchState, stream: &Stream) {
+        if !super::fences::is_eager(stream) {
+            return;
+        }
+        let recorded = match &state.behind_last {
+            Some(event) => event.record(stream),
+            None => Event::new(&self.context, EventFlags::DISABLE_TIMING).and_then(|event| {
+                event.record(stream)?;
+                state.behind_last = Some(event);
+                Ok(())
+            }),
+        };
+        if let Err(error) = recorded {
+            tracing::warn!(%error, "recording a graph launch's keep-alive fence failed; its keep-alives will be leaked at drop");
+            state.unfenced = true;
         }
     }
 
@@ -319,8 +382,9 @@ impl GraphExec {
     /// [`GraphError::UpdateRejected`] with the driver's reason and the blocking node's type; the
     /// executable is unchanged then.
     pub fn update(&mut self, graph: &Graph) -> Result<()> {
+        release_finished_keep_alives();
         // `&mut self`: no launch runs meanwhile, and the lock needs no locking.
-        let retirement = self.lock.get_mut();
+        let retirement = &mut self.lock.get_mut().retirement;
         self.context.bind_to_thread()?;
         let api = driver()?;
         let mut info = sys::CUgraphExecUpdateResultInfo::default();
@@ -354,6 +418,40 @@ impl Drop for GraphExec {
         // SAFETY: we own the executable and destroy it once; queued launches still complete.
         if let Err(error) = unsafe { cu!(api.graph_exec_destroy(self.raw)) } {
             tracing::warn!(%error, "destroying a graph executable failed");
+        }
+        self.release_keep_alives();
+    }
+}
+
+impl GraphExec {
+    /// At drop: the values kept alive go now when no launch may still use them, or wait for
+    /// the last launch's event (see [Keep-alives after a drop](Self#keep-alives-after-a-drop)).
+    fn release_keep_alives(&mut self) {
+        release_finished_keep_alives();
+        let state = std::mem::take(self.lock.get_mut());
+        let mut values = std::mem::take(&mut self.keep_alive);
+        values.extend(state.retirement.into_values());
+        if values.is_empty() {
+            return;
+        }
+        if state.unfenced {
+            tracing::warn!(
+                values = values.len(),
+                "a launch had no keep-alive fence: leaking what the dropped graph executable kept alive"
+            );
+            std::mem::forget(values);
+            return;
+        }
+        match state.behind_last {
+            // Never launched on an eager stream while it held values: nothing queued uses them.
+            None => drop(values),
+            Some(fence) => {
+                if super::keep_alive::Fence::is_complete(&fence) {
+                    drop(values);
+                } else {
+                    DEFERRED.lock().push(fence, values);
+                }
+            }
         }
     }
 }

@@ -33,6 +33,13 @@ impl Fence for crate::event_pool::OwnedPooledEvent {
     }
 }
 
+impl Fence for crate::event::Event {
+    fn is_complete(&self) -> bool {
+        // As for pooled events: refused or failed is not known to be complete.
+        self.query().unwrap_or(false)
+    }
+}
+
 /// The allocation a keep-alive points to (its vtable dropped): equal for clones of one `Arc`.
 fn address(value: &KeepAlive) -> *const () {
     Arc::as_ptr(value).cast::<()>()
@@ -153,6 +160,12 @@ impl<F: Fence> Retirement<F> {
             .sum()
     }
 
+    /// Every value the retired generations hold (for an executable being dropped, whose last
+    /// launch's fence covers them all).
+    pub(super) fn into_values(self) -> impl Iterator<Item = KeepAlive> {
+        self.retired.into_iter().flat_map(|retired| retired.values)
+    }
+
     /// How many retired generations wait (each for its fence, or the newest for a launch).
     #[cfg(test)]
     pub(super) fn pending_generations(&self) -> usize {
@@ -160,8 +173,52 @@ impl<F: Fence> Retirement<F> {
     }
 }
 
+/// What dropped executables kept alive for launches still queued: each batch waits for a fence
+/// behind its executable's last launch, and goes once that fence has completed. Looked at
+/// whenever an executable is instantiated, updated or dropped, so it holds only batches whose
+/// launches were still running at the last of those calls.
+pub(super) struct Deferred<F> {
+    waiting: Vec<(F, Vec<KeepAlive>)>,
+}
+
+impl<F> Deferred<F> {
+    pub(super) const fn new() -> Self {
+        Self {
+            waiting: Vec::new(),
+        }
+    }
+}
+
+impl<F: Fence> Deferred<F> {
+    /// Keeps `values` until `fence` completes.
+    pub(super) fn push(&mut self, fence: F, values: Vec<KeepAlive>) {
+        self.waiting.push((fence, values));
+    }
+
+    /// Takes out the batches whose fence has completed (for the caller to drop outside any
+    /// lock: a keep-alive's drop may free memory or take other locks).
+    pub(super) fn take_finished(&mut self) -> Vec<KeepAlive> {
+        let mut finished = Vec::new();
+        self.waiting.retain_mut(|(fence, values)| {
+            if fence.is_complete() {
+                finished.append(values);
+                false
+            } else {
+                true
+            }
+        });
+        finished
+    }
+
+    /// How many values wait.
+    pub(super) fn len(&self) -> usize {
+        self.waiting.iter().map(|(_, values)| values.len()).sum()
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use std::any::Any;
     use std::sync::Weak;
     use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -187,6 +244,27 @@ mod tests {
 
     fn value(n: u64) -> KeepAlive {
         Arc::new(n)
+    }
+
+    #[test]
+    fn a_dropped_executables_values_go_once_their_fence_completes_and_not_before() {
+        let mut deferred = Deferred::<TestFence>::new();
+        let (first, second) = (TestFence::default(), TestFence::default());
+        let (a, b, c) = (value(1), value(2), value(3));
+        let watch: Vec<Weak<dyn Any + Send + Sync>> = [&a, &b, &c].map(Arc::downgrade).to_vec();
+        deferred.push(first.clone(), vec![a, b]);
+        deferred.push(second.clone(), vec![c]);
+        assert!(deferred.take_finished().is_empty());
+        assert_eq!(deferred.len(), 3);
+        second.complete();
+        drop(deferred.take_finished());
+        assert_eq!(deferred.len(), 2);
+        assert!(watch[2].upgrade().is_none(), "the finished batch went");
+        assert!(watch[0].upgrade().is_some(), "the running batch stays");
+        first.complete();
+        drop(deferred.take_finished());
+        assert_eq!(deferred.len(), 0);
+        assert!(watch.iter().all(|weak| weak.upgrade().is_none()));
     }
 
     #[test]
