@@ -1,6 +1,7 @@
 //! [`Event`]: a marker in a stream's work, for ordering, polling and timing.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::context::Context;
 use crate::device::Device;
@@ -70,7 +71,18 @@ pub struct Event {
     raw: sys::CUevent,
     flags: EventFlags,
     owned: bool,
+    /// Where its last record through [`record`](Self::record) was queued, so that a capturing
+    /// stream's wait on it is refused before it breaks the capture: [`RECORDED_UNKNOWN`],
+    /// [`RECORDED_EAGER`], or a capture id plus [`RECORDED_CAPTURE_BASE`].
+    recorded_in: AtomicU64,
 }
+
+/// Not recorded through cuweave (or its capture status unreadable): the driver decides.
+const RECORDED_UNKNOWN: u64 = 0;
+/// Recorded on a stream that was not capturing.
+const RECORDED_EAGER: u64 = 1;
+/// Recorded into capture `id`: stored as `id + RECORDED_CAPTURE_BASE`.
+const RECORDED_CAPTURE_BASE: u64 = 2;
 
 // SAFETY: a CUevent may be recorded, queried and waited on from any thread once its context is
 // current, which every method ensures.
@@ -91,6 +103,7 @@ impl Event {
             raw,
             flags,
             owned: true,
+            recorded_in: AtomicU64::new(RECORDED_UNKNOWN),
         })
     }
 
@@ -110,6 +123,7 @@ impl Event {
             raw,
             flags,
             owned,
+            recorded_in: AtomicU64::new(RECORDED_UNKNOWN),
         }
     }
 
@@ -143,7 +157,29 @@ impl Event {
         self.context.bind_to_thread()?;
         let api = driver()?;
         // SAFETY: live event and stream of the same context.
-        unsafe { cu!(api.event_record(self.raw, stream.as_raw())) }
+        unsafe { cu!(api.event_record(self.raw, stream.as_raw())) }?;
+        let recorded_in = if crate::graph::active_captures() == 0 {
+            RECORDED_EAGER
+        } else {
+            match stream.capture_status() {
+                Ok(status) => status
+                    .id()
+                    .map_or(RECORDED_EAGER, |id| id.wrapping_add(RECORDED_CAPTURE_BASE)),
+                Err(_) => RECORDED_UNKNOWN,
+            }
+        };
+        self.recorded_in.store(recorded_in, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Where the last [`record`](Self::record) was queued.
+    pub(crate) fn recorded_in(&self) -> crate::graph::RecordedIn {
+        use crate::graph::RecordedIn;
+        match self.recorded_in.load(Ordering::Relaxed) {
+            RECORDED_UNKNOWN => RecordedIn::Unknown,
+            RECORDED_EAGER => RecordedIn::Eager,
+            stored => RecordedIn::Capture(stored.wrapping_sub(RECORDED_CAPTURE_BASE)),
+        }
     }
 
     /// Whether the captured work has finished (`true` also for a never-recorded event).

@@ -305,9 +305,18 @@ impl Stream {
     /// `other` and waited on here, then returned to the pool (the queued wait is unaffected).
     /// `other` may belong to another device.
     ///
+    /// A capturing stream may wait only on streams of its own capture, and the legacy default
+    /// stream not on a capturing one: other waits would break the capture, and are refused
+    /// before anything is queued (see
+    /// [`refuse_wait_across_capture`](crate::graph::refuse_wait_across_capture)). An eager
+    /// stream that waits on a capturing one joins its capture (a fork).
+    ///
     /// # Errors
-    /// The driver's error from recording or waiting.
+    /// [`GraphError::Capturing`](crate::GraphError::Capturing) or
+    /// [`GraphError::LegacyDefaultStream`](crate::GraphError::LegacyDefaultStream) for a wait
+    /// across a capture's boundary; the driver's error from recording or waiting.
     pub fn wait_stream(&self, other: &Stream) -> Result<()> {
+        crate::graph::refuse_wait_across_capture(self, other, "Stream::wait_stream")?;
         let pool = crate::EventPool::for_context(other.context())?;
         let event = pool.acquire_event(false)?;
         event.record(other)?;
@@ -328,7 +337,24 @@ impl Stream {
 
     /// Makes later work on this stream wait until `event` has completed (device-side; the host
     /// does not block). The event may belong to another stream or device.
+    ///
+    /// While this stream captures, an event last recorded (through [`Event::record`]) outside
+    /// its capture is refused before the wait is queued, as [`wait_stream`](Self::wait_stream)
+    /// refuses: the driver would invalidate the capture. An event never recorded through
+    /// cuweave is left to the driver.
+    ///
+    /// # Errors
+    /// [`GraphError::Capturing`](crate::GraphError::Capturing) or
+    /// [`GraphError::LegacyDefaultStream`](crate::GraphError::LegacyDefaultStream) for a wait
+    /// across a capture's boundary; the driver's error.
     pub fn wait_event(&self, event: &Event) -> Result<()> {
+        if crate::graph::active_captures() != 0 {
+            crate::graph::refuse_dependency_across_capture(
+                self,
+                event.recorded_in(),
+                "Stream::wait_event",
+            )?;
+        }
         self.context.bind_to_thread()?;
         let api = driver()?;
         // SAFETY: live stream and event; flags must be 0.
@@ -496,6 +522,7 @@ impl Drop for Stream {
             tracing::warn!(%error, "binding context to destroy a stream failed");
             return;
         }
+        self.abandon_capture();
         // SAFETY: we created this stream and destroy it once; queued work still completes.
         if let Err(error) = unsafe { cu!(api.stream_destroy(self.raw)) } {
             tracing::warn!(%error, "destroying a stream failed");

@@ -2,7 +2,6 @@
 //! mode, and the process-wide bookkeeping that lets other code ask "is a capture active?" for
 //! the price of one atomic load.
 
-use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
@@ -137,11 +136,6 @@ impl Record {
 /// Every capture begun through cuweave and not yet ended (few at a time: one per capturing
 /// stream), so that `end_capture` knows its mode and where to look for the call that broke it.
 static RECORDS: Mutex<Vec<Record>> = Mutex::new(Vec::new());
-
-thread_local! {
-    /// Captures this thread began in global or thread-local mode and has not ended.
-    static THREAD_CAPTURES: Cell<usize> = const { Cell::new(0) };
-}
 
 /// How many captures begun through cuweave are active in the process: one relaxed atomic load,
 /// for hot paths that must behave differently while any capture runs.
@@ -294,11 +288,110 @@ fn first_failure_after(after: u64, thread: Option<std::thread::ThreadId>) -> Opt
 /// thread has a global or thread-local capture, or any thread a global one, unless this thread
 /// is in relaxed mode.
 fn unsafe_calls_break_a_capture() -> Result<bool> {
-    let this_thread = THREAD_CAPTURES.with(Cell::get);
-    if GLOBAL.load(Ordering::Acquire) == 0 && this_thread == 0 {
+    // Read from the records, not a thread-local count: a capture can be ended (or its stream
+    // dropped) on another thread than the one that began it.
+    if GLOBAL.load(Ordering::Acquire) == 0 && !this_thread_captures() {
         return Ok(false);
     }
     Ok(thread_capture_mode()? != CaptureMode::Relaxed)
+}
+
+/// The capture `stream` records into, or `None` when it is not capturing; one atomic load
+/// while no capture begun through cuweave is active.
+fn capture_of(stream: &Stream) -> Result<Option<u64>> {
+    if active_captures() == 0 {
+        return Ok(None);
+    }
+    Ok(stream.capture_status()?.id())
+}
+
+/// Refuses a wait of `dependent` on work just queued on `prerequisite` that would break a
+/// capture, before it is queued: a capturing `dependent` may wait only on streams of its own
+/// capture (the driver refuses a dependency across the capture's boundary,
+/// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`, and invalidates the capture); the legacy default
+/// stream may not wait on a capturing stream (it cannot join a capture). An eager stream that
+/// waits on a capturing one joins its capture, as a fork does: allowed. One atomic load while no
+/// capture begun through cuweave is active.
+///
+/// # Errors
+/// [`GraphError::Capturing`] or [`GraphError::LegacyDefaultStream`] naming `operation`; the
+/// driver's error when a capture status cannot be read.
+pub fn refuse_wait_across_capture(
+    dependent: &Stream,
+    prerequisite: &Stream,
+    operation: &'static str,
+) -> Result<()> {
+    if active_captures() == 0 {
+        return Ok(());
+    }
+    refuse_dependency_across_capture(dependent, capture_of(prerequisite)?.into(), operation)
+}
+
+/// Where the work a wait depends on was queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RecordedIn {
+    /// Not known (an event never recorded through cuweave): the driver decides.
+    Unknown,
+    /// On a stream that was not capturing.
+    Eager,
+    /// Into this capture.
+    Capture(u64),
+}
+
+impl From<Option<u64>> for RecordedIn {
+    fn from(capture: Option<u64>) -> Self {
+        capture.map_or(Self::Eager, Self::Capture)
+    }
+}
+
+/// [`refuse_wait_across_capture`] for work recorded where `prerequisite` says.
+pub(crate) fn refuse_dependency_across_capture(
+    dependent: &Stream,
+    prerequisite: RecordedIn,
+    operation: &'static str,
+) -> Result<()> {
+    let Some(capture) = capture_of(dependent)? else {
+        if dependent.is_special_handle()
+            && !dependent.is_per_thread_default()
+            && matches!(prerequisite, RecordedIn::Capture(_))
+        {
+            return Err(GraphError::LegacyDefaultStream { operation }.into());
+        }
+        return Ok(());
+    };
+    match prerequisite {
+        RecordedIn::Unknown => Ok(()),
+        RecordedIn::Capture(other) if other == capture => Ok(()),
+        RecordedIn::Eager | RecordedIn::Capture(_) => Err(GraphError::Capturing {
+            operation,
+            reason: "the waiting stream is capturing and the work it would wait for is not in its capture: a wait across a capture's boundary would invalidate the capture",
+        }
+        .into()),
+    }
+}
+
+/// Puts this thread in relaxed capture mode while any capture begun through cuweave is active
+/// (`None`, and no driver call, while none is): for a call that a capture does not record and
+/// that is sound to make during one (allocating, freeing or pinning memory, loading or
+/// unloading a module), which the driver would otherwise refuse under a global or thread-local
+/// capture, breaking that capture. A capture begun outside cuweave while none of cuweave's is
+/// active is not seen.
+///
+/// # Errors
+/// The driver's error from `cuThreadExchangeStreamCaptureMode`.
+pub(crate) fn relaxed_during_captures() -> Result<Option<CaptureModeGuard>> {
+    (active_captures() != 0)
+        .then(|| CaptureModeGuard::enter(CaptureMode::Relaxed))
+        .transpose()
+}
+
+/// Whether this thread began a global or thread-local capture that is not over.
+fn this_thread_captures() -> bool {
+    let thread = std::thread::current().id();
+    RECORDS
+        .lock()
+        .iter()
+        .any(|record| record.thread == thread && record.mode != CaptureMode::Relaxed)
 }
 
 /// This thread's capture mode, read by exchanging it with itself.
@@ -565,9 +658,6 @@ impl Stream {
         if mode == CaptureMode::Global {
             GLOBAL.fetch_add(1, Ordering::AcqRel);
         }
-        if mode != CaptureMode::Relaxed {
-            THREAD_CAPTURES.with(|count| count.set(count.get() + 1));
-        }
         Ok(())
     }
 
@@ -641,9 +731,40 @@ impl Stream {
         if record.mode == CaptureMode::Global {
             GLOBAL.fetch_sub(1, Ordering::AcqRel);
         }
-        if record.mode != CaptureMode::Relaxed {
-            THREAD_CAPTURES.with(|count| count.set(count.get().saturating_sub(1)));
+    }
+
+    /// At drop: ends a capture begun through cuweave on this stream and never ended, and
+    /// destroys what it recorded, so that the process does not count it as active for ever
+    /// (which would refuse every blocking call on the thread that began it). The capture is
+    /// over either way: the stream is about to be destroyed.
+    pub(crate) fn abandon_capture(&self) {
+        if active_captures() == 0 {
+            return;
         }
+        let record = RECORDS
+            .lock()
+            .iter()
+            .find(|record| record.stream == self.id())
+            .copied();
+        let Some(record) = record else { return };
+        let Ok(api) = driver() else { return };
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: live stream (dropped only after this returns); valid out-pointer.
+        match unsafe { cu!(api.stream_end_capture(self.as_raw(), &mut raw)) } {
+            Ok(()) if !raw.is_null() => {
+                // SAFETY: the driver just made this graph and hands it to us; dropped at once.
+                drop(unsafe { Graph::from_raw(self.context(), raw) });
+            }
+            Ok(()) => {}
+            Err(error) => {
+                tracing::warn!(%error, "ending the capture of a stream being dropped failed");
+            }
+        }
+        tracing::debug!(
+            stream = self.id(),
+            "a stream was dropped while capturing: its capture was ended and discarded"
+        );
+        self.forget_capture(record);
     }
 
     /// Whether this stream is capturing, and into which capture sequence.

@@ -17,6 +17,7 @@
 //! | [`capture_state`], [`known_complete_before`], [`capture_is_active`] | the capture epoch that buffer trackers stamp uses with, and which uses a capture knows to be complete (`Stream::begin_capture_synchronized`) |
 //! | [`CaptureModeGuard`] | this thread in another capture mode for a scope (`cuThreadExchangeStreamCaptureMode`) |
 //! | [`Graph`], [`GraphExec`], [`InstantiateOptions`] | the recording and its executable form: instantiate, upload, launch, update, DOT dump |
+//! | [`held_for_dropped_executables`] | what dropped executables still keep alive for their unfinished launches |
 //! | [`synchronize_launches`], [`launched_since`], [`LaunchMark`] | the process's graph launches, counted: a context wait that covers every launch so far, and whether one has begun since (host access to memory a graph may use) |
 //! | [`HostBorrow`], [`host_borrowed_captures`] | a live host borrow of memory that tracked captures used: their graphs' launches are refused until it ends |
 //! | [`wait_for_graph_launches`], [`fence_eager_use`], [`LaunchesAfter`] | the fences that order graph launches and eager work on memory their captures used, both ways |
@@ -43,10 +44,10 @@ pub(crate) use capture::CAPTURE_COUNT_TEST_LOCK;
 pub use capture::{
     CaptureMode, CaptureModeGuard, CaptureState, CaptureStatus, StatusCheck, active_captures,
     capture_is_active, capture_state, known_complete_before, note_tracked_use, refuse_recording,
-    refuse_while_capturing,
+    refuse_wait_across_capture, refuse_while_capturing,
 };
 pub use error::GraphError;
-pub use exec::{GraphExec, InstantiateOptions};
+pub use exec::{GraphExec, InstantiateOptions, held_for_dropped_executables};
 pub use fences::{
     LaunchesAfter, PRUNE_FENCES_AT, eager_use_fences, fence_eager_use, graph_launch_fences,
     wait_for_graph_launches,
@@ -57,4 +58,7 @@ pub use launches::{
 };
 pub use memory::{GraphMemoryUsage, graph_memory_usage, trim_graph_memory};
 
-pub(crate) use capture::{note_driver_failure, translate_driver_failure};
+pub(crate) use capture::{
+    RecordedIn, note_driver_failure, refuse_dependency_across_capture, relaxed_during_captures,
+    translate_driver_failure,
+};

@@ -300,40 +300,25 @@ pub fn note_wait_joined_capture(stream: &Stream) -> Result<()> {
 }
 
 /// Refuses, before anything is queued, a device-side wait of `dependent` on work of
-/// `prerequisite` that would cross a capture's boundary: `dependent` is capturing and
-/// `prerequisite` is not in the same capture. The driver answers such a wait with
-/// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION` and invalidates the capture (PyTorch's `wait_stream`
-/// from a capturing stream on an eager one fails the same way); refused here, the capture
-/// stays intact and every stream usable. A stream that is not capturing may wait on a
-/// capturing one: it joins the capture (a fork). One atomic load while no capture begun
-/// through cuweave is active.
+/// `prerequisite` that would cross a capture's boundary (PyTorch's `wait_stream` from a
+/// capturing stream on an eager one fails the same way in the driver, which invalidates the
+/// capture); the driver layer's rule,
+/// [`refuse_wait_across_capture`](cuweave_driver::graph::refuse_wait_across_capture), which its
+/// own `Stream::wait_stream` applies too.
 ///
 /// # Errors
-/// [`GraphError::Capturing`] naming `operation`; the driver's error from a status query.
+/// [`GraphError::Capturing`] or [`GraphError::LegacyDefaultStream`] naming `operation`; the
+/// driver's error from a status query.
 pub(crate) fn refuse_wait_across_capture(
     dependent: &Stream,
     prerequisite: &Stream,
     operation: &'static str,
 ) -> Result<()> {
-    let Some(capture) = capture_id(dependent)? else {
-        // An eager stream that waits on a capturing one joins its capture (a fork); the legacy
-        // default stream cannot be captured, and its wait would invalidate the capture.
-        if dependent.is_special_handle()
-            && !dependent.is_per_thread_default()
-            && capture_id(prerequisite)?.is_some()
-        {
-            return Err(DriverError::from(GraphError::LegacyDefaultStream { operation }).into());
-        }
-        return Ok(());
-    };
-    if capture_id(prerequisite)? == Some(capture) {
-        return Ok(());
-    }
-    Err(DriverError::from(GraphError::Capturing {
+    Ok(cuweave_driver::graph::refuse_wait_across_capture(
+        dependent,
+        prerequisite,
         operation,
-        reason: "the waiting stream is capturing and the other stream is not in its capture: a wait across a capture's boundary would invalidate the capture",
-    })
-    .into())
+    )?)
 }
 
 #[cfg(test)]
