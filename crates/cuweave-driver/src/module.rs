@@ -75,6 +75,8 @@ impl Module {
         let mut raw = std::ptr::null_mut();
         let mut logs = JitLogs::new();
         let (mut options, mut values) = logs.options();
+        // A capture records no module load: relaxed while capturing.
+        let relaxed = crate::graph::relaxed_during_captures()?;
         // SAFETY: valid out-pointer; four options, each log buffer's value its address in
         // `logs` (alive and untouched until the call returns) followed by its true size; the
         // image contract is the caller's.
@@ -87,6 +89,7 @@ impl Module {
                 values.as_mut_ptr(),
             ))
         };
+        drop(relaxed);
         match loaded {
             Ok(()) => {}
             Err(DriverError::Cuda { code, operation }) => {
@@ -183,6 +186,14 @@ impl Drop for Module {
             tracing::warn!(%error, "binding context to unload a module failed");
             return;
         }
+        // A capture records no unload: relaxed while capturing, as the load is.
+        let _relaxed = match crate::graph::relaxed_during_captures() {
+            Ok(relaxed) => relaxed,
+            Err(error) => {
+                tracing::warn!(%error, "cannot enter relaxed capture mode; leaking a module");
+                return;
+            }
+        };
         // SAFETY: we loaded this module and unload it once; kernels hold an Arc to us.
         if let Err(error) = unsafe { cu!(api.module_unload(self.raw)) } {
             tracing::warn!(%error, "unloading a module failed");

@@ -24,6 +24,7 @@ use cuweave_driver::{
     InstantiateOptions, KernelArgs, LaunchConfig, Module, Stream, StreamFlags,
 };
 use cuweave_test_support::kernels::{PTX, TestKernels};
+use cuweave_test_support::outside_capture::{raw_mem_alloc, raw_mem_free};
 use cuweave_test_support::{require_gpu, serial, skip_under_sanitizer};
 
 const MS: u64 = 1_000_000;
@@ -510,15 +511,17 @@ fn two_captures_broken_on_two_threads_each_name_their_own_breaking_call() {
     let context = &gpu.context;
     let barrier = Barrier::new(2);
     // Thread B breaks its capture first, with cuMemAlloc; thread A breaks its own afterwards,
-    // with cuMemFree. Each capture's error should name the call made on its own thread.
+    // with cuMemFree (both called directly: cuweave's own allocations are made in relaxed mode
+    // while capturing and break nothing). Each capture's error should name the call made on its own thread.
     let (a_outcome, b_outcome) = std::thread::scope(|scope| {
         let a = scope.spawn(|| {
             let stream = Stream::new(context, StreamFlags::NON_BLOCKING).unwrap();
-            let victim = DeviceAllocation::new(context, MIB).unwrap();
+            let victim = raw_mem_alloc(context, MIB).unwrap();
             stream.begin_capture(CaptureMode::ThreadLocal).unwrap();
             barrier.wait(); // both captures have begun
             barrier.wait(); // B has broken its capture
-            let freed = victim.free();
+            // SAFETY: allocated above, freed once, used by no work.
+            let freed = unsafe { raw_mem_free(context, victim) };
             let ended = stream.end_capture();
             (freed.err(), ended.map(|graph| graph.node_count()))
         });
@@ -526,10 +529,14 @@ fn two_captures_broken_on_two_threads_each_name_their_own_breaking_call() {
             let stream = Stream::new(context, StreamFlags::NON_BLOCKING).unwrap();
             stream.begin_capture(CaptureMode::ThreadLocal).unwrap();
             barrier.wait();
-            let allocated = DeviceAllocation::new(context, MIB);
+            let allocated = raw_mem_alloc(context, MIB);
             barrier.wait();
             let ended = stream.end_capture();
-            // Dropped (freed, if it was made) only once the capture is over.
+            // Freed, if it was made, only once the capture is over.
+            if let Ok(ptr) = allocated {
+                // SAFETY: allocated above, freed once, used by no work.
+                unsafe { raw_mem_free(context, ptr) }.unwrap();
+            }
             (allocated.err(), ended.map(|graph| graph.node_count()))
         });
         (a.join().unwrap(), b.join().unwrap())

@@ -738,14 +738,17 @@ fn capture_mistakes_are_typed_leave_streams_usable_leak_no_pool_and_a_fresh_capt
     // Broken by a raw call; its scratch from the pool; then a fresh capture on the same stream.
     let capture = main.begin_capture(CaptureOptions::default()).unwrap();
     let scratch = allocator.allocate(N * 4, s).unwrap();
-    let broke = cuweave_driver::memory::DeviceAllocation::new(&gpu.context, 1 << 20);
+    let broke = cuweave_test_support::outside_capture::raw_mem_alloc(&gpu.context, 1 << 20);
     drop(scratch);
     let error = capture.finish().unwrap_err();
     assert!(
         matches!(graph_error(&error), GraphError::CaptureInvalidated { .. }),
         "{error}"
     );
-    drop(broke);
+    if let Ok(ptr) = broke {
+        // SAFETY: allocated above, freed once, used by no work.
+        unsafe { cuweave_test_support::outside_capture::raw_mem_free(&gpu.context, ptr) }.unwrap();
+    }
     assert_eq!(active_captures(), 0);
     usable(&main);
     let capture = main.begin_capture(CaptureOptions::default()).unwrap();

@@ -405,7 +405,7 @@ fn every_bad_use_is_a_typed_error_and_leaves_the_stream_usable() {
     // A call capture forbids, made anyway (the driver's own allocation, below every check):
     // one typed error naming it at the end.
     let capture = StreamCapture::begin(&main, CaptureOptions::default()).unwrap();
-    let broke = cuweave_driver::memory::DeviceAllocation::new(&gpu.context, 1 << 20);
+    let broke = cuweave_test_support::outside_capture::raw_mem_alloc(&gpu.context, 1 << 20);
     // Every later call on the broken capture reports the same cause, not a bare INVALIDATED.
     let later = StreamError::from(kernels.spin_ns(&main, 1000).unwrap_err());
     assert!(
@@ -430,7 +430,10 @@ fn every_bad_use_is_a_typed_error_and_leaves_the_stream_usable() {
         }
         other => panic!("expected CaptureInvalidated, got {other}"),
     }
-    drop(broke);
+    if let Ok(ptr) = broke {
+        // SAFETY: allocated above, freed once, used by no work.
+        unsafe { cuweave_test_support::outside_capture::raw_mem_free(&gpu.context, ptr) }.unwrap();
+    }
     usable(&main);
 
     // Pool misses refused by policy.

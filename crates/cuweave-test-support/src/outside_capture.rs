@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use cuweave_driver::{Context, Graph, Stream, driver, sys};
+use cuweave_driver::{Context, DriverError, Graph, Stream, driver, sys};
 
 /// Runs `during` while `stream` (of `context`) captures in relaxed mode through
 /// `cuStreamBeginCapture` / `cuStreamEndCapture` called directly, so that
@@ -39,4 +39,40 @@ pub fn capture_outside_cuweave<R>(
     assert_eq!(ended, sys::CUresult::CUDA_SUCCESS, "cuStreamEndCapture");
     // SAFETY: the driver just made this graph and nobody else owns it.
     (result, unsafe { Graph::from_raw(context, raw) })
+}
+
+/// `cuMemAlloc` called directly through the driver table, below every cuweave check (cuweave's
+/// own allocations switch to relaxed mode while capturing): the call a global or thread-local
+/// capture forbids, for tests of how a broken capture is reported. Checked with
+/// [`DriverApi::check`](cuweave_driver::DriverApi::check), so a capture it breaks names it
+/// (`cuMemAlloc_v2`). Free the memory with [`raw_mem_free`].
+///
+/// # Errors
+/// The driver's error (a capture it broke among them).
+pub fn raw_mem_alloc(context: &Arc<Context>, bytes: usize) -> Result<u64, DriverError> {
+    let api = driver()?;
+    context.bind_to_thread()?;
+    let alloc = api.mem_alloc.get()?;
+    let mut ptr = 0;
+    // SAFETY: valid out-pointer; the context is current.
+    let code = unsafe { alloc(&mut ptr, bytes) };
+    api.check(code, api.mem_alloc.symbol())?;
+    Ok(ptr)
+}
+
+/// `cuMemFree` of memory from [`raw_mem_alloc`], called directly as that is (a capture it
+/// breaks names `cuMemFree_v2`).
+///
+/// # Safety
+/// `ptr` came from [`raw_mem_alloc`] in `context`, is freed once, and no queued work uses it.
+///
+/// # Errors
+/// The driver's error (a capture it broke among them).
+pub unsafe fn raw_mem_free(context: &Arc<Context>, ptr: u64) -> Result<(), DriverError> {
+    let api = driver()?;
+    context.bind_to_thread()?;
+    let free = api.mem_free.get()?;
+    // SAFETY: the caller's contract.
+    let code = unsafe { free(ptr) };
+    api.check(code, api.mem_free.symbol())
 }

@@ -88,8 +88,13 @@ fn keep_fence(fences: &mut Vec<Fence>, key: (usize, u64, u64), event: Arc<OwnedP
         return;
     }
     if fences.len() >= PRUNE_FENCES_AT {
-        // Finished fences order nothing; a query refused (a capture elsewhere) keeps it.
+        // Finished fences order nothing. Their events were recorded behind eager work, which no
+        // capture records, so they are queried in relaxed mode: a capture this thread holds
+        // neither refuses the queries (the list would grow for as long as it is open) nor
+        // breaks. A query that still fails keeps its fence.
+        let relaxed = super::relaxed_during_captures();
         fences.retain(|fence| !matches!(fence.event.query(), Ok(true)));
+        drop(relaxed);
     }
     fences.push(Fence {
         context: key.0,

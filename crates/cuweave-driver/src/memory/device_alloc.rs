@@ -22,6 +22,12 @@ pub struct DeviceAllocation {
 impl DeviceAllocation {
     /// Allocates `bytes` of device memory in `context`.
     ///
+    /// Works while a capture begun through cuweave is active, on the capturing thread too: a
+    /// capture records no `cuMemAlloc`, so the call (and the `cuMemFree` at drop) is made in
+    /// relaxed capture mode, where the driver would otherwise refuse it and break the capture.
+    /// Work queued into the capture that uses the memory is the caller's to keep within its
+    /// life, as for any raw launch.
+    ///
     /// # Errors
     /// `InvalidArgument` for zero bytes; the driver's `CUDA_ERROR_OUT_OF_MEMORY`
     /// ([`crate::DriverError::is_out_of_memory`]) when the device is full.
@@ -30,8 +36,13 @@ impl DeviceAllocation {
         context.bind_to_thread()?;
         let api = driver()?;
         let mut ptr = 0;
+        // A capture records no allocation: made in relaxed mode, it leaves an active capture
+        // intact (as PyTorch's relaxed captures allow `cudaMalloc`).
+        let relaxed = crate::graph::relaxed_during_captures()?;
         // SAFETY: valid out-pointer; nonzero size; the context is current.
-        unsafe { cu!(api.mem_alloc(&mut ptr, bytes)) }?;
+        let allocated = unsafe { cu!(api.mem_alloc(&mut ptr, bytes)) };
+        drop(relaxed);
+        allocated?;
         Ok(Self {
             context: Arc::clone(context),
             ptr,

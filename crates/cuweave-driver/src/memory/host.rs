@@ -73,9 +73,7 @@ impl HostAllocation {
         context.bind_to_thread()?;
         let api = driver()?;
         let mut ptr = std::ptr::null_mut();
-        let relaxed = (crate::graph::active_captures() != 0)
-            .then(|| crate::graph::CaptureModeGuard::enter(crate::graph::CaptureMode::Relaxed))
-            .transpose()?;
+        let relaxed = crate::graph::relaxed_during_captures()?;
         // SAFETY: valid out-pointer; nonzero size; the context is current.
         let pinned = unsafe { cu!(api.mem_host_alloc(&mut ptr, bytes, flags.bits())) };
         drop(relaxed);
@@ -162,6 +160,14 @@ impl Drop for HostAllocation {
             tracing::warn!(%error, "binding context to free pinned memory failed");
             return;
         }
+        // Relaxed while capturing, as `new` is: a capture records no free.
+        let _relaxed = match crate::graph::relaxed_during_captures() {
+            Ok(relaxed) => relaxed,
+            Err(error) => {
+                tracing::warn!(%error, bytes = self.bytes, "cannot enter relaxed capture mode; leaking pinned memory");
+                return;
+            }
+        };
         // SAFETY: we own this allocation from cuMemHostAlloc and free it once.
         if let Err(error) = unsafe { cu!(api.mem_free_host(self.ptr.as_ptr().cast())) } {
             tracing::warn!(%error, bytes = self.bytes, "cuMemFreeHost failed");
@@ -187,14 +193,18 @@ impl<'a> HostRegistration<'a> {
         nonzero(memory.len(), "HostRegistration::new")?;
         context.bind_to_thread()?;
         let api = driver()?;
+        // A capture records no pinning: relaxed while capturing, as `HostAllocation::new` is.
+        let relaxed = crate::graph::relaxed_during_captures()?;
         // SAFETY: the slice is valid for its length and exclusively borrowed for `'a`.
-        unsafe {
+        let registered = unsafe {
             cu!(api.mem_host_register(
                 memory.as_mut_ptr().cast(),
                 memory.len(),
                 sys::CU_MEMHOSTREGISTER_PORTABLE,
             ))
-        }?;
+        };
+        drop(relaxed);
+        registered?;
         Ok(Self {
             context: Arc::clone(context),
             memory,
@@ -263,6 +273,7 @@ impl std::fmt::Debug for HostRegistration<'_> {
 fn unregister(context: &Context, memory: &mut [u8]) -> Result<()> {
     context.bind_to_thread()?;
     let api = driver()?;
+    let _relaxed = crate::graph::relaxed_during_captures()?;
     // SAFETY: `memory` is exactly the range a `HostRegistration` registered; its owner gives it
     // up here, so it is unregistered once.
     unsafe { cu!(api.mem_host_unregister(memory.as_mut_ptr().cast())) }?;

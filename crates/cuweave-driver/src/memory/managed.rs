@@ -138,14 +138,18 @@ impl ManagedAllocation {
         context.bind_to_thread()?;
         let api = driver()?;
         let mut ptr = 0;
+        // A capture records no allocation: relaxed while capturing, as `DeviceAllocation::new`.
+        let relaxed = crate::graph::relaxed_during_captures()?;
         // SAFETY: valid out-pointer; nonzero size; the context is current.
-        unsafe {
+        let allocated = unsafe {
             cu!(api.mem_alloc_managed(
                 &mut ptr,
                 bytes,
                 sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL.0
             ))
-        }?;
+        };
+        drop(relaxed);
+        allocated?;
         Ok(Self {
             context: Arc::clone(context),
             ptr,
