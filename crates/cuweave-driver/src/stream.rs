@@ -97,6 +97,10 @@ pub struct Stream {
     raw: sys::CUstream,
     owned: bool,
     id: u64,
+    /// The context's shared event pool, held once [`wait_stream`](Self::wait_stream) recorded
+    /// on this stream: a join loop then reuses its events instead of making a pool and an
+    /// event per call when nothing else holds the pool.
+    join_events: std::sync::OnceLock<crate::EventPool>,
 }
 
 /// Source of [`Stream::id`]s: never reused within a process, unlike raw handles.
@@ -138,6 +142,7 @@ impl Stream {
             raw,
             owned: true,
             id: next_stream_id(),
+            join_events: std::sync::OnceLock::new(),
         })
     }
 
@@ -169,6 +174,7 @@ impl Stream {
             raw,
             owned: true,
             id: next_stream_id(),
+            join_events: std::sync::OnceLock::new(),
         })
     }
 
@@ -184,6 +190,7 @@ impl Stream {
             raw,
             owned,
             id: next_stream_id(),
+            join_events: std::sync::OnceLock::new(),
         }
     }
 
@@ -202,6 +209,7 @@ impl Stream {
             raw: std::ptr::null_mut(),
             owned: false,
             id: next_stream_id(),
+            join_events: std::sync::OnceLock::new(),
         }
     }
 
@@ -317,7 +325,13 @@ impl Stream {
     /// across a capture's boundary; the driver's error from recording or waiting.
     pub fn wait_stream(&self, other: &Stream) -> Result<()> {
         crate::graph::refuse_wait_across_capture(self, other, "Stream::wait_stream")?;
-        let pool = crate::EventPool::for_context(other.context())?;
+        let pool = match other.join_events.get() {
+            Some(pool) => pool,
+            None => {
+                let pool = crate::EventPool::for_context(other.context())?;
+                other.join_events.get_or_init(|| pool)
+            }
+        };
         let event = pool.acquire_event(false)?;
         event.record(other)?;
         self.wait_event(&event)
