@@ -25,6 +25,7 @@ use cuweave_memory::{Access, Buffer};
 
 use crate::comm::Communicator;
 use crate::error::{CollectiveError, NcclCode, Result};
+use crate::group_checks::{Direction, Party, PointToPoint, check_captures, check_pairs};
 use crate::handle::{Blocking, end_group};
 use crate::loader::NcclApi;
 use crate::raw::{self, Call};
@@ -150,7 +151,7 @@ fn run(ops: Vec<Op<'_>>, grouped: bool) -> Result<()> {
     let Some(first) = ops.first() else {
         return Ok(());
     };
-    check_self_exchanges(&ops, grouped)?;
+    check_calls(&ops, grouped)?;
     let api = first.comm.api();
     let operation = if grouped {
         "ncclGroupEnd"
@@ -207,70 +208,79 @@ fn run(ops: Vec<Op<'_>>, grouped: bool) -> Result<()> {
     first_error.map_or(Ok(()), Err)
 }
 
-/// Refuses a rank's sends to itself and receives from itself that NCCL could not pair.
+/// Refuses, before anything reaches NCCL, the calls NCCL would refuse or mishandle only once
+/// a communicator has taken part of them (see [`crate::group_checks`]):
 ///
-/// NCCL pairs them per communicator in the order they were queued, and only within one group:
-/// one without its partner is `ncclInvalidUsage` from `ncclGroupEnd` (on a non-blocking
-/// communicator an asynchronous error, which aborts it), and the pair's copy kernel moves the
-/// *send's* byte count into the receive buffer, so a receive smaller than its send would be
-/// written past its end. So every communicator's self sends and self receives must pair up, in
-/// order, with equal byte counts (element types may differ); an ungrouped one never can.
-fn check_self_exchanges(ops: &[Op<'_>], grouped: bool) -> Result<()> {
-    let mut checked: Vec<*const crate::comm::CommInner> = Vec::new();
-    for op in ops {
-        let comm = Arc::as_ptr(&op.comm.inner);
-        if checked.contains(&comm) {
-            continue;
-        }
-        checked.push(comm);
-        let rank = op.comm.rank();
-        let (mut sends, mut recvs) = (Vec::new(), Vec::new());
-        for other in ops
-            .iter()
-            .filter(|other| Arc::as_ptr(&other.comm.inner) == comm)
-        {
-            match other.call {
-                Call::Send { count, peer, .. } if peer as usize == rank => {
-                    sends.push(count * other.element_size);
+/// - streams that mix captures: a communicator's calls on streams that are not all uncaptured
+///   or all in one capture, or a group whose communicators are partly captured (one driver
+///   query per call's stream; only for more than one call, since a lone call is never mixed);
+/// - sends and receives that do not pair up: a rank's sends to itself and receives from itself
+///   (NCCL pairs them per communicator, in order, only within one group, and its copy moves the
+///   *send's* bytes into the receive buffer, so a smaller receive would be written past its
+///   end), and, between two ranks of one communicator both in the call, the sends from one and
+///   the receives at the other (as many, equal bytes in order; element types may differ).
+fn check_calls(ops: &[Op<'_>], grouped: bool) -> Result<()> {
+    let operation = if grouped {
+        "Group::launch"
+    } else {
+        ops[0].call.name()
+    };
+    let mut comms: Vec<*const crate::comm::CommInner> = Vec::new();
+    let mut parties = Vec::new();
+    let party_of: Vec<usize> = ops
+        .iter()
+        .map(|op| {
+            let comm = Arc::as_ptr(&op.comm.inner);
+            comms.iter().position(|c| *c == comm).unwrap_or_else(|| {
+                comms.push(comm);
+                parties.push(Party {
+                    world: op.comm.world(),
+                    rank: op.comm.rank(),
+                });
+                comms.len() - 1
+            })
+        })
+        .collect();
+    if ops.len() > 1 {
+        // One query per distinct stream (a coalesced group has many calls on few streams).
+        let mut seen: Vec<(u64, Option<u64>)> = Vec::new();
+        let mut captures = Vec::with_capacity(ops.len());
+        for (op, &party) in ops.iter().zip(&party_of) {
+            let stream = op.stream.id();
+            let capture = match seen.iter().find(|(id, _)| *id == stream) {
+                Some(&(_, capture)) => capture,
+                None => {
+                    let capture = op.stream.capture_status()?.id();
+                    seen.push((stream, capture));
+                    capture
                 }
-                Call::Recv { count, peer, .. } if peer as usize == rank => {
-                    recvs.push(count * other.element_size);
-                }
-                _ => {}
-            }
+            };
+            captures.push((party, capture));
         }
-        let operation = if grouped {
-            "Group::launch"
-        } else {
-            op.call.name()
-        };
-        if sends.len() != recvs.len() {
-            return Err(CollectiveError::invalid(
-                operation,
-                format!(
-                    "rank {rank} sends to itself {} times and receives from itself {} times: \
-                     each send to itself needs a receive from itself in the same Group",
-                    sends.len(),
-                    recvs.len()
-                ),
-            ));
-        }
-        if let Some((i, (send, recv))) = sends
-            .iter()
-            .zip(&recvs)
-            .enumerate()
-            .find(|(_, (send, recv))| send != recv)
-        {
-            return Err(CollectiveError::invalid(
-                operation,
-                format!(
-                    "rank {rank}'s send {i} to itself is {send} bytes but the receive it pairs \
-                     with is {recv} bytes"
-                ),
-            ));
-        }
+        check_captures(&parties, &captures)
+            .map_err(|reason| CollectiveError::invalid(operation, reason))?;
     }
-    Ok(())
+    let exchanges: Vec<PointToPoint> = ops
+        .iter()
+        .zip(&party_of)
+        .filter_map(|(op, &party)| {
+            let (direction, count, peer) = match op.call {
+                Call::Send { count, peer, .. } => (Direction::Send, count, peer),
+                Call::Recv { count, peer, .. } => (Direction::Recv, count, peer),
+                _ => return None,
+            };
+            Some(PointToPoint {
+                party,
+                direction,
+                peer: peer as usize,
+                bytes: count * op.element_size,
+            })
+        })
+        .collect();
+    if exchanges.is_empty() {
+        return Ok(());
+    }
+    check_pairs(&parties, &exchanges).map_err(|reason| CollectiveError::invalid(operation, reason))
 }
 
 /// What issuing found: whether NCCL accepted any call (so work may be queued), whether any is
@@ -1259,15 +1269,32 @@ impl<'a> Group<'a> {
 
     /// Queues every call as one NCCL group.
     ///
-    /// A rank's sends to itself and receives from itself are paired by NCCL in the order they
-    /// were added: each needs its partner in the group, with the same number of bytes (NCCL's
-    /// copy moves the send's bytes into the receive buffer). Checked before anything is queued.
+    /// Checked before anything is queued, so that NCCL never refuses the group after a
+    /// communicator has taken part of it (which would leave it with an asynchronous error and
+    /// abort it):
+    ///
+    /// - **Captures.** One communicator's calls must all be on streams that are not capturing,
+    ///   or all on streams of the same capture; and either none or all of the group's
+    ///   communicators capture (NCCL's two rules). Each distinct stream's capture status is
+    ///   asked of the driver once.
+    /// - **Pairs.** A rank's sends to itself and receives from itself are paired by NCCL in
+    ///   the order they were added: each needs its partner in the group, with the same number
+    ///   of bytes (NCCL's copy moves the send's bytes into the receive buffer). Between two
+    ///   ranks of one communicator that are both in the group (one process driving several
+    ///   GPUs), the k-th send from one to the other pairs with the k-th receive there from
+    ///   the first: as many on each side, equal bytes in order (element types may differ).
+    ///   Ranks are known to be of one communicator when made by one
+    ///   [`init_all`](Communicator::init_all), joined with the same [`UniqueId`](crate::UniqueId),
+    ///   or made with one color by one [`split_all`](Communicator::split_all); a rank in
+    ///   another process or thread is not checked.
     ///
     /// # Errors
-    /// `InvalidArgument` when a communicator's sends to itself and receives from itself do not
-    /// pair up, in number or in bytes (nothing is queued); `Aborted` for an aborted communicator; NCCL's error (the group is closed either way);
-    /// a non-blocking group that fails or passes the deadline while settling aborts its
-    /// communicators; the use tracker's error.
+    /// `InvalidArgument` (nothing is queued, every communicator untouched) for streams that
+    /// mix captures as above, or sends and receives that do not pair up, in number or in
+    /// bytes; the driver's error when a capture status cannot be read; `Aborted` for an aborted
+    /// communicator; NCCL's error (the group is closed either way); a non-blocking group that
+    /// fails or passes the deadline while settling aborts its communicators; the use tracker's
+    /// error.
     pub fn launch(self) -> Result<()> {
         run(self.ops, true)
     }

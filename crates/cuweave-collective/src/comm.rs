@@ -11,7 +11,7 @@ use parking_lot::{Mutex, MutexGuard};
 pub use crate::config::CommConfig;
 use crate::config::NcclConfig;
 use crate::error::{CollectiveError, NcclCode, Result};
-use crate::handle::{ABORT_GRACE, CallGuard, HandleCell, Polled, poll_until};
+use crate::handle::{ABORT_GRACE, CallGuard, HandleCell, Polled, Requested, poll_until};
 use crate::id::UniqueId;
 use crate::loader::{self, NcclApi};
 use crate::raw::{self, HandleSlot, RawComm};
@@ -33,6 +33,39 @@ pub(crate) struct CommInner {
     rank: usize,
     nranks: usize,
     config: CommConfig,
+    /// Which NCCL communicator this rank belongs to, when this process can tell (see
+    /// [`World`]): lets a group pair one rank's sends with another's receives.
+    world: Option<World>,
+}
+
+/// Names the NCCL communicator (the set of ranks) a [`Communicator`] is one rank of, as far as
+/// this process can tell. Two ranks with equal worlds are ranks of one communicator; unequal
+/// or unknown worlds say nothing (so checks built on them only ever refuse what they know).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum World {
+    /// Made together in this process (`init_all`, or children of one color of one
+    /// `split_all`): a number no other world of the process has.
+    Local(u64),
+    /// Joined through a [`UniqueId`] (`init_rank`): a digest of its bytes (ranks of this
+    /// process that joined with the same id are ranks of one communicator).
+    Id(u64),
+}
+
+impl World {
+    /// A world no other of this process has.
+    pub(crate) fn fresh() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Self::Local(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// The world of ranks that join with `id`.
+    pub(crate) fn of_id(id: &UniqueId) -> Self {
+        use std::hash::{Hash, Hasher};
+        // Fixed keys: equal ids give equal digests on every thread.
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        id.as_bytes().hash(&mut hasher);
+        Self::Id(hasher.finish())
+    }
 }
 
 /// One rank of an NCCL communicator, on one device.
@@ -154,6 +187,7 @@ impl Communicator {
         api: &'static NcclApi,
         context: Arc<Context>,
         config: CommConfig,
+        world: Option<World>,
     ) -> Result<Self> {
         let raw = slot.get();
         let shape = context
@@ -171,6 +205,7 @@ impl Communicator {
                     rank: rank as usize,
                     nranks: nranks as usize,
                     config,
+                    world,
                 }),
             }),
             Err(error) => {
@@ -253,9 +288,10 @@ impl Communicator {
             return Err(error);
         }
         let mut comms = Vec::with_capacity(slots.len());
+        let world = World::fresh();
         let mut rest = slots.into_iter().zip(contexts);
         while let Some((slot, context)) = rest.next() {
-            match Self::from_slot(slot, api, context, config.clone()) {
+            match Self::from_slot(slot, api, context, config.clone(), Some(world)) {
                 Ok(comm) => comms.push(comm),
                 Err(error) => {
                     // from_slot aborted this one; those already wrapped finalise on drop.
@@ -315,7 +351,7 @@ impl Communicator {
             slot.leak();
             return Err(error);
         }
-        Self::from_slot(slot, api, context, config.clone())
+        Self::from_slot(slot, api, context, config.clone(), Some(World::of_id(id)))
     }
 
     /// This rank's index.
@@ -343,6 +379,11 @@ impl Communicator {
         &self.inner.config
     }
 
+    /// The NCCL communicator this rank belongs to, when this process can tell.
+    pub(crate) fn world(&self) -> Option<World> {
+        self.inner.world
+    }
+
     /// Whether it was aborted (after a timeout, an asynchronous error or [`abort`](Self::abort)).
     /// One atomic load: it never waits for a call in progress on another thread.
     pub fn is_aborted(&self) -> bool {
@@ -366,6 +407,39 @@ impl Communicator {
         self.inner
             .handle
             .abort_with(ABORT_GRACE, |raw| abort_raw(api, context, raw));
+    }
+
+    /// Aborts without making the caller wait for `ncclCommAbort`: the communicator is marked
+    /// aborted before this returns (it refuses every further call, and [`is_aborted`] is
+    /// true), and `ncclCommAbort` runs on a thread of its own, which holds a clone of the
+    /// communicator until it has returned. [`abort`](Self::abort) from any thread waits for it.
+    ///
+    /// For deadlines: `ncclCommAbort` frees the communicator's device and pinned memory, which
+    /// waits for work queued on the device (also work that is not NCCL's, ahead of a
+    /// collective on its stream), so an inline abort would hold a timed-out caller for as long
+    /// as that work runs. Inline when no thread can be started.
+    ///
+    /// [`is_aborted`]: Self::is_aborted
+    pub(crate) fn abort_in_background(&self) {
+        if self.inner.handle.request_abort() != Requested::ByThisCaller {
+            return;
+        }
+        let comm = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("cuweave-nccl-abort".into())
+            .spawn(move || comm.run_requested_abort());
+        if let Err(error) = spawned {
+            tracing::warn!(%error, "no thread for a background NCCL abort; aborting inline");
+            self.run_requested_abort();
+        }
+    }
+
+    /// Runs the abort this caller requested (see [`HandleCell::run_requested_abort`]).
+    fn run_requested_abort(&self) {
+        let (api, context) = (self.inner.api, &self.inner.context);
+        self.inner
+            .handle
+            .run_requested_abort(ABORT_GRACE, |raw| abort_raw(api, context, raw));
     }
 
     /// `ncclCommGetAsyncError`: `Ok(())` while healthy (or still busy with a non-blocking
@@ -559,6 +633,11 @@ impl Communicator {
     /// communicator is then aborted).
     pub fn finalize(self) -> Result<()> {
         const OP: &str = "Communicator::finalize";
+        if self.is_aborted() {
+            // Nothing to finalise, whoever still holds a clone (a background abort does until
+            // its `ncclCommAbort` returns).
+            return Err(CollectiveError::Aborted { operation: OP });
+        }
         let clones = Arc::strong_count(&self.inner) - 1;
         match Arc::try_unwrap(self.inner) {
             Ok(mut inner) => inner.close(),
@@ -610,6 +689,24 @@ mod abort_tests {
         let aborts: [&(dyn Fn() + Sync); 2] = [&first, &second];
         abort_together(&aborts);
         assert_eq!(ran.load(Ordering::SeqCst), 2);
+    }
+
+    /// Ranks joined with one id are one world on every thread; other ids, and each fresh
+    /// world, are others.
+    #[test]
+    fn worlds_are_equal_for_one_id_and_distinct_otherwise() {
+        use super::World;
+        use crate::id::{UNIQUE_ID_BYTES, UniqueId};
+        let id = UniqueId::from_bytes([7; UNIQUE_ID_BYTES]);
+        let on_thread = std::thread::spawn(move || World::of_id(&id))
+            .join()
+            .expect("thread");
+        assert_eq!(World::of_id(&id), on_thread);
+        assert_ne!(
+            World::of_id(&id),
+            World::of_id(&UniqueId::from_bytes([8; UNIQUE_ID_BYTES]))
+        );
+        assert_ne!(World::fresh(), World::fresh());
     }
 
     #[test]

@@ -73,9 +73,20 @@ impl CoordinatedCollectives {
     /// coordinator's own rules: `stream` must belong to the context of the coordinator's event
     /// pool ([`check_stream`]), and every dependency must be queued (completed with
     /// `complete_operation`), completed, or retired ([`dependencies_queued`], one lock, no
-    /// polling). So a refused call leaves nothing behind: no operation stuck registered, no
-    /// dependency kept alive by a dependant that will never begin. A caller may retry until
-    /// the dependency is queued without the coordinator growing.
+    /// polling). So a call refused for these leaves nothing behind: no operation stuck
+    /// registered, no dependency kept alive by a dependant that will never begin. A caller may
+    /// retry until the dependency is queued without the coordinator growing.
+    ///
+    /// **Known gap: a begin refused by a capture.** On a capturing `stream`, `begin_operation`
+    /// refuses (`GraphError::Capturing`, a capture refusal; the capture stays valid) a
+    /// dependency whose completion was recorded outside the capture and is not known to have
+    /// finished when it began. The coordinator decides that from where each dependency's event
+    /// was recorded, which it does not expose, and it offers no way to drop a registered
+    /// operation that never began; so such a refusal is returned, typed, but leaves the
+    /// operation registered, keeping its dependencies from retiring (one per refused call).
+    /// Closing it needs the event layer to check that rule before registering, or to cancel a
+    /// never-begun operation (see `docs/collective.md`). Until then, end the capture (or begin
+    /// it synchronised after the dependency was queued) before retrying.
     ///
     /// When `queue` fails, nothing of it was queued (NCCL refused the call, or a check did);
     /// the operation is still completed, at a point of the stream with no work of its own,
@@ -88,8 +99,8 @@ impl CoordinatedCollectives {
     /// [`EventError::ForeignStream`] for a stream of another context than the coordinator's
     /// pool; `UnknownOperation` for a dependency never registered;
     /// [`EventError::DependencyNotQueued`] for one not yet queued (both refused before
-    /// registering, so their `id` is [`OperationId::UNREGISTERED`]); the coordinator's other
-    /// errors; `queue`'s.
+    /// registering, so their `id` is [`OperationId::UNREGISTERED`]); a capture refusal from
+    /// `begin_operation` (see the known gap above); the coordinator's other errors; `queue`'s.
     ///
     /// [`EventError::ForeignStream`]: cuweave_event::EventError::ForeignStream
     /// [`EventError::DependencyNotQueued`]: cuweave_event::EventError::DependencyNotQueued

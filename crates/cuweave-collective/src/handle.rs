@@ -44,6 +44,18 @@ use parking_lot::{Condvar, Mutex};
 /// inside NCCL). Calls on a non-blocking communicator return within microseconds.
 pub(crate) const ABORT_GRACE: Duration = Duration::from_millis(100);
 
+/// What [`HandleCell::request_abort`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Requested {
+    /// This caller requested the abort and must run it
+    /// ([`HandleCell::run_requested_abort`]).
+    ByThisCaller,
+    /// Another caller requested it earlier (it may still be running).
+    Already,
+    /// The handle is gone (taken by the owner's drop): nothing to abort.
+    Gone,
+}
+
 /// Where a cell's abort stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum AbortState {
@@ -268,22 +280,43 @@ impl<H: Copy> HandleCell<H> {
     ///
     /// The caller must not hold a guard of this cell itself (it would wait for itself).
     pub(crate) fn abort_with(&self, grace: Duration, abort: impl FnOnce(H)) -> bool {
+        match self.request_abort() {
+            Requested::ByThisCaller => self.run_requested_abort(grace, abort),
+            Requested::Already => {
+                self.wait_for_abort();
+                false
+            }
+            Requested::Gone => false,
+        }
+    }
+
+    /// The first half of [`abort_with`](Self::abort_with), which never waits: marks the abort
+    /// requested (from now on [`is_aborted`](Self::is_aborted) is true, [`enter`](Self::enter)
+    /// and the calls of live guards refuse, and every other abort waits for this one), and says
+    /// whether this caller must run it. A caller told [`Requested::ByThisCaller`] must call
+    /// [`run_requested_abort`](Self::run_requested_abort) exactly once (on any thread):
+    /// until then every other `abort_with` waits.
+    pub(crate) fn request_abort(&self) -> Requested {
         let mut shared = self.shared.lock();
         match shared.abort {
-            AbortState::Done => return false,
-            AbortState::InProgress => {
-                while shared.abort != AbortState::Done {
-                    self.changed.wait(&mut shared);
-                }
-                return false;
-            }
+            AbortState::Done | AbortState::InProgress => return Requested::Already,
             AbortState::NotRequested => {}
         }
         if shared.raw.is_none() {
-            return false;
+            return Requested::Gone;
         }
         shared.abort = AbortState::InProgress;
         self.aborted.store(true, Ordering::Release);
+        Requested::ByThisCaller
+    }
+
+    /// The second half of [`abort_with`](Self::abort_with), for the caller that
+    /// [`request_abort`](Self::request_abort) chose: waits until no guard pins the handle
+    /// (invariants 2 and 3), takes it, runs `abort` with it and wakes every caller waiting for
+    /// the abort. Returns whether `abort` ran.
+    pub(crate) fn run_requested_abort(&self, grace: Duration, abort: impl FnOnce(H)) -> bool {
+        let mut shared = self.shared.lock();
+        debug_assert_eq!(shared.abort, AbortState::InProgress);
         let done = AbortDone(self);
         let deadline = Instant::now() + grace;
         while shared.guards > 0 {
@@ -305,6 +338,14 @@ impl<H: Copy> HandleCell<H> {
         }
         drop(done);
         raw.is_some()
+    }
+
+    /// Waits until a requested abort has run.
+    fn wait_for_abort(&self) {
+        let mut shared = self.shared.lock();
+        while shared.abort != AbortState::Done {
+            self.changed.wait(&mut shared);
+        }
     }
 
     /// Takes the handle for the owner's drop (no other reference exists then).
@@ -672,6 +713,57 @@ mod tests {
             assert_eq!(loser.join().expect("thread"), (false, true));
         }
         assert!(!cell.abort_with(FOREVER, |_| unreachable!("done")));
+    }
+
+    /// The deadline's abort: requesting it marks the cell aborted at once (no call is
+    /// accepted), without waiting for anything; a second request and every `abort_with` wait
+    /// for the one run elsewhere (here, on another thread), and the handle is taken once.
+    #[test]
+    fn a_requested_abort_refuses_at_once_and_others_wait_for_its_run_elsewhere() {
+        let cell = Arc::new(HandleCell::new(6u32));
+        let guard = cell.enter().expect("a call between polls");
+        assert_eq!(cell.request_abort(), Requested::ByThisCaller);
+        assert!(cell.is_aborted(), "aborted as soon as it is requested");
+        assert!(cell.enter().is_none());
+        assert_eq!(cell.peek(), None);
+        assert_eq!(cell.request_abort(), Requested::Already);
+        let (returned_tx, returned) = mpsc::channel();
+        let waiting = {
+            let (cell, returned_tx) = (Arc::clone(&cell), returned_tx.clone());
+            std::thread::spawn(move || {
+                let ran = cell.abort_with(FOREVER, |_| unreachable!("one abort"));
+                returned_tx.send(()).expect("send");
+                ran
+            })
+        };
+        let running = {
+            let cell = Arc::clone(&cell);
+            std::thread::spawn(move || {
+                let mut taken = None;
+                let ran = cell.run_requested_abort(FOREVER, |raw| taken = Some(raw));
+                (ran, taken)
+            })
+        };
+        assert!(
+            returned.recv_timeout(SETTLE).is_err(),
+            "an abort returned while a guard still pinned the handle"
+        );
+        assert_eq!(guard.call(|_| unreachable!("refused")), None::<()>);
+        drop(guard);
+        assert_eq!(running.join().expect("thread"), (true, Some(6)));
+        returned
+            .recv_timeout(FOREVER)
+            .expect("the waiting abort returns");
+        assert!(!waiting.join().expect("thread"));
+        assert_eq!(cell.request_abort(), Requested::Already);
+    }
+
+    #[test]
+    fn an_abort_requested_after_the_handle_is_gone_is_nothing_to_run() {
+        let mut cell = HandleCell::new(8u8);
+        assert_eq!(cell.take(), Some(8));
+        assert_eq!(cell.request_abort(), Requested::Gone);
+        assert!(!cell.is_aborted());
     }
 
     #[rstest]

@@ -59,6 +59,7 @@ mod config;
 pub mod coordinated;
 pub mod error;
 pub mod float16;
+mod group_checks;
 mod handle;
 pub mod id;
 #[allow(unsafe_code)]

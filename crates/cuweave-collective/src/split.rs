@@ -6,7 +6,7 @@ use std::ffi::c_int;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::comm::{Communicator, abort_raw, settle_raw, to_int};
+use crate::comm::{Communicator, World, abort_raw, settle_raw, to_int};
 use crate::config::NcclConfig;
 use crate::error::{CollectiveError, NcclCode, Result};
 use crate::handle::{Polled, end_group, poll_until};
@@ -25,6 +25,28 @@ fn to_nccl(splits: &[(Option<u32>, u32)], operation: &'static str) -> Result<Vec
                 None => sys::NCCL_SPLIT_NOCOLOR,
             };
             Ok((color, to_int(key as usize, "key", operation)?))
+        })
+        .collect()
+}
+
+/// The world of each parent's child: the children of one color made by one `split_all` from
+/// parents of one known world are ranks of one communicator; any other child's world is not
+/// known here (one `split` per thread makes each rank's child alone).
+fn child_worlds(parents: &[&Communicator], splits: &[(Option<u32>, u32)]) -> Vec<Option<World>> {
+    let mut made: Vec<((World, u32), World)> = Vec::new();
+    parents
+        .iter()
+        .zip(splits)
+        .map(|(parent, &(color, _))| {
+            let key = (parent.world()?, color?);
+            Some(match made.iter().find(|(k, _)| *k == key) {
+                Some(&(_, world)) => world,
+                None => {
+                    let world = World::fresh();
+                    made.push((key, world));
+                    world
+                }
+            })
         })
         .collect()
 }
@@ -185,8 +207,11 @@ impl Communicator {
             return Err(error);
         }
         let mut made = Vec::with_capacity(parents.len());
+        let worlds = child_worlds(parents, splits);
         let mut rest = slots.into_iter().zip(parents).zip(&children);
+        let mut worlds = worlds.into_iter();
         while let Some(((slot, parent), child)) = rest.next() {
+            let world = worlds.next().flatten();
             if child.is_null() {
                 // No part in any child; NCCL writes nothing more here, but the slot's address
                 // was handed over, so it is not reused (NCCL never read the config).
@@ -195,7 +220,7 @@ impl Communicator {
                 continue;
             }
             let context = Arc::clone(parent.context());
-            match Self::from_slot(slot, api, context, parent.config().clone()) {
+            match Self::from_slot(slot, api, context, parent.config().clone(), world) {
                 Ok(child) => made.push(Some(child)),
                 Err(error) => {
                     // from_slot aborted this one; those already wrapped finalise on drop.

@@ -7,6 +7,19 @@
 //! communicator's `ncclCommGetAsyncError`, checked at every tick of the waiter's timeout. An
 //! asynchronous error, or the deadline, aborts the communicator (NCCL's kernels then exit, so
 //! the stream drains and the buffers' recorded uses complete) and resolves to a typed error.
+//!
+//! - **Finished work is never a timeout.** At each tick the event is asked first: work the
+//!   stream has passed resolves `Ok` (also when the future is first polled long after its
+//!   deadline), and nothing is aborted.
+//! - **The deadline bounds the wait.** `ncclCommAbort` frees the communicator's device and
+//!   pinned memory, which can wait for the device: for as long as other work queued ahead of
+//!   the collective runs, however short the deadline. So the
+//!   communicator is marked aborted at once (it refuses every further call; `is_aborted` is
+//!   true) and `ncclCommAbort` runs on a thread of its own; the wait resolves at the deadline.
+//!   [`Communicator::abort`] called afterwards returns once that abort has run.
+//! - **No wait on a capturing stream.** The event would be recorded into the capture and never
+//!   complete, so [`Communicator::completion`] refuses with a capture refusal
+//!   (`GraphError::Capturing`) before recording anything; the capture stays intact.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -14,6 +27,7 @@ use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
+use cuweave_driver::graph::{StatusCheck, refuse_recording};
 use cuweave_driver::{Event, EventFlags, Stream};
 use cuweave_event::{AsyncEventWaiter, EventError, WaitFuture};
 
@@ -23,9 +37,11 @@ use crate::error::{CollectiveError, Result};
 /// How often a pending wait checks `ncclCommGetAsyncError`.
 pub const ASYNC_ERROR_TICK: Duration = Duration::from_millis(10);
 
-/// Resolves when the work queued on a stream before [`Communicator::completion`] has finished,
-/// or to an error: NCCL's asynchronous error, or [`CollectiveError::Timeout`] after the
-/// communicator's deadline (the communicator is then aborted), or
+/// Resolves when the work queued on a stream before [`Communicator::completion`] has finished
+/// (whenever it is polled: work already finished is `Ok`), or to an error: NCCL's asynchronous
+/// error, or [`CollectiveError::Timeout`] after the communicator's deadline (the communicator
+/// is then marked aborted at once, and `ncclCommAbort` runs in the background; see the
+/// [module docs](self)), or
 /// [`CollectiveError::Aborted`] when the communicator was aborted (by any thread) before the
 /// wait saw the work finish: an abort makes NCCL's kernels exit early, so the stream drains
 /// with the collectives cut short and their outputs undefined.
@@ -52,6 +68,18 @@ impl std::fmt::Debug for CollectiveFuture {
 }
 
 impl CollectiveFuture {
+    /// The outcome once the stream has passed the event: an abort makes NCCL's kernels exit
+    /// early, so the stream drains and the event completes with the collectives cut short:
+    /// not a success.
+    fn finished(&self) -> Result<()> {
+        if self.comm.is_aborted() {
+            return Err(CollectiveError::Aborted {
+                operation: self.operation,
+            });
+        }
+        Ok(())
+    }
+
     fn tick(&self) -> Duration {
         first_tick(self.timeout.saturating_sub(self.started.elapsed()))
     }
@@ -68,23 +96,33 @@ impl Future for CollectiveFuture {
         loop {
             match Pin::new(&mut self.current).poll(cx) {
                 Poll::Pending => return Poll::Pending,
-                Poll::Ready(Ok(())) => {
-                    // An abort makes NCCL's kernels exit early, so the stream drains and the
-                    // event completes with the collectives cut short: not a success.
-                    if self.comm.is_aborted() {
-                        return Poll::Ready(Err(CollectiveError::Aborted {
-                            operation: self.operation,
-                        }));
-                    }
-                    return Poll::Ready(Ok(()));
-                }
+                Poll::Ready(Ok(())) => return Poll::Ready(self.finished()),
                 Poll::Ready(Err(EventError::TimedOut { .. })) => {
-                    // A tick: has NCCL reported an error, or has the deadline passed?
-                    if let Err(error) = self.comm.check_async_error() {
-                        return Poll::Ready(Err(error));
+                    // A tick. A future first polled late finds a tick decided long ago, while
+                    // the work may have finished since (in time): ask the event first, so that
+                    // finished work is never reported as a timeout nor aborts a healthy
+                    // communicator.
+                    match self.event.query() {
+                        Ok(true) => return Poll::Ready(self.finished()),
+                        Ok(false) => {}
+                        // A capture elsewhere forbids the query for now: the tick decides.
+                        Err(error) if error.is_capture_refusal() => {}
+                        Err(error) => return Poll::Ready(Err(error.into())),
+                    }
+                    // Has NCCL reported an error, or has the deadline passed? Either aborts
+                    // in the background, so the caller is not held (see `abort_in_background`).
+                    match self.comm.poll("ncclCommGetAsyncError") {
+                        Ok(_) => {}
+                        Err(error @ CollectiveError::Aborted { .. }) => {
+                            return Poll::Ready(Err(error));
+                        }
+                        Err(error) => {
+                            self.comm.abort_in_background();
+                            return Poll::Ready(Err(error));
+                        }
                     }
                     if self.started.elapsed() >= self.timeout {
-                        self.comm.abort();
+                        self.comm.abort_in_background();
                         return Poll::Ready(Err(CollectiveError::Timeout {
                             operation: self.operation,
                             waited: self.started.elapsed(),
@@ -134,8 +172,12 @@ impl Communicator {
     /// [`CommConfig::timeout`]: crate::CommConfig::timeout
     ///
     /// # Errors
-    /// `InvalidArgument` for a stream on another device; `Aborted`; the driver's error when the
+    /// `InvalidArgument` for a stream on another device; `Aborted`; a capture refusal
+    /// (`GraphError::Capturing`, see [`DriverError::is_capture_refusal`]) for a capturing stream
+    /// (nothing is recorded; wait after launching the graph); the driver's error when the
     /// event cannot be recorded; the waiter's when it cannot start.
+    ///
+    /// [`DriverError::is_capture_refusal`]: cuweave_driver::DriverError::is_capture_refusal
     pub fn completion(&self, stream: &Stream) -> Result<CollectiveFuture> {
         self.completion_within(stream, self.config().timeout)
     }
@@ -163,6 +205,15 @@ impl Communicator {
         if self.is_aborted() {
             return Err(CollectiveError::Aborted { operation: OP });
         }
+        // The event would be recorded into the capture, not run: the wait could never see the
+        // work finish (and would time out and abort a healthy communicator). Refused as the
+        // event layer refuses its own stream waits, before anything is recorded.
+        refuse_recording(
+            stream,
+            StatusCheck::Always,
+            OP,
+            "the stream is capturing: nothing queued on it now runs until the capture's graph is launched, so no wait can see it finish; wait after launching the graph",
+        )?;
         let event = Arc::new(Event::new(stream.context(), EventFlags::DISABLE_TIMING)?);
         event.record(stream)?;
         let waiter = AsyncEventWaiter::global()?;
@@ -181,8 +232,9 @@ impl Communicator {
     /// Blocks until the work queued on `stream` so far has finished, within the deadline.
     ///
     /// # Errors
-    /// As [`completion`](Self::completion); NCCL's asynchronous error; `Timeout` (the
-    /// communicator is then aborted and the process carries on).
+    /// As [`completion`](Self::completion); NCCL's asynchronous error; `Timeout` at the
+    /// deadline (the communicator is then marked aborted and `ncclCommAbort` runs in the
+    /// background; the process carries on).
     pub fn synchronize(&self, stream: &Stream) -> Result<()> {
         block_on(self.completion(stream)?)
     }
