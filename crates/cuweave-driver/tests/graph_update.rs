@@ -167,3 +167,61 @@ fn an_old_generation_lives_until_the_launches_before_the_update_have_finished() 
     assert!(second_weak.upgrade().is_none());
     assert_eq!(read(&out, &gpu.context), vec![40u8; BYTES]);
 }
+
+/// A serving loop that instantiates, launches and drops an executable per request, each
+/// keeping a value alive (the buffers its nodes use): every value outlives its launch, none
+/// outlives it by more than the next instantiate that finds the launch finished, and what the
+/// dropped executables hold stays bounded by the launches in flight, over many requests.
+#[test]
+fn executables_dropped_mid_launch_hold_their_values_only_while_their_launches_run() {
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let out = DeviceAllocation::new(&gpu.context, BYTES).unwrap();
+    // What earlier tests of this binary left waiting goes at the first instantiate below.
+    let mut most = 0;
+    let mut weaks = Vec::new();
+    for round in 0..3000u64 {
+        let (value, weak) = buffer(round);
+        let exec = fill_graph(&stream, &out, (round % 251) as u8, &[value])
+            .instantiate(&InstantiateOptions::default())
+            .unwrap();
+        if round == 0 {
+            // The first launch waits behind a 50 ms spin: its value must outlive the drop.
+            kernels.spin_ns(&stream, 50 * MS).unwrap();
+        }
+        exec.launch(&stream).unwrap();
+        drop(exec);
+        if round == 0 {
+            assert!(
+                weak.upgrade().is_some(),
+                "the value was dropped with its executable while the launch was queued"
+            );
+            assert!(cuweave_driver::graph::held_for_dropped_executables() >= 1);
+        }
+        weaks.push(weak);
+        most = most.max(cuweave_driver::graph::held_for_dropped_executables());
+        if round % 100 == 99 {
+            stream.synchronize().unwrap();
+        }
+    }
+    stream.synchronize().unwrap();
+    // One more instantiate finds every launch finished.
+    drop(
+        fill_graph(&stream, &out, 0, &[])
+            .instantiate(&InstantiateOptions::default())
+            .unwrap(),
+    );
+    assert_eq!(cuweave_driver::graph::held_for_dropped_executables(), 0);
+    assert!(
+        weaks.iter().all(|weak| weak.upgrade().is_none()),
+        "a dropped executable's value outlived its finished launch for good"
+    );
+    // At most the requests queued since the last synchronisation (plus the spun first one).
+    assert!(
+        most <= 101,
+        "{most} values held for dropped executables at once"
+    );
+    assert_eq!(read(&out, &gpu.context), vec![(2999 % 251) as u8; BYTES]);
+}
