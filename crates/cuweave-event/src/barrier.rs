@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cuweave_driver::graph::{StatusCheck, refuse_recording};
 use cuweave_driver::{EventPool, PooledEvent, Stream};
 use cuweave_stream::{BarrierInfo, queue_barrier};
 
@@ -151,9 +152,23 @@ impl<S: AsStream> CrossStreamBarrier<S> {
     /// long it waited.
     ///
     /// # Errors
-    /// The driver's error (e.g. a fault in queued work).
+    /// [`GraphError::Capturing`](cuweave_driver::GraphError::Capturing) (a
+    /// [capture refusal](EventError::is_capture_refusal), as `Stream::synchronize` on that
+    /// stream gives) when any of the streams is capturing, in any mode, through cuweave or not:
+    /// refused before anything is recorded, so the capture stays valid (an event recorded into
+    /// a capture cannot be waited for, and its work runs only at the graph's launches); the
+    /// driver's error (e.g. a fault in queued work).
     pub fn synchronize(&self) -> Result<Duration> {
         let started = Instant::now();
+        // One status query per stream: nothing next to the wait that follows.
+        for stream in &self.streams {
+            refuse_recording(
+                stream.as_stream(),
+                StatusCheck::Always,
+                "CrossStreamBarrier::synchronize",
+                "one of the barrier's streams is capturing: its queued work runs only when the capture's graph is launched, so no host wait can see it finish (and the wait would break the capture)",
+            )?;
+        }
         for event in self.record_all()? {
             event.synchronize()?;
         }

@@ -108,6 +108,14 @@ pub enum EventError {
         /// The operation.
         id: OperationId,
     },
+    /// The operation was withdrawn before it began
+    /// ([`cancel_operation`](crate::OperationCoordinator::cancel_operation)): what its
+    /// completion callbacks receive.
+    #[error("operation {id} was cancelled before it began")]
+    Cancelled {
+        /// The operation.
+        id: OperationId,
+    },
     /// The operating system refused to start a thread (the waiter's reactor).
     #[error("{operation}: starting the thread `{thread}` failed: {reason}")]
     ThreadSpawn {

@@ -16,7 +16,22 @@
 //! | capturing | in the same capture | wait (a join inside the graph) |
 //! | capturing | eager, before the capture's begin synchronised the context | skip: it has finished |
 //! | capturing | eager, after, or with no synchronisation | refuse |
-//! | capturing | in another capture | refuse |
+//! | capturing | in another capture that has ended | skip: as for an eager stream (below) |
+//! | capturing | in another capture still recording | refuse |
+//!
+//! The table holds for a dependency on the operation's own stream too. An eager stream needs
+//! no wait there (stream order), but a capturing one does not inherit its stream's order: the
+//! graph replays later, on whatever stream it is launched on, so eager work queued on the
+//! stream before the capture began orders nothing at a launch. A same-stream dependency is
+//! therefore refused exactly where the table refuses (eager work not known to have finished,
+//! or another capture still recording) and skipped otherwise (no wait is queued for it).
+//!
+//! A dependency recorded into a capture that has ended is satisfied for every dependant,
+//! eager or capturing: its work is a node of that capture's graph and runs at each of its
+//! launches, which the program orders by the streams it launches graphs on (the coordinator
+//! cannot see launches). This is also what a dependant finds once any poll has decided such an
+//! operation (`Completed`, then retired), so whether a begin is accepted never depends on
+//! whether something polled first.
 //!
 //! [`decide`] holds no CUDA, so the table is tested on its own.
 
@@ -120,6 +135,8 @@ pub(crate) fn decide(
         (Some(dependent), Recorded::Eager { epoch }) if epoch < dependent.complete_before => {
             WaitDecision::Skip
         }
+        // Another capture's, ended: as a poll would have decided it (complete, retired).
+        (Some(_), Recorded::Captured { capture }) if !active(capture) => WaitDecision::Skip,
         (Some(_), _) => WaitDecision::Refuse,
     }
 }
@@ -158,11 +175,41 @@ pub(crate) fn dependent_capture(stream: &Stream) -> Result<Option<DependentCaptu
         }))
 }
 
+/// What `begin_operation` does about one dependency on the operation's own stream: the
+/// table's rule, but nothing is ever queued (an eager stream orders it already; a capturing
+/// one is refused where the table refuses). `true` to refuse.
+pub(crate) fn refuse_same_stream(
+    dependent: Option<DependentCapture>,
+    recorded: Recorded,
+    active: impl Fn(u64) -> bool,
+) -> bool {
+    dependent.is_some() && decide(dependent, recorded, active) == WaitDecision::Refuse
+}
+
+/// Whether `error` is the driver's refusal to query, synchronise or wait for an event whose
+/// last record went into a stream capture (`CUDA_ERROR_CAPTURED_EVENT`): the capture was begun
+/// outside cuweave, which [`recorded_on`] does not look for while no cuweave capture is active.
+pub(crate) fn is_captured_event(error: &DriverError) -> bool {
+    error.code() == Some(cuweave_driver::sys::CUresult::CUDA_ERROR_CAPTURED_EVENT)
+}
+
+/// Whether an operation whose completion event turned out to be recorded into a capture begun
+/// outside cuweave ([`is_captured_event`]) counts as complete now: once its stream captures no
+/// longer, that capture has ended ([`CapturedCompletion::Captured`]); while it captures, the
+/// capture may still be recording it (asked again at a later poll). One driver call
+/// (`cuStreamIsCapturing`), made only on this rare path.
+///
+/// # Errors
+/// The driver's error from the status query.
+pub(crate) fn foreign_capture_ended(stream: &Stream) -> Result<bool, DriverError> {
+    Ok(!stream.is_capturing()?)
+}
+
 /// The refusal of a begin whose wait would cross a capture's boundary.
 pub(crate) fn refusal() -> DriverError {
     GraphError::Capturing {
         operation: "OperationCoordinator::begin_operation",
-        reason: "the operation's stream is capturing and a dependency's completion was recorded outside its capture (after the capture began, without a synchronised begin, or in another capture): the wait would invalidate the capture",
+        reason: "the operation's stream is capturing and a dependency's completion was recorded outside its capture (after the capture began, without a synchronised begin, or in another capture still recording), so nothing orders it before this operation when the graph is launched (stream order at capture time does not carry into the graph either)",
     }
     .into()
 }
@@ -248,7 +295,64 @@ mod tests {
         );
         assert_eq!(
             decide(capturing(5), Recorded::Captured { capture: OTHER }, active),
-            WaitDecision::Refuse
+            WaitDecision::Refuse,
+            "another capture still recording"
         );
+    }
+
+    #[test]
+    fn a_capturing_stream_skips_a_dependency_of_an_ended_capture_as_a_poll_would() {
+        let active = |capture| capture == CAPTURE;
+        assert_eq!(
+            decide(capturing(5), Recorded::Captured { capture: OTHER }, active),
+            WaitDecision::Skip,
+            "the same answer as for the dependency once a poll decided (and retired) it"
+        );
+        assert_eq!(
+            decide(None, Recorded::Captured { capture: OTHER }, active),
+            WaitDecision::Skip
+        );
+    }
+
+    #[test]
+    fn a_same_stream_dependency_is_refused_exactly_where_the_table_refuses() {
+        let active = |capture| capture == CAPTURE;
+        // Eager stream: stream order, never refused, whatever the dependency.
+        for recorded in [
+            Recorded::Eager { epoch: 3 },
+            Recorded::UNKNOWN,
+            Recorded::Captured { capture: OTHER },
+        ] {
+            assert!(!refuse_same_stream(None, recorded, active), "{recorded:?}");
+        }
+        // Capturing stream: eager work queued before the capture is not part of the graph.
+        assert!(
+            refuse_same_stream(capturing(0), Recorded::Eager { epoch: 0 }, active),
+            "eager, unsynchronised capture: a launch could run before it finished"
+        );
+        assert!(refuse_same_stream(capturing(5), Recorded::UNKNOWN, active));
+        assert!(
+            !refuse_same_stream(capturing(5), Recorded::Eager { epoch: 4 }, active),
+            "known finished before the capture began"
+        );
+        assert!(
+            !refuse_same_stream(
+                capturing(5),
+                Recorded::Captured { capture: CAPTURE },
+                active
+            ),
+            "the same capture: ordered inside the graph"
+        );
+        assert!(!refuse_same_stream(
+            capturing(5),
+            Recorded::Captured { capture: OTHER },
+            active
+        ));
+        let all_active = |_| true;
+        assert!(refuse_same_stream(
+            capturing(5),
+            Recorded::Captured { capture: OTHER },
+            all_active
+        ));
     }
 }

@@ -15,10 +15,15 @@ pub struct CoordinatorMetrics {
     pub registered: u64,
     /// Operations begun.
     pub begun: u64,
+    /// Operations withdrawn before they began (`cancel_operation`).
+    pub cancelled: u64,
     /// Operations the GPU completed.
     pub completed: u64,
     /// Operations whose completion could not be observed (driver error, dead context).
     pub failed: u64,
+    /// Completion callbacks that panicked (each contained and logged; the operation's other
+    /// callbacks still ran and it retired as usual).
+    pub callback_panics: u64,
     /// Calls of `detect_deadlocks` that found at least one cycle.
     pub deadlock_detections: u64,
     /// Cycles found over all those calls.
@@ -39,9 +44,11 @@ pub struct CoordinatorMetrics {
 #[derive(Debug, Default)]
 pub(crate) struct MetricsCell {
     pub(crate) registered: AtomicU64,
+    pub(crate) cancelled: AtomicU64,
     pub(crate) begun: AtomicU64,
     pub(crate) completed: AtomicU64,
     pub(crate) failed: AtomicU64,
+    pub(crate) callback_panics: AtomicU64,
     pub(crate) deadlock_detections: AtomicU64,
     pub(crate) cycles_found: AtomicU64,
     pub(crate) cross_stream_waits: AtomicU64,
@@ -72,9 +79,11 @@ impl MetricsCell {
         let gpu_time = self.gpu_time.lock();
         CoordinatorMetrics {
             registered: load(&self.registered),
+            cancelled: load(&self.cancelled),
             begun: load(&self.begun),
             completed: load(&self.completed),
             failed: load(&self.failed),
+            callback_panics: load(&self.callback_panics),
             deadlock_detections: load(&self.deadlock_detections),
             cycles_found: load(&self.cycles_found),
             cross_stream_waits: load(&self.cross_stream_waits),

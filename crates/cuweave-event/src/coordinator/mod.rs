@@ -1,15 +1,18 @@
 //! [`OperationCoordinator`]: GPU operations with types, priorities and dependencies, ordered on
 //! the device with events, with deadlock (cycle) detection, completion callbacks and metrics.
 
+mod cancel;
 mod capture_waits;
+mod completion;
 mod metrics;
+mod observe;
 mod queries;
 mod queue;
 mod types;
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Instant;
 
 use cuweave_driver::{DriverError, Stream};
@@ -157,6 +160,8 @@ struct State {
     /// Queued operations whose completion has not been seen, per stream in the order they
     /// were queued.
     queued: StreamQueues,
+    /// The latest cancelled ids, so that they read as unknown rather than retired.
+    cancelled: cancel::Cancelled,
 }
 
 impl State {
@@ -165,6 +170,7 @@ impl State {
         id.coordinator() == self.coordinator
             && (1..=self.next_id).contains(&id.get())
             && !self.operations.contains_key(&id)
+            && !self.cancelled.contains(id)
     }
 
     /// The state of a registered id, live or retired.
@@ -299,6 +305,8 @@ struct Operation {
     dependants: usize,
     /// Whether the waiter watches the completion event (for callbacks).
     watched: bool,
+    /// A `complete_operation` call claimed it (still `Begun`) and is recording its event.
+    completing: bool,
     callbacks: Vec<CompletionCallback>,
     failure: Option<EventError>,
 }
@@ -340,6 +348,7 @@ impl Operation {
             span: None,
             dependants: 0,
             watched: false,
+            completing: false,
             callbacks: Vec::new(),
             failure: None,
         }
@@ -360,6 +369,22 @@ struct Timed<'a>(&'a MetricsCell, Instant);
 impl Drop for Timed<'_> {
     fn drop(&mut self) {
         self.0.add_time(self.1.elapsed());
+    }
+}
+
+/// A claimed completion ([`State::claim_completion`]) not yet finished: dropped (the record
+/// failed, or the caller unwound), it gives the claim back.
+struct Claim<'a> {
+    inner: &'a Inner,
+    id: OperationId,
+    armed: bool,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.inner.state.lock().abandon_completion(self.id);
+        }
     }
 }
 
@@ -501,7 +526,9 @@ impl OperationCoordinator {
     }
 
     /// Begins `id` on `stream`: the stream waits on the device for each dependency's completion
-    /// event recorded on another stream, and a timing event marks the start.
+    /// event recorded on another stream, and a timing event marks the start. On a capturing
+    /// stream a dependency on the same stream follows the capture rules too (see
+    /// `capture_waits`): stream order at capture time does not order a graph's launches.
     ///
     /// # Errors
     /// [`EventError::DependencyNotQueued`] when a dependency has not been completed with
@@ -545,8 +572,8 @@ impl OperationCoordinator {
                 if dep.metadata.state != OperationState::Queued {
                     continue;
                 }
+                let recorded = dep.recorded.unwrap_or(Recorded::UNKNOWN);
                 if dep.metadata.stream != Some(stream.id()) {
-                    let recorded = dep.recorded.unwrap_or(Recorded::UNKNOWN);
                     match capture_waits::decide(dependent, recorded, capture_is_active) {
                         WaitDecision::Wait => {
                             waits.push(Arc::clone(dep.done.as_ref().expect("queued has event")));
@@ -554,6 +581,11 @@ impl OperationCoordinator {
                         WaitDecision::Skip => {}
                         WaitDecision::Refuse => return Err(capture_waits::refusal().into()),
                     }
+                } else if capture_waits::refuse_same_stream(dependent, recorded, capture_is_active)
+                {
+                    // Stream order at capture time does not carry into the graph, which
+                    // replays later on any stream: the same rule as across streams.
+                    return Err(capture_waits::refusal().into());
                 } else {
                     MetricsCell::add(&self.inner.metrics.same_stream_waits_skipped, 1);
                 }
@@ -666,27 +698,40 @@ impl OperationCoordinator {
     /// retires) once the capture has ended, as the coordinator's next call observes; its work
     /// then runs at each launch of the graph. It has no GPU time.
     ///
+    /// Of two concurrent calls on one operation exactly one records its event; the other is
+    /// refused as a second call is.
+    ///
     /// # Errors
-    /// `InvalidState` unless `id` is begun; the driver's error.
+    /// `InvalidState` unless `id` is begun (state `completing` while a concurrent call is
+    /// recording it); the driver's error (the operation then stays begun, and may be completed
+    /// again).
     pub fn complete_operation(&self, id: OperationId) -> Result<()> {
         let _timed = self.timed();
-        let (stream, timed) = {
-            let mut state = self.inner.state.lock();
-            let operation = operation_mut(&mut state, id, "complete_operation")?;
-            expect_state(operation, OperationState::Begun, "complete")?;
-            (
-                Arc::clone(operation.stream.as_ref().expect("begun has a stream")),
-                operation.span.is_some(),
-            )
+        // Claimed under the lock before anything is recorded: of two concurrent calls exactly
+        // one proceeds, the other is refused as a second call is. Given back (the operation
+        // begun again) if the record fails or the caller unwinds.
+        let claimed = self.inner.state.lock().claim_completion(id)?;
+        let mut claim = Claim {
+            inner: &self.inner,
+            id,
+            armed: true,
         };
-        let stream = stream.as_stream();
+        let stream = claimed.stream.as_stream();
         let stream_id = stream.id();
-        let done = self.inner.pool.acquire_owned(timed)?;
+        let done = self.inner.pool.acquire_owned(claimed.timed)?;
         done.record(stream)?;
         let recorded = capture_waits::recorded_on(stream).unwrap_or(Recorded::UNKNOWN);
         let done = Arc::new(done);
+        // Recorded: the claim is ended below, under the lock, not given back.
+        claim.armed = false;
         let watch = {
             let mut state = self.inner.state.lock();
+            if !state.finish_completion(id) {
+                return Err(EventError::UnknownOperation {
+                    operation: "complete_operation",
+                    id,
+                });
+            }
             let operation = operation_mut(&mut state, id, "complete_operation")?;
             let span = operation.span.take();
             let operation_type = operation.metadata.operation_type;
@@ -698,7 +743,6 @@ impl OperationCoordinator {
             }
             operation.done = Some(Arc::clone(&done));
             operation.recorded = Some(recorded);
-            operation.metadata.state = OperationState::Queued;
             operation.metadata.queued_at = Some(Instant::now());
             // The waiter cannot watch a captured event: the coordinator's own polls decide a
             // captured operation (and run its callbacks) once its capture has ended.
@@ -719,7 +763,10 @@ impl OperationCoordinator {
     }
 
     /// Runs `callback` once the GPU has completed `id` (at once, on this thread, if it already
-    /// has); otherwise on the waiter's thread. Keep it short.
+    /// has); otherwise on the waiter's thread, or on the thread of whichever coordinator call
+    /// observes the completion. Keep it short. A callback that panics there is contained and
+    /// logged (counted in [`CoordinatorMetrics::callback_panics`]): the operation's other
+    /// callbacks still run, it retires, and no unrelated caller sees the panic.
     ///
     /// # Errors
     /// `UnknownOperation`.
@@ -804,7 +851,26 @@ impl OperationCoordinator {
         match point {
             CompletionPoint::Reached => Ok(()),
             CompletionPoint::Failed(error) => Err(error),
-            CompletionPoint::Event(done) => Ok(done.synchronize()?),
+            CompletionPoint::Event(done) => match done.synchronize() {
+                // Recorded into a capture begun outside cuweave: a poll decides it from that
+                // capture (complete once it ended), as for a cuweave capture.
+                Err(error) if capture_waits::is_captured_event(&error) => {
+                    self.inner.poll();
+                    let point = self.inner.state.lock().completion_point(
+                        id,
+                        "synchronize",
+                        "synchronize",
+                    )?;
+                    match point {
+                        CompletionPoint::Reached => Ok(()),
+                        CompletionPoint::Failed(error) => Err(error),
+                        CompletionPoint::Event(_) => {
+                            Err(capture_waits::host_wait_refusal("synchronize").into())
+                        }
+                    }
+                }
+                answer => Ok(answer?),
+            },
         }
     }
 
@@ -842,79 +908,6 @@ impl OperationCoordinator {
     pub fn metrics(&self) -> CoordinatorMetrics {
         self.inner.poll();
         self.inner.metrics.snapshot()
-    }
-}
-
-impl Inner {
-    /// Has the waiter watch `id`'s completion event (for callbacks).
-    fn watch(self: &Arc<Self>, id: OperationId, done: Arc<OwnedPooledEvent>) {
-        let inner: Weak<Inner> = Arc::downgrade(self);
-        self.waiter.wait_async(done, move |result| {
-            if let Some(inner) = inner.upgrade() {
-                inner.on_gpu_complete(id, result);
-            }
-        });
-    }
-
-    /// Observes completions without blocking: on each stream, the oldest queued operations
-    /// whose completion events the GPU has passed (a slow stream holds back only its own);
-    /// then the finished GPU-time spans.
-    fn poll(&self) {
-        let finished = self.state.lock().take_finished(|op| {
-            // A captured completion event cannot be queried (the driver refuses); its capture
-            // says where the operation stands.
-            if let Some(capture) = op.captured_into() {
-                return Ok(
-                    captured_completion(capture, capture_is_active) == CapturedCompletion::Captured
-                );
-            }
-            match &op.done {
-                Some(done) => done.query(),
-                // A queued operation always has its event; without one there is nothing to see.
-                None => Ok(true),
-            }
-        });
-        for (id, result) in finished {
-            self.on_gpu_complete(id, result);
-        }
-        self.harvest_times();
-    }
-
-    /// Adds the GPU time of finished spans to the metrics (and to live operations' metadata).
-    fn harvest_times(&self) {
-        let mut times = Vec::new();
-        if let Err(error) = self.timer.harvest(|tag, time, _| times.push((tag, time))) {
-            tracing::warn!(%error, "reading an operation's GPU time");
-        }
-        if times.is_empty() {
-            return;
-        }
-        let mut state = self.state.lock();
-        for ((id, operation_type), time) in times {
-            self.metrics.add_gpu_time(operation_type, time);
-            if let Some(op) = state.operations.get_mut(&id) {
-                op.metadata.gpu_time = Some(time);
-            }
-        }
-    }
-
-    /// Called once the GPU reached (or failed to reach) `id`'s completion event, by the
-    /// coordinator's own query or by the waiter's thread; the second report is ignored.
-    fn on_gpu_complete(&self, id: OperationId, result: WaitResult) {
-        let Some(callbacks) = self.state.lock().decide(id, &result) else {
-            return;
-        };
-        if result.is_ok() {
-            MetricsCell::add(&self.metrics.completed, 1);
-        } else {
-            MetricsCell::add(&self.metrics.failed, 1);
-        }
-        self.harvest_times();
-        self.changed.notify_all();
-        for callback in callbacks {
-            callback(id, result.clone());
-        }
-        self.state.lock().try_retire(id);
     }
 }
 

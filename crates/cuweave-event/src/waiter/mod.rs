@@ -29,13 +29,52 @@ use words::WordSlab;
 /// The process-wide waiter ([`AsyncEventWaiter::global`]).
 static GLOBAL: OnceLock<Result<AsyncEventWaiter>> = OnceLock::new();
 
-/// Identifies a callback wait, for [`AsyncEventWaiter::cancel_wait`].
+/// Identifies a callback wait, and the waiter that issued it, for
+/// [`AsyncEventWaiter::cancel_wait`]: another waiter does not know it (its `cancel_wait` returns
+/// `false`), so an id handed to the wrong waiter can never cancel that waiter's own, unrelated
+/// wait (as [`OperationId`](crate::OperationId) carries its coordinator).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct WaitId(u64);
+pub struct WaitId {
+    /// The waiter that issued it (unique in the process, from 1).
+    waiter: u64,
+    /// Its order among that waiter's callback waits, from 1.
+    number: u64,
+}
 
 impl fmt::Display for WaitId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "wait#{}", self.0)
+        write!(f, "wait#{}", self.number)
+    }
+}
+
+/// The ids one waiter issues: its number in the process, and a counter.
+#[derive(Debug)]
+struct WaitIds {
+    waiter: u64,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl WaitIds {
+    /// The ids of a waiter no other of the process shares.
+    fn new() -> Self {
+        static NEXT_WAITER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Self {
+            waiter: NEXT_WAITER.fetch_add(1, Ordering::Relaxed),
+            next: std::sync::atomic::AtomicU64::new(1),
+        }
+    }
+
+    /// A fresh id of this waiter.
+    fn issue(&self) -> WaitId {
+        WaitId {
+            waiter: self.waiter,
+            number: self.next.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    /// Whether `id` was issued by this waiter.
+    fn owns(&self, id: WaitId) -> bool {
+        id.waiter == self.waiter
     }
 }
 
@@ -143,7 +182,7 @@ pub struct AsyncEventWaiter {
     reactor: Thread,
     handle: Option<JoinHandle<()>>,
     slabs: Mutex<HashMap<usize, Arc<WordSlab>>>,
-    next_id: std::sync::atomic::AtomicU64,
+    ids: WaitIds,
 }
 
 impl fmt::Debug for AsyncEventWaiter {
@@ -177,7 +216,7 @@ impl AsyncEventWaiter {
             reactor: handle.thread().clone(),
             handle: Some(handle),
             slabs: Mutex::new(HashMap::new()),
-            next_id: std::sync::atomic::AtomicU64::new(1),
+            ids: WaitIds::new(),
         })
     }
 
@@ -361,7 +400,7 @@ impl AsyncEventWaiter {
         timeout: Option<Duration>,
         callback: Callback,
     ) -> WaitId {
-        let id = WaitId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let id = self.ids.issue();
         let cell: Arc<Cell> = Arc::new(WaitCell::new());
         self.shared.callbacks.lock().insert(id, Arc::clone(&cell));
         self.register(Registration {
@@ -375,8 +414,12 @@ impl AsyncEventWaiter {
 
     /// Cancels a callback wait: `true` when this call cancelled it, after which its callback
     /// never runs; `false` when it had already completed, failed, timed out or been cancelled
-    /// (its callback ran, runs now, or never will).
+    /// (its callback ran, runs now, or never will), and for an id another waiter issued
+    /// (nothing of this waiter's is touched).
     pub fn cancel_wait(&self, id: WaitId) -> bool {
+        if !self.ids.owns(id) {
+            return false;
+        }
         let cell = self.shared.callbacks.lock().remove(&id);
         cell.is_some_and(|cell| cell.cancel())
     }
@@ -440,4 +483,43 @@ pub fn stream_idle(stream: &Stream) -> Result<WaitFuture> {
 /// When the global waiter could not start.
 pub fn event_done(event: impl WatchedEvent) -> Result<WaitFuture> {
     Ok(AsyncEventWaiter::global()?.event_done(event))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wait_ids_carry_their_waiter_and_a_foreign_one_cancels_nothing() {
+        let (first, second) = (WaitIds::new(), WaitIds::new());
+        let (a, b) = (first.issue(), second.issue());
+        assert_eq!((a.number, b.number), (1, 1), "numbered per waiter");
+        assert_ne!(a, b, "equal numbers of two waiters are different ids");
+        assert!(first.owns(a) && second.owns(b));
+        assert!(!second.owns(a) && !first.owns(b));
+        assert_eq!(a.to_string(), "wait#1");
+        assert_eq!(first.issue().number, 2);
+    }
+
+    /// A live callback wait of one waiter survives `cancel_wait` with another waiter's id of
+    /// the same number; its own id cancels it. No GPU: the wait's cell is put in the map as
+    /// `wait_async` does, without an event for the reactor to watch.
+    #[test]
+    fn cancel_wait_with_another_waiters_id_leaves_this_waiters_wait_alone() {
+        let (first, second) = (
+            AsyncEventWaiter::new().unwrap(),
+            AsyncEventWaiter::new().unwrap(),
+        );
+        let (foreign, own) = (first.ids.issue(), second.ids.issue());
+        let cell: Arc<Cell> = Arc::new(WaitCell::new());
+        second
+            .shared
+            .callbacks
+            .lock()
+            .insert(own, Arc::clone(&cell));
+        assert!(!second.cancel_wait(foreign));
+        assert_eq!(second.shared.callbacks.lock().len(), 1, "nothing removed");
+        assert!(second.cancel_wait(own));
+        assert!(!second.cancel_wait(own), "cancelled once");
+    }
 }

@@ -1,0 +1,153 @@
+//! How the coordinator observes completions: its own polls (on the caller's thread), the
+//! waiter's watches (for callbacks), and what follows a decision (callbacks, retirement).
+
+use std::sync::{Arc, Weak};
+
+use cuweave_driver::OwnedPooledEvent;
+use cuweave_driver::graph::capture_is_active;
+
+use super::capture_waits::{self, CapturedCompletion, captured_completion};
+use super::metrics::MetricsCell;
+use super::{CompletionCallback, Inner, OperationId, completion};
+use crate::error::EventError;
+use crate::waiter::WaitResult;
+
+impl Inner {
+    /// Has the waiter watch `id`'s completion event (for callbacks).
+    pub(super) fn watch(self: &Arc<Self>, id: OperationId, done: Arc<OwnedPooledEvent>) {
+        let inner: Weak<Inner> = Arc::downgrade(self);
+        self.waiter.wait_async(done, move |result| {
+            if let Some(inner) = inner.upgrade() {
+                match &result {
+                    Err(EventError::Driver(error)) if capture_waits::is_captured_event(error) => {
+                        inner.on_captured_elsewhere(id);
+                    }
+                    _ => inner.on_gpu_complete(id, result),
+                }
+            }
+        });
+    }
+
+    /// The waiter found `id`'s completion event recorded into a capture begun outside cuweave
+    /// (it cannot be watched): decided now if that capture has ended, else left to the
+    /// coordinator's polls, which decide it once it has (never `Failed` for that).
+    fn on_captured_elsewhere(&self, id: OperationId) {
+        let decided = {
+            let mut state = self.state.lock();
+            let Some(operation) = state.operations.get_mut(&id) else {
+                return;
+            };
+            operation.watched = false;
+            let ended = match &operation.stream {
+                Some(stream) => capture_waits::foreign_capture_ended(stream.as_stream()),
+                None => Ok(true),
+            };
+            match ended {
+                Ok(false) => return,
+                Ok(true) => (Ok(()), state.decide(id, &Ok(()))),
+                Err(error) => {
+                    let result = Err(EventError::from(error));
+                    let callbacks = state.decide(id, &result);
+                    (result, callbacks)
+                }
+            }
+        };
+        if let (result, Some(callbacks)) = decided {
+            self.harvest_times();
+            self.after_decided(id, &result, callbacks);
+        }
+    }
+
+    /// Observes completions without blocking: on each stream, the oldest queued operations
+    /// whose completion events the GPU has passed (a slow stream holds back only its own);
+    /// then the finished GPU-time spans. Every operation taken off a queue is decided under
+    /// the same lock, before any callback runs, so none is stranded whatever a callback does.
+    pub(super) fn poll(&self) {
+        let decided: Vec<_> = {
+            let mut state = self.state.lock();
+            let finished = state.take_finished(|op| {
+                // A captured completion event cannot be queried (the driver refuses); its
+                // capture says where the operation stands.
+                if let Some(capture) = op.captured_into() {
+                    return Ok(captured_completion(capture, capture_is_active)
+                        == CapturedCompletion::Captured);
+                }
+                match &op.done {
+                    Some(done) => match done.query() {
+                        // Recorded into a capture begun outside cuweave, unseen at the record:
+                        // complete once that capture has ended, as a cuweave capture's are.
+                        Err(error) if capture_waits::is_captured_event(&error) => {
+                            op.stream.as_ref().map_or(Ok(true), |stream| {
+                                capture_waits::foreign_capture_ended(stream.as_stream())
+                            })
+                        }
+                        answer => answer,
+                    },
+                    // A queued operation always has its event; without one there is nothing
+                    // to see.
+                    None => Ok(true),
+                }
+            });
+            finished
+                .into_iter()
+                .filter_map(|(id, result)| {
+                    let callbacks = state.decide(id, &result)?;
+                    Some((id, result, callbacks))
+                })
+                .collect()
+        };
+        // GPU times first, so that a callback already finds its operation's.
+        self.harvest_times();
+        for (id, result, callbacks) in decided {
+            self.after_decided(id, &result, callbacks);
+        }
+    }
+
+    /// Adds the GPU time of finished spans to the metrics (and to live operations' metadata).
+    pub(super) fn harvest_times(&self) {
+        let mut times = Vec::new();
+        if let Err(error) = self.timer.harvest(|tag, time, _| times.push((tag, time))) {
+            tracing::warn!(%error, "reading an operation's GPU time");
+        }
+        if times.is_empty() {
+            return;
+        }
+        let mut state = self.state.lock();
+        for ((id, operation_type), time) in times {
+            self.metrics.add_gpu_time(operation_type, time);
+            if let Some(op) = state.operations.get_mut(&id) {
+                op.metadata.gpu_time = Some(time);
+            }
+        }
+    }
+
+    /// Called once the GPU reached (or failed to reach) `id`'s completion event, by the
+    /// waiter's thread; the second report (a poll decided it first) is ignored.
+    fn on_gpu_complete(&self, id: OperationId, result: WaitResult) {
+        let Some(callbacks) = self.state.lock().decide(id, &result) else {
+            return;
+        };
+        self.harvest_times();
+        self.after_decided(id, &result, callbacks);
+    }
+
+    /// What follows a decision: the counters, the wake-up of `wait_until_ready`, the callbacks
+    /// (each contained: one that panics stops neither the others nor the retirement), then
+    /// retirement.
+    fn after_decided(
+        &self,
+        id: OperationId,
+        result: &WaitResult,
+        callbacks: Vec<CompletionCallback>,
+    ) {
+        if result.is_ok() {
+            MetricsCell::add(&self.metrics.completed, 1);
+        } else {
+            MetricsCell::add(&self.metrics.failed, 1);
+        }
+        self.changed.notify_all();
+        let panicked = completion::run_callbacks(id, callbacks, result);
+        MetricsCell::add(&self.metrics.callback_panics, panicked);
+        self.state.lock().try_retire(id);
+    }
+}
