@@ -77,16 +77,11 @@ impl CoordinatedCollectives {
     /// registered, no dependency kept alive by a dependant that will never begin. A caller may
     /// retry until the dependency is queued without the coordinator growing.
     ///
-    /// **Known gap: a begin refused by a capture.** On a capturing `stream`, `begin_operation`
-    /// refuses (`GraphError::Capturing`, a capture refusal; the capture stays valid) a
+    /// Any other refusal of `begin_operation` (a capture rule: on a capturing `stream`, a
     /// dependency whose completion was recorded outside the capture and is not known to have
-    /// finished when it began. The coordinator decides that from where each dependency's event
-    /// was recorded, which it does not expose, and it offers no way to drop a registered
-    /// operation that never began; so such a refusal is returned, typed, but leaves the
-    /// operation registered, keeping its dependencies from retiring (one per refused call).
-    /// Closing it needs the event layer to check that rule before registering, or to cancel a
-    /// never-begun operation (see `docs/collective.md`). Until then, end the capture (or begin
-    /// it synchronised after the dependency was queued) before retrying.
+    /// finished; a driver error) withdraws the operation it just registered
+    /// ([`OperationCoordinator::cancel_operation`]) before the error is returned: a refused
+    /// call never leaves an operation registered, nor its dependencies kept from retiring.
     ///
     /// When `queue` fails, nothing of it was queued (NCCL refused the call, or a check did);
     /// the operation is still completed, at a point of the stream with no work of its own,
@@ -100,7 +95,7 @@ impl CoordinatedCollectives {
     /// pool; `UnknownOperation` for a dependency never registered;
     /// [`EventError::DependencyNotQueued`] for one not yet queued (both refused before
     /// registering, so their `id` is [`OperationId::UNREGISTERED`]); a capture refusal from
-    /// `begin_operation` (see the known gap above); the coordinator's other errors; `queue`'s.
+    /// `begin_operation` (the operation withdrawn); the coordinator's other errors; `queue`'s.
     ///
     /// [`EventError::ForeignStream`]: cuweave_event::EventError::ForeignStream
     /// [`EventError::DependencyNotQueued`]: cuweave_event::EventError::DependencyNotQueued
@@ -121,7 +116,13 @@ impl CoordinatedCollectives {
             dependencies,
             description,
         )?;
-        self.coordinator.begin_operation(id, stream)?;
+        if let Err(refused) = self.coordinator.begin_operation(id, stream) {
+            // Registered a moment ago, never begun, nothing depends on it yet: withdrawn.
+            if let Err(error) = self.coordinator.cancel_operation(id) {
+                tracing::warn!(%error, %id, "withdrawing a collective whose begin was refused failed");
+            }
+            return Err(refused.into());
+        }
         let queued = queue(stream);
         self.coordinator.complete_operation(id)?;
         queued.map(|()| id)
