@@ -543,8 +543,10 @@ fn an_operation_completed_into_a_capture_begun_outside_cuweave_is_not_reported_f
     let s = common::stream(&gpu.context);
     let eager = common::stream(&gpu.context);
     let mut rounds = Vec::new();
+    let mut first_op = None;
     for round in 0..32 {
         let op = common::register_kernel(&coordinator, &[], "recorded into a foreign capture");
+        first_op.get_or_insert(op);
         let (recorded, _graph) = capture_outside_cuweave(&gpu.context, &s, || {
             coordinator
                 .begin_operation(op, &s)
@@ -564,6 +566,13 @@ fn an_operation_completed_into_a_capture_begun_outside_cuweave_is_not_reported_f
     let metrics = coordinator.metrics();
     let live = coordinator.live_operations();
     let (_, state, begun) = &rounds[0];
+    if state == &Ok(OperationState::Failed) {
+        // Which error the driver gave (the rule that decides depends on it).
+        eprintln!(
+            "the first round failed with: {:?}",
+            first_op.map(|op| coordinator.synchronize(op))
+        );
+    }
 
     assert_ne!(
         state,

@@ -186,11 +186,18 @@ pub(crate) fn refuse_same_stream(
     dependent.is_some() && decide(dependent, recorded, active) == WaitDecision::Refuse
 }
 
-/// Whether `error` is the driver's refusal to query, synchronise or wait for an event whose
-/// last record went into a stream capture (`CUDA_ERROR_CAPTURED_EVENT`): the capture was begun
-/// outside cuweave, which [`recorded_on`] does not look for while no cuweave capture is active.
+/// Whether `error` is the driver's answer to a query, synchronisation or wait of an event whose
+/// last record went into a stream capture: `CUDA_ERROR_CAPTURED_EVENT` while that capture
+/// records, and `CUDA_ERROR_INVALID_VALUE` once it has ended (what the H200's driver 580 answers
+/// `cuEventQuery` then; a live event gives that code for nothing else, and a dead context
+/// answers with its own error). The capture was begun outside cuweave, which [`recorded_on`]
+/// does not look for while no cuweave capture is active.
 pub(crate) fn is_captured_event(error: &DriverError) -> bool {
-    error.code() == Some(cuweave_driver::sys::CUresult::CUDA_ERROR_CAPTURED_EVENT)
+    use cuweave_driver::sys::CUresult;
+    matches!(
+        error.code(),
+        Some(CUresult::CUDA_ERROR_CAPTURED_EVENT | CUresult::CUDA_ERROR_INVALID_VALUE)
+    )
 }
 
 /// Whether an operation whose completion event turned out to be recorded into a capture begun
