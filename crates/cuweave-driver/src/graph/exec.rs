@@ -72,8 +72,10 @@ impl InstantiateOptions {
 ///
 /// # Keep-alives after a drop
 /// Dropping the executable does not wait for its queued launches, and neither do the values it
-/// keeps alive: while it holds any, each launch on a stream that is not capturing re-records one
-/// event of its own behind itself (a `cuEventRecord`, no pool round trip), and at drop the
+/// keeps alive: while it holds any given to [`Graph::keep_alive`], each launch on a stream that
+/// is not capturing re-records one event of its own behind itself (a `cuEventRecord`, no pool
+/// round trip; values given to [`Graph::keep_alive_synchronizing`] wait for the device
+/// themselves and cost nothing), and at drop the
 /// values whose last launch has not finished wait, with that event, until a later
 /// instantiate, update or drop of any executable finds it complete
 /// ([`held_for_dropped_executables`] counts them). A launch *into* a capture becomes a node of
@@ -95,6 +97,9 @@ pub struct GraphExec {
     /// The capture of the current graph, when tracked buffers were used in it: launches leave
     /// fences under it.
     tracked_capture: Option<u64>,
+    /// A graph it ran (the first, or one of an update) kept a value alive with
+    /// [`Graph::keep_alive`]: launches re-record `behind_last` while values are held.
+    launch_fenced: bool,
 }
 
 /// What launches leave behind, under the executable's lock.
@@ -147,6 +152,7 @@ impl GraphExec {
         options: &InstantiateOptions,
         allocates: bool,
         keep_alive: Vec<KeepAlive>,
+        launch_fenced: bool,
         tracked_capture: Option<u64>,
     ) -> Result<Self> {
         context.bind_to_thread()?;
@@ -189,6 +195,7 @@ impl GraphExec {
             launches: AtomicU64::new(0),
             event_pool: std::sync::OnceLock::new(),
             tracked_capture,
+            launch_fenced,
             keep_alive: deduplicated(&keep_alive),
         })
     }
@@ -207,6 +214,7 @@ impl GraphExec {
             launches: AtomicU64::new(0),
             event_pool: std::sync::OnceLock::new(),
             tracked_capture: None,
+            launch_fenced: false,
             keep_alive: Vec::new(),
         }
     }
@@ -293,7 +301,9 @@ impl GraphExec {
             })??;
         self.launches.fetch_add(1, Ordering::Relaxed);
         state.retirement.launched(|| self.fence_behind(stream));
-        if !self.keep_alive.is_empty() || state.retirement.retired_len() != 0 {
+        if self.launch_fenced
+            && (!self.keep_alive.is_empty() || state.retirement.retired_len() != 0)
+        {
             self.fence_last_launch(&mut state, stream);
         }
         // Eager work on other streams that uses memory a capture used waits for this.
@@ -404,6 +414,8 @@ impl GraphExec {
         // Later launches run `graph`'s parameters: they are fenced under its capture. Launches
         // made before keep their fences under the old one until those finish.
         self.tracked_capture = graph.tracked_capture();
+        // Sticky: retired generations may still hold the earlier graphs' fenced values.
+        self.launch_fenced |= graph.launch_fenced();
         Ok(())
     }
 }
@@ -443,7 +455,8 @@ impl GraphExec {
             return;
         }
         match state.behind_last {
-            // Never launched on an eager stream while it held values: nothing queued uses them.
+            // Never launched on an eager stream while it held fenced values: nothing queued
+            // uses them, or they wait for the device themselves.
             None => drop(values),
             Some(fence) => {
                 if super::keep_alive::Fence::is_complete(&fence) {

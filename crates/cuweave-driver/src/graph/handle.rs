@@ -89,6 +89,10 @@ pub struct Graph {
     /// Serialises driver calls on `raw`.
     lock: Mutex<()>,
     keep_alive: Vec<KeepAlive>,
+    /// A value given to [`keep_alive`](Self::keep_alive) (not
+    /// [`keep_alive_synchronizing`](Self::keep_alive_synchronizing)): executables fence their
+    /// launches for it (see [`GraphExec`]'s keep-alives after a drop).
+    launch_fenced: bool,
     /// The capture the graph came from, when a tracked buffer was used in it: its executables'
     /// launches leave fences for eager work on other streams (see `fences`).
     tracked_capture: Option<u64>,
@@ -120,6 +124,7 @@ impl Graph {
             raw,
             lock: Mutex::new(()),
             keep_alive: Vec::new(),
+            launch_fenced: false,
             tracked_capture: None,
         }
     }
@@ -150,8 +155,27 @@ impl Graph {
 
     /// Keeps `value` alive as long as this graph and every executable instantiated from it
     /// afterwards (a memory pool its allocations came from, buffers its nodes use).
+    ///
+    /// Dropping an executable does not wait for its queued launches, so while it keeps such
+    /// values alive each of its launches re-records an event behind itself (one `cuEventRecord`),
+    /// which a dropped executable's values wait for.
     pub fn keep_alive(&mut self, value: KeepAlive) {
         self.keep_alive.push(value);
+        self.launch_fenced = true;
+    }
+
+    /// [`keep_alive`](Self::keep_alive) for a value whose own drop waits for the device before
+    /// it releases anything (the memory layer's graph pools: their memory goes back only after
+    /// their context synchronised), so launches need record nothing for it: kept alive the same
+    /// way, at no cost per launch.
+    pub fn keep_alive_synchronizing(&mut self, value: KeepAlive) {
+        self.keep_alive.push(value);
+    }
+
+    /// Whether a value was given to [`keep_alive`](Self::keep_alive), so that launches of its
+    /// executables are fenced.
+    pub(super) fn launch_fenced(&self) -> bool {
+        self.launch_fenced
     }
 
     /// What the graph keeps alive.
@@ -216,6 +240,7 @@ impl Graph {
             options,
             allocates,
             self.keep_alive.clone(),
+            self.launch_fenced,
             self.tracked_capture,
         )
     }

@@ -264,8 +264,10 @@ impl GraphPool {
         GraphPoolId(self.token.id)
     }
 
-    /// A handle that keeps the pool alive, for a graph or executable to hold
-    /// ([`Graph::keep_alive`](cuweave_driver::Graph::keep_alive)).
+    /// A handle that keeps the pool alive, for a graph or executable to hold. Memory the pool
+    /// holds goes back only after its context synchronised, so a graph holds it with
+    /// [`Graph::keep_alive_synchronizing`](cuweave_driver::Graph::keep_alive_synchronizing),
+    /// which costs its launches nothing.
     pub fn keep_alive(&self) -> KeepAlive {
         Arc::clone(&self.token) as Arc<dyn Any + Send + Sync>
     }

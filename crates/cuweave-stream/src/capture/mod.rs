@@ -241,7 +241,8 @@ impl<'s> StreamCapture<'s> {
         // After the driver's capture is over: frees deferred during it run now.
         drop(self.binding.take());
         let mut graph = ended?;
-        graph.keep_alive(self.pool.keep_alive());
+        // The pool's memory goes back only after its context synchronised: no launch fence.
+        graph.keep_alive_synchronizing(self.pool.keep_alive());
         Ok(graph)
     }
 }
