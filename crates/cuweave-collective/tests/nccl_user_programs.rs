@@ -13,6 +13,7 @@
 //! Every test takes the binary's serial guard: the loop test counts device memory and threads,
 //! which other tests of this binary running beside it would disturb.
 
+#[macro_use]
 mod common;
 
 use std::ops::Range;
@@ -20,7 +21,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Pattern, assert_bytes_eq, comm, nccl_or_skip, own_comm, pattern, skip, stream};
+use common::{Pattern, assert_bytes_eq, comm, own_comm, pattern, skip, stream};
 use cuweave_collective::{
     Bf16, CollectiveError, CollectiveFuture, CommConfig, Communicator, CoordinatedCollectives, F16,
     Group, NcclType, ReduceOp, UniqueId,
@@ -31,19 +32,7 @@ use cuweave_event::{
 };
 use cuweave_memory::{Buffer, BufferSlice, DeviceBuffer, PinnedBuffer};
 use cuweave_test_support::kernels::TestKernels;
-use cuweave_test_support::require_gpu;
 use futures::FutureExt as _;
-
-/// The GPU (or a skip), NCCL (or a skip), and the binary's serial guard.
-macro_rules! gate {
-    () => {{
-        let gpu = require_gpu!(else return);
-        if !nccl_or_skip(cuweave_test_support::__test_name(std::any::type_name_of_val(&|| ()))) {
-            return;
-        }
-        (gpu, cuweave_test_support::serial())
-    }};
-}
 
 /// 50 ms of a spinning kernel: work queued behind it on its stream starts that late, so work on
 /// another stream that did not wait for it would run first and show in the bytes.

@@ -11,12 +11,13 @@
 //! the global waiter's registrations, which other tests running beside them would disturb.
 //! Two-GPU probes skip with a reason on one GPU.
 
+#[macro_use]
 mod common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{assert_bytes_eq, nccl_or_skip, own_comm, pattern, skip, stream};
+use common::{assert_bytes_eq, own_comm, pattern, skip, stream};
 use cuweave_collective::{
     CollectiveError, CommConfig, Communicator, CoordinatedCollectives, Group, ReduceOp, UniqueId,
 };
@@ -24,18 +25,6 @@ use cuweave_driver::{CaptureMode, Context, Device, InstantiateOptions, Stream};
 use cuweave_event::{AsyncEventWaiter, EventPool, OperationCoordinator};
 use cuweave_memory::{Buffer, DeviceBuffer};
 use cuweave_test_support::kernels::TestKernels;
-use cuweave_test_support::require_gpu;
-
-/// The GPU (or a skip), NCCL (or a skip), and the binary's serial guard.
-macro_rules! gate {
-    () => {{
-        let gpu = require_gpu!(else return);
-        if !nccl_or_skip(cuweave_test_support::__test_name(std::any::type_name_of_val(&|| ()))) {
-            return;
-        }
-        (gpu, cuweave_test_support::serial())
-    }};
-}
 
 const MS: u64 = 1_000_000;
 

@@ -7,6 +7,21 @@ use std::sync::{Arc, OnceLock};
 use cuweave_collective::{Bf16, CommConfig, Communicator, F16, NcclType, UniqueId};
 use cuweave_driver::{Context, Device, Stream, StreamFlags};
 
+/// A test's first line (`let (gpu, _serial) = gate!();`): the GPU (or a skip), NCCL (or a
+/// skip), and the binary's serial guard; returns from the test when either is missing. Used
+/// through `#[macro_use] mod common;`.
+#[allow(unused_macros)]
+macro_rules! gate {
+    () => {{
+        let gpu = cuweave_test_support::require_gpu!(else return);
+        let test = cuweave_test_support::__test_name(std::any::type_name_of_val(&|| ()));
+        if !$crate::common::nccl_or_skip(test) {
+            return;
+        }
+        (gpu, cuweave_test_support::serial())
+    }};
+}
+
 /// Whether NCCL loads; prints `SKIPPED <test>: <reason>` when it does not. On a GPU machine run
 /// with `CUWEAVE_REQUIRE_GPU=1`, NCCL is part of what is required, so its absence fails.
 pub fn nccl_or_skip(test: &str) -> bool {
