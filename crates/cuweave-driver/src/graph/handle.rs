@@ -17,6 +17,31 @@ use crate::sys;
 /// memory pool its allocations came from, buffers its nodes read. Dropped with the last holder.
 pub type KeepAlive = Arc<dyn Any + Send + Sync>;
 
+/// A [`KeepAlive`] whose drop waits for the device itself before it frees or reuses anything
+/// a graph may use, for [`Graph::keep_alive_synchronizing`]: an executable dropped with launches
+/// queued need not fence them for it.
+#[derive(Clone)]
+pub struct SynchronizingKeepAlive(KeepAlive);
+
+impl SynchronizingKeepAlive {
+    /// Wraps `value`.
+    ///
+    /// # Safety
+    /// Dropping the last clone of `value`, and everything it then releases, frees or hands out
+    /// for reuse nothing that queued device work may still use before that work has finished
+    /// (for instance: it synchronises the context first). An executable holding it drops it
+    /// without waiting for its own queued launches.
+    pub unsafe fn new(value: KeepAlive) -> Self {
+        Self(value)
+    }
+}
+
+impl std::fmt::Debug for SynchronizingKeepAlive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SynchronizingKeepAlive")
+    }
+}
+
 /// The kind of a graph node (`CUgraphNodeType`), as far as cuweave distinguishes them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -167,9 +192,10 @@ impl Graph {
     /// [`keep_alive`](Self::keep_alive) for a value whose own drop waits for the device before
     /// it releases anything (the memory layer's graph pools: their memory goes back only after
     /// their context synchronised), so launches need record nothing for it: kept alive the same
-    /// way, at no cost per launch.
-    pub fn keep_alive_synchronizing(&mut self, value: KeepAlive) {
-        self.keep_alive.push(value);
+    /// way, at no cost per launch. The promise is made where the value is wrapped
+    /// ([`SynchronizingKeepAlive::new`], `unsafe`).
+    pub fn keep_alive_synchronizing(&mut self, value: SynchronizingKeepAlive) {
+        self.keep_alive.push(value.0);
     }
 
     /// Whether a value was given to [`keep_alive`](Self::keep_alive), so that launches of its

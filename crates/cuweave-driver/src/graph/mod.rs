@@ -52,7 +52,7 @@ pub use fences::{
     LaunchesAfter, PRUNE_FENCES_AT, eager_use_fences, fence_eager_use, graph_launch_fences,
     wait_for_graph_launches,
 };
-pub use handle::{Graph, GraphNodeType, KeepAlive};
+pub use handle::{Graph, GraphNodeType, KeepAlive, SynchronizingKeepAlive};
 pub use launches::{
     HostBorrow, LaunchMark, host_borrowed_captures, launched_since, synchronize_launches,
 };

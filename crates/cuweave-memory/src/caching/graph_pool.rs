@@ -264,12 +264,27 @@ impl GraphPool {
         GraphPoolId(self.token.id)
     }
 
-    /// A handle that keeps the pool alive, for a graph or executable to hold. Memory the pool
-    /// holds goes back only after its context synchronised, so a graph holds it with
-    /// [`Graph::keep_alive_synchronizing`](cuweave_driver::Graph::keep_alive_synchronizing),
-    /// which costs its launches nothing.
+    /// A handle that keeps the pool alive, for a graph or executable to hold
+    /// ([`Graph::keep_alive`](cuweave_driver::Graph::keep_alive)).
     pub fn keep_alive(&self) -> KeepAlive {
         Arc::clone(&self.token) as Arc<dyn Any + Send + Sync>
+    }
+
+    /// [`keep_alive`](Self::keep_alive) for
+    /// [`Graph::keep_alive_synchronizing`](cuweave_driver::Graph::keep_alive_synchronizing):
+    /// memory the pool holds goes back only after its context synchronised, so launches of a
+    /// graph holding it need no fence for it.
+    pub fn synchronizing_keep_alive(&self) -> cuweave_driver::graph::SynchronizingKeepAlive {
+        #[allow(unsafe_code)]
+        // SAFETY: when the last token dies, nothing of the pool is reused before the device has
+        // finished with it: `PoolToken::drop` hands the general cache's blocks and resources
+        // it held to `DEFERRED`, and `return_block` synchronises their context first (deferred
+        // while a capture forbids the wait); the pool's own segments are adopted only by a
+        // capture whose context synchronised after the pool was seen dead and idle
+        // (`engine_capture`), and go back to the driver only through `cuMemFree`, which waits.
+        unsafe {
+            cuweave_driver::graph::SynchronizingKeepAlive::new(self.keep_alive())
+        }
     }
 
     /// How many handles, graphs and executables keep the pool alive.

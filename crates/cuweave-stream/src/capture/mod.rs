@@ -242,7 +242,7 @@ impl<'s> StreamCapture<'s> {
         drop(self.binding.take());
         let mut graph = ended?;
         // The pool's memory goes back only after its context synchronised: no launch fence.
-        graph.keep_alive_synchronizing(self.pool.keep_alive());
+        graph.keep_alive_synchronizing(self.pool.synchronizing_keep_alive());
         Ok(graph)
     }
 }
