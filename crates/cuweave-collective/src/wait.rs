@@ -27,7 +27,9 @@ use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-use cuweave_driver::graph::{StatusCheck, refuse_recording};
+use cuweave_driver::graph::{
+    CaptureMode, CaptureModeGuard, StatusCheck, active_captures, refuse_recording,
+};
 use cuweave_driver::{Event, EventFlags, Stream};
 use cuweave_event::{AsyncEventWaiter, EventError, WaitFuture};
 
@@ -101,11 +103,17 @@ impl Future for CollectiveFuture {
                     // A tick. A future first polled late finds a tick decided long ago, while
                     // the work may have finished since (in time): ask the event first, so that
                     // finished work is never reported as a timeout nor aborts a healthy
-                    // communicator.
-                    match self.event.query() {
+                    // communicator. The event was recorded eagerly (`completion_within` refuses a
+                    // capturing stream), so a capture this thread is subject to need not forbid
+                    // the query: made in relaxed mode, it neither breaks nor is refused.
+                    let relaxed = (active_captures() != 0)
+                        .then(|| CaptureModeGuard::enter(CaptureMode::Relaxed).ok());
+                    let done = self.event.query();
+                    drop(relaxed);
+                    match done {
                         Ok(true) => return Poll::Ready(self.finished()),
                         Ok(false) => {}
-                        // A capture elsewhere forbids the query for now: the tick decides.
+                        // Still refused (relaxed mode unavailable): the tick decides.
                         Err(error) if error.is_capture_refusal() => {}
                         Err(error) => return Poll::Ready(Err(error.into())),
                     }
