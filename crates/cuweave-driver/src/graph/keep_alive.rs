@@ -27,16 +27,29 @@ pub(super) trait Fence {
 
 impl Fence for crate::event_pool::OwnedPooledEvent {
     fn is_complete(&self) -> bool {
-        // Refused while a capture forbids the query (`GraphError::Capturing`), or failed: not
-        // known to be complete, so kept for a later update.
-        self.query().unwrap_or(false)
+        fence_query_complete(self.query())
     }
 }
 
 impl Fence for crate::event::Event {
     fn is_complete(&self) -> bool {
-        // As for pooled events: refused or failed is not known to be complete.
-        self.query().unwrap_or(false)
+        fence_query_complete(self.query())
+    }
+}
+
+/// Whether a fence's query lets what waits for it go. Refused while a capture forbids the
+/// query: not yet, asked again later. Any other failure never turns into completion (a dead
+/// context, whose device runs nothing more; an event a launch recorded into a capture begun
+/// outside cuweave, which the driver answers with an error once that capture has ended):
+/// nothing is left to wait for, and keeping the values would hold them for ever.
+fn fence_query_complete(answer: crate::error::Result<bool>) -> bool {
+    match answer {
+        Ok(done) => done,
+        Err(error) if error.is_capture_refusal() => false,
+        Err(error) => {
+            tracing::debug!(%error, "a keep-alive fence cannot be queried; its values go");
+            true
+        }
     }
 }
 
