@@ -187,20 +187,18 @@ impl StreamMarks {
             }
         }
         stream.synchronize()?;
-        if self.is_reached(mark) {
-            Ok(())
-        } else {
-            // The stream finished everything queued, the mark's write among them: only a write
-            // from outside (another owner of the word) can hide it.
-            Err(DriverError::invalid(
-                "StreamMarks::wait",
-                format!(
-                    "the stream is idle but its word shows {:?}, below mark {}",
-                    self.words.load(self.index),
-                    mark.0
-                ),
-            ))
+        // The stream finished everything queued, the mark's write among them: the mark is
+        // passed. The word can still show less when a late write of the word's previous owner
+        // (another stream, queued before these marks claimed it) landed after this one; it
+        // holds up waiters on this word, never releases one early.
+        if !self.is_reached(mark) {
+            tracing::debug!(
+                word = ?self.words.load(self.index),
+                mark = mark.0,
+                "a stream mark was passed, but its word fell back behind a previous owner's late write"
+            );
         }
+        Ok(())
     }
 }
 
