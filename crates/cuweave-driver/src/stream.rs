@@ -355,7 +355,10 @@ impl Stream {
     /// While this stream captures, an event last recorded (through [`Event::record`]) outside
     /// its capture is refused before the wait is queued, as [`wait_stream`](Self::wait_stream)
     /// refuses: the driver would invalidate the capture. An event never recorded through
-    /// cuweave is left to the driver.
+    /// cuweave is left to the driver. Where an event went is looked up at the record only while
+    /// a capture begun through cuweave is active: an event recorded into another library's
+    /// capture before then counts as eager, and one re-recorded through its raw handle keeps
+    /// what `record` last saw.
     ///
     /// # Errors
     /// [`GraphError::Capturing`](crate::GraphError::Capturing) or

@@ -756,6 +756,17 @@ impl Stream {
                 drop(unsafe { Graph::from_raw(self.context(), raw) });
             }
             Ok(()) => {}
+            // A global or thread-local capture ends only on the thread that began it: the
+            // stream is destroyed anyway, and its record forgotten (kept, it would count the
+            // capture as active for as long as the process runs).
+            Err(error)
+                if error.code() == Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD) =>
+            {
+                tracing::warn!(
+                    stream = self.id(),
+                    "a capturing stream was dropped on another thread than the one that began its capture: the driver refused to end the capture there; drop capturing streams on their capture's thread"
+                );
+            }
             Err(error) => {
                 tracing::warn!(%error, "ending the capture of a stream being dropped failed");
             }
