@@ -260,6 +260,32 @@ mod tests {
     }
 
     #[test]
+    fn a_fence_query_refused_by_a_capture_waits_and_any_other_failure_lets_go() {
+        use crate::error::DriverError;
+        use crate::graph::GraphError;
+        use crate::sys;
+        assert!(fence_query_complete(Ok(true)));
+        assert!(!fence_query_complete(Ok(false)));
+        let refused = DriverError::Graph(GraphError::Capturing {
+            operation: "Event::query",
+            reason: "a capture forbids it",
+        });
+        assert!(!fence_query_complete(Err(refused)), "asked again later");
+        // What the driver answers for an event recorded into a capture that has ended, and for
+        // a dead context: nothing left to wait for.
+        for code in [
+            sys::CUresult::CUDA_ERROR_INVALID_VALUE,
+            sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
+        ] {
+            let failed = DriverError::Cuda {
+                code: code.0,
+                operation: "cuEventQuery",
+            };
+            assert!(fence_query_complete(Err(failed)), "{code:?}");
+        }
+    }
+
+    #[test]
     fn a_dropped_executables_values_go_once_their_fence_completes_and_not_before() {
         let mut deferred = Deferred::<TestFence>::new();
         let (first, second) = (TestFence::default(), TestFence::default());
