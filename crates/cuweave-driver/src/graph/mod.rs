@@ -17,7 +17,7 @@
 //! | [`capture_state`], [`known_complete_before`], [`capture_is_active`] | the capture epoch that buffer trackers stamp uses with, and which uses a capture knows to be complete (`Stream::begin_capture_synchronized`) |
 //! | [`CaptureModeGuard`] | this thread in another capture mode for a scope (`cuThreadExchangeStreamCaptureMode`) |
 //! | [`Graph`], [`GraphExec`], [`InstantiateOptions`] | the recording and its executable form: instantiate, upload, launch, update, DOT dump |
-//! | [`held_for_dropped_executables`] | what dropped executables still keep alive for their unfinished launches |
+//! | [`KeepAlive`], [`SynchronizingKeepAlive`], [`held_for_dropped_executables`] | values a graph keeps alive for its executables (fenced behind their launches, or waiting for the device themselves), and what dropped executables still hold for their unfinished launches |
 //! | [`synchronize_launches`], [`launched_since`], [`LaunchMark`] | the process's graph launches, counted: a context wait that covers every launch so far, and whether one has begun since (host access to memory a graph may use) |
 //! | [`HostBorrow`], [`host_borrowed_captures`] | a live host borrow of memory that tracked captures used: their graphs' launches are refused until it ends |
 //! | [`wait_for_graph_launches`], [`fence_eager_use`], [`LaunchesAfter`] | the fences that order graph launches and eager work on memory their captures used, both ways |
