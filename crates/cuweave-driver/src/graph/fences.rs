@@ -50,8 +50,14 @@ static FENCES: Mutex<Vec<Fence>> = Mutex::new(Vec::new());
 /// launch waits for.
 static USE_FENCES: Mutex<Vec<Fence>> = Mutex::new(Vec::new());
 
-/// The key of a fence that a launch of any tracked capture's graph waits for.
-const ANY_CAPTURE: u64 = u64::MAX;
+/// The key that stands for every tracked capture: of a fence that a launch of any tracked
+/// capture's graph waits for, and of a host borrow that refuses all of them (`launches`).
+pub(super) const ANY_CAPTURE: u64 = u64::MAX;
+
+/// Whether a fence or borrow kept under `key` concerns the launches of `capture`'s graphs.
+pub(super) fn key_covers(key: u64, capture: u64) -> bool {
+    key == capture || key == ANY_CAPTURE
+}
 
 struct Fence {
     context: usize,
@@ -68,6 +74,16 @@ pub enum LaunchesAfter<'a> {
     /// The launches of every graph ended from a tracked capture (a buffer that more captures
     /// used than it remembers).
     AnyCapture,
+}
+
+impl<'a> LaunchesAfter<'a> {
+    /// The capture keys it names ([`ANY_CAPTURE`] for every capture).
+    pub(super) fn keys(&self) -> &'a [u64] {
+        match *self {
+            Self::Captures(captures) => captures,
+            Self::AnyCapture => &[ANY_CAPTURE],
+        }
+    }
 }
 
 /// Whether `stream` may wait for or record an eager fence: not while it captures (a launch
@@ -176,13 +192,8 @@ pub fn fence_eager_use(stream: &Stream, after: LaunchesAfter<'_>, event: OwnedPo
     let (context, id) = (stream.context().as_raw() as usize, stream.id());
     let event = Arc::new(event);
     let mut fences = USE_FENCES.lock();
-    match after {
-        LaunchesAfter::Captures(captures) => {
-            for &capture in captures {
-                keep_fence(&mut fences, (context, id, capture), Arc::clone(&event));
-            }
-        }
-        LaunchesAfter::AnyCapture => keep_fence(&mut fences, (context, id, ANY_CAPTURE), event),
+    for &key in after.keys() {
+        keep_fence(&mut fences, (context, id, key), Arc::clone(&event));
     }
 }
 
@@ -190,9 +201,7 @@ pub fn fence_eager_use(stream: &Stream, after: LaunchesAfter<'_>, event: OwnedPo
 /// launches of graphs ended from `capture` on the other streams of its context
 /// ([`fence_eager_use`]), before such a launch. Returns how many waits it queued.
 pub(crate) fn wait_for_eager_uses(stream: &Stream, capture: u64) -> Result<usize> {
-    wait_for_fences(&USE_FENCES, stream, |fenced| {
-        fenced == capture || fenced == ANY_CAPTURE
-    })
+    wait_for_fences(&USE_FENCES, stream, |fenced| key_covers(fenced, capture))
 }
 
 /// How many fences behind graph launches are kept (for tests of the bound).

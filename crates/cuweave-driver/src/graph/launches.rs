@@ -35,11 +35,7 @@ use parking_lot::RwLock;
 #[cfg(not(all(loom, test)))]
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::fences::LaunchesAfter;
-
-/// The borrow key that every tracked capture's launches are refused under (a buffer that more
-/// captures used than it remembers).
-const ANY_CAPTURE: u64 = u64::MAX;
+use super::fences::{LaunchesAfter, key_covers};
 
 /// A point in the process's sequence of graph launches: every launch counted up to it had
 /// finished when it was taken by [`synchronize_launches`].
@@ -64,7 +60,8 @@ pub(crate) struct LaunchLedger {
     launches: AtomicU64,
 }
 
-/// The live host borrows: for each capture key (or [`ANY_CAPTURE`]) how many borrows name it.
+/// The live host borrows: for each capture key (or [`ANY_CAPTURE`](super::fences::ANY_CAPTURE))
+/// how many borrows name it.
 /// Bounded by the borrows alive: a key leaves when its last borrow ends.
 #[derive(Debug, Default)]
 pub(crate) struct Borrows(Vec<(u64, usize)>);
@@ -75,7 +72,7 @@ impl Borrows {
     fn refusing(&self, capture: u64) -> Option<u64> {
         self.0
             .iter()
-            .any(|&(key, _)| key == capture || key == ANY_CAPTURE)
+            .any(|&(key, _)| key_covers(key, capture))
             .then_some(capture)
     }
 
@@ -169,7 +166,8 @@ impl LaunchLedger {
         LaunchMark(self.launches.load(Ordering::Acquire))
     }
 
-    /// Registers a host borrow under `keys` (capture ids, or [`ANY_CAPTURE`]): from its return,
+    /// Registers a host borrow under `keys` (capture ids, or
+    /// [`ANY_CAPTURE`](super::fences::ANY_CAPTURE)): from its return,
     /// launches of those captures' graphs are refused until [`end_borrow`](Self::end_borrow).
     pub(crate) fn begin_borrow(&self, keys: &[u64]) {
         self.exclusive().add(keys);
@@ -248,10 +246,7 @@ impl HostBorrow {
     /// Refuses launches of the graphs `conflicting` names until this is dropped: for a host
     /// read, the captures that wrote the memory; for a host write, those that used it.
     pub fn begin(conflicting: LaunchesAfter<'_>) -> Self {
-        let keys = match conflicting {
-            LaunchesAfter::Captures(captures) => captures.to_vec(),
-            LaunchesAfter::AnyCapture => vec![ANY_CAPTURE],
-        };
+        let keys = conflicting.keys().to_vec();
         LAUNCHES.begin_borrow(&keys);
         Self { keys }
     }
@@ -273,6 +268,7 @@ pub fn host_borrowed_captures() -> usize {
 mod tests {
     use std::sync::Arc;
 
+    use super::super::fences::ANY_CAPTURE;
     use super::*;
 
     #[test]
