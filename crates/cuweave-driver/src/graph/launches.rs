@@ -398,7 +398,37 @@ mod loom_tests {
     use loom::sync::atomic::{AtomicBool, Ordering};
     use loom::thread;
 
-    use super::LaunchLedger;
+    use super::{LaunchLedger, LaunchMark};
+
+    /// A thread launching a graph of `capture` once: whether the ledger let it, and the flag its
+    /// enqueue sets.
+    fn launcher(
+        ledger: &Arc<LaunchLedger>,
+        capture: Option<u64>,
+    ) -> (thread::JoinHandle<bool>, Arc<AtomicBool>) {
+        let enqueued = Arc::new(AtomicBool::new(false));
+        let handle = {
+            let (ledger, enqueued) = (Arc::clone(ledger), Arc::clone(&enqueued));
+            thread::spawn(move || {
+                ledger
+                    .launch(capture, || enqueued.store(true, Ordering::Relaxed))
+                    .is_ok()
+            })
+        };
+        (handle, enqueued)
+    }
+
+    /// A mark and its wait, and whether the launch had been enqueued when the wait began.
+    fn synchronize_noting(ledger: &LaunchLedger, enqueued: &AtomicBool) -> (LaunchMark, bool) {
+        let mut enqueued_at_wait = false;
+        let mark = ledger
+            .synchronize(|| {
+                enqueued_at_wait = enqueued.load(Ordering::Relaxed);
+                Ok::<(), ()>(())
+            })
+            .unwrap();
+        (mark, enqueued_at_wait)
+    }
 
     /// A mark that counts a launch is taken only once that launch has been enqueued, so the
     /// wait paired with it covers the launch; a mark that does not count it sees it later.
@@ -406,29 +436,18 @@ mod loom_tests {
     fn loom_a_mark_covers_every_launch_it_counts_and_misses_none_it_does_not() {
         loom::model(|| {
             let ledger = Arc::new(LaunchLedger::default());
-            let enqueued = Arc::new(AtomicBool::new(false));
-            let launcher = {
-                let (ledger, enqueued) = (Arc::clone(&ledger), Arc::clone(&enqueued));
-                thread::spawn(move || {
-                    ledger
-                        .launch(None, || enqueued.store(true, Ordering::Relaxed))
-                        .unwrap();
-                })
-            };
-            let mut enqueued_at_wait = false;
-            let mark = ledger
-                .synchronize(|| {
-                    enqueued_at_wait = enqueued.load(Ordering::Relaxed);
-                    Ok::<(), ()>(())
-                })
-                .unwrap();
+            let (launcher, enqueued) = launcher(&ledger, None);
+            let (mark, enqueued_at_wait) = synchronize_noting(&ledger, &enqueued);
             if mark.launches() == 1 {
                 assert!(
                     enqueued_at_wait,
                     "the wait began before a counted launch was enqueued"
                 );
             }
-            launcher.join().unwrap();
+            assert!(
+                launcher.join().unwrap(),
+                "an untracked launch is never refused"
+            );
             assert_eq!(
                 ledger.launched_since(mark),
                 mark.launches() == 0,
@@ -444,23 +463,9 @@ mod loom_tests {
     fn loom_a_launch_never_runs_under_a_host_borrow() {
         loom::model(|| {
             let ledger = Arc::new(LaunchLedger::default());
-            let enqueued = Arc::new(AtomicBool::new(false));
-            let launcher = {
-                let (ledger, enqueued) = (Arc::clone(&ledger), Arc::clone(&enqueued));
-                thread::spawn(move || {
-                    ledger
-                        .launch(Some(7), || enqueued.store(true, Ordering::Relaxed))
-                        .is_ok()
-                })
-            };
+            let (launcher, enqueued) = launcher(&ledger, Some(7));
             ledger.begin_borrow(&[7]);
-            let mut enqueued_at_wait = false;
-            ledger
-                .synchronize(|| {
-                    enqueued_at_wait = enqueued.load(Ordering::Relaxed);
-                    Ok::<(), ()>(())
-                })
-                .unwrap();
+            let (_, enqueued_at_wait) = synchronize_noting(&ledger, &enqueued);
             // The host reads here.
             let enqueued_while_borrowed = enqueued.load(Ordering::Relaxed) && !enqueued_at_wait;
             ledger.end_borrow(&[7]);
