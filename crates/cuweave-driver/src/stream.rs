@@ -334,7 +334,8 @@ impl Stream {
         };
         let event = pool.acquire_event(false)?;
         event.record(other)?;
-        self.wait_event(&event)
+        // Checked above, from `other` itself: the event's record says the same.
+        self.queue_wait(&event)
     }
 
     /// A new [`StreamFlags::NON_BLOCKING`] stream of the same context whose work runs after
@@ -372,6 +373,11 @@ impl Stream {
                 "Stream::wait_event",
             )?;
         }
+        self.queue_wait(event)
+    }
+
+    /// `cuStreamWaitEvent`, the capture rule already checked.
+    fn queue_wait(&self, event: &Event) -> Result<()> {
         self.context.bind_to_thread()?;
         let api = driver()?;
         // SAFETY: live stream and event; flags must be 0.

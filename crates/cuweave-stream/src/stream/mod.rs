@@ -198,14 +198,9 @@ impl PriorityStream {
     /// invalidate the capture). [`StreamError::WrongDevice`] is not raised here: CUDA lets
     /// streams wait on events of other devices. The driver's error otherwise.
     pub fn wait_for(&self, other: &PriorityStream) -> Result<()> {
-        crate::capture::refuse_wait_across_capture(
-            &self.inner,
-            &other.inner,
-            "PriorityStream::wait_for",
-        )?;
-        let event = other.events.acquire_event(false)?;
-        event.record(other.stream())?;
-        self.inner.wait_event(&event)?;
+        // The driver's join: refused across a capture's boundary before anything is queued,
+        // an event of the context's shared pool otherwise.
+        self.inner.wait_stream(&other.inner)?;
         crate::capture::note_wait_joined_capture(&self.inner)
     }
 
