@@ -276,17 +276,17 @@ impl GraphExec {
         }
         self.context.bind_to_thread()?;
         let api = driver()?;
+        // Whether the stream is capturing, asked once, and only by launches that fence.
+        let eager = (self.tracked_capture.is_some() || self.launch_fenced)
+            && super::fences::is_eager(stream);
         // A tracked graph launched on an eager stream is fenced both ways. Into a capture it
         // would become a node of that graph, which neither the fences nor the buffers' graph
-        // pools know: refused.
-        let fenced = match self.tracked_capture {
-            Some(capture) if !super::fences::is_eager(stream) => {
+        // pools know: refused. Eager work on other streams that this graph's memory is ordered
+        // after goes first.
+        if let Some(capture) = self.tracked_capture {
+            if !eager {
                 return Err(GraphError::TrackedGraphInCapture { capture }.into());
             }
-            tracked => tracked,
-        };
-        // Eager work on other streams that this graph's memory is ordered after goes first.
-        if let Some(capture) = fenced {
             super::fences::wait_for_eager_uses(stream, capture)?;
         }
         // Counted before it is enqueued, so host access to memory the graph uses waits for it,
@@ -304,10 +304,10 @@ impl GraphExec {
         if self.launch_fenced
             && (!self.keep_alive.is_empty() || state.retirement.retired_len() != 0)
         {
-            self.fence_last_launch(&mut state, stream);
+            self.fence_last_launch(&mut state, stream, eager);
         }
         // Eager work on other streams that uses memory a capture used waits for this.
-        if let Some(capture) = fenced {
+        if let Some(capture) = self.tracked_capture {
             super::fences::fence_launch(&self.context, stream, capture, || {
                 self.record_behind(stream)
             });
@@ -334,9 +334,9 @@ impl GraphExec {
 
     /// Re-records the executable's own event behind the launch just queued on `stream`, so that
     /// a drop can tell when the values it keeps alive are no longer used. A stream that is
-    /// capturing gets none (the launch is a node of that capture's graph).
-    fn fence_last_launch(&self, state: &mut LaunchState, stream: &Stream) {
-        if !super::fences::is_eager(stream) {
+    /// capturing (not `eager`) gets none: the launch is a node of that capture's graph.
+    fn fence_last_launch(&self, state: &mut LaunchState, stream: &Stream, eager: bool) {
+        if !eager {
             return;
         }
         let recorded = match &state.behind_last {
