@@ -8,7 +8,7 @@ use cuweave_driver::graph::capture_is_active;
 
 use super::capture_waits::{self, CapturedCompletion, captured_completion};
 use super::metrics::MetricsCell;
-use super::{CompletionCallback, Inner, OperationId, completion};
+use super::{CompletionCallback, Inner, Operation, OperationId, completion};
 use crate::error::EventError;
 use crate::waiter::WaitResult;
 
@@ -38,11 +38,7 @@ impl Inner {
                 return;
             };
             operation.watched = false;
-            let ended = match &operation.stream {
-                Some(stream) => capture_waits::foreign_capture_ended(stream.as_stream()),
-                None => Ok(true),
-            };
-            match ended {
+            match operation.foreign_capture_ended() {
                 Ok(false) => return,
                 Ok(true) => (Ok(()), state.decide(id, &Ok(()))),
                 Err(error) => {
@@ -77,9 +73,7 @@ impl Inner {
                         // Recorded into a capture begun outside cuweave, unseen at the record:
                         // complete once that capture has ended, as a cuweave capture's are.
                         Err(error) if capture_waits::is_captured_event(&error) => {
-                            op.stream.as_ref().map_or(Ok(true), |stream| {
-                                capture_waits::foreign_capture_ended(stream.as_stream())
-                            })
+                            op.foreign_capture_ended()
                         }
                         answer => answer,
                     },
@@ -149,5 +143,16 @@ impl Inner {
         let panicked = completion::run_callbacks(id, callbacks, result);
         MetricsCell::add(&self.metrics.callback_panics, panicked);
         self.state.lock().try_retire(id);
+    }
+}
+
+impl Operation {
+    /// Whether the capture begun outside cuweave that its completion event went into
+    /// ([`capture_waits::is_captured_event`]) has ended, asked of its stream
+    /// ([`capture_waits::foreign_capture_ended`]); with no stream there is nothing to wait for.
+    fn foreign_capture_ended(&self) -> Result<bool, cuweave_driver::DriverError> {
+        self.stream.as_ref().map_or(Ok(true), |stream| {
+            capture_waits::foreign_capture_ended(stream.as_stream())
+        })
     }
 }
