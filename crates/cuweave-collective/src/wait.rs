@@ -27,9 +27,7 @@ use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-use cuweave_driver::graph::{
-    CaptureMode, CaptureModeGuard, StatusCheck, active_captures, refuse_recording,
-};
+use cuweave_driver::graph::{StatusCheck, refuse_recording, relaxed_during_captures};
 use cuweave_driver::{Event, EventFlags, Stream};
 use cuweave_event::{AsyncEventWaiter, EventError, WaitFuture};
 
@@ -106,8 +104,7 @@ impl Future for CollectiveFuture {
                     // communicator. The event was recorded eagerly (`completion_within` refuses a
                     // capturing stream), so a capture this thread is subject to need not forbid
                     // the query: made in relaxed mode, it neither breaks nor is refused.
-                    let relaxed = (active_captures() != 0)
-                        .then(|| CaptureModeGuard::enter(CaptureMode::Relaxed).ok());
+                    let relaxed = relaxed_during_captures();
                     let done = self.event.query();
                     drop(relaxed);
                     match done {

@@ -379,7 +379,7 @@ pub(crate) fn refuse_dependency_across_capture(
 ///
 /// # Errors
 /// The driver's error from `cuThreadExchangeStreamCaptureMode`.
-pub(crate) fn relaxed_during_captures() -> Result<Option<CaptureModeGuard>> {
+pub fn relaxed_during_captures() -> Result<Option<CaptureModeGuard>> {
     (active_captures() != 0)
         .then(|| CaptureModeGuard::enter(CaptureMode::Relaxed))
         .transpose()

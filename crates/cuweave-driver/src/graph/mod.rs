@@ -15,7 +15,7 @@
 //! | [`active_captures`], [`refuse_while_capturing`] | the process's capture count (one atomic load), and the check that turns a call that would break a capture into [`GraphError::Capturing`] |
 //! | [`refuse_recording`], [`StatusCheck`] | the check that refuses work which must not be recorded into a graph (host functions, completion-word writes) on a capturing stream |
 //! | [`capture_state`], [`known_complete_before`], [`capture_is_active`] | the capture epoch that buffer trackers stamp uses with, and which uses a capture knows to be complete (`Stream::begin_capture_synchronized`) |
-//! | [`CaptureModeGuard`] | this thread in another capture mode for a scope (`cuThreadExchangeStreamCaptureMode`) |
+//! | [`CaptureModeGuard`], [`relaxed_during_captures`] | this thread in another capture mode for a scope (`cuThreadExchangeStreamCaptureMode`); relaxed, for one call a capture does not record, only while a cuweave capture is active |
 //! | [`Graph`], [`GraphExec`], [`InstantiateOptions`] | the recording and its executable form: instantiate, upload, launch, update, DOT dump |
 //! | [`KeepAlive`], [`SynchronizingKeepAlive`], [`held_for_dropped_executables`] | values a graph keeps alive for its executables (fenced behind their launches, or waiting for the device themselves), and what dropped executables still hold for their unfinished launches |
 //! | [`synchronize_launches`], [`launched_since`], [`LaunchMark`] | the process's graph launches, counted: a context wait that covers every launch so far, and whether one has begun since (host access to memory a graph may use) |
@@ -44,7 +44,7 @@ pub(crate) use capture::CAPTURE_COUNT_TEST_LOCK;
 pub use capture::{
     CaptureMode, CaptureModeGuard, CaptureState, CaptureStatus, StatusCheck, active_captures,
     capture_is_active, capture_state, known_complete_before, note_tracked_use, refuse_recording,
-    refuse_wait_across_capture, refuse_while_capturing,
+    refuse_wait_across_capture, refuse_while_capturing, relaxed_during_captures,
 };
 pub use error::GraphError;
 pub use exec::{GraphExec, InstantiateOptions, held_for_dropped_executables};
@@ -59,6 +59,5 @@ pub use launches::{
 pub use memory::{GraphMemoryUsage, graph_memory_usage, trim_graph_memory};
 
 pub(crate) use capture::{
-    RecordedIn, note_driver_failure, refuse_dependency_across_capture, relaxed_during_captures,
-    translate_driver_failure,
+    RecordedIn, note_driver_failure, refuse_dependency_across_capture, translate_driver_failure,
 };
