@@ -221,32 +221,150 @@ fn completion_words_return_only_after_the_work_before_them_by_word_or_by_fallbac
     }
 }
 
+/// Waits (bounded) until the retirement thread has freed every dropped, written word; how long
+/// that took.
+fn until_retired(limit: Duration) -> Option<Duration> {
+    let started = Instant::now();
+    while memory::host_allocations_awaiting_free() != 0 {
+        if started.elapsed() > limit {
+            return None;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    Some(started.elapsed())
+}
+
 #[test]
-fn dropping_mapped_words_waits_for_the_writes_queued_into_them() {
+fn dropped_mapped_words_are_freed_only_after_the_writes_queued_into_them_and_the_drop_waits_for_none()
+ {
     use cuweave_driver::memory::MappedWords;
     let gpu = require_gpu!();
     let _serial = cuweave_test_support::serial();
     let kernels = TestKernels::load(&gpu.context).unwrap();
     let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    assert!(
+        until_retired(Duration::from_secs(10)).is_some(),
+        "words of earlier tests still wait"
+    );
     for round in 0..3u64 {
         let words = MappedWords::new(&gpu.context, 512).unwrap();
-        // The write lands only after a 50 ms spin; the words are dropped long before that.
-        kernels.spin_ns(&stream, 50 * MS).unwrap();
+        // The write lands only after a 200 ms spin; the words are dropped long before that.
+        kernels.spin_ns(&stream, 200 * MS).unwrap();
         words.enqueue_write(&stream, 511, round + 1).unwrap();
         assert_ne!(words.load(511), Some(round + 1));
+        let dropping = Instant::now();
         drop(words);
-        // Drop returned only once the stream had passed the write: the memory was never freed
-        // under a queued device write.
-        assert_eq!(stream.query(), Ok(true), "round {round}");
+        assert!(
+            dropping.elapsed() < Duration::from_millis(100),
+            "round {round}: the drop waited {:?} for the queued write",
+            dropping.elapsed()
+        );
+        // Not freed under the queued write: it waits for the stream, and goes once it passed.
+        assert_eq!(
+            stream.query(),
+            Ok(false),
+            "round {round}: the spin ended already"
+        );
+        assert!(
+            memory::host_allocations_awaiting_free() >= 1,
+            "round {round}"
+        );
+        assert!(
+            until_retired(Duration::from_secs(10)).is_some(),
+            "round {round}: never freed"
+        );
+        assert_eq!(
+            stream.query(),
+            Ok(true),
+            "round {round}: freed before the write landed"
+        );
     }
-    // Many written and dropped words: each drop waits for its one write, and nothing is leaked
-    // on a live context (the allocation count stays bounded by the loop's one live value).
-    for value in 1..=200u64 {
+    // Many written and dropped words: each is freed, nothing waits for ever.
+    for value in 1..=2000u64 {
         let words = MappedWords::new(&gpu.context, 1).unwrap();
         words.enqueue_write(&stream, 0, value).unwrap();
         drop(words);
-        assert_eq!(stream.query(), Ok(true));
     }
+    assert!(
+        until_retired(Duration::from_secs(10)).is_some(),
+        "{} dropped words still wait 10 s later",
+        memory::host_allocations_awaiting_free()
+    );
+}
+
+#[test]
+fn written_mapped_words_dropped_during_a_capture_are_freed_once_it_ends() {
+    use cuweave_driver::CaptureMode;
+    use cuweave_driver::memory::MappedWords;
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let writer = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let capturing = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    kernels.spin_ns(&capturing, 0).unwrap();
+    capturing.synchronize().unwrap();
+    assert!(
+        until_retired(Duration::from_secs(10)).is_some(),
+        "words of earlier tests still wait"
+    );
+    let words = MappedWords::new(&gpu.context, 1).unwrap();
+    words.enqueue_write(&writer, 0, 1).unwrap();
+    writer.synchronize().unwrap();
+    capturing.begin_capture(CaptureMode::Global).unwrap();
+    kernels.spin_ns(&capturing, MS).unwrap();
+    // Dropped on a capturing thread: the drop neither breaks the capture nor frees under it;
+    // the wait for the context is refused while the capture runs, and retried.
+    drop(words);
+    std::thread::sleep(Duration::from_millis(30));
+    assert_eq!(
+        memory::host_allocations_awaiting_free(),
+        1,
+        "freed while a capture was active"
+    );
+    let graph = capturing
+        .end_capture()
+        .expect("the capture survived the drop");
+    assert!(
+        until_retired(Duration::from_secs(10)).is_some(),
+        "never freed after the capture"
+    );
+    // The recorded spin still replays.
+    let exec = graph.instantiate(&Default::default()).unwrap();
+    exec.launch(&capturing).unwrap();
+    capturing.synchronize().unwrap();
+}
+
+#[test]
+fn dropping_written_mapped_words_never_waits_for_a_long_kernel_on_another_stream() {
+    use cuweave_driver::memory::MappedWords;
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let writer = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let busy = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    kernels.spin_ns(&writer, 0).unwrap();
+    writer.synchronize().unwrap();
+    let words = MappedWords::new(&gpu.context, 8).unwrap();
+    words.enqueue_write(&writer, 3, 7).unwrap();
+    writer.synchronize().unwrap();
+    assert_eq!(words.load(3), Some(7));
+    // An unrelated 400 ms kernel: the words' own write has landed, so nothing of theirs waits.
+    let spin_started = Instant::now();
+    kernels.spin_ns(&busy, 400 * MS).unwrap();
+    let dropping = Instant::now();
+    drop(words);
+    assert!(
+        dropping.elapsed() < Duration::from_millis(50),
+        "dropping mapped words waited {:?} for an unrelated kernel",
+        dropping.elapsed()
+    );
+    // They are freed once the context is idle: after the unrelated kernel, not before.
+    assert!(
+        until_retired(Duration::from_secs(10)).is_some(),
+        "never freed"
+    );
+    assert_eq!(busy.query(), Ok(true));
+    assert!(spin_started.elapsed() >= Duration::from_millis(300));
 }
 
 #[test]

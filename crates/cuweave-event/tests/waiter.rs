@@ -321,6 +321,52 @@ fn reused_completion_words_never_complete_a_wait_early() {
     }
 }
 
+// An inference server makes a waiter per connection and drops it when the client leaves, while
+// other requests' kernels keep the GPU busy: the drop (and freeing idle completion words) must
+// not wait for that unrelated work, as a temporary buffer's drop must not.
+#[test]
+fn dropping_a_waiter_or_its_free_words_never_waits_for_an_unrelated_long_kernel() {
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let mine = common::stream(&gpu.context);
+    let busy = common::stream(&gpu.context);
+    for release_words_first in [true, false] {
+        let waiter = AsyncEventWaiter::new().unwrap();
+        // Completion words written and reached: the waiter's own work is over.
+        for _ in 0..8 {
+            kernels.spin_ns(&mine, 10_000).unwrap();
+            futures::executor::block_on(waiter.stream_idle(&mine).unwrap()).unwrap();
+        }
+        kernels.spin_ns(&busy, 400 * MS).unwrap();
+        let dropping = Instant::now();
+        if release_words_first {
+            waiter.release_free_words();
+        }
+        drop(waiter);
+        assert!(
+            dropping.elapsed() < Duration::from_millis(100),
+            "release_words_first={release_words_first}: the drop waited {:?} for an unrelated kernel",
+            dropping.elapsed()
+        );
+        assert_eq!(
+            busy.query(),
+            Ok(false),
+            "the unrelated kernel ended already"
+        );
+        busy.synchronize().unwrap();
+    }
+    // What the drops left waits for the context only, and goes once it is idle.
+    let started = Instant::now();
+    while cuweave_driver::memory::host_allocations_awaiting_free() != 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the waiters' completion words were never freed"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 #[test]
 fn dropping_the_waiter_cancels_callbacks_and_fails_futures() {
     let gpu = require_gpu!();

@@ -25,15 +25,19 @@ use crate::stream::{Stream, WriteOrdering};
 /// # Freeing
 /// NVIDIA does not document that `cuMemFreeHost` waits for device writes still queued into the
 /// memory, so dropping never relies on it. Once any [`enqueue_write`](Self::enqueue_write) was
-/// queued, drop first waits for the words' context (`cuCtxSynchronize`: every stream that can
-/// write here belongs to that context, which `enqueue_write` checks) and only then frees; if
-/// that wait fails (a dead context), the memory is leaked instead of freed, so a write that
-/// still lands finds it mapped. Words that were never written are freed at once. This costs no
-/// driver call per write (an event recorded behind each write would add a `cuEventRecord` to
-/// every wait, and one event cannot cover writes from several streams). So holders such as
-/// [`CompletionWords`](super::CompletionWords) and the event crate's word slabs may drop words
-/// at any time; no caller needs to leak them by hand. Drop leaves the words' context current
-/// on the calling thread when it waited.
+/// queued, the memory is freed only after the words' context has finished the work queued
+/// before the drop (`cuCtxSynchronize`: every stream that can write here belongs to that
+/// context, which `enqueue_write` checks), and that wait is not the dropping thread's: the
+/// allocation goes to one thread of the process that waits and frees
+/// ([`host_allocations_awaiting_free`](super::host_allocations_awaiting_free) counts what
+/// waits there), so dropping never waits for a long kernel on another stream. If that wait
+/// fails (a dead context), the memory is leaked instead of freed, so a write that still lands
+/// finds it mapped; while a cuweave capture is active it is retried later. Words that were
+/// never written are freed at once. This costs no driver call per write (an event recorded
+/// behind each write would add a `cuEventRecord` to every wait, and one event cannot cover
+/// writes from several streams). So holders such as [`CompletionWords`](super::CompletionWords)
+/// and the event crate's word slabs may drop words at any time; no caller needs to leak them
+/// by hand.
 ///
 /// # Claimed words
 /// A word that a [`StreamMarks`](super::StreamMarks) holds is *claimed*: its marks prove how
@@ -154,13 +158,13 @@ impl MappedWords {
     /// stream got there.
     ///
     /// Safe because the write can only land in memory this value owns: the address is an
-    /// aligned word inside the allocation, and dropping `MappedWords` waits for the context's
-    /// queued work (this write included) before it frees the memory, or leaks it (see
+    /// aligned word inside the allocation, and dropping `MappedWords` frees the memory only
+    /// after the context's queued work (this write included) has finished, or leaks it (see
     /// [Freeing](Self#freeing)).
     ///
     /// Refused on a capturing stream: the write would be recorded into the graph and land at
-    /// each of its launches, which can come after these words are freed (dropping them waits
-    /// for the context's queued work, never for a graph launched later). The check costs one
+    /// each of its launches, which can come after these words are freed (their free waits for
+    /// the context's queued work, never for a graph launched later). The check costs one
     /// atomic load while no capture begun through cuweave is active; while one is, it asks the
     /// driver about `stream`, so streams forked into a capture are refused too. A capture
     /// begun outside cuweave (raw driver calls) while none of cuweave's is active is not seen:
@@ -216,8 +220,9 @@ impl MappedWords {
         self.written.store(true, Ordering::Relaxed);
         // SAFETY: `address` is an 8-byte-aligned word of this mapped allocation, mapped in the
         // stream's own context; the host touches it only atomically (`load` / `store`); and the
-        // allocation outlives the write: `written` is set, so drop synchronises the stream's
-        // context (which runs this write) before freeing, or leaks the memory; and the stream
+        // allocation outlives the write: `written` is set, so drop hands the memory to the
+        // retirement thread, which synchronises the stream's context (which runs this write)
+        // before freeing, or leaks the memory; and the stream
         // is not capturing (refused above), so the write runs once, now, not at every launch
         // of a graph that may outlive the words.
         unsafe { stream.write_value_u64(address, value, WriteOrdering::AfterPriorWrites) }
@@ -226,19 +231,16 @@ impl MappedWords {
 
 impl Drop for MappedWords {
     fn drop(&mut self) {
-        if *self.written.get_mut()
-            && let Err(error) = self.allocation.context().synchronize()
-        {
-            tracing::warn!(
-                %error,
-                words = self.len,
-                "cannot wait for queued writes into mapped words; leaking them instead of freeing"
-            );
-            return;
+        // SAFETY: dropped once, here, and never used again; `self.allocation` is not touched
+        // after this take.
+        let allocation = unsafe { ManuallyDrop::take(&mut self.allocation) };
+        if *self.written.get_mut() {
+            // Writes may still be queued into it: freed once its context has finished them,
+            // on the retirement thread, so this drop waits for nothing.
+            super::host_retirement::retire(allocation);
+        } else {
+            drop(allocation);
         }
-        // SAFETY: dropped once, here, and never used again; no write is still queued into it
-        // (none was ever queued, or the context's synchronize returned after all of them).
-        unsafe { ManuallyDrop::drop(&mut self.allocation) }
     }
 }
 

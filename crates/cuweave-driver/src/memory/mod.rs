@@ -11,6 +11,7 @@ mod copy;
 mod device_alloc;
 mod device_free;
 mod host;
+mod host_retirement;
 mod managed;
 mod mapped_words;
 mod pointer;
@@ -27,6 +28,7 @@ pub use copy::{
 };
 pub use device_alloc::{DeviceAllocation, alloc_async, free_async};
 pub use host::{HostAllocFlags, HostAllocation, HostRegistration};
+pub use host_retirement::host_allocations_awaiting_free;
 pub use managed::{
     Advice, ManagedAllocation, MemLocation, PrefetchRange, advise, prefetch_async,
     prefetch_batch_async, range_accessed_by, range_attribute, range_last_prefetch_location,

@@ -159,8 +159,8 @@ impl Lease {
     /// Gives up on the word without waiting for the stream's write (a dead context, or a waiter
     /// shutting down): the word never returns to the free list, so no later lease can see the
     /// late write. Freeing its chunk is the driver's one rule for completion words
-    /// ([`MappedWords`]' drop waits for the context's queued writes, or leaks the chunk when the
-    /// context is dead), so this crate keeps no freeing logic of its own.
+    /// ([`MappedWords`]' drop frees the chunk, off the dropping thread, once the context's
+    /// queued writes have landed, or leaks it when the context is dead), so this crate keeps no freeing logic of its own.
     pub(crate) fn abandon(self) {
         drop(self.words);
     }
