@@ -344,6 +344,8 @@ fn dropping_written_mapped_words_never_waits_for_a_long_kernel_on_another_stream
     let busy = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
     kernels.spin_ns(&writer, 0).unwrap();
     writer.synchronize().unwrap();
+    // No kept pages of earlier tests: the page reused below can only be this test's.
+    cuweave_driver::empty_process_caches();
     let words = MappedWords::new(&gpu.context, 8).unwrap();
     words.enqueue_write(&writer, 3, 7).unwrap();
     writer.synchronize().unwrap();
@@ -351,6 +353,7 @@ fn dropping_written_mapped_words_never_waits_for_a_long_kernel_on_another_stream
     // An unrelated 400 ms kernel: the words' own write has landed, so nothing of theirs waits.
     let spin_started = Instant::now();
     kernels.spin_ns(&busy, 400 * MS).unwrap();
+    let address = words.device_address(3).unwrap();
     let dropping = Instant::now();
     drop(words);
     assert!(
@@ -358,13 +361,34 @@ fn dropping_written_mapped_words_never_waits_for_a_long_kernel_on_another_stream
         "dropping mapped words waited {:?} for an unrelated kernel",
         dropping.elapsed()
     );
-    // They are freed once the context is idle: after the unrelated kernel, not before.
+    // Their retirement waits for the context on a thread of its own and holds up no one:
+    // a launch on a third stream goes at once.
+    std::thread::sleep(Duration::from_millis(5));
+    assert!(memory::host_allocations_awaiting_free() >= 1);
+    let third = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let launching = Instant::now();
+    kernels.spin_ns(&third, 0).unwrap();
+    assert!(
+        launching.elapsed() < Duration::from_millis(50),
+        "a launch waited {:?} behind the words' retirement",
+        launching.elapsed()
+    );
+    // They are retired once the context is idle: after the unrelated kernel, not before.
     assert!(
         until_retired(Duration::from_secs(10)).is_some(),
-        "never freed"
+        "never retired"
     );
     assert_eq!(busy.query(), Ok(true));
     assert!(spin_started.elapsed() >= Duration::from_millis(300));
+    // The page is kept, not freed (a free would wait for the whole device): the next words of
+    // that size take it again, zeroed.
+    let again = MappedWords::new(&gpu.context, 8).unwrap();
+    assert_eq!(
+        again.device_address(3),
+        Some(address),
+        "the retired page was not reused"
+    );
+    assert_eq!(again.load(3), Some(0));
 }
 
 #[test]

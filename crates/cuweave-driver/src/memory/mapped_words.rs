@@ -25,19 +25,22 @@ use crate::stream::{Stream, WriteOrdering};
 /// # Freeing
 /// NVIDIA does not document that `cuMemFreeHost` waits for device writes still queued into the
 /// memory, so dropping never relies on it. Once any [`enqueue_write`](Self::enqueue_write) was
-/// queued, the memory is freed only after the words' context has finished the work queued
-/// before the drop (`cuCtxSynchronize`: every stream that can write here belongs to that
-/// context, which `enqueue_write` checks), and that wait is not the dropping thread's: the
-/// allocation goes to one thread of the process that waits and frees
+/// queued, the memory is reused or freed only after the words' context has finished the work
+/// queued before the drop (`cuCtxSynchronize`: every stream that can write here belongs to
+/// that context, which `enqueue_write` checks), and that wait is not the dropping thread's:
+/// the allocation goes to one thread of the process that waits
 /// ([`host_allocations_awaiting_free`](super::host_allocations_awaiting_free) counts what
 /// waits there), so dropping never waits for a long kernel on another stream. If that wait
-/// fails (a dead context), the memory is leaked instead of freed, so a write that still lands
-/// finds it mapped; while a cuweave capture is active it is retried later. Words that were
-/// never written are freed at once. This costs no driver call per write (an event recorded
-/// behind each write would add a `cuEventRecord` to every wait, and one event cannot cover
-/// writes from several streams). So holders such as [`CompletionWords`](super::CompletionWords)
-/// and the event crate's word slabs may drop words at any time; no caller needs to leak them
-/// by hand.
+/// fails (a dead context), the memory is leaked instead, so a write that still lands finds it
+/// mapped; while a cuweave capture is active it is retried later. The page is then kept (up to
+/// [`MOST_SPARE_WORD_BYTES`](super::MOST_SPARE_WORD_BYTES) in all) for the next words of its
+/// context and size rather than freed, because `cuMemFreeHost` waits for the whole device and
+/// holds the driver's lock meanwhile; [`empty_process_caches`](crate::empty_process_caches)
+/// frees the kept pages. Words never written are kept at once. This costs no driver call per
+/// write (an event recorded behind each write would add a `cuEventRecord` to every wait, and
+/// one event cannot cover writes from several streams). So holders such as
+/// [`CompletionWords`](super::CompletionWords) and the event crate's word slabs may drop words
+/// at any time; no caller needs to leak them by hand.
 ///
 /// # Claimed words
 /// A word that a [`StreamMarks`](super::StreamMarks) holds is *claimed*: its marks prove how
@@ -69,7 +72,11 @@ impl MappedWords {
             .ok_or_else(|| {
                 DriverError::invalid("MappedWords::new", format!("cannot allocate {len} words"))
             })?;
-        let allocation = HostAllocation::new(context, bytes, HostAllocFlags::PORTABLE_MAPPED)?;
+        // A retired page of the same size, which no queued write can reach any more, first.
+        let allocation = match super::host_retirement::take_spare(context, bytes) {
+            Some(page) => page,
+            None => HostAllocation::new(context, bytes, HostAllocFlags::PORTABLE_MAPPED)?,
+        };
         let device_base = allocation.device_ptr()?;
         let words = Self {
             allocation: ManuallyDrop::new(allocation),
@@ -235,11 +242,11 @@ impl Drop for MappedWords {
         // after this take.
         let allocation = unsafe { ManuallyDrop::take(&mut self.allocation) };
         if *self.written.get_mut() {
-            // Writes may still be queued into it: freed once its context has finished them,
-            // on the retirement thread, so this drop waits for nothing.
+            // Writes may still be queued into it: reused or freed once its context has
+            // finished them, by the retirement thread, so this drop waits for nothing.
             super::host_retirement::retire(allocation);
         } else {
-            drop(allocation);
+            super::host_retirement::keep_spare(allocation);
         }
     }
 }

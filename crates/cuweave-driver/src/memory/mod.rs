@@ -28,7 +28,7 @@ pub use copy::{
 };
 pub use device_alloc::{DeviceAllocation, alloc_async, free_async};
 pub use host::{HostAllocFlags, HostAllocation, HostRegistration};
-pub use host_retirement::host_allocations_awaiting_free;
+pub use host_retirement::{MOST_SPARE_WORD_BYTES, host_allocations_awaiting_free};
 pub use managed::{
     Advice, ManagedAllocation, MemLocation, PrefetchRange, advise, prefetch_async,
     prefetch_batch_async, range_accessed_by, range_attribute, range_last_prefetch_location,
