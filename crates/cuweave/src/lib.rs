@@ -82,36 +82,38 @@ pub use cuweave_transfer as transfer;
 pub mod prelude {
     #[cfg(feature = "collective")]
     pub use cuweave_collective::{
-        CollectiveError, CommConfig, Communicator, CoordinatedCollectives, Group, NcclType,
-        ReduceOp, UniqueId,
+        CollectiveError, CollectiveFuture, CommConfig, Communicator, CoordinatedCollectives, Group,
+        NcclType, ReduceOp, UniqueId,
     };
     #[cfg(feature = "driver")]
     pub use cuweave_driver::{
-        Context, Device, DriverError, Event, EventFlags, EventPool, OwnedPooledEvent, PooledEvent,
-        Stream, StreamFlags,
+        CaptureMode, Context, Device, DriverError, Event, EventFlags, EventPool, Graph, GraphExec,
+        InstantiateOptions, Kernel, KernelArgs, LaunchConfig, Module, OwnedPooledEvent,
+        PooledEvent, Stream, StreamFlags,
     };
     #[cfg(feature = "event")]
     pub use cuweave_event::{
         AsyncEventWaiter, CrossStreamBarrier, EventError, EventPriority, OperationCoordinator,
-        OperationType, WaitFuture, WakeMechanism,
+        OperationId, OperationType, WaitFuture, WakeMechanism,
     };
     #[cfg(feature = "memory")]
     pub use cuweave_memory::{
         Buffer, CachedAllocation, CachingAllocator, DeviceBuffer, Element, MemAdvice, MemLocation,
-        MemoryError, MemoryStats, MigrationPolicy, PinnedBuffer, PinnedPool, PrefetchPlan,
-        UnifiedBuffer,
+        MemoryError, MemoryStats, MigrationPolicy, PendingCopy, PinnedBuffer, PinnedPool,
+        PrefetchPlan, TrackedLaunch, UnifiedBuffer,
     };
     #[cfg(feature = "stream")]
     pub use cuweave_stream::{
-        AllocationStrategy, MultiStreamCoordinator, PriorityStream, StreamError, StreamMetrics,
-        StreamOrderedAllocator, StreamPool, StreamPoolConfig, StreamPriority, StreamProfiler,
-        WorkloadType,
+        AllocationStrategy, CaptureOptions, MultiStreamCoordinator, OperationKind, PriorityStream,
+        StreamCapture, StreamError, StreamMetrics, StreamOrderedAllocator, StreamPool,
+        StreamPoolConfig, StreamPriority, StreamProfiler, WorkloadType,
     };
     #[cfg(feature = "transfer")]
     pub use cuweave_transfer::{
-        CalibrationTable, Destination, Location, Plan, RegisteredHost, RegistrationAdvice, Source,
-        StagingConfig, TransferDirection, TransferError, TransferManager, TransferMethod,
-        TransferReport,
+        AsyncTransfer, CalibrationTable, Destination, Location, OwnedTransfer, Plan,
+        RegisteredHost, RegistrationAdvice, Source, StagingConfig, TransferDirection,
+        TransferError, TransferManager, TransferMethod, TransferPath, TransferReport,
+        TransferStats,
     };
 }
 
