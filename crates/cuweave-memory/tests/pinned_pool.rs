@@ -660,3 +660,52 @@ fn cold_blocks_rotate_through_the_pool_and_carry_downloads_byte_for_byte() {
         "trim unpins the rotation"
     );
 }
+
+// A data loader pins each batch (`PinnedBuffer::from_slice`, PyTorch's `pin_memory`), uploads
+// it, and drops it, while a long kernel of another request runs: the drop must not wait for
+// that kernel (`cuMemFreeHost` would, holding the driver's lock so that the next launch waits
+// too). The buffers come from the context's default pool, whose blocks are reused.
+#[test]
+fn temporary_pinned_buffers_never_wait_for_an_unrelated_kernel_and_reuse_the_default_pool() {
+    use cuweave_memory::buffer::{Buffer, DeviceBuffer, PinnedBuffer};
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let context = &gpu.context;
+    let (kernels, mine) = warmed_up(context);
+    let busy = Stream::new(context, StreamFlags::NON_BLOCKING).unwrap();
+    let mut device = DeviceBuffer::<u32>::zeroed(context, 16 * KIB).unwrap();
+    let pool = PinnedPool::default_for(context);
+    // One batch first, so the loop below finds its size class cached.
+    drop(PinnedBuffer::<u32>::new(context, 16 * KIB).unwrap());
+    let hits_before = pool.stats().hits;
+    kernels.spin_ns(&busy, 400 * MS).unwrap();
+    let started = std::time::Instant::now();
+    for batch in 0..64u32 {
+        let data: Vec<u32> = (0..16 * KIB as u32).map(|i| i ^ batch).collect();
+        let pinned = PinnedBuffer::from_slice(context, &data).unwrap();
+        let pinned = device
+            .copy_from_host_async(pinned, &mine)
+            .unwrap()
+            .wait()
+            .unwrap();
+        drop(pinned);
+        kernels.spin_ns(&mine, 0).unwrap();
+        if batch % 16 == 0 {
+            assert_eq!(device.to_vec().unwrap(), data, "batch {batch}");
+        }
+    }
+    let took = started.elapsed();
+    assert!(
+        !busy.query().unwrap(),
+        "the unrelated kernel ended first: the loop took {took:?}"
+    );
+    assert!(
+        took < std::time::Duration::from_millis(300),
+        "64 batches took {took:?}"
+    );
+    assert!(pool.stats().hits >= hits_before + 64, "{:?}", pool.stats());
+    busy.synchronize().unwrap();
+    // A fresh buffer is zeroed whatever its block last held.
+    let fresh = PinnedBuffer::<u32>::new(context, 16 * KIB).unwrap();
+    assert!(fresh.as_slice().unwrap().iter().all(|&x| x == 0));
+}

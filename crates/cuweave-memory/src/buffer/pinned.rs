@@ -15,7 +15,12 @@ use crate::error::{MemoryError, Result};
 use crate::pinned_pool::{PinnedBlock, PinnedPool};
 
 /// `len` elements of `T` in page-locked (pinned) host memory, mapped into the device's address
-/// space, freed when dropped (after every queued use of it has finished).
+/// space: a block of the context's process-wide pinned pool ([`new`](Self::new)), of another
+/// pool ([`from_pool`](Self::from_pool)) or its own allocation
+/// ([`new_unpooled`](Self::new_unpooled)). Dropping a pool's buffer never waits: the block goes
+/// back to its pool, which hands it out again once every queued use of the buffer has
+/// finished. An own allocation is freed after those uses, waiting for them and, in
+/// `cuMemFreeHost`, for the whole device.
 ///
 /// Copies between pinned memory and the device run at full bus speed and truly asynchronously:
 /// pass a `PinnedBuffer` (owned or borrowed) as the host side of
@@ -28,7 +33,7 @@ use crate::pinned_pool::{PinnedBlock, PinnedPool};
 /// Once a stream capture has used the buffer, host access also waits for graph launches, which
 /// record no uses: it synchronises the context unless no graph was launched since its last such
 /// wait (refused with `GraphError::Capturing` while a capture is active; see docs/graphs.md).
-/// Pinning is slow (tens of milliseconds for 64 MiB): keep pinned buffers, or use the pool.
+/// Pinning is slow (tens of milliseconds for 64 MiB): the pools pin a size class once and reuse it.
 ///
 /// ```no_run
 /// use cuweave_driver::{Context, Device};
@@ -87,14 +92,38 @@ impl HostMemory {
 }
 
 impl<T: Element> PinnedBuffer<T> {
-    /// Allocates `len` elements of pinned host memory, set to zero (host memory may be read as
-    /// a slice, so it is never handed out uninitialized).
+    /// `len` elements of pinned host memory, set to zero (host memory may be read as a slice,
+    /// so it is never handed out uninitialized), from the context's process-wide pinned pool
+    /// ([`PinnedPool::default_for`]), as PyTorch's `pin_memory` takes its memory from its
+    /// caching host allocator: no pinning when the pool has a block of the size class cached,
+    /// and dropping returns the block to the pool without waiting (reused once the buffer's
+    /// queued uses have finished). Giving pinned memory back to the driver would wait for the
+    /// whole device and hold the driver's lock meanwhile, so a temporary buffer's drop, and
+    /// launches on other threads, would wait for unrelated kernels; for memory of exactly
+    /// `len` elements, pinned for this buffer alone, see [`new_unpooled`](Self::new_unpooled).
+    ///
+    /// # Errors
+    /// `ZeroLength` for `len == 0`, `Misaligned` on overflow or when `T` needs more than page
+    /// alignment, the driver's error when pinning fails.
+    pub fn new(context: &Arc<Context>, len: usize) -> Result<Self> {
+        const OPERATION: &str = "PinnedBuffer::new";
+        let pool = PinnedPool::default_for(context);
+        let bytes = allocation_bytes::<T>(OPERATION, len)?;
+        let mut block = pool.get(bytes)?;
+        block.as_mut_slice()[..bytes].fill(0);
+        Self::from_block(&pool, block, len, OPERATION)
+    }
+
+    /// `len` elements of pinned host memory of this buffer's own (`cuMemHostAlloc`), set to
+    /// zero, freed when the buffer drops: no pool, no rounding up to a size class. The free
+    /// (`cuMemFreeHost`) waits for the whole device, work on every stream, and holds the
+    /// driver's lock meanwhile: keep such a buffer for long, or use [`new`](Self::new).
     ///
     /// # Errors
     /// `ZeroLength` for `len == 0`, `Misaligned` on overflow, the driver's error when pinning
     /// fails.
-    pub fn new(context: &Arc<Context>, len: usize) -> Result<Self> {
-        let bytes = allocation_bytes::<T>("PinnedBuffer::new", len)?;
+    pub fn new_unpooled(context: &Arc<Context>, len: usize) -> Result<Self> {
+        let bytes = allocation_bytes::<T>("PinnedBuffer::new_unpooled", len)?;
         let mut allocation = HostAllocation::new(context, bytes, HostAllocFlags::PORTABLE_MAPPED)?;
         allocation.as_bytes_mut().fill(0);
         let device_ptr = allocation.device_ptr()?;
@@ -124,9 +153,20 @@ impl<T: Element> PinnedBuffer<T> {
         const OPERATION: &str = "PinnedBuffer::from_pool";
         let bytes = allocation_bytes::<T>(OPERATION, len)?;
         let block = pool.get(bytes)?;
+        Self::from_block(pool, block, len, OPERATION)
+    }
+
+    /// A buffer of `len` elements over `block`, a block of `pool` at least that long.
+    fn from_block(
+        pool: &PinnedPool,
+        block: PinnedBlock,
+        len: usize,
+        operation: &'static str,
+    ) -> Result<Self> {
+        let bytes = len * size_of::<T>();
         if !(block.as_slice().as_ptr() as usize).is_multiple_of(align_of::<T>()) {
             return Err(MemoryError::Misaligned {
-                operation: OPERATION,
+                operation,
                 bytes,
                 element_size: size_of::<T>(),
             });
@@ -141,7 +181,7 @@ impl<T: Element> PinnedBuffer<T> {
             return Err(cuweave_driver::DriverError::CapabilityMissing {
                 capability: "unified addressing (or a pool of mapped blocks)",
                 device: pool.context().device().ordinal(),
-                operation: OPERATION,
+                operation,
             }
             .into());
         };

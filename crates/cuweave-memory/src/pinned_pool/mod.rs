@@ -49,6 +49,7 @@
 mod block;
 mod cache;
 mod config;
+mod default;
 #[cfg(test)]
 mod graph_tests;
 mod pool;

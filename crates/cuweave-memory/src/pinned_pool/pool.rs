@@ -95,6 +95,14 @@ struct State {
 }
 
 impl PinnedPool {
+    /// The process-wide pool of `context`, made on first use: the one
+    /// [`PinnedBuffer::new`](crate::PinnedBuffer::new) takes its blocks from. Its blocks are
+    /// mapped; its cache is capped at [`PinnedPoolConfig::DEFAULT_MAX_CACHED_BYTES`];
+    /// [`cuweave_driver::empty_process_caches`] trims it.
+    pub fn default_for(context: &Arc<Context>) -> Self {
+        super::default::for_context(context)
+    }
+
     /// An empty pool pinning in `context`, with the default [`PinnedPoolConfig`].
     pub fn new(context: &Arc<Context>) -> Self {
         Self::with_config(context, PinnedPoolConfig::default())
