@@ -104,6 +104,13 @@ impl CachedAllocation {
     /// call is covered as well; the handle keeps `stream` alive until then. Recording the
     /// allocating stream, or a stream twice, does nothing.
     ///
+    /// The list stays bounded when a long-lived block is recorded on a new stream per request:
+    /// recording a stream not yet recorded first lets go of every recorded stream that nobody
+    /// else holds (this handle has its last `Arc`, so no more work can be queued on it) and
+    /// whose queued work has all finished (`cuStreamQuery`): no use of the memory on it is left
+    /// for the free to wait for. Streams held elsewhere are kept without a driver call. Nothing
+    /// is let go while a capture is active (a query would break it).
+    ///
     /// # Errors
     /// [`MemoryError::WrongDevice`](crate::MemoryError::WrongDevice) for a stream of another
     /// device.
@@ -134,6 +141,9 @@ impl CachedAllocation {
         check_stream(self.shard.shared.device, stream, OPERATION)?;
         let key = StreamKey::checked(stream, OPERATION)?;
         if key != self.stream && !self.uses.iter().any(|used| StreamKey::of(used) == key) {
+            if cuweave_driver::graph::active_captures() == 0 {
+                retire_finished_uses(&mut self.uses, |stream| matches!(stream.query(), Ok(true)));
+            }
             self.uses.push(Arc::clone(stream));
         }
         Ok(())
@@ -183,6 +193,35 @@ impl CachedAllocation {
                 engine.free_never_reuse(self.stream, self.id, self.ptr)?;
                 Err(error)
             }
+        }
+    }
+}
+
+/// Drops from `uses` the streams whose every use of the memory has finished: those of which
+/// `uses` holds the only `Arc` and whose queued work is done.
+///
+/// A stream that looks done is taken out of its last `Arc` ([`Arc::try_unwrap`]) and asked
+/// once more: between the first query and the unwrap another thread could have upgraded a
+/// `Weak` of it and queued work; after the unwrap nobody can. In that rare case it is kept, in
+/// a new `Arc` (it was nobody else's, so no other handle of it keeps the old identity).
+///
+/// `finished` says whether a stream's queued work is all done (`cuStreamQuery`; an error
+/// counts as not done).
+fn retire_finished_uses<S>(uses: &mut Vec<Arc<S>>, finished: impl Fn(&S) -> bool) {
+    let recorded = std::mem::take(uses);
+    uses.reserve(recorded.len() + 1);
+    for used in recorded {
+        if Arc::strong_count(&used) != 1 || !finished(&used) {
+            uses.push(used);
+            continue;
+        }
+        match Arc::try_unwrap(used) {
+            Ok(stream) => {
+                if !finished(&stream) {
+                    uses.push(Arc::new(stream));
+                }
+            }
+            Err(shared) => uses.push(shared),
         }
     }
 }
@@ -300,5 +339,92 @@ impl CachedBlock {
             return engine.free(self.stream, self.id, self.ptr);
         }
         engine.free_after(self.stream, self.id, self.ptr, markers.events)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Weak};
+
+    use super::retire_finished_uses;
+
+    /// A stand-in for a stream: its queued work is done when `done` is set.
+    #[derive(Debug)]
+    struct FakeStream {
+        name: u32,
+        done: AtomicBool,
+    }
+
+    impl FakeStream {
+        fn is_done(&self) -> bool {
+            self.done.load(Ordering::Relaxed)
+        }
+
+        fn finish(&self) {
+            self.done.store(true, Ordering::Relaxed);
+        }
+    }
+
+    fn stream(name: u32, done: bool) -> Arc<FakeStream> {
+        Arc::new(FakeStream {
+            name,
+            done: AtomicBool::new(done),
+        })
+    }
+
+    fn names(uses: &[Arc<FakeStream>]) -> Vec<u32> {
+        let mut names: Vec<u32> = uses.iter().map(|s| s.name).collect();
+        names.sort_unstable();
+        names
+    }
+
+    #[test]
+    fn only_finished_streams_nobody_else_holds_are_let_go() {
+        let held_elsewhere = stream(1, true);
+        let mut uses = vec![
+            Arc::clone(&held_elsewhere),
+            stream(2, true),
+            stream(3, false),
+            stream(4, true),
+        ];
+        let weak: Weak<FakeStream> = Arc::downgrade(&uses[1]);
+        retire_finished_uses(&mut uses, |s| s.is_done());
+        assert_eq!(names(&uses), vec![1, 3], "2 and 4 were done and only ours");
+        assert!(weak.upgrade().is_none(), "a let-go stream is dropped");
+        // Once the busy one finishes it goes too; the one held elsewhere stays.
+        uses.iter().for_each(|s| s.finish());
+        retire_finished_uses(&mut uses, |s| s.is_done());
+        assert_eq!(names(&uses), vec![1]);
+    }
+
+    #[test]
+    fn a_stream_that_gets_work_between_the_two_queries_is_kept() {
+        // The first query says done, the second (after the last Arc was taken) says busy: work
+        // was queued in between through a handle that has gone since.
+        let mut uses = vec![stream(7, true)];
+        let asked = Cell::new(0);
+        retire_finished_uses(&mut uses, |_| {
+            asked.set(asked.get() + 1);
+            asked.get() == 1
+        });
+        assert_eq!(names(&uses), vec![7]);
+        assert_eq!(asked.get(), 2);
+    }
+
+    #[test]
+    fn recording_a_new_stream_per_request_keeps_the_list_bounded() {
+        let mut uses = Vec::new();
+        let mut most = 0;
+        for request in 0..100_000 {
+            retire_finished_uses(&mut uses, |s: &FakeStream| s.is_done());
+            // The previous request's stream finished before this one began.
+            let new = stream(request, false);
+            uses.push(Arc::clone(&new));
+            new.finish();
+            most = most.max(uses.len());
+        }
+        assert!(most <= 2, "{most} streams recorded at once");
     }
 }

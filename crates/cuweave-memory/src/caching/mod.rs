@@ -31,7 +31,9 @@
 //!   while none are pending; a poll stops at each stream's first unfinished event, so it costs
 //!   one query per stream with frees waiting, not one per block), and the events then go back to
 //!   the pool. A typed buffer's drop
-//!   hands the events of its tracked uses to its block the same way.
+//!   hands the events of its tracked uses to its block the same way. Recording a new stream
+//!   first lets go of the recorded streams that nobody else holds and whose work has finished,
+//!   so a long-lived block recorded on a new stream per request keeps a bounded list.
 //! - **Out of memory.** When the upstream runs out, the allocator waits for its pending blocks,
 //!   returns every wholly free cached segment to the upstream, and retries once; then it fails
 //!   with [`MemoryError::OutOfMemory`](crate::MemoryError::OutOfMemory) carrying the request,
