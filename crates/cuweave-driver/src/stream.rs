@@ -2,8 +2,8 @@
 
 use std::ffi::c_void;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use crate::context::Context;
 use crate::device::Device;
@@ -101,7 +101,80 @@ pub struct Stream {
     /// on this stream: a join loop then reuses its events instead of making a pool and an
     /// event per call when nothing else holds the pool.
     join_events: std::sync::OnceLock<crate::EventPool>,
+    /// What the handle leaves behind when dropped, made only once someone asked
+    /// ([`end_watch`](Self::end_watch)): otherwise a drop records nothing.
+    end: OnceLock<Arc<StreamEnd>>,
 }
+
+/// What a [`Stream`] handle leaves behind when it is dropped, for a layer that keeps state per
+/// stream (the caching allocator's free lists) and must know when that state is nobody's and no
+/// queued work of the stream can still use it. Taken with [`Stream::end_watch`].
+///
+/// When a watched handle drops, an event of its context's [`EventPool`](crate::EventPool) is
+/// recorded behind all the work queued through it (`cuStreamDestroy` returns at once; that work
+/// finishes later), and [`ended_watched_streams`] counts one more. [`is_finished`](Self::is_finished)
+/// then says, without blocking, whether that work is done.
+#[derive(Debug, Default)]
+pub struct StreamEnd {
+    /// Set once, at the handle's drop: the event behind its last work, or `None` when none could
+    /// be recorded (the stream was capturing, or the driver refused): its end is then never
+    /// known finished.
+    ended: OnceLock<Option<crate::OwnedPooledEvent>>,
+}
+
+impl StreamEnd {
+    /// Whether the handle has been dropped (an atomic load).
+    #[inline]
+    pub fn is_dropped(&self) -> bool {
+        self.ended.get().is_some()
+    }
+
+    /// Whether the handle has been dropped and every piece of work queued through it before
+    /// has finished: one `cuEventQuery` once dropped, no driver call before. `false` for good
+    /// when no event could be recorded at the drop.
+    ///
+    /// # Errors
+    /// The driver's error from the query (a capture active in the process refuses it).
+    pub fn is_finished(&self) -> Result<bool> {
+        match self.ended.get() {
+            Some(Some(event)) => event.query(),
+            Some(None) | None => Ok(false),
+        }
+    }
+
+    /// Records the end of `stream`, whose handle is being dropped: an event behind its work,
+    /// unless it is capturing (the event would join the capture and could never be queried).
+    fn record(&self, stream: &Stream) {
+        let recorded = match stream.is_capturing() {
+            Ok(false) => crate::EventPool::for_context(stream.context())
+                .and_then(|pool| pool.acquire_owned(false))
+                .and_then(|event| event.record(stream).map(|()| event))
+                .map_err(|error| {
+                    tracing::warn!(%error, stream = stream.id(), "recording a dropped stream's end failed; its cached memory stays with it");
+                })
+                .ok(),
+            Ok(true) | Err(_) => None,
+        };
+        self.set(recorded);
+    }
+
+    /// Marks the handle dropped, with the event behind its last work if there is one.
+    fn set(&self, recorded: Option<crate::OwnedPooledEvent>) {
+        if self.ended.set(recorded).is_ok() {
+            ENDED_WATCHED_STREAMS.fetch_add(1, Ordering::Release);
+        }
+    }
+}
+
+/// How many watched stream handles ([`Stream::end_watch`]) have been dropped in this process so
+/// far: one atomic load, which lets a watcher skip looking at its streams while it is unchanged.
+/// Incremented after the dropped handle's [`StreamEnd`] is set.
+#[inline]
+pub fn ended_watched_streams() -> u64 {
+    ENDED_WATCHED_STREAMS.load(Ordering::Acquire)
+}
+
+static ENDED_WATCHED_STREAMS: AtomicU64 = AtomicU64::new(0);
 
 /// Source of [`Stream::id`]s: never reused within a process, unlike raw handles.
 static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(1);
@@ -143,6 +216,7 @@ impl Stream {
             owned: true,
             id: next_stream_id(),
             join_events: std::sync::OnceLock::new(),
+            end: OnceLock::new(),
         })
     }
 
@@ -175,6 +249,7 @@ impl Stream {
             owned: true,
             id: next_stream_id(),
             join_events: std::sync::OnceLock::new(),
+            end: OnceLock::new(),
         })
     }
 
@@ -191,6 +266,7 @@ impl Stream {
             owned,
             id: next_stream_id(),
             join_events: std::sync::OnceLock::new(),
+            end: OnceLock::new(),
         }
     }
 
@@ -210,6 +286,7 @@ impl Stream {
             owned: false,
             id: next_stream_id(),
             join_events: std::sync::OnceLock::new(),
+            end: OnceLock::new(),
         }
     }
 
@@ -223,6 +300,19 @@ impl Stream {
     /// Two handles made from the same raw stream with [`Stream::from_raw`] get different ids.
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// The [`StreamEnd`] of this handle, shared by everyone who asks: it says when the handle
+    /// has been dropped and when the work queued through it before has finished.
+    ///
+    /// Once asked for, dropping the handle costs one pooled event record more; a handle nobody
+    /// watched records nothing. For a context-relative handle ([`is_special_handle`]), whose
+    /// drop says nothing of the stream it names, the end is still recorded on the current
+    /// context's stream, but callers should not key state by such handles.
+    ///
+    /// [`is_special_handle`]: Self::is_special_handle
+    pub fn end_watch(&self) -> Arc<StreamEnd> {
+        Arc::clone(self.end.get_or_init(Arc::default))
     }
 
     /// The context this stream belongs to.
@@ -537,15 +627,25 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
+        let end = self.end.get().cloned();
         if !self.owned || self.raw.is_null() {
+            if let Some(end) = end {
+                end.record(self);
+            }
             return;
         }
         let Ok(api) = driver() else { return };
         if let Err(error) = self.context.bind_to_thread() {
             tracing::warn!(%error, "binding context to destroy a stream failed");
+            if let Some(end) = end {
+                end.set(None);
+            }
             return;
         }
         self.abandon_capture();
+        if let Some(end) = end {
+            end.record(self);
+        }
         // SAFETY: we created this stream and destroy it once; queued work still completes.
         if let Err(error) = unsafe { cu!(api.stream_destroy(self.raw)) } {
             tracing::warn!(%error, "destroying a stream failed");
@@ -556,6 +656,27 @@ impl Drop for Stream {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stream_end_is_dropped_once_set_and_finished_only_with_an_event() {
+        let end = StreamEnd::default();
+        assert!(!end.is_dropped());
+        assert!(!end.is_finished().unwrap());
+        let before = ended_watched_streams();
+        end.set(None);
+        assert!(end.is_dropped());
+        assert!(
+            !end.is_finished().unwrap(),
+            "no event recorded: never known finished"
+        );
+        assert!(ended_watched_streams() > before);
+        let counted = ended_watched_streams();
+        end.set(None);
+        assert!(
+            ended_watched_streams() >= counted,
+            "a second end is not counted (other tests may count theirs)"
+        );
+    }
 
     /// A context handle that is never used with the driver (only its raw value is compared).
     fn fake_context(raw: usize, ordinal: usize) -> Arc<Context> {
