@@ -7,7 +7,7 @@ use cuweave_driver::graph::active_captures;
 use cuweave_driver::{Context, Device, EventPool, Stream, StreamFlags};
 
 use super::allocation::CachedAllocation;
-use super::engine::{Engine, Release, SHARDS, Upstream};
+use super::engine::{Engine, Release, SHARDS, StreamEnd, Upstream};
 use super::graph_pool::{SegmentHome, retire_engine};
 use super::pool::{Grant, Segment};
 use super::stats::MemoryStats;
@@ -174,6 +174,30 @@ impl Release for RequestUpstream<'_> {
 impl Upstream for RequestUpstream<'_> {
     fn allocate_segment(&self, bytes: usize) -> Result<u64> {
         self.shared.upstream().allocate_owned(bytes, self.stream)
+    }
+
+    fn stream_end(&self) -> Option<Arc<dyn StreamEnd>> {
+        // A context-relative handle's drop says nothing of the stream it names (the legacy
+        // default stream's key is shared by all its handles).
+        if self.stream.is_special_handle() {
+            return None;
+        }
+        Some(self.stream.end_watch())
+    }
+
+    fn ended_streams(&self) -> u64 {
+        cuweave_driver::stream::ended_watched_streams()
+    }
+}
+
+impl StreamEnd for cuweave_driver::stream::StreamEnd {
+    fn dropped(&self) -> bool {
+        self.is_dropped()
+    }
+
+    fn finished(&self) -> bool {
+        // An error (a capture began meanwhile) counts as not yet: asked again at a later miss.
+        matches!(self.is_finished(), Ok(true))
     }
 }
 

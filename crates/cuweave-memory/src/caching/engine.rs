@@ -10,6 +10,7 @@
 //! released), which returns a pooled event to its context's pool; whoever records the next use
 //! takes one from there.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
@@ -33,6 +34,30 @@ pub(crate) trait Release {
 pub(crate) trait Upstream: Release {
     /// A new segment of `bytes` for the requesting stream.
     fn allocate_segment(&self, bytes: usize) -> Result<u64>;
+
+    /// The end of the requesting stream, which the engine watches while it has segments of
+    /// it (`engine_ends.rs`); `None` for a stream whose handle's drop says nothing (the legacy default
+    /// stream) or an upstream that cannot tell.
+    fn stream_end(&self) -> Option<Arc<dyn StreamEnd>> {
+        None
+    }
+
+    /// A count that changes whenever a watched stream's handle is dropped (the driver's
+    /// [`ended_watched_streams`](cuweave_driver::stream::ended_watched_streams)): while it
+    /// stays the same, a miss looks at none of its watched streams.
+    fn ended_streams(&self) -> u64 {
+        0
+    }
+}
+
+/// What the engine learns of a stream's end: the driver's
+/// [`StreamEnd`](cuweave_driver::stream::StreamEnd) in the allocator, a flag in the tests.
+pub(crate) trait StreamEnd: Send + Sync {
+    /// Whether the stream's handle has been dropped (no driver call).
+    fn dropped(&self) -> bool;
+    /// Whether it has been dropped and all the work queued through it has finished; never
+    /// blocks; `false` when that cannot be known.
+    fn finished(&self) -> bool;
 }
 
 /// How many shards the free lists are split into by default. A stream's blocks live in shard
@@ -85,6 +110,8 @@ pub(crate) struct Engine<E> {
     /// Free segments of dead graph pools seen by captures' misses, with the capture epoch read
     /// after each was first seen: a later capture may adopt one ([`Adoption`]).
     retired: Mutex<Vec<capture::Retired>>,
+    /// The streams this engine has segments of, watched for their end (`engine_ends.rs`).
+    ends: Mutex<ends::Ends>,
 }
 
 impl<E> Default for Engine<E> {
@@ -101,6 +128,7 @@ impl<E> Engine<E> {
             shards: (0..shards).map(|_| Shard::default()).collect(),
             totals: Mutex::default(),
             retired: Mutex::new(Vec::new()),
+            ends: Mutex::default(),
         }
     }
 
@@ -160,6 +188,9 @@ impl<E: Marker> Engine<E> {
         let Some(segment) = segment_size(rounded) else {
             return Err(self.out_of_memory(stream, rounded, None));
         };
+        if let Some(grant) = self.adopt_from_ended(stream, rounded, bytes, upstream) {
+            return Ok(grant);
+        }
         let first = match upstream.allocate_segment(segment) {
             Ok(ptr) => return Ok(self.add_segment(stream, ptr, segment, rounded, bytes)),
             Err(error) if error.is_out_of_memory() => error,
@@ -439,6 +470,8 @@ impl<E: Marker> Engine<E> {
 
 #[path = "engine_capture.rs"]
 mod capture;
+#[path = "engine_ends.rs"]
+mod ends;
 pub(crate) use capture::Adoption;
 
 #[cfg(test)]

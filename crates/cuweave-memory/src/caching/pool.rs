@@ -151,6 +151,19 @@ impl Pools {
         self.carve(id, rounded, requested)
     }
 
+    /// Adopts for `stream`, as a free block of its `pool` lists, a whole segment taken off
+    /// another key ([`take_segments_to_move`](Self::take_segments_to_move)): for when every use
+    /// of it is known finished, so any stream may carve it.
+    pub fn adopt_free_segment(&mut self, stream: StreamKey, segment: Segment, pool: PoolKind) {
+        let id = self.insert_segment(stream, segment.ptr, segment.size, pool);
+        self.insert_free(id);
+    }
+
+    /// Whether any block (free or not) of a segment of `stream` is left.
+    pub fn has_segments(&self, stream: StreamKey) -> bool {
+        self.arena.iter().any(|(_, block)| block.stream == stream)
+    }
+
     /// The free whole segments (parked blocks merged first) of the stream keys `pick` accepts,
     /// left in place, with their pool kinds.
     pub fn whole_free_segments(
@@ -343,8 +356,22 @@ impl Pools {
         self.take_whole_segments(|stream| !super::graph_pool::is_retained(stream))
     }
 
-    /// Takes every free whole segment of a stream key `take` accepts out of the pools.
+    /// Takes every free whole segment of a stream key `take` accepts out of the pools, to be
+    /// returned to the upstream (counted as released).
     pub fn take_whole_segments(&mut self, take: impl Fn(StreamKey) -> bool) -> Vec<Segment> {
+        let taken = self.take_whole(take);
+        self.stats.segments_released += taken.len() as u64;
+        taken.into_iter().map(|(segment, _)| segment).collect()
+    }
+
+    /// Takes every free whole segment of `stream` out of the pools, with its pool kind, to be
+    /// adopted by another key ([`adopt_free_segment`](Self::adopt_free_segment)); not counted
+    /// as released: they stay reserved.
+    pub fn take_segments_to_move(&mut self, stream: StreamKey) -> Vec<(Segment, PoolKind)> {
+        self.take_whole(|key| key == stream)
+    }
+
+    fn take_whole(&mut self, take: impl Fn(StreamKey) -> bool) -> Vec<(Segment, PoolKind)> {
         self.flush_stash();
         let whole: Vec<BlockId> = self
             .arena
@@ -363,12 +390,12 @@ impl Pools {
             }
             self.stats.reserved_bytes.sub(block.size);
             self.stats.segments.sub(1);
-            self.stats.segments_released += 1;
-            segments.push(Segment {
+            let segment = Segment {
                 ptr: block.ptr,
                 size: block.size,
                 stream: block.stream,
-            });
+            };
+            segments.push((segment, block.pool));
         }
         segments
     }
