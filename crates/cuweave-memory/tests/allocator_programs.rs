@@ -584,8 +584,10 @@ fn eight_threads_through_a_composed_resource_stack_reconcile_exactly() {
 /// A buffer moved to another thread and dropped there while its stream still has its fill and
 /// a copy out of it queued behind a slow kernel: the drop returns at once, the copy reads the
 /// fill, and the next buffer on that stream does not overwrite it first. A buffer whose stream
-/// the program dropped first still reads back, is freed, and its memory (cached for a stream
-/// that no longer exists) is never handed to a new stream, and goes back with `empty_cache`.
+/// the program dropped first still reads back and is freed; its memory (cached for a stream that
+/// no longer exists) is not handed to another stream while the dead stream's work still runs,
+/// is adopted by the next miss of a live stream once it has finished (the reserve does not
+/// grow), and goes back with `empty_cache`.
 #[test]
 fn buffers_dropped_on_another_thread_under_queued_work_or_after_their_stream_stay_correct() {
     let gpu = require_gpu!();
@@ -633,15 +635,46 @@ fn buffers_dropped_on_another_thread_under_queued_work_or_after_their_stream_sta
     assert!(y.to_vec().expect("y").iter().all(|&v| v == 0x5EED));
     drop(y);
     assert_eq!(allocator.stats().allocated_bytes.current, 0);
+
+    // `gone`'s work has finished: the next miss of a live stream adopts its free block.
+    context.synchronize().expect("sync");
+    let dying = stream(context);
+    let mut w = allocator.buffer::<u32>(N, &dying).expect("w");
+    let w_ptr = w.device_ptr();
+    assert_eq!(
+        w_ptr, y_ptr,
+        "a finished dead stream's free block was not adopted"
+    );
+    // A dead stream's block freed under its still running work: not another stream's yet.
+    kernels.spin_ns(&dying, 300_000_000).expect("slow");
+    w.fill_async(0xD1E, &dying).expect("fill w");
+    drop(dying);
+    drop(w);
     let fresh = stream(context);
-    let misses = allocator.stats().cache_misses;
     let z = allocator.buffer::<u32>(N, &fresh).expect("z");
     assert_ne!(
         z.device_ptr(),
-        y_ptr,
-        "a new stream got a dead stream's block"
+        w_ptr,
+        "a new stream got a dead stream's block under its running work"
     );
-    assert_eq!(allocator.stats().cache_misses, misses + 1);
+    assert_ne!(
+        allocator.stats().allocated_bytes.current,
+        0,
+        "z is allocated"
+    );
+    // Once the dead streams' work has finished, a live stream's miss adopts their free
+    // segments instead of growing the reserve.
+    context.synchronize().expect("sync");
+    let reserved = allocator.stats().reserved_bytes.current;
+    let other = stream(context);
+    let v = allocator.buffer::<u32>(N, &other).expect("v");
+    assert_eq!(
+        v.device_ptr(),
+        w_ptr,
+        "a finished dead stream's free block was not adopted"
+    );
+    assert_eq!(allocator.stats().reserved_bytes.current, reserved);
+    drop(v);
     drop(z);
     context.synchronize().expect("sync");
     allocator.empty_cache().expect("empty_cache");
