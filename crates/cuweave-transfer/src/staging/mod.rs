@@ -614,11 +614,7 @@ enum Ramp {
 /// The element ranges a pipelined copy of `total` elements is cut into: chunks of `chunk`,
 /// except that when there is more than one chunk per participant, `participants` of them (at
 /// the `ramp` end) are cut to a quarter, so the pipeline fills (or drains) four times faster.
-/// `CUWEAVE_STAGING_NO_RAMP` turns the short chunks off (for measuring). With at most one chunk
-/// per participant, the chunks are cut about equal instead (multiples of `chunk / 64`, so
-/// power-of-two chunks keep their alignment): each participant copies its own chunk at the
-/// same time, so the copy ends with the longest, and 384 KiB in 256 KiB chunks on two
-/// participants ends a 192 KiB copy sooner than a 256 KiB one.
+/// `CUWEAVE_STAGING_NO_RAMP` turns the short chunks off (for measuring).
 fn chunk_ranges(
     total: usize,
     chunk: usize,
@@ -634,13 +630,6 @@ fn chunk_ranges(
     };
     let mut lengths = vec![short; ramped];
     let mut left = total - ramped * short;
-    let chunks = total.div_ceil(chunk);
-    let chunk = if ramped == 0 && (2..=participants).contains(&chunks) {
-        let align = (chunk / 64).max(1);
-        total.div_ceil(chunks).next_multiple_of(align).min(chunk)
-    } else {
-        chunk
-    };
     while left > 0 {
         let len = chunk.min(left);
         lengths.push(len);
@@ -978,28 +967,6 @@ mod tests {
             } else if !waves {
                 assert_eq!(ranges.len(), total.div_ceil(chunk));
             }
-        }
-    }
-
-    #[rstest::rstest]
-    #[case::two_thirds_of_a_second_chunk(384 << 10, 256 << 10, 2, &[192 << 10, 192 << 10])]
-    #[case::four_participants(3_158_073, 1 << 20, 4, &[802_816, 802_816, 802_816, 749_625])]
-    #[case::one_chunk(100, 256, 4, &[100])]
-    #[case::exactly_two(512, 256, 2, &[256, 256])]
-    fn at_most_one_chunk_per_participant_is_cut_about_equal(
-        #[case] total: usize,
-        #[case] chunk: usize,
-        #[case] participants: usize,
-        #[case] lengths: &[usize],
-    ) {
-        for ramp in [Ramp::First, Ramp::Last] {
-            let ranges = chunk_ranges(total, chunk, participants, ramp);
-            let got: Vec<usize> = ranges.iter().map(std::ops::Range::len).collect();
-            let mut want = lengths.to_vec();
-            if ramp == Ramp::Last {
-                want.reverse();
-            }
-            assert_eq!(got, want, "{ramp:?}");
         }
     }
 
