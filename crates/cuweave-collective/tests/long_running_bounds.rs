@@ -18,14 +18,6 @@ use std::time::{Duration, Instant};
 use cuweave_collective::{CommConfig, ReduceOp};
 use cuweave_memory::{Buffer, DeviceBuffer};
 
-/// The threads of this process.
-#[cfg(target_os = "linux")]
-fn process_threads() -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .expect("/proc/self/task")
-        .count()
-}
-
 /// Structure: a communicator's NCCL resources (proxy threads, device buffers) behind
 /// `CommInner`, released by its `Drop`. Loop: a job makes a 1-rank communicator, all-reduces a
 /// buffer in place on a new stream, checks it, and drops the communicator; at least 12 rounds,
@@ -60,7 +52,7 @@ fn a_communicator_per_job_releases_its_threads_and_device_memory() {
         rounds += 1;
         if rounds == WARMUP {
             baseline = Some((
-                process_threads(),
+                cuweave_test_support::process_threads(),
                 gpu.context.memory_info().expect("memory info").free,
             ));
         }
@@ -68,10 +60,11 @@ fn a_communicator_per_job_releases_its_threads_and_device_memory() {
     let (threads_before, free_before) = baseline.expect("warmed up");
     // NCCL's proxy threads may take a moment to go after the destroy.
     let deadline = Instant::now() + Duration::from_secs(5);
-    while process_threads() > threads_before + 2 && Instant::now() < deadline {
+    while cuweave_test_support::process_threads() > threads_before + 2 && Instant::now() < deadline
+    {
         std::thread::sleep(Duration::from_millis(10));
     }
-    let threads_after = process_threads();
+    let threads_after = cuweave_test_support::process_threads();
     let free_after = gpu.context.memory_info().expect("memory info").free;
     assert!(
         threads_after <= threads_before + 2,

@@ -20,22 +20,14 @@ use cuweave_event::{
 };
 use cuweave_test_support::{require_gpu, serial};
 
-/// The threads of this process.
-#[cfg(target_os = "linux")]
-fn process_threads() -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .expect("/proc/self/task")
-        .count()
-}
-
 /// Waits up to `limit` for the thread count to come back to `at_most`; the count then.
 #[cfg(target_os = "linux")]
 fn threads_settle(at_most: usize, limit: Duration) -> usize {
     let deadline = Instant::now() + limit;
-    while process_threads() > at_most && Instant::now() < deadline {
+    while cuweave_test_support::process_threads() > at_most && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
     }
-    process_threads()
+    cuweave_test_support::process_threads()
 }
 
 /// Structure: each `OperationCoordinator::new` makes an `AsyncEventWaiter` whose reactor thread
@@ -52,7 +44,7 @@ fn a_coordinator_per_request_leaves_no_reactor_thread_and_no_event_behind() {
     let _serial = serial();
     const REQUESTS: usize = 600;
     let pool = EventPool::new(&gpu.context, 4, 0).expect("pool");
-    let before = process_threads();
+    let before = cuweave_test_support::process_threads();
     let mut most = before;
     for request in 0..REQUESTS {
         let coordinator = OperationCoordinator::new(pool.clone()).expect("coordinator");
@@ -89,7 +81,7 @@ fn a_coordinator_per_request_leaves_no_reactor_thread_and_no_event_behind() {
             drop(coordinator);
         }
         if request % 50 == 0 {
-            most = most.max(process_threads());
+            most = most.max(cuweave_test_support::process_threads());
         }
     }
     let after = threads_settle(before + 4, Duration::from_secs(10));

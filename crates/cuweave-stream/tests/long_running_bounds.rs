@@ -18,14 +18,6 @@ use cuweave_test_support::{require_gpu, serial};
 
 const REQUESTS: usize = 2000;
 
-/// The threads of this process.
-#[cfg(target_os = "linux")]
-fn process_threads() -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .expect("/proc/self/task")
-        .count()
-}
-
 /// Structure: one callback worker thread per `PriorityStream` (`stream/callback.rs`,
 /// `CallbackWorker`), started by the stream's first callback and ended once the stream and its
 /// queued relays are gone. Loop: a request makes its own stream, queues one callback, waits for
@@ -44,7 +36,7 @@ fn a_callback_on_a_new_stream_per_request_leaves_no_worker_thread_behind() {
     warm.synchronize().expect("sync");
     drop(warm);
     std::thread::sleep(Duration::from_millis(50));
-    let before = process_threads();
+    let before = cuweave_test_support::process_threads();
     let mut most = before;
     for request in 0..REQUESTS {
         let stream = PriorityStream::new(&gpu.context, StreamPriority::Normal).expect("stream");
@@ -57,12 +49,12 @@ fn a_callback_on_a_new_stream_per_request_leaves_no_worker_thread_behind() {
         stream.synchronize().expect("sync");
         drop(stream);
         if request % 100 == 0 {
-            most = most.max(process_threads());
+            most = most.max(cuweave_test_support::process_threads());
         }
     }
     // The worker ends on its own thread once its channel closes: give the last ones a moment.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while process_threads() > before + 4 && Instant::now() < deadline {
+    while cuweave_test_support::process_threads() > before + 4 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
     }
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -74,7 +66,7 @@ fn a_callback_on_a_new_stream_per_request_leaves_no_worker_thread_behind() {
         REQUESTS,
         "every callback ran once"
     );
-    let after = process_threads();
+    let after = cuweave_test_support::process_threads();
     assert!(
         after <= before + 4,
         "{before} threads before {REQUESTS} requests, {after} after (most seen {most}): \

@@ -322,12 +322,6 @@ fn host_callbacks_are_refused_on_a_capturing_stream_and_their_closures_dropped()
     assert_eq!(Arc::strong_count(&token), 1);
 }
 
-/// The threads of this process (`/proc/self/task`).
-#[cfg(target_os = "linux")]
-fn process_threads() -> usize {
-    std::fs::read_dir("/proc/self/task").unwrap().count()
-}
-
 #[test]
 #[cfg(target_os = "linux")]
 fn a_callback_on_a_stream_captured_outside_cuweave_is_refused_before_its_worker_starts() {
@@ -344,9 +338,9 @@ fn a_callback_on_a_stream_captured_outside_cuweave_is_refused_before_its_worker_
     // A capture cuweave does not count: begun with the driver's own call.
     let ((refused, threads, threads_after), graph) =
         capture_outside_cuweave(&gpu.context, &stream, || {
-            let threads = process_threads();
+            let threads = cuweave_test_support::process_threads();
             let refused = stream.add_callback(move || drop(held));
-            (refused, threads, process_threads())
+            (refused, threads, cuweave_test_support::process_threads())
         });
 
     assert_capture_refusal(refused);

@@ -237,6 +237,12 @@ pub fn resident_bytes() -> u64 {
         .map_or(0, |kib: u64| kib * 1024)
 }
 
+/// The threads of this process (`/proc/self/task`; 0 where there is no procfs), for tests that
+/// check that what a long loop starts comes back down.
+pub fn process_threads() -> usize {
+    std::fs::read_dir("/proc/self/task").map_or(0, Iterator::count)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,14 +16,6 @@ use cuweave_transfer::{MAX_IDLE_LANES, SizeClass, TransferManager, TransferPath}
 
 const MIB: usize = 1 << 20;
 
-/// The threads of this process.
-#[cfg(target_os = "linux")]
-fn process_threads() -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .expect("/proc/self/task")
-        .count()
-}
-
 /// Structure: a manager's per-device state (`device_state.rs`, `DeviceSlot` / `DeviceState`:
 /// pinned staging pool, a page of completion words, a page of mark words, idle lanes of
 /// streams), made on a manager's first transfer to a device and owned by the manager. Loop: 300
@@ -56,11 +48,11 @@ fn a_transfer_manager_per_request_releases_what_it_opened() {
             baseline = Some((
                 gpu.context.memory_info().expect("memory info").free,
                 resident_bytes(),
-                process_threads(),
+                cuweave_test_support::process_threads(),
             ));
         }
         if request > WARMUP && request % 20 == 0 {
-            most_threads = most_threads.max(process_threads());
+            most_threads = most_threads.max(cuweave_test_support::process_threads());
         }
     }
     let (free_before, resident_before, threads_before) = baseline.expect("warmed up");
@@ -109,7 +101,7 @@ fn one_manager_used_from_a_new_thread_per_request_stays_bounded() {
             .expect("warm-up upload");
     }
     manager.stats().reset();
-    let threads_before = process_threads();
+    let threads_before = cuweave_test_support::process_threads();
     let mut most_idle = 0;
     for round in 0..REQUESTS / AT_ONCE {
         std::thread::scope(|scope| {
@@ -154,7 +146,7 @@ fn one_manager_used_from_a_new_thread_per_request_stays_bounded() {
         2,
         "one entry per path and class used"
     );
-    let threads_after = process_threads();
+    let threads_after = cuweave_test_support::process_threads();
     assert!(
         threads_after <= threads_before + 4,
         "{threads_before} threads before, {threads_after} after {REQUESTS} request threads"
