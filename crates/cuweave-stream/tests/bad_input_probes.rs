@@ -114,7 +114,6 @@ fn op(start_ns: u64, duration_ns: u64) -> ProfiledOperation {
 // (profiler/report.rs:33) and the sums of durations and bytes (report.rs:120, 127-128, 144) are
 // plain `+`/`sum()`, which overflow (a panic in debug builds, a wrapped nonsense in release).
 #[test]
-#[ignore = "BUG: ProfileReport::from_operations overflows on extreme times (profiler/report.rs:33 end_ns, :120 per-name total, :127-128 and :144 sums); run with --ignored once fixed"]
 fn a_report_of_operations_with_extreme_times_does_not_overflow() {
     let json = serde_json::to_string(&[op(u64::MAX - 1, 10), op(0, u64::MAX)]).unwrap();
     let operations: Vec<ProfiledOperation> = serde_json::from_str(&json).unwrap();
@@ -158,7 +157,6 @@ fn priority_mapping_with_a_one_value_range_is_consistent() {
 // min > max; extreme ranges overflow `greatest + least` (priority.rs:33) and the
 // distance `to_driver(range) - priority` (priority.rs:44).
 #[test]
-#[ignore = "BUG: StreamPriority::from_driver / to_driver panic on a swapped or extreme StreamPriorityRange (priority.rs:33, :42-44; context.rs:59); run with --ignored once fixed"]
 fn priority_mapping_with_a_swapped_or_extreme_range_does_not_panic() {
     let swapped = StreamPriorityRange {
         least: -5,

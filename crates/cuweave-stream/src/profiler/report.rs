@@ -27,9 +27,10 @@ pub struct ProfiledOperation {
 }
 
 impl ProfiledOperation {
-    /// GPU end, nanoseconds after the base event.
+    /// GPU end, nanoseconds after the base event (saturating: a record loaded from a file may
+    /// hold any figures).
     pub fn end_ns(&self) -> u64 {
-        self.start_ns + self.duration_ns
+        self.start_ns.saturating_add(self.duration_ns)
     }
 }
 
@@ -117,7 +118,7 @@ impl ProfileReport {
                 for op in &ops {
                     let entry = names.entry(op.name.as_str()).or_default();
                     entry.0 += 1;
-                    entry.1 += op.duration_ns;
+                    entry.1 = entry.1.saturating_add(op.duration_ns);
                 }
                 StreamReport {
                     stream,
@@ -126,8 +127,8 @@ impl ProfileReport {
                     copies: count(&ops, OperationKind::Copy),
                     kernel_launches: count(&ops, OperationKind::KernelLaunch),
                     graph_launches: count(&ops, OperationKind::GraphLaunch),
-                    bytes: ops.iter().map(|op| op.bytes).sum(),
-                    gpu_time_ns: ops.iter().map(|op| op.duration_ns).sum(),
+                    bytes: saturating_sum(ops.iter().map(|op| op.bytes)),
+                    gpu_time_ns: saturating_sum(ops.iter().map(|op| op.duration_ns)),
                     span_ns: span(ops.iter().copied()),
                     by_name: names
                         .into_iter()
@@ -141,7 +142,7 @@ impl ProfileReport {
             })
             .collect::<Vec<_>>();
         let all: Vec<&ProfiledOperation> = operations.iter().collect();
-        let gpu_time_ns = all.iter().map(|op| op.duration_ns).sum();
+        let gpu_time_ns = saturating_sum(all.iter().map(|op| op.duration_ns));
         let busy_ns = union_length(all.iter().map(|op| (op.start_ns, op.end_ns())));
         let combined = CombinedReport {
             streams: streams.len(),
@@ -149,7 +150,7 @@ impl ProfileReport {
             copies: count(&all, OperationKind::Copy),
             kernel_launches: count(&all, OperationKind::KernelLaunch),
             graph_launches: count(&all, OperationKind::GraphLaunch),
-            bytes: all.iter().map(|op| op.bytes).sum(),
+            bytes: saturating_sum(all.iter().map(|op| op.bytes)),
             gpu_time_ns,
             busy_ns,
             overlap_ns: gpu_time_ns.saturating_sub(busy_ns),
@@ -157,6 +158,11 @@ impl ProfileReport {
         };
         Self { streams, combined }
     }
+}
+
+/// The sum of `values`, at most `u64::MAX`: reports are also made of records loaded from files.
+fn saturating_sum(values: impl Iterator<Item = u64>) -> u64 {
+    values.fold(0, u64::saturating_add)
 }
 
 fn count(ops: &[&ProfiledOperation], kind: OperationKind) -> u64 {
@@ -183,13 +189,13 @@ pub(crate) fn union_length(intervals: impl Iterator<Item = (u64, u64)>) -> u64 {
         current = match current {
             Some((s, e)) if start <= e => Some((s, e.max(end))),
             Some((s, e)) => {
-                total += e - s;
+                total = u64::saturating_add(total, e - s);
                 Some((start, end))
             }
             None => Some((start, end)),
         };
     }
-    total + current.map_or(0, |(s, e)| e - s)
+    total.saturating_add(current.map_or(0, |(s, e)| e - s))
 }
 
 fn ms(ns: u64) -> f64 {
