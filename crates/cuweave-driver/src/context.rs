@@ -49,14 +49,22 @@ pub struct StreamPriorityRange {
 }
 
 impl StreamPriorityRange {
-    /// Whether `priority` lies inside the range.
+    /// Whether `priority` lies inside the range (either way round: a range built by hand with
+    /// its ends swapped means the same integers).
     pub fn contains(&self, priority: i32) -> bool {
-        (self.greatest..=self.least).contains(&priority)
+        let (low, high) = self.bounds();
+        (low..=high).contains(&priority)
     }
 
-    /// Clamps `priority` into the range, as the driver itself does.
+    /// Clamps `priority` into the range, as the driver itself does (either way round).
     pub fn clamp(&self, priority: i32) -> i32 {
-        priority.clamp(self.greatest, self.least)
+        let (low, high) = self.bounds();
+        priority.clamp(low, high)
+    }
+
+    /// The range's ends, numerically least first.
+    fn bounds(&self) -> (i32, i32) {
+        (self.greatest.min(self.least), self.greatest.max(self.least))
     }
 }
 

@@ -29,8 +29,9 @@ impl StreamPriority {
     pub fn to_driver(self, range: StreamPriorityRange) -> i32 {
         match self {
             Self::High => range.greatest,
-            // Integer division truncates toward zero: -5..=0 gives -2.
-            Self::Normal => (range.greatest + range.least) / 2,
+            // Integer division truncates toward zero: -5..=0 gives -2 (in i64: any two i32
+            // ends have a midpoint that is an i32, but not always a sum that is).
+            Self::Normal => ((i64::from(range.greatest) + i64::from(range.least)) / 2) as i32,
             Self::Low => range.least,
         }
     }
@@ -41,7 +42,7 @@ impl StreamPriority {
         let priority = range.clamp(priority);
         Self::ALL
             .into_iter()
-            .min_by_key(|level| (level.to_driver(range) - priority).abs())
+            .min_by_key(|level| level.to_driver(range).abs_diff(priority))
             .unwrap_or(Self::Normal)
     }
 
