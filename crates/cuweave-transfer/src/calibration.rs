@@ -225,7 +225,8 @@ impl RegistrationCost {
 }
 
 impl CalibrationTable {
-    /// Records (or replaces) the figure for `(path, size_class, method)`, rounded to 0.01 GB/s.
+    /// Records (or replaces) the figure for `(path, size_class, method)`, rounded to 0.01 GB/s
+    /// (a NaN, infinite or negative figure is left out, as in [`record_at`](Self::record_at)).
     pub fn record(
         &mut self,
         path: TransferPath,
@@ -243,8 +244,19 @@ impl CalibrationTable {
     }
 
     /// Records (or replaces) the figure for `method` on one measured transfer `at`, rounded
-    /// to 0.01 GB/s.
+    /// to 0.01 GB/s. A figure that is not a finite, non-negative number (NaN, infinite,
+    /// negative) is no measurement: it is left out, with a warning, as a table file holding it
+    /// is refused by [`from_json`](Self::from_json), so the table stays one that loads back.
     pub fn record_at(&mut self, at: Measure, method: TransferMethod, gbps: f64) {
+        if !(gbps.is_finite() && gbps >= 0.0) {
+            tracing::warn!(
+                gbps,
+                ?method,
+                ?at,
+                "not a bandwidth: left out of the calibration table"
+            );
+            return;
+        }
         // Two decimals are all a measurement carries, and they survive JSON exactly.
         let gbps = (gbps * 100.0).round() / 100.0;
         let entry = CalibrationEntry {
