@@ -347,7 +347,9 @@ fn element_counts_whose_bytes_overflow_usize_are_refused_before_allocating() {
             ),
             "{len}: {got:?}"
         );
-        let got = DeviceBuffer::<[u8; 3]>::new_on(&s, len);
+        // `len` elements of 3 bytes overflow only from `usize::MAX / 3 + 1`.
+        let len3 = len.max(usize::MAX / 3 + 1);
+        let got = DeviceBuffer::<[u8; 3]>::new_on(&s, len3);
         assert!(
             matches!(
                 got,
@@ -356,7 +358,7 @@ fn element_counts_whose_bytes_overflow_usize_are_refused_before_allocating() {
                     ..
                 })
             ),
-            "{len}: {got:?}"
+            "{len3}: {got:?}"
         );
         let got = PinnedBuffer::<u64>::new(ctx, len);
         assert!(
