@@ -306,13 +306,21 @@ impl Stream {
     /// has been dropped and when the work queued through it before has finished.
     ///
     /// Once asked for, dropping the handle costs one pooled event record more; a handle nobody
-    /// watched records nothing. For a context-relative handle ([`is_special_handle`]), whose
-    /// drop says nothing of the stream it names, the end is still recorded on the current
-    /// context's stream, but callers should not key state by such handles.
-    ///
-    /// [`is_special_handle`]: Self::is_special_handle
-    pub fn end_watch(&self) -> Arc<StreamEnd> {
-        Arc::clone(self.end.get_or_init(Arc::default))
+    /// watched records nothing. `None` for a handle whose drop says nothing of its stream's
+    /// end: one that does not own its stream ([`from_raw`](Self::from_raw) with `owned:
+    /// false`: the stream lives on and takes more work through other handles) and a
+    /// context-relative handle ([`is_special_handle`](Self::is_special_handle)).
+    pub fn end_watch(&self) -> Option<Arc<StreamEnd>> {
+        (self.owns_its_stream() && !self.is_special_handle())
+            .then(|| Arc::clone(self.end.get_or_init(Arc::default)))
+    }
+
+    /// Whether this handle owns its stream: made by [`new`](Self::new) or
+    /// [`with_priority`](Self::with_priority), or taken over with [`from_raw`](Self::from_raw)
+    /// and `owned: true`. Dropping such a handle destroys the stream, so no work can be queued
+    /// on it afterwards.
+    pub fn owns_its_stream(&self) -> bool {
+        self.owned && !self.raw.is_null()
     }
 
     /// The context this stream belongs to.

@@ -106,7 +106,8 @@ impl CachedAllocation {
     ///
     /// The list stays bounded when a long-lived block is recorded on a new stream per request:
     /// recording a stream not yet recorded first lets go of every recorded stream that nobody
-    /// else holds (this handle has its last `Arc`, so no more work can be queued on it) and
+    /// else holds (this handle owns its stream and has its last `Arc`, so no more work can be
+    /// queued on it; borrowed and context-relative handles are always kept) and
     /// whose queued work has all finished (`cuStreamQuery`): no use of the memory on it is left
     /// for the free to wait for. Streams held elsewhere are kept without a driver call. Nothing
     /// is let go while a capture is active (a query would break it).
@@ -142,7 +143,13 @@ impl CachedAllocation {
         let key = StreamKey::checked(stream, OPERATION)?;
         if key != self.stream && !self.uses.iter().any(|used| StreamKey::of(used) == key) {
             if cuweave_driver::graph::active_captures() == 0 {
-                retire_finished_uses(&mut self.uses, |stream| matches!(stream.query(), Ok(true)));
+                // Only a handle that owns its stream can be its last: a borrowed or
+                // context-relative handle's stream takes more work through other handles.
+                retire_finished_uses(&mut self.uses, |stream| {
+                    stream.owns_its_stream()
+                        && !stream.is_special_handle()
+                        && matches!(stream.query(), Ok(true))
+                });
             }
             self.uses.push(Arc::clone(stream));
         }

@@ -177,12 +177,10 @@ impl Upstream for RequestUpstream<'_> {
     }
 
     fn stream_end(&self) -> Option<Arc<dyn StreamEnd>> {
-        // A context-relative handle's drop says nothing of the stream it names (the legacy
-        // default stream's key is shared by all its handles).
-        if self.stream.is_special_handle() {
-            return None;
-        }
-        Some(self.stream.end_watch())
+        // Only a handle that owns its stream says, by its drop, that no more work will come:
+        // a borrowed handle's stream lives on, and a context-relative handle's key is shared by
+        // all its handles.
+        self.stream.end_watch().map(|end| end as Arc<dyn StreamEnd>)
     }
 
     fn ended_streams(&self) -> u64 {
