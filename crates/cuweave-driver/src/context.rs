@@ -104,6 +104,14 @@ impl Context {
         })
     }
 
+    /// Whether this handle wraps a context another library owns
+    /// ([`from_raw_borrowed`](Self::from_raw_borrowed)): it holds no reference of its own, so
+    /// nothing may keep it beyond the owner's lifetime (process-wide caches do not take such
+    /// contexts).
+    pub fn is_borrowed(&self) -> bool {
+        !self.owned
+    }
+
     /// The device this context belongs to.
     pub fn device(&self) -> Device {
         self.device

@@ -17,9 +17,10 @@ use crate::pinned_pool::{PinnedBlock, PinnedPool};
 /// `len` elements of `T` in page-locked (pinned) host memory, mapped into the device's address
 /// space: a block of the context's process-wide pinned pool ([`new`](Self::new)), of another
 /// pool ([`from_pool`](Self::from_pool)) or its own allocation
-/// ([`new_unpooled`](Self::new_unpooled)). Dropping a pool's buffer never waits: the block goes
-/// back to its pool, which hands it out again once every queued use of the buffer has
-/// finished. An own allocation is freed after those uses, waiting for them and, in
+/// ([`new_unpooled`](Self::new_unpooled)). Dropping a pool's buffer does not wait: the block
+/// goes back to its pool, which hands it out again once every queued use of the buffer has
+/// finished (a block the pool's cache cap leaves no room for is given back to the driver,
+/// whose free waits for the device: keep buffers of more than the cap, 1 GiB by default). An own allocation is freed after those uses, waiting for them and, in
 /// `cuMemFreeHost`, for the whole device.
 ///
 /// Copies between pinned memory and the device run at full bus speed and truly asynchronously:
@@ -100,13 +101,19 @@ impl<T: Element> PinnedBuffer<T> {
     /// queued uses have finished). Giving pinned memory back to the driver would wait for the
     /// whole device and hold the driver's lock meanwhile, so a temporary buffer's drop, and
     /// launches on other threads, would wait for unrelated kernels; for memory of exactly
-    /// `len` elements, pinned for this buffer alone, see [`new_unpooled`](Self::new_unpooled).
+    /// `len` elements, pinned for this buffer alone, see [`new_unpooled`](Self::new_unpooled),
+    /// which is also what a borrowed context ([`Context::is_borrowed`]) gets: a process-wide
+    /// pool must not outlive a context another library owns.
     ///
     /// # Errors
     /// `ZeroLength` for `len == 0`, `Misaligned` on overflow or when `T` needs more than page
     /// alignment, the driver's error when pinning fails.
     pub fn new(context: &Arc<Context>, len: usize) -> Result<Self> {
         const OPERATION: &str = "PinnedBuffer::new";
+        if context.is_borrowed() {
+            // A process-wide pool must not outlive a context another library owns.
+            return Self::new_unpooled(context, len);
+        }
         let pool = PinnedPool::default_for(context);
         let bytes = allocation_bytes::<T>(OPERATION, len)?;
         let mut block = pool.get(bytes)?;

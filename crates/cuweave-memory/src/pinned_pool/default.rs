@@ -20,20 +20,24 @@ use super::{PinnedPool, PinnedPoolConfig};
 /// The pools, by context handle (one per context: a few).
 static DEFAULTS: Mutex<Vec<(usize, PinnedPool)>> = Mutex::new(Vec::new());
 
-/// The default pinned pool of `context`, made on first use.
+/// The default pinned pool of `context`, made on first use. It holds the context (so its raw
+/// handle, the key, cannot be reused by another context meanwhile); a borrowed context
+/// ([`Context::is_borrowed`]) gets a pool of its own instead, kept by nobody but the caller.
 pub(crate) fn for_context(context: &Arc<Context>) -> PinnedPool {
+    let config = PinnedPoolConfig {
+        mapped: true,
+        ..PinnedPoolConfig::default()
+    };
+    if context.is_borrowed() {
+        // Not kept: the pool lives only as long as its caller holds it.
+        return PinnedPool::with_config(context, config);
+    }
     let key = context.as_raw() as usize;
     let mut defaults = DEFAULTS.lock();
     if let Some((_, pool)) = defaults.iter().find(|(known, _)| *known == key) {
         return pool.clone();
     }
-    let pool = PinnedPool::with_config(
-        context,
-        PinnedPoolConfig {
-            mapped: true,
-            ..PinnedPoolConfig::default()
-        },
-    );
+    let pool = PinnedPool::with_config(context, config);
     defaults.push((key, pool.clone()));
     drop(defaults);
     cuweave_driver::process_caches::register_process_cache(

@@ -98,7 +98,9 @@ impl PinnedPool {
     /// The process-wide pool of `context`, made on first use: the one
     /// [`PinnedBuffer::new`](crate::PinnedBuffer::new) takes its blocks from. Its blocks are
     /// mapped; its cache is capped at [`PinnedPoolConfig::DEFAULT_MAX_CACHED_BYTES`];
-    /// [`cuweave_driver::empty_process_caches`] trims it.
+    /// [`cuweave_driver::empty_process_caches`] trims it. It keeps `context` retained for the
+    /// life of the process. A borrowed context ([`Context::is_borrowed`]) gets a new pool of
+    /// its own instead, which nothing process-wide keeps.
     pub fn default_for(context: &Arc<Context>) -> Self {
         super::default::for_context(context)
     }
