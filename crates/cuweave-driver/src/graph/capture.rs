@@ -137,6 +137,22 @@ impl Record {
 /// stream), so that `end_capture` knows its mode and where to look for the call that broke it.
 static RECORDS: Mutex<Vec<Record>> = Mutex::new(Vec::new());
 
+/// Held exclusively while a capture begins (from before `cuStreamBeginCapture` until the
+/// capture is counted in [`active_captures`]), and shared by [`while_no_capture_begins`]: a
+/// background thread that checks for active captures and then synchronises a context (the
+/// driver's host-retirement thread) cannot see none and then synchronise into a capture that
+/// began in between, which would invalidate it.
+static CAPTURE_BEGIN: parking_lot::RwLock<()> = parking_lot::RwLock::new(());
+
+/// Runs `f` while no capture can begin through cuweave: for a check of [`active_captures`]
+/// followed by a call that would invalidate a capture (a context synchronisation) made off the
+/// thread whose program order would otherwise keep them apart. A capture about to begin waits
+/// for `f` to return.
+pub(crate) fn while_no_capture_begins<R>(f: impl FnOnce() -> R) -> R {
+    let _no_begin = CAPTURE_BEGIN.read();
+    f()
+}
+
 /// How many captures begun through cuweave are active in the process: one relaxed atomic load,
 /// for hot paths that must behave differently while any capture runs.
 #[inline]
@@ -592,7 +608,9 @@ impl Stream {
             let epoch = CaptureState::from_word(STATE.fetch_add(1 << COUNT_BITS, Ordering::SeqCst))
                 .epoch
                 + 1;
-            match self.context().synchronize() {
+            // No capture can begin between the count's check and the synchronisation, which
+            // would invalidate it.
+            match while_no_capture_begins(|| self.context().synchronize()) {
                 Ok(()) => complete_before = complete_before.max(epoch),
                 // Another thread began a capture meanwhile: begin without the synchronisation.
                 Err(DriverError::Graph(GraphError::Capturing { .. })) => {}
@@ -634,6 +652,8 @@ impl Stream {
     fn begin_capture_recorded(&self, mode: CaptureMode, complete_before: u64) -> Result<()> {
         self.context().bind_to_thread()?;
         let api = driver()?;
+        // Until the capture is counted: see `while_no_capture_begins`.
+        let _beginning = CAPTURE_BEGIN.write();
         // No lock across the call: a failure goes through `note_driver_failure`, which locks.
         // SAFETY: live stream of the current context; the mode is a valid enum value.
         unsafe { cu!(api.stream_begin_capture(self.as_raw(), mode.to_sys())) }?;

@@ -60,4 +60,5 @@ pub use memory::{GraphMemoryUsage, graph_memory_usage, trim_graph_memory};
 
 pub(crate) use capture::{
     RecordedIn, note_driver_failure, refuse_dependency_across_capture, translate_driver_failure,
+    while_no_capture_begins,
 };

@@ -18,7 +18,10 @@
 //! `cuMemFreeHost` waits for the whole device and holds the driver's lock meanwhile, so
 //! launches on every thread would wait for it. A program that makes and drops waiters for days
 //! reuses the same few pages. The pages go back to the driver with
-//! [`empty_process_caches`](crate::empty_process_caches) ("mapped word pages").
+//! [`empty_process_caches`](crate::empty_process_caches) ("mapped word pages"); pages still
+//! waiting for their context then are kept when their wait ends (a later call frees them).
+//! Pages past the bound, and pages of borrowed contexts, are freed (`cuMemFreeHost`) by
+//! whichever thread lets them go.
 //! [`host_allocations_awaiting_free`] counts what waits for its context. Where the thread cannot
 //! be started, the wait happens on the dropping thread, as it always did.
 
@@ -69,7 +72,9 @@ pub fn host_allocations_awaiting_free() -> usize {
 /// every device write queued into it so far has landed; the dropping thread waits for nothing.
 /// Without the thread, the wait happens here.
 pub(crate) fn retire(allocation: HostAllocation) {
-    let allocation = if RETIREMENT_THREAD.get() {
+    // A borrowed context may be destroyed by its owner as soon as the caller's handles are
+    // gone: nothing of it is held beyond this call, as before there was a thread.
+    let allocation = if RETIREMENT_THREAD.get() || allocation.context().is_borrowed() {
         allocation
     } else {
         AWAITING.fetch_add(1, Ordering::AcqRel);
@@ -96,6 +101,9 @@ pub(crate) fn retire(allocation: HostAllocation) {
 
 /// A retired page of `bytes` in `context`, all of whose queued writes have landed, to reuse.
 pub(crate) fn take_spare(context: &Arc<Context>, bytes: usize) -> Option<HostAllocation> {
+    if context.is_borrowed() {
+        return None;
+    }
     let mut spare = SPARE.lock();
     let (pages, held) = &mut *spare;
     let at = pages
@@ -108,6 +116,11 @@ pub(crate) fn take_spare(context: &Arc<Context>, bytes: usize) -> Option<HostAll
 
 /// Keeps `page` (no queued write can reach it) for reuse, or frees it past the bound.
 pub(crate) fn keep_spare(page: HostAllocation) {
+    // Pages of a borrowed context are not kept: the cache would outlive the owner's context.
+    if page.context().is_borrowed() {
+        drop(page);
+        return;
+    }
     let mut spare = SPARE.lock();
     let (pages, held) = &mut *spare;
     if *held + page.len() <= MOST_SPARE_WORD_BYTES {
@@ -151,13 +164,16 @@ fn start() -> Option<Sender<HostAllocation>> {
 fn run(inbox: &Receiver<HostAllocation>) {
     RETIREMENT_THREAD.set(true);
     // Its synchronisations are recorded by no capture: a global-mode capture on another
-    // thread must not refuse them (nor be invalidated by them).
+    // thread must not refuse them. (They are made only while no cuweave capture is active and
+    // none can begin, see `retire_batch`: a synchronisation into a capture would invalidate
+    // it whatever the modes. A capture begun outside cuweave is not seen.)
     let _relaxed = CaptureModeGuard::enter(CaptureMode::Relaxed)
         .inspect_err(
             |error| tracing::warn!(%error, "word retirement runs outside relaxed capture mode"),
         )
         .ok();
-    let mut waiting: Vec<HostAllocation> = Vec::new();
+    let mut waiting = Unfreed(Vec::new());
+    let waiting = &mut waiting.0;
     let mut pause = FIRST_RETRY;
     loop {
         let next = if waiting.is_empty() {
@@ -172,12 +188,22 @@ fn run(inbox: &Receiver<HostAllocation>) {
         }
         waiting.extend(inbox.try_iter());
         let before = waiting.len();
-        waiting = retire_batch(waiting, true);
+        *waiting = retire_batch(std::mem::take(waiting), true);
         pause = if waiting.len() < before {
             FIRST_RETRY
         } else {
             (pause * 2).min(MOST_RETRY)
         };
+    }
+}
+
+/// The allocations the retirement thread waits for: leaked, never freed, if the thread ever
+/// stops with them (a panic unwinding it), since writes may still be queued into them.
+struct Unfreed(Vec<HostAllocation>);
+
+impl Drop for Unfreed {
+    fn drop(&mut self) {
+        self.0.drain(..).for_each(std::mem::forget);
     }
 }
 
@@ -194,19 +220,21 @@ fn retire_batch(batch: Vec<HostAllocation>, counted: bool) -> Vec<HostAllocation
             .partition(|allocation| allocation.context().as_raw() == context.as_raw());
         rest = others;
         let count = same.len();
-        match context.synchronize() {
+        // Checked and made with no capture beginning in between: a synchronisation into a
+        // capture would invalidate it.
+        match crate::graph::while_no_capture_begins(|| context.synchronize()) {
             Ok(()) => same.into_iter().for_each(keep_spare),
             Err(error) if refused_by_a_capture(&error) => {
                 refused.extend(same);
                 continue;
             }
             Err(error) => {
+                same.into_iter().for_each(std::mem::forget);
                 tracing::warn!(
                     %error,
                     allocations = count,
                     "cannot wait for queued writes into mapped host memory; leaking it instead of freeing"
                 );
-                same.into_iter().for_each(std::mem::forget);
             }
         }
         if counted {
