@@ -6,7 +6,10 @@
 //! stream's handle is dropped nobody allocates there again, and its cached segments would wait
 //! for an out-of-memory retry or `empty_cache`. The engine therefore watches every stream it
 //! has segments of ([`StreamEnd`], the driver's [`StreamEnd`](cuweave_driver::stream::StreamEnd)): the
-//! handle's drop records an event behind all the work queued through it. A miss (no free block
+//! handle's drop records an event behind all the work queued through it. Only handles that own
+//! their stream are watched: a borrowed handle's stream lives on after its drop and takes more
+//! work through other handles, so its segments stay with it (`empty_cache` and the
+//! out-of-memory retry release them). A miss (no free block
 //! of the requesting stream fits) then, and only then:
 //!
 //! 1. notes which watched streams were dropped, looking only when the process-wide count of
@@ -35,7 +38,7 @@
 //! A dropped stream is forgotten once none of its segments is left (segments with blocks still
 //! allocated stay with it until they are wholly free, and are adopted then).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -116,10 +119,9 @@ impl<E: Marker> Engine<E> {
             ends.ended.clone()
         };
         // Outside the lock: queries the driver.
-        let mut moved = 0;
         let mut finished = Vec::new();
-        let mut gone = Vec::new();
-        for candidate in candidates {
+        let mut ready: HashSet<StreamKey> = HashSet::new();
+        for candidate in &candidates {
             if candidate.key == stream {
                 continue;
             }
@@ -133,17 +135,41 @@ impl<E: Marker> Engine<E> {
                 if shard.pending_count.load(Ordering::Acquire) != 0 {
                     self.process_pending_of(shard);
                 }
-                moved += self.move_free_segments(candidate.key, stream);
-            }
-            if !self
-                .shard(candidate.key)
-                .pools
-                .lock()
-                .has_segments(candidate.key)
-            {
-                gone.push(candidate.key);
+                ready.insert(candidate.key);
             }
         }
+        // One pass over each shard that holds any of them: moves the finished streams' wholly
+        // free segments and notes which dropped streams still have segments, so a miss costs a
+        // scan per shard, not one per dropped stream.
+        let mut moved = 0;
+        let mut left: HashSet<StreamKey> = HashSet::new();
+        let mut shards: Vec<usize> = candidates
+            .iter()
+            .map(|candidate| self.shard_index(candidate.key))
+            .collect();
+        shards.sort_unstable();
+        shards.dedup();
+        for index in shards {
+            let in_shard = |key: StreamKey| self.shard_index(key) == index;
+            moved +=
+                self.move_free_segments(index, |key| in_shard(key) && ready.contains(&key), stream);
+            let keys: HashSet<StreamKey> = candidates
+                .iter()
+                .map(|candidate| candidate.key)
+                .filter(|&key| in_shard(key))
+                .collect();
+            left.extend(
+                self.shards[index]
+                    .pools
+                    .lock()
+                    .streams_with_segments(|key| keys.contains(&key)),
+            );
+        }
+        let gone: Vec<StreamKey> = candidates
+            .iter()
+            .map(|candidate| candidate.key)
+            .filter(|key| !left.contains(key))
+            .collect();
         if !finished.is_empty() || !gone.is_empty() {
             let mut ends = self.ends.lock();
             ends.ended.retain(|entry| !gone.contains(&entry.key));
@@ -165,12 +191,17 @@ impl<E: Marker> Engine<E> {
             .take_free(stream, rounded, bytes)
     }
 
-    /// Moves every wholly free segment of `from` into `to`'s free lists; returns how many.
-    /// The totals drop while a segment is between shards, so a statistics snapshot (which locks
-    /// every shard) always sees them equal to the shards' sum.
-    fn move_free_segments(&self, from: StreamKey, to: StreamKey) -> usize {
+    /// Moves every wholly free segment of shard `index` whose stream `from` accepts into `to`'s
+    /// free lists; returns how many. The totals drop while a segment is between shards, so a
+    /// statistics snapshot (which locks every shard) always sees them equal to the shards' sum.
+    fn move_free_segments(
+        &self,
+        index: usize,
+        from: impl Fn(StreamKey) -> bool,
+        to: StreamKey,
+    ) -> usize {
         let taken = {
-            let mut pools = self.shard(from).pools.lock();
+            let mut pools = self.shards[index].pools.lock();
             let taken = pools.take_segments_to_move(from);
             if !taken.is_empty() {
                 let mut totals = self.totals.lock();

@@ -159,9 +159,16 @@ impl Pools {
         self.insert_free(id);
     }
 
-    /// Whether any block (free or not) of a segment of `stream` is left.
-    pub fn has_segments(&self, stream: StreamKey) -> bool {
-        self.arena.iter().any(|(_, block)| block.stream == stream)
+    /// Which of the streams `pick` accepts have any block here (one pass over the blocks).
+    pub fn streams_with_segments(
+        &self,
+        pick: impl Fn(StreamKey) -> bool,
+    ) -> std::collections::HashSet<StreamKey> {
+        self.arena
+            .iter()
+            .map(|(_, block)| block.stream)
+            .filter(|&stream| pick(stream))
+            .collect()
     }
 
     /// The free whole segments (parked blocks merged first) of the stream keys `pick` accepts,
@@ -364,11 +371,15 @@ impl Pools {
         taken.into_iter().map(|(segment, _)| segment).collect()
     }
 
-    /// Takes every free whole segment of `stream` out of the pools, with its pool kind, to be
+    /// Takes every free whole segment of the streams `streams` accepts out of the pools, with
+    /// its pool kind, to be
     /// adopted by another key ([`adopt_free_segment`](Self::adopt_free_segment)); not counted
     /// as released: they stay reserved.
-    pub fn take_segments_to_move(&mut self, stream: StreamKey) -> Vec<(Segment, PoolKind)> {
-        self.take_whole(|key| key == stream)
+    pub fn take_segments_to_move(
+        &mut self,
+        streams: impl Fn(StreamKey) -> bool,
+    ) -> Vec<(Segment, PoolKind)> {
+        self.take_whole(streams)
     }
 
     fn take_whole(&mut self, take: impl Fn(StreamKey) -> bool) -> Vec<(Segment, PoolKind)> {
