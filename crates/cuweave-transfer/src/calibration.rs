@@ -248,7 +248,10 @@ impl CalibrationTable {
     /// negative) is no measurement: it is left out, with a warning, as a table file holding it
     /// is refused by [`from_json`](Self::from_json), so the table stays one that loads back.
     pub fn record_at(&mut self, at: Measure, method: TransferMethod, gbps: f64) {
-        if !(gbps.is_finite() && gbps >= 0.0) {
+        // Two decimals are all a measurement carries, and they survive JSON exactly. (Checked
+        // after rounding: a finite figure near f64::MAX rounds to infinity.)
+        let rounded = (gbps * 100.0).round() / 100.0;
+        if !(rounded.is_finite() && rounded >= 0.0) {
             tracing::warn!(
                 gbps,
                 ?method,
@@ -257,8 +260,7 @@ impl CalibrationTable {
             );
             return;
         }
-        // Two decimals are all a measurement carries, and they survive JSON exactly.
-        let gbps = (gbps * 100.0).round() / 100.0;
+        let gbps = rounded;
         let entry = CalibrationEntry {
             path: at.path,
             size_class: SizeClass::of(at.bytes),
