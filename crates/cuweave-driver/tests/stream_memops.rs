@@ -483,3 +483,62 @@ fn stream_marks_are_reached_in_order_only_after_the_work_before_them() {
     assert!(many.iter().all(|mark| next.is_reached(*mark)));
     other.synchronize().unwrap();
 }
+
+// A program drops waiters (their completion words go to the retirement thread) while its main
+// thread captures graphs: the retirement thread's context synchronisation must never land in a
+// capture that began after it checked for captures, which would invalidate the capture.
+#[test]
+fn captures_begun_while_dropped_words_retire_are_never_invalidated() {
+    use cuweave_driver::CaptureMode;
+    use cuweave_driver::memory::MappedWords;
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let kernels = TestKernels::load(&gpu.context).unwrap();
+    let writer = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let capturing = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    kernels.spin_ns(&capturing, 0).unwrap();
+    capturing.synchronize().unwrap();
+    for round in 0..200u64 {
+        let words = MappedWords::new(&gpu.context, 1).unwrap();
+        kernels.spin_ns(&writer, 20_000).unwrap();
+        words.enqueue_write(&writer, 0, round + 1).unwrap();
+        drop(words);
+        capturing.begin_capture(CaptureMode::Global).unwrap();
+        kernels.spin_ns(&capturing, 1_000).unwrap();
+        let graph = capturing
+            .end_capture()
+            .unwrap_or_else(|error| panic!("round {round}: the capture broke: {error}"));
+        drop(graph);
+    }
+    assert!(
+        until_retired(Duration::from_secs(10)).is_some(),
+        "dropped words never retired"
+    );
+}
+
+// A handle borrowed from another library (`from_raw(.., owned: false)`) says nothing, by its
+// drop, about its stream, which lives on: it is never watched for its end.
+#[test]
+fn only_a_handle_that_owns_its_stream_can_be_watched_for_its_end() {
+    let gpu = require_gpu!();
+    let owner = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    assert!(owner.owns_its_stream());
+    // SAFETY: `owner` outlives the borrowed handle, which does not destroy the stream.
+    let borrowed = unsafe { Stream::from_raw(&gpu.context, owner.as_raw(), false) };
+    assert!(!borrowed.owns_its_stream());
+    assert!(borrowed.end_watch().is_none());
+    assert!(Stream::legacy_default(&gpu.context).end_watch().is_none());
+    let end = owner.end_watch().expect("an owning handle is watched");
+    assert!(!end.is_dropped());
+    drop(borrowed);
+    drop(owner);
+    assert!(end.is_dropped());
+    let started = Instant::now();
+    while !end.is_finished().unwrap() {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the end never finished"
+        );
+        std::thread::yield_now();
+    }
+}

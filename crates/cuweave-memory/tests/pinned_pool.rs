@@ -709,3 +709,32 @@ fn temporary_pinned_buffers_never_wait_for_an_unrelated_kernel_and_reuse_the_def
     let fresh = PinnedBuffer::<u32>::new(context, 16 * KIB).unwrap();
     assert!(fresh.as_slice().unwrap().iter().all(|&x| x == 0));
 }
+
+// A context borrowed from another library may be destroyed by it: `PinnedBuffer::new` on it
+// pins memory of the buffer's own, and no process-wide pool keeps it.
+#[test]
+fn pinned_buffers_of_a_borrowed_context_stay_out_of_the_default_pool() {
+    use cuweave_memory::buffer::PinnedBuffer;
+    let gpu = require_gpu!();
+    let _serial = serial();
+    // SAFETY: the primary context `gpu.context` retains outlives the borrowed handle.
+    let borrowed =
+        unsafe { Context::from_raw_borrowed(gpu.context.as_raw(), gpu.context.device()) };
+    assert!(borrowed.is_borrowed());
+    let shared = PinnedPool::default_for(&gpu.context);
+    let gets = shared.stats().gets;
+    let buffer = PinnedBuffer::<u32>::new(&borrowed, 4 * KIB).unwrap();
+    assert!(buffer.as_slice().unwrap().iter().all(|&x| x == 0));
+    drop(buffer);
+    assert_eq!(
+        shared.stats().gets,
+        gets,
+        "the borrowed context used the shared pool"
+    );
+    let own = PinnedPool::default_for(&borrowed);
+    assert_eq!(
+        own.stats().gets,
+        0,
+        "a borrowed context's pool is not shared"
+    );
+}
