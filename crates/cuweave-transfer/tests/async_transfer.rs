@@ -2,11 +2,11 @@
 //! under a minimal executor, two transfers progress together, and bad ranges are refused before
 //! anything is queued.
 
+mod common;
+use common::block_on_counted;
+
 use std::future::Future;
-use std::pin::pin;
-use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
-use std::thread::Thread;
+use std::task::{Context, Poll, Waker};
 
 use cuweave_memory::{Buffer, DeviceBuffer};
 use cuweave_test_support::{require_gpu, sanitizer_active, skip_under_sanitizer};
@@ -14,30 +14,6 @@ use cuweave_transfer::{
     ChunkOrder, HostCopy, POLL_BYTES, SizeClass, StagingConfig, TransferError, TransferManager,
     TransferMethod, TransferPath,
 };
-
-/// Wakes the thread that polls.
-struct ThreadWaker(Thread);
-
-impl Wake for ThreadWaker {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-}
-
-/// Polls `future` to completion on this thread, parking between polls; counts the polls.
-fn block_on<F: Future>(future: F) -> (F::Output, usize) {
-    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    let mut future = pin!(future);
-    let mut polls = 0;
-    loop {
-        polls += 1;
-        if let Poll::Ready(output) = future.as_mut().poll(&mut cx) {
-            return (output, polls);
-        }
-        std::thread::park();
-    }
-}
 
 fn pattern(len: usize) -> Vec<u32> {
     (0..len as u32)
@@ -59,7 +35,7 @@ fn async_uploads_and_downloads_round_trip_through_pinned_chunks() {
     .unwrap();
     let data = pattern((9 << 20) / 4 + 5);
     let mut device = DeviceBuffer::<u32>::zeroed(&gpu.context, data.len() + 3).unwrap();
-    let (report, polls) = block_on(manager.upload_async(&data, &mut device, 3).unwrap());
+    let (report, polls) = block_on_counted(manager.upload_async(&data, &mut device, 3).unwrap());
     let report = report.unwrap();
     assert_eq!(report.bytes, data.len() * 4);
     assert_eq!(report.plan.method, TransferMethod::HostStaged);
@@ -72,7 +48,7 @@ fn async_uploads_and_downloads_round_trip_through_pinned_chunks() {
     assert_eq!(&whole[3..], &data[..]);
 
     let mut back = vec![0u32; data.len()];
-    let (report, _) = block_on(manager.download_async(&device, 3, &mut back).unwrap());
+    let (report, _) = block_on_counted(manager.download_async(&device, 3, &mut back).unwrap());
     assert_eq!(report.unwrap().bytes, data.len() * 4);
     assert_eq!(back, data);
 }
@@ -91,7 +67,7 @@ fn two_async_transfers_progress_together() {
         let (x, y) = join(first, second).await;
         Ok::<_, TransferError>((x?, y?))
     };
-    let (outcome, _) = block_on(both);
+    let (outcome, _) = block_on_counted(both);
     let (x, y) = outcome.unwrap();
     assert_eq!(x.bytes + y.bytes, 2 * a.len() * 4);
     assert_eq!(da.to_vec().unwrap(), a);
@@ -142,7 +118,8 @@ fn async_transfers_refuse_bad_ranges_before_queueing() {
         Err(TransferError::OutOfRange { side: "source", .. })
     ));
     // An empty transfer completes at once.
-    let (report, polls) = block_on(manager.upload_async(&host[..0], &mut device, 32).unwrap());
+    let (report, polls) =
+        block_on_counted(manager.upload_async(&host[..0], &mut device, 32).unwrap());
     assert_eq!((report.unwrap().bytes, polls), (0, 1));
     assert!(device.to_vec().unwrap().iter().all(|&b| b == 0));
 }
@@ -164,13 +141,13 @@ fn every_poll_copies_a_bounded_amount() {
     let manager = TransferManager::new().unwrap();
     let data = pattern((64 << 20) / 4);
     let mut device = DeviceBuffer::<u32>::zeroed(&gpu.context, data.len()).unwrap();
-    let (report, polls) = block_on(manager.upload_async(&data, &mut device, 0).unwrap());
+    let (report, polls) = block_on_counted(manager.upload_async(&data, &mut device, 0).unwrap());
     report.unwrap();
     // Each poll copies at most POLL_BYTES of host memory, so 64 MiB takes at least this many.
     assert!(polls >= (64 << 20) / POLL_BYTES, "{polls} polls");
     assert_eq!(device.to_vec().unwrap(), data);
     let mut back = vec![0u32; data.len()];
-    let (report, polls) = block_on(manager.download_async(&device, 0, &mut back).unwrap());
+    let (report, polls) = block_on_counted(manager.download_async(&device, 0, &mut back).unwrap());
     report.unwrap();
     assert!(polls >= (64 << 20) / POLL_BYTES, "{polls} polls");
     assert_eq!(back, data);
@@ -243,13 +220,13 @@ fn owned_transfers_round_trip_and_hand_the_buffers_back() {
     let manager = TransferManager::new().unwrap();
     let data = pattern((40 << 20) / 4 + 3);
     let device = DeviceBuffer::<u32>::zeroed(&gpu.context, data.len() + 5).unwrap();
-    let (owned, _) = block_on(manager.upload_owned(data.clone(), device, 5));
+    let (owned, _) = block_on_counted(manager.upload_owned(data.clone(), device, 5));
     let report = owned.result.unwrap();
     assert_eq!(report.bytes, data.len() * 4);
     assert_eq!(owned.host, data);
     let device = owned.device;
     assert_eq!(&device.to_vec().unwrap()[5..], &data[..]);
-    let (owned, _) = block_on(manager.download_owned(device, 5, vec![0u32; data.len()]));
+    let (owned, _) = block_on_counted(manager.download_owned(device, 5, vec![0u32; data.len()]));
     owned.result.unwrap();
     assert_eq!(owned.host, data);
     // Both are in the manager's statistics by the time their buffers came back.
@@ -276,20 +253,20 @@ fn owned_transfers_round_trip_and_hand_the_buffers_back() {
     let device = DeviceBuffer::<u32>::zeroed(&gpu.context, data.len()).unwrap();
     drop(manager.upload_owned(data.clone(), device, 0));
     let device = DeviceBuffer::<u32>::zeroed(&gpu.context, data.len()).unwrap();
-    let (owned, _) = block_on(manager.upload_owned(data.clone(), device, 0));
+    let (owned, _) = block_on_counted(manager.upload_owned(data.clone(), device, 0));
     owned.result.unwrap();
     assert_eq!(owned.device.to_vec().unwrap(), data);
     // Bad ranges are refused before anything starts, and both buffers come back untouched
     // with the error (as tokio-uring hands a buffer back with its result): nothing is lost.
     let small = DeviceBuffer::<u32>::from_slice(&gpu.context, &[1, 2, 3, 4]).unwrap();
-    let (owned, _) = block_on(manager.upload_owned(vec![9u32; 8], small, 0));
+    let (owned, _) = block_on_counted(manager.upload_owned(vec![9u32; 8], small, 0));
     assert!(matches!(
         owned.result,
         Err(TransferError::OutOfRange { .. })
     ));
     assert_eq!(owned.host, vec![9u32; 8]);
     assert_eq!(owned.device.to_vec().unwrap(), vec![1, 2, 3, 4]);
-    let (owned, _) = block_on(manager.download_owned(owned.device, 1, vec![7u32; 4]));
+    let (owned, _) = block_on_counted(manager.download_owned(owned.device, 1, vec![7u32; 4]));
     assert!(matches!(
         owned.result,
         Err(TransferError::OutOfRange { .. })
@@ -298,13 +275,13 @@ fn owned_transfers_round_trip_and_hand_the_buffers_back() {
     assert_eq!(owned.device.to_vec().unwrap(), vec![1, 2, 3, 4]);
     // Empty ones finish at once, as an empty `transfer` does, and hand both buffers back
     // untouched.
-    let (owned, _) = block_on(manager.upload_owned(Vec::new(), owned.device, 4));
+    let (owned, _) = block_on_counted(manager.upload_owned(Vec::new(), owned.device, 4));
     assert_eq!(owned.result.unwrap().bytes, 0);
     assert!(owned.host.is_empty());
-    let (owned, _) = block_on(manager.download_owned(owned.device, 2, Vec::new()));
+    let (owned, _) = block_on_counted(manager.download_owned(owned.device, 2, Vec::new()));
     assert_eq!(owned.result.unwrap().bytes, 0);
     assert_eq!(owned.device.to_vec().unwrap(), vec![1, 2, 3, 4]);
-    let (owned, _) = block_on(manager.upload_owned(Vec::new(), owned.device, 5));
+    let (owned, _) = block_on_counted(manager.upload_owned(Vec::new(), owned.device, 5));
     assert!(matches!(
         owned.result,
         Err(TransferError::OutOfRange { .. })

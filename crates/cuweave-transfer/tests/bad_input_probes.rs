@@ -4,11 +4,11 @@
 //! exist, staging configurations and calibration tables that cannot be right, async transfers
 //! dropped or forgotten at once.
 
+mod common;
+use common::block_on;
+
 use std::future::Future;
-use std::pin::pin;
-use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
-use std::thread::Thread;
+use std::task::{Context, Waker};
 
 use cuweave_memory::{Buffer, DeviceBuffer};
 use cuweave_test_support::{require_gpu, serial};
@@ -16,26 +16,6 @@ use cuweave_transfer::{
     CalibrationTable, Destination, HostCopy, SizeClass, Source, StagingChoice, StagingConfig,
     TransferError, TransferManager, TransferMethod, TransferPath,
 };
-
-struct ThreadWaker(Thread);
-
-impl Wake for ThreadWaker {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-}
-
-fn block_on<F: Future>(future: F) -> F::Output {
-    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    let mut future = pin!(future);
-    loop {
-        if let Poll::Ready(output) = future.as_mut().poll(&mut cx) {
-            return output;
-        }
-        std::thread::park();
-    }
-}
 
 fn pattern(len: usize) -> Vec<u32> {
     (0..len as u32)

@@ -3,11 +3,10 @@
 //! own, uploads and downloads of one device running together, and async borrowed and owned
 //! transfers polled from eight threads. Every byte is checked.
 
-use std::future::Future;
-use std::pin::pin;
+mod common;
+use common::block_on;
+
 use std::sync::{Arc, Barrier};
-use std::task::{Context, Poll, Wake, Waker};
-use std::thread::Thread;
 
 use cuweave_memory::DeviceBuffer;
 use cuweave_test_support::{require_gpu, serial};
@@ -16,27 +15,6 @@ use cuweave_transfer::TransferManager;
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
 const THREADS: usize = 8;
-
-struct ThreadWaker(Thread);
-
-impl Wake for ThreadWaker {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-}
-
-/// Polls `future` to completion on this thread, parking between polls.
-fn block_on<F: Future>(future: F) -> F::Output {
-    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    let mut future = pin!(future);
-    loop {
-        if let Poll::Ready(output) = future.as_mut().poll(&mut cx) {
-            return output;
-        }
-        std::thread::park();
-    }
-}
 
 /// A 64-bit LCG: the same "random" program on every run.
 fn next(state: &mut u64) -> usize {

@@ -14,8 +14,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Context as TaskContext, Poll, Wake, Waker};
-use std::thread::Thread;
+use std::task::{Context as TaskContext, Poll, Waker};
 use std::time::Duration;
 
 use cuweave_driver::{Context, Stream, StreamFlags};
@@ -29,6 +28,7 @@ use cuweave_transfer::{
 };
 
 mod common;
+use common::block_on;
 use common::bytes;
 
 const KIB: usize = 1 << 10;
@@ -95,27 +95,6 @@ fn assert_all<T: PartialEq + std::fmt::Debug + Copy>(got: &[T], value: T, what: 
             got[i],
             value
         );
-    }
-}
-
-struct ThreadWaker(Thread);
-
-impl Wake for ThreadWaker {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-}
-
-/// Polls `future` to completion on this thread, parking between polls.
-fn block_on<F: Future>(future: F) -> F::Output {
-    let waker = Waker::from(Arc::new(ThreadWaker(std::thread::current())));
-    let mut cx = TaskContext::from_waker(&waker);
-    let mut future = std::pin::pin!(future);
-    loop {
-        if let Poll::Ready(output) = future.as_mut().poll(&mut cx) {
-            return output;
-        }
-        std::thread::park_timeout(Duration::from_millis(5));
     }
 }
 

@@ -47,3 +47,32 @@ pub fn assert_range(buffer: &[u8], offset: usize, expected: &[u8], what: &str) {
         );
     }
 }
+
+/// Wakes the thread that polls.
+struct ThreadWaker(std::thread::Thread);
+
+impl std::task::Wake for ThreadWaker {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Polls `future` to completion on this thread, parking between polls; counts the polls.
+pub fn block_on_counted<F: std::future::Future>(future: F) -> (F::Output, usize) {
+    let waker = std::task::Waker::from(std::sync::Arc::new(ThreadWaker(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut future = std::pin::pin!(future);
+    let mut polls = 0;
+    loop {
+        polls += 1;
+        if let std::task::Poll::Ready(output) = future.as_mut().poll(&mut cx) {
+            return (output, polls);
+        }
+        std::thread::park();
+    }
+}
+
+/// Polls `future` to completion on this thread, parking between polls.
+pub fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    block_on_counted(future).0
+}
