@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Flags, MS, within};
+use common::{Flags, MS, read_u32s, within};
 use cuweave_driver::memory::{self, DeviceAllocation};
 use cuweave_driver::{Context, Stream};
 use cuweave_event::{
@@ -29,17 +29,6 @@ use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{require_gpu, serial, skip_under_sanitizer};
 
 const US: u64 = 1_000;
-
-/// Reads `count` `u32`s of device memory (the streams writing it are idle).
-fn read_u32s(context: &Arc<Context>, ptr: u64, count: usize) -> Vec<u32> {
-    let mut bytes = vec![0u8; count * 4];
-    // SAFETY: `count * 4` bytes of a live allocation; the caller's streams are idle.
-    unsafe { memory::copy_dtoh(context, bytes.as_mut_ptr(), ptr, count * 4).unwrap() };
-    bytes
-        .chunks_exact(4)
-        .map(|chunk| u32::from_le_bytes(chunk.try_into().unwrap()))
-        .collect()
-}
 
 /// Reads `count` `u64`s of device memory (the streams writing it are idle).
 fn read_u64s(context: &Arc<Context>, ptr: u64, count: usize) -> Vec<u64> {

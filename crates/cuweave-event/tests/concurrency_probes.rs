@@ -4,11 +4,14 @@
 //! of waiter futures and callbacks from eight threads with a third dropped or cancelled in
 //! flight, and one cross-stream barrier queued from four threads at once.
 
+mod common;
+
+use common::read_u32s;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, mpsc};
 use std::time::{Duration, Instant};
 
-use cuweave_driver::memory::{self, DeviceAllocation, copy_dtod_async, memset_d32_async};
+use cuweave_driver::memory::{DeviceAllocation, copy_dtod_async, memset_d32_async};
 use cuweave_driver::{Context, EventPool, Stream, StreamFlags};
 use cuweave_event::{
     AsyncEventWaiter, CrossStreamBarrier, EventPriority, OperationCoordinator, OperationType,
@@ -24,17 +27,6 @@ fn stream(context: &Arc<Context>) -> Arc<Stream> {
 
 fn tag(thread: usize, round: usize) -> u32 {
     0xE000_0000 | ((thread as u32) << 16) | round as u32
-}
-
-/// Reads `count` `u32`s of device memory (the streams writing it are idle).
-fn read_u32s(context: &Arc<Context>, ptr: u64, count: usize) -> Vec<u32> {
-    let mut bytes = vec![0u8; count * 4];
-    // SAFETY: `count * 4` bytes of a live allocation; the caller's streams are idle.
-    unsafe { memory::copy_dtoh(context, bytes.as_mut_ptr(), ptr, count * 4).unwrap() };
-    bytes
-        .chunks_exact(4)
-        .map(|chunk| u32::from_le_bytes(chunk.try_into().unwrap()))
-        .collect()
 }
 
 /// Waits, at most `limit`, until `waiter` watches nothing.

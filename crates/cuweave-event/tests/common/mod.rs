@@ -86,3 +86,16 @@ pub fn register_kernel(
         )
         .unwrap()
 }
+
+/// Reads `count` `u32`s of device memory (the streams writing it are idle).
+pub fn read_u32s(context: &Arc<Context>, ptr: u64, count: usize) -> Vec<u32> {
+    let mut bytes = vec![0u8; count * 4];
+    // SAFETY: `count * 4` bytes of a live allocation; the caller's streams are idle.
+    unsafe {
+        cuweave_driver::memory::copy_dtoh(context, bytes.as_mut_ptr(), ptr, count * 4).unwrap()
+    };
+    bytes
+        .chunks_exact(4)
+        .map(|chunk| u32::from_le_bytes(chunk.try_into().unwrap()))
+        .collect()
+}
