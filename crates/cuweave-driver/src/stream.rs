@@ -311,16 +311,17 @@ impl Stream {
     /// false`: the stream lives on and takes more work through other handles) and a
     /// context-relative handle ([`is_special_handle`](Self::is_special_handle)).
     pub fn end_watch(&self) -> Option<Arc<StreamEnd>> {
-        (self.owns_its_stream() && !self.is_special_handle())
+        self.owns_its_stream()
             .then(|| Arc::clone(self.end.get_or_init(Arc::default)))
     }
 
     /// Whether this handle owns its stream: made by [`new`](Self::new) or
     /// [`with_priority`](Self::with_priority), or taken over with [`from_raw`](Self::from_raw)
-    /// and `owned: true`. Dropping such a handle destroys the stream, so no work can be queued
-    /// on it afterwards.
+    /// and `owned: true`, and not a context-relative name
+    /// ([`is_special_handle`](Self::is_special_handle)). Dropping such a handle destroys the
+    /// stream, so no work can be queued on it afterwards.
     pub fn owns_its_stream(&self) -> bool {
-        self.owned && !self.raw.is_null()
+        self.owned && !self.is_special_handle()
     }
 
     /// The context this stream belongs to.
@@ -635,23 +636,21 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        let end = self.end.get().cloned();
+        // A handle that does not own its stream destroys nothing, and is never watched
+        // (`end_watch` takes only owning handles).
         if !self.owned || self.raw.is_null() {
-            if let Some(end) = end {
-                end.record(self);
-            }
             return;
         }
         let Ok(api) = driver() else { return };
         if let Err(error) = self.context.bind_to_thread() {
             tracing::warn!(%error, "binding context to destroy a stream failed");
-            if let Some(end) = end {
+            if let Some(end) = self.end.get() {
                 end.set(None);
             }
             return;
         }
         self.abandon_capture();
-        if let Some(end) = end {
+        if let Some(end) = self.end.get() {
             end.record(self);
         }
         // SAFETY: we created this stream and destroy it once; queued work still completes.

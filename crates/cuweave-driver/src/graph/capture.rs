@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
-use super::error::{GraphError, capture_error_name};
+use super::error::{GraphError, capture_error_name, is_capture_code};
 use super::handle::Graph;
 use crate::error::{DriverError, Result};
 use crate::loader::{cu, driver};
@@ -240,7 +240,7 @@ pub fn known_complete_before(capture_id: u64, context: &crate::Context) -> u64 {
 pub(crate) fn note_driver_failure(code: sys::CUresult, operation: &'static str) {
     // `INVALIDATED` is what every call after the breaking one returns: not a cause.
     if active_captures() == 0
-        || !(900..=908).contains(&code.0)
+        || !is_capture_code(code)
         || code == sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
     {
         return;

@@ -112,6 +112,12 @@ impl GraphError {
     }
 }
 
+/// Whether `code` is one of the driver's stream-capture errors (900 to 908, `CUDA_ERROR_STREAM_
+/// CAPTURE_*` and `CUDA_ERROR_CAPTURED_EVENT`).
+pub(crate) fn is_capture_code(code: crate::sys::CUresult) -> bool {
+    (900..=908).contains(&code.0)
+}
+
 /// The name of a capture error code (900 to 908), without a driver call.
 pub(crate) fn capture_error_name(code: crate::sys::CUresult) -> &'static str {
     match code.0 {

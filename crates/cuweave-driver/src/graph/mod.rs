@@ -62,3 +62,4 @@ pub(crate) use capture::{
     RecordedIn, note_driver_failure, refuse_dependency_across_capture, translate_driver_failure,
     while_no_capture_begins,
 };
+pub(crate) use error::is_capture_code;

@@ -248,8 +248,5 @@ fn retire_batch(batch: Vec<HostAllocation>, counted: bool) -> Vec<HostAllocation
 /// the driver's `CUDA_ERROR_STREAM_CAPTURE_*` for a capture begun outside cuweave): worth
 /// asking again once it ends, unlike a dead context.
 fn refused_by_a_capture(error: &crate::DriverError) -> bool {
-    error.is_capture_refusal()
-        || error
-            .code()
-            .is_some_and(|code| (900..=907).contains(&code.0))
+    error.is_capture_refusal() || error.code().is_some_and(crate::graph::is_capture_code)
 }

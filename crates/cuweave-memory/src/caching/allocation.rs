@@ -146,9 +146,7 @@ impl CachedAllocation {
                 // Only a handle that owns its stream can be its last: a borrowed or
                 // context-relative handle's stream takes more work through other handles.
                 retire_finished_uses(&mut self.uses, |stream| {
-                    stream.owns_its_stream()
-                        && !stream.is_special_handle()
-                        && matches!(stream.query(), Ok(true))
+                    stream.owns_its_stream() && matches!(stream.query(), Ok(true))
                 });
             }
             self.uses.push(Arc::clone(stream));

@@ -138,26 +138,18 @@ impl<E: Marker> Engine<E> {
                 ready.insert(candidate.key);
             }
         }
-        // One pass over each shard that holds any of them: moves the finished streams' wholly
-        // free segments and notes which dropped streams still have segments, so a miss costs a
-        // scan per shard, not one per dropped stream.
-        let mut moved = 0;
-        let mut left: HashSet<StreamKey> = HashSet::new();
-        let mut shards: Vec<usize> = candidates
-            .iter()
-            .map(|candidate| self.shard_index(candidate.key))
-            .collect();
+        // One pass over each shard that holds any of them (a shard's blocks are all of keys it
+        // owns): moves the finished streams' wholly free segments and notes which dropped
+        // streams still have segments, so a miss costs a scan per shard, not one per dropped
+        // stream.
+        let keys: HashSet<StreamKey> = candidates.iter().map(|candidate| candidate.key).collect();
+        let mut shards: Vec<usize> = keys.iter().map(|&key| self.shard_index(key)).collect();
         shards.sort_unstable();
         shards.dedup();
+        let mut moved = 0;
+        let mut left: HashSet<StreamKey> = HashSet::new();
         for index in shards {
-            let in_shard = |key: StreamKey| self.shard_index(key) == index;
-            moved +=
-                self.move_free_segments(index, |key| in_shard(key) && ready.contains(&key), stream);
-            let keys: HashSet<StreamKey> = candidates
-                .iter()
-                .map(|candidate| candidate.key)
-                .filter(|&key| in_shard(key))
-                .collect();
+            moved += self.move_free_segments(index, |key| ready.contains(&key), stream);
             left.extend(
                 self.shards[index]
                     .pools
@@ -165,11 +157,7 @@ impl<E: Marker> Engine<E> {
                     .streams_with_segments(|key| keys.contains(&key)),
             );
         }
-        let gone: Vec<StreamKey> = candidates
-            .iter()
-            .map(|candidate| candidate.key)
-            .filter(|key| !left.contains(key))
-            .collect();
+        let gone: Vec<StreamKey> = keys.difference(&left).copied().collect();
         if !finished.is_empty() || !gone.is_empty() {
             let mut ends = self.ends.lock();
             ends.ended.retain(|entry| !gone.contains(&entry.key));
