@@ -37,8 +37,17 @@ use super::HostAllocation;
 use crate::context::Context;
 use crate::graph::{CaptureMode, CaptureModeGuard};
 
-/// The most bytes of retired mapped-word pages kept for reuse; pages past it are freed.
+/// The most bytes of retired mapped-word pages kept for reuse, counted as the pinned pages they
+/// take (a one-word allocation still pins a page); pages past it are freed.
 pub const MOST_SPARE_WORD_BYTES: usize = 4 << 20;
+
+/// The least host memory one pinned allocation takes: a page.
+const PINNED_PAGE: usize = 4 << 10;
+
+/// What `page` takes of [`MOST_SPARE_WORD_BYTES`]: its length rounded up to whole pages.
+fn footprint(page: &HostAllocation) -> usize {
+    page.len().next_multiple_of(PINNED_PAGE)
+}
 
 /// How long the retirement thread first waits before asking again for a synchronisation that a
 /// capture refused; doubled on each refusal up to [`MOST_RETRY`].
@@ -110,7 +119,7 @@ pub(crate) fn take_spare(context: &Arc<Context>, bytes: usize) -> Option<HostAll
         .iter()
         .position(|page| page.len() == bytes && page.context().as_raw() == context.as_raw())?;
     let page = pages.swap_remove(at);
-    *held -= page.len();
+    *held -= footprint(&page);
     Some(page)
 }
 
@@ -123,8 +132,8 @@ pub(crate) fn keep_spare(page: HostAllocation) {
     }
     let mut spare = SPARE.lock();
     let (pages, held) = &mut *spare;
-    if *held + page.len() <= MOST_SPARE_WORD_BYTES {
-        *held += page.len();
+    if *held + footprint(&page) <= MOST_SPARE_WORD_BYTES {
+        *held += footprint(&page);
         pages.push(page);
         return;
     }
