@@ -59,11 +59,9 @@ fn a_communicator_per_job_releases_its_threads_and_device_memory() {
     }
     let (threads_before, free_before) = baseline.expect("warmed up");
     // NCCL's proxy threads may take a moment to go after the destroy.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while cuweave_test_support::process_threads() > threads_before + 2 && Instant::now() < deadline
-    {
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    cuweave_test_support::poll_until(Duration::from_secs(5), || {
+        cuweave_test_support::process_threads() <= threads_before + 2
+    });
     let threads_after = cuweave_test_support::process_threads();
     let free_after = gpu.context.memory_info().expect("memory info").free;
     assert!(

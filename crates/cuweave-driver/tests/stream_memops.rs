@@ -221,17 +221,10 @@ fn completion_words_return_only_after_the_work_before_them_by_word_or_by_fallbac
     }
 }
 
-/// Waits (bounded) until the retirement thread has freed every dropped, written word; how long
-/// that took.
-fn until_retired(limit: Duration) -> Option<Duration> {
-    let started = Instant::now();
-    while memory::host_allocations_awaiting_free() != 0 {
-        if started.elapsed() > limit {
-            return None;
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    Some(started.elapsed())
+/// Waits (bounded) until the retirement thread has retired every dropped, written word; whether
+/// it did within `limit`.
+fn until_retired(limit: Duration) -> bool {
+    cuweave_test_support::poll_until(limit, || memory::host_allocations_awaiting_free() == 0)
 }
 
 #[test]
@@ -243,7 +236,7 @@ fn dropped_mapped_words_are_freed_only_after_the_writes_queued_into_them_and_the
     let kernels = TestKernels::load(&gpu.context).unwrap();
     let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
     assert!(
-        until_retired(Duration::from_secs(10)).is_some(),
+        until_retired(Duration::from_secs(10)),
         "words of earlier tests still wait"
     );
     for round in 0..3u64 {
@@ -270,7 +263,7 @@ fn dropped_mapped_words_are_freed_only_after_the_writes_queued_into_them_and_the
             "round {round}"
         );
         assert!(
-            until_retired(Duration::from_secs(10)).is_some(),
+            until_retired(Duration::from_secs(10)),
             "round {round}: never freed"
         );
         assert_eq!(
@@ -286,7 +279,7 @@ fn dropped_mapped_words_are_freed_only_after_the_writes_queued_into_them_and_the
         drop(words);
     }
     assert!(
-        until_retired(Duration::from_secs(10)).is_some(),
+        until_retired(Duration::from_secs(10)),
         "{} dropped words still wait 10 s later",
         memory::host_allocations_awaiting_free()
     );
@@ -304,7 +297,7 @@ fn written_mapped_words_dropped_during_a_capture_are_freed_once_it_ends() {
     kernels.spin_ns(&capturing, 0).unwrap();
     capturing.synchronize().unwrap();
     assert!(
-        until_retired(Duration::from_secs(10)).is_some(),
+        until_retired(Duration::from_secs(10)),
         "words of earlier tests still wait"
     );
     let words = MappedWords::new(&gpu.context, 1).unwrap();
@@ -325,7 +318,7 @@ fn written_mapped_words_dropped_during_a_capture_are_freed_once_it_ends() {
         .end_capture()
         .expect("the capture survived the drop");
     assert!(
-        until_retired(Duration::from_secs(10)).is_some(),
+        until_retired(Duration::from_secs(10)),
         "never freed after the capture"
     );
     // The recorded spin still replays.
@@ -374,10 +367,7 @@ fn dropping_written_mapped_words_never_waits_for_a_long_kernel_on_another_stream
         launching.elapsed()
     );
     // They are retired once the context is idle: after the unrelated kernel, not before.
-    assert!(
-        until_retired(Duration::from_secs(10)).is_some(),
-        "never retired"
-    );
+    assert!(until_retired(Duration::from_secs(10)), "never retired");
     assert_eq!(busy.query(), Ok(true));
     assert!(spin_started.elapsed() >= Duration::from_millis(300));
     // The page is kept, not freed (a free would wait for the whole device): the next words of
@@ -511,7 +501,7 @@ fn captures_begun_while_dropped_words_retire_are_never_invalidated() {
         drop(graph);
     }
     assert!(
-        until_retired(Duration::from_secs(10)).is_some(),
+        until_retired(Duration::from_secs(10)),
         "dropped words never retired"
     );
 }

@@ -9,7 +9,7 @@ mod common;
 use common::read_u32s;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, mpsc};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cuweave_driver::memory::{DeviceAllocation, copy_dtod_async, memset_d32_async};
 use cuweave_driver::{Context, EventPool, Stream, StreamFlags};
@@ -31,14 +31,10 @@ fn tag(thread: usize, round: usize) -> u32 {
 
 /// Waits, at most `limit`, until `waiter` watches nothing.
 fn settle(waiter: &AsyncEventWaiter, limit: Duration) {
-    let deadline = Instant::now() + limit;
-    while waiter.pending() != 0 {
-        assert!(
-            Instant::now() < deadline,
-            "waiter still pending after {limit:?}"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    assert!(
+        cuweave_test_support::poll_until(limit, || waiter.pending() == 0),
+        "waiter still pending after {limit:?}"
+    );
 }
 
 /// Four producer threads and four consumer threads share one coordinator. A producer writes a
@@ -160,11 +156,10 @@ fn coordinator_chains_across_producer_and_consumer_threads_are_proven_by_bytes()
         }
     }
     // Callbacks run on the waiter's thread or on the observing call: wait for the last ones.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while callbacks.iter().any(|c| c.load(Ordering::SeqCst) == 0) && Instant::now() < deadline {
+    cuweave_test_support::poll_until(Duration::from_secs(5), || {
         coordinator.retire_finished();
-        std::thread::sleep(Duration::from_millis(1));
-    }
+        callbacks.iter().all(|c| c.load(Ordering::SeqCst) != 0)
+    });
     std::thread::sleep(Duration::from_millis(20));
     for (slot, count) in callbacks.iter().enumerate() {
         assert_eq!(

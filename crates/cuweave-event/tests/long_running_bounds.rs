@@ -13,7 +13,7 @@
 mod common;
 
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cuweave_event::{
     AsyncEventWaiter, EventPool, EventPriority, OperationCoordinator, OperationType,
@@ -23,10 +23,7 @@ use cuweave_test_support::{require_gpu, serial};
 /// Waits up to `limit` for the thread count to come back to `at_most`; the count then.
 #[cfg(target_os = "linux")]
 fn threads_settle(at_most: usize, limit: Duration) -> usize {
-    let deadline = Instant::now() + limit;
-    while cuweave_test_support::process_threads() > at_most && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    cuweave_test_support::poll_until(limit, || cuweave_test_support::process_threads() <= at_most);
     cuweave_test_support::process_threads()
 }
 
@@ -94,10 +91,7 @@ fn a_coordinator_per_request_leaves_no_reactor_thread_and_no_event_behind() {
         most <= before + 64,
         "{most} threads at once ({before} before)"
     );
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while pool.utilization().in_use != 0 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    cuweave_test_support::poll_until(Duration::from_secs(5), || pool.utilization().in_use == 0);
     assert_eq!(
         pool.utilization().in_use,
         0,
@@ -141,10 +135,7 @@ fn global_waits_on_a_new_stream_per_request_all_complete_and_leave_nothing_regis
             resident_after_warmup = cuweave_test_support::resident_bytes();
         }
     }
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while waiter.pending() != 0 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    cuweave_test_support::poll_until(Duration::from_secs(5), || waiter.pending() == 0);
     let end = waiter.stats();
     let waits = (BATCHES * IN_FLIGHT) as u64;
     assert_eq!(waiter.pending(), 0, "waits still registered: {end:?}");

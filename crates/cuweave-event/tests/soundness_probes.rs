@@ -14,7 +14,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::task::{Context as TaskContext, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{Flags, MS, within};
 use cuweave_driver::{CaptureMode, InstantiateOptions, Stream};
@@ -25,25 +25,10 @@ use cuweave_event::{
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::outside_capture::capture_outside_cuweave;
 use cuweave_test_support::stream_kernels::StreamKernels;
-use cuweave_test_support::{require_gpu, serial};
+use cuweave_test_support::{poll_until, require_gpu, serial};
 
 /// A value no kernel writes: a flag still holding it was never written.
 const UNTOUCHED: u32 = 0xDEAD_BEEF;
-
-/// Polls `done` until it holds or `limit` passes (a bounded wait on real progress, never a
-/// sleep standing in for it); whether it held.
-fn poll_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + limit;
-    loop {
-        if done() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::yield_now();
-    }
-}
 
 /// One poll of `future` with a waker that does nothing.
 fn poll_once(future: &mut WaitFuture) -> Poll<Result<(), EventError>> {

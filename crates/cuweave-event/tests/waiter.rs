@@ -357,14 +357,12 @@ fn dropping_a_waiter_or_its_free_words_never_waits_for_an_unrelated_long_kernel(
         busy.synchronize().unwrap();
     }
     // What the drops left waits for the context only, and goes once it is idle.
-    let started = Instant::now();
-    while cuweave_driver::memory::host_allocations_awaiting_free() != 0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the waiters' completion words were never freed"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    assert!(
+        cuweave_test_support::poll_until(Duration::from_secs(10), || {
+            cuweave_driver::memory::host_allocations_awaiting_free() == 0
+        }),
+        "the waiters' completion words were never freed"
+    );
 }
 
 #[test]

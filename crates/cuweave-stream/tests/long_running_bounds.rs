@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cuweave_driver::EventPool;
 use cuweave_stream::{GpuTimer, PriorityStream, StreamPriority};
@@ -53,14 +53,12 @@ fn a_callback_on_a_new_stream_per_request_leaves_no_worker_thread_behind() {
         }
     }
     // The worker ends on its own thread once its channel closes: give the last ones a moment.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while cuweave_test_support::process_threads() > before + 4 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while ran.load(Ordering::SeqCst) < REQUESTS && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    cuweave_test_support::poll_until(Duration::from_secs(10), || {
+        cuweave_test_support::process_threads() <= before + 4
+    });
+    cuweave_test_support::poll_until(Duration::from_secs(10), || {
+        ran.load(Ordering::SeqCst) >= REQUESTS
+    });
     assert_eq!(
         ran.load(Ordering::SeqCst),
         REQUESTS,

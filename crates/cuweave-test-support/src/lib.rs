@@ -237,6 +237,27 @@ pub fn resident_bytes() -> u64 {
         .map_or(0, |kib: u64| kib * 1024)
 }
 
+/// Asks `done` until it holds or `limit` has passed (a bounded wait on real progress, never a
+/// sleep standing in for it); whether it held. Spins (yielding) for the first millisecond, then
+/// naps 100 µs between asks, so a quick answer is seen at once and a long wait costs no core.
+pub fn poll_until(limit: std::time::Duration, mut done: impl FnMut() -> bool) -> bool {
+    let started = std::time::Instant::now();
+    loop {
+        if done() {
+            return true;
+        }
+        let waited = started.elapsed();
+        if waited >= limit {
+            return false;
+        }
+        if waited < std::time::Duration::from_millis(1) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+    }
+}
+
 /// The threads of this process (`/proc/self/task`; 0 where there is no procfs), for tests that
 /// check that what a long loop starts comes back down.
 pub fn process_threads() -> usize {

@@ -16,7 +16,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cuweave::driver::{InstantiateOptions, Kernel, LaunchConfig};
 use cuweave::event::OperationId;
@@ -564,10 +564,9 @@ fn a_coordinated_producer_and_consumer_on_two_pool_streams_ping_pong_a_buffer_in
         operations - 1,
         "every operation but the first waits for one on another stream"
     );
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while coordinator.live_operations() > 0 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    cuweave_test_support::poll_until(Duration::from_secs(5), || {
+        coordinator.live_operations() == 0
+    });
     assert_eq!(
         coordinator.live_operations(),
         0,
