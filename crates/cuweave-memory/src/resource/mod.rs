@@ -198,85 +198,59 @@ pub unsafe trait MemoryResource: Send + Sync {
     }
 }
 
-// SAFETY: every call forwards to the shared resource, which upholds the contract.
-#[allow(unsafe_code)]
-unsafe impl<R: MemoryResource + ?Sized> MemoryResource for Arc<R> {
-    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
-        (**self).allocate(bytes, stream)
-    }
+/// `MemoryResource` for a smart pointer to one: every call forwards to the resource pointed
+/// to, which upholds the contract.
+macro_rules! forward_resource {
+    ($($pointer:ident),+) => {$(
+        // SAFETY: every call forwards to the resource behind the pointer, which upholds the
+        // contract.
+        #[allow(unsafe_code)]
+        unsafe impl<R: MemoryResource + ?Sized> MemoryResource for $pointer<R> {
+            fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+                (**self).allocate(bytes, stream)
+            }
 
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
-        (**self).deallocate(ptr, bytes, stream)
-    }
+            fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
+                (**self).deallocate(ptr, bytes, stream)
+            }
 
-    fn allocate_owned(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
-        (**self).allocate_owned(bytes, stream)
-    }
+            fn allocate_owned(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
+                (**self).allocate_owned(bytes, stream)
+            }
 
-    fn deallocate_owned(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
-        (**self).deallocate_owned(ptr, bytes, stream)
-    }
+            fn deallocate_owned(
+                &self,
+                ptr: DevicePtr,
+                bytes: usize,
+                stream: &Stream,
+            ) -> Result<()> {
+                (**self).deallocate_owned(ptr, bytes, stream)
+            }
 
-    fn allocates_in_graphs(&self) -> bool {
-        (**self).allocates_in_graphs()
-    }
+            fn allocates_in_graphs(&self) -> bool {
+                (**self).allocates_in_graphs()
+            }
 
-    fn context(&self) -> &Arc<Context> {
-        (**self).context()
-    }
+            fn context(&self) -> &Arc<Context> {
+                (**self).context()
+            }
 
-    fn device(&self) -> Device {
-        (**self).device()
-    }
+            fn device(&self) -> Device {
+                (**self).device()
+            }
 
-    fn name(&self) -> &str {
-        (**self).name()
-    }
+            fn name(&self) -> &str {
+                (**self).name()
+            }
 
-    fn release_unused(&self) -> Result<()> {
-        (**self).release_unused()
-    }
+            fn release_unused(&self) -> Result<()> {
+                (**self).release_unused()
+            }
+        }
+    )+};
 }
 
-// SAFETY: every call forwards to the boxed resource, which upholds the contract.
-#[allow(unsafe_code)]
-unsafe impl<R: MemoryResource + ?Sized> MemoryResource for Box<R> {
-    fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
-        (**self).allocate(bytes, stream)
-    }
-
-    fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
-        (**self).deallocate(ptr, bytes, stream)
-    }
-
-    fn allocate_owned(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
-        (**self).allocate_owned(bytes, stream)
-    }
-
-    fn deallocate_owned(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
-        (**self).deallocate_owned(ptr, bytes, stream)
-    }
-
-    fn allocates_in_graphs(&self) -> bool {
-        (**self).allocates_in_graphs()
-    }
-
-    fn context(&self) -> &Arc<Context> {
-        (**self).context()
-    }
-
-    fn device(&self) -> Device {
-        (**self).device()
-    }
-
-    fn name(&self) -> &str {
-        (**self).name()
-    }
-
-    fn release_unused(&self) -> Result<()> {
-        (**self).release_unused()
-    }
-}
+forward_resource!(Arc, Box);
 
 /// An error unless `stream` runs on `device`.
 pub(crate) fn check_stream(device: Device, stream: &Stream, operation: &'static str) -> Result<()> {
