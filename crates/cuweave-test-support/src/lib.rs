@@ -34,6 +34,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use cuweave_driver::{Context, Device, DriverError};
 
 pub mod event_kernels;
+pub mod host_flags;
 pub mod kernels;
 pub mod launch_kernels;
 pub mod memory_kernels;

@@ -5,53 +5,12 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use cuweave_driver::memory::{HostAllocFlags, HostAllocation};
 use cuweave_driver::{Context, Stream, StreamFlags};
 
-/// `u32` flags in mapped pinned memory: kernels write them through `device(i)`, the host reads
-/// them with volatile loads while kernels may still run.
-pub struct Flags {
-    memory: HostAllocation,
-    len: usize,
-    device: u64,
-}
-
-impl Flags {
-    pub fn new(context: &Arc<Context>, len: usize) -> Self {
-        let mut memory =
-            HostAllocation::new(context, len * 4, HostAllocFlags::PORTABLE_MAPPED).unwrap();
-        memory.as_bytes_mut().fill(0);
-        let device = memory.device_ptr().unwrap();
-        Self {
-            memory,
-            len,
-            device,
-        }
-    }
-
-    pub fn device(&self, index: usize) -> u64 {
-        assert!(index < self.len);
-        self.device + 4 * index as u64
-    }
-
-    pub fn read(&self, index: usize) -> u32 {
-        assert!(index < self.len);
-        // SAFETY: in bounds of a live, 4-byte-aligned allocation; a volatile read of a word a
-        // kernel may be storing to concurrently (aligned 32-bit stores do not tear).
-        unsafe { std::ptr::read_volatile(self.memory.as_ptr().cast::<u32>().add(index)) }
-    }
-
-    pub fn write(&self, index: usize, value: u32) {
-        assert!(index < self.len);
-        // SAFETY: as `read`; no kernel reads these words non-volatilely.
-        unsafe {
-            std::ptr::write_volatile(
-                self.memory.as_ptr().cast::<u32>().cast_mut().add(index),
-                value,
-            )
-        }
-    }
-}
+/// `u32` flags in mapped pinned memory that kernels write and the host reads (and opens on
+/// drop).
+#[allow(unused_imports)] // not every test binary uses it
+pub use cuweave_test_support::host_flags::HostFlags as Flags;
 
 pub fn stream(context: &Arc<Context>) -> Arc<Stream> {
     Arc::new(Stream::new(context, StreamFlags::NON_BLOCKING).unwrap())
