@@ -4,8 +4,9 @@
 //! the first candidate that loads, resolves every entry point cuweave uses into an [`NcclApi`]
 //! table, reads `ncclGetVersion`, and caches the outcome in a `OnceLock`. No NCCL is
 //! `Err(CollectiveError::NotFound { tried, .. })`, never a panic. The driver's loader
-//! (`cuweave_driver::loader`) has the same shape; the symbol choice ([`choose_entry_point`]) and
-//! the function-type helper ([`OptionalFn`]) are the driver's.
+//! (`cuweave_driver::loader`) has the same shape; the symbol choice ([`choose_entry_point`]), the
+//! function-type helper ([`OptionalFn`]) and the resolving of an entry point
+//! ([`Entry::resolve_as`](cuweave_driver::loader::Entry::resolve_as)) are the driver's.
 
 use std::ffi::{CStr, OsString, c_void};
 use std::path::{Path, PathBuf};
@@ -144,64 +145,39 @@ fn sorted_children(dir: &Path, keep: impl Fn(&str) -> bool) -> Vec<PathBuf> {
     children
 }
 
-/// One resolved entry point: the symbol and the function, if the library exports it.
+/// One resolved entry point: the symbol and the function, if the library exports it (the
+/// driver's [`Entry`](cuweave_driver::loader::Entry), whose absence is this crate's error).
 #[derive(Clone, Copy)]
-pub struct Entry<F> {
-    symbol: &'static str,
-    function: Option<F>,
-}
+pub struct Entry<F>(cuweave_driver::loader::Entry<F>);
 
 impl<F: Copy> Entry<F> {
     fn resolve(candidates: &[&'static str], lookup: &mut SymbolLookup<'_>) -> Self {
-        match choose_entry_point(candidates, lookup) {
-            Some((symbol, address)) => {
-                assert!(
-                    size_of::<F>() == size_of::<*mut c_void>(),
-                    "entry point types are plain function pointers"
-                );
-                // SAFETY: `F` is the `PFN_<symbol>` typedef that `bindgen-nccl` derived from
-                // `nccl.h`'s declaration of exactly this symbol (`__typeof__`), so the address has
-                // that ABI; the sizes were checked above and the address is non-null.
-                let function =
-                    unsafe { std::mem::transmute_copy::<*mut c_void, F>(&address.as_ptr()) };
-                Self {
-                    symbol,
-                    function: Some(function),
-                }
-            }
-            None => Self {
-                symbol: candidates[0],
-                function: None,
-            },
-        }
+        // SAFETY: `F` is the `PFN_<symbol>` typedef that `bindgen-nccl` derived from `nccl.h`'s
+        // declaration of exactly this symbol (`__typeof__`; the `nccl_table!` rows pair them).
+        Self(unsafe { cuweave_driver::loader::Entry::resolve_as(candidates, lookup) })
     }
 
     /// The function, or `Unsupported` naming the symbol when the library lacks it.
     pub fn get(&self) -> Result<F> {
-        self.function.ok_or(CollectiveError::Unsupported {
-            symbol: self.symbol,
+        self.0.function().ok_or(CollectiveError::Unsupported {
+            symbol: self.0.symbol(),
         })
     }
 
     /// The symbol this entry was resolved as.
     pub fn symbol(&self) -> &'static str {
-        self.symbol
+        self.0.symbol()
     }
 
     /// Whether the library exports this entry point.
     pub fn is_available(&self) -> bool {
-        self.function.is_some()
+        self.0.is_available()
     }
 }
 
 impl<F> std::fmt::Debug for Entry<F> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let absent = if self.function.is_some() {
-            ""
-        } else {
-            " (absent)"
-        };
-        write!(f, "{}{absent}", self.symbol)
+        std::fmt::Debug::fmt(&self.0, f)
     }
 }
 

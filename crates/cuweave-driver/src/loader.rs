@@ -61,15 +61,32 @@ pub struct Entry<F> {
 
 impl<F: Copy> Entry<F> {
     fn resolve(candidates: &[&'static str], lookup: &mut SymbolLookup<'_>) -> Self {
+        // SAFETY: `F` is the `PFN_*` typedef that `cudaTypedefs.h` gives for exactly these
+        // symbols and this version (the `driver_table!` rows pair them).
+        unsafe { Self::resolve_as(candidates, lookup) }
+    }
+
+    /// The first of `candidates` (best first, see [`choose_entry_point`]) that `lookup` finds,
+    /// as a function of type `F`; absent, under the first candidate's name, when none is found.
+    /// Other libraries' loaders built the same way (the collective layer's NCCL table) resolve
+    /// their entries with it.
+    ///
+    /// # Panics
+    /// When `F` is not the size of a pointer (not a plain function pointer).
+    ///
+    /// # Safety
+    /// `F` must be the function-pointer type of every one of `candidates` as the library
+    /// exports it (its C declaration's ABI, arguments and result).
+    pub unsafe fn resolve_as(candidates: &[&'static str], lookup: &mut SymbolLookup<'_>) -> Self {
         match choose_entry_point(candidates, lookup) {
             Some((symbol, address)) => {
                 assert!(
                     size_of::<F>() == size_of::<*mut c_void>(),
                     "entry point types are plain function pointers"
                 );
-                // SAFETY: `F` is the `PFN_*` typedef that `cudaTypedefs.h` gives for exactly this
-                // symbol and version, so the address has that ABI; the sizes were checked above and
-                // the address is non-null, as a function pointer must be.
+                // SAFETY: the caller promises `F` is this symbol's function-pointer type, so the
+                // address has that ABI; the sizes were checked above and the address is
+                // non-null, as a function pointer must be.
                 let function =
                     unsafe { std::mem::transmute_copy::<*mut c_void, F>(&address.as_ptr()) };
                 Self {
@@ -82,6 +99,11 @@ impl<F: Copy> Entry<F> {
                 function: None,
             },
         }
+    }
+
+    /// The function, if the library exports it.
+    pub fn function(&self) -> Option<F> {
+        self.function
     }
 
     /// The function, or `Unsupported` naming the preferred symbol when the driver lacks it.
