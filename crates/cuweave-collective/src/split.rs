@@ -192,9 +192,9 @@ impl Communicator {
             },
         );
         if let Err(error) = waited {
-            for parent in parents {
-                parent.abort();
-            }
+            // The splits ran as one group job: aborted one after another, the first abort could
+            // wait for ever on a split that only another parent's abort flag stops.
+            crate::comm::abort_all(parents);
             abort_children(parents, &slots);
             slots.into_iter().for_each(HandleSlot::leak);
             return Err(error);
@@ -308,12 +308,16 @@ fn issue_splits(
 
 /// Aborts every child NCCL has written so far (their slots are leaked by the caller).
 fn abort_children(parents: &[&Communicator], slots: &[HandleSlot]) {
-    for (parent, slot) in parents.iter().zip(slots) {
-        let child = slot.get();
-        if !child.is_null() {
-            abort_raw(parent.api(), parent.context(), child);
-        }
-    }
+    // Together, as the parents: the children of one color initialise as one job.
+    let aborts: Vec<_> = parents
+        .iter()
+        .zip(slots)
+        .filter_map(|(parent, slot)| {
+            let child = slot.get();
+            (!child.is_null()).then_some(move || abort_raw(parent.api(), parent.context(), child))
+        })
+        .collect();
+    crate::comm::abort_together(&aborts);
 }
 
 #[cfg(test)]

@@ -64,9 +64,10 @@ pub(super) fn run(ops: Vec<Op<'_>>, grouped: bool) -> Result<()> {
             }
         }
     }
-    // A group's work waits on each other: one failed or aborted communicator aborts them all.
+    // A group's work waits on each other: one failed or aborted communicator aborts them all,
+    // together and in the background (the caller is not held while queued work drains).
     if grouped && (settling_failed || comms.iter().any(|comm| comm.is_aborted())) {
-        crate::comm::abort_all(&comms);
+        crate::comm::abort_all_in_background(&comms);
     }
     let mut recorded = Ok(());
     for op in &ops {

@@ -107,6 +107,39 @@ pub(crate) fn abort_together<F: Fn() + Sync>(aborts: &[F]) {
     });
 }
 
+/// Aborts `comms` together (see [`abort_together`]) without making the caller wait, as
+/// [`Communicator::abort_in_background`] does for one: each is marked aborted before this
+/// returns, and the aborts this caller requested run at once on a thread of their own, which
+/// holds clones of the communicators until every abort has returned (inline when no thread can
+/// be started).
+pub(crate) fn abort_all_in_background(comms: &[&Communicator]) {
+    let requested: Vec<Communicator> = comms
+        .iter()
+        .filter(|comm| comm.inner.handle.request_abort() == Requested::ByThisCaller)
+        .map(|comm| (*comm).clone())
+        .collect();
+    if requested.is_empty() {
+        return;
+    }
+    let requested = std::sync::Arc::new(requested);
+    let run = |requested: &[Communicator]| {
+        abort_together(
+            &requested
+                .iter()
+                .map(|comm| move || comm.run_requested_abort())
+                .collect::<Vec<_>>(),
+        );
+    };
+    let background = std::sync::Arc::clone(&requested);
+    let spawned = std::thread::Builder::new()
+        .name("cuweave-nccl-abort".into())
+        .spawn(move || run(&background));
+    if let Err(error) = spawned {
+        tracing::warn!(%error, "no thread for a background NCCL abort; aborting inline");
+        run(&requested);
+    }
+}
+
 /// Aborts `comms` together (see [`abort_together`]).
 pub(crate) fn abort_all(comms: &[&Communicator]) {
     abort_together(

@@ -19,7 +19,7 @@ use crate::loader::NcclApi;
 use crate::raw::{HandleSlot, RawComm};
 use crate::sys::{self, ncclResult_t};
 
-pub(crate) use abort::{abort_all, abort_raw, abort_together};
+pub(crate) use abort::{abort_all, abort_all_in_background, abort_raw, abort_together};
 pub(crate) use init::to_int;
 pub(crate) use settle::settle_raw;
 pub(crate) use world::World;

@@ -71,7 +71,9 @@ pub(crate) fn settle_once(
 
 impl Communicator {
     /// `ncclCommGetAsyncError`: `Ok(())` while healthy (or still busy with a non-blocking
-    /// call), NCCL's error once one happened. An error aborts the communicator.
+    /// call), NCCL's error once one happened. An error aborts the communicator: it is marked
+    /// aborted before this returns, and `ncclCommAbort` runs in the background, so the caller
+    /// is not held while queued device work drains.
     ///
     /// Callable from any thread, without waiting for a call in progress on another.
     ///
@@ -83,7 +85,7 @@ impl Communicator {
             Ok(_) => Ok(()),
             Err(error @ CollectiveError::Aborted { .. }) => Err(error),
             Err(error) => {
-                self.abort();
+                self.abort_in_background();
                 Err(error)
             }
         }
@@ -99,14 +101,17 @@ impl Communicator {
 
     /// Polls until the communicator's non-blocking work is no longer in progress, within the
     /// deadline counted from `started`. NCCL's error, a failed poll or the deadline aborts the
-    /// communicator; an abort from another thread ends the wait at the next poll with
-    /// `Aborted`. No guard is held between polls.
+    /// communicator, in the background (see [`abort_in_background`]: a timed-out caller is not
+    /// held while queued device work drains); an abort from another thread ends the wait at
+    /// the next poll with `Aborted`. No guard is held between polls.
+    ///
+    /// [`abort_in_background`]: Self::abort_in_background
     pub(crate) fn settle(&self, operation: &'static str, started: Instant) -> Result<()> {
         let settled = self.settle_without_abort(operation, started);
         if let Err(error) = &settled
             && !matches!(error, CollectiveError::Aborted { .. })
         {
-            self.abort();
+            self.abort_in_background();
         }
         settled
     }
