@@ -1,4 +1,8 @@
 //! [`Stream`]: an ordered queue of device work, with priorities and host callbacks.
+//!
+//! The creation and write/wait flags are in `flags` ([`StreamFlags`], [`WriteOrdering`],
+//! [`WaitCondition`]); what a dropped handle leaves behind in `end` ([`StreamEnd`],
+//! [`ended_watched_streams`]).
 
 use std::ffi::c_void;
 use std::panic::AssertUnwindSafe;
@@ -12,81 +16,13 @@ use crate::event::Event;
 use crate::loader::{cu, driver};
 use crate::sys;
 
-/// Creation flags for a [`Stream`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct StreamFlags {
-    non_blocking: bool,
-}
+mod end;
+mod flags;
+#[cfg(test)]
+mod tests;
 
-impl StreamFlags {
-    /// A stream that synchronises with the legacy default stream (CUDA's default behaviour).
-    pub const DEFAULT: Self = Self {
-        non_blocking: false,
-    };
-    /// A stream that does not synchronise with the legacy default stream (what pools use).
-    pub const NON_BLOCKING: Self = Self { non_blocking: true };
-
-    /// Whether the stream skips synchronisation with the legacy default stream.
-    pub fn is_non_blocking(&self) -> bool {
-        self.non_blocking
-    }
-
-    fn bits(self) -> u32 {
-        if self.non_blocking {
-            sys::CUstream_flags::CU_STREAM_NON_BLOCKING.0
-        } else {
-            sys::CUstream_flags::CU_STREAM_DEFAULT.0
-        }
-    }
-}
-
-/// How a [`Stream::write_value_u32`] write is ordered against the stream's earlier memory writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum WriteOrdering {
-    /// The write lands after every earlier write of the stream is visible (a memory barrier).
-    #[default]
-    AfterPriorWrites,
-    /// The write may overtake earlier writes of the stream (no barrier; cheaper).
-    Relaxed,
-}
-
-impl WriteOrdering {
-    fn bits(self) -> u32 {
-        match self {
-            Self::AfterPriorWrites => {
-                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT.0
-            }
-            Self::Relaxed => {
-                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER.0
-            }
-        }
-    }
-}
-
-/// What a [`Stream::wait_value_u32`] waits for, comparing the word at the address with a value.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WaitCondition {
-    /// `(signed)(word - value) >= 0`: the word has reached `value` (wrapping sequence numbers).
-    AtLeast,
-    /// `word == value`.
-    Equal,
-    /// `word & value != 0`.
-    AnyBitSet,
-    /// `!(word | value) != 0`.
-    Nor,
-}
-
-impl WaitCondition {
-    fn bits(self) -> u32 {
-        use sys::CUstreamWaitValue_flags as F;
-        match self {
-            Self::AtLeast => F::CU_STREAM_WAIT_VALUE_GEQ.0,
-            Self::Equal => F::CU_STREAM_WAIT_VALUE_EQ.0,
-            Self::AnyBitSet => F::CU_STREAM_WAIT_VALUE_AND.0,
-            Self::Nor => F::CU_STREAM_WAIT_VALUE_NOR.0,
-        }
-    }
-}
+pub use end::{StreamEnd, ended_watched_streams};
+pub use flags::{StreamFlags, WaitCondition, WriteOrdering};
 
 /// A CUDA stream of one context. Work queued on it runs in order; streams run concurrently.
 ///
@@ -105,76 +41,6 @@ pub struct Stream {
     /// ([`end_watch`](Self::end_watch)): otherwise a drop records nothing.
     end: OnceLock<Arc<StreamEnd>>,
 }
-
-/// What a [`Stream`] handle leaves behind when it is dropped, for a layer that keeps state per
-/// stream (the caching allocator's free lists) and must know when that state is nobody's and no
-/// queued work of the stream can still use it. Taken with [`Stream::end_watch`].
-///
-/// When a watched handle drops, an event of its context's [`EventPool`](crate::EventPool) is
-/// recorded behind all the work queued through it (`cuStreamDestroy` returns at once; that work
-/// finishes later), and [`ended_watched_streams`] counts one more. [`is_finished`](Self::is_finished)
-/// then says, without blocking, whether that work is done.
-#[derive(Debug, Default)]
-pub struct StreamEnd {
-    /// Set once, at the handle's drop: the event behind its last work, or `None` when none could
-    /// be recorded (the stream was capturing, or the driver refused): its end is then never
-    /// known finished.
-    ended: OnceLock<Option<crate::OwnedPooledEvent>>,
-}
-
-impl StreamEnd {
-    /// Whether the handle has been dropped (an atomic load).
-    #[inline]
-    pub fn is_dropped(&self) -> bool {
-        self.ended.get().is_some()
-    }
-
-    /// Whether the handle has been dropped and every piece of work queued through it before
-    /// has finished: one `cuEventQuery` once dropped, no driver call before. `false` for good
-    /// when no event could be recorded at the drop.
-    ///
-    /// # Errors
-    /// The driver's error from the query (a capture active in the process refuses it).
-    pub fn is_finished(&self) -> Result<bool> {
-        match self.ended.get() {
-            Some(Some(event)) => event.query(),
-            Some(None) | None => Ok(false),
-        }
-    }
-
-    /// Records the end of `stream`, whose handle is being dropped: an event behind its work,
-    /// unless it is capturing (the event would join the capture and could never be queried).
-    fn record(&self, stream: &Stream) {
-        let recorded = match stream.is_capturing() {
-            Ok(false) => crate::EventPool::for_context(stream.context())
-                .and_then(|pool| pool.acquire_owned(false))
-                .and_then(|event| event.record(stream).map(|()| event))
-                .map_err(|error| {
-                    tracing::warn!(%error, stream = stream.id(), "recording a dropped stream's end failed; its cached memory stays with it");
-                })
-                .ok(),
-            Ok(true) | Err(_) => None,
-        };
-        self.set(recorded);
-    }
-
-    /// Marks the handle dropped, with the event behind its last work if there is one.
-    fn set(&self, recorded: Option<crate::OwnedPooledEvent>) {
-        if self.ended.set(recorded).is_ok() {
-            ENDED_WATCHED_STREAMS.fetch_add(1, Ordering::Release);
-        }
-    }
-}
-
-/// How many watched stream handles ([`Stream::end_watch`]) have been dropped in this process so
-/// far: one atomic load, which lets a watcher skip looking at its streams while it is unchanged.
-/// Incremented after the dropped handle's [`StreamEnd`] is set.
-#[inline]
-pub fn ended_watched_streams() -> u64 {
-    ENDED_WATCHED_STREAMS.load(Ordering::Acquire)
-}
-
-static ENDED_WATCHED_STREAMS: AtomicU64 = AtomicU64::new(0);
 
 /// Source of [`Stream::id`]s: never reused within a process, unlike raw handles.
 static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(1);
@@ -657,75 +523,5 @@ impl Drop for Stream {
         if let Err(error) = unsafe { cu!(api.stream_destroy(self.raw)) } {
             tracing::warn!(%error, "destroying a stream failed");
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_stream_end_is_dropped_once_set_and_finished_only_with_an_event() {
-        let end = StreamEnd::default();
-        assert!(!end.is_dropped());
-        assert!(!end.is_finished().unwrap());
-        let before = ended_watched_streams();
-        end.set(None);
-        assert!(end.is_dropped());
-        assert!(
-            !end.is_finished().unwrap(),
-            "no event recorded: never known finished"
-        );
-        assert!(ended_watched_streams() > before);
-        let counted = ended_watched_streams();
-        end.set(None);
-        assert!(
-            ended_watched_streams() >= counted,
-            "a second end is not counted (other tests may count theirs)"
-        );
-    }
-
-    /// A context handle that is never used with the driver (only its raw value is compared).
-    fn fake_context(raw: usize, ordinal: usize) -> Arc<Context> {
-        // SAFETY: neither the handle nor anything made from it reaches the driver: the streams
-        // below are not owned (their drop calls nothing) and only `ensure_context` runs.
-        unsafe { Context::from_raw_borrowed(raw as sys::CUcontext, Device::for_tests(ordinal)) }
-    }
-
-    #[test]
-    fn a_default_stream_of_another_context_on_the_device_is_refused() {
-        let primary = fake_context(0x1000, 0);
-        let same_primary = fake_context(0x1000, 0);
-        let other_library = fake_context(0x2000, 0);
-        let legacy = Stream::legacy_default(&other_library);
-        let error = legacy
-            .ensure_context(&primary, "Event::record")
-            .expect_err("another context's default stream would be read as this one's");
-        assert!(
-            matches!(error, DriverError::InvalidArgument { .. }),
-            "{error}"
-        );
-        assert!(
-            legacy
-                .ensure_context(&other_library, "Event::record")
-                .is_ok()
-        );
-        assert!(
-            Stream::legacy_default(&primary)
-                .ensure_context(&same_primary, "Event::record")
-                .is_ok(),
-            "two handles of one context are the same context"
-        );
-    }
-
-    #[test]
-    fn a_created_stream_names_itself_and_is_checked_by_device_only() {
-        let primary = fake_context(0x1000, 0);
-        let other_library = fake_context(0x2000, 0);
-        let elsewhere = fake_context(0x3000, 1);
-        // SAFETY: never used with the driver; not owned, so its drop calls nothing.
-        let stream = unsafe { Stream::from_raw(&other_library, 0x4000 as sys::CUstream, false) };
-        assert!(stream.ensure_context(&primary, "Kernel::launch").is_ok());
-        assert!(stream.ensure_context(&elsewhere, "Kernel::launch").is_err());
     }
 }

@@ -1,0 +1,258 @@
+//! Beginning and ending a capture on a [`Stream`]: `begin_capture`,
+//! `begin_capture_synchronized`, `end_capture`, and the end of a capture still active when its
+//! stream is dropped.
+
+use std::sync::atomic::Ordering;
+
+use super::failures::{FAILURE_SEQ, invalidated_since};
+use super::mode::CaptureMode;
+use super::registry::{
+    CAPTURE_BEGIN, COUNT_BITS, CaptureState, GLOBAL, RECORDS, Record, STATE, active_captures,
+    while_no_capture_begins,
+};
+use crate::error::{DriverError, Result};
+use crate::graph::error::GraphError;
+use crate::graph::handle::Graph;
+use crate::loader::{cu, driver};
+use crate::stream::Stream;
+use crate::sys;
+
+/// Whether `raw` is the legacy default stream (null or `CU_STREAM_LEGACY`).
+pub(super) fn is_legacy_default(raw: sys::CUstream) -> bool {
+    raw as usize <= 1
+}
+
+impl Stream {
+    /// Starts recording the work queued on this stream (and on streams that wait on events
+    /// recorded in it) into a graph, instead of running it. `cuStreamBeginCapture_v2`.
+    ///
+    /// End with [`end_capture`](Self::end_capture) on this same stream.
+    ///
+    /// Work queued before it is not waited for: buffer trackers treat every use recorded before
+    /// such a capture as possibly running (a capturing stream that would wait on one gets
+    /// [`GraphError::Capturing`]). [`begin_capture_synchronized`](Self::begin_capture_synchronized)
+    /// makes that work finish first.
+    ///
+    /// # Errors
+    /// [`GraphError::LegacyDefaultStream`] for the legacy default stream;
+    /// [`GraphError::AlreadyCapturing`] when a cuweave capture is active on this stream; the
+    /// driver's error otherwise.
+    pub fn begin_capture(&self, mode: CaptureMode) -> Result<()> {
+        self.check_can_capture()?;
+        let complete_before = self.inherited_complete_before();
+        self.begin_capture_recorded(mode, complete_before)
+    }
+
+    /// [`begin_capture`](Self::begin_capture) after the context's earlier work has finished,
+    /// as PyTorch's `torch.cuda.graph` does (`torch.cuda.synchronize()` before
+    /// `capture_begin`): bumps the capture epoch, synchronises the context (`cuCtxSynchronize`),
+    /// then begins. Every use a buffer tracker recorded in this context before the bump is then
+    /// known to be complete ([`known_complete_before`]), so a capturing stream drops it instead
+    /// of waiting on an event recorded outside the capture (which the driver refuses).
+    ///
+    /// When another capture is already active the context cannot be synchronised (that would
+    /// wait on, or break, the capturing streams): the capture begins without it and inherits the
+    /// bound of an active capture of the same context, if any.
+    ///
+    /// # Errors
+    /// As [`begin_capture`](Self::begin_capture), and the synchronisation's error (a kernel that
+    /// faulted earlier, ...), in which case no capture is begun.
+    ///
+    /// [`known_complete_before`]: super::known_complete_before
+    pub fn begin_capture_synchronized(&self, mode: CaptureMode) -> Result<()> {
+        self.check_can_capture()?;
+        let mut complete_before = self.inherited_complete_before();
+        if active_captures() == 0 {
+            let epoch = CaptureState::from_word(STATE.fetch_add(1 << COUNT_BITS, Ordering::SeqCst))
+                .epoch
+                + 1;
+            // No capture can begin between the count's check and the synchronisation, which
+            // would invalidate it.
+            match while_no_capture_begins(|| self.context().synchronize()) {
+                Ok(()) => complete_before = complete_before.max(epoch),
+                // Another thread began a capture meanwhile: begin without the synchronisation.
+                Err(DriverError::Graph(GraphError::Capturing { .. })) => {}
+                Err(error) => return Err(error),
+            }
+        }
+        self.begin_capture_recorded(mode, complete_before)
+    }
+
+    fn check_can_capture(&self) -> Result<()> {
+        if is_legacy_default(self.as_raw()) {
+            return Err(GraphError::LegacyDefaultStream {
+                operation: "Stream::begin_capture",
+            }
+            .into());
+        }
+        if RECORDS
+            .lock()
+            .iter()
+            .any(|record| record.stream == self.id())
+        {
+            return Err(GraphError::AlreadyCapturing { stream: self.id() }.into());
+        }
+        Ok(())
+    }
+
+    /// The largest known-complete bound of the captures active on this stream's context.
+    fn inherited_complete_before(&self) -> u64 {
+        let raw = self.context().as_raw() as usize;
+        RECORDS
+            .lock()
+            .iter()
+            .filter(|record| record.context == raw)
+            .map(|record| record.complete_before)
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn begin_capture_recorded(&self, mode: CaptureMode, complete_before: u64) -> Result<()> {
+        self.context().bind_to_thread()?;
+        let api = driver()?;
+        // Until the capture is counted: see `while_no_capture_begins`.
+        let _beginning = CAPTURE_BEGIN.write();
+        // No lock across the call: a failure goes through `note_driver_failure`, which locks.
+        // SAFETY: live stream of the current context; the mode is a valid enum value.
+        unsafe { cu!(api.stream_begin_capture(self.as_raw(), mode.to_sys())) }?;
+        let capture_id = match self.capture_status() {
+            Ok(status) => status.id().unwrap_or(0),
+            Err(error) => {
+                tracing::warn!(%error, "reading a new capture's id failed; uses recorded in it are not recognised");
+                0
+            }
+        };
+        RECORDS.lock().push(Record {
+            stream: self.id(),
+            mode,
+            first_failure: FAILURE_SEQ.load(Ordering::Acquire),
+            capture_id,
+            context: self.context().as_raw() as usize,
+            complete_before,
+            thread: std::thread::current().id(),
+            tracked: false,
+        });
+        STATE.fetch_add(1, Ordering::AcqRel);
+        if mode == CaptureMode::Global {
+            GLOBAL.fetch_add(1, Ordering::AcqRel);
+        }
+        Ok(())
+    }
+
+    /// Ends the capture begun on this stream and returns what it recorded.
+    /// `cuStreamEndCapture`.
+    ///
+    /// # Errors
+    /// [`GraphError::NotCapturing`] when no capture was begun on this stream through cuweave
+    /// (for instance, ending on a stream that was only forked into the capture), without
+    /// touching the capture; [`GraphError::CaptureInvalidated`] naming the first call that broke
+    /// it; [`GraphError::UnjoinedFork`] when a forked stream was not joined back. Either way the
+    /// capture is over and the stream usable again.
+    pub fn end_capture(&self) -> Result<Graph> {
+        let record = {
+            let records = RECORDS.lock();
+            records
+                .iter()
+                .find(|record| record.stream == self.id())
+                .copied()
+        };
+        let Some(record) = record else {
+            return Err(GraphError::NotCapturing {
+                operation: "Stream::end_capture",
+                stream: self.id(),
+            }
+            .into());
+        };
+        self.context().bind_to_thread()?;
+        let api = driver()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: live stream; valid out-pointer.
+        let ended = unsafe { cu!(api.stream_end_capture(self.as_raw(), &mut raw)) };
+        let over = match &ended {
+            Ok(()) => true,
+            Err(error) => !matches!(
+                error.code(),
+                Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD)
+            ),
+        };
+        if over {
+            self.forget_capture(record);
+        }
+        match ended {
+            Ok(()) if !raw.is_null() => {
+                // SAFETY: the driver just created this graph and hands it to us.
+                let graph = unsafe { Graph::from_raw(self.context(), raw) };
+                Ok(graph.with_tracked_capture(record.tracked.then_some(record.capture_id)))
+            }
+            Ok(()) => Err(invalidated_since(
+                record.first_failure,
+                record.blamed_thread(),
+            )),
+            Err(DriverError::Graph(GraphError::CaptureInvalidated { .. })) => Err(
+                invalidated_since(record.first_failure, record.blamed_thread()),
+            ),
+            Err(error) => Err(match error.code() {
+                Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNJOINED) => {
+                    GraphError::UnjoinedFork.into()
+                }
+                Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED) => {
+                    invalidated_since(record.first_failure, record.blamed_thread())
+                }
+                _ => error,
+            }),
+        }
+    }
+
+    fn forget_capture(&self, record: Record) {
+        RECORDS.lock().retain(|other| other.stream != record.stream);
+        STATE.fetch_sub(1, Ordering::AcqRel);
+        if record.mode == CaptureMode::Global {
+            GLOBAL.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// At drop: ends a capture begun through cuweave on this stream and never ended, and
+    /// destroys what it recorded, so that the process does not count it as active for ever
+    /// (which would refuse every blocking call on the thread that began it). The capture is
+    /// over either way: the stream is about to be destroyed.
+    pub(crate) fn abandon_capture(&self) {
+        if active_captures() == 0 {
+            return;
+        }
+        let record = RECORDS
+            .lock()
+            .iter()
+            .find(|record| record.stream == self.id())
+            .copied();
+        let Some(record) = record else { return };
+        let Ok(api) = driver() else { return };
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: live stream (dropped only after this returns); valid out-pointer.
+        match unsafe { cu!(api.stream_end_capture(self.as_raw(), &mut raw)) } {
+            Ok(()) if !raw.is_null() => {
+                // SAFETY: the driver just made this graph and hands it to us; dropped at once.
+                drop(unsafe { Graph::from_raw(self.context(), raw) });
+            }
+            Ok(()) => {}
+            // A global or thread-local capture ends only on the thread that began it: the
+            // stream is destroyed anyway, and its record forgotten (kept, it would count the
+            // capture as active for as long as the process runs).
+            Err(error)
+                if error.code() == Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD) =>
+            {
+                tracing::warn!(
+                    stream = self.id(),
+                    "a capturing stream was dropped on another thread than the one that began its capture: the driver refused to end the capture there; drop capturing streams on their capture's thread"
+                );
+            }
+            Err(error) => {
+                tracing::warn!(%error, "ending the capture of a stream being dropped failed");
+            }
+        }
+        tracing::debug!(
+            stream = self.id(),
+            "a stream was dropped while capturing: its capture was ended and discarded"
+        );
+        self.forget_capture(record);
+    }
+}

@@ -1,0 +1,172 @@
+//! The process-wide bookkeeping of captures begun through cuweave: the count of active captures
+//! and the capture epoch in one atomic word ([`active_captures`], [`capture_state`]), and a
+//! [`Record`] of each capture (its stream, mode, thread, context and what it knows to be
+//! complete).
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use parking_lot::Mutex;
+
+use super::mode::CaptureMode;
+
+/// Captures begun through [`Stream::begin_capture`] and not yet ended (the low
+/// [`COUNT_BITS`] bits), and the capture epoch (the bits above), in one word so that a hot path
+/// reads both with one load ([`capture_state`]).
+///
+/// [`Stream::begin_capture`]: crate::Stream::begin_capture
+pub(super) static STATE: AtomicU64 = AtomicU64::new(0);
+/// Bits of [`STATE`] that count active captures.
+pub(super) const COUNT_BITS: u32 = 24;
+/// Mask of the count in [`STATE`].
+const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
+/// Those of them in [`CaptureMode::Global`].
+pub(super) static GLOBAL: AtomicUsize = AtomicUsize::new(0);
+
+/// A capture begun here: which stream, in which mode, the failure sequence at its start, the
+/// driver's capture id, its context, and the epoch before which that context's work is known to
+/// have completed.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Record {
+    pub(super) stream: u64,
+    pub(super) mode: CaptureMode,
+    pub(super) first_failure: u64,
+    pub(super) capture_id: u64,
+    pub(super) context: usize,
+    pub(super) complete_before: u64,
+    /// The thread that began the capture.
+    pub(super) thread: std::thread::ThreadId,
+    /// A tracked buffer (of the memory layer) was used in the capture: its graph's launches
+    /// leave fences (see `fences`).
+    pub(super) tracked: bool,
+}
+
+impl Record {
+    /// The thread whose failed calls are looked at first when the capture turns out broken:
+    /// its own, unless it is global, which any thread's unsafe call breaks (then the first
+    /// failure anywhere is the cause).
+    pub(super) fn blamed_thread(&self) -> Option<std::thread::ThreadId> {
+        (self.mode != CaptureMode::Global).then_some(self.thread)
+    }
+}
+
+/// Every capture begun through cuweave and not yet ended (few at a time: one per capturing
+/// stream), so that `end_capture` knows its mode and where to look for the call that broke it.
+pub(super) static RECORDS: Mutex<Vec<Record>> = Mutex::new(Vec::new());
+
+/// Held exclusively while a capture begins (from before `cuStreamBeginCapture` until the
+/// capture is counted in [`active_captures`]), and shared by [`while_no_capture_begins`]: a
+/// background thread that checks for active captures and then synchronises a context (the
+/// driver's host-retirement thread) cannot see none and then synchronise into a capture that
+/// began in between, which would invalidate it.
+pub(super) static CAPTURE_BEGIN: parking_lot::RwLock<()> = parking_lot::RwLock::new(());
+
+/// Runs `f` while no capture can begin through cuweave: for a check of [`active_captures`]
+/// followed by a call that would invalidate a capture (a context synchronisation) made off the
+/// thread whose program order would otherwise keep them apart. A capture about to begin waits
+/// for `f` to return.
+pub(crate) fn while_no_capture_begins<R>(f: impl FnOnce() -> R) -> R {
+    let _no_begin = CAPTURE_BEGIN.read();
+    f()
+}
+
+/// How many captures begun through cuweave are active in the process: one relaxed atomic load,
+/// for hot paths that must behave differently while any capture runs.
+#[inline]
+pub fn active_captures() -> usize {
+    (STATE.load(Ordering::Acquire) & COUNT_MASK) as usize
+}
+
+/// How many captures are active and the capture epoch, read together with one atomic load.
+///
+/// The epoch grows by one each time [`Stream::begin_capture_synchronized`] is about to
+/// synchronise a context. Work queued in that context *before* a load that returned an epoch
+/// below the capture's [`known_complete_before`] has finished when the capture begins: so a
+/// buffer tracker that stamps each recorded use with the epoch read just after recording it
+/// can drop, without querying, the uses a capturing stream would otherwise have to wait on.
+///
+/// [`Stream::begin_capture_synchronized`]: crate::Stream::begin_capture_synchronized
+#[inline]
+pub fn capture_state() -> CaptureState {
+    CaptureState::from_word(STATE.load(Ordering::SeqCst))
+}
+
+/// What [`capture_state`] returns: active captures and the capture epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CaptureState {
+    /// Captures begun through cuweave and not yet ended.
+    pub active: usize,
+    /// The capture epoch (see [`capture_state`]).
+    pub epoch: u64,
+}
+
+impl CaptureState {
+    pub(super) fn from_word(word: u64) -> Self {
+        Self {
+            active: (word & COUNT_MASK) as usize,
+            epoch: word >> COUNT_BITS,
+        }
+    }
+}
+
+/// Notes that a tracked buffer was used in the active capture `capture_id` (begun through
+/// cuweave): the graph it ends in then leaves a fence behind each launch, which eager work on
+/// other streams that uses such a buffer waits for
+/// ([`wait_for_graph_launches`](crate::graph::wait_for_graph_launches)). The memory layer calls it;
+/// cheap when already noted.
+pub fn note_tracked_use(capture_id: u64) {
+    if let Some(record) = RECORDS
+        .lock()
+        .iter_mut()
+        .find(|record| record.capture_id == capture_id)
+    {
+        record.tracked = true;
+    }
+}
+
+/// Whether the capture sequence `capture_id` (as [`CaptureStatus::id`] reports it), begun through
+/// cuweave, is still active.
+///
+/// [`CaptureStatus::id`]: super::CaptureStatus::id
+pub fn capture_is_active(capture_id: u64) -> bool {
+    RECORDS
+        .lock()
+        .iter()
+        .any(|record| record.capture_id == capture_id)
+}
+
+/// The epoch before which every use stamped by `context`'s work is known to have completed,
+/// for work captured into `capture_id`: the epoch taken just before the context synchronisation
+/// of [`Stream::begin_capture_synchronized`] (or of an earlier capture still active on the same
+/// context). 0 (nothing known) for a capture begun without that synchronisation, outside
+/// cuweave, or on another context.
+///
+/// [`Stream::begin_capture_synchronized`]: crate::Stream::begin_capture_synchronized
+pub fn known_complete_before(capture_id: u64, context: &crate::Context) -> u64 {
+    let raw = context.as_raw() as usize;
+    let records = RECORDS.lock();
+    let Some(record) = records
+        .iter()
+        .find(|record| record.capture_id == capture_id)
+    else {
+        return 0;
+    };
+    if record.context == raw {
+        record.complete_before
+    } else {
+        0
+    }
+}
+
+/// Whether this thread began a global or thread-local capture that is not over.
+pub(super) fn this_thread_captures() -> bool {
+    let thread = std::thread::current().id();
+    RECORDS
+        .lock()
+        .iter()
+        .any(|record| record.thread == thread && record.mode != CaptureMode::Relaxed)
+}
+
+/// Held by the unit tests that raise the capture count by hand, and by those that need it at
+/// zero: the test harness runs them on parallel threads.
+#[cfg(test)]
+pub(crate) static CAPTURE_COUNT_TEST_LOCK: Mutex<()> = Mutex::new(());

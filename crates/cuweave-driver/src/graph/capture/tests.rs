@@ -1,0 +1,114 @@
+//! Unit tests of the capture bookkeeping that need no GPU: the failure log, the state word,
+//! the status helpers, and the refusals while no capture is active.
+
+use std::sync::atomic::Ordering;
+
+use super::begin_end::is_legacy_default;
+use super::failures::{FAILURE_LOG, FAILURE_SEQ, FAILURES, Failure, first_failure_after};
+use super::registry::{COUNT_BITS, STATE};
+use super::*;
+use crate::sys;
+
+#[test]
+fn the_failure_log_is_bounded_and_finds_the_first_after_a_point() {
+    let _count = CAPTURE_COUNT_TEST_LOCK.lock();
+    // Not noted while no capture is active (the other tests that touch the count hold the
+    // lock too).
+    let before = FAILURE_SEQ.load(Ordering::Acquire);
+    note_driver_failure(
+        sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+        "cuTest",
+    );
+    assert_eq!(FAILURE_SEQ.load(Ordering::Acquire), before);
+    STATE.fetch_add(1, Ordering::AcqRel);
+    let start = FAILURE_SEQ.load(Ordering::Acquire);
+    note_driver_failure(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY, "cuIgnored");
+    // A consequence, not a cause: never noted.
+    note_driver_failure(
+        sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+        "cuConsequence",
+    );
+    for _ in 0..100_000 {
+        note_driver_failure(
+            sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+            "cuLater",
+        );
+    }
+    STATE.fetch_sub(1, Ordering::AcqRel);
+    assert!(FAILURES.lock().len() <= FAILURE_LOG);
+    // With no capture recorded, nobody asks about old failures: the log keeps the newest.
+    assert!(first_failure_after(start, None).is_some_and(|first| first.operation == "cuLater"));
+    let last = FAILURE_SEQ.load(Ordering::Acquire);
+    assert!(first_failure_after(last, None).is_none());
+}
+
+#[test]
+fn a_capture_looks_first_at_its_own_threads_failures() {
+    let _count = CAPTURE_COUNT_TEST_LOCK.lock();
+    let here = std::thread::current().id();
+    let other = std::thread::spawn(|| std::thread::current().id())
+        .join()
+        .unwrap();
+    // Another thread broke its capture first, then this one broke its own.
+    let start = FAILURE_SEQ.fetch_add(2, Ordering::AcqRel);
+    {
+        let mut failures = FAILURES.lock();
+        failures.clear();
+        for (seq, operation, thread) in [
+            (start + 1, "cuOtherThread", other),
+            (start + 2, "cuThisThread", here),
+        ] {
+            failures.push_back(Failure {
+                seq,
+                operation,
+                code: sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                thread,
+            });
+        }
+    }
+    let operation = |thread| first_failure_after(start, thread).map(|f| f.operation);
+    assert_eq!(operation(Some(here)), Some("cuThisThread"));
+    assert_eq!(operation(Some(other)), Some("cuOtherThread"));
+    // A global capture (no thread) is broken by the first failure anywhere; a thread with
+    // no failure of its own is given that one too.
+    assert_eq!(operation(None), Some("cuOtherThread"));
+    let third = std::thread::spawn(|| std::thread::current().id())
+        .join()
+        .unwrap();
+    assert_eq!(operation(Some(third)), Some("cuOtherThread"));
+    FAILURES.lock().clear();
+}
+
+#[test]
+fn the_state_word_holds_the_count_below_the_epoch() {
+    let word = (7u64 << COUNT_BITS) | 3;
+    assert_eq!(
+        CaptureState::from_word(word),
+        CaptureState {
+            active: 3,
+            epoch: 7
+        }
+    );
+    // A bump of the epoch never touches the count, nor a count change the epoch.
+    let bumped = CaptureState::from_word(word + (1 << COUNT_BITS) - 1);
+    assert_eq!((bumped.active, bumped.epoch), (2, 8));
+    assert!(!capture_is_active(u64::MAX));
+}
+
+#[test]
+fn status_helpers() {
+    assert!(!CaptureStatus::None.is_capturing());
+    assert!(CaptureStatus::Active { id: 3 }.is_capturing());
+    assert_eq!(CaptureStatus::Invalidated { id: 4 }.id(), Some(4));
+    assert!(is_legacy_default(std::ptr::null_mut()));
+    assert!(is_legacy_default(1 as sys::CUstream));
+    assert!(!is_legacy_default(2 as sys::CUstream));
+}
+
+#[test]
+fn no_capture_means_nothing_is_refused() {
+    let _count = CAPTURE_COUNT_TEST_LOCK.lock();
+    // No unit test of this crate begins a real capture.
+    assert_eq!(active_captures(), 0);
+    assert!(refuse_while_capturing(None, "op").is_ok());
+}
