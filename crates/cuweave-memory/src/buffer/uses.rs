@@ -29,53 +29,25 @@
 use std::sync::Arc;
 
 use cuweave_driver::graph::GraphError;
-use cuweave_driver::{OwnedPooledEvent, Stream};
 
 use super::tracker::Access;
 use crate::caching::NO_POOL;
 use crate::error::{MemoryError, Result};
 
-/// An event as the bookkeeping needs it.
-pub(crate) trait UseEvent {
-    /// Whether the work recorded before it has finished; never blocks.
-    fn is_complete(&self) -> Result<bool>;
-}
+#[path = "uses_bound.rs"]
+mod bound;
+#[path = "uses_byte_range.rs"]
+mod byte_range;
+#[path = "uses_capture.rs"]
+mod capture;
+#[path = "uses_stream.rs"]
+mod stream;
 
-/// A stream as the bookkeeping needs it.
-pub(crate) trait UseStream {
-    /// The event type recorded on it.
-    type Event: UseEvent;
-    /// The raw `CUstream` value (0 and 1: the legacy default stream; 2: the per-thread one).
-    fn raw(&self) -> usize;
-    /// The handle's process-unique id.
-    fn id(&self) -> u64;
-    /// Makes the stream wait (device-side) for `event`.
-    fn wait_for(&self, event: &Self::Event) -> Result<()>;
-    /// Records `event` behind the work queued on the stream so far.
-    fn record(&self, event: &Self::Event) -> Result<()>;
-    /// The capture epoch now (read after recording a use, to stamp it).
-    fn capture_epoch(&self) -> u64;
-    /// Whether the capture `id` is still active.
-    fn capture_is_active(&self, id: u64) -> bool;
-    /// The graph pool the active capture `id` allocates from, as a tag that outlives the
-    /// capture's binding ([`NO_POOL`] when no pool is bound to it).
-    fn graph_pool_of(&self, capture: u64) -> u64 {
-        crate::caching::pool_tag_of_capture(capture)
-    }
-    /// Whether the graph pool `tag` still has a holder (a handle, graph or executable).
-    fn graph_pool_is_live(&self, tag: u64) -> bool {
-        crate::caching::pool_tag_is_live(tag)
-    }
-}
-
-/// Where an operation's stream stands with respect to capture, read once per operation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) struct CaptureView {
-    /// Whether any capture is active in the process.
-    pub(crate) any_active: bool,
-    /// The capture the stream records into, when it is capturing.
-    pub(crate) capture: Option<Capturing>,
-}
+pub(crate) use byte_range::ByteRange;
+pub(crate) use capture::{CaptureView, Capturing, FencedCaptures};
+use capture::{CapturedBytes, CapturedUse};
+use stream::{ReadSlot, read_slot, stream_identity};
+pub(crate) use stream::{UseEvent, UseStream};
 
 /// What [`UseState::take_all`] hands over when a buffer is freed.
 #[derive(Debug)]
@@ -88,92 +60,6 @@ pub(crate) struct Taken<E> {
     pub(crate) graph_pools: Vec<u64>,
 }
 
-/// The capture a stream records into.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Capturing {
-    /// The capture's id.
-    pub(crate) id: u64,
-    /// Eager uses stamped with an epoch below this are known to have completed.
-    pub(crate) complete_before: u64,
-}
-
-impl CaptureView {
-    /// No capture anywhere.
-    pub(crate) const NONE: Self = Self {
-        any_active: false,
-        capture: None,
-    };
-
-    fn tag(&self) -> Option<u64> {
-        self.capture.map(|capture| capture.id)
-    }
-}
-
-impl UseEvent for OwnedPooledEvent {
-    fn is_complete(&self) -> Result<bool> {
-        Ok(self.query()?)
-    }
-}
-
-impl UseStream for Stream {
-    type Event = OwnedPooledEvent;
-
-    fn raw(&self) -> usize {
-        self.as_raw() as usize
-    }
-
-    fn id(&self) -> u64 {
-        Stream::id(self)
-    }
-
-    fn wait_for(&self, event: &OwnedPooledEvent) -> Result<()> {
-        Ok(self.wait_event(event)?)
-    }
-
-    fn record(&self, event: &OwnedPooledEvent) -> Result<()> {
-        Ok(event.record(self)?)
-    }
-
-    #[inline]
-    fn capture_epoch(&self) -> u64 {
-        // The record just made is ordered before the epoch read that stamps it.
-        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        cuweave_driver::graph::capture_state().epoch
-    }
-
-    fn capture_is_active(&self, id: u64) -> bool {
-        cuweave_driver::graph::capture_is_active(id)
-    }
-}
-
-/// The identity of a stream for skipping waits: its id, or none for a default stream whose
-/// handle can name several streams (`CUstream` 0 or 1, the legacy stream, which blocking
-/// operations reach through fresh handles; 2, the per-thread default stream).
-fn stream_identity(stream: &impl UseStream) -> Option<u64> {
-    if stream.raw() <= 2 {
-        None
-    } else {
-        Some(stream.id())
-    }
-}
-
-/// Which read entry a read may re-record: its own stream's. Reads on the legacy default stream
-/// (one stream per context) share one entry; reads on the per-thread default stream, whose one
-/// handle names a different stream on each thread, never share.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ReadSlot {
-    Stream(u64),
-    Legacy,
-}
-
-fn read_slot(stream: &impl UseStream) -> Option<ReadSlot> {
-    match stream.raw() {
-        0 | 1 => Some(ReadSlot::Legacy),
-        2 => None,
-        _ => Some(ReadSlot::Stream(stream.id())),
-    }
-}
-
 /// Reads tracked at once before finished ones are pruned (reads of streams that come and go,
 /// or of the per-thread default stream, would otherwise pile up until the next write).
 pub(crate) const PRUNE_READS_AT: usize = 8;
@@ -182,49 +68,13 @@ pub(crate) const PRUNE_READS_AT: usize = 8;
 /// are dropped, then the rest merged into one (see [`UseState::record_range`]).
 pub(crate) const MAX_USES: usize = 32;
 
-/// A byte range of a buffer, `start..end` (never empty).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct ByteRange {
-    /// First byte.
-    pub(crate) start: usize,
-    /// One past the last byte.
-    pub(crate) end: usize,
-}
+/// How many graph pools a buffer remembers before it first drops the dead ones (and again at
+/// each doubling).
+pub(crate) const PRUNE_GRAPHS_AT: usize = 16;
 
-impl ByteRange {
-    /// Every byte of any buffer.
-    pub(crate) const WHOLE: Self = Self {
-        start: 0,
-        end: usize::MAX,
-    };
-
-    /// `start..start + len`.
-    #[inline]
-    pub(crate) fn new(start: usize, len: usize) -> Self {
-        Self {
-            start,
-            end: start.saturating_add(len),
-        }
-    }
-
-    #[inline]
-    fn overlaps(self, other: Self) -> bool {
-        self.start < other.end && other.start < self.end
-    }
-
-    #[inline]
-    fn contains(self, other: Self) -> bool {
-        self.start <= other.start && other.end <= self.end
-    }
-
-    #[inline]
-    fn hull(self, other: Self) -> Self {
-        Self {
-            start: self.start.min(other.start),
-            end: self.end.max(other.end),
-        }
-    }
-}
+/// How many captures a buffer remembers for ordering eager work after their graphs' launches
+/// (see [`UseState::waits_for_capture`]).
+pub(crate) const CAPTURES_KEPT: usize = 8;
 
 /// An event recorded on a stream behind a use of a range of the buffer.
 #[derive(Debug)]
@@ -312,75 +162,6 @@ pub(crate) struct UseState<E> {
     records: u64,
 }
 
-/// A capture that used a buffer, and the bytes it used.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct CapturedUse {
-    id: u64,
-    bytes: CapturedBytes,
-}
-
-/// The bytes of a buffer that captured work used and wrote, each as one hull (more than were
-/// touched, never less).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct CapturedBytes {
-    used: Option<ByteRange>,
-    written: Option<ByteRange>,
-}
-
-impl CapturedBytes {
-    fn add(&mut self, range: ByteRange, access: Access) {
-        let grow = |hull: Option<ByteRange>| Some(hull.map_or(range, |hull| hull.hull(range)));
-        self.used = grow(self.used);
-        if access == Access::Write {
-            self.written = grow(self.written);
-        }
-    }
-
-    /// Whether an `access` of `range` conflicts with these: a write with any byte used, a read
-    /// with any byte written.
-    fn conflicts(&self, range: ByteRange, access: Access) -> bool {
-        let bytes = match access {
-            Access::Write => self.used,
-            Access::Read => self.written,
-        };
-        bytes.is_some_and(|bytes| bytes.overlaps(range))
-    }
-}
-
-/// The captures whose graphs' launches must wait for an eager use ([`UseState::launches_after`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum FencedCaptures {
-    /// These captures.
-    These(Vec<u64>),
-    /// Every tracked capture (the buffer was used by more than it remembers).
-    Any,
-}
-
-impl FencedCaptures {
-    /// Adds `other`'s captures (for an operation on several buffers).
-    pub(crate) fn merge(&mut self, other: Self) {
-        match (&mut *self, other) {
-            (Self::Any, _) => {}
-            (_, Self::Any) => *self = Self::Any,
-            (Self::These(ids), Self::These(more)) => {
-                for id in more {
-                    if !ids.contains(&id) {
-                        ids.push(id);
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// How many graph pools a buffer remembers before it first drops the dead ones (and again at
-/// each doubling).
-pub(crate) const PRUNE_GRAPHS_AT: usize = 16;
-
-/// How many captures a buffer remembers for ordering eager work after their graphs' launches
-/// (see [`UseState::waits_for_capture`]).
-pub(crate) const CAPTURES_KEPT: usize = 8;
-
 impl<E> Default for UseState<E> {
     fn default() -> Self {
         Self {
@@ -409,140 +190,6 @@ impl<E: UseEvent> UseState<E> {
     #[inline]
     pub(crate) fn is_empty(&self) -> bool {
         self.writes.is_empty() && self.reads.is_empty()
-    }
-
-    /// Whether a capture ever used the buffer.
-    #[inline]
-    pub(crate) fn used_in_graphs(&self) -> bool {
-        !self.graphs.is_empty() || !self.unbound.is_empty()
-    }
-
-    /// Whether eager work that makes an `access` of `range` must wait for the launches of
-    /// graphs ended from `capture`: a write, when that capture used bytes of `range`; a read,
-    /// when it wrote some (past [`CAPTURES_KEPT`] captures: any capture, against the bytes all
-    /// captures together used and wrote).
-    pub(crate) fn waits_for_capture(&self, capture: u64, range: ByteRange, access: Access) -> bool {
-        if self.many_captures {
-            return self.all_captured.conflicts(range, access);
-        }
-        self.captures
-            .iter()
-            .any(|used| used.id == capture && used.bytes.conflicts(range, access))
-    }
-
-    /// The captures whose graphs' launches must wait for eager work just recorded that makes an
-    /// `access` of `range`: for a write, those that used bytes of it; for a read, those that
-    /// wrote some. `None` when there are none.
-    pub(crate) fn launches_after(
-        &self,
-        range: ByteRange,
-        access: Access,
-    ) -> Option<FencedCaptures> {
-        if self.many_captures {
-            return self
-                .all_captured
-                .conflicts(range, access)
-                .then_some(FencedCaptures::Any);
-        }
-        let ids: Vec<u64> = self
-            .captures
-            .iter()
-            .filter(|used| used.bytes.conflicts(range, access))
-            .map(|used| used.id)
-            .collect();
-        (!ids.is_empty()).then_some(FencedCaptures::These(ids))
-    }
-
-    /// Remembers the graph pool of the capture `id`, which used the buffer through `stream`
-    /// (an `access` of `range`).
-    ///
-    /// Captures recaptured into one pool share its entry; past [`PRUNE_GRAPHS_AT`] entries
-    /// (and at each doubling) the pools that died are dropped: no graph of theirs is left.
-    #[cold]
-    fn note_graph<S: UseStream<Event = E>>(
-        &mut self,
-        stream: &S,
-        id: u64,
-        range: ByteRange,
-        access: Access,
-    ) {
-        self.all_captured.add(range, access);
-        if !self.many_captures {
-            if let Some(used) = self.captures.iter_mut().find(|used| used.id == id) {
-                used.bytes.add(range, access);
-            } else if self.captures.len() < CAPTURES_KEPT {
-                let mut bytes = CapturedBytes::default();
-                bytes.add(range, access);
-                self.captures.push(CapturedUse { id, bytes });
-            } else {
-                // Bounded: past this, every fenced launch is waited for (more than needed, never
-                // less).
-                self.captures.clear();
-                self.many_captures = true;
-            }
-        }
-        let tag = match self.last_graph {
-            Some((capture, tag)) if capture == id => tag,
-            _ => {
-                let tag = stream.graph_pool_of(id);
-                if tag != NO_POOL {
-                    self.last_graph = Some((id, tag));
-                }
-                tag
-            }
-        };
-        if !self.unbound.is_empty() {
-            self.settle_unbound(
-                |capture| stream.capture_is_active(capture),
-                |capture| stream.graph_pool_of(capture),
-            );
-        }
-        if tag == NO_POOL {
-            if !self.unbound.contains(&id) {
-                self.unbound.push(id);
-            }
-            return;
-        }
-        self.unbound.retain(|&capture| capture != id);
-        self.add_graph(stream, tag);
-    }
-
-    /// Looks the unbound captures up again: those bound since are remembered by their pool,
-    /// those that ended with no pool as [`NO_POOL`]; the others stay listed.
-    fn settle_unbound(&mut self, active: impl Fn(u64) -> bool, pool_of: impl Fn(u64) -> u64) {
-        let mut found = Vec::new();
-        self.unbound.retain(|&capture| {
-            let tag = pool_of(capture);
-            if tag != NO_POOL || !active(capture) {
-                found.push(tag);
-                false
-            } else {
-                true
-            }
-        });
-        for tag in found {
-            if !self.graphs.contains(&tag) {
-                self.graphs.push(tag);
-            }
-        }
-    }
-
-    fn add_graph<S: UseStream<Event = E>>(&mut self, stream: &S, tag: u64) {
-        if self.graphs.contains(&tag) || self.graphs.contains(&NO_POOL) {
-            return;
-        }
-        let len = self.graphs.len();
-        if len >= PRUNE_GRAPHS_AT && len.is_power_of_two() {
-            self.graphs
-                .retain(|&tag| tag == NO_POOL || stream.graph_pool_is_live(tag));
-        }
-        self.graphs.push(tag);
-    }
-
-    /// How many graph pools are remembered.
-    #[cfg(test)]
-    pub(crate) fn graphs_remembered(&self) -> usize {
-        self.graphs.len()
     }
 
     /// How many uses are tracked (writes and reads).
@@ -747,130 +394,6 @@ impl<E: UseEvent> UseState<E> {
         let outside = |used: &Use<E>| !range.contains(used.range);
         self.writes.retain(outside);
         self.reads.retain(outside);
-    }
-
-    /// Makes `stream` wait for every use it is not ordered after, then records one event there
-    /// that stands for all of them, as a write of their combined range.
-    ///
-    /// Only uses on the same side of capture as `stream` (`tag`: the capture it records into, or
-    /// none) are merged: the others cannot be waited for from it, and stay until their capture
-    /// ends (or, for eager uses seen from a capturing stream, until it ends) - a bound that holds
-    /// again then.
-    fn merge_on<S: UseStream<Event = E>>(
-        &mut self,
-        stream: &S,
-        identity: Option<u64>,
-        tag: Option<u64>,
-    ) {
-        let same_side = |used: &Use<E>| used.capture == tag;
-        let (mut all, other_writes): (Vec<Use<E>>, Vec<Use<E>>) =
-            self.writes.drain(..).partition(same_side);
-        let (same_reads, other_reads): (Vec<Use<E>>, Vec<Use<E>>) =
-            self.reads.drain(..).partition(same_side);
-        all.extend(same_reads);
-        self.writes = other_writes;
-        self.reads = other_reads;
-        let mut hull: Option<ByteRange> = None;
-        let mut waited = Ok(());
-        for used in &all {
-            hull = Some(hull.map_or(used.range, |h| h.hull(used.range)));
-            if waited.is_ok() && !used.covers(identity) {
-                waited = stream.wait_for(&used.event);
-            }
-        }
-        let Some(range) = hull else { return };
-        let (first_epoch, first_seq) = all.first().map_or((0, 0), |first| (first.epoch, first.seq));
-        self.records += 1;
-        let seq = self.records;
-        let mut uses = all.into_iter();
-        let merged = uses.next().map(|first| first.event);
-        let recorded = match (&waited, &merged) {
-            (Ok(()), Some(event)) => stream.record(event),
-            (Err(_), _) | (_, None) => Err(crate::MemoryError::ZeroLength {
-                operation: "merge of tracked uses",
-            }),
-        };
-        match (recorded, merged) {
-            (Ok(()), Some(event)) => {
-                // The merged uses' other events go back.
-                drop(uses);
-                self.writes.push(Use {
-                    event,
-                    stream: identity,
-                    slot: None,
-                    range,
-                    epoch: stream.capture_epoch(),
-                    capture: tag,
-                    seq,
-                });
-            }
-            (_, merged) => {
-                // Could not merge: keep every use as it was (the bound is exceeded until the
-                // next record succeeds, never a use forgotten).
-                tracing::warn!("merging a buffer's tracked uses failed; keeping them all");
-                let mut rest: Vec<Use<E>> = uses.collect();
-                if let Some(event) = merged {
-                    rest.push(Use {
-                        event,
-                        stream: None,
-                        slot: None,
-                        range,
-                        epoch: first_epoch,
-                        capture: tag,
-                        seq: first_seq,
-                    });
-                }
-                self.writes.extend(rest);
-            }
-        }
-    }
-
-    /// Drops the uses whose events have completed (nothing need wait for them); a use whose
-    /// event cannot be queried is kept. Queries nothing while any capture is active (a query of
-    /// an event recorded before a capture can invalidate it, one recorded in a capture fails).
-    ///
-    /// Events recorded on one stream complete in the order they were recorded, so the finished
-    /// eager uses of a stream are its oldest ones: a binary search over them finds where they
-    /// end in a handful of queries (a buffer written chunk after chunk on one stream holds up to
-    /// [`MAX_USES`] of them, and querying each cost a poll of an async transfer 30-100 µs). Uses
-    /// of the default streams (no identity) and captured ones are queried one by one.
-    fn prune_finished(&mut self, view: &CaptureView) {
-        if view.any_active {
-            return;
-        }
-        let mut ordered: Vec<(u64, u64, &Arc<E>)> = self
-            .writes
-            .iter()
-            .chain(&self.reads)
-            .filter(|used| used.capture.is_none())
-            .filter_map(|used| used.stream.map(|stream| (stream, used.seq, &used.event)))
-            .collect();
-        ordered.sort_unstable_by_key(|&(stream, seq, _)| (stream, seq));
-        // Per stream, the `seq` of its newest use known to have finished.
-        let mut finished_through: Vec<(u64, u64)> = Vec::new();
-        for uses in ordered.chunk_by(|a, b| a.0 == b.0) {
-            // A failed query counts as not finished: fewer uses dropped, never one too many.
-            let done = |used: &(u64, u64, &Arc<E>)| matches!(used.2.is_complete(), Ok(true));
-            let newest = uses.len() - 1;
-            // The newest first (a stream that has caught up costs one query), else a binary
-            // search of the others for where the finished ones end.
-            let finished = if done(&uses[newest]) {
-                uses.len()
-            } else {
-                uses[..newest].partition_point(done)
-            };
-            if let Some(last) = finished.checked_sub(1) {
-                finished_through.push((uses[last].0, uses[last].1));
-            }
-        }
-        let finished = |used: &Use<E>| match (used.capture, used.stream) {
-            (None, Some(stream)) => finished_through
-                .iter()
-                .any(|&(done, seq)| done == stream && used.seq <= seq),
-            _ => matches!(used.event.is_complete(), Ok(true)),
-        };
-        self.reads.retain(|used| !finished(used));
-        self.writes.retain(|used| !finished(used));
     }
 
     /// Forgets what a *completed* `access` of `range` made unnecessary to track: called after
