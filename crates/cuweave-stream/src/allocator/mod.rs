@@ -1,115 +1,37 @@
 //! [`StreamOrderedAllocator`]: device memory tied to a stream, from one stream-ordered pool per
 //! device, freed in stream order, usable on other streams only after a recorded dependency.
+//!
+//! Allocating is here; the settings are in `config` ([`StreamOrderedAllocatorConfig`]), the
+//! receipts in `allocation` ([`StreamAllocation`]), the waits between streams in `dependencies`,
+//! freeing (and what a drop frees) in `free`, the size classes in `size_class` and the counts in
+//! `stats` ([`AllocatorStats`]).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use cuweave_driver::graph::GraphError;
 use cuweave_driver::memory::DevicePtr;
-use cuweave_driver::{DriverError, OwnedPooledEvent};
 use cuweave_memory::{AsyncPoolResource, DeviceBuffer, Element, MemoryResource};
 use dashmap::DashMap;
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
 
-use crate::error::{Result, StreamError, ensure_device};
+use crate::error::{Result, StreamError};
 use crate::stream::{OperationKind, PriorityStream};
 
+mod allocation;
+mod config;
+mod dependencies;
+mod free;
 pub mod size_class;
 mod stats;
 
+pub use allocation::StreamAllocation;
+pub use config::StreamOrderedAllocatorConfig;
 pub use stats::{AllocatorStats, SizeClassStats};
 
+use allocation::Entry;
+use dependencies::Dependency;
 use size_class::{rounded_size, size_class};
-
-/// Settings of a [`StreamOrderedAllocator`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[non_exhaustive]
-pub struct StreamOrderedAllocatorConfig {
-    /// Bytes each device's pool keeps cached across synchronisations before the driver releases
-    /// memory back to the OS (`CU_MEMPOOL_ATTR_RELEASE_THRESHOLD`).
-    pub release_threshold: u64,
-}
-
-impl Default for StreamOrderedAllocatorConfig {
-    fn default() -> Self {
-        Self {
-            release_threshold: 256 << 20,
-        }
-    }
-}
-
-impl StreamOrderedAllocatorConfig {
-    /// The default settings with `bytes` as the release threshold.
-    pub fn with_release_threshold(bytes: u64) -> Self {
-        Self {
-            release_threshold: bytes,
-        }
-    }
-}
-
-/// One allocation of a [`StreamOrderedAllocator`], owned by the stream it was made on.
-///
-/// It is a receipt, not the memory: the device address comes from
-/// [`StreamOrderedAllocator::device_ptr`], which checks the stream that wants it is ordered
-/// after the owner. Freeing goes through the allocator.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct StreamAllocation {
-    id: u64,
-    ptr: DevicePtr,
-    bytes: usize,
-    requested: usize,
-    owner: u64,
-    device: usize,
-}
-
-impl StreamAllocation {
-    /// The allocation's id (unique within the process).
-    pub fn id(&self) -> u64 {
-        self.id
-    }
-
-    /// Its size after rounding to its size class.
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-
-    /// The size asked for.
-    pub fn requested(&self) -> usize {
-        self.requested
-    }
-
-    /// The id of the stream that owns it.
-    pub fn owner(&self) -> u64 {
-        self.owner
-    }
-
-    /// The device it is on.
-    pub fn device(&self) -> usize {
-        self.device
-    }
-}
-
-#[derive(Debug)]
-struct Entry {
-    allocation: StreamAllocation,
-    class: usize,
-    owner: Arc<PriorityStream>,
-    users: Vec<Arc<PriorityStream>>,
-    /// The capture the allocation was recorded into (a graph's allocation node), or `None`
-    /// for an allocation made eagerly.
-    capture: Option<u64>,
-}
-
-/// The latest point-in-time wait of `dependent` on `prerequisite`: a later one on the same
-/// pair finishes after it (stream order), so one per pair is all that is kept.
-#[derive(Debug)]
-struct Dependency {
-    dependent: u64,
-    prerequisite: u64,
-    event: OwnedPooledEvent,
-}
 
 static NEXT_ALLOCATION_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -318,240 +240,6 @@ impl StreamOrderedAllocator {
         Ok(entry.allocation.ptr)
     }
 
-    /// Makes `dependent` wait on the device for the work queued on `prerequisite` so far, and
-    /// lets it use every allocation `prerequisite` may use now (those it owns and those it was
-    /// given).
-    ///
-    /// While `prerequisite` is capturing, the wait is recorded into the graph (an edge, which
-    /// forks `dependent` into the capture) and is not one that
-    /// [`dependencies_satisfied`](Self::dependencies_satisfied) tracks: nothing runs until the
-    /// graph is launched.
-    ///
-    /// # Errors
-    /// [`StreamError::WrongDevice`] for streams of different devices (the memory is one
-    /// device's); [`StreamError::SelfDependency`] for a stream and itself;
-    /// [`GraphError::Capturing`], before anything is queued, when `dependent` captures and
-    /// `prerequisite` is not in its capture (the driver would invalidate the capture); the
-    /// driver's error.
-    ///
-    /// [`GraphError::Capturing`]: cuweave_driver::graph::GraphError::Capturing
-    pub fn add_stream_dependency(
-        &self,
-        dependent: &Arc<PriorityStream>,
-        prerequisite: &Arc<PriorityStream>,
-    ) -> Result<()> {
-        const OPERATION: &str = "StreamOrderedAllocator::add_stream_dependency";
-        ensure_device(
-            OPERATION,
-            prerequisite.device().ordinal(),
-            dependent.device().ordinal(),
-        )?;
-        if dependent.id() == prerequisite.id() {
-            return Err(StreamError::SelfDependency {
-                operation: OPERATION,
-                stream: dependent.id(),
-            });
-        }
-        crate::capture::refuse_wait_across_capture(
-            dependent.stream(),
-            prerequisite.stream(),
-            OPERATION,
-        )?;
-        // Recorded into a capture, the wait is a graph edge: nothing runs that could be waited
-        // for, and the event answers every later query with CUDA_ERROR_CAPTURED_EVENT.
-        let captured = crate::capture::is_capturing(prerequisite.stream())?;
-        let event = prerequisite.event_pool().acquire_owned(false)?;
-        event.record(prerequisite.stream())?;
-        dependent.stream().wait_event(&event)?;
-        crate::capture::note_wait_joined_capture(dependent.stream())?;
-        let (pre, dep) = (prerequisite.id(), dependent.id());
-        for entry in self.entries.lock().values_mut() {
-            let usable = entry.owner.id() == pre || entry.users.iter().any(|user| user.id() == pre);
-            if usable && entry.owner.id() != dep && !entry.users.iter().any(|user| user.id() == dep)
-            {
-                entry.users.push(Arc::clone(dependent));
-            }
-        }
-        {
-            let mut dependencies = self.dependencies.lock();
-            // Finished waits are forgotten, as housekeeping: when a query fails (refused on a
-            // capturing thread) the waits from there on are kept, for `dependencies_satisfied`
-            // to report. The wait above is queued either way, so this call succeeds.
-            let pruned = retain_pending(&mut dependencies, |dependency| {
-                Ok(dependency.event.query()?)
-            });
-            if let Err(error) = pruned {
-                tracing::debug!(%error, "stream-ordered allocator: finished waits not pruned");
-            }
-            if !captured {
-                // The new wait is queued behind the earlier one of this pair (same streams, a
-                // later point of `prerequisite`), so that one is forgotten (its event goes back
-                // to the pool): the list holds at most one wait per pair of streams. A captured
-                // wait replaces nothing: it is a graph edge, and the earlier eager wait still
-                // holds `dependent` back.
-                dependencies.retain(|dependency| {
-                    dependency.dependent != dep || dependency.prerequisite != pre
-                });
-                dependencies.push(Dependency {
-                    dependent: dep,
-                    prerequisite: pre,
-                    event,
-                });
-            }
-        }
-        self.with_stats(|stats| stats.dependencies += 1);
-        Ok(())
-    }
-
-    /// Whether the GPU has passed every wait recorded for `dependent` so far, without blocking.
-    /// Satisfied waits are forgotten.
-    ///
-    /// # Errors
-    /// The driver's error from an event query ([`GraphError::Capturing`] on a thread that is
-    /// capturing); every wait not known to be satisfied is then kept, so a later call still
-    /// sees it.
-    ///
-    /// [`GraphError::Capturing`]: cuweave_driver::graph::GraphError::Capturing
-    pub fn dependencies_satisfied(&self, dependent: &PriorityStream) -> Result<bool> {
-        let mut dependencies = self.dependencies.lock();
-        retain_pending(&mut dependencies, |dependency| {
-            Ok(dependency.event.query()?)
-        })?;
-        Ok(!dependencies
-            .iter()
-            .any(|dependency| dependency.dependent == dependent.id()))
-    }
-
-    /// Frees `allocation` in its owner's stream order, after the owner has waited for every
-    /// stream it was given to.
-    ///
-    /// While the owner captures a graph, only an allocation made in that same capture can be
-    /// freed (both become nodes of the graph); an allocation made outside it is refused and
-    /// stays held, to be freed once the capture has ended.
-    ///
-    /// # Errors
-    /// [`StreamError::UnknownAllocation`] when it is not held (already freed);
-    /// [`GraphError::Capturing`] while the owner captures and the allocation was not made in its
-    /// capture (nothing is queued, the allocation stays held); the driver's error.
-    pub fn free(&self, allocation: StreamAllocation) -> Result<()> {
-        let entry =
-            self.entries
-                .lock()
-                .remove(&allocation.id)
-                .ok_or(StreamError::UnknownAllocation {
-                    operation: "StreamOrderedAllocator::free",
-                    allocation: allocation.id,
-                })?;
-        self.release_or_restore(entry)
-    }
-
-    /// Frees every allocation `stream` owns, in its stream order; returns how many.
-    ///
-    /// # Errors
-    /// The first driver error; allocations not yet freed then stay held.
-    pub fn free_for_stream(&self, stream: &PriorityStream) -> Result<usize> {
-        let owned: Vec<Entry> = {
-            let mut entries = self.entries.lock();
-            let ids: Vec<u64> = entries
-                .values()
-                .filter(|entry| entry.owner.id() == stream.id())
-                .map(|entry| entry.allocation.id)
-                .collect();
-            ids.iter().filter_map(|id| entries.remove(id)).collect()
-        };
-        let count = owned.len();
-        let mut owned = owned.into_iter();
-        while let Some(entry) = owned.next() {
-            if let Err(error) = self.release_or_restore(entry) {
-                let mut entries = self.entries.lock();
-                for rest in owned {
-                    entries.insert(rest.allocation.id, rest);
-                }
-                return Err(error);
-            }
-        }
-        Ok(count)
-    }
-
-    /// Releases `entry`, or puts it back on the books when that fails before the memory was
-    /// freed. When the free was queued and only the bookkeeping behind it failed, the entry
-    /// stays off the books (its address is no longer the allocation's) and the error is
-    /// returned.
-    fn release_or_restore(&self, entry: Entry) -> Result<()> {
-        match self.release(&entry) {
-            Ok(()) => Ok(()),
-            Err(Unreleased {
-                error,
-                freed: false,
-            }) => {
-                self.entries.lock().insert(entry.allocation.id, entry);
-                Err(error)
-            }
-            Err(Unreleased { error, freed: true }) => Err(error),
-        }
-    }
-
-    /// Makes the owner wait for the work queued so far on every stream the memory was given to.
-    fn order_after_users(&self, entry: &Entry) -> Result<()> {
-        for user in &entry.users {
-            entry.owner.wait_for(user)?;
-        }
-        Ok(())
-    }
-
-    /// Queues the free of `entry` on its owner, after its users, and counts it once queued.
-    fn release(&self, entry: &Entry) -> std::result::Result<(), Unreleased> {
-        let before_free = |error: StreamError| Unreleased {
-            error,
-            freed: false,
-        };
-        let capture = crate::capture::capture_id(entry.owner.stream()).map_err(before_free)?;
-        if capture.is_some() && capture != entry.capture {
-            // Recorded into the graph, the free would not run now (the memory stays taken) and
-            // would run at every launch of the graph: a double free from the second on.
-            return Err(before_free(
-                DriverError::from(GraphError::Capturing {
-                    operation: "StreamOrderedAllocator::free",
-                    reason: "the owner stream is capturing and the allocation was not made in its capture: the free would be recorded into the graph and run at every launch",
-                })
-                .into(),
-            ));
-        }
-        for user in &entry.users {
-            let user_capture = crate::capture::capture_id(user.stream()).map_err(before_free)?;
-            if user_capture.is_some() && user_capture != entry.capture {
-                // The owner's wait on a capturing user would pull the owner into that capture,
-                // and the free with it (recorded, not run, and run at every launch).
-                return Err(before_free(
-                    DriverError::from(GraphError::Capturing {
-                        operation: "StreamOrderedAllocator::free",
-                        reason: "a stream the allocation was given to is capturing: the owner's wait on it would join the owner, and the free, to that capture; free once the capture has ended",
-                    })
-                    .into(),
-                ));
-            }
-        }
-        self.order_after_users(entry).map_err(before_free)?;
-        let pool = self.pool_for(&entry.owner).map_err(before_free)?;
-        let allocation = entry.allocation;
-        let mut freed = false;
-        let queued = entry.owner.enqueue(OperationKind::Other, 0, |s| {
-            let result = pool.deallocate(allocation.ptr, allocation.bytes, s);
-            freed = result.is_ok();
-            result
-        });
-        if freed {
-            self.with_stats(|stats| {
-                stats.on_free(
-                    entry.class,
-                    allocation.bytes as u64,
-                    allocation.requested as u64,
-                )
-            });
-        }
-        queued.map_err(|error| Unreleased { error, freed })
-    }
-
     /// Allocations outstanding.
     pub fn outstanding(&self) -> usize {
         self.entries.lock().len()
@@ -591,108 +279,5 @@ impl StreamOrderedAllocator {
     fn with_stats(&self, f: impl FnOnce(&mut AllocatorStats)) {
         let mut stats = self.stats.lock();
         f(stats.get_or_insert_with(AllocatorStats::empty));
-    }
-}
-
-/// Drops, in order, the entries `finished` says are done. At the first entry it cannot tell
-/// about, it stops: that entry and every one after it are kept, and its error is returned.
-fn retain_pending<D>(
-    list: &mut Vec<D>,
-    mut finished: impl FnMut(&D) -> Result<bool>,
-) -> Result<()> {
-    let mut failure = None;
-    // `retain` visits every entry once, in order.
-    list.retain(|entry| {
-        if failure.is_some() {
-            return true;
-        }
-        match finished(entry) {
-            Ok(done) => !done,
-            Err(error) => {
-                failure = Some(error);
-                true
-            }
-        }
-    });
-    failure.map_or(Ok(()), Err)
-}
-
-/// A release that failed: the error, and whether the free itself was queued (only the
-/// bookkeeping queued behind it failed), in which case the allocation is gone.
-struct Unreleased {
-    error: StreamError,
-    freed: bool,
-}
-
-impl Drop for StreamOrderedAllocator {
-    fn drop(&mut self) {
-        let entries = std::mem::take(&mut *self.entries.lock());
-        for (_, entry) in entries {
-            // A free refused because a stream captures leaves the memory allocated (logged)
-            // rather than recording it into that capture.
-            if let Err(Unreleased { error, .. }) = self.release(&entry) {
-                tracing::warn!(%error, "freeing a stream-ordered allocation on drop failed; it stays allocated");
-            }
-        }
-        // `cuMemPoolDestroy` breaks a capture that forbids it: while one does, the pools are
-        // left to the process (logged) rather than destroyed under it.
-        if cuweave_driver::graph::refuse_while_capturing(None, "StreamOrderedAllocator::drop")
-            .is_err()
-        {
-            let pools = std::mem::take(&mut self.pools);
-            tracing::warn!(
-                pools = pools.len(),
-                "StreamOrderedAllocator dropped while a capture forbids destroying memory pools; they are kept for the process"
-            );
-            for (_, pool) in pools {
-                std::mem::forget(pool);
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use cuweave_driver::DriverError;
-    use cuweave_driver::graph::GraphError;
-    use rstest::rstest;
-
-    use super::*;
-
-    fn refused() -> StreamError {
-        DriverError::from(GraphError::Capturing {
-            operation: "Event::query",
-            reason: "a test",
-        })
-        .into()
-    }
-
-    /// Entries are `(id, answer)`: `Some(done)` or `None` for a query that fails.
-    #[rstest]
-    #[case::all_answered(&[(1, Some(true)), (2, Some(false)), (3, Some(true))], &[2], false)]
-    #[case::first_fails(&[(1, None), (2, Some(true)), (3, Some(false))], &[1, 2, 3], true)]
-    #[case::middle_fails(&[(1, Some(true)), (2, None), (3, Some(true))], &[2, 3], true)]
-    #[case::last_fails(&[(1, Some(false)), (2, Some(true)), (3, None)], &[1, 3], true)]
-    #[case::empty(&[], &[], false)]
-    fn a_failed_query_keeps_that_entry_and_every_later_one(
-        #[case] entries: &[(u32, Option<bool>)],
-        #[case] kept: &[u32],
-        #[case] fails: bool,
-    ) {
-        let mut list = entries.to_vec();
-        let mut asked = Vec::new();
-        let result = retain_pending(&mut list, |&(id, answer)| {
-            asked.push(id);
-            answer.ok_or_else(refused)
-        });
-        assert_eq!(result.is_err(), fails);
-        if fails {
-            assert_eq!(result.unwrap_err(), refused());
-            // Nothing after the failing entry was queried.
-            let failed = entries.iter().position(|(_, a)| a.is_none()).unwrap();
-            assert_eq!(asked.len(), failed + 1);
-        }
-        let ids: Vec<u32> = list.iter().map(|(id, _)| *id).collect();
-        assert_eq!(ids, kept);
     }
 }
