@@ -1,0 +1,291 @@
+//! Measuring this machine: [`TransferManager::calibrate`] times each candidate method per path,
+//! device (or device pair) and size, and chooses a staging configuration per size, once per
+//! process.
+
+use std::sync::OnceLock;
+
+use parking_lot::Mutex;
+
+use crate::calibration::{CalibrationTable, Measure};
+use crate::endpoint::{Destination, Source};
+use crate::error::{Result, TransferError};
+use crate::location::{Location, TransferPath};
+use crate::manager::TransferManager;
+use crate::method::TransferMethod;
+use crate::planner;
+use crate::stats::TransferStats;
+
+mod candidates;
+mod paths;
+mod timing;
+mod tune;
+
+pub use candidates::staging_candidates;
+
+/// The calibration measured in this process, shared by every manager created after it.
+static PROCESS: OnceLock<Mutex<Option<CalibrationTable>>> = OnceLock::new();
+
+pub(crate) fn process_calibration() -> Option<CalibrationTable> {
+    PROCESS.get().and_then(|cell| cell.lock().clone())
+}
+
+fn remember(table: &CalibrationTable) {
+    *PROCESS.get_or_init(|| Mutex::new(None)).lock() = Some(table.clone());
+}
+
+/// Held while a calibration measures: one at a time in a process.
+static CALIBRATING: Mutex<()> = Mutex::new(());
+
+/// What a table lacks for a manager's devices: the devices whose host paths it has not
+/// measured, and the ordered pairs of them whose peer path it has not.
+#[derive(Debug, PartialEq)]
+struct Missing {
+    devices: Vec<usize>,
+    pairs: Vec<(usize, usize)>,
+}
+
+impl Missing {
+    /// Everything, for a table not measured yet.
+    fn all(devices: &[usize]) -> Self {
+        Self::where_not(devices, |_| false, |_, _| false)
+    }
+
+    /// What `table` lacks: a device counts as measured when its pageable uploads are, a pair
+    /// when its peer copies are.
+    fn of(table: &CalibrationTable, devices: &[usize]) -> Self {
+        let has = |path, src, dst| {
+            table
+                .entries
+                .iter()
+                .any(|e| e.path == path && e.src_device == src && e.dst_device == dst)
+        };
+        Self::where_not(
+            devices,
+            |d| has(TransferPath::PAGEABLE_TO_DEVICE, None, Some(d)),
+            |a, b| has(TransferPath::PEER, Some(a), Some(b)),
+        )
+    }
+
+    fn where_not(
+        devices: &[usize],
+        measured: impl Fn(usize) -> bool,
+        pair_measured: impl Fn(usize, usize) -> bool,
+    ) -> Self {
+        Self {
+            devices: devices.iter().copied().filter(|&d| !measured(d)).collect(),
+            pairs: devices
+                .iter()
+                .flat_map(|&a| devices.iter().map(move |&b| (a, b)))
+                .filter(|&(a, b)| a != b && !pair_measured(a, b))
+                .collect(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.devices.is_empty() && self.pairs.is_empty()
+    }
+}
+
+/// The transfer sizes calibration measures, each at its own size: every size class is
+/// represented (64 KiB up to 1 GiB), so the method choice compares methods at the measured size
+/// nearest each transfer. Up to 4 MiB every factor of two: there the pipeline's margin over
+/// the plain call is thinnest (1.1-2x on the H100 host), and a size between two measured ones
+/// took a choice measured at twice or half its size (512 KiB uploads ran 0.93-1.09x the plain
+/// call on the 256 KiB and 1 MiB choices); above, where it runs 2-7x, every factor of four.
+pub const CALIBRATION_SIZES: [usize; 11] = [
+    64 << 10,
+    128 << 10,
+    256 << 10,
+    512 << 10,
+    1 << 20,
+    2 << 20,
+    4 << 20,
+    16 << 20,
+    64 << 20,
+    256 << 20,
+    1 << 30,
+];
+
+impl TransferManager {
+    /// The calibration for this machine: measured once per process, then reused by this and
+    /// every later manager, and in use by this manager.
+    ///
+    /// For every device the manager serves: each candidate method of the pageable, pinned and
+    /// registered host paths at each of [`CALIBRATION_SIZES`] (each size class at its own
+    /// sizes, 1 GiB included), and for pageable copies a [`StagingConfig`] of
+    /// [`staging_candidates`] per size (the default unless another was faster round after round;
+    /// see `choose_staging`); for every ordered pair of devices, the peer path's
+    /// candidates; and once, the cost of registering host memory (`cuMemHostRegister` +
+    /// `cuMemHostUnregister` of 4 MiB and 64 MiB). A few seconds per device on an H100; save
+    /// the table ([`CalibrationTable::save`]) to skip it next time.
+    ///
+    /// The measuring transfers are counted in calibration's own statistics, never in
+    /// [`stats`](Self::stats). Where the driver cannot register host memory, the registration
+    /// figures are left out (with a `tracing` warning).
+    ///
+    /// The process's table is shared by managers serving different devices: a manager whose
+    /// devices (or device pairs) it does not cover yet measures those, and only those, into
+    /// it. One calibration runs at a time in a process (a second waits for the first, so that
+    /// neither skews the other's timings).
+    ///
+    /// # Errors
+    /// The driver's or memory layer's error when a measurement fails (nothing is cached then).
+    ///
+    /// [`StagingConfig`]: crate::StagingConfig
+    pub fn calibrate(&self) -> Result<CalibrationTable> {
+        // A table that covers this manager is used without waiting for a calibration that
+        // another manager may be running.
+        if let Some(table) = process_calibration()
+            && Missing::of(&table, &self.devices()).is_empty()
+        {
+            self.set_measured(table.clone());
+            return Ok(table);
+        }
+        let _alone = CALIBRATING.lock();
+        // Taken again under the lock: the calibration waited for may have measured it all.
+        self.measure_missing(process_calibration())
+    }
+
+    /// Measures again even if this process already calibrated (see [`calibrate`](Self::calibrate)):
+    /// also the way to replace a table loaded from another machine.
+    ///
+    /// # Errors
+    /// As [`calibrate`](Self::calibrate).
+    pub fn recalibrate(&self) -> Result<CalibrationTable> {
+        let _alone = CALIBRATING.lock();
+        self.measure_missing(None)
+    }
+
+    /// Measures into `known` (a new table when `None`) what it lacks for this manager's
+    /// devices: their host paths, every ordered pair's peer path, and the registration cost;
+    /// then shares and uses the table.
+    fn measure_missing(&self, known: Option<CalibrationTable>) -> Result<CalibrationTable> {
+        let devices = self.devices();
+        let missing = known
+            .as_ref()
+            .map_or_else(|| Missing::all(&devices), |t| Missing::of(t, &devices));
+        if let (Some(table), true) = (&known, missing.is_empty()) {
+            self.set_measured(table.clone());
+            return Ok(table.clone());
+        }
+        let mut table = known.unwrap_or_else(|| {
+            let machine = self.machine();
+            CalibrationTable {
+                device: machine.first().cloned(),
+                devices: machine,
+                ..CalibrationTable::default()
+            }
+        });
+        let stats = TransferStats::default();
+        for &device in &missing.devices {
+            let with_registration = table.registration.is_none();
+            self.measure_host_paths(device, with_registration, &mut table, &stats)?;
+        }
+        for &(a, b) in &missing.pairs {
+            self.measure_peer_path(a, b, &mut table, &stats)?;
+        }
+        remember(&table);
+        self.set_measured(table.clone());
+        tracing::info!(
+            entries = table.entries.len(),
+            transfers = stats
+                .snapshot()
+                .iter()
+                .map(|(_, _, s)| s.count)
+                .sum::<u64>(),
+            "transfer calibration measured"
+        );
+        Ok(table)
+    }
+
+    /// Runs `method` from `src` to `dst`, counted in calibration's own `stats`.
+    fn run_with<T: cuweave_memory::Element>(
+        &self,
+        method: TransferMethod,
+        src: Source<'_, T>,
+        dst: Destination<'_, T>,
+        stats: &TransferStats,
+    ) -> Result<()> {
+        let (from, to) = (src.location(), dst.location());
+        let plan = planner::require(
+            TransferPath::between(from, to),
+            src.bytes(),
+            &self.facts(from, to),
+            method,
+        )
+        .map_err(|reason| TransferError::Unsupported {
+            method,
+            path: format!("{from} -> {to}"),
+            reason,
+        })?;
+        self.run(plan, src, dst, stats).map(drop)
+    }
+}
+
+/// The calibration key of a copy of `bytes` from device `from` to device `to`.
+pub fn peer_measure(from: usize, to: usize, bytes: usize) -> Measure {
+    planner::Query::new(Location::Device(from), Location::Device(to), bytes).measure
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn calibration_measures_only_the_devices_and_pairs_its_table_lacks() {
+        assert_eq!(
+            Missing::all(&[0, 1]),
+            Missing {
+                devices: vec![0, 1],
+                pairs: vec![(0, 1), (1, 0)],
+            }
+        );
+        // A table measured by a manager limited to device 0 (or to none: empty).
+        let mut table = CalibrationTable::default();
+        assert_eq!(Missing::of(&table, &[0]), Missing::all(&[0]));
+        assert!(Missing::of(&table, &[]).is_empty());
+        let up = |d| planner::Query::new(Location::PageableHost, Location::Device(d), 4 << 20);
+        table.record_at(up(0).measure, TransferMethod::HostStaged, 30.0);
+        assert!(Missing::of(&table, &[0]).is_empty());
+        // A manager for both devices then measures device 1 and the two pairs only.
+        assert_eq!(
+            Missing::of(&table, &[0, 1]),
+            Missing {
+                devices: vec![1],
+                pairs: vec![(0, 1), (1, 0)],
+            }
+        );
+        table.record_at(up(1).measure, TransferMethod::HostStaged, 30.0);
+        table.record_at(
+            peer_measure(0, 1, 4 << 20),
+            TransferMethod::PeerToPeer,
+            40.0,
+        );
+        assert_eq!(
+            Missing::of(&table, &[0, 1]),
+            Missing {
+                devices: vec![],
+                pairs: vec![(1, 0)],
+            }
+        );
+        table.record_at(
+            peer_measure(1, 0, 4 << 20),
+            TransferMethod::PeerToPeer,
+            40.0,
+        );
+        assert!(Missing::of(&table, &[0, 1]).is_empty());
+        assert!(Missing::of(&table, &[1]).is_empty());
+    }
+
+    #[test]
+    fn every_size_class_is_measured_at_its_own_size() {
+        use crate::SizeClass;
+        for class in SizeClass::ALL {
+            assert!(
+                CALIBRATION_SIZES.iter().any(|&b| SizeClass::of(b) == class),
+                "{class}"
+            );
+        }
+        assert!(CALIBRATION_SIZES.contains(&(1 << 30)));
+    }
+}
