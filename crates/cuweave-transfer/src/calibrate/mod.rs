@@ -33,6 +33,24 @@ fn remember(table: &CalibrationTable) {
     *PROCESS.get_or_init(|| Mutex::new(None)).lock() = Some(table.clone());
 }
 
+/// Copies into `measured` (a table just measured for `devices`) what `earlier` holds that
+/// names a device outside `devices`: another device's host paths and staging choices, and peer
+/// pairs with a device not among them. Entries that name no device, and those of `devices`
+/// alone, are `measured`'s.
+fn keep_others(earlier: &CalibrationTable, measured: &mut CalibrationTable, devices: &[usize]) {
+    let other = |device: Option<usize>| device.is_some_and(|d| !devices.contains(&d));
+    for entry in &earlier.entries {
+        if other(entry.src_device) || other(entry.dst_device) {
+            measured.entries.push(*entry);
+        }
+    }
+    for choice in &earlier.staging {
+        if other(Some(choice.device)) {
+            measured.staging.push(*choice);
+        }
+    }
+}
+
 /// Held while a calibration measures: one at a time in a process.
 static CALIBRATING: Mutex<()> = Mutex::new(());
 
@@ -147,13 +165,24 @@ impl TransferManager {
     }
 
     /// Measures again even if this process already calibrated (see [`calibrate`](Self::calibrate)):
-    /// also the way to replace a table loaded from another machine.
+    /// also the way to replace a table loaded from another machine. Every figure of this
+    /// manager's devices is measured anew; the process's figures for devices it does not serve
+    /// stay.
     ///
     /// # Errors
     /// As [`calibrate`](Self::calibrate).
     pub fn recalibrate(&self) -> Result<CalibrationTable> {
         let _alone = CALIBRATING.lock();
-        self.measure_missing(None)
+        let earlier = process_calibration();
+        let mut table = self.measure_missing(None)?;
+        // The process's table also serves managers of other devices: what this one does not
+        // serve (other devices' paths, pairs with a device it lacks) stays as measured before.
+        if let Some(earlier) = earlier {
+            keep_others(&earlier, &mut table, &self.devices());
+            remember(&table);
+            self.set_measured(table.clone());
+        }
+        Ok(table)
     }
 
     /// Measures into `known` (a new table when `None`) what it lacks for this manager's
@@ -275,6 +304,46 @@ mod tests {
         );
         assert!(Missing::of(&table, &[0, 1]).is_empty());
         assert!(Missing::of(&table, &[1]).is_empty());
+    }
+
+    #[test]
+    fn a_recalibration_keeps_what_it_did_not_measure_again() {
+        let up = |d| planner::Query::new(Location::PageableHost, Location::Device(d), 4 << 20);
+        let choice = |device| crate::calibration::StagingChoice {
+            path: TransferPath::PAGEABLE_TO_DEVICE,
+            device,
+            bytes: 4 << 20,
+            config: crate::StagingConfig::for_upload(4 << 20),
+            gbps: 30.0,
+        };
+        // Measured earlier by a manager of devices 0 and 1.
+        let mut earlier = CalibrationTable::default();
+        for d in [0, 1] {
+            earlier.record_at(up(d).measure, TransferMethod::HostStaged, 30.0);
+            earlier.record_staging(choice(d));
+        }
+        earlier.record_at(
+            peer_measure(0, 1, 4 << 20),
+            TransferMethod::PeerToPeer,
+            40.0,
+        );
+        // A manager of device 0 alone measures device 0 again.
+        let mut measured = CalibrationTable::default();
+        measured.record_at(up(0).measure, TransferMethod::HostStaged, 35.0);
+        measured.record_staging(choice(0));
+        keep_others(&earlier, &mut measured, &[0]);
+        // Device 1 and the pair stay as measured; device 0 is the new figure, once.
+        assert_eq!(Missing::of(&measured, &[0, 1]).pairs, vec![(1, 0)]);
+        assert!(Missing::of(&measured, &[0, 1]).devices.is_empty());
+        let zero: Vec<f64> = measured
+            .entries
+            .iter()
+            .filter(|e| e.dst_device == Some(0) && e.src_device.is_none())
+            .map(|e| e.gbps)
+            .collect();
+        assert_eq!(zero, vec![35.0]);
+        assert_eq!(measured.staging.len(), 2);
+        assert!(measured.staging.iter().any(|c| c.device == 1));
     }
 
     #[test]
