@@ -63,18 +63,19 @@ fn two_devices_or_skip(test: &str) -> Option<Vec<Device>> {
 /// (so it stays `Queued`); stream B begins a capture without synchronising; the program then
 /// asks, 100 times, for a coordinated all-reduce on B that depends on `op0`.
 ///
-/// `CoordinatedCollectives::run` (src/coordinated.rs:96-116) pre-checks only the stream's
+/// `CoordinatedCollectives::run` (src/coordinated.rs) pre-checks only the stream's
 /// context and that the dependencies are queued, then `register_operation`s and calls
 /// `begin_operation(id, stream)?`. The coordinator refuses that begin with
 /// `GraphError::Capturing` ("capturing stream, dependency recorded eagerly with no
 /// synchronisation": cuweave-event coordinator/capture_waits.rs table, `decide` -> `Refuse`),
-/// and its doc says "the operation stays registered" (coordinator/mod.rs:516). `run` returns
-/// at the `?` without completing it, so every refused call leaves a registered operation that
-/// never begins, and keeps `op0` alive through its dependant count. `run`'s own doc promises
-/// "a refused call leaves nothing behind ... A caller may retry ... without the coordinator
-/// growing." Expected: each call is a typed capture refusal, the capture survives, and once
-/// `op0` has finished the coordinator holds no live operation. A failure (`live_operations` of
-/// about 101) is a registry that grows by one per refused call, for ever.
+/// and its doc says "the operation stays registered" (`OperationCoordinator::begin_operation`,
+/// cuweave-event src/coordinator/lifecycle.rs). `run` returns at the `?` without completing it, so
+/// every refused call leaves a registered operation that never begins, and keeps `op0` alive
+/// through its dependant count. `run`'s own doc promises "a refused call leaves nothing behind ...
+/// A caller may retry ... without the coordinator growing." Expected: each call is a typed capture
+/// refusal, the capture survives, and once `op0` has finished the coordinator holds no live
+/// operation. A failure (`live_operations` of about 101) is a registry that grows by one per
+/// refused call, for ever.
 #[test]
 fn a_coordinated_collective_refused_by_a_capture_leaves_nothing_registered() {
     let (gpu, _serial) = gate!();
@@ -142,14 +143,14 @@ fn a_coordinated_collective_refused_by_a_capture_leaves_nothing_registered() {
 /// group must either be all uncaptured or all captured by the same graph"), and
 /// `ncclEnqueueCheck`'s `fail:` path calls `ncclCommSetAsyncError` on a non-blocking
 /// communicator: the error becomes the communicator's sticky asynchronous state. cuweave checks
-/// nothing about capture before issuing (`run`/`check_self_exchanges`, src/collective.rs:149-
-/// 277); once the first call was accepted it settles, sees the asynchronous error and aborts
-/// the group's communicators (collective.rs:165-190). So a bad argument, which cuweave could
-/// see from the streams' capture status, destroys a healthy communicator. (A one-rank
-/// collective skips NCCL's planner, so the self send/receive pair is what reaches the check.)
-/// Expected: a typed refusal before NCCL (`InvalidArgument` or a capture refusal), the
-/// communicator healthy, the capture intact with A not pulled into it, and the same exchange
-/// working eagerly afterwards.
+/// nothing about capture before issuing (`run` and its `check_self_exchanges`, since replaced by
+/// `check_calls`, src/collective/issue.rs); once the first call was accepted it settles, sees the
+/// asynchronous error and aborts the group's communicators (the settling in `run`). So a bad
+/// argument, which cuweave could see from the streams' capture status, destroys a healthy
+/// communicator. (A one-rank collective skips NCCL's planner, so the self send/receive pair is what
+/// reaches the check.) Expected: a typed refusal before NCCL (`InvalidArgument` or a capture
+/// refusal), the communicator healthy, the capture intact with A not pulled into it, and the same
+/// exchange working eagerly afterwards.
 #[test]
 fn a_group_mixing_a_capturing_and_an_eager_stream_on_one_communicator_is_refused_before_nccl() {
     let (gpu, _serial) = gate!();
@@ -208,7 +209,7 @@ fn a_group_mixing_a_capturing_and_an_eager_stream_on_one_communicator_is_refused
 /// well inside the deadline, then is busy with other GPU work past the deadline; only then is
 /// the future awaited (what an async task that polls late does).
 ///
-/// The future's wait is re-armed only inside `poll` (src/wait.rs:66-100): its first
+/// The future's wait is re-armed only inside `CollectiveFuture::poll` (src/wait.rs): its first
 /// registration carries a 10 ms tick, which the reactor decides as `TimedOut` while the spin
 /// still runs. The first late poll sees that tick, checks `ncclCommGetAsyncError`, finds the
 /// deadline passed and aborts the communicator with `Timeout`, without ever asking whether the
@@ -260,15 +261,15 @@ fn a_future_polled_after_its_deadline_for_work_that_finished_in_time_is_ok_and_d
 /// Sequence: begin a (synchronised, thread-local) capture on S; capture an all-reduce; call
 /// `comm.synchronize_within(&S, 2 s)` while S still captures; end the capture, launch the graph.
 ///
-/// `completion_within` (src/wait.rs:150-182) checks the device and the abort flag, then records
-/// a fresh event on S and hands it to the waiter; it never asks whether S is capturing. The
+/// `Communicator::completion_within` (src/wait.rs) checks the device and the abort flag, then
+/// records a fresh event on S and hands it to the waiter; it never asks whether S is capturing. The
 /// event layer refuses exactly this for its own stream waits (`stream_idle`:
-/// `GraphError::Capturing`, "nothing queued on it now would run"), but `event_done_with` has
-/// no such check: the event recorded into the capture is either refused by the driver
-/// (`CUDA_ERROR_CAPTURED_EVENT`, leaking out as an event-layer error), or read as "never
-/// recorded" (an `Ok` for a collective that has not run), or left pending until the deadline
-/// (a `Timeout` that aborts a healthy communicator). Expected: a typed capture refusal at
-/// once, the communicator healthy, and the capture intact (its graph replays the collective).
+/// `GraphError::Capturing`, "nothing queued on it now would run"), but `event_done_with` has no
+/// such check: the event recorded into the capture is either refused by the driver
+/// (`CUDA_ERROR_CAPTURED_EVENT`, leaking out as an event-layer error), or read as "never recorded"
+/// (an `Ok` for a collective that has not run), or left pending until the deadline (a `Timeout`
+/// that aborts a healthy communicator). Expected: a typed capture refusal at once, the communicator
+/// healthy, and the capture intact (its graph replays the collective).
 #[test]
 fn synchronize_on_a_capturing_stream_is_a_typed_capture_refusal_and_the_capture_survives() {
     let (gpu, _serial) = gate!();
@@ -322,7 +323,7 @@ fn synchronize_on_a_capturing_stream_is_a_typed_capture_refusal_and_the_capture_
 
 /// Sequence: a 1.5 s spin holds S; an all-reduce queued behind it; `synchronize_within(50 ms)`.
 ///
-/// The deadline fires in `CollectiveFuture::poll` (src/wait.rs:86-91), which then calls
+/// The deadline fires in `CollectiveFuture::poll` (src/wait.rs), which then calls
 /// `comm.abort()` inline before returning. `ncclCommAbort` frees the communicator's device and
 /// pinned host memory (`cudaFree`/`cuMemUnmap`/`cudaFreeHost`, which synchronise with the
 /// device), so the abort, and with it the "timed out" return, can wait for the unrelated
@@ -366,10 +367,10 @@ fn a_deadline_bounds_the_wait_even_when_other_work_holds_the_stream() {
 /// Sequence: a one-rank communicator made from `id`; a second `init_rank(1, 0, &id)` with a 2 s
 /// deadline.
 ///
-/// `UniqueId` is `Copy` (src/id.rs:20) and nothing records that an id was used: the second
+/// `UniqueId` is `Copy` (src/id.rs) and nothing records that an id was used: the second
 /// initialisation connects to a bootstrap root that has already served its rank and exited.
 /// NCCL retries a refused connection for about 20 s; cuweave's deadline (settle_raw,
-/// src/comm.rs:83-114) must cut that short through `ncclCommAbort`. Expected: a typed error
+/// src/comm/settle.rs) must cut that short through `ncclCommAbort`. Expected: a typed error
 /// (`Timeout` or NCCL's) within the deadline plus 3 s, and the first communicator untouched. A
 /// failure is a reused id accepted (`Ok`), or a hang past its deadline.
 #[test]
@@ -409,10 +410,10 @@ fn a_reused_unique_id_is_a_typed_error_within_the_deadline() {
 /// pending (a cancelled task, a `select!` that lost), then the stream drains.
 ///
 /// Each future records a fresh event and registers it with the global waiter
-/// (src/wait.rs:168-181); dropping it cancels the registration. Expected: every registration is
-/// accounted for (completed, cancelled or timed out) and the waiter's pending count returns to
-/// where it was within 5 s of the stream draining. A failure is a waiter that keeps an entry
-/// (and an event) per abandoned future.
+/// (`Communicator::completion_within`, src/wait.rs); dropping it cancels the registration.
+/// Expected: every registration is accounted for (completed, cancelled or timed out) and the
+/// waiter's pending count returns to where it was within 5 s of the stream draining. A failure is a
+/// waiter that keeps an entry (and an event) per abandoned future.
 #[test]
 fn ten_thousand_completion_futures_dropped_pending_leave_the_waiter_bounded() {
     let (gpu, _serial) = gate!();
@@ -460,7 +461,7 @@ fn ten_thousand_completion_futures_dropped_pending_leave_the_waiter_bounded() {
 /// ("Either none or all communicators in a ncclGroup() can be CUDA graph captured",
 /// `ncclInvalidUsage`), after the ranks entered their intra-process barrier: NCCL's own comment
 /// says "these comms are permanently trashed". cuweave issues the group without looking at the
-/// streams' capture status (src/collective.rs:149-205) and then aborts every communicator of
+/// streams' capture status (`run`, src/collective/issue.rs) and then aborts every communicator of
 /// the failed group. Expected: a typed refusal before NCCL, both ranks healthy, the capture
 /// intact, and the same group working eagerly afterwards.
 #[test]
@@ -525,12 +526,12 @@ fn two_gpus_a_group_with_one_rank_captured_and_one_eager_is_refused_before_nccl(
 /// Sequence (two GPUs, one process): `init_all`; one `Group` holds rank 0's send of 4096
 /// elements to rank 1 and rank 1's receive of 2048 elements from rank 0; `launch`.
 ///
-/// `check_self_exchanges` (src/collective.rs:218-277) pairs only a rank's sends to itself with
-/// its receives from itself; between two ranks driven from this one group both sides are in
-/// hand, yet their byte counts are not compared. NCCL then runs a send whose receiver expects
-/// half of it: the pair hangs on the GPU or leaves the surplus in the connection for the next
-/// transfer to read. Expected: `InvalidArgument` before NCCL (as a mismatched self pair is) and
-/// both ranks healthy.
+/// `check_self_exchanges` (since replaced by `check_calls`, src/collective/issue.rs) pairs only a
+/// rank's sends to itself with its receives from itself; between two ranks driven from this one
+/// group both sides are in hand, yet their byte counts are not compared. NCCL then runs a send
+/// whose receiver expects half of it: the pair hangs on the GPU or leaves the surplus in the
+/// connection for the next transfer to read. Expected: `InvalidArgument` before NCCL (as a
+/// mismatched self pair is) and both ranks healthy.
 #[test]
 fn two_gpus_mismatched_send_and_recv_lengths_in_one_group_are_refused_before_nccl() {
     let (_gpu, _serial) = gate!();

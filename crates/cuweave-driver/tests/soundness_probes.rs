@@ -103,7 +103,7 @@ impl Drop for LaunchWitness {
 ///
 /// `Graph::keep_alive` promises to keep the value alive "as long as this graph and every
 /// executable instantiated from it" for "buffers its nodes use", and `GraphExec` says "queued
-/// launches still complete". But `Drop for GraphExec` (src/graph/exec.rs:347-358) only calls
+/// launches still complete". But `Drop for GraphExec` (src/graph/exec.rs) only calls
 /// `cuGraphExecDestroy` (which does not wait) and then its fields drop: `keep_alive` and the
 /// `Retirement` generations go at once, with no fence for the launches still queued (the
 /// retirement fences exist only for `update`). A failure means the memory a graph uses is freed
@@ -156,14 +156,15 @@ fn dropping_a_graph_exec_keeps_its_keep_alives_until_its_queued_launches_finish(
 /// ending the capture (a `?` or a panic between begin and end does exactly this); then, on the
 /// same thread, use another stream normally.
 ///
-/// `begin_capture_recorded` (src/graph/capture.rs:541-571) pushes a `Record`, raises the
+/// `Stream::begin_capture_recorded` (src/graph/capture/begin_end.rs) pushes a `Record`, raises the
 /// process's capture count and the thread's `THREAD_CAPTURES`; only `end_capture` /
-/// `forget_capture` (capture.rs:638-647) lowers them, and `Drop for Stream` (src/stream.rs:
-/// 489-502) does neither. So the thread keeps believing it captures: `refuse_while_capturing`
-/// (capture.rs:325-356) refuses every later `Stream::synchronize`, `Event::query`, blocking copy
-/// and `DeviceAllocation::zeroed` on it, forever, and `active_captures()` never returns to 0
-/// (every capture-aware fast path in the process stays on its slow path). Expected: dropping a
-/// capturing stream ends the capture's bookkeeping; the thread's calls work afterwards.
+/// `forget_capture` (src/graph/capture/begin_end.rs) lowers them, and `Drop for Stream`
+/// (src/stream.rs) does neither. So the thread keeps believing it captures:
+/// `refuse_while_capturing` (src/graph/capture/refusals.rs) refuses every later
+/// `Stream::synchronize`, `Event::query`, blocking copy and `DeviceAllocation::zeroed` on it,
+/// forever, and `active_captures()` never returns to 0 (every capture-aware fast path in the
+/// process stays on its slow path). Expected: dropping a capturing stream ends the capture's
+/// bookkeeping; the thread's calls work afterwards.
 #[test]
 fn dropping_a_capturing_stream_does_not_leave_its_thread_refusing_blocking_calls() {
     let gpu = cuweave_test_support::require_gpu!();
@@ -208,7 +209,7 @@ fn dropping_a_capturing_stream_does_not_leave_its_thread_refusing_blocking_calls
 ///
 /// `StreamMarks` documents that "marks from two streams would make the word jump past work the
 /// other stream has not done", and guards it only per `StreamMarks` value (`belongs_to`,
-/// src/memory/stream_marks.rs:104-110); `StreamMarks::new` (stream_marks.rs:64-85) checks only
+/// src/memory/stream_marks.rs); `StreamMarks::new` (src/memory/stream_marks.rs) checks only
 /// the index and the context, not that the word already belongs to another stream's marks. So
 /// `b`'s write makes `a`'s mark read as reached (`is_reached`, `wait`) while `a` still spins:
 /// a pipeline that reuses a staging buffer once its chunk's mark is reached would overwrite
@@ -256,9 +257,9 @@ fn two_stream_marks_on_one_word_never_report_a_mark_before_its_stream_reached_it
 /// Sequence: pinned memory allocated before a thread-local capture is dropped on the capturing
 /// thread while it captures (an implicit, safe call).
 ///
-/// `HostAllocation::new` (src/memory/host.rs:71-95) enters relaxed capture mode while a
+/// `HostAllocation::new` (src/memory/host.rs) enters relaxed capture mode while a
 /// capture is active, because the driver refuses `cuMemHostAlloc` there; `Drop for
-/// HostAllocation` (host.rs:158-169) calls `cuMemFreeHost` with no such guard. If the driver
+/// HostAllocation` (src/memory/host.rs) calls `cuMemFreeHost` with no such guard. If the driver
 /// refuses the free the same way, the capture is invalidated (and the memory leaks). Expected:
 /// the capture survives and replays.
 #[test]
@@ -284,10 +285,10 @@ fn dropping_pinned_memory_during_a_capture_keeps_the_capture() {
 /// Sequence: page-lock a `Vec` with `HostRegistration::new` during a thread-local capture on
 /// the capturing thread, and drop the registration (unregister) before the capture ends.
 ///
-/// Neither `HostRegistration::new` (src/memory/host.rs:186-202) nor its drop (host.rs:272-281)
-/// checks for a capture or enters relaxed mode, unlike `HostAllocation::new`; the driver treats
-/// pinning calls as unsafe during a capture. Expected: each call is `Ok` or a typed capture
-/// refusal, and the capture survives.
+/// Neither `HostRegistration::new` (src/memory/host.rs) nor its drop (`Drop for HostRegistration`,
+/// src/memory/host.rs) checks for a capture or enters relaxed mode, unlike `HostAllocation::new`;
+/// the driver treats pinning calls as unsafe during a capture. Expected: each call is `Ok` or a
+/// typed capture refusal, and the capture survives.
 #[test]
 fn registering_host_memory_during_a_capture_is_refused_or_keeps_the_capture() {
     let gpu = cuweave_test_support::require_gpu!();
@@ -316,13 +317,13 @@ fn registering_host_memory_during_a_capture_is_refused_or_keeps_the_capture() {
 /// capturing thread of a thread-local capture.
 ///
 /// `DeviceAllocation::zeroed` refuses with `GraphError::Capturing` before anything is
-/// allocated (src/memory/device_alloc.rs:56), but `DeviceAllocation::new` (device_alloc.rs:
-/// 28-40) and `ManagedAllocation::new` (src/memory/managed.rs:135-155) call `cuMemAlloc` /
-/// `cuMemAllocManaged` straight away, which the driver refuses during the capture and which
-/// invalidates it (tests/driver_user_programs.rs:507-552 observes exactly this for
-/// `cuMemAlloc_v2` on an H200 and asserts it as the expected outcome). The architecture says
-/// such calls must be typed errors, not broken captures. Expected: `Ok` or a typed capture
-/// refusal, and the capture survives.
+/// allocated (src/memory/device_alloc.rs), but `DeviceAllocation::new` (src/memory/device_alloc.rs)
+/// and `ManagedAllocation::new` (src/memory/managed.rs) call `cuMemAlloc` / `cuMemAllocManaged`
+/// straight away, which the driver refuses during the capture and which invalidates it
+/// (`two_captures_broken_on_two_threads_each_name_their_own_breaking_call`,
+/// tests/driver_user_programs.rs, observes exactly this for `cuMemAlloc_v2` on an H200 and asserts
+/// it as the expected outcome). The architecture says such calls must be typed errors, not broken
+/// captures. Expected: `Ok` or a typed capture refusal, and the capture survives.
 #[test]
 fn synchronous_allocations_during_a_capture_are_refused_before_they_break_it() {
     let gpu = cuweave_test_support::require_gpu!();
@@ -358,11 +359,12 @@ fn synchronous_allocations_during_a_capture_are_refused_before_they_break_it() {
 /// Sequence: a `DeviceAllocation` made before a thread-local capture is dropped (an implicit,
 /// safe call) on the capturing thread while it captures.
 ///
-/// `Drop for DeviceAllocation` (src/memory/device_alloc.rs:105-112) calls `cuMemFree`, which
-/// synchronises and which the driver refuses during the capture, invalidating it
-/// (tests/driver_user_programs.rs:519-521 breaks a capture the same way through `free`). A drop
-/// cannot return a typed error, so it must not make the call then (defer, or free in relaxed
-/// mode). Expected: the capture survives and replays.
+/// `Drop for DeviceAllocation` (src/memory/device_alloc.rs) calls `cuMemFree`, which synchronises
+/// and which the driver refuses during the capture, invalidating it
+/// (`two_captures_broken_on_two_threads_each_name_their_own_breaking_call`,
+/// tests/driver_user_programs.rs, breaks a capture the same way through `free`). A drop cannot
+/// return a typed error, so it must not make the call then (defer, or free in relaxed mode).
+/// Expected: the capture survives and replays.
 #[test]
 fn dropping_device_memory_during_a_capture_keeps_the_capture() {
     let gpu = cuweave_test_support::require_gpu!();
@@ -386,11 +388,11 @@ fn dropping_device_memory_during_a_capture_keeps_the_capture() {
 /// with `Stream::wait_stream(&eager)` (which records a pooled event on the eager stream) and
 /// once with `Stream::wait_event` on an event recorded on the eager stream before.
 ///
-/// Neither `wait_stream` nor `wait_event` (src/stream.rs:310-339) checks capture; the driver
-/// refuses a capturing stream's wait on an event recorded outside the capture (the crate says
-/// so itself: "instead of waiting on an event recorded outside the capture (which the driver
-/// refuses)", src/graph/capture.rs:486) and invalidates the capture. Expected: `Ok` or a
-/// typed capture refusal, and the capture survives.
+/// Neither `Stream::wait_stream` nor `Stream::wait_event` (src/stream.rs) checks capture; the
+/// driver refuses a capturing stream's wait on an event recorded outside the capture (the crate
+/// says so itself: "instead of waiting on an event recorded outside the capture (which the driver
+/// refuses)", `Stream::begin_capture_synchronized`, src/graph/capture/begin_end.rs) and invalidates
+/// the capture. Expected: `Ok` or a typed capture refusal, and the capture survives.
 #[test]
 fn a_capturing_stream_waiting_on_eager_work_gets_a_typed_answer_and_keeps_the_capture() {
     let gpu = cuweave_test_support::require_gpu!();
@@ -432,7 +434,7 @@ fn a_capturing_stream_waiting_on_eager_work_gets_a_typed_answer_and_keeps_the_ca
 /// (`Module::from_ptx`), and, in a second capture, drop the last handle of a module loaded
 /// before (an implicit `cuModuleUnload`).
 ///
-/// `Module::load` (src/module.rs:72-104) and `Drop for Module` (module.rs:176-189) make their
+/// `Module::load` (src/module.rs) and `Drop for Module` (src/module.rs) make their
 /// driver calls whatever captures; module unload synchronises the context, which the driver
 /// refuses during a capture. Expected: `Ok` or a typed capture refusal for the load, and both
 /// captures survive.
@@ -470,7 +472,7 @@ fn loading_or_unloading_a_module_during_a_capture_keeps_the_capture() {
 /// Sequence: `Module::from_ptx` with empty and whitespace-only text, and `from_cubin` with an
 /// empty slice.
 ///
-/// `from_ptx` (src/module.rs:39-49) passes any NUL-free text to `cuModuleLoadDataEx` with no
+/// `Module::from_ptx` (src/module.rs) passes any NUL-free text to `cuModuleLoadDataEx` with no
 /// check of its own; what the driver does with an empty image is not documented. Expected: a
 /// typed error (never an `Ok` module with no code in it, nor a panic).
 #[test]
@@ -536,11 +538,11 @@ fn oversized_allocations_are_typed_errors() {
 /// eager work on another stream leaves eager-use fences (`fence_eager_use`, safe) for 1 000
 /// distinct captures, each with an event that has already completed.
 ///
-/// `keep_fence` (src/graph/fences.rs:82-101) prunes, past `PRUNE_FENCES_AT`, only fences whose
-/// `Event::query` answers `Ok(true)`; during the capture `Event::query` is refused on this
-/// thread (`refuse_while_capturing`, src/event.rs:157), so nothing is ever pruned and every
-/// push re-queries every fence (quadratic). Expected: the registry stays near its bound (the
-/// events are finished), whatever captures.
+/// `keep_fence` (src/graph/fences.rs) prunes, past `PRUNE_FENCES_AT`, only fences whose
+/// `Event::query` answers `Ok(true)`; during the capture `Event::query` is refused on this thread
+/// (`refuse_while_capturing` in `Event::query`, src/event.rs), so nothing is ever pruned and every
+/// push re-queries every fence (quadratic). Expected: the registry stays near its bound (the events
+/// are finished), whatever captures.
 #[test]
 fn eager_use_fences_stay_bounded_while_a_capture_is_open_on_the_thread() {
     let gpu = cuweave_test_support::require_gpu!();
@@ -578,7 +580,7 @@ fn eager_use_fences_stay_bounded_while_a_capture_is_open_on_the_thread() {
 /// the context's shared pool, recording it and handing it back, with a pool handle held so the
 /// pool persists.
 ///
-/// `wait_stream` (src/stream.rs:310-315) returns the event at once while the wait on it is still
+/// `Stream::wait_stream` (src/stream.rs) returns the event at once while the wait on it is still
 /// queued; the pool must then reuse it rather than grow. Expected: the pool's `created_regular`
 /// counter stays at a handful and nothing is left in use.
 #[test]

@@ -111,8 +111,9 @@ fn op(start_ns: u64, duration_ns: u64) -> ProfiledOperation {
 
 // A report reloaded from JSON (or made by hand) with times at the end of `u64`: summarising it
 // must not panic. `ProfiledOperation::end_ns` is `start_ns + duration_ns` unchecked
-// (profiler/report.rs:33) and the sums of durations and bytes (report.rs:120, 127-128, 144) are
-// plain `+`/`sum()`, which overflow (a panic in debug builds, a wrapped nonsense in release).
+// (src/profiler/report.rs) and the sums of durations and bytes (`ProfileReport::from_operations`,
+// src/profiler/report.rs) are plain `+`/`sum()`, which overflow (a panic in debug builds, a wrapped
+// nonsense in release).
 #[test]
 fn a_report_of_operations_with_extreme_times_does_not_overflow() {
     let json = serde_json::to_string(&[op(u64::MAX - 1, 10), op(0, u64::MAX)]).unwrap();
@@ -153,9 +154,10 @@ fn priority_mapping_with_a_one_value_range_is_consistent() {
 
 // A range with its fields swapped (the naming invites it: the *least* priority is numerically
 // the *greatest*): `from_driver` calls `i32::clamp(greatest, least)` through
-// `StreamPriorityRange::clamp` (cuweave-driver/src/context.rs:59), which panics when
-// min > max; extreme ranges overflow `greatest + least` (priority.rs:33) and the
-// distance `to_driver(range) - priority` (priority.rs:44).
+// `StreamPriorityRange::clamp` (cuweave-driver src/context.rs), which panics when
+// min > max; extreme ranges overflow `greatest + least` (`StreamPriority::to_driver`,
+// src/priority.rs) and the distance `to_driver(range) - priority` (`StreamPriority::from_driver`,
+// src/priority.rs).
 #[test]
 fn priority_mapping_with_a_swapped_or_extreme_range_does_not_panic() {
     let swapped = StreamPriorityRange {

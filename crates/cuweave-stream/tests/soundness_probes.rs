@@ -84,16 +84,16 @@ fn finish_and_replay(capture: StreamCapture<'_>, origin: &PriorityStream, what: 
 /// Sequence: `a` owns a raw receipt; `add_stream_dependency(b, a)` gives it to `b`; `b` begins a
 /// capture; the program frees the receipt (`free`, then `free_for_stream`) from eager code.
 ///
-/// `StreamOrderedAllocator::release` (crates/cuweave-stream/src/allocator/mod.rs:497-509)
-/// checks only that the *owner* is not capturing, then `order_after_users` (mod.rs:484-489)
-/// calls `owner.wait_for(user)` for `b`. `PriorityStream::wait_for` (stream/mod.rs:199-209)
-/// allows an eager stream to wait on a capturing one: `a` JOINS `b`'s capture (a fork). The
-/// `cuMemFreeAsync` of eager memory is then queued on a capturing stream (mod.rs:512-516): a
-/// graph free node for memory the graph never allocated (the driver refuses it, or it runs at
-/// every replay), and `a` is left forked into `b`'s capture and never joined, so the capture
-/// ends with `CUDA_ERROR_STREAM_CAPTURE_UNJOINED` / invalidated. Expected: the free is either a
-/// typed capture refusal before anything is queued (as when the owner itself captures), or an
-/// eager free; the owner never joins the capture and the capture still ends and replays.
+/// `StreamOrderedAllocator::release` (src/allocator/free.rs) checks only that the *owner* is not
+/// capturing, then `order_after_users` (src/allocator/free.rs) calls `owner.wait_for(user)` for
+/// `b`. `PriorityStream::wait_for` (src/stream/mod.rs) allows an eager stream to wait on a
+/// capturing one: `a` JOINS `b`'s capture (a fork). The `cuMemFreeAsync` of eager memory is then
+/// queued on a capturing stream (the end of `release`): a graph free node for memory the graph
+/// never allocated (the driver refuses it, or it runs at every replay), and `a` is left forked into
+/// `b`'s capture and never joined, so the capture ends with `CUDA_ERROR_STREAM_CAPTURE_UNJOINED` /
+/// invalidated. Expected: the free is either a typed capture refusal before anything is queued (as
+/// when the owner itself captures), or an eager free; the owner never joins the capture and the
+/// capture still ends and replays.
 #[test]
 fn freeing_memory_given_to_a_stream_that_now_captures_never_pulls_the_owner_into_the_capture() {
     let name =
@@ -141,7 +141,7 @@ fn freeing_memory_given_to_a_stream_that_now_captures_never_pulls_the_owner_into
 /// A regression test (it failed on the H200 before the fix), same root cause as the test above,
 /// through `Drop`.
 ///
-/// `Drop for StreamOrderedAllocator` (allocator/mod.rs:588-597) calls `release` on every held
+/// `Drop for StreamOrderedAllocator` (src/allocator/free.rs) calls `release` on every held
 /// entry; `order_after_users` makes the owner `a` wait on the user `b`, which captures, so `a`
 /// joins `b`'s capture and the eager free is recorded into it. Dropping an allocator (a safe,
 /// implicit call) thus breaks an unrelated capture. Expected: the capture ends and replays, and
@@ -181,14 +181,14 @@ fn dropping_the_allocator_while_a_user_stream_captures_leaves_that_capture_intac
 ///
 /// The legacy default stream can never be captured (`StreamCapture::begin` refuses it with
 /// `GraphError::LegacyDefaultStream`), yet every way of making a stream wait on a capturing
-/// one lets it try to *join* a capture: `StreamCapture::fork` (capture/mod.rs:209-224),
-/// `PriorityStream::wait_for` (stream/mod.rs:199-209), `MultiStreamCoordinator::add_dependency`
-/// and `StreamOrderedAllocator::add_stream_dependency` all call `refuse_wait_across_capture`
-/// (capture/mod.rs:339-355), which only refuses a *capturing* dependent; the legacy stream is
-/// not capturing, so `cuStreamWaitEvent(NULL, captured event)` reaches the driver, which
-/// refuses it with an untyped error and (as for any wait across a capture's isolation)
-/// invalidates the capture. Expected: a typed refusal before anything is queued, and the
-/// capture still ends and replays.
+/// one lets it try to *join* a capture: `StreamCapture::fork` (src/capture/mod.rs),
+/// `PriorityStream::wait_for` (src/stream/mod.rs), `MultiStreamCoordinator::add_dependency` and
+/// `StreamOrderedAllocator::add_stream_dependency` all call `refuse_wait_across_capture`
+/// (src/capture/mod.rs), which only refuses a *capturing* dependent; the legacy stream is not
+/// capturing, so `cuStreamWaitEvent(NULL, captured event)` reaches the driver, which refuses it
+/// with an untyped error and (as for any wait across a capture's isolation) invalidates the
+/// capture. Expected: a typed refusal before anything is queued, and the capture still ends and
+/// replays.
 #[test]
 fn the_legacy_default_stream_cannot_join_a_capture_and_the_capture_survives_the_attempt() {
     let name =
@@ -249,7 +249,7 @@ fn the_legacy_default_stream_cannot_join_a_capture_and_the_capture_survives_the_
 
 /// A regression test (it failed on the H200 before the fix).
 ///
-/// `MultiStreamCoordinator::add_dependency` (coordinator/mod.rs:111-132) adds both streams to
+/// `MultiStreamCoordinator::add_dependency` (src/coordinator/mod.rs) adds both streams to
 /// the coordinator *before* `dependent.wait_for(prerequisite)?` can refuse. A refused call
 /// (a capturing stream told to wait on an eager one) therefore leaves the capturing stream
 /// coordinated: every later `create_barrier` and `on_all_complete` is refused while that capture
@@ -281,11 +281,11 @@ fn a_refused_dependency_leaves_the_coordinator_as_it_was() {
 /// A regression test (unbounded registry; it failed on the H200 before the fix).
 ///
 /// `add_dependency` adds both streams, as `Arc`s, to the coordinator's list
-/// (coordinator/mod.rs:91-97, 122-123) and nothing ever retires them: a loop that orders
-/// short-lived streams keeps every one alive (its CUDA stream, its event pool handle, and, once
-/// `on_all_complete` has run on it, its callback thread), and every later barrier waits on all
-/// of them (`2 (n - 1)` waits). Expected: streams the program has dropped are not kept, so the
-/// list stays bounded.
+/// (through `MultiStreamCoordinator::add_stream`, src/coordinator/mod.rs) and nothing ever retires
+/// them: a loop that orders short-lived streams keeps every one alive (its CUDA stream, its event
+/// pool handle, and, once `on_all_complete` has run on it, its callback thread), and every later
+/// barrier waits on all of them (`2 (n - 1)` waits). Expected: streams the program has dropped are
+/// not kept, so the list stays bounded.
 #[test]
 fn a_coordinator_does_not_keep_alive_the_short_lived_streams_it_ordered() {
     let gpu = cuweave_test_support::require_gpu!();
@@ -338,11 +338,11 @@ fn quiet_probe_panics() {
 /// A regression test (unbounded registry; it failed on the H200 before the fix).
 ///
 /// Every panicking host callback pushes a `CallbackFailure` (with its message `String`) onto
-/// `Shared::failures`, a `Vec` that is never trimmed (stream/callback.rs:146-157);
-/// `callback_failures()` clones it whole. A long-running stream whose callback panics now and
-/// then (a closed channel, say) grows it forever, against the rule that every registry has a
-/// bound. Expected: the panic count stays exact (`metrics().callback_panics`), the kept list is
-/// bounded (a window of the newest, as the profiler keeps).
+/// `Shared::failures`, a `Vec` that is never trimmed (pushed by `run`, src/stream/callback.rs);
+/// `callback_failures()` clones it whole. A long-running stream whose callback panics now and then
+/// (a closed channel, say) grows it forever, against the rule that every registry has a bound.
+/// Expected: the panic count stays exact (`metrics().callback_panics`), the kept list is bounded (a
+/// window of the newest, as the profiler keeps).
 #[test]
 fn ten_thousand_panicking_callbacks_are_counted_exactly_and_keep_a_bounded_failure_list() {
     let gpu = cuweave_test_support::require_gpu!();

@@ -386,9 +386,10 @@ fn transfers_through_views_wait_for_queued_writes_to_overlapping_ranges() {
 // SUSPECTED TO FAIL (the memory layer's blocking copies, reached through the transfer paths
 // that write or read a `PinnedBuffer` with a host pointer). `(S::Host, D::Pinned)`,
 // `(S::Pinned, D::Host)`, `(S::Registered, D::Pinned)` and `DirectCopy` into a pinned buffer
-// (crates/cuweave-transfer/src/execute.rs:29-30, 133, pinned_down at ~229) call
+// (the `(S::Host, D::Pinned)`, `(S::Pinned, D::Host)` and `(S::Registered, _)` arms of `execute`,
+// and `pinned_down`, in crates/cuweave-transfer/src/execute.rs) call
 // `Buffer::copy_range_from_host` / `copy_range_to_host` on the pinned buffer, i.e.
-// `raw::write_blocking` / `raw::read_blocking` (crates/cuweave-memory/src/buffer/raw.rs:62-119):
+// `raw::write_blocking` / `raw::read_blocking` (crates/cuweave-memory/src/buffer/raw.rs):
 // the legacy stream is made to wait (`cuStreamWaitEvent`) for the pinned buffer's queued uses,
 // then `cuMemcpyHtoD` / `cuMemcpyDtoH` run with a *host* address on the device side. A
 // host-to-host `cuMemcpy` is "fully synchronous with respect to the host" and may be done by the
@@ -474,12 +475,13 @@ fn transfers_into_and_out_of_pinned_buffers_are_ordered_with_their_queued_device
 
 // SUSPECTED TO FAIL (same mechanism as the pinned probe, with managed memory).
 // `DirectCopy` between pageable host memory and a unified buffer
-// (crates/cuweave-transfer/src/execute.rs:54 and :63, `u.copy_range_from_host` /
-// `u.copy_range_to_host`) runs `cuMemcpyHtoD` / `cuMemcpyDtoH` on managed memory after only a
-// `cuStreamWaitEvent` on the legacy stream (raw.rs `write_blocking` / `read_blocking`); if the
-// driver copies managed memory with the CPU at once, the ordering with a fill queued on another
-// stream is lost. The `UnifiedMemory` method takes a host slice (`as_slice` / `as_mut_slice`,
-// which host-wait for the device) and must be ordered either way.
+// (the `(S::Host, D::Unified)` and `(S::Unified, D::Host)` arms of `execute` in
+// crates/cuweave-transfer/src/execute.rs, `u.copy_range_from_host` / `u.copy_range_to_host`) runs
+// `cuMemcpyHtoD` / `cuMemcpyDtoH` on managed memory after only a `cuStreamWaitEvent` on the legacy
+// stream (raw.rs `write_blocking` / `read_blocking`); if the driver copies managed memory with the
+// CPU at once, the ordering with a fill queued on another stream is lost. The `UnifiedMemory`
+// method takes a host slice (`as_slice` / `as_mut_slice`, which host-wait for the device) and must
+// be ordered either way.
 #[test]
 fn unified_transfers_are_ordered_with_a_queued_device_fill_by_every_method() {
     let gpu = require_gpu!();
