@@ -53,12 +53,12 @@ fn managed_usable(ctx: &Arc<Context>) -> bool {
 }
 
 // A regression test. `copy_peer` (crates/cuweave-memory/src/buffer/peer.rs) checked nothing
-// about capture: on a capturing stream it records `dst`'s captured write and queues
-// `cuMemcpyPeerAsync` (captured into the graph, peer.rs:54), then `stream.synchronize()`
-// (peer.rs:65) is refused with `GraphError::Capturing`, so the call returns `Err`, but the memcpy
-// node stays in the capture. Its read of `src` is never recorded in `src`'s tracker (only
-// `src.tracker().synchronize()` ran, peer.rs:45), so dropping `src` returns its block to the cache
-// at once, the next buffer of that size gets it, and every launch of the graph reads (copies)
+// about capture: on a capturing stream it recorded `dst`'s captured write and queued
+// `cuMemcpyPeerAsync` (captured into the graph), then its closing `stream.synchronize()` was
+// refused with `GraphError::Capturing`, so the call returned `Err`, but the memcpy node stayed in
+// the capture. Its read of `src` was never recorded in `src`'s tracker (only
+// `src.tracker().synchronize()` ran, before the copy), so dropping `src` returned its block to the
+// cache at once, the next buffer of that size got it, and every launch of the graph read (copied)
 // the new owner's bytes. Expected: refused before anything is queued (no node), or `src` kept
 // for the graph as captured copies keep their pinned host side. It is now refused first.
 #[test]
