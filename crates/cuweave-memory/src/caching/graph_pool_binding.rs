@@ -277,7 +277,8 @@ pub(super) fn route(stream: &Stream) -> Result<Option<(u32, MissPolicy)>> {
     }
 }
 
-/// The pool whose capture has the stream `key` (a general-cache key) among its streams.
+/// The pool whose capture has the stream `stream_id` among its streams (the callers pass a
+/// general-cache key, which is the stream's id for every stream but the legacy one).
 pub(super) fn capturing_pool_of(stream_id: u64) -> Option<GraphPool> {
     BINDINGS
         .read()

@@ -39,8 +39,6 @@ fn probe() -> (Held, Arc<AtomicUsize>) {
     (held, count)
 }
 
-/// Binds `capture` to `pool` as `begin_allocate_to_pool` does (capture ids here are far
-/// from any other test's).
 /// The tag a buffer would remember for `pool`.
 fn tag(pool: &GraphPool) -> u64 {
     u64::from(pool.token.id)

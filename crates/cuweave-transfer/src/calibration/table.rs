@@ -210,7 +210,8 @@ impl CalibrationTable {
         best
     }
 
-    /// Whether nothing was measured (no bandwidth and no registration cost).
+    /// Whether nothing was measured (no bandwidth, no staging choice and no registration
+    /// cost).
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty() && self.registration.is_none() && self.staging.is_empty()
     }
