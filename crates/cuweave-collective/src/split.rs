@@ -160,11 +160,22 @@ impl Communicator {
         let mut accepted = vec![false; parents.len()];
         let failure = issue_splits(parents, &nccl_splits, &slots, &mut accepted, op)?;
         if let Some(error) = failure {
-            // Nothing waits for a refused group: settle the parents whose split NCCL took
-            // (each is aborted if that fails), and abort any child already written.
-            for (parent, _) in parents.iter().zip(&accepted).filter(|(_, a)| **a) {
-                let _ = parent.settle(op, started);
-            }
+            // Nothing waits for a refused group: settle the parents whose split NCCL took, abort
+            // those that fail to (together and inline: their aborts must have ended before the
+            // slots are read, or a child written after the read would never be aborted), then
+            // abort any child already written.
+            let failed: Vec<&Communicator> = parents
+                .iter()
+                .zip(&accepted)
+                .filter(|(_, a)| **a)
+                .filter(|(parent, _)| {
+                    parent
+                        .settle_without_abort(op, started)
+                        .is_err_and(|e| !matches!(e, CollectiveError::Aborted { .. }))
+                })
+                .map(|(parent, _)| *parent)
+                .collect();
+            crate::comm::abort_all(&failed);
             abort_children(parents, &slots);
             slots.into_iter().for_each(HandleSlot::leak);
             return Err(error);
