@@ -164,17 +164,14 @@ impl Communicator {
             // those that fail to (together and inline: their aborts must have ended before the
             // slots are read, or a child written after the read would never be aborted), then
             // abort any child already written.
-            let failed: Vec<&Communicator> = parents
-                .iter()
-                .zip(&accepted)
-                .filter(|(_, a)| **a)
-                .filter(|(parent, _)| {
-                    parent
-                        .settle_without_abort(op, started)
-                        .is_err_and(|e| !matches!(e, CollectiveError::Aborted { .. }))
-                })
-                .map(|(parent, _)| *parent)
-                .collect();
+            let mut failed: Vec<&Communicator> = Vec::new();
+            for (parent, _) in parents.iter().zip(&accepted).filter(|(_, a)| **a) {
+                if let Err(error) = parent.settle_without_abort(op, started)
+                    && !matches!(error, CollectiveError::Aborted { .. })
+                {
+                    failed.push(parent);
+                }
+            }
             crate::comm::abort_all(&failed);
             abort_children(parents, &slots);
             slots.into_iter().for_each(HandleSlot::leak);
@@ -320,15 +317,16 @@ fn issue_splits(
 /// Aborts every child NCCL has written so far (their slots are leaked by the caller).
 fn abort_children(parents: &[&Communicator], slots: &[HandleSlot]) {
     // Together, as the parents: the children of one color initialise as one job.
-    let aborts: Vec<_> = parents
-        .iter()
-        .zip(slots)
-        .filter_map(|(parent, slot)| {
-            let child = slot.get();
-            (!child.is_null()).then_some(move || abort_raw(parent.api(), parent.context(), child))
-        })
-        .collect();
-    crate::comm::abort_together(&aborts);
+    let Some(first) = parents.first() else {
+        return;
+    };
+    crate::comm::abort_raw_together(
+        first.api(),
+        parents
+            .iter()
+            .map(|parent| &**parent.context())
+            .zip(slots.iter().map(HandleSlot::get)),
+    );
 }
 
 #[cfg(test)]

@@ -54,17 +54,7 @@ impl Communicator {
     ///
     /// [`is_aborted`]: Self::is_aborted
     pub(crate) fn abort_in_background(&self) {
-        if self.inner.handle.request_abort() != Requested::ByThisCaller {
-            return;
-        }
-        let comm = self.clone();
-        let spawned = std::thread::Builder::new()
-            .name("cuweave-nccl-abort".into())
-            .spawn(move || comm.run_requested_abort());
-        if let Err(error) = spawned {
-            tracing::warn!(%error, "no thread for a background NCCL abort; aborting inline");
-            self.run_requested_abort();
-        }
+        abort_all_in_background(&[self]);
     }
 
     /// Runs the abort this caller requested (see [`HandleCell::run_requested_abort`]).
@@ -122,22 +112,39 @@ pub(crate) fn abort_all_in_background(comms: &[&Communicator]) {
         return;
     }
     let requested = std::sync::Arc::new(requested);
-    let run = |requested: &[Communicator]| {
-        abort_together(
-            &requested
-                .iter()
-                .map(|comm| move || comm.run_requested_abort())
-                .collect::<Vec<_>>(),
-        );
-    };
     let background = std::sync::Arc::clone(&requested);
     let spawned = std::thread::Builder::new()
         .name("cuweave-nccl-abort".into())
-        .spawn(move || run(&background));
+        .spawn(move || run_requested_aborts(&background));
     if let Err(error) = spawned {
         tracing::warn!(%error, "no thread for a background NCCL abort; aborting inline");
-        run(&requested);
+        run_requested_aborts(&requested);
     }
+}
+
+/// Runs, together, the aborts requested of `comms` (see [`abort_all_in_background`]).
+fn run_requested_aborts(comms: &[Communicator]) {
+    abort_together(
+        &comms
+            .iter()
+            .map(|comm| move || comm.run_requested_abort())
+            .collect::<Vec<_>>(),
+    );
+}
+
+/// Aborts together (see [`abort_together`]) every non-null handle of `handles`, each in its
+/// context: for handles no `Communicator` holds yet (initialisation, a split's children).
+pub(crate) fn abort_raw_together<'c>(
+    api: &NcclApi,
+    handles: impl IntoIterator<Item = (&'c Context, RawComm)>,
+) {
+    abort_together(
+        &handles
+            .into_iter()
+            .filter(|(_, raw)| !raw.is_null())
+            .map(|(context, raw)| move || abort_raw(api, context, raw))
+            .collect::<Vec<_>>(),
+    );
 }
 
 /// Aborts `comms` together (see [`abort_together`]).

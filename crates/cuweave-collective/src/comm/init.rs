@@ -13,7 +13,9 @@ use crate::id::UniqueId;
 use crate::loader::{self, NcclApi};
 use crate::raw::{self, HandleSlot, RawComm};
 
-use super::{CommConfig, CommInner, Communicator, World, abort_raw, settle_raw};
+use super::{
+    CommConfig, CommInner, Communicator, World, abort_raw, abort_raw_together, settle_raw,
+};
 
 /// Checks `config` (before NCCL is loaded or called), then against the loaded NCCL, and
 /// converts it for NCCL.
@@ -126,11 +128,14 @@ impl Communicator {
         });
         let settled = match failure {
             Some(error) => {
-                for (raw, context) in handles.iter().zip(&context_refs) {
-                    if !raw.is_null() {
-                        abort_raw(api, context, *raw);
-                    }
-                }
+                // One group's handles: aborted together, as `settle_raw` aborts them.
+                abort_raw_together(
+                    api,
+                    context_refs
+                        .iter()
+                        .map(|context| &***context)
+                        .zip(handles.iter().copied()),
+                );
                 Err(error)
             }
             None => settle_raw(api, &context_refs, &handles, OP, config.timeout),

@@ -19,7 +19,7 @@ use crate::loader::NcclApi;
 use crate::raw::{HandleSlot, RawComm};
 use crate::sys::{self, ncclResult_t};
 
-pub(crate) use abort::{abort_all, abort_all_in_background, abort_raw, abort_together};
+pub(crate) use abort::{abort_all, abort_all_in_background, abort_raw, abort_raw_together};
 pub(crate) use init::to_int;
 pub(crate) use settle::settle_raw;
 pub(crate) use world::World;
@@ -159,7 +159,7 @@ mod abort_tests {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::time::{Duration, Instant};
 
-    use super::abort_together;
+    use super::abort::abort_together;
 
     /// The shape of NCCL's group job: the first abort returns only once the second has set its
     /// flag. One after the other this never ends; together it does.

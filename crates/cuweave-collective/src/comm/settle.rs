@@ -11,7 +11,7 @@ use crate::handle::{Polled, poll_until};
 use crate::loader::NcclApi;
 use crate::raw::{self, RawComm};
 
-use super::{Communicator, abort_raw, abort_together};
+use super::{Communicator, abort_raw_together};
 
 /// Polls `ncclCommGetAsyncError` on every handle until none is in progress. Any failure (an
 /// asynchronous error, the deadline, a failed poll) aborts every non-null handle before it is
@@ -40,13 +40,12 @@ pub(crate) fn settle_raw(
         |waited| CollectiveError::Timeout { operation, waited },
     );
     if polled.is_err() {
-        abort_together(
-            &handles
+        abort_raw_together(
+            api,
+            contexts
                 .iter()
-                .zip(contexts)
-                .filter(|(raw, _)| !raw.is_null())
-                .map(|(raw, context)| move || abort_raw(api, context, *raw))
-                .collect::<Vec<_>>(),
+                .map(|context| &***context)
+                .zip(handles.iter().copied()),
         );
     }
     polled
@@ -117,7 +116,7 @@ impl Communicator {
     }
 
     /// As [`settle`](Self::settle), but a failure aborts nothing: for a group, whose
-    /// communicators must be aborted together ([`abort_together`]).
+    /// communicators must be aborted together ([`abort_together`](super::abort::abort_together)).
     pub(crate) fn settle_without_abort(
         &self,
         operation: &'static str,
