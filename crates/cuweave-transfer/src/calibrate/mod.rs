@@ -33,22 +33,18 @@ fn remember(table: &CalibrationTable) {
     *PROCESS.get_or_init(|| Mutex::new(None)).lock() = Some(table.clone());
 }
 
-/// Copies into `measured` (a table just measured for `devices`) what `earlier` holds that
-/// names a device outside `devices`: another device's host paths and staging choices, and peer
-/// pairs with a device not among them. Entries that name no device, and those of `devices`
-/// alone, are `measured`'s.
-fn keep_others(earlier: &CalibrationTable, measured: &mut CalibrationTable, devices: &[usize]) {
+/// `table` without what a recalibration of `devices` measures again: keeps what names a
+/// device outside `devices` (another device's host paths and staging choices, peer pairs with a
+/// device not among them); drops the figures of `devices` alone, those that name no device, and
+/// the registration cost.
+fn without_devices(mut table: CalibrationTable, devices: &[usize]) -> CalibrationTable {
     let other = |device: Option<usize>| device.is_some_and(|d| !devices.contains(&d));
-    for entry in &earlier.entries {
-        if other(entry.src_device) || other(entry.dst_device) {
-            measured.entries.push(*entry);
-        }
-    }
-    for choice in &earlier.staging {
-        if other(Some(choice.device)) {
-            measured.staging.push(*choice);
-        }
-    }
+    table
+        .entries
+        .retain(|entry| other(entry.src_device) || other(entry.dst_device));
+    table.staging.retain(|choice| other(Some(choice.device)));
+    table.registration = None;
+    table
 }
 
 /// Held while a calibration measures: one at a time in a process.
@@ -173,16 +169,12 @@ impl TransferManager {
     /// As [`calibrate`](Self::calibrate).
     pub fn recalibrate(&self) -> Result<CalibrationTable> {
         let _alone = CALIBRATING.lock();
-        let earlier = process_calibration();
-        let mut table = self.measure_missing(None)?;
         // The process's table also serves managers of other devices: what this one does not
-        // serve (other devices' paths, pairs with a device it lacks) stays as measured before.
-        if let Some(earlier) = earlier {
-            keep_others(&earlier, &mut table, &self.devices());
-            remember(&table);
-            self.set_measured(table.clone());
-        }
-        Ok(table)
+        // serve (other devices' paths, pairs with a device it lacks) stays as measured before,
+        // and all the rest is missing, so measured again.
+        let devices = self.devices();
+        let earlier = process_calibration().map(|table| without_devices(table, &devices));
+        self.measure_missing(earlier)
     }
 
     /// Measures into `known` (a new table when `None`) what it lacks for this manager's
@@ -327,11 +319,24 @@ mod tests {
             TransferMethod::PeerToPeer,
             40.0,
         );
-        // A manager of device 0 alone measures device 0 again.
-        let mut measured = CalibrationTable::default();
+        earlier.registration = Some(crate::calibration::RegistrationCost {
+            fixed_ms: 0.2,
+            ms_per_mib: 0.06,
+        });
+        // A manager of device 0 alone: device 0 and the registration cost are missing again,
+        // nothing else.
+        let mut measured = without_devices(earlier, &[0]);
+        assert_eq!(
+            Missing::of(&measured, &[0]),
+            Missing {
+                devices: vec![0],
+                pairs: vec![],
+            }
+        );
+        assert!(measured.registration.is_none());
+        // It measures device 0 again.
         measured.record_at(up(0).measure, TransferMethod::HostStaged, 35.0);
         measured.record_staging(choice(0));
-        keep_others(&earlier, &mut measured, &[0]);
         // Device 1 and the pair stay as measured; device 0 is the new figure, once.
         assert_eq!(Missing::of(&measured, &[0, 1]).pairs, vec![(1, 0)]);
         assert!(Missing::of(&measured, &[0, 1]).devices.is_empty());
