@@ -709,6 +709,100 @@ fn a_hundred_thousand_operations_with_callbacks_run_each_once_and_stay_bounded()
     assert_eq!((metrics.completed, metrics.failed), (OPS as u64, 0));
 }
 
+/// The same callbacks while the waiter's reactor is stuck for the whole run (one of its own
+/// callbacks blocks it; another coordinator shares the waiter). The coordinator's own polls
+/// decide the operations and run their callbacks; each decided operation's event goes back to
+/// the pool at once, although the stuck reactor still has its watch queued: 20 000 operations
+/// take no more events than are in flight. Once the reactor moves again, every watch ends
+/// without running anything twice, and nothing is left pending.
+#[test]
+fn a_stuck_reactor_does_not_keep_decided_operations_events_out_of_the_pool() {
+    const OPS: usize = 20_000;
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let stream = common::stream(&gpu.context);
+    let events = EventPool::new(&gpu.context, 0, 0).unwrap();
+    let waiter = Arc::new(AsyncEventWaiter::new().unwrap());
+    // Block the reactor thread inside a callback of an already-finished event.
+    let (stuck_tx, stuck_rx) = std::sync::mpsc::channel::<()>();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    let blocker = events.acquire_owned(false).unwrap();
+    blocker.record(&stream).unwrap();
+    stream.synchronize().unwrap();
+    waiter.wait_async(blocker, move |result| {
+        result.unwrap();
+        stuck_tx.send(()).unwrap();
+        release_rx.recv().unwrap();
+    });
+    stuck_rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the reactor ran the blocking callback");
+    let coordinator = OperationCoordinator::with_waiter(events.clone(), Arc::clone(&waiter));
+    let created_before = {
+        let counters = events.counters();
+        counters.created_regular + counters.created_timing
+    };
+    let runs: Arc<Vec<AtomicU32>> = Arc::new((0..OPS).map(|_| AtomicU32::new(0)).collect());
+    let mut last = None;
+    for i in 0..OPS {
+        let deps: Vec<OperationId> = last.into_iter().collect();
+        let id = register(
+            &coordinator,
+            OperationType::Kernel,
+            EventPriority::Normal,
+            &deps,
+        );
+        let runs = Arc::clone(&runs);
+        coordinator
+            .on_complete(id, move |done, result| {
+                assert_eq!((done, result), (id, Ok(())));
+                runs[i].fetch_add(1, Ordering::SeqCst);
+            })
+            .unwrap();
+        coordinator.begin_operation(id, &stream).unwrap();
+        coordinator.complete_operation(id).unwrap();
+        last = Some(id);
+        if i % 1000 == 999 {
+            coordinator.synchronize(id).unwrap();
+            coordinator.retire_finished();
+        }
+    }
+    coordinator.synchronize(last.unwrap()).unwrap();
+    coordinator.retire_finished();
+    let counters = events.counters();
+    let created = counters.created_regular + counters.created_timing - created_before;
+    let ran = runs
+        .iter()
+        .filter(|n| n.load(Ordering::SeqCst) == 1)
+        .count();
+    assert_eq!(
+        ran, OPS,
+        "the polls ran every callback while the reactor was stuck"
+    );
+    assert_eq!(coordinator.live_operations(), 0);
+    assert!(
+        created <= 2048,
+        "{created} events created for {OPS} operations while the reactor was stuck"
+    );
+    assert!(waiter.pending() >= OPS, "the watches are still queued");
+    release_tx.send(()).unwrap();
+    settle(&waiter, Duration::from_secs(10));
+    assert_eq!(waiter.pending(), 0);
+    let stats = waiter.stats();
+    assert_eq!(
+        stats.cancelled, OPS as u64,
+        "every watch let go, none ran: {stats:?}"
+    );
+    assert_eq!(
+        stats.completed, 1,
+        "only the blocking wait completed: {stats:?}"
+    );
+    assert!(
+        runs.iter().all(|n| n.load(Ordering::SeqCst) == 1),
+        "no callback ran twice"
+    );
+}
+
 /// A pool of worker threads, each blocked in `wait_until_ready` on its next operation of one
 /// chain whose consecutive operations belong to different workers (and streams): worker
 /// `i % 4` runs operation `i`, which depends on `i - 1`. Each wakes when the previous worker

@@ -341,7 +341,7 @@ impl OperationCoordinator {
         self.inner.changed.notify_all();
         let (watch, poll) = watch;
         if watch {
-            self.inner.watch(id, done);
+            self.inner.watch(id, &done);
         }
         if poll {
             self.inner.poll();

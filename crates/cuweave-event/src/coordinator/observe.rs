@@ -14,9 +14,15 @@ use crate::waiter::WaitResult;
 
 impl Inner {
     /// Has the waiter watch `id`'s completion event (for callbacks).
-    pub(super) fn watch(self: &Arc<Self>, id: OperationId, done: Arc<OwnedPooledEvent>) {
+    ///
+    /// The waiter does not keep the event: the operation does, until it is decided. An
+    /// operation a poll decides first gives its event back to the pool at once. Were the
+    /// waiter to keep it, every decided operation's event would stay out until the reactor's
+    /// scan got to it, and a producer outpacing the reactor's driver queries (both contend for
+    /// the context) would grow the event pool by the reactor's backlog.
+    pub(super) fn watch(self: &Arc<Self>, id: OperationId, done: &Arc<OwnedPooledEvent>) {
         let inner: Weak<Inner> = Arc::downgrade(self);
-        self.waiter.wait_async(done, move |result| {
+        self.waiter.wait_while_held(done, move |result| {
             if let Some(inner) = inner.upgrade() {
                 match &result {
                     Err(EventError::Driver(error)) if capture_waits::is_captured_event(error) => {

@@ -47,7 +47,7 @@ impl OperationCoordinator {
                         operation.watched = true;
                         let done = Arc::clone(operation.done.as_ref().expect("queued has event"));
                         drop(state);
-                        self.inner.watch(id, done);
+                        self.inner.watch(id, &done);
                     }
                     // Captured, and its capture has ended: the poll decides it and runs the
                     // callbacks now (while the capture records, a later poll will).

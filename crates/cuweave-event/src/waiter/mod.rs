@@ -13,7 +13,7 @@ use std::sync::{Arc, OnceLock};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
-use cuweave_driver::{Context, EventPool, Stream};
+use cuweave_driver::{Context, EventPool, OwnedPooledEvent, Stream};
 use parking_lot::Mutex;
 
 pub use future::WaitFuture;
@@ -358,6 +358,22 @@ impl AsyncEventWaiter {
         F: FnOnce(WaitResult) + Send + 'static,
     {
         self.wait_async_inner(Source::Event(Box::new(event)), None, Box::new(callback))
+    }
+
+    /// [`wait_async`](Self::wait_async) on an event the waiter does not keep: the wait ends,
+    /// cancelled (the callback dropped, never run), once every other holder of `event` has let
+    /// it go. For a caller that holds the event exactly as long as it wants the callback (the
+    /// coordinator holds an operation's completion event until it decides the operation): the
+    /// event goes back to its pool when that holder lets go, however far behind the reactor is.
+    pub(crate) fn wait_while_held<F>(&self, event: &Arc<OwnedPooledEvent>, callback: F) -> WaitId
+    where
+        F: FnOnce(WaitResult) + Send + 'static,
+    {
+        self.wait_async_inner(
+            Source::Held(Arc::downgrade(event)),
+            None,
+            Box::new(callback),
+        )
     }
 
     /// [`wait_async`](Self::wait_async) that gives up after `timeout`: the callback then gets

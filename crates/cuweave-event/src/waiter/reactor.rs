@@ -6,12 +6,12 @@
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
-use cuweave_driver::OwnedPooledEvent;
+use cuweave_driver::{Event, OwnedPooledEvent};
 use parking_lot::{Condvar, Mutex};
 
 use super::WaitId;
@@ -44,6 +44,11 @@ const PROBE_EVERY: Duration = Duration::from_millis(1);
 /// What is being watched.
 pub(crate) enum Source {
     Event(Box<dyn WatchedEvent>),
+    /// An event the waiter does not keep alive: the wait ends (cancelled) once its other
+    /// holders let it go ([`AsyncEventWaiter::wait_while_held`]).
+    ///
+    /// [`AsyncEventWaiter::wait_while_held`]: super::AsyncEventWaiter::wait_while_held
+    Held(Weak<OwnedPooledEvent>),
     Word(Lease),
 }
 
@@ -80,6 +85,8 @@ enum Check {
     NotYet,
     Reached,
     Failed(EventError),
+    /// A [`Source::Held`] event nobody else holds any more: nobody wants the wait.
+    LetGo,
 }
 
 impl Registration {
@@ -87,13 +94,10 @@ impl Registration {
         match &self.source {
             Source::Word(lease) if lease.is_reached() => Check::Reached,
             Source::Word(_) => Check::NotYet,
-            Source::Event(event) => match event.event().query() {
-                Ok(true) => Check::Reached,
-                Ok(false) => Check::NotYet,
-                // Refused while a capture lasts (only if this thread could not enter relaxed
-                // mode): asked again on a later scan, never a failure.
-                Err(error) if error.is_capture_refusal() => Check::NotYet,
-                Err(error) => Check::Failed(error.into()),
+            Source::Event(event) => query(event.event()),
+            Source::Held(event) => match event.upgrade() {
+                Some(event) => query(&event),
+                None => Check::LetGo,
             },
         }
     }
@@ -101,8 +105,19 @@ impl Registration {
     fn slab(&self) -> Option<&Arc<WordSlab>> {
         match &self.source {
             Source::Word(lease) => Some(&lease.slab),
-            Source::Event(_) => None,
+            Source::Event(_) | Source::Held(_) => None,
         }
+    }
+}
+
+fn query(event: &Event) -> Check {
+    match event.query() {
+        Ok(true) => Check::Reached,
+        Ok(false) => Check::NotYet,
+        // Refused while a capture lasts (only if this thread could not enter relaxed mode):
+        // asked again on a later scan, never a failure.
+        Err(error) if error.is_capture_refusal() => Check::NotYet,
+        Err(error) => Check::Failed(error.into()),
     }
 }
 
@@ -320,6 +335,18 @@ impl Reactor<'_> {
                     self.fail(entry, error);
                     progressed = true;
                 }
+                Check::LetGo => {
+                    // Ends as a cancellation (the callback is dropped, never run), counted
+                    // once whether or not `cancel_wait` got there first.
+                    let entry = self.entries.swap_remove(index);
+                    entry.cell.cancel();
+                    self.shared
+                        .counters
+                        .cancelled
+                        .fetch_add(1, Ordering::Relaxed);
+                    self.retire(entry, false);
+                    progressed = true;
+                }
                 Check::NotYet => match entry.deadline {
                     Some((deadline, timeout)) if now >= deadline => {
                         let entry = self.entries.swap_remove(index);
@@ -483,7 +510,7 @@ impl Reactor<'_> {
     fn wake_event(&self) -> Option<Arc<OwnedPooledEvent>> {
         self.entries.iter().find_map(|entry| match &entry.source {
             Source::Word(lease) => lease.wake.clone(),
-            Source::Event(_) => None,
+            Source::Event(_) | Source::Held(_) => None,
         })
     }
 
@@ -527,6 +554,7 @@ fn abandon(source: Source) {
         Source::Word(lease) if lease.is_reached() => lease.recycle(),
         Source::Word(lease) => lease.abandon(),
         Source::Event(event) => drop(event),
+        Source::Held(_) => {}
     }
 }
 
