@@ -28,7 +28,7 @@ use std::task::{Context as TaskContext, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
 use cuweave_driver::graph::{StatusCheck, refuse_recording, relaxed_during_captures};
-use cuweave_driver::{Event, EventFlags, Stream};
+use cuweave_driver::{EventPool, OwnedPooledEvent, Stream};
 use cuweave_event::{AsyncEventWaiter, EventError, WaitFuture};
 
 use crate::comm::Communicator;
@@ -50,7 +50,7 @@ pub const ASYNC_ERROR_TICK: Duration = Duration::from_millis(10);
 #[must_use = "futures do nothing unless awaited"]
 pub struct CollectiveFuture {
     comm: Communicator,
-    event: Arc<Event>,
+    event: Arc<OwnedPooledEvent>,
     waiter: &'static AsyncEventWaiter,
     current: WaitFuture,
     started: Instant,
@@ -219,7 +219,9 @@ impl Communicator {
             OP,
             "the stream is capturing: nothing queued on it now runs until the capture's graph is launched, so no wait can see it finish; wait after launching the graph",
         )?;
-        let event = Arc::new(Event::new(stream.context(), EventFlags::DISABLE_TIMING)?);
+        // From the context's event pool, as every layer takes its events: a wait per collective
+        // must not create and destroy a CUDA event each time.
+        let event = Arc::new(EventPool::for_context(stream.context())?.acquire_owned(false)?);
         event.record(stream)?;
         let waiter = AsyncEventWaiter::global()?;
         let tick = first_tick(timeout);
