@@ -14,7 +14,9 @@ use crate::workers;
 
 /// Idle lanes a device keeps for reuse; a lane handed back while this many wait is dropped
 /// (its streams destroyed), so concurrency bursts leave no unbounded set of streams behind.
-pub const MAX_IDLE_LANES: usize = 8;
+/// Enough for a server's request threads, each with a transfer in flight, to reuse lanes
+/// rather than make one per transfer.
+pub const MAX_IDLE_LANES: usize = 16;
 
 /// Facts about one device that need no context: read with attribute queries on first use.
 #[derive(Debug, Clone)]
@@ -148,15 +150,19 @@ impl DeviceState {
         }
     }
 
-    /// A lane this caller holds alone until it drops it: one stream per staging participant.
-    /// An idle lane is reused; otherwise one is made (the first transfer of each concurrent
-    /// caller pays for its streams once).
+    /// A lane this caller holds alone until it drops it: its marked streams, and the others
+    /// earlier pipelined transfers grew it to ([`Lane::grow`]). An idle lane is reused;
+    /// otherwise one is made (the first transfer of each concurrent caller pays for its
+    /// streams once).
     pub(crate) fn lane(self: &Arc<Self>) -> Result<Lane> {
         let idle = self.lanes.lock().pop();
         let (streams, marks) = match idle {
             Some(lane) => lane,
             None => {
-                let streams = (0..workers::shared().participants())
+                // The marked streams only: a pipelined transfer adds the others it needs
+                // ([`Lane::grow`]), so a lane that serves single-stream work (small and async
+                // copies, peer copies, prefetches) costs two streams, not one per participant.
+                let streams = (0..MARKED_STREAMS.min(workers::shared().participants()))
                     .map(|_| Stream::new(&self.context, StreamFlags::NON_BLOCKING))
                     .collect::<cuweave_driver::Result<Vec<_>>>()?;
                 // All of the first streams marked, or none: a word left alone goes back.
@@ -212,6 +218,22 @@ impl Lane {
     /// The lane's first stream (single-stream work: peer copies, prefetches, small copies).
     pub(crate) fn stream(&self) -> &Stream {
         &self.streams[0]
+    }
+
+    /// Gives the lane `streams` streams (at most one per staging participant) for a pipelined
+    /// transfer with that many participants; an idle lane keeps them. Best effort: when the
+    /// driver refuses a stream, the transfer runs with the participants the lane has.
+    pub(crate) fn grow(&mut self, streams: usize) {
+        let wanted = streams.min(workers::shared().participants());
+        while self.streams.len() < wanted {
+            match Stream::new(&self.state.context, StreamFlags::NON_BLOCKING) {
+                Ok(stream) => self.streams.push(stream),
+                Err(error) => {
+                    tracing::debug!(%error, have = self.streams.len(), wanted, "a lane could not grow");
+                    return;
+                }
+            }
+        }
     }
 }
 

@@ -151,10 +151,10 @@ where
 {
     if method == HostStaged {
         let device = dst.device().ordinal();
-        let lane = manager.lane(device)?;
-        let config =
-            manager.staging_for(TransferPath::PAGEABLE_TO_DEVICE, device, size_of_val(src));
-        pipeline(&lane, config).upload(src, dst, offset)?;
+        let mut lane = manager.lane(device)?;
+        let bytes = size_of_val(src);
+        let config = manager.staging_for(TransferPath::PAGEABLE_TO_DEVICE, device, bytes);
+        pipeline(&mut lane, config, bytes).upload(src, dst, offset)?;
     } else {
         dst.copy_range_from_host(offset, src)?;
     }
@@ -175,10 +175,10 @@ where
 {
     if method == HostStaged {
         let device = src.device().ordinal();
-        let lane = manager.lane(device)?;
-        let config =
-            manager.staging_for(TransferPath::DEVICE_TO_PAGEABLE, device, size_of_val(dst));
-        pipeline(&lane, config).download(src, offset, dst)?;
+        let mut lane = manager.lane(device)?;
+        let bytes = size_of_val(dst);
+        let config = manager.staging_for(TransferPath::DEVICE_TO_PAGEABLE, device, bytes);
+        pipeline(&mut lane, config, bytes).download(src, offset, dst)?;
     } else {
         src.copy_range_to_host(offset, dst)?;
     }

@@ -546,7 +546,8 @@ fn served(only: Option<&[usize]>, count: usize) -> Result<Vec<bool>> {
 }
 
 /// Runs a pipelined transfer on a lane of `state` with `config`.
-pub(crate) fn pipeline<'a>(lane: &'a Lane, config: StagingConfig) -> Pipeline<'a> {
+pub(crate) fn pipeline(lane: &mut Lane, config: StagingConfig, bytes: usize) -> Pipeline<'_> {
+    lane.grow(config.workers(bytes.div_ceil(config.chunk_bytes.max(1))));
     Pipeline {
         pool: &lane.state.pool,
         streams: &lane.streams,

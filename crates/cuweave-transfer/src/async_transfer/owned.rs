@@ -123,8 +123,9 @@ impl TransferManager {
         match self.owned_start(checked, device, plan, src.is_empty()) {
             Ok(Start::Run(plan, lane)) => {
                 let config = self.staging_for(plan.path, device, bytes);
+                let mut lane = lane;
                 spawn_owned(plan, src, dst, self.shared_stats(), move |host, device| {
-                    pipeline(&lane, config).upload(host, device, offset)
+                    pipeline(&mut lane, config, bytes).upload(host, device, offset)
                 })
             }
             Ok(Start::Empty(plan)) => {
@@ -153,8 +154,9 @@ impl TransferManager {
         match self.owned_start(checked, device, plan, dst.is_empty()) {
             Ok(Start::Run(plan, lane)) => {
                 let config = self.staging_for(plan.path, device, bytes);
+                let mut lane = lane;
                 spawn_owned(plan, dst, src, self.shared_stats(), move |host, device| {
-                    pipeline(&lane, config).download(device, offset, host)
+                    pipeline(&mut lane, config, bytes).download(device, offset, host)
                 })
             }
             Ok(Start::Empty(plan)) => {

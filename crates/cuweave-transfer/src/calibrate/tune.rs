@@ -135,15 +135,17 @@ impl TransferManager {
         table: &mut CalibrationTable,
         stats: &TransferStats,
     ) -> Result<(f64, f64)> {
-        let lane = self.lane(d)?;
+        let mut lane = self.lane(d)?;
         let candidates = staging_candidates(path, bytes);
         let upload = path == TransferPath::PAGEABLE_TO_DEVICE;
         // `None` is the plain call, through the manager as a planned transfer runs it.
         let mut run = |way: Option<StagingConfig>| match way {
             Some(config) if upload => {
-                pipeline(&lane, config).upload(&host[..bytes], &mut *device, 0)
+                pipeline(&mut lane, config, bytes).upload(&host[..bytes], &mut *device, 0)
             }
-            Some(config) => pipeline(&lane, config).download(&*device, 0, &mut host[..bytes]),
+            Some(config) => {
+                pipeline(&mut lane, config, bytes).download(&*device, 0, &mut host[..bytes])
+            }
             None if upload => self.run_with(
                 TransferMethod::DirectCopy,
                 Source::Host(&host[..bytes]),
