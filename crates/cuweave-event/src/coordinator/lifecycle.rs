@@ -332,16 +332,24 @@ impl OperationCoordinator {
             operation.recorded = Some(recorded);
             operation.metadata.queued_at = Some(Instant::now());
             // The waiter cannot watch a captured event: the coordinator's own polls decide a
-            // captured operation (and run its callbacks) once its capture has ended.
-            let watch = !operation.callbacks.is_empty() && recorded.capture().is_none();
+            // captured operation (and run its callbacks) once its capture has ended, and the
+            // waiter watches for that end, so that callbacks need no later coordinator call.
+            let callbacks = !operation.callbacks.is_empty();
+            let watch = callbacks && recorded.capture().is_none();
             operation.watched = watch;
+            let capture_end = recorded
+                .capture()
+                .filter(|&capture| callbacks && state.watched_captures.insert(capture));
             state.queued.push(stream_id, id);
-            (watch, state.queued.len() >= POLL_AT)
+            (watch, capture_end, state.queued.len() >= POLL_AT)
         };
         self.inner.changed.notify_all();
-        let (watch, poll) = watch;
+        let (watch, capture_end, poll) = watch;
         if watch {
             self.inner.watch(id, &done);
+        }
+        if let Some(capture) = capture_end {
+            self.inner.watch_capture_end(capture);
         }
         if poll {
             self.inner.poll();

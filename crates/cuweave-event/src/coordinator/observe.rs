@@ -34,6 +34,19 @@ impl Inner {
         });
     }
 
+    /// Has the waiter poll once `capture` has ended, so that the callbacks of operations
+    /// recorded into it run without a later coordinator call. One watch per capture
+    /// ([`State::watched_captures`](super::State)); it holds the coordinator weakly.
+    pub(super) fn watch_capture_end(self: &Arc<Self>, capture: u64) {
+        let inner: Weak<Inner> = Arc::downgrade(self);
+        self.waiter.when_capture_ends(capture, move |_| {
+            if let Some(inner) = inner.upgrade() {
+                inner.state.lock().watched_captures.remove(&capture);
+                inner.poll();
+            }
+        });
+    }
+
     /// The waiter found `id`'s completion event recorded into a capture begun outside cuweave
     /// (it cannot be watched): decided now if that capture has ended, else left to the
     /// coordinator's polls, which decide it once it has (never `Failed` for that).

@@ -92,7 +92,8 @@ impl OperationCoordinator {
     /// [`EventError::Stalled`] with the dependencies still not queued when the time is up;
     /// [`EventError::DependencyCycle`] at once (looked for before waiting, and again after
     /// each completion or added dependency while it waits) when `id` is in a dependency cycle,
-    /// which no wait can resolve; `UnknownOperation`.
+    /// which no wait can resolve; [`EventError::Cancelled`] when `id` is cancelled
+    /// ([`cancel_operation`](Self::cancel_operation)) while this waits; `UnknownOperation`.
     pub fn wait_until_ready(&self, id: OperationId, timeout: Duration) -> Result<()> {
         let started = Instant::now();
         // A timeout past what a clock can hold (`Duration::MAX`) waits as long as it takes.
@@ -108,6 +109,11 @@ impl OperationCoordinator {
             });
         }
         loop {
+            // Cancelled while this waited (`cancel_operation` notifies): it will never begin,
+            // and an empty `blocked_on` of an id no longer registered must not read as ready.
+            if !state.operations.contains_key(&id) && !state.is_retired(id) {
+                return Err(EventError::Cancelled { id });
+            }
             let blocked_on = state.blocked_on(id);
             if blocked_on.is_empty() {
                 return Ok(());
@@ -129,6 +135,9 @@ impl OperationCoordinator {
                 }
             };
             if timed_out {
+                if !state.operations.contains_key(&id) && !state.is_retired(id) {
+                    return Err(EventError::Cancelled { id });
+                }
                 let blocked_on = state.blocked_on(id);
                 if blocked_on.is_empty() {
                     return Ok(());

@@ -2,7 +2,7 @@
 //! those whose completion is not seen yet, the latest cancellations; and what it answers about
 //! an id (its state, its [`CompletionPoint`]), deciding and retiring operations.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -27,6 +27,9 @@ pub(super) struct State {
     pub(super) queued: StreamQueues,
     /// The latest cancelled ids, so that they read as unknown rather than retired.
     pub(super) cancelled: cancel::Cancelled,
+    /// Captures whose end the waiter watches for this coordinator (one watch per capture,
+    /// however many of its operations have callbacks), until it fires.
+    pub(super) watched_captures: HashSet<u64>,
 }
 
 impl State {

@@ -50,13 +50,22 @@ impl OperationCoordinator {
                         self.inner.watch(id, &done);
                     }
                     // Captured, and its capture has ended: the poll decides it and runs the
-                    // callbacks now (while the capture records, a later poll will).
+                    // callbacks now.
                     Some(capture)
                         if captured_completion(capture, capture_is_active)
                             == CapturedCompletion::Captured =>
                     {
                         drop(state);
                         self.inner.poll();
+                    }
+                    // Queued into a capture still recording: the waiter watches for its end,
+                    // once per capture, and polls then.
+                    Some(capture)
+                        if state_now == OperationState::Queued
+                            && state.watched_captures.insert(capture) =>
+                    {
+                        drop(state);
+                        self.inner.watch_capture_end(capture);
                     }
                     _ => {}
                 }

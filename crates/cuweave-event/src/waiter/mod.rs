@@ -376,6 +376,16 @@ impl AsyncEventWaiter {
         )
     }
 
+    /// Runs `callback` (with `Ok`) once the capture `capture`, begun through cuweave, has
+    /// ended (however it ended): what decides the operations recorded into it. Asked of the
+    /// capture registry at each scan, with no driver call.
+    pub(crate) fn when_capture_ends<F>(&self, capture: u64, callback: F) -> WaitId
+    where
+        F: FnOnce(WaitResult) + Send + 'static,
+    {
+        self.wait_async_inner(Source::CaptureEnd(capture), None, Box::new(callback))
+    }
+
     /// [`wait_async`](Self::wait_async) that gives up after `timeout`: the callback then gets
     /// `Err(EventError::TimedOut { .. })`.
     pub fn wait_async_timeout<F>(

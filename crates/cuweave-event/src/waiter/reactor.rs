@@ -11,6 +11,7 @@ use std::sync::{Arc, Weak};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
+use cuweave_driver::graph::capture_is_active;
 use cuweave_driver::{Event, OwnedPooledEvent};
 use parking_lot::{Condvar, Mutex};
 
@@ -49,6 +50,9 @@ pub(crate) enum Source {
     ///
     /// [`AsyncEventWaiter::wait_while_held`]: super::AsyncEventWaiter::wait_while_held
     Held(Weak<OwnedPooledEvent>),
+    /// A capture begun through cuweave: reached once it has ended, asked of the driver crate's
+    /// capture registry (no driver call).
+    CaptureEnd(u64),
     Word(Lease),
 }
 
@@ -99,13 +103,15 @@ impl Registration {
                 Some(event) => query(&event),
                 None => Check::LetGo,
             },
+            Source::CaptureEnd(capture) if capture_is_active(*capture) => Check::NotYet,
+            Source::CaptureEnd(_) => Check::Reached,
         }
     }
 
     fn slab(&self) -> Option<&Arc<WordSlab>> {
         match &self.source {
             Source::Word(lease) => Some(&lease.slab),
-            Source::Event(_) | Source::Held(_) => None,
+            Source::Event(_) | Source::Held(_) | Source::CaptureEnd(_) => None,
         }
     }
 }
@@ -510,7 +516,7 @@ impl Reactor<'_> {
     fn wake_event(&self) -> Option<Arc<OwnedPooledEvent>> {
         self.entries.iter().find_map(|entry| match &entry.source {
             Source::Word(lease) => lease.wake.clone(),
-            Source::Event(_) | Source::Held(_) => None,
+            Source::Event(_) | Source::Held(_) | Source::CaptureEnd(_) => None,
         })
     }
 
@@ -554,7 +560,7 @@ fn abandon(source: Source) {
         Source::Word(lease) if lease.is_reached() => lease.recycle(),
         Source::Word(lease) => lease.abandon(),
         Source::Event(event) => drop(event),
-        Source::Held(_) => {}
+        Source::Held(_) | Source::CaptureEnd(_) => {}
     }
 }
 
