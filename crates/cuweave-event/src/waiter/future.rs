@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use super::source::WatchedEvent;
 use crate::error::EventError;
 use crate::wake::{Outcome, WaitCell};
 
@@ -22,10 +23,10 @@ use crate::wake::{Outcome, WaitCell};
 /// [`EventError::TimedOut`] when made with a timeout that expired first, or
 /// [`EventError::WaiterShutDown`].
 ///
-/// Dropping it before it resolves cancels the wait; forgetting it (`mem::forget`) leaks only
-/// a small shared cell. Neither can free memory the GPU still writes: the completion word
-/// behind the wait belongs to the reactor, which takes it back only after the GPU wrote it.
-#[derive(Debug)]
+/// Dropping it before it resolves cancels the wait (and lets go of the event it waits on, if
+/// it owns one); forgetting it (`mem::forget`) leaks a small shared cell and that event.
+/// Neither can free memory the GPU still writes: the completion word behind the wait belongs
+/// to the reactor, which takes it back only after the GPU wrote it.
 #[must_use = "futures do nothing unless awaited"]
 pub struct WaitFuture {
     cell: Arc<WaitCell<EventError>>,
@@ -33,6 +34,20 @@ pub struct WaitFuture {
     finished: bool,
     /// How long the first poll may spin on the outcome before the task parks.
     spin: Duration,
+    /// The event the reactor watches (through a weak reference), kept alive by this future
+    /// until it resolves or is dropped.
+    held: Option<Arc<dyn WatchedEvent>>,
+}
+
+impl std::fmt::Debug for WaitFuture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WaitFuture")
+            .field("outcome", &self.cell.outcome())
+            .field("timeout", &self.timeout)
+            .field("finished", &self.finished)
+            .field("holds_event", &self.held.is_some())
+            .finish()
+    }
 }
 
 impl WaitFuture {
@@ -42,7 +57,14 @@ impl WaitFuture {
             timeout,
             finished: false,
             spin: Duration::ZERO,
+            held: None,
         }
+    }
+
+    /// This future keeps `event` (which the reactor watches weakly) until it resolves or drops.
+    pub(crate) fn holding(mut self, event: Arc<dyn WatchedEvent>) -> Self {
+        self.held = Some(event);
+        self
     }
 
     /// A future that is already resolved with `Ok(())` (for a point the GPU is known to have
@@ -119,6 +141,7 @@ impl Future for WaitFuture {
             Poll::Ready(outcome) => outcome,
         };
         self.finished = true;
+        self.held = None;
         Poll::Ready(match outcome {
             Outcome::Completed => Ok(()),
             Outcome::TimedOut => Err(EventError::TimedOut {

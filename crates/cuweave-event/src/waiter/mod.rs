@@ -296,14 +296,22 @@ impl AsyncEventWaiter {
     pub fn stream_idle_with(&self, stream: &Stream, options: WaitOptions) -> Result<WaitFuture> {
         capture::refuse_capturing_stream(stream, "AsyncEventWaiter::stream_idle")?;
         let cell = Arc::new(WaitCell::new());
-        let source = match options.mechanism {
+        // The future keeps what the reactor watches weakly (an event), so that a dropped
+        // future lets go of it at once, however far behind the reactor is.
+        let (source, held): (Source, Option<Arc<dyn WatchedEvent>>) = match options.mechanism {
             WakeMechanism::CompletionWord => {
-                Source::Word(self.slab(stream.context())?.lease(stream)?)
+                let mut lease = self.slab(stream.context())?.lease(stream)?;
+                let wake = lease.hand_over_wake();
+                (
+                    Source::Word(lease),
+                    wake.map(|wake| wake as Arc<dyn WatchedEvent>),
+                )
             }
             WakeMechanism::EventQuery => {
                 let event = EventPool::for_context(stream.context())?.acquire_owned(false)?;
                 event.record(stream)?;
-                Source::Event(Box::new(event))
+                let event: Arc<dyn WatchedEvent> = Arc::new(event);
+                (Source::Held(Arc::downgrade(&event)), Some(event))
             }
             WakeMechanism::HostFunction => {
                 if options.timeout.is_some() {
@@ -326,11 +334,17 @@ impl AsyncEventWaiter {
             deadline: deadline(options.timeout),
             callback: None,
         });
-        Ok(WaitFuture::new(cell, options.timeout))
+        let future = WaitFuture::new(cell, options.timeout);
+        Ok(match held {
+            Some(event) => future.holding(event),
+            None => future,
+        })
     }
 
     /// A future that resolves once `event` has completed on the GPU (polled by the reactor with
-    /// `cuEventQuery`). The waiter owns `event` until then; pass an `Arc` to keep using it.
+    /// `cuEventQuery`). The future owns `event` until it resolves or is dropped (the reactor
+    /// only watches it: a dropped future's event is let go at once, not when the reactor next
+    /// gets round to it); pass an `Arc` to keep using it.
     pub fn event_done(&self, event: impl WatchedEvent) -> WaitFuture {
         self.event_done_with(event, None)
     }
@@ -342,13 +356,14 @@ impl AsyncEventWaiter {
         timeout: Option<Duration>,
     ) -> WaitFuture {
         let cell = Arc::new(WaitCell::new());
+        let event: Arc<dyn WatchedEvent> = Arc::new(event);
         self.register(Registration {
             cell: Arc::clone(&cell),
-            source: Source::Event(Box::new(event)),
+            source: Source::Held(Arc::downgrade(&event)),
             deadline: deadline(timeout),
             callback: None,
         });
-        WaitFuture::new(cell, timeout)
+        WaitFuture::new(cell, timeout).holding(event)
     }
 
     /// Runs `callback(Ok(()))` on the reactor thread once `event` has completed, or
@@ -369,8 +384,9 @@ impl AsyncEventWaiter {
     where
         F: FnOnce(WaitResult) + Send + 'static,
     {
+        let event: Arc<dyn WatchedEvent> = Arc::clone(event) as Arc<dyn WatchedEvent>;
         self.wait_async_inner(
-            Source::Held(Arc::downgrade(event)),
+            Source::Held(Arc::downgrade(&event)),
             None,
             Box::new(callback),
         )

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use cuweave_driver::graph::capture_is_active;
 use cuweave_driver::{Event, OwnedPooledEvent};
+
 use parking_lot::{Condvar, Mutex};
 
 use super::WaitId;
@@ -45,11 +46,13 @@ const PROBE_EVERY: Duration = Duration::from_millis(1);
 /// What is being watched.
 pub(crate) enum Source {
     Event(Box<dyn WatchedEvent>),
-    /// An event the waiter does not keep alive: the wait ends (cancelled) once its other
-    /// holders let it go ([`AsyncEventWaiter::wait_while_held`]).
+    /// An event the waiter does not keep alive: the wait ends (cancelled) once its holders let
+    /// it go (a future's event is held by the future; the coordinator's by its operation, see
+    /// [`AsyncEventWaiter::wait_while_held`]), so a dropped future's event goes back to its pool
+    /// at once, however far behind the reactor is.
     ///
     /// [`AsyncEventWaiter::wait_while_held`]: super::AsyncEventWaiter::wait_while_held
-    Held(Weak<OwnedPooledEvent>),
+    Held(Weak<dyn WatchedEvent>),
     /// A capture begun through cuweave: reached once it has ended, asked of the driver crate's
     /// capture registry (no driver call).
     CaptureEnd(u64),
@@ -100,7 +103,7 @@ impl Registration {
             Source::Word(_) => Check::NotYet,
             Source::Event(event) => query(event.event()),
             Source::Held(event) => match event.upgrade() {
-                Some(event) => query(&event),
+                Some(event) => query(event.event()),
                 None => Check::LetGo,
             },
             Source::CaptureEnd(capture) if capture_is_active(*capture) => Check::NotYet,
@@ -515,7 +518,7 @@ impl Reactor<'_> {
     /// The blocking-sync event behind the first pending completion word that has one.
     fn wake_event(&self) -> Option<Arc<OwnedPooledEvent>> {
         self.entries.iter().find_map(|entry| match &entry.source {
-            Source::Word(lease) => lease.wake.clone(),
+            Source::Word(lease) => lease.wake(),
             Source::Event(_) | Source::Held(_) | Source::CaptureEnd(_) => None,
         })
     }

@@ -38,7 +38,42 @@ pub(crate) struct Lease {
     words: Arc<MappedWords>,
     index: usize,
     target: u64,
-    pub(crate) wake: Option<Arc<OwnedPooledEvent>>,
+    wake: Wake,
+}
+
+/// The blocking-sync event behind a lease's word, if it got one: kept by the lease (a callback
+/// wait, which the reactor owns), or by the wait's future, the lease only watching it, so that
+/// a dropped future lets it go at once however far behind the reactor is.
+#[derive(Debug)]
+enum Wake {
+    None,
+    Kept(Arc<OwnedPooledEvent>),
+    Watched(Weak<OwnedPooledEvent>),
+}
+
+impl Lease {
+    /// The wake event, while someone keeps it.
+    pub(crate) fn wake(&self) -> Option<Arc<OwnedPooledEvent>> {
+        match &self.wake {
+            Wake::None => None,
+            Wake::Kept(event) => Some(Arc::clone(event)),
+            Wake::Watched(event) => event.upgrade(),
+        }
+    }
+
+    /// Hands the wake event to the caller (a future) to keep; the lease only watches it.
+    pub(crate) fn hand_over_wake(&mut self) -> Option<Arc<OwnedPooledEvent>> {
+        match std::mem::replace(&mut self.wake, Wake::None) {
+            Wake::Kept(event) => {
+                self.wake = Wake::Watched(Arc::downgrade(&event));
+                Some(event)
+            }
+            other => {
+                self.wake = other;
+                None
+            }
+        }
+    }
 }
 
 impl WordSlab {
@@ -66,7 +101,7 @@ impl WordSlab {
             self.free.push((words, index));
             return Err(error);
         }
-        let wake = self.wake_event(stream);
+        let wake = self.wake_event(stream).map_or(Wake::None, Wake::Kept);
         Ok(Lease {
             slab: Arc::clone(self),
             words,
