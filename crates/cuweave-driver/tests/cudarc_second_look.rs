@@ -87,7 +87,7 @@ fn thread_cpu_ticks() -> Option<u64> {
 /// (`memory::host_retirement::retire_batch`), and `begin_capture` takes the write lock, so the
 /// capture waits for the unrelated kernel.
 #[test]
-#[ignore = "known limitation (docs/events.md, "Known limits"): a capture begin waits while the word-retirement thread synchronises the context for dropped, written mapped words"]
+#[ignore = "known limitation (docs/events.md, Known limits): a capture begin waits while the word-retirement thread synchronises the context for dropped, written mapped words"]
 fn a_capture_on_an_idle_stream_begins_at_once_while_dropped_words_wait_for_an_unrelated_kernel() {
     let gpu = require_gpu!();
     let _serial = serial();

@@ -308,7 +308,7 @@ fn a_captured_operations_callback_runs_after_its_capture_ends_without_a_query_ca
 /// waiter stays until the kernel ends: threads grow with the request rate times the kernel's
 /// length.
 #[test]
-#[ignore = "known limitation (docs/events.md, "Known limits"): a dropped waiter's sleeper stays in cuEventSynchronize until the GPU reaches its event, and a waiter per request pays for its own word slab"]
+#[ignore = "known limitation (docs/events.md, Known limits): a dropped waiter's sleeper stays in cuEventSynchronize until the GPU reaches its event, and a waiter per request pays for its own word slab"]
 #[cfg(target_os = "linux")]
 fn per_request_waiters_that_give_up_behind_a_long_kernel_leave_no_thread_running() {
     const MOST_REQUESTS: usize = 150;
@@ -376,7 +376,7 @@ fn per_request_waiters_that_give_up_behind_a_long_kernel_leave_no_thread_running
 /// kernel. The driver-level probe is
 /// `a_capture_on_an_idle_stream_begins_at_once_while_dropped_words_wait_for_an_unrelated_kernel`.
 #[test]
-#[ignore = "known limitation (docs/events.md, "Known limits"): a capture begin waits while the word-retirement thread synchronises the context for dropped, written mapped words"]
+#[ignore = "known limitation (docs/events.md, Known limits): a capture begin waits while the word-retirement thread synchronises the context for dropped, written mapped words"]
 fn dropping_a_request_waiter_during_a_long_kernel_does_not_hold_up_a_capture_on_another_stream() {
     let gpu = require_gpu!();
     let _serial = serial();
