@@ -22,6 +22,40 @@ pub(super) fn is_legacy_default(raw: sys::CUstream) -> bool {
     raw as usize <= 1
 }
 
+/// The known-complete bound of a capture that [`Stream::begin_capture_synchronized`] is about
+/// to begin: the epoch `synchronize` returns (it bumps the epoch and synchronises the context)
+/// when no capture is active; otherwise, or when `synchronize` is refused because a capture
+/// began on another thread meanwhile ([`GraphError::Capturing`]), the bound `inherited` from the
+/// active captures of the same context.
+///
+/// `inherited` is read only after the attempt: a capture that refused the synchronisation was
+/// recorded, bound included, before it was counted, so a begin that lost the race to another
+/// thread's synchronised begin inherits that capture's bound (valid for good: its work was
+/// complete at a point before this capture begins). Read before the attempt, it would miss that
+/// capture and leave this one with no bound, so every buffer used before it would look
+/// unfinished. When every capture ended meanwhile (nothing inherited, none active), the
+/// synchronisation is tried again.
+pub(super) fn synchronized_bound(
+    active_captures: impl Fn() -> usize,
+    mut synchronize: impl FnMut() -> Result<u64>,
+    inherited: impl Fn() -> u64,
+) -> Result<u64> {
+    loop {
+        if active_captures() == 0 {
+            match synchronize() {
+                Ok(epoch) => return Ok(epoch),
+                // Another thread began a capture meanwhile: inherit from it below.
+                Err(DriverError::Graph(GraphError::Capturing { .. })) => {}
+                Err(error) => return Err(error),
+            }
+        }
+        let bound = inherited();
+        if bound != 0 || active_captures() != 0 {
+            return Ok(bound);
+        }
+    }
+}
+
 impl Stream {
     /// Starts recording the work queued on this stream (and on streams that wait on events
     /// recorded in it) into a graph, instead of running it. `cuStreamBeginCapture_v2`.
@@ -52,7 +86,9 @@ impl Stream {
     ///
     /// When another capture is already active the context cannot be synchronised (that would
     /// wait on, or break, the capturing streams): the capture begins without it and inherits the
-    /// bound of an active capture of the same context, if any.
+    /// bound of an active capture of the same context, if any, read after the synchronisation
+    /// was found impossible, so that a capture another thread began meanwhile (its own
+    /// synchronisation just done) is inherited from too.
     ///
     /// # Errors
     /// As [`begin_capture`](Self::begin_capture), and the synchronisation's error (a kernel that
@@ -61,20 +97,20 @@ impl Stream {
     /// [`known_complete_before`]: super::known_complete_before
     pub fn begin_capture_synchronized(&self, mode: CaptureMode) -> Result<()> {
         self.check_can_capture()?;
-        let mut complete_before = self.inherited_complete_before();
-        if active_captures() == 0 {
-            let epoch = CaptureState::from_word(STATE.fetch_add(1 << COUNT_BITS, Ordering::SeqCst))
-                .epoch
-                + 1;
-            // No capture can begin between the count's check and the synchronisation, which
-            // would invalidate it.
-            match while_no_capture_begins(|| self.context().synchronize()) {
-                Ok(()) => complete_before = complete_before.max(epoch),
-                // Another thread began a capture meanwhile: begin without the synchronisation.
-                Err(DriverError::Graph(GraphError::Capturing { .. })) => {}
-                Err(error) => return Err(error),
-            }
-        }
+        let complete_before = synchronized_bound(
+            active_captures,
+            || {
+                let epoch =
+                    CaptureState::from_word(STATE.fetch_add(1 << COUNT_BITS, Ordering::SeqCst))
+                        .epoch
+                        + 1;
+                // No capture can begin between the count's check (inside `synchronize`) and the
+                // synchronisation, which would invalidate it.
+                while_no_capture_begins(|| self.context().synchronize())?;
+                Ok(epoch)
+            },
+            || self.inherited_complete_before(),
+        )?;
         self.begin_capture_recorded(mode, complete_before)
     }
 

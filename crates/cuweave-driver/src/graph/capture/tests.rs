@@ -112,3 +112,87 @@ fn no_capture_means_nothing_is_refused() {
     assert_eq!(active_captures(), 0);
     assert!(refuse_while_capturing(None, "op").is_ok());
 }
+
+/// A synchronised begin on one thread races another thread's: the interleavings of
+/// `synchronized_bound`, with the registry played by cells.
+mod synchronized_begin {
+    use std::cell::Cell;
+
+    use super::super::begin_end::synchronized_bound;
+    use crate::error::DriverError;
+    use crate::graph::GraphError;
+
+    fn refused() -> DriverError {
+        GraphError::Capturing {
+            operation: "Context::synchronize",
+            reason: "a context synchronisation waits on the capturing streams too",
+        }
+        .into()
+    }
+
+    #[test]
+    fn with_no_capture_active_the_context_is_synchronised() {
+        let bound = synchronized_bound(|| 0, || Ok(9), || panic!("nothing to inherit"));
+        assert_eq!(bound.unwrap(), 9);
+    }
+
+    #[test]
+    fn a_begin_that_loses_the_race_inherits_the_winners_bound() {
+        // Between this begin's count check and its synchronisation, another thread's
+        // synchronised begin (epoch 5) recorded and counted its capture: the synchronisation is
+        // refused, and the bound must be read after that, not before.
+        let (active, bound) = (Cell::new(0), Cell::new(0));
+        let got = synchronized_bound(
+            || active.get(),
+            || {
+                bound.set(5);
+                active.set(1);
+                Err(refused())
+            },
+            || bound.get(),
+        );
+        assert_eq!(got.unwrap(), 5);
+    }
+
+    #[test]
+    fn a_capture_already_active_is_inherited_from_without_synchronising() {
+        let got = synchronized_bound(|| 1, || panic!("must not synchronise"), || 3);
+        assert_eq!(got.unwrap(), 3);
+        // An active capture that knows nothing (raw begin, other context): nothing known.
+        let got = synchronized_bound(|| 1, || panic!("must not synchronise"), || 0);
+        assert_eq!(got.unwrap(), 0);
+    }
+
+    #[test]
+    fn when_the_capture_that_refused_ended_meanwhile_the_synchronisation_is_retried() {
+        let attempts = Cell::new(0);
+        let got = synchronized_bound(
+            || 0,
+            || {
+                attempts.set(attempts.get() + 1);
+                if attempts.get() == 1 {
+                    Err(refused())
+                } else {
+                    Ok(12)
+                }
+            },
+            || 0,
+        );
+        assert_eq!((got.unwrap(), attempts.get()), (12, 2));
+    }
+
+    #[test]
+    fn a_failed_synchronisation_is_returned() {
+        let got = synchronized_bound(
+            || 0,
+            || {
+                Err(DriverError::Cuda {
+                    code: 700,
+                    operation: "cuCtxSynchronize",
+                })
+            },
+            || 0,
+        );
+        assert!(matches!(got, Err(DriverError::Cuda { code: 700, .. })));
+    }
+}
