@@ -151,9 +151,13 @@ impl Event {
     ///
     /// # Errors
     /// `InvalidArgument` when the stream belongs to another device, or is the default stream
-    /// of another context (see [`Stream::ensure_context`]).
+    /// of another context (see [`Stream::ensure_context`]);
+    /// [`GraphError::Capturing`](crate::GraphError::Capturing), nothing recorded, for the legacy
+    /// default stream while a blocking stream of its context captures
+    /// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)); the driver's error.
     pub fn record(&self, stream: &Stream) -> Result<()> {
         stream.ensure_context(&self.context, "Event::record")?;
+        crate::graph::refuse_on_legacy_stream(stream, "Event::record")?;
         self.context.bind_to_thread()?;
         let api = driver()?;
         // SAFETY: live event and stream of the same context.

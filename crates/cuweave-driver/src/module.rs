@@ -495,7 +495,10 @@ impl Kernel {
     /// has finished on `stream`.
     ///
     /// # Errors
-    /// `InvalidArgument` for a zero dimension or a stream of another device; the driver's error
+    /// `InvalidArgument` for a zero dimension or a stream of another device;
+    /// [`GraphError::Capturing`](crate::GraphError::Capturing), nothing launched, on the legacy
+    /// default stream while a blocking stream of its context captures
+    /// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)); the driver's error
     /// for a launch it refuses.
     pub unsafe fn launch(
         &self,
@@ -505,6 +508,7 @@ impl Kernel {
     ) -> Result<()> {
         config.validate()?;
         stream.ensure_context(&self.module.context, "Kernel::launch")?;
+        crate::graph::refuse_on_legacy_stream(stream, "Kernel::launch")?;
         self.module.context.bind_to_thread()?;
         let api = driver()?;
         let mut pointers = args.pointers.clone();

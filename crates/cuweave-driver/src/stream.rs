@@ -230,7 +230,14 @@ impl Stream {
     /// context's stream", so for them the context is made current first. When the driver
     /// answers with another error, the context is made current and the query asked again; that
     /// answer stands.
+    ///
+    /// # Errors
+    /// [`GraphError::Capturing`](crate::GraphError::Capturing) for a capturing stream, from a
+    /// thread whose capture mode forbids queries, and for the legacy default stream while a
+    /// blocking stream of its context captures
+    /// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)); the driver's error.
     pub fn query(&self) -> Result<bool> {
+        crate::graph::refuse_on_legacy_stream(self, "Stream::query")?;
         crate::graph::refuse_while_capturing(Some(self), "Stream::query")?;
         let api = driver()?;
         if !self.is_special_handle() {
@@ -264,7 +271,14 @@ impl Stream {
     }
 
     /// Blocks until all work queued so far has finished.
+    ///
+    /// # Errors
+    /// [`GraphError::Capturing`](crate::GraphError::Capturing) for a capturing stream, from a
+    /// thread whose capture mode forbids synchronisations, and for the legacy default stream
+    /// while a blocking stream of its context captures
+    /// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)); the driver's error.
     pub fn synchronize(&self) -> Result<()> {
+        crate::graph::refuse_on_legacy_stream(self, "Stream::synchronize")?;
         crate::graph::refuse_while_capturing(Some(self), "Stream::synchronize")?;
         self.context.bind_to_thread()?;
         let api = driver()?;
@@ -287,8 +301,13 @@ impl Stream {
     /// # Errors
     /// [`GraphError::Capturing`](crate::GraphError::Capturing) or
     /// [`GraphError::LegacyDefaultStream`](crate::GraphError::LegacyDefaultStream) for a wait
-    /// across a capture's boundary; the driver's error from recording or waiting.
+    /// across a capture's boundary; [`GraphError::Capturing`](crate::GraphError::Capturing)
+    /// when either stream is the legacy default stream while a blocking stream of its context
+    /// captures ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)); the
+    /// driver's error from recording or waiting. Nothing is queued when refused.
     pub fn wait_stream(&self, other: &Stream) -> Result<()> {
+        crate::graph::refuse_on_legacy_stream(self, "Stream::wait_stream")?;
+        crate::graph::refuse_on_legacy_stream(other, "Stream::wait_stream")?;
         crate::graph::refuse_wait_across_capture(self, other, "Stream::wait_stream")?;
         let pool = match other.join_events.get() {
             Some(pool) => pool,
@@ -329,8 +348,11 @@ impl Stream {
     /// # Errors
     /// [`GraphError::Capturing`](crate::GraphError::Capturing) or
     /// [`GraphError::LegacyDefaultStream`](crate::GraphError::LegacyDefaultStream) for a wait
-    /// across a capture's boundary; the driver's error.
+    /// across a capture's boundary; [`GraphError::Capturing`](crate::GraphError::Capturing)
+    /// for the legacy default stream while a blocking stream of its context captures
+    /// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)); the driver's error.
     pub fn wait_event(&self, event: &Event) -> Result<()> {
+        crate::graph::refuse_on_legacy_stream(self, "Stream::wait_event")?;
         if crate::graph::active_captures() != 0 {
             crate::graph::refuse_dependency_across_capture(
                 self,
@@ -361,13 +383,15 @@ impl Stream {
     /// beside `cuLaunchHostFunc`), so captures begun outside cuweave are refused too.
     ///
     /// # Errors
-    /// [`GraphError::Capturing`](crate::GraphError::Capturing) when the stream is capturing;
-    /// the driver's error when the launch fails. Either way `callback` is dropped without
-    /// running.
+    /// [`GraphError::Capturing`](crate::GraphError::Capturing) when the stream is capturing, or
+    /// is the legacy default stream while a blocking stream of its context captures
+    /// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)); the driver's error
+    /// when the launch fails. Either way `callback` is dropped without running.
     pub fn launch_host_fn<F>(&self, callback: F) -> Result<()>
     where
         F: FnOnce() + Send + 'static,
     {
+        crate::graph::refuse_on_legacy_stream(self, "Stream::launch_host_fn")?;
         // On refusal `callback` is dropped here, before it is boxed: nothing leaks. The check
         // (`Always`) also makes the stream's context current, which the launch needs too.
         crate::graph::refuse_recording(
@@ -398,6 +422,11 @@ impl Stream {
     /// `cuMemHostGetDevicePointer`), which lets the host observe the stream's progress with plain
     /// loads.
     ///
+    /// # Errors
+    /// [`GraphError::Capturing`](crate::GraphError::Capturing), nothing queued, for the legacy
+    /// default stream while a blocking stream of its context captures
+    /// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)); the driver's error.
+    ///
     /// # Safety
     /// `address` is 4-byte aligned memory that this stream's device can write, valid until the
     /// stream has passed the write, and nothing else reads or writes it non-atomically meanwhile.
@@ -407,6 +436,7 @@ impl Stream {
         value: u32,
         ordering: WriteOrdering,
     ) -> Result<()> {
+        crate::graph::refuse_on_legacy_stream(self, "Stream::write_value_u32")?;
         self.context.bind_to_thread()?;
         let api = driver()?;
         // SAFETY: live stream; the caller's contract covers `address`.
@@ -416,6 +446,11 @@ impl Stream {
     /// Queues a write of `value` to the 64-bit word at `address`; see [`Stream::write_value_u32`].
     /// `cuStreamWriteValue64`.
     ///
+    /// # Errors
+    /// [`GraphError::Capturing`](crate::GraphError::Capturing), nothing queued, for the legacy
+    /// default stream while a blocking stream of its context captures
+    /// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)); the driver's error.
+    ///
     /// # Safety
     /// As [`Stream::write_value_u32`], with 8-byte alignment.
     pub unsafe fn write_value_u64(
@@ -424,6 +459,7 @@ impl Stream {
         value: u64,
         ordering: WriteOrdering,
     ) -> Result<()> {
+        crate::graph::refuse_on_legacy_stream(self, "Stream::write_value_u64")?;
         self.context.bind_to_thread()?;
         let api = driver()?;
         // SAFETY: live stream; the caller's contract covers `address`.
@@ -432,6 +468,11 @@ impl Stream {
 
     /// Makes later work on this stream wait (on the device) until the 32-bit word at `address`
     /// meets `condition` against `value`. `cuStreamWaitValue32`.
+    ///
+    /// # Errors
+    /// [`GraphError::Capturing`](crate::GraphError::Capturing), nothing queued, for the legacy
+    /// default stream while a blocking stream of its context captures
+    /// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)); the driver's error.
     ///
     /// # Safety
     /// `address` is 4-byte aligned memory this stream's device can read, valid until the wait
@@ -442,6 +483,7 @@ impl Stream {
         value: u32,
         condition: WaitCondition,
     ) -> Result<()> {
+        crate::graph::refuse_on_legacy_stream(self, "Stream::wait_value_u32")?;
         self.context.bind_to_thread()?;
         let api = driver()?;
         // SAFETY: live stream; the caller's contract covers `address`.
@@ -451,6 +493,11 @@ impl Stream {
     /// Makes later work on this stream wait until the 64-bit word at `address` meets
     /// `condition`; see [`Stream::wait_value_u32`]. `cuStreamWaitValue64`.
     ///
+    /// # Errors
+    /// [`GraphError::Capturing`](crate::GraphError::Capturing), nothing queued, for the legacy
+    /// default stream while a blocking stream of its context captures
+    /// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)); the driver's error.
+    ///
     /// # Safety
     /// As [`Stream::wait_value_u32`], with 8-byte alignment.
     pub unsafe fn wait_value_u64(
@@ -459,6 +506,7 @@ impl Stream {
         value: u64,
         condition: WaitCondition,
     ) -> Result<()> {
+        crate::graph::refuse_on_legacy_stream(self, "Stream::wait_value_u64")?;
         self.context.bind_to_thread()?;
         let api = driver()?;
         // SAFETY: live stream; the caller's contract covers `address`.

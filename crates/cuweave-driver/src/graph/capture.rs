@@ -8,7 +8,7 @@
 //! | `status` | [`CaptureStatus`], and a stream's status (`Stream::capture_status`, `is_capturing`, `capture_mode`) |
 //! | `registry` | the process-wide bookkeeping: the capture count and epoch ([`active_captures`], [`capture_state`]) and the captures begun through cuweave |
 //! | `failures` | the driver calls that broke a capture, remembered for [`GraphError::CaptureInvalidated`](crate::GraphError::CaptureInvalidated) |
-//! | `refusals` | the checks that refuse a call that would break a capture ([`refuse_while_capturing`], [`refuse_recording`], [`refuse_wait_across_capture`]) |
+//! | `refusals` | the checks that refuse a call that would break a capture ([`refuse_while_capturing`], [`refuse_recording`], [`refuse_wait_across_capture`], [`refuse_legacy_stream_use`], [`refuse_on_legacy_stream`]) |
 //! | `begin_end` | `Stream::begin_capture`, `begin_capture_synchronized`, `end_capture`, and the end of a capture abandoned at a stream's drop |
 
 mod begin_end;
@@ -20,7 +20,8 @@ mod status;
 
 pub use mode::{CaptureMode, CaptureModeGuard, relaxed_during_captures};
 pub use refusals::{
-    StatusCheck, refuse_recording, refuse_wait_across_capture, refuse_while_capturing,
+    StatusCheck, refuse_legacy_stream_use, refuse_on_legacy_stream, refuse_recording,
+    refuse_wait_across_capture, refuse_while_capturing,
 };
 pub use registry::{
     CaptureState, active_captures, capture_is_active, capture_state, known_complete_before,

@@ -266,10 +266,14 @@ impl GraphExec {
     /// was instantiated without auto-free; [`GraphError::HostBorrowed`] while the host borrows
     /// memory the graph's capture used ([`HostBorrow`](super::HostBorrow)), and
     /// [`GraphError::TrackedGraphInCapture`] for a tracked graph launched into a capture, both
-    /// before anything is queued; the driver's error otherwise.
+    /// before anything is queued; [`GraphError::Capturing`], nothing launched, on the legacy
+    /// default stream while a blocking stream of its context captures
+    /// ([`refuse_on_legacy_stream`](super::refuse_on_legacy_stream)); the driver's error
+    /// otherwise.
     #[inline]
     pub fn launch(&self, stream: &Stream) -> Result<()> {
         stream.ensure_context(&self.context, "GraphExec::launch")?;
+        super::refuse_on_legacy_stream(stream, "GraphExec::launch")?;
         let mut state = self.lock.lock();
         if self.single_launch && self.launches.load(Ordering::Relaxed) != 0 {
             return Err(GraphError::RelaunchNeedsAutoFree.into());
@@ -371,9 +375,13 @@ impl GraphExec {
     /// (`cuGraphUpload`), so that launch costs what later ones do. Ordered on `stream`.
     ///
     /// # Errors
-    /// `InvalidArgument` for a stream of another device; the driver's error otherwise.
+    /// `InvalidArgument` for a stream of another device; [`GraphError::Capturing`] on the
+    /// legacy default stream while a blocking stream of its context captures
+    /// ([`refuse_on_legacy_stream`](super::refuse_on_legacy_stream)); the driver's error
+    /// otherwise.
     pub fn upload(&self, stream: &Stream) -> Result<()> {
         stream.ensure_context(&self.context, "GraphExec::upload")?;
+        super::refuse_on_legacy_stream(stream, "GraphExec::upload")?;
         let _guard = self.lock.lock();
         self.context.bind_to_thread()?;
         let api = driver()?;

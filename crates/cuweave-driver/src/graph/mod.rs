@@ -13,6 +13,7 @@
 //! |---|---|
 //! | [`CaptureMode`], [`CaptureStatus`] | how strictly a capture guards against unsafe calls; a stream's capture state |
 //! | [`active_captures`], [`refuse_while_capturing`] | the process's capture count (one atomic load), and the check that turns a call that would break a capture into [`GraphError::Capturing`] |
+//! | [`refuse_legacy_stream_use`], [`refuse_on_legacy_stream`] | the check that refuses any use of a context's legacy default stream (blocking copies and memsets, work on [`Stream::legacy_default`](crate::Stream::legacy_default)) while a blocking stream of that context captures, which the driver answers by invalidating the capture |
 //! | [`refuse_recording`], [`StatusCheck`] | the check that refuses work which must not be recorded into a graph (host functions, completion-word writes) on a capturing stream |
 //! | [`capture_state`], [`known_complete_before`], [`capture_is_active`] | the capture epoch that buffer trackers stamp uses with, and which uses a capture knows to be complete (`Stream::begin_capture_synchronized`) |
 //! | [`CaptureModeGuard`], [`relaxed_during_captures`] | this thread in another capture mode for a scope (`cuThreadExchangeStreamCaptureMode`); relaxed, for one call a capture does not record, only while a cuweave capture is active |
@@ -43,7 +44,8 @@ mod memory;
 pub(crate) use capture::CAPTURE_COUNT_TEST_LOCK;
 pub use capture::{
     CaptureMode, CaptureModeGuard, CaptureState, CaptureStatus, StatusCheck, active_captures,
-    capture_is_active, capture_state, known_complete_before, note_tracked_use, refuse_recording,
+    capture_is_active, capture_state, known_complete_before, note_tracked_use,
+    refuse_legacy_stream_use, refuse_on_legacy_stream, refuse_recording,
     refuse_wait_across_capture, refuse_while_capturing, relaxed_during_captures,
 };
 pub use error::GraphError;

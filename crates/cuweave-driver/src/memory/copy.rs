@@ -7,6 +7,14 @@
 //! the call, which also waits for work on streams created with `StreamFlags::DEFAULT`, as
 //! `cudaMemcpy` does.
 //!
+//! The legacy default stream may not be used at all while a blocking stream of its context
+//! (one made without `StreamFlags::NON_BLOCKING`) captures, whatever the capture mode and from
+//! whichever thread: the driver answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` and invalidates
+//! the capture. So while a capture begun through cuweave on such a stream is active, the
+//! blocking forms, and the async forms given [`Stream::legacy_default`], are refused with
+//! [`GraphError::Capturing`](crate::GraphError::Capturing) before the driver is asked, and the
+//! capture survives ([`refuse_legacy_stream_use`](crate::graph::refuse_legacy_stream_use)).
+//!
 //! All are `unsafe`: the driver checks device addresses only loosely and host addresses not at
 //! all. Each function's contract is the same shape: every range is valid for `bytes` (or
 //! `count` elements), and for the async forms stays valid, and unwritten by the host for
@@ -69,6 +77,13 @@ fn ensure_disjoint(
 
 /// Copies `bytes` from host `src` to device `dst` and waits for it.
 ///
+/// # Errors
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), before the driver is asked, while
+/// the calling thread's capture mode forbids blocking calls, and, from any thread, while a
+/// capture begun through cuweave on a blocking stream of `context` is active: the legacy
+/// default stream this runs on would break it
+/// ([`refuse_legacy_stream_use`](crate::graph::refuse_legacy_stream_use)).
+///
 /// # Safety
 /// `src` is readable for `bytes`; `dst` is device memory of `context`'s device (or memory it
 /// can address) writable for `bytes`.
@@ -79,6 +94,7 @@ pub unsafe fn copy_htod(
     bytes: usize,
 ) -> Result<()> {
     crate::graph::refuse_while_capturing(None, "memory::copy_htod")?;
+    crate::graph::refuse_legacy_stream_use(context, "memory::copy_htod")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -87,6 +103,13 @@ pub unsafe fn copy_htod(
 }
 
 /// Copies `bytes` from device `src` to host `dst` and waits for it.
+///
+/// # Errors
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), before the driver is asked, while
+/// the calling thread's capture mode forbids blocking calls, and, from any thread, while a
+/// capture begun through cuweave on a blocking stream of `context` is active: the legacy
+/// default stream this runs on would break it
+/// ([`refuse_legacy_stream_use`](crate::graph::refuse_legacy_stream_use)).
 ///
 /// # Safety
 /// `dst` is writable for `bytes`; `src` is readable device memory for `bytes`.
@@ -97,6 +120,7 @@ pub unsafe fn copy_dtoh(
     bytes: usize,
 ) -> Result<()> {
     crate::graph::refuse_while_capturing(None, "memory::copy_dtoh")?;
+    crate::graph::refuse_legacy_stream_use(context, "memory::copy_dtoh")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -108,6 +132,11 @@ pub unsafe fn copy_dtoh(
 /// # Errors
 /// `InvalidArgument` when the two ranges overlap (and are not the same range), before the
 /// driver is asked: the driver's copies are undefined on overlapping ranges.
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), before the driver is asked, while
+/// the calling thread's capture mode forbids blocking calls, and, from any thread, while a
+/// capture begun through cuweave on a blocking stream of `context` is active: the legacy
+/// default stream this runs on would break it
+/// ([`refuse_legacy_stream_use`](crate::graph::refuse_legacy_stream_use)).
 ///
 /// # Safety
 /// Both ranges are valid device memory for `bytes`.
@@ -119,6 +148,7 @@ pub unsafe fn copy_dtod(
 ) -> Result<()> {
     ensure_disjoint(dst, src, bytes, "memory::copy_dtod")?;
     crate::graph::refuse_while_capturing(None, "memory::copy_dtod")?;
+    crate::graph::refuse_legacy_stream_use(context, "memory::copy_dtod")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -132,6 +162,11 @@ pub unsafe fn copy_dtod(
 /// # Errors
 /// `InvalidArgument` when the two ranges overlap (and are not the same range), before the
 /// driver is asked: the driver's copies are undefined on overlapping ranges.
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), before the driver is asked, while
+/// the calling thread's capture mode forbids blocking calls, and, from any thread, while a
+/// capture begun through cuweave on a blocking stream of `context` is active: the legacy
+/// default stream this runs on would break it
+/// ([`refuse_legacy_stream_use`](crate::graph::refuse_legacy_stream_use)).
 ///
 /// # Safety
 /// `src` is readable and `dst` writable for `bytes`, each either host memory or memory the
@@ -139,6 +174,7 @@ pub unsafe fn copy_dtod(
 pub unsafe fn copy(context: &Context, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
     ensure_disjoint(dst, src, bytes, "memory::copy")?;
     crate::graph::refuse_while_capturing(None, "memory::copy")?;
+    crate::graph::refuse_legacy_stream_use(context, "memory::copy")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -152,6 +188,10 @@ pub unsafe fn copy(context: &Context, dst: DevicePtr, src: DevicePtr, bytes: usi
 /// # Errors
 /// `InvalidArgument` when the two ranges overlap (and are not the same range), before the
 /// driver is asked: the driver's copies are undefined on overlapping ranges.
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), before anything is queued, when
+/// `stream` is the legacy default stream and a capture begun through cuweave on a blocking
+/// stream of its context is active
+/// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)).
 ///
 /// # Safety
 /// Both ranges stay valid for `bytes`, `src` unwritten and `dst` unread by the host, until
@@ -163,6 +203,7 @@ pub unsafe fn copy_async(
     stream: &Stream,
 ) -> Result<()> {
     ensure_disjoint(dst, src, bytes, "memory::copy_async")?;
+    crate::graph::refuse_on_legacy_stream(stream, "memory::copy_async")?;
     stream.context().bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -172,6 +213,12 @@ pub unsafe fn copy_async(
 /// Queues a host-to-device copy on `stream`. Asynchronous only from pinned host memory; from
 /// pageable memory the driver stages it and returns once `src` has been read.
 ///
+/// # Errors
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), before anything is queued, when
+/// `stream` is the legacy default stream and a capture begun through cuweave on a blocking
+/// stream of its context is active
+/// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)).
+///
 /// # Safety
 /// `src` stays readable and unmodified, and `dst` valid, until `stream` passes the copy.
 pub unsafe fn copy_htod_async(
@@ -180,6 +227,7 @@ pub unsafe fn copy_htod_async(
     bytes: usize,
     stream: &Stream,
 ) -> Result<()> {
+    crate::graph::refuse_on_legacy_stream(stream, "memory::copy_htod_async")?;
     stream.context().bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -187,6 +235,12 @@ pub unsafe fn copy_htod_async(
 }
 
 /// Queues a device-to-host copy on `stream`.
+///
+/// # Errors
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), before anything is queued, when
+/// `stream` is the legacy default stream and a capture begun through cuweave on a blocking
+/// stream of its context is active
+/// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)).
 ///
 /// # Safety
 /// `dst` stays writable and unread by the host, and `src` valid, until `stream` passes the copy.
@@ -196,6 +250,7 @@ pub unsafe fn copy_dtoh_async(
     bytes: usize,
     stream: &Stream,
 ) -> Result<()> {
+    crate::graph::refuse_on_legacy_stream(stream, "memory::copy_dtoh_async")?;
     stream.context().bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -207,6 +262,10 @@ pub unsafe fn copy_dtoh_async(
 /// # Errors
 /// `InvalidArgument` when the two ranges overlap (and are not the same range), before the
 /// driver is asked: the driver's copies are undefined on overlapping ranges.
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), before anything is queued, when
+/// `stream` is the legacy default stream and a capture begun through cuweave on a blocking
+/// stream of its context is active
+/// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)).
 ///
 /// # Safety
 /// Both ranges stay valid until `stream` passes the copy.
@@ -217,6 +276,7 @@ pub unsafe fn copy_dtod_async(
     stream: &Stream,
 ) -> Result<()> {
     ensure_disjoint(dst, src, bytes, "memory::copy_dtod_async")?;
+    crate::graph::refuse_on_legacy_stream(stream, "memory::copy_dtod_async")?;
     stream.context().bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -225,6 +285,12 @@ pub unsafe fn copy_dtod_async(
 
 /// Queues a copy between devices on `stream` (direct over NVLink/PCIe when peer access is
 /// enabled, staged by the driver otherwise).
+///
+/// # Errors
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), before anything is queued, when
+/// `stream` is the legacy default stream and a capture begun through cuweave on a blocking
+/// stream of its context is active
+/// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)).
 ///
 /// # Safety
 /// `dst` is memory of `dst_context`'s device and `src` of `src_context`'s, both valid for `bytes`
@@ -237,6 +303,7 @@ pub unsafe fn copy_peer_async(
     bytes: usize,
     stream: &Stream,
 ) -> Result<()> {
+    crate::graph::refuse_on_legacy_stream(stream, "memory::copy_peer_async")?;
     stream.context().bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -254,10 +321,18 @@ pub unsafe fn copy_peer_async(
 
 /// Sets `bytes` bytes at `dst` to `value` and waits for it.
 ///
+/// # Errors
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), before the driver is asked, while
+/// the calling thread's capture mode forbids blocking calls, and, from any thread, while a
+/// capture begun through cuweave on a blocking stream of `context` is active: the legacy
+/// default stream this runs on would break it
+/// ([`refuse_legacy_stream_use`](crate::graph::refuse_legacy_stream_use)).
+///
 /// # Safety
 /// `dst` is device memory writable for `bytes`.
 pub unsafe fn memset_d8(context: &Context, dst: DevicePtr, value: u8, bytes: usize) -> Result<()> {
     crate::graph::refuse_while_capturing(None, "memory::memset_d8")?;
+    crate::graph::refuse_legacy_stream_use(context, "memory::memset_d8")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -271,6 +346,11 @@ pub unsafe fn memset_d8(context: &Context, dst: DevicePtr, value: u8, bytes: usi
 /// # Errors
 /// `InvalidArgument` when `dst` is not 2-byte aligned, before the driver is asked (which would
 /// answer `CUDA_ERROR_INVALID_VALUE`).
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), before the driver is asked, while
+/// the calling thread's capture mode forbids blocking calls, and, from any thread, while a
+/// capture begun through cuweave on a blocking stream of `context` is active: the legacy
+/// default stream this runs on would break it
+/// ([`refuse_legacy_stream_use`](crate::graph::refuse_legacy_stream_use)).
 ///
 /// # Safety
 /// `dst` is 2-byte aligned device memory writable for `2 * count` bytes.
@@ -282,6 +362,7 @@ pub unsafe fn memset_d16(
 ) -> Result<()> {
     ensure_aligned_d16(dst, "memory::memset_d16")?;
     crate::graph::refuse_while_capturing(None, "memory::memset_d16")?;
+    crate::graph::refuse_legacy_stream_use(context, "memory::memset_d16")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract; `dst` is 2-byte aligned (checked above).
@@ -290,6 +371,13 @@ pub unsafe fn memset_d16(
 }
 
 /// Sets `count` 32-bit words at `dst` (4-byte aligned) to `value` and waits for it.
+///
+/// # Errors
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), before the driver is asked, while
+/// the calling thread's capture mode forbids blocking calls, and, from any thread, while a
+/// capture begun through cuweave on a blocking stream of `context` is active: the legacy
+/// default stream this runs on would break it
+/// ([`refuse_legacy_stream_use`](crate::graph::refuse_legacy_stream_use)).
 ///
 /// # Safety
 /// `dst` is 4-byte aligned device memory writable for `4 * count` bytes.
@@ -300,6 +388,7 @@ pub unsafe fn memset_d32(
     count: usize,
 ) -> Result<()> {
     crate::graph::refuse_while_capturing(None, "memory::memset_d32")?;
+    crate::graph::refuse_legacy_stream_use(context, "memory::memset_d32")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -309,6 +398,12 @@ pub unsafe fn memset_d32(
 
 /// Queues a byte memset on `stream`.
 ///
+/// # Errors
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), before anything is queued, when
+/// `stream` is the legacy default stream and a capture begun through cuweave on a blocking
+/// stream of its context is active
+/// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)).
+///
 /// # Safety
 /// `dst` stays valid for `bytes` until `stream` passes the memset.
 pub unsafe fn memset_d8_async(
@@ -317,6 +412,7 @@ pub unsafe fn memset_d8_async(
     bytes: usize,
     stream: &Stream,
 ) -> Result<()> {
+    crate::graph::refuse_on_legacy_stream(stream, "memory::memset_d8_async")?;
     stream.context().bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -327,6 +423,10 @@ pub unsafe fn memset_d8_async(
 ///
 /// # Errors
 /// `InvalidArgument` when `dst` is not 2-byte aligned, before anything is queued.
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), before anything is queued, when
+/// `stream` is the legacy default stream and a capture begun through cuweave on a blocking
+/// stream of its context is active
+/// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)).
 ///
 /// # Safety
 /// `dst` is 2-byte aligned and stays valid for `2 * count` bytes until `stream` passes it.
@@ -337,6 +437,7 @@ pub unsafe fn memset_d16_async(
     stream: &Stream,
 ) -> Result<()> {
     ensure_aligned_d16(dst, "memory::memset_d16_async")?;
+    crate::graph::refuse_on_legacy_stream(stream, "memory::memset_d16_async")?;
     stream.context().bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract; `dst` is 2-byte aligned (checked above).
@@ -344,6 +445,12 @@ pub unsafe fn memset_d16_async(
 }
 
 /// Queues a 32-bit memset of `count` words on `stream`.
+///
+/// # Errors
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), before anything is queued, when
+/// `stream` is the legacy default stream and a capture begun through cuweave on a blocking
+/// stream of its context is active
+/// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)).
 ///
 /// # Safety
 /// `dst` is 4-byte aligned and stays valid for `4 * count` bytes until `stream` passes it.
@@ -353,6 +460,7 @@ pub unsafe fn memset_d32_async(
     count: usize,
     stream: &Stream,
 ) -> Result<()> {
+    crate::graph::refuse_on_legacy_stream(stream, "memory::memset_d32_async")?;
     stream.context().bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.

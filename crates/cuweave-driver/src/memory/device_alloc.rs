@@ -125,12 +125,18 @@ impl Drop for DeviceAllocation {
 /// Allocates `bytes` from the device's current memory pool, ordered on `stream`
 /// (`cuMemAllocAsync`): the memory may be used by work queued on `stream` after this call.
 ///
+/// # Errors
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), nothing queued, when `stream` is
+/// the legacy default stream while a blocking stream of its context captures
+/// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)).
+///
 /// # Safety
 /// The caller owns the returned pointer and must release it exactly once with [`free_async`]
 /// (or `cuMemFree`), and must not use it on another stream without ordering that stream after
 /// this one.
 pub unsafe fn alloc_async(stream: &Stream, bytes: usize) -> Result<DevicePtr> {
     nonzero(bytes, "alloc_async")?;
+    crate::graph::refuse_on_legacy_stream(stream, "alloc_async")?;
     stream.context().bind_to_thread()?;
     let api = driver()?;
     let mut ptr = 0;
@@ -142,10 +148,16 @@ pub unsafe fn alloc_async(stream: &Stream, bytes: usize) -> Result<DevicePtr> {
 /// Frees stream-ordered memory once the work queued on `stream` so far has finished
 /// (`cuMemFreeAsync`).
 ///
+/// # Errors
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), nothing queued, when `stream` is
+/// the legacy default stream while a blocking stream of its context captures
+/// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)). The memory stays allocated.
+///
 /// # Safety
 /// `ptr` must come from a stream-ordered allocation that has not been freed, and no work
 /// ordered after this free on any stream may touch it.
 pub unsafe fn free_async(ptr: DevicePtr, stream: &Stream) -> Result<()> {
+    crate::graph::refuse_on_legacy_stream(stream, "free_async")?;
     stream.context().bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller guarantees `ptr` is a live stream-ordered allocation.

@@ -222,7 +222,10 @@ pub unsafe fn advise(
 ///
 /// # Errors
 /// `CapabilityMissing` without concurrent managed access (prefetch needs it); the driver's
-/// error for a range that is not managed memory.
+/// error for a range that is not managed memory;
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), nothing queued, when `stream` is
+/// the legacy default stream while a blocking stream of its context captures
+/// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)).
 ///
 /// # Safety
 /// The range must lie inside one live managed allocation until `stream` passes the prefetch.
@@ -233,6 +236,7 @@ pub unsafe fn prefetch_async(
     stream: &Stream,
 ) -> Result<()> {
     nonzero(bytes, "prefetch_async")?;
+    crate::graph::refuse_on_legacy_stream(stream, "prefetch_async")?;
     require_managed(stream.context(), true, "prefetch_async")?;
     stream.context().bind_to_thread()?;
     let api = driver()?;
@@ -266,7 +270,10 @@ pub struct PrefetchRange {
 ///
 /// # Errors
 /// `Unsupported { symbol: "cuMemPrefetchBatchAsync" }` on older drivers (callers fall back to
-/// [`prefetch_async`] per range); `InvalidArgument` for an empty batch or a zero-length range.
+/// [`prefetch_async`] per range); `InvalidArgument` for an empty batch or a zero-length range;
+/// [`GraphError::Capturing`](crate::GraphError::Capturing), nothing queued, when `stream` is
+/// the legacy default stream while a blocking stream of its context captures
+/// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)).
 ///
 /// # Safety
 /// As [`prefetch_async`], for every range.
@@ -280,6 +287,7 @@ pub unsafe fn prefetch_batch_async(ranges: &[PrefetchRange], stream: &Stream) ->
             format!("range {index} is zero bytes long"),
         ));
     }
+    crate::graph::refuse_on_legacy_stream(stream, "prefetch_batch_async")?;
     require_managed(stream.context(), true, "prefetch_batch_async")?;
     let api = driver()?;
     let function = api.mem_prefetch_batch_async.get()?;

@@ -147,12 +147,18 @@ impl MemoryPool {
 
     /// Allocates `bytes` from this pool, ordered on `stream` (`cuMemAllocFromPoolAsync`).
     ///
+    /// # Errors
+    /// [`GraphError::Capturing`](crate::GraphError::Capturing), nothing allocated, when `stream`
+    /// is the legacy default stream while a blocking stream of its context captures
+    /// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)).
+    ///
     /// # Safety
     /// As [`super::alloc_async`]: release the pointer exactly once with [`super::free_async`],
     /// and order any other stream that uses it after `stream`.
     pub unsafe fn alloc_async(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
         nonzero(bytes, "MemoryPool::alloc_async")?;
         stream.ensure_device(self.context.device(), "MemoryPool::alloc_async")?;
+        crate::graph::refuse_on_legacy_stream(stream, "MemoryPool::alloc_async")?;
         stream.context().bind_to_thread()?;
         let api = driver()?;
         let mut ptr = 0;

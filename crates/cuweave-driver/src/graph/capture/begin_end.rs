@@ -7,8 +7,8 @@ use std::sync::atomic::Ordering;
 use super::failures::{FAILURE_SEQ, invalidated_since};
 use super::mode::CaptureMode;
 use super::registry::{
-    CAPTURE_BEGIN, COUNT_BITS, CaptureState, GLOBAL, RECORDS, Record, STATE, active_captures,
-    while_no_capture_begins,
+    BLOCKING, CAPTURE_BEGIN, COUNT_BITS, CaptureState, GLOBAL, RECORDS, Record, STATE,
+    active_captures, while_no_capture_begins,
 };
 use crate::error::{DriverError, Result};
 use crate::graph::error::GraphError;
@@ -144,6 +144,10 @@ impl Stream {
     }
 
     fn begin_capture_recorded(&self, mode: CaptureMode, complete_before: u64) -> Result<()> {
+        // Asked once, before the capture: while a blocking stream captures, any use of its
+        // context's legacy default stream breaks the capture (`refuse_legacy_stream_use`).
+        // Unknown counts as blocking: a refusal too many costs a retry, a use too many the graph.
+        let blocking = self.flags().map_or(true, |flags| !flags.is_non_blocking());
         self.context().bind_to_thread()?;
         let api = driver()?;
         // Until the capture is counted: see `while_no_capture_begins`.
@@ -167,7 +171,11 @@ impl Stream {
             complete_before,
             thread: std::thread::current().id(),
             tracked: false,
+            blocking,
         });
+        if blocking {
+            BLOCKING.fetch_add(1, Ordering::AcqRel);
+        }
         STATE.fetch_add(1, Ordering::AcqRel);
         if mode == CaptureMode::Global {
             GLOBAL.fetch_add(1, Ordering::AcqRel);
@@ -244,6 +252,9 @@ impl Stream {
         STATE.fetch_sub(1, Ordering::AcqRel);
         if record.mode == CaptureMode::Global {
             GLOBAL.fetch_sub(1, Ordering::AcqRel);
+        }
+        if record.blocking {
+            BLOCKING.fetch_sub(1, Ordering::AcqRel);
         }
     }
 

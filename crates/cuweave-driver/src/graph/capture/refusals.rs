@@ -1,12 +1,18 @@
 //! The checks that refuse, before anything is queued, a call that would break a capture: a
 //! blocking call or query ([`refuse_while_capturing`]), work that must not be recorded into a
 //! graph ([`refuse_recording`]), a wait across a capture's boundary
-//! ([`refuse_wait_across_capture`]). Each costs one atomic load while no capture is active.
+//! ([`refuse_wait_across_capture`]), a use of the legacy default stream beside a blocking
+//! stream's capture ([`refuse_legacy_stream_use`], [`refuse_on_legacy_stream`]). Each costs one
+//! atomic load while no capture is active.
 
 use std::sync::atomic::Ordering;
 
+use super::begin_end::is_legacy_default;
 use super::mode::{CaptureMode, thread_capture_mode};
-use super::registry::{GLOBAL, active_captures, this_thread_captures};
+use super::registry::{
+    BLOCKING, GLOBAL, active_captures, blocking_capture_in, this_thread_captures,
+};
+use crate::context::Context;
 use crate::error::Result;
 use crate::graph::error::GraphError;
 use crate::stream::Stream;
@@ -189,4 +195,59 @@ pub enum StatusCheck {
     /// Only while a capture begun through cuweave is active (one atomic load otherwise): for
     /// hot paths.
     WhileCuweaveCaptures,
+}
+
+/// Refuses, with [`GraphError::Capturing`], a use of `context`'s legacy default stream while a
+/// capture begun through cuweave on a blocking stream of that context (one made without
+/// `StreamFlags::NON_BLOCKING`) is active: a blocking copy or memset (`memory::copy_htod`, ...,
+/// which run on the legacy stream and then synchronise it), or work, a wait, a query or a
+/// synchronisation on [`Stream::legacy_default`].
+///
+/// CUDA forbids it in every capture mode and from every thread: the legacy stream is ordered
+/// with every blocking stream of its context, so a use of it would depend on (or make the
+/// capturing stream depend on) work outside the capture. The driver answers
+/// `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` and invalidates the capture; refused here, the capture
+/// survives and the call can be made again once it ends. Captures whose origin is
+/// non-blocking (every stream cuweave's stream layer makes, and [`Stream::fork`]'s children)
+/// refuse nothing here.
+///
+/// One atomic load while no capture on a blocking stream is active. Captures begun outside
+/// cuweave are not known, and a blocking stream of the context that joined a capture begun on
+/// a non-blocking one (by waiting on it) is not looked at.
+///
+/// # Errors
+/// [`GraphError::Capturing`] naming `operation`.
+#[inline]
+pub fn refuse_legacy_stream_use(context: &Context, operation: &'static str) -> Result<()> {
+    if BLOCKING.load(Ordering::Acquire) == 0 {
+        return Ok(());
+    }
+    refuse_legacy_stream_use_slow(context, operation)
+}
+
+#[cold]
+fn refuse_legacy_stream_use_slow(context: &Context, operation: &'static str) -> Result<()> {
+    if blocking_capture_in(context.as_raw() as usize) {
+        return Err(GraphError::Capturing {
+            operation,
+            reason: "a stream of this context made without StreamFlags::NON_BLOCKING is capturing: any use of the legacy default stream would depend on it, and the driver would invalidate the capture (CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)",
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// [`refuse_legacy_stream_use`] for work queued on, or a wait, query or synchronisation of,
+/// `stream`: nothing to refuse unless `stream` is the legacy default stream (the null handle or
+/// `CU_STREAM_LEGACY`, as [`Stream::legacy_default`] gives), then that stream's context is
+/// looked at. No atomic load at all for other streams.
+///
+/// # Errors
+/// [`GraphError::Capturing`] naming `operation`.
+#[inline]
+pub fn refuse_on_legacy_stream(stream: &Stream, operation: &'static str) -> Result<()> {
+    if !is_legacy_default(stream.as_raw()) {
+        return Ok(());
+    }
+    refuse_legacy_stream_use(stream.context(), operation)
 }

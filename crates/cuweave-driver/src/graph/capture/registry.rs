@@ -1,7 +1,7 @@
 //! The process-wide bookkeeping of captures begun through cuweave: the count of active captures
 //! and the capture epoch in one atomic word ([`active_captures`], [`capture_state`]), and a
-//! [`Record`] of each capture (its stream, mode, thread, context and what it knows to be
-//! complete).
+//! [`Record`] of each capture (its stream, mode, thread, context, whether its stream is blocking
+//! and what it knows to be complete).
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
@@ -21,6 +21,10 @@ pub(super) const COUNT_BITS: u32 = 24;
 const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
 /// Those of them in [`CaptureMode::Global`].
 pub(super) static GLOBAL: AtomicUsize = AtomicUsize::new(0);
+/// Those of them whose origin stream is blocking (made without `StreamFlags::NON_BLOCKING`):
+/// while one is active, its context's legacy default stream may not be used at all
+/// ([`refuse_legacy_stream_use`](super::refuse_legacy_stream_use)).
+pub(super) static BLOCKING: AtomicUsize = AtomicUsize::new(0);
 
 /// A capture begun here: which stream, in which mode, the failure sequence at its start, the
 /// driver's capture id, its context, and the epoch before which that context's work is known to
@@ -38,6 +42,9 @@ pub(super) struct Record {
     /// A tracked buffer (of the memory layer) was used in the capture: its graph's launches
     /// leave fences (see `fences`).
     pub(super) tracked: bool,
+    /// The origin stream is blocking (not `CU_STREAM_NON_BLOCKING`), asked once at the begin:
+    /// the legacy default stream of `context` may not be used while the capture runs.
+    pub(super) blocking: bool,
 }
 
 impl Record {
@@ -155,6 +162,15 @@ pub fn known_complete_before(capture_id: u64, context: &crate::Context) -> u64 {
     } else {
         0
     }
+}
+
+/// Whether a capture begun through cuweave on a blocking stream of the context `context` (its
+/// raw handle) is active.
+pub(super) fn blocking_capture_in(context: usize) -> bool {
+    RECORDS
+        .lock()
+        .iter()
+        .any(|record| record.blocking && record.context == context)
 }
 
 /// Whether this thread began a global or thread-local capture that is not over.

@@ -1,6 +1,7 @@
 //! [`CaptureStatus`]: where a stream stands with respect to capture, and the [`Stream`] methods
 //! that ask (`cuStreamGetCaptureInfo`, `cuStreamIsCapturing`, the mode of a cuweave capture).
 
+use super::begin_end::is_legacy_default;
 use super::mode::CaptureMode;
 use super::registry::RECORDS;
 use crate::error::Result;
@@ -43,7 +44,14 @@ impl CaptureStatus {
 impl Stream {
     /// Whether this stream is capturing, and into which capture sequence.
     /// `cuStreamGetCaptureInfo` (the `_v3` form where the driver has it, else `_v2`).
+    ///
+    /// The legacy default stream never captures (the driver refuses to begin a capture on it):
+    /// it answers [`CaptureStatus::None`] without asking the driver, which would answer
+    /// `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` while a blocking stream of its context captures.
     pub fn capture_status(&self) -> Result<CaptureStatus> {
+        if is_legacy_default(self.as_raw()) {
+            return Ok(CaptureStatus::None);
+        }
         self.bind_if_context_relative()?;
         let api = driver()?;
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
@@ -85,8 +93,12 @@ impl Stream {
         })
     }
 
-    /// Whether this stream is capturing (`cuStreamIsCapturing`).
+    /// Whether this stream is capturing (`cuStreamIsCapturing`); `false` for the legacy default
+    /// stream without asking the driver (see [`capture_status`](Self::capture_status)).
     pub fn is_capturing(&self) -> Result<bool> {
+        if is_legacy_default(self.as_raw()) {
+            return Ok(false);
+        }
         self.bind_if_context_relative()?;
         let api = driver()?;
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;

@@ -196,3 +196,112 @@ mod synchronized_begin {
         assert!(matches!(got, Err(DriverError::Cuda { code: 700, .. })));
     }
 }
+
+/// While a capture on a blocking stream is recorded, its context's legacy default stream is
+/// refused (blocking copies through `refuse_legacy_stream_use`, `Stream::legacy_default`
+/// through `refuse_on_legacy_stream`); other contexts, other streams, and contexts where only
+/// non-blocking streams capture are not. The registry is filled by hand: no driver is asked.
+#[test]
+fn the_legacy_stream_is_refused_only_beside_a_blocking_capture_of_its_context() {
+    use std::sync::Arc;
+
+    use super::registry::{BLOCKING, RECORDS, Record};
+    use crate::{Context, Device, DriverError, GraphError, Stream};
+
+    // Holds off the failure-log tests, which read the records' first failures.
+    let _count = CAPTURE_COUNT_TEST_LOCK.lock();
+    // SAFETY: none of these handles reaches the driver: the streams below are not owned (their
+    // drop calls nothing), and the checks only compare raw values with the records.
+    let context = |raw: usize| unsafe {
+        Context::from_raw_borrowed(raw as sys::CUcontext, Device::for_tests(0))
+    };
+    let (blocking_ctx, non_blocking_ctx, idle_ctx) = (
+        context(0xb10c_0000),
+        context(0xb10c_1000),
+        context(0xb10c_2000),
+    );
+    let record = |stream: u64, context: &Arc<Context>, blocking: bool| Record {
+        stream,
+        mode: CaptureMode::ThreadLocal,
+        first_failure: u64::MAX,
+        capture_id: u64::MAX - stream,
+        context: context.as_raw() as usize,
+        complete_before: 0,
+        thread: std::thread::current().id(),
+        tracked: false,
+        blocking,
+    };
+    let refused = |result: crate::error::Result<()>, operation: &str| match result {
+        Err(DriverError::Graph(GraphError::Capturing {
+            operation: named, ..
+        })) => {
+            assert_eq!(named, operation);
+            true
+        }
+        Err(other) => panic!("{other}"),
+        Ok(()) => false,
+    };
+    let legacy = |context: &Arc<Context>| Stream::legacy_default(context);
+    // SAFETY: not owned, never used with the driver (see above).
+    let own = unsafe { Stream::from_raw(&blocking_ctx, 0x5000 as sys::CUstream, false) };
+    // SAFETY: as above; `CU_STREAM_PER_THREAD` is not the legacy stream.
+    let per_thread = unsafe { Stream::from_raw(&blocking_ctx, 2 as sys::CUstream, false) };
+    // SAFETY: as above; `CU_STREAM_LEGACY` is.
+    let legacy_name = unsafe { Stream::from_raw(&blocking_ctx, 1 as sys::CUstream, false) };
+
+    // Nothing captures on a blocking stream: nothing is refused, for one atomic load.
+    assert_eq!(BLOCKING.load(Ordering::Acquire), 0);
+    assert!(!refused(
+        refuse_legacy_stream_use(&blocking_ctx, "memory::copy_htod"),
+        ""
+    ));
+    assert!(!refused(
+        refuse_on_legacy_stream(&legacy(&blocking_ctx), "Event::record"),
+        ""
+    ));
+
+    {
+        let mut records = RECORDS.lock();
+        records.push(record(u64::MAX - 1, &blocking_ctx, true));
+        records.push(record(u64::MAX - 2, &non_blocking_ctx, false));
+    }
+    BLOCKING.fetch_add(1, Ordering::AcqRel);
+    let outcomes = [
+        refused(
+            refuse_legacy_stream_use(&blocking_ctx, "memory::copy_htod"),
+            "memory::copy_htod",
+        ),
+        refused(
+            refuse_on_legacy_stream(&legacy(&blocking_ctx), "Kernel::launch"),
+            "Kernel::launch",
+        ),
+        refused(
+            refuse_on_legacy_stream(&legacy_name, "Event::record"),
+            "Event::record",
+        ),
+        // Other streams of that context, and other contexts, are left alone.
+        refused(refuse_on_legacy_stream(&own, "Kernel::launch"), ""),
+        refused(refuse_on_legacy_stream(&per_thread, "Kernel::launch"), ""),
+        refused(
+            refuse_legacy_stream_use(&non_blocking_ctx, "memory::memset_d32"),
+            "",
+        ),
+        refused(
+            refuse_on_legacy_stream(&legacy(&idle_ctx), "Stream::synchronize"),
+            "",
+        ),
+    ];
+    // The capture ends: nothing is refused any more.
+    RECORDS
+        .lock()
+        .retain(|record| record.stream != u64::MAX - 1 && record.stream != u64::MAX - 2);
+    BLOCKING.fetch_sub(1, Ordering::AcqRel);
+    let after = refused(
+        refuse_legacy_stream_use(&blocking_ctx, "memory::copy_htod"),
+        "",
+    );
+    assert_eq!(
+        (outcomes, after),
+        ([true, true, true, false, false, false, false], false)
+    );
+}
