@@ -2,7 +2,8 @@
 //!
 //! The creation and write/wait flags are in `flags` ([`StreamFlags`], [`WriteOrdering`],
 //! [`WaitCondition`]); what a dropped handle leaves behind in `end` ([`StreamEnd`],
-//! [`ended_watched_streams`]).
+//! [`ended_watched_streams`]); the handle that does not keep its stream in `weak`
+//! ([`WeakStream`]).
 
 use std::ffi::c_void;
 use std::panic::AssertUnwindSafe;
@@ -20,9 +21,11 @@ mod end;
 mod flags;
 #[cfg(test)]
 mod tests;
+mod weak;
 
 pub use end::{StreamEnd, ended_watched_streams};
 pub use flags::{StreamFlags, WaitCondition, WriteOrdering};
+pub use weak::WeakStream;
 
 /// A CUDA stream of one context. Work queued on it runs in order; streams run concurrently.
 ///
@@ -40,6 +43,9 @@ pub struct Stream {
     /// What the handle leaves behind when dropped, made only once someone asked
     /// ([`end_watch`](Self::end_watch)): otherwise a drop records nothing.
     end: OnceLock<Arc<StreamEnd>>,
+    /// What its weak handles share ([`downgrade`](Self::downgrade)), made by the first one; or,
+    /// for the twin those handles lend out, the way back to it.
+    weak: OnceLock<weak::Slot>,
 }
 
 /// Source of [`Stream::id`]s: never reused within a process, unlike raw handles.
@@ -83,6 +89,7 @@ impl Stream {
             id: next_stream_id(),
             join_events: std::sync::OnceLock::new(),
             end: OnceLock::new(),
+            weak: OnceLock::new(),
         })
     }
 
@@ -116,6 +123,7 @@ impl Stream {
             id: next_stream_id(),
             join_events: std::sync::OnceLock::new(),
             end: OnceLock::new(),
+            weak: OnceLock::new(),
         })
     }
 
@@ -133,6 +141,7 @@ impl Stream {
             id: next_stream_id(),
             join_events: std::sync::OnceLock::new(),
             end: OnceLock::new(),
+            weak: OnceLock::new(),
         }
     }
 
@@ -153,6 +162,7 @@ impl Stream {
             id: next_stream_id(),
             join_events: std::sync::OnceLock::new(),
             end: OnceLock::new(),
+            weak: OnceLock::new(),
         }
     }
 
@@ -550,9 +560,15 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
+        // Weak handles' closures finish first; those after find the handle gone, with its end
+        // recorded (when the guard drops, at the end of this function).
+        let retiring = self.retire_weak();
         // A handle that does not own its stream destroys nothing, and is never watched
-        // (`end_watch` takes only owning handles).
+        // (`end_watch` takes only owning handles); a downgraded borrowed one records its end.
         if !self.owned || self.raw.is_null() {
+            if let Some(retiring) = &retiring {
+                retiring.end().record(self);
+            }
             return;
         }
         let Ok(api) = driver() else { return };

@@ -89,11 +89,12 @@ fn word_at(context: &Context, ptr: u64) -> u32 {
 /// The next buffer of the same pool is made on the legacy default stream (RMM's default
 /// stream) and filled there. Expected: it holds its fill once everything has finished.
 ///
-/// Suspected to fail: `DeviceBuffer`'s drop deallocates a resource buffer on the *legacy*
-/// stream (`buffer/device.rs`, `deallocate_after`), after waiting only for the uses its
-/// tracker recorded. The unrecorded kernel on the allocating stream is not among them and the
-/// legacy stream does not wait for a non-blocking stream, so `cuMemFreeAsync` runs at once and
-/// the pool hands the memory to the next legacy-stream allocation while the kernel is queued.
+/// This failed on an H200 (every element overwritten) while `DeviceBuffer`'s drop deallocated a
+/// resource buffer on the *legacy* stream after waiting only for the uses its tracker
+/// recorded: the unrecorded kernel on the allocating stream was not among them and the legacy
+/// stream does not wait for a non-blocking stream, so `cuMemFreeAsync` ran at once and the pool
+/// handed the memory to the next legacy-stream allocation while the kernel was queued. The drop
+/// now frees on the allocating stream (`buffer/device.rs`, `deallocate_on_home`).
 #[test]
 fn an_async_pool_buffer_written_late_on_its_own_stream_is_not_reused_before_that_write() {
     let name =
@@ -148,6 +149,67 @@ fn an_async_pool_buffer_written_late_on_its_own_stream_is_not_reused_before_that
             "round {round}: {stale} of {N} elements of y hold the late write of the dropped x's \
              own-stream kernel (y got x's address: {reused}; x's stream still busy when y was \
              filled: {owner_was_busy})"
+        );
+        drop(y);
+    }
+    context.synchronize().expect("sync");
+    assert_eq!(pool.outstanding(), 0, "every buffer went back to the pool");
+}
+
+/// The same program with the buffer outliving its stream: `x` is made on `owner`, written late
+/// by an unrecorded kernel there, then `owner`'s handle is dropped (the stream is destroyed
+/// once its work is done) and only then `x`. The free can no longer be queued on `owner`: the
+/// legacy stream waits for the end event `owner`'s drop recorded behind its work, then frees
+/// there. The next buffer of the pool, on the legacy stream, holds its fill.
+#[test]
+fn an_async_pool_buffer_outliving_its_stream_is_freed_after_that_streams_last_work() {
+    let name = "an_async_pool_buffer_outliving_its_stream_is_freed_after_that_streams_last_work";
+    let gpu = require_gpu!();
+    let _serial = serial();
+    if skip_under_sanitizer(
+        name,
+        "needs the legacy stream's fill to run beside the spin",
+    ) {
+        return;
+    }
+    let context = &gpu.context;
+    let pool = match AsyncPoolResource::new(context) {
+        Ok(pool) => Arc::new(pool),
+        Err(error) => {
+            skip(name, &format!("no stream-ordered pool: {error}"));
+            return;
+        }
+    };
+    let resource: Arc<dyn MemoryResource> = pool.clone();
+    let kernels = TestKernels::load(context).expect("kernels");
+    let legacy = Stream::legacy_default(context);
+    const N: usize = MIB; // u32s: 4 MiB
+    const STALE: u32 = 0xDEAD_BEE5;
+    const FRESH: u32 = 0x600D_F005;
+
+    for round in 0..3 {
+        let owner = stream(context);
+        let x = DeviceBuffer::<u32>::with_resource(Arc::clone(&resource), N, &owner)
+            .expect("x on its stream");
+        kernels.spin_ns(&owner, 300 * MS).expect("spin");
+        // SAFETY: `x` holds N u32s; the kernel is queued on the stream `x` was allocated on,
+        // before that stream's handle is dropped, which the rules allow without recording.
+        unsafe { kernels.fill_u32(&owner, x.device_ptr(), STALE, N) }.expect("late write");
+        let old = x.device_ptr();
+        drop(owner);
+        drop(x);
+
+        let mut y = DeviceBuffer::<u32>::with_resource(Arc::clone(&resource), N, &legacy)
+            .expect("y on the default stream");
+        let reused = y.device_ptr() == old;
+        y.fill(FRESH).expect("fill y");
+        context.synchronize().expect("sync");
+        let got = y.to_vec().expect("y");
+        let stale = got.iter().filter(|&&v| v != FRESH).count();
+        assert_eq!(
+            stale, 0,
+            "round {round}: {stale} of {N} elements of y hold the late write of the dropped x's \
+             stream, dropped before x (y got x's address: {reused})"
         );
         drop(y);
     }

@@ -15,12 +15,31 @@ use crate::error::Result;
 /// recorded behind all the work queued through it (`cuStreamDestroy` returns at once; that work
 /// finishes later), and [`ended_watched_streams`] counts one more. [`is_finished`](Self::is_finished)
 /// then says, without blocking, whether that work is done.
-#[derive(Debug, Default)]
+///
+/// A [`WeakStream`](super::WeakStream) has one too ([`WeakStream::end`](super::WeakStream::end)):
+/// the same as [`Stream::end_watch`]'s for a handle that owns its stream; for a borrowed handle
+/// ([`Stream::from_raw`] without `owned`) one of its own, recorded when that handle drops (its
+/// stream lives on, so such an end says only that the work queued before the drop has
+/// finished) and not counted in [`ended_watched_streams`].
+#[derive(Debug)]
 pub struct StreamEnd {
     /// Set once, at the handle's drop: the event behind its last work, or `None` when none could
     /// be recorded (the stream was capturing, or the driver refused): its end is then never
     /// known finished.
     ended: OnceLock<Option<crate::OwnedPooledEvent>>,
+    /// Whether the drop counts in [`ended_watched_streams`] (a borrowed handle's does not: its
+    /// stream lives on, and nobody adopts what it leaves).
+    counted: bool,
+}
+
+impl Default for StreamEnd {
+    /// The end of a handle that owns its stream, counted in [`ended_watched_streams`].
+    fn default() -> Self {
+        Self {
+            ended: OnceLock::new(),
+            counted: true,
+        }
+    }
 }
 
 impl StreamEnd {
@@ -43,6 +62,36 @@ impl StreamEnd {
         }
     }
 
+    /// Whether the handle was dropped with an event recorded behind its last work (which
+    /// [`wait_on`](Self::wait_on) can wait for).
+    #[inline]
+    pub fn is_recorded(&self) -> bool {
+        matches!(self.ended.get(), Some(Some(_)))
+    }
+
+    /// Makes later work on `stream` wait (device-side; the host does not block) until the work
+    /// queued through the handle before its drop has finished: `Ok(true)`. `Ok(false)` when
+    /// there is nothing to wait for: the handle has not been dropped, or no event could be
+    /// recorded at its drop ([`is_recorded`](Self::is_recorded)).
+    ///
+    /// # Errors
+    /// As [`Stream::wait_event`] (a capturing `stream` cannot wait for this eager event).
+    pub fn wait_on(&self, stream: &Stream) -> Result<bool> {
+        match self.ended.get() {
+            Some(Some(event)) => stream.wait_event(event).map(|()| true),
+            Some(None) | None => Ok(false),
+        }
+    }
+
+    /// The end of a borrowed handle that was downgraded: not counted in
+    /// [`ended_watched_streams`].
+    pub(super) fn uncounted() -> Self {
+        Self {
+            ended: OnceLock::new(),
+            counted: false,
+        }
+    }
+
     /// Records the end of `stream`, whose handle is being dropped: an event behind its work,
     /// unless it is capturing (the event would join the capture and could never be queried).
     pub(super) fn record(&self, stream: &Stream) {
@@ -61,7 +110,7 @@ impl StreamEnd {
 
     /// Marks the handle dropped, with the event behind its last work if there is one.
     pub(super) fn set(&self, recorded: Option<crate::OwnedPooledEvent>) {
-        if self.ended.set(recorded).is_ok() {
+        if self.ended.set(recorded).is_ok() && self.counted {
             ENDED_WATCHED_STREAMS.fetch_add(1, Ordering::Release);
         }
     }

@@ -4,7 +4,9 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
+use cuweave_driver::graph::{GraphError, active_captures};
 use cuweave_driver::memory::DevicePtr;
+use cuweave_driver::stream::{StreamEnd, WeakStream};
 use cuweave_driver::{Context, Stream};
 
 use super::common::{Buffer, BufferCore, CoreRef, sealed::Sealed};
@@ -27,6 +29,9 @@ enum Memory {
         resource: Arc<dyn MemoryResource>,
         ptr: DevicePtr,
         bytes: usize,
+        /// The stream it was allocated on, where it is freed while that stream's handle lives
+        /// (`None` for a context-relative handle: freed on the legacy stream).
+        home: Option<WeakStream>,
     },
     /// Given back (only while dropping).
     Freed,
@@ -40,6 +45,7 @@ impl std::fmt::Debug for Memory {
                 resource,
                 ptr,
                 bytes,
+                ..
             } => f
                 .debug_struct("Resource")
                 .field("resource", &resource.name())
@@ -78,9 +84,14 @@ impl std::fmt::Debug for Memory {
 /// by the blocking methods, on the legacy stream), and its tracker knows nothing of the old
 /// uses. A buffer nothing was queued on goes straight back to its stream's free list (no event,
 /// no allocation). Uses recorded by a stream capture hold the block for the capture's graph
-/// pool instead (`docs/graphs.md`). Memory of another resource is deallocated in stream order:
-/// the legacy default stream waits for the buffer's uses, then the resource's `deallocate`
-/// runs there (for `DriverResource` that is `cuMemFree`, which blocks).
+/// pool instead (`docs/graphs.md`). Memory of another resource is deallocated in stream order
+/// on the stream it was allocated on, as RMM frees a `device_buffer` (for `DriverResource`
+/// that is `cuMemFree`, which blocks): that stream first waits for the buffer's uses on other
+/// streams, then the resource's `deallocate` runs there, behind the work queued on it by hand.
+/// If that stream's handle has been dropped, the legacy default stream waits for the handle's
+/// end (an event recorded at its drop behind all its work) and for the uses, and the
+/// `deallocate` runs there; so it does for a buffer allocated on a context-relative handle
+/// (the legacy stream itself).
 ///
 /// Work queued on [`device_ptr`](Buffer::device_ptr) by hand must be recorded
 /// ([`Buffer::record_write`] or [`TrackedLaunch`](crate::TrackedLaunch)), or be on the stream
@@ -221,6 +232,7 @@ impl<T: Element> DeviceBuffer<T> {
                 resource,
                 ptr,
                 bytes,
+                home: stream.downgrade(),
             },
             _element: PhantomData,
         };
@@ -294,17 +306,73 @@ impl<T: Element> Sealed for DeviceBuffer<T> {
 
 impl<T: Element> Buffer<T> for DeviceBuffer<T> {}
 
-/// Deallocates a resource's memory on the legacy default stream once it has waited for every
-/// event; if a wait cannot be queued, the event is waited for on the host instead. Only with
-/// no capture involved: during one the free is deferred
-/// ([`release_resource_during_capture`](crate::caching::release_resource_during_capture)).
+/// Deallocates a resource's memory on the stream it was allocated on (`home`), once that
+/// stream has waited for the events of the uses on other streams, while that stream's handle
+/// lives; else on the legacy default stream, after the handle's end ([`deallocate_after`]).
+/// The work queued on the home stream by hand, which records nothing, is ordered before the
+/// free either way. Only with no capture involved: during one the free is deferred
+/// ([`release_resource_during_capture`](crate::caching::release_resource_during_capture)),
+/// and a capture that begins meanwhile makes this a capture refusal, which the caller defers.
+fn deallocate_on_home(
+    resource: &dyn MemoryResource,
+    ptr: DevicePtr,
+    bytes: usize,
+    events: &[StreamEvent],
+    home: &WeakStream,
+) -> Result<()> {
+    // No capture may begin between the check and the free: a stream-ordered free queued on a
+    // stream that began capturing would become a node of its graph.
+    let on_home = home.with_no_capture_beginning(|stream| {
+        refuse_if_capturing()?;
+        for StreamEvent { event, stream: id } in events {
+            if *id == Some(stream.id()) {
+                continue; // queued on the home stream: stream order covers it
+            }
+            if stream.wait_event(event).is_err() {
+                event.synchronize()?;
+            }
+        }
+        resource.deallocate_owned(ptr, bytes, stream)
+    });
+    match on_home {
+        Some(freed) => freed,
+        None => deallocate_after(resource, ptr, bytes, events, Some(home.end())),
+    }
+}
+
+/// `Err(GraphError::Capturing)` while a capture is active.
+fn refuse_if_capturing() -> Result<()> {
+    if active_captures() == 0 {
+        return Ok(());
+    }
+    Err(crate::MemoryError::Driver(
+        GraphError::Capturing {
+            operation: "DeviceBuffer::drop",
+            reason: "a capture began while the buffer was being freed",
+        }
+        .into(),
+    ))
+}
+
+/// Deallocates a resource's memory on the legacy default stream once it has waited for the end
+/// of the stream the memory was allocated on (`end`, when that handle is gone) and for every
+/// event; if a wait cannot be queued, the event is waited for on the host instead.
 fn deallocate_after(
     resource: &dyn MemoryResource,
     ptr: DevicePtr,
     bytes: usize,
     events: &[StreamEvent],
+    end: Option<&StreamEnd>,
 ) -> Result<()> {
     let legacy = legacy_stream(resource.context());
+    if let Some(end) = end
+        && !end.wait_on(&legacy)?
+    {
+        // No event could be recorded at the handle's drop: only the device's end covers the
+        // work it queued.
+        refuse_if_capturing()?;
+        resource.context().synchronize()?;
+    }
     for StreamEvent { event, .. } in events {
         if legacy.wait_event(event).is_err() {
             event.synchronize()?;
@@ -342,18 +410,23 @@ impl<T: Element> Drop for DeviceBuffer<T> {
                 resource,
                 ptr,
                 bytes,
+                home,
             } => {
+                let freed = || match &home {
+                    Some(home) => deallocate_on_home(&*resource, ptr, bytes, &markers.events, home),
+                    None => deallocate_after(&*resource, ptr, bytes, &markers.events, None),
+                };
                 if markers.during_capture() {
                     // No wait nor query may run during a capture (one on a captured event
                     // fails, one on an eager event breaks a global-mode capture).
                     crate::caching::release_resource_during_capture(resource, ptr, bytes, markers);
-                } else if let Err(error) = deallocate_after(&*resource, ptr, bytes, &markers.events)
-                {
+                } else if let Err(error) = freed() {
                     if error.is_capture_refusal() {
-                        // A capture began on another thread after the check above, and the
-                        // resource refused the free (a `CachingResource` refuses cross-stream
-                        // frees during a capture) and kept the allocation: it waits with the
-                        // frees made during a capture, for the first flush with none active.
+                        // A capture began on another thread after the check above: it was seen
+                        // before the free was queued, or the resource refused the free (a
+                        // `CachingResource` refuses cross-stream frees during a capture) and
+                        // kept the allocation: it waits with the frees made during a capture,
+                        // for the first flush with none active.
                         crate::caching::release_resource_during_capture(
                             resource, ptr, bytes, markers,
                         );
