@@ -226,11 +226,13 @@ fn an_async_pool_buffer_outliving_its_stream_is_freed_after_that_streams_last_wo
 ///
 /// Expected: once everything has finished, `y` holds `b`'s fill.
 ///
-/// Suspected to fail: a buffer with no recorded use hands its block straight back to its
-/// stream's free list (`DeviceBuffer::drop` with an empty tracker, `CachedBlock::free` ->
-/// `Engine::free`), and a cached buffer records nothing at its allocation (unlike
-/// `with_resource`, which records the allocation point), so `b` waits for nothing and the
-/// still-queued kernel on `a` overwrites `y` after `b`'s fill.
+/// This failed on an H200 (every element overwritten): a buffer with no recorded use hands its
+/// block straight back to its stream's free list (right for a reuse on that stream), and a
+/// cached buffer recorded nothing at its allocation, so `b` waited for nothing and the
+/// still-queued kernel on `a` overwrote `y` after `b`'s fill. Now a cached buffer remembers its
+/// allocation stream, and its first use on another stream waits for where that stream stands
+/// (`buffer/tracker_origin.rs`); the hot path (allocate, use on one stream, drop) still records
+/// no event.
 #[test]
 fn a_cached_block_written_late_on_its_own_stream_is_not_raced_by_the_next_buffer_elsewhere() {
     let name =
@@ -274,6 +276,102 @@ fn a_cached_block_written_late_on_its_own_stream_is_not_raced_by_the_next_buffer
             "round {round}: {stale} of {N} elements of y were overwritten by the dropped x's \
              kernel still queued on its own stream (y got x's block: {reused}; a still busy \
              after b's fill: {a_was_busy})"
+        );
+        drop(y);
+    }
+    context.synchronize().expect("sync");
+    assert_eq!(allocator.stats().allocated_bytes.current, 0);
+}
+
+/// The same program with the allocation stream's handle dropped between `y`'s allocation and
+/// its first use on `b`: `b` can no longer wait for `a`, so it waits for the end event `a`'s
+/// drop recorded behind all of `a`'s work, the late write included.
+#[test]
+fn a_cached_block_whose_stream_is_gone_orders_its_first_use_elsewhere_after_that_streams_end() {
+    let name =
+        "a_cached_block_whose_stream_is_gone_orders_its_first_use_elsewhere_after_that_streams_end";
+    let gpu = require_gpu!();
+    let _serial = serial();
+    if skip_under_sanitizer(name, "needs b's fill to run beside a's spin") {
+        return;
+    }
+    let context = &gpu.context;
+    let kernels = TestKernels::load(context).expect("kernels");
+    let allocator = CachingAllocator::with_driver(context);
+    const N: usize = MIB;
+    const STALE: u32 = 0x0BAD_CAF5;
+    const FRESH: u32 = 0x1234_5675;
+
+    for round in 0..3 {
+        let (a, b) = (stream(context), stream(context));
+        let x = allocator.buffer::<u32>(N, &a).expect("x");
+        kernels.spin_ns(&a, 300 * MS).expect("spin a");
+        // SAFETY: `x` holds N u32s; the kernel is on the stream `x` was allocated for, queued
+        // before that stream's handle is dropped (allowed unrecorded).
+        unsafe { kernels.fill_u32(&a, x.device_ptr(), STALE, N) }.expect("late write");
+        let old = x.device_ptr();
+        drop(x);
+        let mut y = allocator.buffer::<u32>(N, &a).expect("y on a");
+        let reused = y.device_ptr() == old;
+        drop(a);
+        y.fill_async(FRESH, &b).expect("fill y on b");
+        context.synchronize().expect("sync");
+        let got = y.to_vec().expect("y");
+        let stale = got.iter().filter(|&&v| v != FRESH).count();
+        assert_eq!(
+            stale, 0,
+            "round {round}: {stale} of {N} elements of y were overwritten by the work of its \
+             dropped allocation stream (y got x's block: {reused})"
+        );
+        drop(y);
+    }
+    context.synchronize().expect("sync");
+    assert_eq!(allocator.stats().allocated_bytes.current, 0);
+}
+
+/// `DeviceBuffer::new`'s stream, the legacy default one: `x` is written late there by an
+/// unrecorded kernel (behind a spin), dropped, and the next buffer of the legacy stream gets its
+/// block and is filled on a non-blocking stream `b`, which the legacy stream does not order.
+/// `b`'s fill waits for the legacy stream first, so `y` holds it.
+#[test]
+fn a_cached_block_of_the_legacy_stream_is_not_raced_by_the_next_buffer_on_a_non_blocking_one() {
+    let name =
+        "a_cached_block_of_the_legacy_stream_is_not_raced_by_the_next_buffer_on_a_non_blocking_one";
+    let gpu = require_gpu!();
+    let _serial = serial();
+    if skip_under_sanitizer(
+        name,
+        "needs b's fill to run beside the legacy stream's spin",
+    ) {
+        return;
+    }
+    let context = &gpu.context;
+    let kernels = TestKernels::load(context).expect("kernels");
+    let allocator = CachingAllocator::with_driver(context);
+    let legacy = Stream::legacy_default(context);
+    const N: usize = MIB;
+    const STALE: u32 = 0x0BAD_CAF6;
+    const FRESH: u32 = 0x1234_5676;
+
+    let b = stream(context);
+    for round in 0..3 {
+        let x = allocator.buffer::<u32>(N, &legacy).expect("x");
+        kernels.spin_ns(&legacy, 300 * MS).expect("spin");
+        // SAFETY: `x` holds N u32s; the kernel is on the stream `x` was allocated for.
+        unsafe { kernels.fill_u32(&legacy, x.device_ptr(), STALE, N) }.expect("late write");
+        let old = x.device_ptr();
+        drop(x);
+        let mut y = allocator.buffer::<u32>(N, &legacy).expect("y");
+        let reused = y.device_ptr() == old;
+        y.fill_async(FRESH, &b).expect("fill y on b");
+        b.synchronize().expect("sync b");
+        context.synchronize().expect("sync");
+        let got = y.to_vec().expect("y");
+        let stale = got.iter().filter(|&&v| v != FRESH).count();
+        assert_eq!(
+            stale, 0,
+            "round {round}: {stale} of {N} elements of y were overwritten by the legacy stream's \
+             late write (y got x's block: {reused})"
         );
         drop(y);
     }

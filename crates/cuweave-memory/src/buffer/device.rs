@@ -12,7 +12,7 @@ use cuweave_driver::{Context, Stream};
 use super::common::{Buffer, BufferCore, CoreRef, sealed::Sealed};
 use super::range::allocation_bytes;
 use super::raw::legacy_stream;
-use super::tracker::{Owner, Part, StreamTracker};
+use super::tracker::{Origin, Owner, Part, StreamTracker};
 use crate::caching::default::{check_context, with_default};
 use crate::caching::{CachedBlock, CachingAllocator, Grant, ShardHandle, StreamKey};
 use crate::element::Element;
@@ -95,7 +95,12 @@ impl std::fmt::Debug for Memory {
 ///
 /// Work queued on [`device_ptr`](Buffer::device_ptr) by hand must be recorded
 /// ([`Buffer::record_write`] or [`TrackedLaunch`](crate::TrackedLaunch)), or be on the stream
-/// the buffer was allocated for, to be covered.
+/// the buffer was allocated for (before the handle it was made with is dropped), to be covered.
+/// Such unrecorded work on the allocation stream may still run after the drop: a cached block
+/// goes back to that stream's free list, where stream order covers the next buffer's uses on
+/// that stream, and the next buffer's first use on any other stream waits for the allocation
+/// stream first (or for its end, once its handle is gone); a resource buffer is freed on that
+/// stream.
 ///
 /// ```no_run
 /// use cuweave_driver::{Context, Device, Stream, StreamFlags};
@@ -141,6 +146,7 @@ impl<T: Element> DeviceBuffer<T> {
             Ok(Self::from_cached(
                 allocator.allocate_grant(bytes, stream, OPERATION)?,
                 len,
+                stream,
             ))
         })
     }
@@ -161,6 +167,7 @@ impl<T: Element> DeviceBuffer<T> {
             Ok(Self::from_cached(
                 allocator.allocate_grant(bytes, &legacy, OPERATION)?,
                 len,
+                &legacy,
             ))
         })
     }
@@ -184,6 +191,7 @@ impl<T: Element> DeviceBuffer<T> {
         Ok(Self::from_cached(
             allocator.allocate_grant(bytes, stream, OPERATION)?,
             len,
+            stream,
         ))
     }
 
@@ -241,10 +249,13 @@ impl<T: Element> DeviceBuffer<T> {
         Ok(buffer)
     }
 
+    /// A buffer over a block of a caching allocator, allocated for `stream`: its first use on
+    /// another stream waits for `stream` ([`Origin`]), since the block's last buffer may have
+    /// left unrecorded work queued there.
     #[inline]
-    fn from_cached((grant, shard): (Grant, Arc<ShardHandle>), len: usize) -> Self {
+    fn from_cached((grant, shard): (Grant, Arc<ShardHandle>), len: usize, stream: &Stream) -> Self {
         let block = CachedBlock::new(grant);
-        let tracker = StreamTracker::with_owner(Owner::Cache(shard));
+        let tracker = StreamTracker::with_origin(Owner::Cache(shard), Origin::of(stream));
         Self {
             core: BufferCore::with_tracker(tracker, block.ptr(), len, size_of::<T>()),
             memory: Memory::Cached(block),

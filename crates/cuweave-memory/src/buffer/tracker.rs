@@ -65,12 +65,41 @@ use crate::caching::ShardHandle;
 use crate::error::{MemoryError, Result};
 use crate::events::StreamEvent;
 
+#[path = "tracker_origin.rs"]
+mod origin;
 #[path = "tracker_protocol.rs"]
 mod protocol;
+
+pub(crate) use origin::Origin;
 
 pub(crate) use protocol::{
     OpFailure, Part, ensure_same_device, run, run_completed, run_uses, settle,
 };
+
+/// What a tracker's lock guards: the buffer's uses, and, for a cached buffer not yet used on
+/// another stream, where its memory came from ([`Origin`]).
+#[derive(Debug, Default)]
+pub(crate) struct Tracked {
+    uses: UseState<OwnedPooledEvent>,
+    /// The allocation stream, until a use on another stream was ordered after it.
+    pub(crate) origin: Option<Origin>,
+}
+
+impl std::ops::Deref for Tracked {
+    type Target = UseState<OwnedPooledEvent>;
+
+    #[inline]
+    fn deref(&self) -> &Self::Target {
+        &self.uses
+    }
+}
+
+impl std::ops::DerefMut for Tracked {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.uses
+    }
+}
 
 /// Where a tracked buffer's context and events come from: the context's event pool, or the
 /// caching allocator's shard handle its memory came from (so that making a cached buffer writes
@@ -151,7 +180,7 @@ pub enum Access {
 #[derive(Debug)]
 pub struct StreamTracker {
     owner: Owner,
-    state: Mutex<UseState<OwnedPooledEvent>>,
+    state: Mutex<Tracked>,
     /// The graph launches the last context wait of [`synchronize`](Self::synchronize) covered
     /// (`None`: never waited), for a buffer that captures used.
     graphs_waited: Mutex<Option<LaunchMark>>,
@@ -182,7 +211,22 @@ impl StreamTracker {
     pub(crate) fn with_owner(owner: Owner) -> Self {
         Self {
             owner,
-            state: Mutex::new(UseState::default()),
+            state: Mutex::new(Tracked::default()),
+            graphs_waited: Mutex::new(None),
+            graph_allocation_of: None,
+        }
+    }
+
+    /// A tracker for a cached buffer whose memory came from a block of `stream`'s free list:
+    /// its first use on another stream waits for `stream` (see [`Origin`]).
+    #[inline]
+    pub(crate) fn with_origin(owner: Owner, origin: Origin) -> Self {
+        Self {
+            owner,
+            state: Mutex::new(Tracked {
+                uses: UseState::default(),
+                origin: Some(origin),
+            }),
             graphs_waited: Mutex::new(None),
             graph_allocation_of: None,
         }

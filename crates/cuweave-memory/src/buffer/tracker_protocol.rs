@@ -2,12 +2,14 @@
 //! [`run_completed`]), over the parts of tracked buffers it uses ([`Part`]); the tracker's
 //! module docs describe it.
 
+use std::sync::Arc;
+
 use cuweave_driver::graph::{CaptureStatus, LaunchesAfter, active_captures};
 use cuweave_driver::{Context, OwnedPooledEvent, Stream};
 use parking_lot::MutexGuard;
 
 use super::super::uses::{ByteRange, CaptureView, Capturing, FencedCaptures, UseState};
-use super::{Access, StreamTracker};
+use super::{Access, StreamTracker, Tracked};
 use crate::error::{MemoryError, Result};
 
 /// Part of a tracked buffer: its tracker, the bytes a use touches, and whether the borrow it
@@ -54,6 +56,7 @@ impl<'a> Part<'a> {
         let view = capture_view(self.tracker, stream, operation)?;
         wait_before_use(
             &mut self.tracker.state.lock(),
+            self.tracker.context(),
             operation,
             stream,
             self.range,
@@ -82,17 +85,27 @@ impl<'a> Part<'a> {
 /// that reads or writes the memory. A capturing stream waits for no launch (the wait would
 /// break its capture; its captured uses follow the rules of [`super::uses`]).
 ///
+/// A cached buffer not yet used on another stream first orders `stream` after its allocation
+/// stream ([`Origin`](super::Origin)), so that work queued there unrecorded before the buffer
+/// got the memory cannot race this use.
+///
 /// [module docs]: super
 /// [`super::uses`]: super::super::uses
 #[inline]
 fn wait_before_use(
-    state: &mut UseState<OwnedPooledEvent>,
+    state: &mut Tracked,
+    context: &Arc<Context>,
     operation: &'static str,
     stream: &Stream,
     range: ByteRange,
     access: Access,
     view: &CaptureView,
 ) -> Result<()> {
+    if let Some(origin) = &state.origin
+        && origin.order(context, stream, view)?
+    {
+        state.origin = None;
+    }
     if state.used_in_graphs() && view.capture.is_none() {
         cuweave_driver::graph::wait_for_graph_launches(stream, |capture| {
             state.waits_for_capture(capture, range, access)
@@ -274,8 +287,16 @@ pub(crate) fn run_uses<R>(
         let tracker = part.tracker;
         let view = capture_view(tracker, stream, operation).map_err(unqueued)?;
         let mut state = tracker.state.lock();
-        wait_before_use(&mut state, operation, stream, part.range, *access, &view)
-            .map_err(unqueued)?;
+        wait_before_use(
+            &mut state,
+            tracker.context(),
+            operation,
+            stream,
+            part.range,
+            *access,
+            &view,
+        )
+        .map_err(unqueued)?;
         let outcome = op();
         let recorded =
             state.record_range(stream, part.range, *access, &view, || tracker.new_event());
@@ -300,9 +321,11 @@ pub(crate) fn run_uses<R>(
     let (mut guards, order) = lock_in_address_order(uses);
     for &(guard, range, access) in &order {
         let view = view_of(guards[guard].0);
+        let (tracker, state) = &mut guards[guard];
         // Waits touch no memory: a failure here leaves nothing unsafe queued.
         wait_before_use(
-            &mut guards[guard].1,
+            state,
+            tracker.context(),
             operation,
             stream,
             range,
@@ -363,7 +386,16 @@ pub(crate) fn run_completed<R>(
     ensure_same_device(operation, part.tracker.context(), stream).map_err(unqueued)?;
     let view = capture_view(part.tracker, stream, operation).map_err(unqueued)?;
     let mut state = part.tracker.state.lock();
-    wait_before_use(&mut state, operation, stream, part.range, access, &view).map_err(unqueued)?;
+    wait_before_use(
+        &mut state,
+        part.tracker.context(),
+        operation,
+        stream,
+        part.range,
+        access,
+        &view,
+    )
+    .map_err(unqueued)?;
     match op() {
         Ok(value) => {
             state.settle_range(stream, part.range, access);
@@ -398,10 +430,7 @@ pub(crate) fn settle(stream: &Stream) -> bool {
 }
 
 /// The locked state of one tracker.
-type Locked<'a> = (
-    &'a StreamTracker,
-    MutexGuard<'a, UseState<OwnedPooledEvent>>,
-);
+type Locked<'a> = (&'a StreamTracker, MutexGuard<'a, Tracked>);
 
 /// Locks each distinct tracker once, in address order, so that two operations locking the same
 /// trackers cannot deadlock; returns the guards and, for each use, its guard's index, range and
