@@ -411,11 +411,12 @@ fn one_request(allocator: &CachingAllocator, stream: &Stream, round: usize) {
 /// Expected: 64 such requests of 1 MiB reserve what one request needs (a 2 MiB small-pool
 /// segment, two at most), as the same loop on the owning handle does (checked first).
 ///
-/// Suspected to fail: the allocator keys free lists by the handle's process-unique id
-/// (`StreamKey::of`), so every borrowed handle starts an empty free list; borrowed handles are
-/// not watched for their end (`engine_ends.rs`), so no later miss adopts their segments: each
-/// request takes a new segment (64 misses, 128 MiB reserved) until `empty_cache` or an
-/// out-of-memory retry.
+/// This failed on an H200 (64 misses, 128 MiB reserved) while the allocator keyed free lists by
+/// the handle's process-unique id: every borrowed handle started an empty free list, and
+/// borrowed handles are not watched for their end (`engine_ends.rs`), so no later miss adopted
+/// their segments. Borrowed handles of one raw stream now share one key (`StreamKey::of`), and
+/// their frees wait for an event on the stream instead of relying on stream order (the next
+/// test shows why).
 #[test]
 fn one_raw_stream_borrowed_per_request_reuses_the_cache_instead_of_growing_it() {
     let gpu = require_gpu!();
@@ -456,6 +457,78 @@ fn one_raw_stream_borrowed_per_request_reuses_the_cache_instead_of_growing_it() 
         control_stats.cache_misses,
         control_stats.reserved_bytes.current / MIB
     );
+}
+
+/// What sharing a borrowed stream's key must not allow: the owner of a raw stream destroys it
+/// (allowed once no borrowed handle of it is left) while a dropped buffer's late write is
+/// still queued there, and makes a new stream, which the driver often gives the old address.
+/// A borrowed handle of the new stream has the old stream's key, so the old block is on its
+/// free list; it must not come back before the old stream has passed the free, or the late
+/// write lands in the new buffer. Rounds whose new stream got another address check the same
+/// thing with nothing shared; at least one round must have reused the address, or the test
+/// says it could not check (and skips).
+#[test]
+fn a_borrowed_streams_block_is_not_reused_by_a_new_stream_at_its_address_under_its_old_work() {
+    let name =
+        "a_borrowed_streams_block_is_not_reused_by_a_new_stream_at_its_address_under_its_old_work";
+    let gpu = require_gpu!();
+    let _serial = serial();
+    if skip_under_sanitizer(
+        name,
+        "needs the new stream's fill to run beside the old spin",
+    ) {
+        return;
+    }
+    let context = &gpu.context;
+    let kernels = TestKernels::load(context).expect("kernels");
+    let allocator = CachingAllocator::with_driver(context);
+    const N: usize = MIB; // u32s: 4 MiB
+    const STALE: u32 = 0x0BAD_0BAD;
+    const FRESH: u32 = 0x5AFE_5AFE;
+
+    let mut recycled = 0;
+    for round in 0..8 {
+        let old_stream = stream(context);
+        let raw = old_stream.as_raw();
+        {
+            // SAFETY: `old_stream` outlives the handle, which owns nothing.
+            let borrowed = unsafe { Stream::from_raw(context, raw, false) };
+            let x = allocator.buffer::<u32>(N, &borrowed).expect("x");
+            kernels.spin_ns(&borrowed, 200 * MS).expect("spin");
+            // SAFETY: `x` holds N u32s; the kernel is on the stream `x` was allocated on, queued
+            // while its handle lives (allowed unrecorded).
+            unsafe { kernels.fill_u32(&borrowed, x.device_ptr(), STALE, N) }.expect("late write");
+            drop(x);
+        }
+        // No borrowed handle is left: the owner may destroy the stream (its work still runs).
+        drop(old_stream);
+        let new_stream = stream(context);
+        let same_address = new_stream.as_raw() == raw;
+        recycled += usize::from(same_address);
+        // SAFETY: `new_stream` outlives the handle, which owns nothing.
+        let borrowed = unsafe { Stream::from_raw(context, new_stream.as_raw(), false) };
+        let mut y = allocator.buffer::<u32>(N, &borrowed).expect("y");
+        y.fill_async(FRESH, &borrowed).expect("fill y");
+        borrowed.synchronize().expect("sync the new stream");
+        context.synchronize().expect("sync");
+        let got = y.to_vec().expect("y");
+        let stale = got.iter().filter(|&&v| v != FRESH).count();
+        assert_eq!(
+            stale, 0,
+            "round {round}: {stale} of {N} elements of y were overwritten by the destroyed \
+             stream's late write (new stream at the old address: {same_address})"
+        );
+        drop(y);
+        drop(borrowed);
+    }
+    context.synchronize().expect("sync");
+    assert_eq!(allocator.stats().allocated_bytes.current, 0);
+    if recycled == 0 {
+        skip(
+            name,
+            "the driver never gave a new stream a destroyed one's address: nothing shared",
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -254,7 +254,7 @@ impl<T: Element> DeviceBuffer<T> {
     /// left unrecorded work queued there.
     #[inline]
     fn from_cached((grant, shard): (Grant, Arc<ShardHandle>), len: usize, stream: &Stream) -> Self {
-        let block = CachedBlock::new(grant);
+        let block = CachedBlock::new(grant, stream);
         let tracker = StreamTracker::with_origin(Owner::Cache(shard), Origin::of(stream));
         Self {
             core: BufferCore::with_tracker(tracker, block.ptr(), len, size_of::<T>()),

@@ -4,12 +4,13 @@ use std::fmt;
 use std::sync::Arc;
 
 use cuweave_driver::memory::DevicePtr;
+use cuweave_driver::stream::WeakStream;
 use cuweave_driver::{Device, Stream};
 
 use super::allocator::ShardHandle;
 use super::block::BlockId;
 use super::pool::Grant;
-use super::stream_uses::{StreamKey, record_use, record_uses};
+use super::stream_uses::{StreamKey, borrowed_home_marker, record_use, record_uses};
 use crate::buffer::tracker::FreeMarkers;
 use crate::error::Result;
 use crate::resource::check_stream;
@@ -36,25 +37,25 @@ pub struct CachedAllocation {
     stream: StreamKey,
     /// Other streams the memory is used on; kept alive until events are recorded on them.
     uses: Vec<Arc<Stream>>,
+    /// For a borrowed stream's key, the handle it was allocated on: the free waits for an event
+    /// on its stream too ([`borrowed_home_marker`]).
+    home: Option<WeakStream>,
     freed: bool,
 }
 
 impl CachedAllocation {
+    /// The allocation of `grant`, made on `stream` (whose key the grant carries).
     #[inline]
-    pub(super) fn new(
-        shard: Arc<ShardHandle>,
-        grant: Grant,
-        size: usize,
-        stream: StreamKey,
-    ) -> Self {
+    pub(super) fn new(shard: Arc<ShardHandle>, grant: Grant, size: usize, stream: &Stream) -> Self {
         Self {
             shard,
             id: grant.id,
             ptr: grant.ptr,
             size,
             block_size: grant.size,
-            stream,
+            stream: grant.stream,
             uses: Vec::new(),
+            home: borrowed_home(grant.stream, stream),
             freed: false,
         }
     }
@@ -176,7 +177,7 @@ impl CachedAllocation {
                 uses,
             );
         }
-        if self.uses.is_empty() {
+        if self.uses.is_empty() && self.home.is_none() {
             return self
                 .shard
                 .shared
@@ -186,13 +187,21 @@ impl CachedAllocation {
         self.release_recorded()
     }
 
-    /// The slow path of a free: record events on the other streams the memory was used on.
+    /// The slow path of a free: record events on the other streams the memory was used on (and
+    /// on a borrowed allocation stream).
     #[cold]
     fn release_recorded(&mut self) -> Result<()> {
         let shared = &self.shard.shared;
         let engine = &shared.engine;
         let uses = std::mem::take(&mut self.uses);
-        match record_uses(&uses, shared.context(), &shared.events) {
+        let recorded =
+            record_uses(&uses, shared.context(), &shared.events).and_then(|mut events| {
+                if let Some(home) = &self.home {
+                    events.extend(borrowed_home_marker(home, shared)?);
+                }
+                Ok(events)
+            });
+        match recorded {
             Ok(events) => engine.free_after(self.stream, self.id, self.ptr, events),
             Err(error) => {
                 engine.free_never_reuse(self.stream, self.id, self.ptr)?;
@@ -250,6 +259,9 @@ impl CachedAllocation {
         let recorded =
             record_uses(&uses, shared.context(), &shared.events).and_then(|mut events| {
                 events.extend(record_use(stream, shared.context(), &shared.events)?);
+                if let Some(home) = &self.home {
+                    events.extend(borrowed_home_marker(home, shared)?);
+                }
                 Ok(events)
             });
         match recorded {
@@ -294,16 +306,21 @@ pub(crate) struct CachedBlock {
     ptr: DevicePtr,
     block_size: usize,
     stream: StreamKey,
+    /// For a borrowed stream's key, the handle it was allocated on (see
+    /// [`CachedAllocation`]'s).
+    home: Option<WeakStream>,
 }
 
 impl CachedBlock {
+    /// The block of `grant`, allocated on `stream`.
     #[inline]
-    pub(crate) fn new(grant: Grant) -> Self {
+    pub(crate) fn new(grant: Grant, stream: &Stream) -> Self {
         Self {
             id: grant.id,
             ptr: grant.ptr,
             block_size: grant.size,
             stream: grant.stream,
+            home: borrowed_home(grant.stream, stream),
         }
     }
 
@@ -340,10 +357,31 @@ impl CachedBlock {
             );
         }
         let engine = &shard.shared.engine;
-        if markers.events.is_empty() {
+        let mut events = markers.events;
+        if let Some(home) = &self.home {
+            match borrowed_home_marker(home, &shard.shared) {
+                Ok(marker) => events.extend(marker),
+                Err(error) => {
+                    engine.free_never_reuse(self.stream, self.id, self.ptr)?;
+                    return Err(error);
+                }
+            }
+        }
+        if events.is_empty() {
             return engine.free(self.stream, self.id, self.ptr);
         }
-        engine.free_after(self.stream, self.id, self.ptr, markers.events)
+        engine.free_after(self.stream, self.id, self.ptr, events)
+    }
+}
+
+/// The handle to keep for a block of `key` allocated on `stream`: `stream`'s weak handle when
+/// the key is a borrowed stream's (shared by all its borrowed handles), `None` otherwise.
+#[inline]
+fn borrowed_home(key: StreamKey, stream: &Stream) -> Option<WeakStream> {
+    if key.is_borrowed() {
+        stream.downgrade()
+    } else {
+        None
     }
 }
 

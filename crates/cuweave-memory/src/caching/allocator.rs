@@ -338,8 +338,7 @@ impl CachingAllocator {
     #[inline]
     pub fn allocate(&self, bytes: usize, stream: &Stream) -> Result<CachedAllocation> {
         let (grant, shard) = self.allocate_grant(bytes, stream, "CachingAllocator::allocate")?;
-        let key = grant.stream;
-        Ok(CachedAllocation::new(shard, grant, bytes, key))
+        Ok(CachedAllocation::new(shard, grant, bytes, stream))
     }
 
     /// The block behind [`allocate`](Self::allocate), with one handle of its shard (what a

@@ -8,8 +8,9 @@
 //! has segments of ([`StreamEnd`], the driver's [`StreamEnd`](cuweave_driver::stream::StreamEnd)): the
 //! handle's drop records an event behind all the work queued through it. Only handles that own
 //! their stream are watched: a borrowed handle's stream lives on after its drop and takes more
-//! work through other handles, so its segments stay with it (`empty_cache` and the
-//! out-of-memory retry release them). A miss (no free block
+//! work through other handles, so its segments stay with it; they are keyed by the raw stream,
+//! which every later borrowed handle of that stream shares, so the next one finds them
+//! ([`StreamKey`]). A miss (no free block
 //! of the requesting stream fits) then, and only then:
 //!
 //! 1. notes which watched streams were dropped, looking only when the process-wide count of

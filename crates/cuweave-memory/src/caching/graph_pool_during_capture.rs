@@ -127,10 +127,14 @@ pub(in crate::caching) fn release_during_capture(
         pool.token.held.lock().push(held(true).into());
         return Ok(());
     }
-    if uses.is_empty() {
+    // A borrowed stream's key may name a new stream at the old address by the time the block
+    // is reused (see `StreamKey`): no event can be recorded now, so its free waits for the
+    // device instead, once no capture is active.
+    let borrowed = stream.is_borrowed();
+    if uses.is_empty() && !borrowed {
         return engine.free(stream, id, ptr);
     }
-    DEFERRED.lock().push(held(false).into());
+    DEFERRED.lock().push(held(borrowed).into());
     Ok(())
 }
 
@@ -183,7 +187,9 @@ pub(crate) fn release_block_during_capture(
         flush_deferred();
         return Ok(());
     }
-    if !used {
+    // A borrowed stream's key may name a new stream at the old address by the time the block
+    // is reused (see `StreamKey`): its free waits for the device, as a used block's does.
+    if !used && !stream.is_borrowed() {
         return engine.free(stream, id, ptr);
     }
     if !private {

@@ -58,7 +58,9 @@
 //! A stream key is the [`Stream`](cuweave_driver::Stream) handle's process-unique id, not the raw
 //! `CUstream` value: the driver recycles raw handles after a stream is destroyed, and the
 //! per-thread default stream's one handle names a different stream on each thread, so neither
-//! may key a free list. A dropped stream's wholly free segments are adopted by the next miss of
+//! may key a free list. Borrowed handles of one raw stream share a key made from the raw value
+//! (as PyTorch keys an external stream), and their frees wait for an event instead of relying
+//! on stream order, which a recycled raw value would not give (see [`StreamKey`]). A dropped stream's wholly free segments are adopted by the next miss of
 //! a live stream, but only once an event recorded at the handle's drop (behind all the work
 //! queued through it) has completed; see `engine_ends.rs`. A server that makes a stream per
 //! request so keeps the reserve one request needs.

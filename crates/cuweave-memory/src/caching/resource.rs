@@ -154,8 +154,7 @@ impl CachingResource {
             self.allocator
                 .allocate_grant(bytes, stream, "CachingResource::allocate")?;
         let ptr = grant.ptr;
-        let key = grant.stream;
-        let allocation = CachedAllocation::new(shard, grant, bytes, key);
+        let allocation = CachedAllocation::new(shard, grant, bytes, stream);
         let stream = StreamKey::of(stream);
         self.live
             .insert(ptr, bytes, owned, Held { stream, allocation });

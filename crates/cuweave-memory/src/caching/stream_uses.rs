@@ -3,15 +3,16 @@
 
 use std::sync::Arc;
 
+use cuweave_driver::stream::WeakStream;
 use cuweave_driver::{Context, Stream};
 
 use crate::error::{MemoryError, Result};
 use crate::events::{ContextEvents, StreamEvent};
 
 /// The identity of a stream for the caching allocator: the handle's process-unique
-/// [`Stream::id`], not its raw `CUstream` value, which the driver recycles after a stream is
-/// destroyed (a new stream must never inherit a dead stream's free list while the dead stream's
-/// last work may still be running).
+/// [`Stream::id`] for a handle that owns its stream, not its raw `CUstream` value, which the
+/// driver recycles after a stream is destroyed (a new stream must never inherit a dead stream's
+/// free list while the dead stream's last work may still be running).
 ///
 /// Each stream has its own free lists; a block freed on a stream is handed out again only on that
 /// stream, where the work queued after the reuse is ordered after the work that used it before.
@@ -22,8 +23,26 @@ use crate::events::{ContextEvents, StreamEvent};
 /// ([`crate::MemoryError::InvalidStream`]): its one handle names a
 /// different stream on each thread, so a free list keyed by it would hand a block to a thread
 /// whose stream is not ordered after the last user.
+///
+/// **Borrowed handles share their stream's key.** Every borrowed handle of one raw stream
+/// ([`Stream::from_raw`] without `owned`; [`Stream::is_borrowed`]) has the same key, made from
+/// the raw handle ([`is_borrowed`](Self::is_borrowed)), as PyTorch keys an `ExternalStream`: a
+/// library that wraps its caller's stream afresh for every call finds the blocks the previous
+/// call freed, instead of taking a new segment each time (a borrowed handle's own id would key
+/// a free list that nobody allocates from once the handle is gone). The raw value may name a
+/// new stream once its owner has destroyed the old one (allowed once no borrowed handle of it
+/// is left), so a free on a borrowed key never relies on stream order alone: it waits for an
+/// event recorded on the stream at the free (or, when the handle the memory was allocated on is
+/// gone, for the end its drop recorded), and during a capture it is deferred until the device
+/// has finished. A new stream at the old address so never gets a block under the old stream's
+/// work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct StreamKey(usize);
+
+/// Marks a borrowed stream's key (bit 62; bit 63 marks a graph pool's private key).
+const BORROWED_BIT: u64 = 1 << 62;
+/// The top bit, which marks a graph pool's private key.
+const TOP_BIT: u64 = 1 << 63;
 
 impl StreamKey {
     /// The key of the context's legacy default stream (stream ids start at 1).
@@ -34,8 +53,32 @@ impl StreamKey {
     pub fn of(stream: &Stream) -> Self {
         match stream.as_raw() as usize {
             0 | 1 => Self::LEGACY,
+            raw if stream.is_borrowed() => {
+                Self::borrowed(raw).unwrap_or(Self(stream.id() as usize))
+            }
             _ => Self(stream.id() as usize),
         }
+    }
+
+    /// The key of a borrowed handle of the raw stream `raw`: its address, with the low four
+    /// bits (zero for an aligned handle) moved up so that the shard index (the key's low bits)
+    /// spreads streams over the shards; `None` for an address past 48 bits (then the handle's
+    /// own id keys it).
+    fn borrowed(raw: usize) -> Option<Self> {
+        let raw = raw as u64;
+        if raw >> 48 != 0 {
+            return None;
+        }
+        usize::try_from(BORROWED_BIT | (raw >> 4) | ((raw & 0xf) << 44))
+            .ok()
+            .map(Self)
+    }
+
+    /// Whether this is the key of a borrowed stream (shared by all its borrowed handles; see
+    /// the type's docs).
+    #[inline]
+    pub fn is_borrowed(self) -> bool {
+        (self.0 as u64) & (TOP_BIT | BORROWED_BIT) == BORROWED_BIT
     }
 
     /// `Err(InvalidStream)` for the per-thread default stream, which cannot key a free list.
@@ -51,7 +94,8 @@ impl StreamKey {
         Ok(Self::of(stream))
     }
 
-    /// The key as an integer (the stream's [`Stream::id`]).
+    /// The key as an integer (the stream's [`Stream::id`], or for a borrowed stream a value made
+    /// from its raw handle).
     pub fn as_usize(self) -> usize {
         self.0
     }
@@ -130,6 +174,46 @@ pub(crate) fn record_use(
             Ok(None)
         }
     }
+}
+
+/// What a free on a borrowed stream's key waits for besides the memory's recorded uses: an
+/// event behind the work queued so far on the stream of `home`, the handle the memory was
+/// allocated on, while that handle lives; once it is gone, the end its drop recorded (behind
+/// every piece of work queued on the stream until then), made into an event of the
+/// allocator's release stream when it has not yet completed. `None` when nothing is left to
+/// wait for (or the stream or device was synchronised instead).
+///
+/// A borrowed key is shared by every borrowed handle of one raw stream, and the raw value may
+/// name a new stream once its owner destroyed the old one: so the free cannot rely on stream
+/// order alone (see [`StreamKey`]).
+///
+/// The caller has checked that no capture is active.
+///
+/// # Errors
+/// The driver's error when nothing could be recorded and no synchronisation stood in for it:
+/// the caller must never hand the block out again.
+#[cold]
+pub(crate) fn borrowed_home_marker(
+    home: &WeakStream,
+    shared: &super::allocator::Shared,
+) -> Result<Option<StreamEvent>> {
+    let context = shared.context();
+    if let Some(marker) = home.with(|stream| record_use(stream, context, &shared.events)) {
+        return marker;
+    }
+    let end = home.end();
+    if matches!(end.is_finished(), Ok(true)) {
+        return Ok(None);
+    }
+    if end.is_recorded() {
+        let stream = shared.release_stream()?;
+        if end.wait_on(stream)? {
+            return record_use(stream, context, &shared.events);
+        }
+    }
+    // The handle dropped without an end event: only the device's end covers its work.
+    context.synchronize()?;
+    Ok(None)
 }
 
 fn record_one(
@@ -277,5 +361,38 @@ mod tests {
     fn stream_keys_order_by_raw_handle() {
         assert!(StreamKey::from_raw(1) < StreamKey::from_raw(2));
         assert_eq!(StreamKey::from_raw(3).as_usize(), 3);
+    }
+
+    #[test]
+    fn borrowed_keys_are_one_per_raw_handle_and_apart_from_ids_and_private_keys() {
+        let raws = [
+            0x5555_0000_1000usize,
+            0x5555_0000_1010,
+            0x5555_0000_1008,
+            0x7fff_ffff_fff0,
+        ];
+        let keys: Vec<StreamKey> = raws
+            .iter()
+            .map(|&raw| StreamKey::borrowed(raw).expect("a 48-bit address"))
+            .collect();
+        for (i, key) in keys.iter().enumerate() {
+            assert!(key.is_borrowed());
+            assert_eq!(
+                StreamKey::borrowed(raws[i]),
+                Some(*key),
+                "one key per raw handle"
+            );
+            for other in &keys[i + 1..] {
+                assert_ne!(key, other, "two raw handles, two keys");
+            }
+        }
+        // Handles 16 bytes apart land on consecutive shards.
+        assert_eq!(keys[1].as_usize() - keys[0].as_usize(), 1);
+        assert!(StreamKey::borrowed(1 << 48).is_none());
+        // Stream ids and graph pools' private keys are never borrowed keys.
+        assert!(!StreamKey::from_raw(42).is_borrowed());
+        assert!(!StreamKey::LEGACY.is_borrowed());
+        let private = (1usize << 63) | (0x7fff_ffff << 32) | 5;
+        assert!(!StreamKey::from_raw(private).is_borrowed());
     }
 }
