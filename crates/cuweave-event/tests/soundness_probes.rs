@@ -361,6 +361,11 @@ fn a_panicking_callback_of_a_captured_operation_strands_no_other_operation() {
         Ok(OperationState::Completed),
         "the sibling decided in the same poll as the panicking callback was stranded"
     );
+    // The waiter watches the capture's end and may decide both operations first, running
+    // their callbacks on its thread just after: the sibling's runs once, soon.
+    cuweave_test_support::poll_until(Duration::from_secs(5), || {
+        ran.load(Ordering::SeqCst) == 1 && coordinator.live_operations() == 0
+    });
     assert_eq!(
         ran.load(Ordering::SeqCst),
         1,
