@@ -315,12 +315,7 @@ impl Reactor<'_> {
         while index < self.entries.len() {
             let entry = &self.entries[index];
             if entry.cell.outcome() == Outcome::Cancelled {
-                let entry = self.entries.swap_remove(index);
-                self.shared
-                    .counters
-                    .cancelled
-                    .fetch_add(1, Ordering::Relaxed);
-                self.retire(entry, false);
+                self.retire_cancelled(index);
                 progressed = true;
                 continue;
             }
@@ -347,13 +342,8 @@ impl Reactor<'_> {
                 Check::LetGo => {
                     // Ends as a cancellation (the callback is dropped, never run), counted
                     // once whether or not `cancel_wait` got there first.
-                    let entry = self.entries.swap_remove(index);
                     entry.cell.cancel();
-                    self.shared
-                        .counters
-                        .cancelled
-                        .fetch_add(1, Ordering::Relaxed);
-                    self.retire(entry, false);
+                    self.retire_cancelled(index);
                     progressed = true;
                 }
                 Check::NotYet => match entry.deadline {
@@ -490,6 +480,16 @@ impl Reactor<'_> {
         }
         // After the callback, so that `pending() == 0` means every callback has returned.
         self.shared.counters.pending.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Takes the cancelled wait at `index` off the list, counted once.
+    fn retire_cancelled(&mut self, index: usize) {
+        let entry = self.entries.swap_remove(index);
+        self.shared
+            .counters
+            .cancelled
+            .fetch_add(1, Ordering::Relaxed);
+        self.retire(entry, false);
     }
 
     /// Ends a wait someone else decided (cancelled): its callback is dropped, never run.
