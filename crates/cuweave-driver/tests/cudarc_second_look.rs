@@ -82,7 +82,7 @@ fn thread_cpu_ticks() -> Option<u64> {
 /// a third stream does (`dropping_written_mapped_words_never_waits_for_a_long_kernel_on_another_stream`
 /// checks those two), and the capture records and ends normally.
 ///
-/// Suspected: the retirement thread holds the process-wide `CAPTURE_BEGIN` read lock
+/// Why (a known limit; the test is ignored): the retirement thread holds the process-wide `CAPTURE_BEGIN` read lock
 /// (`graph::capture::registry::while_no_capture_begins`) across its `cuCtxSynchronize`
 /// (`memory::host_retirement::retire_batch`), and `begin_capture` takes the write lock, so the
 /// capture waits for the unrelated kernel.

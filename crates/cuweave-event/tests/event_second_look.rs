@@ -95,7 +95,7 @@ impl Drop for Stall {
 /// at most 256 events for the 5000 operations (nothing is in flight once each future is
 /// dropped and its operation decided), as when nothing holds the reactor.
 ///
-/// Suspected: `completion()` hands the waiter a strong `Arc` of the completion event
+/// Found on an H200 (the cause, now fixed): `completion()` hands the waiter a strong `Arc` of the completion event
 /// (`OperationCoordinator::completion` → `AsyncEventWaiter::event_done`, `Source::Event`), and a
 /// dropped future's registration keeps it until the reactor's scan (or its inbox pop) reaches
 /// it: one event per dropped future while the reactor is busy.
@@ -162,7 +162,7 @@ fn dropped_completion_futures_hold_no_pooled_event_while_a_slow_callback_holds_t
 /// in flight: nothing, once each future is dropped and its stream idle), and nothing stays
 /// pending once the reactor is released.
 ///
-/// Suspected: a dropped future's registration owns its event (`Source::Event`) or its word's
+/// Found on an H200 (the cause, now fixed): a dropped future's registration owns its event (`Source::Event`) or its word's
 /// lease with the blocking-sync wake event behind it (`Lease::wake`; `WordSlab::wake_event`
 /// makes a new one whenever the stream's last one has completed) until the reactor reaches it,
 /// so each kind grows the pool by one event per dropped future while the reactor is busy.
@@ -232,7 +232,7 @@ fn dropped_waits_of_every_mechanism_hold_no_pooled_event_while_a_slow_callback_h
 /// Expected: the callback runs once, with `Ok`, within 2 s of those calls, without the program
 /// calling a query method.
 ///
-/// Suspected: the waiter never watches captured events and neither `register_operation`,
+/// Found on an H200 (the cause, now fixed): the waiter never watches captured events and neither `register_operation`,
 /// `begin_operation` nor `complete_operation` (below 16 queued operations) polls
 /// (`coordinator/lifecycle.rs`), so the callback waits for an unrelated `state`, `metrics`,
 /// `retire_finished`... call, and a program that only awaits it hangs.
@@ -302,7 +302,7 @@ fn a_captured_operations_callback_runs_after_its_capture_ends_without_a_query_ca
 /// Expected: dropping a waiter stops its threads; the process's thread count while the kernel
 /// still runs is at most 8 above what it was before the requests (and back to it afterwards).
 ///
-/// Suspected: each waiter's reactor hands the stream's blocking-sync wake event to its sleeper
+/// Why (a known limit; the test is ignored): each waiter's reactor hands the stream's blocking-sync wake event to its sleeper
 /// thread, which sleeps in `cuEventSynchronize` until the GPU reaches it; dropping the waiter
 /// tells the sleeper to stop (`Sleeper::stop`) but cannot wake it, so one thread per dropped
 /// waiter stays until the kernel ends: threads grow with the request rate times the kernel's
@@ -369,7 +369,7 @@ fn per_request_waiters_that_give_up_behind_a_long_kernel_leave_no_thread_running
 /// Expected: `begin_capture` returns at once (under 100 ms): nothing of the dropped waiter
 /// needs the unrelated kernel to finish.
 ///
-/// Suspected (the driver crate's `host_retirement`): the dropped waiter's written completion
+/// Why (a known limit; the test is ignored) (the driver crate's `host_retirement`): the dropped waiter's written completion
 /// words go to the word-retirement thread, which synchronises the context while holding the
 /// process-wide lock that `begin_capture` takes exclusively
 /// (`graph::capture::registry::while_no_capture_begins`), so the capture waits for the
@@ -437,7 +437,7 @@ fn dropping_a_request_waiter_during_a_long_kernel_does_not_hold_up_a_capture_on_
 /// error (the operation is unknown from then on, as `wait_until_ready` says for it when called
 /// after the cancellation).
 ///
-/// Suspected: after a wake-up `wait_until_ready` computes `blocked_on(id)`, which is empty for
+/// Found on an H200 (the cause, now fixed): after a wake-up `wait_until_ready` computes `blocked_on(id)`, which is empty for
 /// an id that is no longer live (`coordinator/queries.rs`), and returns `Ok` as for an
 /// operation that began and retired.
 #[test]
