@@ -191,11 +191,21 @@ impl CachedAllocation {
     /// on a borrowed allocation stream).
     #[cold]
     fn release_recorded(&mut self) -> Result<()> {
+        self.free_after_uses(None)
+    }
+
+    /// Returns the memory to its stream's cache behind events recorded on every stream it was
+    /// used on, on `also` (a stream the free is ordered on), and on a borrowed allocation stream;
+    /// when one cannot be recorded (nor its stream synchronised), the block is never reused.
+    fn free_after_uses(&mut self, also: Option<&Stream>) -> Result<()> {
         let shared = &self.shard.shared;
         let engine = &shared.engine;
         let uses = std::mem::take(&mut self.uses);
         let recorded =
             record_uses(&uses, shared.context(), &shared.events).and_then(|mut events| {
+                if let Some(stream) = also {
+                    events.extend(record_use(stream, shared.context(), &shared.events)?);
+                }
                 if let Some(home) = &self.home {
                     events.extend(borrowed_home_marker(home, shared)?);
                 }
@@ -253,24 +263,7 @@ impl CachedAllocation {
     /// and the stream could not be synchronised either; the block is then never reused.
     pub(super) fn free_after_stream(mut self, stream: &Stream) -> Result<()> {
         self.freed = true;
-        let shared = &self.shard.shared;
-        let engine = &shared.engine;
-        let uses = std::mem::take(&mut self.uses);
-        let recorded =
-            record_uses(&uses, shared.context(), &shared.events).and_then(|mut events| {
-                events.extend(record_use(stream, shared.context(), &shared.events)?);
-                if let Some(home) = &self.home {
-                    events.extend(borrowed_home_marker(home, shared)?);
-                }
-                Ok(events)
-            });
-        match recorded {
-            Ok(events) => engine.free_after(self.stream, self.id, self.ptr, events),
-            Err(error) => {
-                engine.free_never_reuse(self.stream, self.id, self.ptr)?;
-                Err(error)
-            }
-        }
+        self.free_after_uses(Some(stream))
     }
 }
 
