@@ -337,9 +337,12 @@ impl OperationCoordinator {
             let callbacks = !operation.callbacks.is_empty();
             let watch = callbacks && recorded.capture().is_none();
             operation.watched = watch;
-            let capture_end = recorded
-                .capture()
-                .filter(|&capture| callbacks && state.watched_captures.insert(capture));
+            let capture_end = match recorded.capture() {
+                Some(capture) if callbacks && state.first_watch_of_capture(capture) => {
+                    Some(capture)
+                }
+                _ => None,
+            };
             state.queued.push(stream_id, id);
             (watch, capture_end, state.queued.len() >= POLL_AT)
         };

@@ -108,6 +108,7 @@ impl OperationCoordinator {
                 id,
             });
         }
+        let mut timed_out = false;
         loop {
             // Cancelled while this waited (`cancel_operation` notifies): it will never begin,
             // and an empty `blocked_on` of an id no longer registered must not read as ready.
@@ -118,12 +119,20 @@ impl OperationCoordinator {
             if blocked_on.is_empty() {
                 return Ok(());
             }
+            if timed_out {
+                tracing::warn!(%id, ?blocked_on, "operation stalled");
+                return Err(EventError::Stalled {
+                    id,
+                    waited: started.elapsed(),
+                    blocked_on,
+                });
+            }
             // Waiting cannot help an operation in a cycle (`add_dependency` may close one
             // while this waits: it notifies, and the cycle is looked for again).
             if let Some(cycle) = state.cycle_through(id) {
                 return Err(EventError::DependencyCycle { id, cycle });
             }
-            let timed_out = match deadline {
+            timed_out = match deadline {
                 Some(deadline) => self
                     .inner
                     .changed
@@ -134,21 +143,6 @@ impl OperationCoordinator {
                     false
                 }
             };
-            if timed_out {
-                if !state.operations.contains_key(&id) && !state.is_retired(id) {
-                    return Err(EventError::Cancelled { id });
-                }
-                let blocked_on = state.blocked_on(id);
-                if blocked_on.is_empty() {
-                    return Ok(());
-                }
-                tracing::warn!(%id, ?blocked_on, "operation stalled");
-                return Err(EventError::Stalled {
-                    id,
-                    waited: started.elapsed(),
-                    blocked_on,
-                });
-            }
         }
     }
 }

@@ -33,6 +33,13 @@ pub(super) struct State {
 }
 
 impl State {
+    /// Whether the waiter should start watching `capture`'s end for this coordinator: `true`
+    /// the first time it is asked (the caller then starts the watch), `false` while a watch of
+    /// it is live.
+    pub(super) fn first_watch_of_capture(&mut self, capture: u64) -> bool {
+        self.watched_captures.insert(capture)
+    }
+
     /// Whether `id` was registered and has retired (completed, nothing depends on it).
     pub(super) fn is_retired(&self, id: OperationId) -> bool {
         id.coordinator() == self.coordinator

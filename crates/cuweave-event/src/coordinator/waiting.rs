@@ -62,7 +62,7 @@ impl OperationCoordinator {
                     // once per capture, and polls then.
                     Some(capture)
                         if state_now == OperationState::Queued
-                            && state.watched_captures.insert(capture) =>
+                            && state.first_watch_of_capture(capture) =>
                     {
                         drop(state);
                         self.inner.watch_capture_end(capture);

@@ -63,16 +63,12 @@ impl Lease {
 
     /// Hands the wake event to the caller (a future) to keep; the lease only watches it.
     pub(crate) fn hand_over_wake(&mut self) -> Option<Arc<OwnedPooledEvent>> {
-        match std::mem::replace(&mut self.wake, Wake::None) {
-            Wake::Kept(event) => {
-                self.wake = Wake::Watched(Arc::downgrade(&event));
-                Some(event)
-            }
-            other => {
-                self.wake = other;
-                None
-            }
-        }
+        let Wake::Kept(event) = &self.wake else {
+            return None;
+        };
+        let event = Arc::clone(event);
+        self.wake = Wake::Watched(Arc::downgrade(&event));
+        Some(event)
     }
 }
 
