@@ -93,8 +93,7 @@ pub unsafe fn copy_htod(
     src: *const u8,
     bytes: usize,
 ) -> Result<()> {
-    crate::graph::refuse_while_capturing(None, "memory::copy_htod")?;
-    crate::graph::refuse_legacy_stream_use(context, "memory::copy_htod")?;
+    refuse_blocking(context, "memory::copy_htod")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -119,8 +118,7 @@ pub unsafe fn copy_dtoh(
     src: DevicePtr,
     bytes: usize,
 ) -> Result<()> {
-    crate::graph::refuse_while_capturing(None, "memory::copy_dtoh")?;
-    crate::graph::refuse_legacy_stream_use(context, "memory::copy_dtoh")?;
+    refuse_blocking(context, "memory::copy_dtoh")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -147,8 +145,7 @@ pub unsafe fn copy_dtod(
     bytes: usize,
 ) -> Result<()> {
     ensure_disjoint(dst, src, bytes, "memory::copy_dtod")?;
-    crate::graph::refuse_while_capturing(None, "memory::copy_dtod")?;
-    crate::graph::refuse_legacy_stream_use(context, "memory::copy_dtod")?;
+    refuse_blocking(context, "memory::copy_dtod")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -173,8 +170,7 @@ pub unsafe fn copy_dtod(
 /// driver knows (device, pinned, registered or managed).
 pub unsafe fn copy(context: &Context, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
     ensure_disjoint(dst, src, bytes, "memory::copy")?;
-    crate::graph::refuse_while_capturing(None, "memory::copy")?;
-    crate::graph::refuse_legacy_stream_use(context, "memory::copy")?;
+    refuse_blocking(context, "memory::copy")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -331,8 +327,7 @@ pub unsafe fn copy_peer_async(
 /// # Safety
 /// `dst` is device memory writable for `bytes`.
 pub unsafe fn memset_d8(context: &Context, dst: DevicePtr, value: u8, bytes: usize) -> Result<()> {
-    crate::graph::refuse_while_capturing(None, "memory::memset_d8")?;
-    crate::graph::refuse_legacy_stream_use(context, "memory::memset_d8")?;
+    refuse_blocking(context, "memory::memset_d8")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -361,8 +356,7 @@ pub unsafe fn memset_d16(
     count: usize,
 ) -> Result<()> {
     ensure_aligned_d16(dst, "memory::memset_d16")?;
-    crate::graph::refuse_while_capturing(None, "memory::memset_d16")?;
-    crate::graph::refuse_legacy_stream_use(context, "memory::memset_d16")?;
+    refuse_blocking(context, "memory::memset_d16")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract; `dst` is 2-byte aligned (checked above).
@@ -387,8 +381,7 @@ pub unsafe fn memset_d32(
     value: u32,
     count: usize,
 ) -> Result<()> {
-    crate::graph::refuse_while_capturing(None, "memory::memset_d32")?;
-    crate::graph::refuse_legacy_stream_use(context, "memory::memset_d32")?;
+    refuse_blocking(context, "memory::memset_d32")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -465,6 +458,16 @@ pub unsafe fn memset_d32_async(
     let api = driver()?;
     // SAFETY: the caller's contract.
     unsafe { cu!(api.memset_d32_async(dst, value, count, stream.as_raw())) }
+}
+
+/// The checks every blocking copy and memset makes before the driver is asked: the blocking
+/// call must not meet a capture that this thread may not break
+/// ([`refuse_while_capturing`](crate::graph::refuse_while_capturing)), and the legacy stream it
+/// runs on must not meet a capture on a blocking stream of `context`
+/// ([`refuse_legacy_stream_use`](crate::graph::refuse_legacy_stream_use)).
+fn refuse_blocking(context: &Context, operation: &'static str) -> Result<()> {
+    crate::graph::refuse_while_capturing(None, operation)?;
+    crate::graph::refuse_legacy_stream_use(context, operation)
 }
 
 #[cfg(test)]
