@@ -225,3 +225,32 @@ fn executables_dropped_mid_launch_hold_their_values_only_while_their_launches_ru
     );
     assert_eq!(read(&out, &gpu.context), vec![(2999 % 251) as u8; BYTES]);
 }
+
+#[test]
+fn an_update_from_another_devices_graph_is_refused_and_leaves_the_executable_as_it_was() {
+    let gpu = require_gpu!();
+    let _serial = cuweave_test_support::serial();
+    let devices = cuweave_driver::Device::count().unwrap();
+    if devices < 2 {
+        eprintln!("skipped: needs two GPUs, this machine has {devices}");
+        return;
+    }
+    let other_device = cuweave_driver::Device::get(1).unwrap();
+    let other = cuweave_driver::Context::primary(other_device).unwrap();
+    let stream = Stream::new(&gpu.context, StreamFlags::NON_BLOCKING).unwrap();
+    let other_stream = Stream::new(&other, StreamFlags::NON_BLOCKING).unwrap();
+    let out = DeviceAllocation::new(&gpu.context, BYTES).unwrap();
+    let other_out = DeviceAllocation::new(&other, BYTES).unwrap();
+    let mut exec = fill_graph(&stream, &out, 7, &[])
+        .instantiate(&InstantiateOptions::default())
+        .unwrap();
+    let foreign = fill_graph(&other_stream, &other_out, 9, &[]);
+    let error = exec.update(&foreign).unwrap_err();
+    assert!(
+        matches!(error, cuweave_driver::DriverError::InvalidArgument { .. }),
+        "{error}"
+    );
+    exec.launch(&stream).unwrap();
+    stream.synchronize().unwrap();
+    assert_eq!(read(&out, &gpu.context), vec![7; BYTES]);
+}

@@ -9,7 +9,7 @@ use super::error::GraphError;
 use super::handle::{Graph, GraphNodeType, KeepAlive};
 use super::keep_alive::{Deferred, Retirement, deduplicated};
 use crate::context::Context;
-use crate::error::Result;
+use crate::error::{DriverError, Result};
 use crate::event::{Event, EventFlags};
 use crate::event_pool::{EventPool, OwnedPooledEvent};
 use crate::loader::{cu, driver};
@@ -397,9 +397,20 @@ impl GraphExec {
     /// finished (see [Keep-alives across updates](Self#keep-alives-across-updates)).
     ///
     /// # Errors
-    /// [`GraphError::UpdateRejected`] with the driver's reason and the blocking node's type; the
-    /// executable is unchanged then.
+    /// `InvalidArgument` for a graph of another context (its nodes' addresses and kernels mean
+    /// nothing in this executable's); [`GraphError::UpdateRejected`] with the driver's reason
+    /// and the blocking node's type. The executable is unchanged then.
     pub fn update(&mut self, graph: &Graph) -> Result<()> {
+        if graph.context().as_raw() != self.context.as_raw() {
+            return Err(DriverError::invalid(
+                "GraphExec::update",
+                format!(
+                    "the graph belongs to a context of device {}, the executable to one of device {}",
+                    graph.context().device().ordinal(),
+                    self.context.device().ordinal()
+                ),
+            ));
+        }
         release_finished_keep_alives();
         // `&mut self`: no launch runs meanwhile, and the lock needs no locking.
         let retirement = &mut self.lock.get_mut().retirement;
