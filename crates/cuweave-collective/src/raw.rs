@@ -62,8 +62,8 @@ pub(crate) fn unique_id(api: &NcclApi) -> Result<[u8; 128]> {
 /// to. A non-blocking initialisation or split keeps the slot's address and writes it from its
 /// own thread, later (the handle once a split is done; `nullptr` when an initialisation fails
 /// and is undone), so the slot lives on the heap and is read atomically, and whoever owns it
-/// keeps it until NCCL can no longer write it: the communicator's whole life, or for ever
-/// (leaked) after a failure. NCCL reads the config's `commName` from the same thread, for as
+/// keeps it until NCCL can no longer write it: the communicator's whole life, until the
+/// split's job has ended for a split that makes none, or for ever (leaked) after a failure. NCCL reads the config's `commName` from the same thread, for as
 /// long (see [`crate::config`]), so the slot keeps that config alive too.
 #[derive(Debug)]
 pub(crate) struct HandleSlot {
@@ -88,12 +88,6 @@ impl HandleSlot {
     /// Leaks the slot (and the config it keeps): NCCL may still write or read them.
     pub(crate) fn leak(self) {
         std::mem::forget(self);
-    }
-
-    /// Leaks the handle's cell but frees the config: for a split that made no communicator
-    /// (`NCCL_SPLIT_NOCOLOR`), where NCCL never parsed the config but had the cell's address.
-    pub(crate) fn leak_cell(self) {
-        std::mem::forget(self.handle);
     }
 
     /// The raw config for NCCL, pointing at the strings this slot keeps.

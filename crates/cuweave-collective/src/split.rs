@@ -221,9 +221,10 @@ impl Communicator {
         while let Some(((slot, parent), child)) = rest.next() {
             let world = worlds.next().flatten();
             if child.is_null() {
-                // No part in any child; NCCL writes nothing more here, but the slot's address
-                // was handed over, so it is not reused (NCCL never read the config).
-                slot.leak_cell();
+                // No part in any child. The parent is idle (waited for above): the split's
+                // job, which had the slot's address, has ended and writes nothing more, so the
+                // slot is freed rather than leaked on every split that sits one out.
+                drop(slot);
                 made.push(None);
                 continue;
             }
