@@ -232,7 +232,10 @@ fn an_update_from_another_devices_graph_is_refused_and_leaves_the_executable_as_
     let _serial = cuweave_test_support::serial();
     let devices = cuweave_driver::Device::count().unwrap();
     if devices < 2 {
-        eprintln!("skipped: needs two GPUs, this machine has {devices}");
+        cuweave_test_support::skip(
+            "an_update_from_another_devices_graph_is_refused_and_leaves_the_executable_as_it_was",
+            &format!("needs two GPUs, this machine has {devices}"),
+        );
         return;
     }
     let other_device = cuweave_driver::Device::get(1).unwrap();
