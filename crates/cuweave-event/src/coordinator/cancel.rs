@@ -7,8 +7,12 @@
 //! unknown, not as retired (a retired id means the GPU completed the work, which here it never
 //! did), for as long as it is among the latest [`CANCELLED_KEPT`] cancellations; ids only grow,
 //! so an id older than that is a program's bug either way.
+//!
+//! Operations that depend on each other go together ([`OperationCoordinator::cancel_operations`]):
+//! that is how a dependency cycle closed by mistake (whose members can never begin, and each of
+//! which a registered operation depends on) is withdrawn.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use super::completion::run_callbacks;
 use super::metrics::MetricsCell;
@@ -43,31 +47,76 @@ impl Cancelled {
     }
 }
 
+/// What cancelling hands back: each cancelled id with its completion callbacks.
+type Withdrawn = Vec<(OperationId, Vec<super::CompletionCallback>)>;
+
 impl State {
     /// Removes registered, never-begun `id` and lets its dependencies go; returns its
     /// callbacks.
+    #[cfg(test)]
     fn cancel(&mut self, id: OperationId) -> Result<Vec<super::CompletionCallback>> {
-        let operation = operation_mut(self, id, "cancel_operation")?;
-        expect_state(operation, OperationState::Registered, "cancel")?;
-        if operation.dependants > 0 {
-            return Err(EventError::InvalidState {
-                id,
-                action: "cancel",
-                state: "a dependency of registered operations",
-            });
-        }
-        let operation = self
-            .operations
-            .remove(&id)
-            .expect("looked up under the same lock");
-        for dependency in &operation.metadata.dependencies {
-            if let Some(dep) = self.operations.get_mut(dependency) {
-                dep.dependants = dep.dependants.saturating_sub(1);
+        let mut withdrawn = self.cancel_all(&[id], "cancel_operation")?;
+        Ok(withdrawn
+            .pop()
+            .map(|(_, callbacks)| callbacks)
+            .unwrap_or_default())
+    }
+
+    /// Removes every one of `ids` (registered, never begun, and depended on by no registered
+    /// operation outside `ids`) and lets their other dependencies go; all or none. Returns each
+    /// id's callbacks, in the order given (duplicates once).
+    fn cancel_all(&mut self, ids: &[OperationId], operation: &'static str) -> Result<Withdrawn> {
+        let mut unique = Vec::with_capacity(ids.len());
+        let mut members = HashSet::with_capacity(ids.len());
+        for &id in ids {
+            if members.insert(id) {
+                unique.push(id);
             }
-            self.try_retire(*dependency);
         }
-        self.cancelled.insert(id);
-        Ok(operation.callbacks)
+        // How many of each member's dependants are members too.
+        let mut inside: HashMap<OperationId, usize> = HashMap::new();
+        for &id in &unique {
+            let op = operation_mut(self, id, operation)?;
+            expect_state(op, OperationState::Registered, "cancel")?;
+            for dependency in &op.metadata.dependencies {
+                if members.contains(dependency) {
+                    *inside.entry(*dependency).or_default() += 1;
+                }
+            }
+        }
+        for &id in &unique {
+            let dependants = self.operations[&id].dependants;
+            if dependants > inside.get(&id).copied().unwrap_or(0) {
+                return Err(EventError::InvalidState {
+                    id,
+                    action: "cancel",
+                    state: "a dependency of registered operations",
+                });
+            }
+        }
+        let removed: Vec<_> = unique
+            .iter()
+            .map(|id| {
+                self.operations
+                    .remove(id)
+                    .expect("looked up under the same lock")
+            })
+            .collect();
+        let mut withdrawn = Vec::with_capacity(removed.len());
+        for (id, op) in unique.into_iter().zip(removed) {
+            for dependency in &op.metadata.dependencies {
+                if members.contains(dependency) {
+                    continue;
+                }
+                if let Some(dep) = self.operations.get_mut(dependency) {
+                    dep.dependants = dep.dependants.saturating_sub(1);
+                }
+                self.try_retire(*dependency);
+            }
+            self.cancelled.insert(id);
+            withdrawn.push((id, op.callbacks));
+        }
+        Ok(withdrawn)
     }
 }
 
@@ -79,15 +128,46 @@ impl OperationCoordinator {
     ///
     /// # Errors
     /// `UnknownOperation`; `InvalidState` once it has begun, and while registered operations
-    /// depend on it (they would lose the order it stands for: cancel them first).
+    /// depend on it (they would lose the order it stands for: cancel them first, or together
+    /// with it through [`cancel_operations`](Self::cancel_operations)).
     pub fn cancel_operation(&self, id: OperationId) -> Result<()> {
-        let callbacks = self.inner.state.lock().cancel(id)?;
-        MetricsCell::add(&self.inner.metrics.cancelled, 1);
+        self.cancel_withdrawn(&[id], "cancel_operation")
+    }
+
+    /// Withdraws every one of `ids` at once, as [`cancel_operation`](Self::cancel_operation)
+    /// withdraws one: each must be registered and never begun, and a registered operation may
+    /// depend on one of them only if it is among `ids` too. All are withdrawn or none. This is
+    /// how operations that depend on each other go, a dependency cycle closed by mistake among
+    /// them (its members can never begin, and each is a dependency of another).
+    ///
+    /// ```no_run
+    /// # use cuweave_event::{OperationCoordinator, OperationType, EventPriority};
+    /// # fn example(coordinator: &OperationCoordinator, a: cuweave_event::OperationId, b: cuweave_event::OperationId) -> cuweave_event::Result<()> {
+    /// // a and b were made to depend on each other: neither can begin, nor go alone.
+    /// assert!(!coordinator.detect_deadlocks().is_empty());
+    /// coordinator.cancel_operations(&[a, b])?;
+    /// assert!(coordinator.detect_deadlocks().is_empty());
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`cancel_operation`](Self::cancel_operation), for the first id found refused;
+    /// nothing is withdrawn then.
+    pub fn cancel_operations(&self, ids: &[OperationId]) -> Result<()> {
+        self.cancel_withdrawn(ids, "cancel_operations")
+    }
+
+    fn cancel_withdrawn(&self, ids: &[OperationId], operation: &'static str) -> Result<()> {
+        let withdrawn = self.inner.state.lock().cancel_all(ids, operation)?;
+        MetricsCell::add(&self.inner.metrics.cancelled, withdrawn.len() as u64);
         // A `wait_until_ready` on a dependant of a dependency looks again.
         self.inner.changed.notify_all();
-        let panicked = run_callbacks(id, callbacks, &Err(EventError::Cancelled { id }));
-        if panicked > 0 {
-            MetricsCell::add(&self.inner.metrics.callback_panics, panicked);
+        for (id, callbacks) in withdrawn {
+            let panicked = run_callbacks(id, callbacks, &Err(EventError::Cancelled { id }));
+            if panicked > 0 {
+                MetricsCell::add(&self.inner.metrics.callback_panics, panicked);
+            }
         }
         Ok(())
     }
@@ -154,6 +234,54 @@ mod tests {
             state.cancel(alone),
             Err(EventError::InvalidState { .. })
         ));
+    }
+
+    #[test]
+    fn a_cycle_goes_only_as_a_whole_and_lets_its_outside_dependency_retire() {
+        let mut state = State::default();
+        let upload = register(&mut state, Vec::new());
+        let a = register(&mut state, vec![upload]);
+        let b = register(&mut state, vec![upload, a]);
+        // a depends on b too: the cycle a <-> b.
+        state
+            .operations
+            .get_mut(&a)
+            .unwrap()
+            .metadata
+            .dependencies
+            .push(b);
+        state.operations.get_mut(&b).unwrap().dependants += 1;
+        state.operations.get_mut(&upload).unwrap().metadata.state = OperationState::Completed;
+        let outside = register(&mut state, vec![b]);
+        for alone in [a, b] {
+            assert!(matches!(
+                state.cancel(alone),
+                Err(EventError::InvalidState { .. })
+            ));
+        }
+        // `outside` depends on b: the pair cannot go without it, and nothing goes.
+        assert!(matches!(
+            state.cancel_all(&[a, b], "cancel_operations"),
+            Err(EventError::InvalidState { id, .. }) if id == b
+        ));
+        assert!(state.operations.contains_key(&a));
+        let withdrawn = state
+            .cancel_all(&[outside, b, a, b], "cancel_operations")
+            .unwrap();
+        let ids: Vec<OperationId> = withdrawn.iter().map(|(id, _)| *id).collect();
+        assert_eq!(
+            ids,
+            vec![outside, b, a],
+            "in the order given, duplicates once"
+        );
+        assert!(
+            state.is_retired(upload),
+            "nothing holds the completed upload"
+        );
+        assert!(state.operations.is_empty());
+        for id in [a, b, outside] {
+            assert_eq!(state.state_of(id), None, "reads unknown, not retired");
+        }
     }
 
     #[test]
