@@ -55,7 +55,9 @@ pub use device::{ComputeCapability, Device, DeviceCapabilities, ManagedSupport, 
 pub use error::{DriverError, Result};
 pub use event::{Event, EventFlags};
 pub use event_pool::{EventPool, OwnedPooledEvent, PoolCounters, PoolUtilization, PooledEvent};
-pub use graph::{CaptureMode, CaptureStatus, Graph, GraphError, GraphExec, InstantiateOptions};
+pub use graph::{
+    CaptureMode, CaptureStatus, Graph, GraphError, GraphExec, GraphNodeType, InstantiateOptions,
+};
 pub use loader::{DriverApi, driver, driver_version, is_available};
 pub use module::{Kernel, KernelArgs, LaunchConfig, Module};
 pub use process_caches::empty_process_caches;

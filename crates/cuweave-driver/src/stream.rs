@@ -484,6 +484,12 @@ impl Stream {
     /// default stream while a blocking stream of its context captures
     /// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)); the driver's error.
     ///
+    /// The driver does not see this wait as a dependency, so it can deadlock the device when
+    /// the work meant to satisfy it is queued *after* the wait on another stream that shares
+    /// this one's hardware queue (streams alias once there are more than
+    /// `CUDA_DEVICE_MAX_CONNECTIONS`, 8 by default): queue the producer's work first, or
+    /// satisfy the word from the host.
+    ///
     /// # Safety
     /// `address` is 4-byte aligned memory this stream's device can read, valid until the wait
     /// has been satisfied. A condition nothing ever meets stalls the stream forever.
