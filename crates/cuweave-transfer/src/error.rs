@@ -88,6 +88,13 @@ pub enum TransferError {
     /// A worker thread of a pipelined copy panicked (a bug; the copy did not complete).
     #[error("a staging worker thread panicked")]
     WorkerPanicked,
+    /// An [`AsyncTransfer`](crate::AsyncTransfer) was polled again after it completed: its
+    /// result was handed out by the poll that completed it, and nothing more is copied.
+    #[error("the {path} transfer was already polled to completion")]
+    AlreadyCompleted {
+        /// The transfer's path.
+        path: String,
+    },
 }
 
 impl<H> From<cuweave_memory::HostCopyError<H>> for TransferError {

@@ -20,7 +20,6 @@ use crate::device_state::Lane;
 use crate::error::{Result, TransferError};
 use crate::location::{Location, TransferPath};
 use crate::manager::{TransferManager, TransferReport};
-use crate::method::TransferMethod;
 use crate::planner::Plan;
 use crate::stats::TransferStats;
 use crate::workers;
@@ -94,6 +93,8 @@ struct Blocks<T: Element> {
 ///
 /// A transfer that completes is counted in the manager's [`stats`](TransferManager::stats) as a
 /// blocking one is (a failed one as a failure; one dropped before it completes not at all).
+/// Polled again after it completed, it answers [`TransferError::AlreadyCompleted`] and copies
+/// nothing.
 ///
 /// [`OwnedTransfer`]: crate::OwnedTransfer
 #[must_use = "futures do nothing unless polled"]
@@ -478,10 +479,8 @@ impl<T: Element> Future for AsyncTransfer<'_, T> {
 }
 
 fn already_polled(path: TransferPath) -> TransferError {
-    TransferError::Unsupported {
-        method: TransferMethod::HostStaged,
+    TransferError::AlreadyCompleted {
         path: path.to_string(),
-        reason: "the transfer was already polled to completion".to_owned(),
     }
 }
 
