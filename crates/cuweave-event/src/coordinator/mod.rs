@@ -155,6 +155,10 @@ struct Inner {
     pool: EventPool,
     waiter: Arc<AsyncEventWaiter>,
     timer: GpuTimer<(OperationId, OperationType)>,
+    /// Held from taking finished spans out of `timer` until their times are written into
+    /// `state`: a thread that harvests after another took a span waits for that write, so a
+    /// callback run after its own harvest always finds its operation's GPU time.
+    harvesting: Mutex<()>,
     state: Mutex<State>,
     changed: Condvar,
     metrics: MetricsCell,
@@ -199,6 +203,7 @@ impl OperationCoordinator {
         Self {
             inner: Arc::new(Inner {
                 timer,
+                harvesting: Mutex::new(()),
                 pool,
                 waiter,
                 state: Mutex::new(State {

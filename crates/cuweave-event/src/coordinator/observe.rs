@@ -118,6 +118,7 @@ impl Inner {
 
     /// Adds the GPU time of finished spans to the metrics (and to live operations' metadata).
     pub(super) fn harvest_times(&self) {
+        let _harvesting = self.harvesting.lock();
         let mut times = Vec::new();
         if let Err(error) = self.timer.harvest(|tag, time, _| times.push((tag, time))) {
             tracing::warn!(%error, "reading an operation's GPU time");
