@@ -203,6 +203,19 @@ impl<E: Marker> Engine<E> {
             "caching allocator: upstream out of memory; releasing cached blocks and retrying"
         );
         self.shard(stream).pools.lock().stats_mut().oom_retries += 1;
+        // First the blocks still waiting for their uses: one of this stream's may now fit, and
+        // taking it costs no driver call (a program whose host runs ahead of its stream under
+        // a budget lands here on every step). Only then the cached segments of every stream go
+        // back to the upstream, as PyTorch's retry frees its cache.
+        self.wait_pending()?;
+        if let Some(grant) = self
+            .shard(stream)
+            .pools
+            .lock()
+            .take_free(stream, rounded, bytes)
+        {
+            return Ok(grant);
+        }
         self.release_cached(upstream)?;
         if let Some(grant) = self
             .shard(stream)

@@ -131,6 +131,38 @@ fn out_of_memory_releases_the_cache_and_retries() {
 }
 
 #[test]
+fn out_of_memory_first_takes_a_block_that_waited_for_its_uses_and_keeps_the_other_caches() {
+    // A budget of two small segments: stream 1's block waits for a use elsewhere (the host ran
+    // ahead of the GPU), stream 2 keeps a cached segment. Stream 1 asks again: the retry waits
+    // for the pending block and takes it, with no segment released or allocated.
+    let engine = Engine::<Flag>::default();
+    let upstream = FakeUpstream::with_cap(2 * SMALL_SEGMENT);
+    let first = engine.allocate(key(1), MIB, &upstream).unwrap();
+    let held = engine.allocate(key(1), MIB, &upstream).unwrap();
+    let marker = Flag::default();
+    engine
+        .free_after(first.stream, first.id, first.ptr, vec![marker.clone()])
+        .unwrap();
+    let other = engine.allocate(key(2), 4096, &upstream).unwrap();
+    engine.free(other.stream, other.id, other.ptr).unwrap();
+    let again = engine.allocate(key(1), MIB, &upstream).unwrap();
+    assert!(
+        marker.is_complete().unwrap(),
+        "the pending block was waited for"
+    );
+    assert_eq!(again.ptr, first.ptr, "the block that waited came back");
+    let stats = engine.stats();
+    assert_eq!((stats.oom_retries, stats.ooms), (1, 0));
+    assert_eq!(stats.segments_released, 0, "no cache was given back");
+    assert_eq!(upstream.allocations.load(Ordering::SeqCst), 2);
+    assert_eq!(upstream.outstanding_bytes(), 2 * SMALL_SEGMENT);
+    for grant in [again, held] {
+        engine.free(grant.stream, grant.id, grant.ptr).unwrap();
+    }
+    engine.check_invariants();
+}
+
+#[test]
 fn out_of_memory_after_the_retry_is_a_typed_error_with_the_totals() {
     let engine = Engine::<Flag>::default();
     let upstream = FakeUpstream::with_cap(8 * MIB);
