@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context as TaskContext, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-use cuweave_driver::{Context, Kernel, LaunchConfig, Stream, StreamFlags};
+use cuweave_driver::Context;
 use cuweave_memory::{
     AsyncPoolResource, Buffer, DeviceBuffer, MemoryResource, PinnedBuffer, TrackedLaunch,
     UnifiedBuffer,
@@ -47,7 +47,7 @@ use cuweave_transfer::{
 };
 
 mod common;
-use common::{SENTINEL, assert_range, block_on, bytes};
+use common::{SENTINEL, assert_range, block_on, bytes, grid, late_fill, user_stream, watch};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -163,71 +163,6 @@ fn failures(manager: &TransferManager, path: TransferPath) -> u64 {
         .filter(|(p, ..)| *p == path)
         .map(|(_, _, s)| s.failures)
         .sum()
-}
-
-fn user_stream(context: &Arc<Context>) -> Stream {
-    Stream::new(context, StreamFlags::NON_BLOCKING).unwrap()
-}
-
-/// A grid-stride launch over `n` elements of at most `most` blocks of 256 threads.
-fn grid(n: usize, most: u32) -> LaunchConfig {
-    let blocks = n.div_ceil(256).clamp(1, most as usize) as u32;
-    LaunchConfig {
-        grid: (blocks, 1, 1),
-        block: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// Queues on `stream` a kernel that keeps reading `data` for [`KERNEL_NS`], counting into
-/// `mismatches` every element it sees differ from `expected`; declared a read of `data`, so a
-/// later write of it on any stream must wait for the kernel.
-fn watch(
-    kernel: &Kernel,
-    stream: &Stream,
-    data: &impl Buffer<u32>,
-    expected: u32,
-    mismatches: &mut DeviceBuffer<u32>,
-) {
-    let n = data.len() as u64;
-    // SAFETY: watch_u32(const unsigned* data, size_t n, unsigned expected, unsigned long long ns,
-    // unsigned* mismatches) gets the buffer's address and length, a value, a duration and a
-    // one-word counter; it only reads `data` (declared a read) and atomically adds to the
-    // counter (declared a write).
-    unsafe {
-        TrackedLaunch::new(kernel, stream, grid(data.len(), 120))
-            .read(data)
-            .arg(&n)
-            .arg(&expected)
-            .arg(&KERNEL_NS)
-            .write(mismatches)
-            .launch()
-    }
-    .unwrap();
-}
-
-/// Queues on `stream` a spin of [`KERNEL_NS`] and then a kernel writing `value` into every
-/// element of `data`, declared a write: a later read of `data` on any stream must see `value`.
-fn late_fill(
-    kernels: &TestKernels,
-    fill: &Kernel,
-    stream: &Stream,
-    data: &mut impl Buffer<u32>,
-    value: u32,
-) {
-    kernels.spin_ns(stream, KERNEL_NS).unwrap();
-    let n = data.len() as u64;
-    let config = grid(data.len(), 4096);
-    // SAFETY: fill_u32(unsigned* dst, unsigned value, size_t n) gets the buffer's address, a
-    // value and the buffer's length; it writes only `data`, declared a write.
-    unsafe {
-        TrackedLaunch::new(fill, stream, config)
-            .write(data)
-            .arg(&value)
-            .arg(&n)
-            .launch()
-    }
-    .unwrap();
 }
 
 /// Every public way a pageable host slice reaches a device buffer and comes back.
@@ -635,7 +570,7 @@ fn transfers_wait_for_the_users_kernels_still_reading_or_about_to_write_by_every
             let mut device = DeviceBuffer::<u32>::new(&gpu.context, n).unwrap();
             device.fill(OLD).unwrap();
             let mut mismatches = DeviceBuffer::<u32>::zeroed(&gpu.context, 1).unwrap();
-            watch(&watcher, &stream, &device, OLD, &mut mismatches);
+            watch(&watcher, &stream, &device, OLD, KERNEL_NS, &mut mismatches);
             match *side {
                 Side::Way(way) => upload_by(&manager, way, &new, &mut device, 0),
                 Side::Pinned(method) => {
@@ -667,7 +602,7 @@ fn transfers_wait_for_the_users_kernels_still_reading_or_about_to_write_by_every
             assert_bytes(&device.to_vec().unwrap(), &new, &format!("{what}: upload"));
 
             // Read after the kernel's late write.
-            late_fill(&kernels, &fill, &stream, &mut device, WRITTEN);
+            late_fill(&kernels, &fill, &stream, &mut device, WRITTEN, KERNEL_NS);
             let mut out = vec![0u32; n];
             match *side {
                 Side::Way(way) => download_by(&manager, way, &mut device, 0, &mut out),
@@ -715,7 +650,7 @@ fn transfers_wait_for_the_users_kernels_still_reading_or_about_to_write_by_every
             let mut unified = UnifiedBuffer::<u32>::new(&gpu.context, n).unwrap();
             unified.fill(OLD).unwrap();
             let mut mismatches = DeviceBuffer::<u32>::zeroed(&gpu.context, 1).unwrap();
-            watch(&watcher, &stream, &unified, OLD, &mut mismatches);
+            watch(&watcher, &stream, &unified, OLD, KERNEL_NS, &mut mismatches);
             manager
                 .transfer_with(method, &new, &mut unified)
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -727,7 +662,7 @@ fn transfers_wait_for_the_users_kernels_still_reading_or_about_to_write_by_every
             );
             assert_bytes(&unified.to_vec().unwrap(), &new, &format!("{what}: up"));
 
-            late_fill(&kernels, &fill, &stream, &mut unified, WRITTEN);
+            late_fill(&kernels, &fill, &stream, &mut unified, WRITTEN, KERNEL_NS);
             let mut out = vec![0u32; n];
             manager
                 .transfer_with(method, &unified, &mut out)

@@ -35,11 +35,8 @@ use std::sync::{Arc, mpsc};
 use std::task::{Context as TaskContext, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-use cuweave_driver::{
-    CaptureMode, Context, DriverError, GraphError, InstantiateOptions, Kernel, LaunchConfig,
-    Stream, StreamFlags,
-};
-use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer, TrackedLaunch, UnifiedBuffer};
+use cuweave_driver::{CaptureMode, Context, DriverError, GraphError, InstantiateOptions, Stream};
+use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer, UnifiedBuffer};
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{require_gpu, serial, skip, skip_under_sanitizer};
 use cuweave_transfer::{
@@ -49,7 +46,7 @@ use cuweave_transfer::{
 };
 
 mod common;
-use common::{block_on, bytes};
+use common::{block_on, bytes, late_fill, user_stream, watch};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -108,72 +105,6 @@ fn assert_all_u32(got: &[u32], value: u32, what: &str) {
             got[i]
         );
     }
-}
-
-fn user_stream(context: &Arc<Context>) -> Stream {
-    Stream::new(context, StreamFlags::NON_BLOCKING).unwrap()
-}
-
-/// A grid-stride launch over `n` elements of at most `most` blocks of 256 threads.
-fn grid(n: usize, most: u32) -> LaunchConfig {
-    let blocks = n.div_ceil(256).clamp(1, most as usize) as u32;
-    LaunchConfig {
-        grid: (blocks, 1, 1),
-        block: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// Queues on `stream` a kernel that keeps reading `data` for [`KERNEL_NS`], counting into
-/// `mismatches` every element it sees differ from `expected`; declared a read of `data` (of its
-/// range only, for a view), so a later write of that range on any stream must wait for it.
-fn watch(
-    kernel: &Kernel,
-    stream: &Stream,
-    data: &impl Buffer<u32>,
-    expected: u32,
-    mismatches: &mut DeviceBuffer<u32>,
-) {
-    let n = data.len() as u64;
-    // SAFETY: watch_u32(const unsigned* data, size_t n, unsigned expected, unsigned long long ns,
-    // unsigned* mismatches) gets the buffer's address and length, a value, a duration and a
-    // one-word counter; it only reads `data` (declared a read) and atomically adds to the
-    // counter (declared a write).
-    unsafe {
-        TrackedLaunch::new(kernel, stream, grid(data.len(), 64))
-            .read(data)
-            .arg(&n)
-            .arg(&expected)
-            .arg(&KERNEL_NS)
-            .write(mismatches)
-            .launch()
-    }
-    .unwrap();
-}
-
-/// Queues on `stream` a spin of [`KERNEL_NS`] and then a kernel writing `value` into every
-/// element of `data`, declared a write (of its range only, for a view): a later read of that
-/// range on any stream must see `value`.
-fn late_fill(
-    kernels: &TestKernels,
-    fill: &Kernel,
-    stream: &Stream,
-    data: &mut impl Buffer<u32>,
-    value: u32,
-) {
-    kernels.spin_ns(stream, KERNEL_NS).unwrap();
-    let n = data.len() as u64;
-    let config = grid(data.len(), 4096);
-    // SAFETY: fill_u32(unsigned* dst, unsigned value, size_t n) gets the buffer's address, a
-    // value and the buffer's length; it writes only `data`, declared a write.
-    unsafe {
-        TrackedLaunch::new(fill, stream, config)
-            .write(data)
-            .arg(&value)
-            .arg(&n)
-            .launch()
-    }
-    .unwrap();
 }
 
 /// Completed transfers and their bytes per path, as a test counts them.
@@ -419,6 +350,7 @@ fn transfers_into_one_half_of_a_buffer_overlap_a_kernel_using_the_other_half_by_
                 &stream,
                 &device.slice(..half).unwrap(),
                 OLD,
+                KERNEL_NS,
                 &mut mismatches,
             );
             let started = Instant::now();
@@ -445,6 +377,7 @@ fn transfers_into_one_half_of_a_buffer_overlap_a_kernel_using_the_other_half_by_
                 &stream,
                 &mut device.slice_mut(..half).unwrap(),
                 WRITTEN,
+                KERNEL_NS,
             );
             let mut back = vec![0u32; half];
             let started = Instant::now();
@@ -1649,8 +1582,8 @@ fn device_copies_wait_for_a_late_writer_of_the_source_and_a_reader_of_the_destin
         let mut dst = DeviceBuffer::<u32>::new(ctx, n + 7).unwrap();
         dst.fill(OLD).unwrap();
         mismatches.fill(0).unwrap();
-        late_fill(&kernels, &fill, &writer, &mut src, WRITTEN);
-        watch(&watcher, &reader, &dst, OLD, &mut mismatches);
+        late_fill(&kernels, &fill, &writer, &mut src, WRITTEN, KERNEL_NS);
+        watch(&watcher, &reader, &dst, OLD, KERNEL_NS, &mut mismatches);
         let report = match how {
             DeviceCopy::Planned => manager.transfer(
                 Source::device(&src, src_at, n),
@@ -1720,8 +1653,8 @@ fn device_copies_wait_for_a_late_writer_of_the_source_and_a_reader_of_the_destin
         let mut dst = UnifiedBuffer::<u32>::new(ctx, n + 7).unwrap();
         dst.fill(OLD).unwrap();
         mismatches.fill(0).unwrap();
-        late_fill(&kernels, &fill, &writer, &mut src, WRITTEN);
-        watch(&watcher, &reader, &dst, OLD, &mut mismatches);
+        late_fill(&kernels, &fill, &writer, &mut src, WRITTEN, KERNEL_NS);
+        watch(&watcher, &reader, &dst, OLD, KERNEL_NS, &mut mismatches);
         try_by(
             &manager,
             method,
@@ -1746,8 +1679,8 @@ fn device_copies_wait_for_a_late_writer_of_the_source_and_a_reader_of_the_destin
         let mut dst = DeviceBuffer::<u32>::new(ctx, n + 7).unwrap();
         dst.fill(OLD).unwrap();
         mismatches.fill(0).unwrap();
-        late_fill(&kernels, &fill, &writer, &mut src, WRITTEN);
-        watch(&watcher, &reader, &dst, OLD, &mut mismatches);
+        late_fill(&kernels, &fill, &writer, &mut src, WRITTEN, KERNEL_NS);
+        watch(&watcher, &reader, &dst, OLD, KERNEL_NS, &mut mismatches);
         try_by(
             &manager,
             method,
@@ -1772,8 +1705,8 @@ fn device_copies_wait_for_a_late_writer_of_the_source_and_a_reader_of_the_destin
         let mut dst = UnifiedBuffer::<u32>::new(ctx, n + 7).unwrap();
         dst.fill(OLD).unwrap();
         mismatches.fill(0).unwrap();
-        late_fill(&kernels, &fill, &writer, &mut src, WRITTEN);
-        watch(&watcher, &reader, &dst, OLD, &mut mismatches);
+        late_fill(&kernels, &fill, &writer, &mut src, WRITTEN, KERNEL_NS);
+        watch(&watcher, &reader, &dst, OLD, KERNEL_NS, &mut mismatches);
         try_by(
             &manager,
             method,
@@ -1838,7 +1771,7 @@ fn refused_requests_are_typed_errors_answered_while_the_gpu_still_uses_their_buf
     manager.stats().reset();
     device.fill(OLD).unwrap();
     let mut mismatches = DeviceBuffer::<u32>::zeroed(ctx, 1).unwrap();
-    watch(&watcher, &stream, &device, OLD, &mut mismatches);
+    watch(&watcher, &stream, &device, OLD, KERNEL_NS, &mut mismatches);
 
     let started = Instant::now();
     out_of_range(

@@ -2,6 +2,12 @@
 
 #![allow(dead_code)]
 
+use std::sync::Arc;
+
+use cuweave_driver::{Context, Kernel, LaunchConfig, Stream, StreamFlags};
+use cuweave_memory::{Buffer, DeviceBuffer, TrackedLaunch};
+use cuweave_test_support::kernels::TestKernels;
+
 /// What the tests fill memory with outside the range a transfer writes.
 pub const SENTINEL: u8 = 0xEE;
 
@@ -75,4 +81,74 @@ pub fn block_on_counted<F: std::future::Future>(future: F) -> (F::Output, usize)
 /// Polls `future` to completion on this thread, parking between polls.
 pub fn block_on<F: std::future::Future>(future: F) -> F::Output {
     block_on_counted(future).0
+}
+
+/// A non-blocking stream of the user's own, beside the manager's.
+pub fn user_stream(context: &Arc<Context>) -> Stream {
+    Stream::new(context, StreamFlags::NON_BLOCKING).unwrap()
+}
+
+/// A grid-stride launch over `n` elements of at most `most` blocks of 256 threads.
+pub fn grid(n: usize, most: u32) -> LaunchConfig {
+    let blocks = n.div_ceil(256).clamp(1, most as usize) as u32;
+    LaunchConfig {
+        grid: (blocks, 1, 1),
+        block: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Queues on `stream` a kernel (`watch_u32`) that keeps reading `data` for `ns` nanoseconds,
+/// counting into `mismatches` every element it sees differ from `expected`; declared a read of
+/// `data` (of its range only, for a view), so a later write of that range on any stream must
+/// wait for the kernel.
+pub fn watch(
+    kernel: &Kernel,
+    stream: &Stream,
+    data: &impl Buffer<u32>,
+    expected: u32,
+    ns: u64,
+    mismatches: &mut DeviceBuffer<u32>,
+) {
+    let n = data.len() as u64;
+    // SAFETY: watch_u32(const unsigned* data, size_t n, unsigned expected, unsigned long long ns,
+    // unsigned* mismatches) gets the buffer's address and length, a value, a duration and a
+    // one-word counter; it only reads `data` (declared a read) and atomically adds to the
+    // counter (declared a write).
+    unsafe {
+        TrackedLaunch::new(kernel, stream, grid(data.len(), 120))
+            .read(data)
+            .arg(&n)
+            .arg(&expected)
+            .arg(&ns)
+            .write(mismatches)
+            .launch()
+    }
+    .unwrap();
+}
+
+/// Queues on `stream` a spin of `ns` nanoseconds and then a kernel (`fill_u32`) writing `value`
+/// into every element of `data`, declared a write (of its range only, for a view): a later read
+/// of that range on any stream must see `value`.
+pub fn late_fill(
+    kernels: &TestKernels,
+    fill: &Kernel,
+    stream: &Stream,
+    data: &mut impl Buffer<u32>,
+    value: u32,
+    ns: u64,
+) {
+    kernels.spin_ns(stream, ns).unwrap();
+    let n = data.len() as u64;
+    let config = grid(data.len(), 4096);
+    // SAFETY: fill_u32(unsigned* dst, unsigned value, size_t n) gets the buffer's address, a
+    // value and the buffer's length; it writes only `data`, declared a write.
+    unsafe {
+        TrackedLaunch::new(fill, stream, config)
+            .write(data)
+            .arg(&value)
+            .arg(&n)
+            .launch()
+    }
+    .unwrap();
 }
