@@ -1646,84 +1646,63 @@ fn device_copies_wait_for_a_late_writer_of_the_source_and_a_reader_of_the_destin
             )
             .collect()
     };
-    for method in methods(Location::Device(ordinal), Location::Unified(ordinal)) {
-        let what = format!("device to unified by {method:?}");
-        let mut src = DeviceBuffer::<u32>::new(ctx, n + 5).unwrap();
-        src.fill(0x5151_5151).unwrap();
-        let mut dst = UnifiedBuffer::<u32>::new(ctx, n + 7).unwrap();
-        dst.fill(OLD).unwrap();
-        mismatches.fill(0).unwrap();
-        late_fill(&kernels, &fill, &writer, &mut src, WRITTEN, KERNEL_NS);
-        watch(&watcher, &reader, &dst, OLD, KERNEL_NS, &mut mismatches);
-        try_by(
-            &manager,
-            method,
-            Source::device(&src, src_at, n),
-            Destination::unified(&mut dst, dst_at),
-        )
-        .unwrap_or_else(|e| panic!("{what}: {e}"));
-        check_settled(
-            &writer,
-            &reader,
-            &mismatches,
-            || dst.to_vec().unwrap(),
-            dst_at,
-            n,
-            &what,
-        );
+    // One late writer of the source and one reader of the destination per method, for each
+    // pair of kinds: the copy must wait for both.
+    macro_rules! ordered_copies {
+        ($from:expr, $to:expr, $Src:ident, $Dst:ident, $source:ident, $destination:ident) => {
+            for method in methods($from, $to) {
+                let what = format!("{:?} to {:?} by {method:?}", $from, $to);
+                let mut src = $Src::<u32>::new(ctx, n + 5).unwrap();
+                src.fill(0x5151_5151).unwrap();
+                let mut dst = $Dst::<u32>::new(ctx, n + 7).unwrap();
+                dst.fill(OLD).unwrap();
+                mismatches.fill(0).unwrap();
+                late_fill(&kernels, &fill, &writer, &mut src, WRITTEN, KERNEL_NS);
+                watch(&watcher, &reader, &dst, OLD, KERNEL_NS, &mut mismatches);
+                try_by(
+                    &manager,
+                    method,
+                    Source::$source(&src, src_at, n),
+                    Destination::$destination(&mut dst, dst_at),
+                )
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+                check_settled(
+                    &writer,
+                    &reader,
+                    &mismatches,
+                    || dst.to_vec().unwrap(),
+                    dst_at,
+                    n,
+                    &what,
+                );
+            }
+        };
     }
-    for method in methods(Location::Unified(ordinal), Location::Device(ordinal)) {
-        let what = format!("unified to device by {method:?}");
-        let mut src = UnifiedBuffer::<u32>::new(ctx, n + 5).unwrap();
-        src.fill(0x5151_5151).unwrap();
-        let mut dst = DeviceBuffer::<u32>::new(ctx, n + 7).unwrap();
-        dst.fill(OLD).unwrap();
-        mismatches.fill(0).unwrap();
-        late_fill(&kernels, &fill, &writer, &mut src, WRITTEN, KERNEL_NS);
-        watch(&watcher, &reader, &dst, OLD, KERNEL_NS, &mut mismatches);
-        try_by(
-            &manager,
-            method,
-            Source::unified(&src, src_at, n),
-            Destination::device(&mut dst, dst_at),
-        )
-        .unwrap_or_else(|e| panic!("{what}: {e}"));
-        check_settled(
-            &writer,
-            &reader,
-            &mismatches,
-            || dst.to_vec().unwrap(),
-            dst_at,
-            n,
-            &what,
-        );
-    }
-    for method in methods(Location::Unified(ordinal), Location::Unified(ordinal)) {
-        let what = format!("unified to unified by {method:?}");
-        let mut src = UnifiedBuffer::<u32>::new(ctx, n + 5).unwrap();
-        src.fill(0x5151_5151).unwrap();
-        let mut dst = UnifiedBuffer::<u32>::new(ctx, n + 7).unwrap();
-        dst.fill(OLD).unwrap();
-        mismatches.fill(0).unwrap();
-        late_fill(&kernels, &fill, &writer, &mut src, WRITTEN, KERNEL_NS);
-        watch(&watcher, &reader, &dst, OLD, KERNEL_NS, &mut mismatches);
-        try_by(
-            &manager,
-            method,
-            Source::unified(&src, src_at, n),
-            Destination::unified(&mut dst, dst_at),
-        )
-        .unwrap_or_else(|e| panic!("{what}: {e}"));
-        check_settled(
-            &writer,
-            &reader,
-            &mismatches,
-            || dst.to_vec().unwrap(),
-            dst_at,
-            n,
-            &what,
-        );
-    }
+    let (device, unified) = (Location::Device(ordinal), Location::Unified(ordinal));
+    ordered_copies!(
+        device,
+        unified,
+        DeviceBuffer,
+        UnifiedBuffer,
+        device,
+        unified
+    );
+    ordered_copies!(
+        unified,
+        device,
+        UnifiedBuffer,
+        DeviceBuffer,
+        unified,
+        device
+    );
+    ordered_copies!(
+        unified,
+        unified,
+        UnifiedBuffer,
+        UnifiedBuffer,
+        unified,
+        unified
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
