@@ -46,7 +46,7 @@ use cuweave_transfer::{
 };
 
 mod common;
-use common::{block_on, bytes, late_fill, user_stream, watch};
+use common::{Way, block_on, bytes, late_fill, user_stream, watch};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -146,42 +146,6 @@ fn failures(manager: &TransferManager) -> u64 {
         .iter()
         .map(|(_, _, s)| s.failures)
         .sum()
-}
-
-/// Every public way a pageable host slice reaches a device buffer and comes back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Way {
-    /// `transfer`, the planned method.
-    Planned,
-    /// `transfer_with(HostStaged)`.
-    Staged,
-    /// `transfer_with(DirectCopy)`.
-    Direct,
-    /// `upload_async` / `download_async`, awaited.
-    Borrowed,
-    /// `upload_owned` / `download_owned`, awaited.
-    Owned,
-    /// `transfer` into and out of `slice_mut` / `slice` views.
-    View,
-}
-
-impl Way {
-    const ALL: [Self; 6] = [
-        Self::Planned,
-        Self::Staged,
-        Self::Direct,
-        Self::Borrowed,
-        Self::Owned,
-        Self::View,
-    ];
-
-    fn forced(self) -> Option<TransferMethod> {
-        match self {
-            Self::Staged => Some(TransferMethod::HostStaged),
-            Self::Direct => Some(TransferMethod::DirectCopy),
-            _ => None,
-        }
-    }
 }
 
 /// Uploads `src` into `device` at element `offset` by `way` (an owned transfer takes the device

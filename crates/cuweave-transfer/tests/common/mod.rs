@@ -7,6 +7,7 @@ use std::sync::Arc;
 use cuweave_driver::{Context, Kernel, LaunchConfig, Stream, StreamFlags};
 use cuweave_memory::{Buffer, DeviceBuffer, TrackedLaunch};
 use cuweave_test_support::kernels::TestKernels;
+use cuweave_transfer::TransferMethod;
 
 /// What the tests fill memory with outside the range a transfer writes.
 pub const SENTINEL: u8 = 0xEE;
@@ -151,4 +152,42 @@ pub fn late_fill(
             .launch()
     }
     .unwrap();
+}
+
+/// Every public way a pageable host slice reaches a device buffer and comes back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Way {
+    /// `transfer`, the planned method.
+    Planned,
+    /// `transfer_with(HostStaged)`.
+    Staged,
+    /// `transfer_with(DirectCopy)`.
+    Direct,
+    /// `upload_async` / `download_async`, awaited.
+    Borrowed,
+    /// `upload_owned` / `download_owned`, awaited.
+    Owned,
+    /// `transfer` into and out of `slice_mut` / `slice` views.
+    View,
+}
+
+impl Way {
+    /// Every way, in order.
+    pub const ALL: [Self; 6] = [
+        Self::Planned,
+        Self::Staged,
+        Self::Direct,
+        Self::Borrowed,
+        Self::Owned,
+        Self::View,
+    ];
+
+    /// The method `transfer_with` is told to use, for the ways that name one.
+    pub fn forced(self) -> Option<TransferMethod> {
+        match self {
+            Self::Staged => Some(TransferMethod::HostStaged),
+            Self::Direct => Some(TransferMethod::DirectCopy),
+            _ => None,
+        }
+    }
 }
