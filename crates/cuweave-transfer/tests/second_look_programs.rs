@@ -47,7 +47,10 @@ use cuweave_transfer::{
 };
 
 mod common;
-use common::{SENTINEL, Way, assert_range, block_on, bytes, grid, late_fill, user_stream, watch};
+use common::{
+    SENTINEL, Way, assert_all_u32, assert_bytes, assert_range, block_on, bytes, grid, late_fill,
+    user_stream, watch, words,
+};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -59,42 +62,6 @@ const KERNEL_NS: u64 = 60_000_000;
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
-
-/// `len` `u32` words with no short period, different for each `seed`.
-fn words(len: usize, seed: u64) -> Vec<u32> {
-    bytes(len * 4, seed)
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
-
-/// Byte-exact equality of two element slices (NaN payloads and -0.0 included), naming the first
-/// differing byte instead of printing megabytes.
-fn assert_bytes<T: bytemuck::Pod>(got: &[T], want: &[T], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
-    let (g, w): (&[u8], &[u8]) = (bytemuck::cast_slice(got), bytemuck::cast_slice(want));
-    if let Some(i) = (0..g.len()).find(|&i| g[i] != w[i]) {
-        panic!(
-            "{what}: byte {i} of {} differs (element {} of {} bytes): {:#04x}, expected {:#04x}",
-            g.len(),
-            i / size_of::<T>().max(1),
-            size_of::<T>(),
-            g[i],
-            w[i]
-        );
-    }
-}
-
-/// Asserts every element of `got` is `value`.
-fn assert_all_u32(got: &[u32], value: u32, what: &str) {
-    if let Some(i) = got.iter().position(|&x| x != value) {
-        panic!(
-            "{what}: element {i} of {} is {:#x}, expected {value:#x}",
-            got.len(),
-            got[i]
-        );
-    }
-}
 
 /// Polls `future` up to `polls` times with a waker that does nothing; its output if it finished.
 fn poll_n<F: Future + Unpin>(future: &mut F, polls: usize) -> Option<F::Output> {

@@ -46,7 +46,9 @@ use cuweave_transfer::{
 };
 
 mod common;
-use common::{Way, block_on, bytes, late_fill, user_stream, watch};
+use common::{
+    Way, assert_all_u32, assert_bytes, block_on, bytes, late_fill, user_stream, watch, words,
+};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -68,44 +70,6 @@ const WRITTEN: u32 = 0x7E57_AB1E;
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
-
-/// `len` `u32` words with no short period, different for each `seed`.
-fn words(len: usize, seed: u64) -> Vec<u32> {
-    bytes(len * 4, seed)
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
-
-/// Byte-exact equality of two element slices, compared with one `memcmp` (the tests also run
-/// as debug builds), naming the first differing byte instead of printing megabytes.
-fn assert_bytes<T: bytemuck::Pod>(got: &[T], want: &[T], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
-    let (g, w): (&[u8], &[u8]) = (bytemuck::cast_slice(got), bytemuck::cast_slice(want));
-    if g == w {
-        return;
-    }
-    let i = (0..g.len()).find(|&i| g[i] != w[i]).unwrap_or_default();
-    panic!(
-        "{what}: byte {i} of {} differs (element {} of {} bytes): {:#04x}, expected {:#04x}",
-        g.len(),
-        i / size_of::<T>().max(1),
-        size_of::<T>(),
-        g[i],
-        w[i]
-    );
-}
-
-/// Asserts every element of `got` is `value`.
-fn assert_all_u32(got: &[u32], value: u32, what: &str) {
-    if let Some(i) = got.iter().position(|&x| x != value) {
-        panic!(
-            "{what}: element {i} of {} is {:#x}, expected {value:#x}",
-            got.len(),
-            got[i]
-        );
-    }
-}
 
 /// Completed transfers and their bytes per path, as a test counts them.
 type Tally = BTreeMap<TransferPath, (u64, u64)>;

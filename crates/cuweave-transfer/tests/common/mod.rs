@@ -191,3 +191,41 @@ impl Way {
         }
     }
 }
+
+/// `len` `u32` words with no short period, different for each `seed`.
+pub fn words(len: usize, seed: u64) -> Vec<u32> {
+    bytes(len * 4, seed)
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// Byte-exact equality of two element slices, compared with one `memcmp` (the tests also run
+/// as debug builds), naming the first differing byte instead of printing megabytes.
+pub fn assert_bytes<T: bytemuck::Pod>(got: &[T], want: &[T], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+    let (g, w): (&[u8], &[u8]) = (bytemuck::cast_slice(got), bytemuck::cast_slice(want));
+    if g == w {
+        return;
+    }
+    let i = (0..g.len()).find(|&i| g[i] != w[i]).unwrap_or_default();
+    panic!(
+        "{what}: byte {i} of {} differs (element {} of {} bytes): {:#04x}, expected {:#04x}",
+        g.len(),
+        i / size_of::<T>().max(1),
+        size_of::<T>(),
+        g[i],
+        w[i]
+    );
+}
+
+/// Asserts every element of `got` is `value`.
+pub fn assert_all_u32(got: &[u32], value: u32, what: &str) {
+    if let Some(i) = got.iter().position(|&x| x != value) {
+        panic!(
+            "{what}: element {i} of {} is {:#x}, expected {value:#x}",
+            got.len(),
+            got[i]
+        );
+    }
+}
