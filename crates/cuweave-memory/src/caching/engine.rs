@@ -207,22 +207,18 @@ impl<E: Marker> Engine<E> {
         // taking it costs no driver call (a program whose host runs ahead of its stream under
         // a budget lands here on every step). Only then the cached segments of every stream go
         // back to the upstream, as PyTorch's retry frees its cache.
+        let take_free = || {
+            self.shard(stream)
+                .pools
+                .lock()
+                .take_free(stream, rounded, bytes)
+        };
         self.wait_pending()?;
-        if let Some(grant) = self
-            .shard(stream)
-            .pools
-            .lock()
-            .take_free(stream, rounded, bytes)
-        {
+        if let Some(grant) = take_free() {
             return Ok(grant);
         }
         self.release_cached(upstream)?;
-        if let Some(grant) = self
-            .shard(stream)
-            .pools
-            .lock()
-            .take_free(stream, rounded, bytes)
-        {
+        if let Some(grant) = take_free() {
             return Ok(grant);
         }
         match upstream.allocate_segment(segment) {
