@@ -444,23 +444,15 @@ impl StreamPool {
     /// every stream of the pool captures.
     ///
     /// Each set is looked at from the stream after the one last handed out of it (PyTorch's
-    /// round robin within a priority), so callers asking one after another, before any work
-    /// they queue shows, spread over the idle streams instead of all getting the first; each
-    /// caller claims its starting point with one `fetch_add`, so callers asking at the same
-    /// moment on several threads start at different streams too.
+    /// round robin within a priority), so callers asking at once, before any work they queue
+    /// shows, spread over the idle streams instead of all getting the first.
     fn most_urgent_idle(&self) -> Result<Arc<PriorityStream>> {
         for (level, set) in self.sets.iter().enumerate() {
-            if set.is_empty() {
-                continue;
-            }
-            let start = self.priority_cursors[level].fetch_add(1, Ordering::Relaxed);
+            let start = self.priority_cursors[level].load(Ordering::Relaxed);
             for offset in 0..set.len() {
                 let i = (start + offset) % set.len();
                 if load_of(&set[i])? == 0 {
-                    if offset > 0 {
-                        // Busy streams were passed over: the next caller starts after this one.
-                        self.priority_cursors[level].store(i + 1, Ordering::Relaxed);
-                    }
+                    self.priority_cursors[level].store(i + 1, Ordering::Relaxed);
                     return Ok(Arc::clone(&set[i]));
                 }
             }
