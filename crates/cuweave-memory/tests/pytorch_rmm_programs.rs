@@ -30,6 +30,10 @@ use cuweave_memory::{
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{require_gpu, serial, skip, skip_under_sanitizer};
 
+#[path = "common/async_pool.rs"]
+mod async_pool;
+use async_pool::async_pool_or_skip;
+
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
 const US: u64 = 1_000;
@@ -158,12 +162,8 @@ fn a_segment_the_cache_draws_from_a_stream_ordered_pool_is_not_written_under_the
         return;
     }
     let context = &gpu.context;
-    let pool = match AsyncPoolResource::new(context) {
-        Ok(pool) => Arc::new(pool),
-        Err(error) => {
-            skip(name, &format!("no stream-ordered pool: {error}"));
-            return;
-        }
+    let Some(pool) = async_pool_or_skip(name, context) else {
+        return;
     };
     let kernels = TestKernels::load(context).expect("kernels");
     let resource: Arc<dyn MemoryResource> = pool.clone();
@@ -1400,12 +1400,8 @@ fn an_async_pool_pipeline_across_four_streams_round_trips_and_gives_its_memory_b
     let _serial = serial();
     let name = "an_async_pool_pipeline_across_four_streams_round_trips_and_gives_its_memory_back";
     let context = &gpu.context;
-    let pool = match AsyncPoolResource::new(context) {
-        Ok(pool) => Arc::new(pool),
-        Err(error) => {
-            skip(name, &format!("no stream-ordered pool: {error}"));
-            return;
-        }
+    let Some(pool) = async_pool_or_skip(name, context) else {
+        return;
     };
     let kernels = TestKernels::load(context).expect("kernels");
     let resource: Arc<dyn MemoryResource> = pool.clone();

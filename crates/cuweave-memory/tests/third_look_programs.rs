@@ -27,12 +27,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cuweave_driver::{Context, Stream, StreamFlags};
 use cuweave_memory::{
-    AsyncPoolResource, Buffer, CachingAllocator, DeviceBuffer, DriverResource, LimitAdaptor,
-    ManagedCapabilities, MemoryError, MemoryResource, PinnedBuffer, StatisticsAdaptor, StreamKey,
-    UnifiedBuffer,
+    Buffer, CachingAllocator, DeviceBuffer, DriverResource, LimitAdaptor, ManagedCapabilities,
+    MemoryError, MemoryResource, PinnedBuffer, StatisticsAdaptor, StreamKey, UnifiedBuffer,
 };
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{require_gpu, serial, skip};
+
+#[path = "common/async_pool.rs"]
+mod async_pool;
+use async_pool::async_pool_or_skip;
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -855,12 +858,8 @@ fn an_allocator_dropped_before_its_buffers_gives_everything_back_after_the_last_
     let gpu = require_gpu!();
     let _serial = serial();
     let context = &gpu.context;
-    let pool = match AsyncPoolResource::new(context) {
-        Ok(pool) => Arc::new(pool),
-        Err(error) => {
-            skip(name, &format!("no stream-ordered pool: {error}"));
-            return;
-        }
+    let Some(pool) = async_pool_or_skip(name, context) else {
+        return;
     };
     let kernels = TestKernels::load(context).expect("kernels");
     let counted = Arc::new(StatisticsAdaptor::new(Arc::clone(&pool)));

@@ -25,11 +25,15 @@ use std::sync::{Arc, Barrier};
 use cuweave_driver::memory::{copy_dtoh, memset_d8_async, memset_d32_async};
 use cuweave_driver::{Context, Event, EventFlags, Stream, StreamFlags};
 use cuweave_memory::{
-    AsyncPoolResource, Buffer, CachedAllocation, CachingAllocator, DeviceBuffer, DriverResource,
-    LimitAdaptor, MemoryError, MemoryResource, StatisticsAdaptor,
+    Buffer, CachedAllocation, CachingAllocator, DeviceBuffer, DriverResource, LimitAdaptor,
+    MemoryError, MemoryResource, StatisticsAdaptor,
 };
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{require_gpu, serial, skip, skip_under_sanitizer};
+
+#[path = "common/async_pool.rs"]
+mod async_pool;
+use async_pool::async_pool_or_skip;
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -108,12 +112,8 @@ fn an_async_pool_buffer_written_late_on_its_own_stream_is_not_reused_before_that
         return;
     }
     let context = &gpu.context;
-    let pool = match AsyncPoolResource::new(context) {
-        Ok(pool) => Arc::new(pool),
-        Err(error) => {
-            skip(name, &format!("no stream-ordered pool: {error}"));
-            return;
-        }
+    let Some(pool) = async_pool_or_skip(name, context) else {
+        return;
     };
     let resource: Arc<dyn MemoryResource> = pool.clone();
     let kernels = TestKernels::load(context).expect("kernels");
@@ -173,12 +173,8 @@ fn an_async_pool_buffer_outliving_its_stream_is_freed_after_that_streams_last_wo
         return;
     }
     let context = &gpu.context;
-    let pool = match AsyncPoolResource::new(context) {
-        Ok(pool) => Arc::new(pool),
-        Err(error) => {
-            skip(name, &format!("no stream-ordered pool: {error}"));
-            return;
-        }
+    let Some(pool) = async_pool_or_skip(name, context) else {
+        return;
     };
     let resource: Arc<dyn MemoryResource> = pool.clone();
     let kernels = TestKernels::load(context).expect("kernels");
