@@ -51,17 +51,6 @@ impl Cancelled {
 type Withdrawn = Vec<(OperationId, Vec<super::CompletionCallback>)>;
 
 impl State {
-    /// Removes registered, never-begun `id` and lets its dependencies go; returns its
-    /// callbacks.
-    #[cfg(test)]
-    fn cancel(&mut self, id: OperationId) -> Result<Vec<super::CompletionCallback>> {
-        let mut withdrawn = self.cancel_all(&[id], "cancel_operation")?;
-        Ok(withdrawn
-            .pop()
-            .map(|(_, callbacks)| callbacks)
-            .unwrap_or_default())
-    }
-
     /// Removes every one of `ids` (registered, never begun, and depended on by no registered
     /// operation outside `ids`) and lets their other dependencies go; all or none. Returns each
     /// id's callbacks, in the order given (duplicates once).
@@ -177,6 +166,13 @@ impl OperationCoordinator {
 mod tests {
     use super::*;
     use crate::coordinator::{Operation, OperationType};
+
+    impl State {
+        /// `cancel_operation`'s step for one id.
+        fn cancel(&mut self, id: OperationId) -> Result<()> {
+            self.cancel_all(&[id], "cancel_operation").map(drop)
+        }
+    }
 
     fn register(state: &mut State, dependencies: Vec<OperationId>) -> OperationId {
         state.next_id += 1;
