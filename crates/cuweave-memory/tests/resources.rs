@@ -8,6 +8,7 @@ use cuweave_driver::memory::{self, DevicePtr};
 use cuweave_driver::{Context, Stream, StreamFlags};
 use cuweave_memory::resource::{
     AsyncPoolResource, DriverResource, LimitAdaptor, MemoryResource, StatisticsAdaptor,
+    TrackingAdaptor,
 };
 use cuweave_memory::{Buffer, DeviceBuffer, MemoryError};
 use cuweave_test_support::require_gpu;
@@ -131,6 +132,98 @@ fn statistics_adaptor_counts_what_passes_through() {
     assert_eq!((stats.current_allocations, stats.peak_allocations), (0, 2));
     assert!(counted.allocate(0, &s).is_err());
     assert_eq!(counted.stats().failed_allocations, 1);
+}
+
+/// RMM's leak hunt: a tracking adaptor over the program's resource names what a loop forgot
+/// to free (a raw allocation kept, a buffer leaked), with its size, stream and stack, and
+/// holds nothing for what was freed; under a caching allocator it books the cache's segments.
+#[test]
+fn tracking_adaptor_names_what_is_outstanding_and_forgets_what_was_freed() {
+    let gpu = require_gpu!();
+    let (s, other) = (stream(&gpu.context), stream(&gpu.context));
+    let tracked = Arc::new(TrackingAdaptor::with_backtraces(DriverResource::new(
+        &gpu.context,
+    )));
+    assert_eq!(tracked.name(), "tracking(driver)");
+    round_trip(&*tracked, &s);
+    rejects_bad_input(&*tracked, &s);
+    assert_eq!(tracked.outstanding_count(), 0);
+
+    let resource = Arc::clone(&tracked) as Arc<dyn MemoryResource>;
+    let mut kept = None;
+    let mut leaked = None;
+    for step in 0..100usize {
+        let ptr = resource.allocate(4096 + step, &other).unwrap();
+        let buffer = DeviceBuffer::<u8>::with_resource(Arc::clone(&resource), MIB, &s).unwrap();
+        if step == 37 {
+            kept = Some(ptr);
+            leaked = Some(buffer.device_ptr());
+            std::mem::forget(buffer);
+        } else {
+            resource.deallocate(ptr, 4096 + step, &other).unwrap();
+        }
+    }
+    let outstanding = tracked.outstanding();
+    let seen: Vec<_> = outstanding
+        .iter()
+        .map(|a| (a.ptr, a.bytes, a.owned, a.stream))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (kept.unwrap(), 4096 + 37, false, other.id()),
+            (leaked.unwrap(), MIB, true, s.id())
+        ],
+        "oldest first: the raw allocation, then the leaked buffer"
+    );
+    assert_eq!(tracked.outstanding_bytes(), 4096 + 37 + MIB);
+    assert!(outstanding[0].sequence < outstanding[1].sequence);
+    // (Release builds here strip symbols, so the stack's frames are there but may be unnamed.)
+    assert_eq!(
+        outstanding[1].backtrace.as_ref().unwrap().status(),
+        std::backtrace::BacktraceStatus::Captured,
+        "the stack of the allocating call"
+    );
+    let report = tracked.report();
+    assert!(
+        report.starts_with(&format!(
+            "tracking(driver): 2 allocations outstanding, {} bytes",
+            4096 + 37 + MIB
+        )),
+        "{report}"
+    );
+    // The leaked buffer's memory is owned: the books refuse a free by address of it, as the
+    // driver resource does, and keep it.
+    assert!(matches!(
+        resource.deallocate(leaked.unwrap(), MIB, &s),
+        Err(MemoryError::OwnedAllocation { .. })
+    ));
+    resource
+        .deallocate(kept.unwrap(), 4096 + 37, &other)
+        .unwrap();
+    assert_eq!(tracked.outstanding_count(), 1);
+
+    // Under a caching allocator: the segments the cache holds, gone after empty_cache.
+    let under = Arc::new(TrackingAdaptor::new(DriverResource::new(&gpu.context)));
+    let cache = cuweave_memory::caching::CachingAllocator::new(
+        Arc::clone(&under) as Arc<dyn MemoryResource>
+    );
+    for _ in 0..1000 {
+        drop(DeviceBuffer::<u8>::with_allocator(&cache, 3 * MIB, &s).unwrap());
+    }
+    assert_eq!(
+        under.outstanding_count(),
+        1,
+        "one segment for a thousand buffers"
+    );
+    assert!(under.outstanding()[0].owned && under.outstanding_bytes() >= 3 * MIB);
+    s.synchronize().unwrap();
+    cache.empty_cache().unwrap();
+    assert_eq!(
+        under.outstanding_count(),
+        0,
+        "empty_cache gave the segment back"
+    );
 }
 
 #[test]

@@ -97,6 +97,18 @@ impl<V> LiveAllocations<V> {
         Err(refused_free(ptr, bytes, recorded, owned, operation))
     }
 
+    /// `read` of each live allocation (address, bytes asked for, owned, what is kept), in no
+    /// particular order. Each shard of the map is locked while it is read, never two at once.
+    pub(crate) fn collect<R>(&self, read: impl Fn(DevicePtr, usize, bool, &V) -> R) -> Vec<R> {
+        self.live
+            .iter()
+            .map(|entry| {
+                let live = entry.value();
+                read(*entry.key(), live.bytes, live.owned, &live.value)
+            })
+            .collect()
+    }
+
     /// How many allocations are live.
     pub(crate) fn len(&self) -> usize {
         self.live.len()

@@ -10,7 +10,8 @@
 //! | [`AsyncPoolResource`] | `cuMemAllocFromPoolAsync` on a private pool that keeps its memory | `cuMemFreeAsync`, in stream order; back to the driver on [`MemoryResource::release_unused`] |
 //!
 //! Adaptors wrap any resource (a concrete one, or an `Arc<dyn MemoryResource>`) and add one
-//! behaviour: [`StatisticsAdaptor`] counts, [`LimitAdaptor`] caps the bytes outstanding. The
+//! behaviour: [`StatisticsAdaptor`] counts, [`LimitAdaptor`] caps the bytes outstanding,
+//! [`TrackingAdaptor`] books each outstanding allocation with where it was made. The
 //! [`CachingAllocator`](crate::caching::CachingAllocator) takes any resource as its upstream,
 //! and is one itself through [`CachingResource`], so adaptors fit over the cache as well as
 //! under it: `StatisticsAdaptor::new(LimitAdaptor::new(CachingResource::new(allocator), cap))`
@@ -48,6 +49,7 @@ mod driver;
 mod limit;
 mod live;
 mod statistics;
+mod tracking;
 
 pub use crate::caching::CachingResource;
 pub use async_pool::AsyncPoolResource;
@@ -55,6 +57,7 @@ pub use driver::DriverResource;
 pub use limit::LimitAdaptor;
 pub(crate) use live::LiveAllocations;
 pub use statistics::{ResourceStats, StatisticsAdaptor};
+pub use tracking::{OutstandingAllocation, TrackingAdaptor};
 
 /// A source of device memory whose allocations and frees are ordered on streams (RMM's
 /// `device_memory_resource`).
