@@ -39,6 +39,12 @@ pub struct Owned<T: Element> {
 /// It starts at once (not on first poll). A poll only checks whether the workers are done.
 /// Dropping it lets the transfer finish in the background and frees both buffers then;
 /// forgetting it (`mem::forget`) leaks them, never frees memory a worker still touches.
+///
+/// # Panics
+/// Polled again after it resolved. It has handed both buffers out and has no `Owned` left to
+/// give, so it panics, as `Future`'s contract allows, rather than answer `Pending` forever. (A
+/// borrowed [`AsyncTransfer`](super::AsyncTransfer), whose output is a `Result`, answers
+/// [`TransferError::AlreadyCompleted`](crate::TransferError::AlreadyCompleted) instead.)
 #[must_use = "the transfer runs anyway; await it to get the buffers back"]
 pub struct OwnedTransfer<T: Element> {
     handoff: Arc<Handoff<Owned<T>>>,
