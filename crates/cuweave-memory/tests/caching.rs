@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cuweave_driver::memory;
 use cuweave_driver::{Context, Event, EventFlags, Stream, StreamFlags};
-use cuweave_memory::caching::{CachedAllocation, CachingAllocator};
+use cuweave_memory::caching::{BlockStatus, CachedAllocation, CachingAllocator};
 use cuweave_memory::resource::{
     AsyncPoolResource, DriverResource, LimitAdaptor, MemoryResource, StatisticsAdaptor,
 };
@@ -160,6 +160,22 @@ fn a_block_recorded_on_a_second_stream_is_not_reused_while_a_kernel_there_reads_
         "the old block waits for its event"
     );
     assert_eq!(allocator.stats().active_bytes.current, 2 * MIB);
+    // The memory snapshot (torch.cuda.memory_snapshot) shows the same instant block by block.
+    let snapshot = allocator.snapshot();
+    assert_eq!(snapshot.segments.len(), 1, "{snapshot}");
+    let status_at = |ptr| {
+        snapshot.segments[0]
+            .blocks
+            .iter()
+            .find(|block| block.address == ptr)
+            .map(|block| (block.size, block.status))
+    };
+    assert_eq!(status_at(old_ptr), Some((MIB, BlockStatus::PendingFree)));
+    assert_eq!(status_at(new.ptr()), Some((MIB, BlockStatus::Allocated)));
+    assert_eq!(
+        snapshot.reserved_bytes(),
+        allocator.stats().reserved_bytes.current
+    );
 
     // The watch is over (s2 synchronised): the next allocation polls the event, and the old
     // block, back in its stream's free lists, is reused. (`new` stays held so that the stash of
@@ -176,9 +192,13 @@ fn a_block_recorded_on_a_second_stream_is_not_reused_while_a_kernel_there_reads_
         1,
         "all from one segment"
     );
+    let snapshot = allocator.snapshot();
+    assert_eq!(snapshot.bytes(BlockStatus::PendingFree), 0, "{snapshot}");
+    assert_eq!(snapshot.bytes(BlockStatus::Allocated), 2 * MIB);
     drop(again);
     drop(new);
     assert_eq!(allocator.stats().active_bytes.current, 0);
+    assert_eq!(allocator.snapshot().bytes(BlockStatus::Allocated), 0);
 }
 
 #[test]

@@ -404,6 +404,33 @@ impl CachingAllocator {
         self.handles.shared.engine.stats()
     }
 
+    /// Every segment the allocator holds and the blocks it is split into, in address order, at
+    /// one instant (every shard is locked while it is read): PyTorch's
+    /// `torch.cuda.memory_snapshot()`, with `Display` as a short `memory_summary()`. For
+    /// finding fragmentation (segments partly free, which `empty_cache` cannot return) and
+    /// what holds memory; it allocates a list, so it is for diagnostics, not the loop.
+    ///
+    /// ```no_run
+    /// use cuweave_driver::{Context, Device, Stream, StreamFlags};
+    /// use cuweave_memory::caching::{BlockStatus, CachingAllocator};
+    ///
+    /// # fn main() -> cuweave_memory::Result<()> {
+    /// let context = Context::primary(Device::get(0)?)?;
+    /// let stream = Stream::new(&context, StreamFlags::NON_BLOCKING)?;
+    /// let allocator = CachingAllocator::with_driver(&context);
+    /// let kept = allocator.allocate(300 << 10, &stream)?;
+    /// drop(allocator.allocate(600 << 10, &stream)?);
+    /// let snapshot = allocator.snapshot();
+    /// assert_eq!(snapshot.segments.len(), 1, "both came from one 2 MiB small-pool segment");
+    /// assert_eq!(snapshot.bytes(BlockStatus::Allocated), kept.block_size());
+    /// println!("{snapshot}");
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn snapshot(&self) -> super::MemorySnapshot {
+        self.handles.shared.engine.snapshot()
+    }
+
     /// Sets every peak statistic to its current value.
     pub fn reset_peak(&self) {
         self.handles.shared.engine.reset_peak();

@@ -19,6 +19,7 @@ use super::block::BlockId;
 use super::pending::PendingFrees;
 use super::pool::{Grant, Pools, Segment};
 use super::size_class::segment_size;
+use super::snapshot::MemorySnapshot;
 use super::stats::{MemoryStats, Stat};
 use super::stream_uses::{Marker, StreamKey};
 use crate::error::{MemoryError, Result};
@@ -447,6 +448,18 @@ impl<E: Marker> Engine<E> {
             sum.segments = totals.segments;
             sum
         })
+    }
+
+    /// Every segment and its blocks, in address order, with every shard locked (one instant).
+    pub fn snapshot(&self) -> MemorySnapshot {
+        let mut segments = Vec::new();
+        self.with_all_locked(|shards, _| {
+            for pools in shards.iter() {
+                pools.snapshot_segments(&mut segments);
+            }
+        });
+        segments.sort_unstable_by_key(|segment| segment.address);
+        MemorySnapshot { segments }
     }
 
     /// Sets every peak statistic to its current value.

@@ -232,6 +232,12 @@ fn free_pool_id(next: &AtomicU32, live: &HashMap<u32, Weak<PoolToken>>) -> u32 {
     }
 }
 
+/// The private pool whose free lists `key` names, if it is a private key.
+pub(crate) fn graph_pool_of_key(key: StreamKey) -> Option<GraphPoolId> {
+    let raw = key.as_usize();
+    (raw & PRIVATE_BIT != 0).then_some(GraphPoolId(((raw & !PRIVATE_BIT) >> 32) as u32))
+}
+
 /// Whether `key` names a private pool that still has a holder (its segments stay reserved).
 pub(crate) fn is_retained(key: StreamKey) -> bool {
     let raw = key.as_usize();

@@ -118,6 +118,7 @@ mod pending;
 mod pool;
 mod resource;
 pub mod size_class;
+mod snapshot;
 mod stash;
 mod stats;
 mod stream_uses;
@@ -139,5 +140,6 @@ pub(crate) use graph_pool::{
 pub(crate) use pool::Grant;
 pub use resource::CachingResource;
 pub use size_class::PoolKind;
+pub use snapshot::{BlockSnapshot, BlockStatus, MemorySnapshot, SegmentSnapshot};
 pub use stats::{MemoryStats, Stat};
 pub use stream_uses::StreamKey;

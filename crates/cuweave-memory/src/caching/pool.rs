@@ -6,7 +6,9 @@
 
 use super::block::{Arena, Block, BlockId, BlockState};
 use super::free_list::FreeLists;
+use super::graph_pool::graph_pool_of_key;
 use super::size_class::PoolKind;
+use super::snapshot::{BlockSnapshot, BlockStatus, SegmentSnapshot};
 use super::stash::Stash;
 use super::stats::MemoryStats;
 use super::stream_uses::StreamKey;
@@ -409,6 +411,44 @@ impl Pools {
             segments.push((segment, block.pool));
         }
         segments
+    }
+
+    /// Each segment with its blocks in address order, appended to `out` (in no order).
+    pub fn snapshot_segments(&self, out: &mut Vec<SegmentSnapshot>) {
+        for (first, block) in self.arena.iter() {
+            if block.prev.is_some() {
+                continue;
+            }
+            let mut blocks = Vec::new();
+            let mut next = Some(first);
+            while let Some(id) = next {
+                let block = self.arena.block(id);
+                let status = match block.state {
+                    BlockState::Allocated => BlockStatus::Allocated,
+                    BlockState::Pending => BlockStatus::PendingFree,
+                    BlockState::Free | BlockState::Parked => BlockStatus::Free,
+                };
+                blocks.push(BlockSnapshot {
+                    address: block.ptr,
+                    size: block.size,
+                    requested_size: if status == BlockStatus::Allocated {
+                        block.requested
+                    } else {
+                        0
+                    },
+                    status,
+                });
+                next = block.next;
+            }
+            out.push(SegmentSnapshot {
+                address: block.ptr,
+                total_size: blocks.iter().map(|block| block.size).sum(),
+                stream: block.stream,
+                pool: block.pool,
+                graph_pool: graph_pool_of_key(block.stream),
+                blocks,
+            });
+        }
     }
 
     /// How many blocks are in free lists.
