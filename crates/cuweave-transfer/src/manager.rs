@@ -357,8 +357,15 @@ impl TransferManager {
         device: usize,
         memory: &'a mut [T],
     ) -> Result<RegisteredHost<'a, T>> {
-        let state = self.device(device)?;
-        RegisteredHost::new(&state.context, device, memory)
+        let slot = self.slot(device)?;
+        // Refused before the device is opened: a mistake must not leave a context behind.
+        if size_of_val(memory) == 0 {
+            return Err(TransferError::EmptyRegistration {
+                len: memory.len(),
+                element_bytes: size_of::<T>(),
+            });
+        }
+        RegisteredHost::new(&slot.state()?.context, device, memory)
     }
 
     /// Whether registering a host buffer of `bytes` pays for `expected_transfers` transfers
