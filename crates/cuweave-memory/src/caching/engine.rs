@@ -113,7 +113,21 @@ pub(crate) struct Engine<E> {
     retired: Mutex<Vec<capture::Retired>>,
     /// The streams this engine has segments of, watched for their end (`engine_ends.rs`).
     ends: Mutex<ends::Ends>,
+    /// Serialises the out-of-memory retry and the release of cached segments (PyTorch runs
+    /// both under its one allocator mutex): a thread whose upstream request fails waits here
+    /// for a release in flight (segments already off the books, not yet back upstream) instead
+    /// of finding nothing to release and failing beside it. Only these rare paths take it, and
+    /// they hold it across the driver calls that wait for pending frees and free segments.
+    releasing: Mutex<()>,
+    /// Releases completed so far: a retry that waited for another thread's release tries the
+    /// upstream again before giving back its own cache.
+    releases: AtomicUsize,
 }
+
+/// How many times one request's out-of-memory retry gives the cache back and asks again, while
+/// each round releases something (threads off this path may take the room between a release
+/// and the request that follows it).
+const RETRY_ROUNDS: usize = 4;
 
 impl<E> Default for Engine<E> {
     fn default() -> Self {
@@ -130,6 +144,8 @@ impl<E> Engine<E> {
             totals: Mutex::default(),
             retired: Mutex::new(Vec::new()),
             ends: Mutex::default(),
+            releasing: Mutex::new(()),
+            releases: AtomicUsize::new(0),
         }
     }
 
@@ -192,6 +208,7 @@ impl<E: Marker> Engine<E> {
         if let Some(grant) = self.adopt_from_ended(stream, rounded, bytes, upstream) {
             return Ok(grant);
         }
+        let releases = self.releases.load(Ordering::Acquire);
         let first = match upstream.allocate_segment(segment) {
             Ok(ptr) => return Ok(self.add_segment(stream, ptr, segment, rounded, bytes)),
             Err(error) if error.is_out_of_memory() => error,
@@ -204,6 +221,19 @@ impl<E: Marker> Engine<E> {
             "caching allocator: upstream out of memory; releasing cached blocks and retrying"
         );
         self.shard(stream).pools.lock().stats_mut().oom_retries += 1;
+        let _releasing = self.releasing.lock();
+        let allocate = || {
+            upstream
+                .allocate_segment(segment)
+                .map(|ptr| self.add_segment(stream, ptr, segment, rounded, bytes))
+        };
+        // Another thread released while this one waited for the lock: that may be room enough.
+        if self.releases.load(Ordering::Acquire) != releases {
+            match allocate() {
+                Err(error) if error.is_out_of_memory() => {}
+                done => return done,
+            }
+        }
         // First the blocks still waiting for their uses: one of this stream's may now fit, and
         // taking it costs no driver call (a program whose host runs ahead of its stream under
         // a budget lands here on every step). Only then the cached segments of every stream go
@@ -214,23 +244,30 @@ impl<E: Marker> Engine<E> {
                 .lock()
                 .take_free(stream, rounded, bytes)
         };
-        self.wait_pending()?;
-        if let Some(grant) = take_free() {
-            return Ok(grant);
-        }
-        self.release_cached(upstream)?;
-        if let Some(grant) = take_free() {
-            return Ok(grant);
-        }
-        match upstream.allocate_segment(segment) {
-            Ok(ptr) => Ok(self.add_segment(stream, ptr, segment, rounded, bytes)),
-            Err(error) if error.is_out_of_memory() => {
-                let limit = limit_of(&error).or(limit_of(&first));
-                let error = self.out_of_memory(stream, rounded, limit);
-                tracing::warn!(%error, "caching allocator: out of memory after retry");
-                Err(error)
+        let mut round = 0;
+        loop {
+            round += 1;
+            self.wait_pending()?;
+            if let Some(grant) = take_free() {
+                return Ok(grant);
             }
-            Err(error) => Err(error),
+            let released = self.release_cached_locked(upstream)?;
+            if let Some(grant) = take_free() {
+                return Ok(grant);
+            }
+            match allocate() {
+                Err(error) if error.is_out_of_memory() => {
+                    if released > 0 && round < RETRY_ROUNDS {
+                        // Threads off this path took the room: give back what they cached since.
+                        continue;
+                    }
+                    let limit = limit_of(&error).or(limit_of(&first));
+                    let error = self.out_of_memory(stream, rounded, limit);
+                    tracing::warn!(%error, "caching allocator: out of memory after retry");
+                    return Err(error);
+                }
+                done => return done,
+            }
         }
     }
 
@@ -375,6 +412,12 @@ impl<E: Marker> Engine<E> {
     /// Waits for pending blocks, then gives every free whole segment of every shard back through
     /// `release`; returns the bytes given back.
     pub fn release_cached(&self, release: &impl Release) -> Result<usize> {
+        let _releasing = self.releasing.lock();
+        self.release_cached_locked(release)
+    }
+
+    /// [`release_cached`](Self::release_cached), with `releasing` held by the caller.
+    fn release_cached_locked(&self, release: &impl Release) -> Result<usize> {
         let waited = self.wait_pending();
         let segments = self.take_segments(|pools| pools.take_free_segments());
         let bytes = segments.iter().map(|segment| segment.size).sum();
@@ -386,7 +429,9 @@ impl<E: Marker> Engine<E> {
                 bytes,
                 "caching allocator: releasing cached segments"
             );
-            release.release_segments(&segments)
+            let released = release.release_segments(&segments);
+            self.releases.fetch_add(1, Ordering::Release);
+            released
         };
         waited.and(released).map(|()| bytes)
     }

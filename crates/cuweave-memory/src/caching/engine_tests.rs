@@ -22,6 +22,8 @@ struct FakeUpstream {
     allocations: AtomicUsize,
     released: AtomicUsize,
     broken: bool,
+    /// How long a release takes before the memory is back (`cuMemFree` takes microseconds).
+    release_time: std::time::Duration,
 }
 
 impl FakeUpstream {
@@ -33,6 +35,7 @@ impl FakeUpstream {
             allocations: AtomicUsize::new(0),
             released: AtomicUsize::new(0),
             broken: false,
+            release_time: std::time::Duration::ZERO,
         }
     }
 
@@ -47,6 +50,10 @@ impl FakeUpstream {
 
 impl Release for FakeUpstream {
     fn release_segments(&self, segments: &[Segment]) -> Result<()> {
+        let started = std::time::Instant::now();
+        while started.elapsed() < self.release_time {
+            std::hint::spin_loop();
+        }
         let mut outstanding = self.outstanding.lock();
         for segment in segments {
             match outstanding.remove(&segment.ptr) {
@@ -189,6 +196,63 @@ fn out_of_memory_after_the_retry_is_a_typed_error_with_the_totals() {
     );
     assert_eq!(upstream.outstanding_bytes(), SMALL_SEGMENT);
     engine.free(held.stream, held.id, held.ptr).unwrap();
+    engine.check_invariants();
+}
+
+/// PyTorch's guarantee under `set_per_process_memory_fraction`: threads whose live demand fits
+/// the budget are never refused, though each one's cached segments crowd the others out.
+/// Four threads on their own streams (so their own shards) hold one block at a time, a large
+/// one (a 20 MiB segment) or every fourth time a small one (a 2 MiB segment), under a cap of
+/// four large segments: each small request and the large one after it must give back cached
+/// segments, often another thread's, while other threads allocate around the retry.
+#[test]
+fn threads_whose_live_demand_fits_the_cap_are_never_refused_while_they_retry_together() {
+    let engine = Arc::new(Engine::<Flag>::default());
+    let upstream = Arc::new(FakeUpstream {
+        release_time: std::time::Duration::from_micros(20),
+        ..FakeUpstream::with_cap(4 * LARGE_SEGMENT)
+    });
+    let start = Arc::new(std::sync::Barrier::new(4));
+    let threads: Vec<_> = (1..=4usize)
+        .map(|stream| {
+            let (engine, upstream, start) = (
+                Arc::clone(&engine),
+                Arc::clone(&upstream),
+                Arc::clone(&start),
+            );
+            std::thread::spawn(move || {
+                let mut refused = 0;
+                start.wait();
+                for step in 0..20_000usize {
+                    let bytes = if step % 4 == 3 {
+                        64 << 10
+                    } else {
+                        (2 + (step * 7 + stream) % 8) * MIB
+                    };
+                    match engine.allocate(key(stream), bytes, &*upstream) {
+                        Ok(grant) => engine.free(grant.stream, grant.id, grant.ptr).unwrap(),
+                        Err(error) => {
+                            assert!(error.is_out_of_memory(), "{error}");
+                            refused += 1;
+                        }
+                    }
+                }
+                refused
+            })
+        })
+        .collect();
+    let refused: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    assert_eq!(
+        refused, 0,
+        "requests refused though the live demand fit the cap"
+    );
+    assert_eq!(engine.stats().ooms, 0);
+    assert!(
+        engine.stats().oom_retries > 0,
+        "the threads did crowd each other out"
+    );
+    engine.release_cached(&*upstream).unwrap();
+    assert_eq!(upstream.outstanding_bytes(), 0);
     engine.check_invariants();
 }
 
