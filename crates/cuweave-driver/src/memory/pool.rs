@@ -67,6 +67,9 @@ impl MemoryPool {
             ..Default::default()
         };
         let mut raw = std::ptr::null_mut();
+        // A capture records no pool creation, and a stream-ordered allocator makes its pool on
+        // first use, which may be inside a capture: relaxed while one is active, as loads are.
+        let _relaxed = crate::graph::relaxed_during_captures()?;
         // SAFETY: valid out-pointer and fully initialised properties.
         unsafe { cu!(api.mem_pool_create(&mut raw, &props)) }?;
         Ok(Self {
@@ -118,6 +121,8 @@ impl MemoryPool {
     pub fn set_release_threshold(&self, bytes: u64) -> Result<()> {
         let api = driver()?;
         let mut value = bytes;
+        // Not recorded by a capture (see `new`).
+        let _relaxed = crate::graph::relaxed_during_captures()?;
         // SAFETY: the attribute is 64-bit and `value` outlives the call.
         unsafe {
             cu!(api.mem_pool_set_attribute(
@@ -174,6 +179,14 @@ impl Drop for MemoryPool {
             return;
         }
         let Ok(api) = driver() else { return };
+        // Not recorded by a capture (see `new`).
+        let _relaxed = match crate::graph::relaxed_during_captures() {
+            Ok(relaxed) => relaxed,
+            Err(error) => {
+                tracing::warn!(%error, "cannot enter relaxed capture mode; leaking a memory pool");
+                return;
+            }
+        };
         // SAFETY: we created this pool and destroy it once; the driver defers destruction until
         // outstanding allocations are freed.
         if let Err(error) = unsafe { cu!(api.mem_pool_destroy(self.raw)) } {

@@ -392,6 +392,38 @@ fn deallocate_after(
     resource.deallocate_owned(ptr, bytes, &legacy)
 }
 
+/// Frees a graph allocation dropped inside the capture that allocates it with a free node of
+/// that graph: on its home stream, once that stream has joined every captured use (the events
+/// recorded in the capture, which a capturing stream waits for as graph edges). So each replay
+/// allocates and frees it, and the graph may be launched again, as PyTorch's `del tmp` inside
+/// `torch.cuda.graph` does with the `cudaMallocAsync` backend. `None`, nothing done, when the
+/// home stream is gone or no longer records into that capture.
+fn free_in_own_capture(
+    resource: &dyn MemoryResource,
+    ptr: DevicePtr,
+    bytes: usize,
+    events: &[StreamEvent],
+    home: &WeakStream,
+    capture: u64,
+) -> Option<Result<()>> {
+    home.with(|stream| {
+        match stream.capture_status() {
+            Ok(status) if status.id() == Some(capture) => {}
+            _ => return None,
+        }
+        for StreamEvent { event, stream: id } in events {
+            if *id == Some(stream.id()) {
+                continue; // recorded on the home stream: capture order covers it
+            }
+            if let Err(error) = stream.wait_event(event) {
+                return Some(Err(error.into()));
+            }
+        }
+        Some(resource.deallocate_owned(ptr, bytes, stream))
+    })
+    .flatten()
+}
+
 /// The capture `stream` records into, if any (one atomic load while none is active).
 fn capturing_into(stream: &Stream) -> Result<Option<u64>> {
     if cuweave_driver::graph::active_captures() == 0 {
@@ -427,6 +459,23 @@ impl<T: Element> Drop for DeviceBuffer<T> {
                     Some(home) => deallocate_on_home(&*resource, ptr, bytes, &markers.events, home),
                     None => deallocate_after(&*resource, ptr, bytes, &markers.events, None),
                 };
+                let own_capture = self.core.tracker().graph_allocation_of();
+                if let (Some(capture), Some(home)) = (own_capture, &home) {
+                    match free_in_own_capture(
+                        &*resource,
+                        ptr,
+                        bytes,
+                        &markers.events,
+                        home,
+                        capture,
+                    ) {
+                        Some(Ok(())) => return,
+                        Some(Err(error)) => {
+                            tracing::warn!(%error, ptr, bytes, "freeing a graph allocation inside its capture failed; it is held for its graphs instead");
+                        }
+                        None => {}
+                    }
+                }
                 if markers.during_capture() {
                     // No wait nor query may run during a capture (one on a captured event
                     // fails, one on an eager event breaks a global-mode capture).

@@ -238,6 +238,12 @@ impl StreamTracker {
         self.graph_allocation_of = Some(capture);
     }
 
+    /// The capture whose graph allocates the buffer's memory, if it is a graph allocation.
+    #[inline]
+    pub(crate) fn graph_allocation_of(&self) -> Option<u64> {
+        self.graph_allocation_of
+    }
+
     /// The context of the buffer this tracker belongs to.
     #[inline]
     pub(crate) fn context(&self) -> &Arc<Context> {
