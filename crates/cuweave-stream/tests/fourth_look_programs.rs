@@ -444,7 +444,9 @@ fn ten_thousand_replays_fed_through_one_pinned_buffer_stay_exact_and_bounded() {
 ///
 /// Expected: every refusal is the typed `AlreadyCapturing` (never an untyped driver state
 /// error, never a capture merged into another thread's), every thread gets its graph, and 100
-/// replays of each leave exactly 100 in its buffer and nothing in any other.
+/// replays of each leave exactly 100 in its buffer and nothing in any other. The replays wait
+/// until every thread has its graph: a launch on a pool stream that another thread is
+/// capturing would join (or, in global mode, break) that capture, in CUDA as in PyTorch.
 #[test]
 fn eight_threads_racing_to_capture_on_round_robin_pool_streams_get_typed_refusals_or_graphs() {
     let name =
@@ -471,39 +473,46 @@ fn eight_threads_racing_to_capture_on_round_robin_pool_streams_get_typed_refusal
         .map(|_| DeviceBuffer::<u32>::zeroed(context, N).expect("buffer"))
         .collect();
     let start = Barrier::new(THREADS);
+    let captured = Barrier::new(THREADS);
     let refusals = Mutex::new(Vec::new());
 
     let results: Vec<Result<(), String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..THREADS)
             .map(|t| {
-                let (pool, kernels, start, refusals) = (&pool, &kernels, &start, &refusals);
+                let (pool, kernels, start, captured, refusals) =
+                    (&pool, &kernels, &start, &captured, &refusals);
                 let ptr = buffers[t].device_ptr();
                 scope.spawn(move || -> Result<(), String> {
                     start.wait();
-                    for _attempt in 0..10_000 {
-                        let stream = pool.get_stream().map_err(|e| e.to_string())?;
-                        let capture = match stream.begin_capture(CaptureOptions::default()) {
-                            Ok(capture) => capture,
-                            Err(error) => {
-                                refusals.lock().unwrap().push(error);
-                                std::thread::yield_now();
-                                continue;
-                            }
-                        };
-                        // SAFETY: `ptr` is this thread's N u32s, alive until the end.
-                        unsafe { kernels.increment_u32(stream.stream(), ptr, N) }
-                            .map_err(|e| e.to_string())?;
-                        let graph = capture.finish().map_err(|e| e.to_string())?;
-                        let exec = graph
-                            .instantiate(&InstantiateOptions::default())
-                            .map_err(|e| e.to_string())?;
-                        for _ in 0..REPLAYS {
-                            stream.launch_graph(&exec).map_err(|e| e.to_string())?;
+                    let built = (|| {
+                        for _attempt in 0..10_000 {
+                            let stream = pool.get_stream().map_err(|e| e.to_string())?;
+                            let capture = match stream.begin_capture(CaptureOptions::default()) {
+                                Ok(capture) => capture,
+                                Err(error) => {
+                                    refusals.lock().unwrap().push(error);
+                                    std::thread::yield_now();
+                                    continue;
+                                }
+                            };
+                            // SAFETY: `ptr` is this thread's N u32s, alive until the end.
+                            unsafe { kernels.increment_u32(stream.stream(), ptr, N) }
+                                .map_err(|e| e.to_string())?;
+                            let graph = capture.finish().map_err(|e| e.to_string())?;
+                            let exec = graph
+                                .instantiate(&InstantiateOptions::default())
+                                .map_err(|e| e.to_string())?;
+                            return Ok((stream, exec));
                         }
-                        stream.synchronize().map_err(|e| e.to_string())?;
-                        return Ok(());
+                        Err("no stream could be captured in 10000 attempts".to_string())
+                    })();
+                    // Every thread passes here, whether or not it got a graph.
+                    captured.wait();
+                    let (stream, exec) = built?;
+                    for _ in 0..REPLAYS {
+                        stream.launch_graph(&exec).map_err(|e| e.to_string())?;
                     }
-                    Err("no stream could be captured in 10000 attempts".to_string())
+                    stream.synchronize().map_err(|e| e.to_string())
                 })
             })
             .collect();

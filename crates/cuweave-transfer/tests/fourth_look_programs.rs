@@ -657,9 +657,11 @@ fn a_coordinator_orders_raw_kernels_between_manager_transfers_for_hundreds_of_ba
         ),
         (operations, operations, operations, 0)
     );
+    // At most one wait per batch: a first kernel the coordinator has already seen finish
+    // needs none (the results above prove the order either way).
     assert!(
-        metrics.cross_stream_waits >= BATCHES as u64,
-        "each second kernel's stream waits for the first's: {metrics:?}"
+        metrics.cross_stream_waits <= BATCHES as u64,
+        "one wait at most per batch, for the second kernel on the first's: {metrics:?}"
     );
     assert_eq!(coordinator.live_operations(), 0, "every operation retired");
     let (tally, failures) = per_path(&manager);
