@@ -13,6 +13,10 @@ use cuweave_memory::Element;
 use cuweave_memory::buffer::{Buffer, DeviceBuffer};
 use cuweave_test_support::require_gpu;
 
+#[path = "common/gate.rs"]
+mod gate;
+use gate::Gate;
+
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {
@@ -121,4 +125,91 @@ fn f64_and_wide_values_fill_views_at_every_element_offset() {
         );
     }
     check_view_fill::<f64>(ctx, 100_003, 1, 100_002, [0.0, 3.25, -7.5]);
+}
+
+/// `split_at_mut` and `chunks_mut`: writable views of disjoint parts, each filled on its own
+/// stream at once. The head's fill waits behind a closed gate while the tail's runs and lands
+/// (disjoint parts order nothing), every element ends with its part's value, a read-only view
+/// stays read-only when split, and bad splits are typed errors.
+#[test]
+fn split_and_chunked_views_are_written_on_their_own_streams_at_once() {
+    use cuweave_memory::MemoryError;
+    use cuweave_test_support::kernels::TestKernels;
+
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let ctx = &gpu.context;
+    let kernels = TestKernels::load(ctx).unwrap();
+    let (held, free) = (
+        Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap(),
+        Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap(),
+    );
+    const LEN: usize = 1001;
+    let mut buffer = DeviceBuffer::<u16>::zeroed(ctx, LEN).unwrap();
+    {
+        let gate = Gate::new(ctx);
+        gate.hold(&kernels, &held);
+        let (mut head, mut tail) = buffer.split_at_mut(333).unwrap();
+        assert_eq!((head.len(), tail.len()), (333, LEN - 333));
+        head.fill_async(1, &held).unwrap();
+        tail.fill_async(2, &free).unwrap();
+        free.synchronize().unwrap();
+        assert!(
+            !held.query().unwrap(),
+            "the head's fill still waits at the gate"
+        );
+        gate.open();
+        held.synchronize().unwrap();
+    }
+    let expected: Vec<u16> = (0..LEN).map(|i| if i < 333 { 1 } else { 2 }).collect();
+    assert_eq!(buffer.to_vec().unwrap(), expected);
+
+    // Slots of a flat buffer, the last one short, each on a stream of its own.
+    let streams: Vec<Stream> = (0..4)
+        .map(|_| Stream::new(ctx, StreamFlags::NON_BLOCKING).unwrap())
+        .collect();
+    let mut slots = buffer.chunks_mut(300).unwrap();
+    assert_eq!(
+        slots.iter().map(|slot| slot.len()).collect::<Vec<_>>(),
+        [300, 300, 300, 101]
+    );
+    for (i, slot) in slots.iter_mut().enumerate() {
+        slot.fill_async(10 + i as u16, &streams[i]).unwrap();
+    }
+    drop(slots);
+    let expected: Vec<u16> = (0..LEN).map(|i| 10 + (i / 300) as u16).collect();
+    assert_eq!(
+        buffer.to_vec().unwrap(),
+        expected,
+        "the blocking read waited for all four streams"
+    );
+
+    // A split of a split, and of a read-only view: the parts of a read-only view refuse writes.
+    let (_, mut tail) = buffer.split_at_mut(1).unwrap();
+    let (mut middle, _) = tail.split_at_mut(LEN - 2).unwrap();
+    middle.fill(7).unwrap();
+    let back = buffer.to_vec().unwrap();
+    assert_eq!(
+        (back[0], back[1], back[LEN - 2], back[LEN - 1]),
+        (10, 7, 7, 13)
+    );
+    let mut read_only = buffer.slice(..).unwrap();
+    let (mut a, _) = read_only.split_at_mut(5).unwrap();
+    assert!(matches!(a.fill(0), Err(MemoryError::ReadOnlyView { .. })));
+    assert_eq!(buffer.to_vec().unwrap(), back, "nothing was written");
+
+    for mid in [0, LEN] {
+        assert!(matches!(
+            buffer.split_at_mut(mid),
+            Err(MemoryError::ZeroLength { .. })
+        ));
+    }
+    assert!(matches!(
+        buffer.split_at_mut(LEN + 1),
+        Err(MemoryError::OutOfRange { .. })
+    ));
+    assert!(matches!(
+        buffer.chunks_mut(0),
+        Err(MemoryError::ZeroLength { .. })
+    ));
 }

@@ -143,6 +143,65 @@ pub trait Buffer<T: Element>: sealed::Sealed {
         Ok(BufferSliceMut::new(core, start, len))
     }
 
+    /// Two writable views, of the elements before `mid` and of those from `mid` on, borrowing
+    /// the buffer exclusively (`<[T]>::split_at_mut`): each may be written on its own stream,
+    /// at once, since uses are tracked per range (an all-to-all receiving into the slots of one
+    /// flat buffer, as `all_to_all_single` does).
+    ///
+    /// ```no_run
+    /// use cuweave_driver::{Context, Device};
+    /// use cuweave_memory::{Buffer, DeviceBuffer};
+    ///
+    /// # fn main() -> cuweave_memory::Result<()> {
+    /// let context = Context::primary(Device::get(0)?)?;
+    /// let mut buffer = DeviceBuffer::<u32>::zeroed(&context, 6)?;
+    /// let (mut head, mut tail) = buffer.split_at_mut(2)?;
+    /// head.fill(1)?;
+    /// tail.fill(2)?;
+    /// assert_eq!(buffer.to_vec()?, [1, 1, 2, 2, 2, 2]);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// `ZeroLength` when a part would be empty (`mid` is 0 or the length), `OutOfRange` for
+    /// `mid` past the end.
+    fn split_at_mut(
+        &mut self,
+        mid: usize,
+    ) -> Result<(BufferSliceMut<'_, T>, BufferSliceMut<'_, T>)> {
+        const OPERATION: &str = "Buffer::split_at_mut";
+        let core = self.core();
+        let (head_start, head_len) = super::view::resolve(OPERATION, ..mid, core.len())?;
+        let (tail_start, tail_len) = super::view::resolve(OPERATION, mid.., core.len())?;
+        // The two ranges are disjoint, so two writable views of them alias nothing.
+        Ok((
+            BufferSliceMut::new(core, head_start, head_len),
+            BufferSliceMut::new(core, tail_start, tail_len),
+        ))
+    }
+
+    /// Writable views of consecutive runs of `chunk_len` elements (the last may be shorter),
+    /// borrowing the buffer exclusively (`<[T]>::chunks_mut`): the per-peer slots of a flat
+    /// buffer, or the parts of a pipelined copy, each usable on its own stream.
+    ///
+    /// # Errors
+    /// `ZeroLength` for a `chunk_len` of 0.
+    fn chunks_mut(&mut self, chunk_len: usize) -> Result<Vec<BufferSliceMut<'_, T>>> {
+        if chunk_len == 0 {
+            return Err(crate::MemoryError::ZeroLength {
+                operation: "Buffer::chunks_mut",
+            });
+        }
+        let core = self.core();
+        let len = core.len();
+        // Disjoint runs, so the writable views alias nothing.
+        Ok((0..len)
+            .step_by(chunk_len)
+            .map(|start| BufferSliceMut::new(core, start, chunk_len.min(len - start)))
+            .collect())
+    }
+
     /// The device the memory belongs to.
     fn device(&self) -> Device {
         self.core().context().device()
