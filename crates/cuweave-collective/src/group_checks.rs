@@ -101,6 +101,31 @@ pub(crate) struct PointToPoint {
     pub(crate) bytes: usize,
 }
 
+/// Checks that a group's communicators (each given as its rank and whether it is blocking) are
+/// all blocking or all non-blocking. NCCL refuses the mix ("Blocking and nonblocking
+/// communicators are not allowed in the same group", `ncclInvalidArgument`) only once the group
+/// is under way, after communicators may have taken their part.
+///
+/// # Errors
+/// What is wrong, in words.
+pub(crate) fn check_blocking(ranks: &[(usize, bool)]) -> Result<(), String> {
+    let Some(&(first_rank, first)) = ranks.first() else {
+        return Ok(());
+    };
+    match ranks.iter().find(|&&(_, blocking)| blocking != first) {
+        None => Ok(()),
+        Some(&(rank, blocking)) => {
+            let kind = |blocking: bool| if blocking { "blocking" } else { "non-blocking" };
+            Err(format!(
+                "rank {first_rank}'s communicator is {} and rank {rank}'s is {}: NCCL does not \
+                 allow blocking and non-blocking communicators in one group",
+                kind(first),
+                kind(blocking)
+            ))
+        }
+    }
+}
+
 /// Checks that every send and receive whose two sides are both in hand pair up: NCCL pairs the
 /// k-th send from rank a to rank b with the k-th receive at b from a, and only the two sides
 /// issued together progress together, so, for every ordered pair of parties that are one
@@ -176,6 +201,18 @@ mod tests {
     use rstest::rstest;
 
     use super::*;
+
+    #[test]
+    fn blocking_and_non_blocking_communicators_do_not_share_a_group() {
+        assert!(check_blocking(&[]).is_ok());
+        assert!(check_blocking(&[(0, true), (1, true)]).is_ok());
+        assert!(check_blocking(&[(0, false), (1, false), (2, false)]).is_ok());
+        let refused = check_blocking(&[(0, false), (1, false), (2, true)]).unwrap_err();
+        assert!(
+            refused.starts_with("rank 0's communicator is non-blocking and rank 2's is blocking"),
+            "{refused}"
+        );
+    }
 
     const W: Option<World> = Some(World::Local(1));
 

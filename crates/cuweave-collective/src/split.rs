@@ -65,6 +65,12 @@ fn check_parents(parents: &[&Communicator], splits: usize, operation: &'static s
             ),
         ));
     }
+    let blocking: Vec<(usize, bool)> = parents
+        .iter()
+        .map(|parent| (parent.rank(), parent.config().blocking))
+        .collect();
+    crate::group_checks::check_blocking(&blocking)
+        .map_err(|reason| CollectiveError::invalid(operation, reason))?;
     for (i, parent) in parents.iter().enumerate() {
         if parents[..i]
             .iter()

@@ -974,3 +974,59 @@ fn two_gpus_views_at_different_offsets_on_each_rank_leave_their_neighbours_alone
         );
     }
 }
+
+/// A blocking and a non-blocking communicator of one device in one group (a library that makes
+/// its own communicator with other defaults, joined to the program's group): NCCL refuses the
+/// mix only once the group is under way. cuweave refuses it first, with `InvalidArgument`, for
+/// collectives and for splits alike; nothing is queued and both communicators keep working,
+/// alone or each in a group of its own kind.
+#[test]
+fn a_group_mixing_blocking_and_non_blocking_communicators_is_refused_before_nccl_sees_it() {
+    let (_gpu, _serial) = gate!();
+    let blocking = own_comm(&CommConfig::default().with_blocking(true));
+    let non_blocking = own_comm(&CommConfig::default());
+    let context = blocking.context();
+    let (s1, s2) = (stream(context), stream(context));
+    const LEN: usize = 1000;
+    let input = pattern::<u32>(LEN, 71);
+    let stale = pattern::<u32>(LEN, 72);
+    let send = upload(context, &input);
+    let (mut a, mut b) = (upload(context, &stale), upload(context, &stale));
+    {
+        let mut group = Group::new();
+        group
+            .all_reduce(&blocking, &send, &mut a, ReduceOp::Sum, &s1)
+            .expect("add");
+        group
+            .all_reduce(&non_blocking, &send, &mut b, ReduceOp::Sum, &s2)
+            .expect("add");
+        let error = group.launch().expect_err("a mixed group");
+        assert!(
+            matches!(error, CollectiveError::InvalidArgument { .. }),
+            "{error}"
+        );
+        assert!(error.to_string().contains("blocking"), "{error}");
+    }
+    let refused =
+        Communicator::split_all(&[&blocking, &non_blocking], &[(Some(0), 0), (Some(0), 1)]);
+    assert!(
+        matches!(refused, Err(CollectiveError::InvalidArgument { .. })),
+        "{refused:?}"
+    );
+    assert_bytes_eq("nothing queued", &a.to_vec().expect("a"), &stale);
+    assert_bytes_eq("nothing queued", &b.to_vec().expect("b"), &stale);
+    for comm in [&blocking, &non_blocking] {
+        assert!(!comm.is_aborted());
+        comm.check_async_error().expect("healthy");
+    }
+    blocking
+        .all_reduce(&send, &mut a, ReduceOp::Sum, &s1)
+        .expect("blocking alone");
+    non_blocking
+        .all_reduce(&send, &mut b, ReduceOp::Sum, &s2)
+        .expect("non-blocking alone");
+    blocking.synchronize(&s1).expect("s1");
+    non_blocking.synchronize(&s2).expect("s2");
+    assert_bytes_eq("one rank's sum", &a.to_vec().expect("a"), &input);
+    assert_bytes_eq("one rank's sum", &b.to_vec().expect("b"), &input);
+}

@@ -6,7 +6,9 @@ use std::time::Instant;
 
 use crate::comm::Communicator;
 use crate::error::{CollectiveError, NcclCode, Result};
-use crate::group_checks::{Direction, Party, PointToPoint, check_captures, check_pairs};
+use crate::group_checks::{
+    Direction, Party, PointToPoint, check_blocking, check_captures, check_pairs,
+};
 use crate::handle::{Blocking, end_group};
 use crate::loader::NcclApi;
 use crate::raw::{self, Call};
@@ -107,6 +109,7 @@ fn check_calls(ops: &[Op<'_>], grouped: bool) -> Result<()> {
     };
     let mut comms: Vec<*const crate::comm::CommInner> = Vec::new();
     let mut parties = Vec::new();
+    let mut blocking = Vec::new();
     let party_of: Vec<usize> = ops
         .iter()
         .map(|op| {
@@ -117,10 +120,12 @@ fn check_calls(ops: &[Op<'_>], grouped: bool) -> Result<()> {
                     world: op.comm.world(),
                     rank: op.comm.rank(),
                 });
+                blocking.push((op.comm.rank(), op.comm.config().blocking));
                 comms.len() - 1
             })
         })
         .collect();
+    check_blocking(&blocking).map_err(|reason| CollectiveError::invalid(operation, reason))?;
     if ops.len() > 1 {
         // One query per distinct stream (a coalesced group has many calls on few streams).
         let mut seen: Vec<(u64, Option<u64>)> = Vec::new();
