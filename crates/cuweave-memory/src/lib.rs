@@ -11,7 +11,7 @@
 //! | [`PendingCopy`] | an async host copy that owns its host side until the GPU is past it |
 //! | [`MemAdvice`], [`MigrationPolicy`], [`ManagedMemoryHints`], [`PrefetchPlan`] | unified-memory placement: advice, policies, checked prefetch, batched prefetch |
 //! | [`CachingAllocator`], [`CachedAllocation`], [`MemoryStats`] | PyTorch-grade caching of device memory: size-rounded blocks, per-stream free lists, `record_stream`, OOM retry |
-//! | [`MemoryResource`], [`DriverResource`], [`AsyncPoolResource`], [`StatisticsAdaptor`], [`LimitAdaptor`], [`TrackingAdaptor`] | RMM-style upstream resources and adaptors the allocator draws from |
+//! | [`MemoryResource`], [`DriverResource`], [`AsyncPoolResource`], [`StatisticsAdaptor`], [`LimitAdaptor`], [`TrackingAdaptor`], [`LoggingAdaptor`] | RMM-style upstream resources and adaptors the allocator draws from |
 //! | [`PinnedPool`], [`PinnedBlock`] | reuse of page-locked host blocks, gated on the event of their last use |
 //!
 //! # The rules it keeps
@@ -88,8 +88,8 @@ pub use pinned_pool::{
     PinnedBlock, PinnedPool, PinnedPoolConfig, PinnedPoolStats, TypedPinnedBlock,
 };
 pub use resource::{
-    AsyncPoolResource, DriverResource, LimitAdaptor, MemoryResource, OutstandingAllocation,
-    ResourceStats, StatisticsAdaptor, TrackingAdaptor,
+    AsyncPoolResource, DriverResource, LimitAdaptor, LoggingAdaptor, MemoryResource,
+    OutstandingAllocation, ResourceStats, StatisticsAdaptor, TrackingAdaptor,
 };
 pub use unified::{
     ManagedCapabilities, ManagedMemoryHints, ManagedRange, MemAdvice, MemLocation, MigrationPolicy,

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use cuweave_driver::memory::{self, DevicePtr};
 use cuweave_driver::{Context, Stream, StreamFlags};
 use cuweave_memory::resource::{
-    AsyncPoolResource, DriverResource, LimitAdaptor, MemoryResource, StatisticsAdaptor,
-    TrackingAdaptor,
+    AsyncPoolResource, DriverResource, LOG_HEADER, LimitAdaptor, LoggingAdaptor, MemoryResource,
+    StatisticsAdaptor, TrackingAdaptor,
 };
 use cuweave_memory::{Buffer, DeviceBuffer, MemoryError};
 use cuweave_test_support::require_gpu;
@@ -223,6 +223,83 @@ fn tracking_adaptor_names_what_is_outstanding_and_forgets_what_was_freed() {
         under.outstanding_count(),
         0,
         "empty_cache gave the segment back"
+    );
+}
+
+/// A log sink the test reads back.
+#[derive(Clone, Default)]
+struct SharedLog(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for SharedLog {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// RMM's logging adaptor: one CSV line per allocation, free and refusal, in order, with the
+/// address, size and stream of each, readable for a replay; refusals are logged and still
+/// refused, and a typed buffer's allocation and free appear too.
+#[test]
+fn logging_adaptor_writes_one_line_per_allocation_and_free_in_order() {
+    let gpu = require_gpu!();
+    let s = stream(&gpu.context);
+    let log = SharedLog::default();
+    let logged =
+        Arc::new(LoggingAdaptor::new(DriverResource::new(&gpu.context), log.clone()).unwrap());
+    assert_eq!(logged.name(), "logging(driver)");
+    round_trip(&*logged, &s);
+    rejects_bad_input(&*logged, &s);
+    let buffer = DeviceBuffer::<u32>::with_resource(
+        Arc::clone(&logged) as Arc<dyn MemoryResource>,
+        1000,
+        &s,
+    )
+    .unwrap();
+    let typed = buffer.device_ptr();
+    drop(buffer);
+    logged.flush().unwrap();
+    assert_eq!(logged.write_errors(), 0);
+
+    let text = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some(LOG_HEADER));
+    let rows: Vec<Vec<&str>> = lines.map(|line| line.split(',').collect()).collect();
+    assert!(rows.iter().all(|row| row.len() == 6), "{text}");
+    let actions: Vec<(&str, &str)> = rows.iter().map(|row| (row[2], row[4])).collect();
+    assert_eq!(
+        actions,
+        [
+            ("allocate", "1048576"),
+            ("allocate", "1048576"),
+            ("free", "1048576"),
+            ("free", "1048576"),
+            ("allocate failure", "0"),
+            ("allocate", "4096"),
+            ("free failure", "512"),
+            ("free failure", "4096"),
+            ("free", "4096"),
+            ("free failure", "4096"),
+            ("allocate", "4000"),
+            ("free", "4000"),
+        ],
+        "{text}"
+    );
+    // Every allocation's address comes back in its free; the stream is the one used.
+    assert_eq!(rows[0][3], rows[2][3]);
+    assert_eq!(rows[1][3], rows[3][3]);
+    let typed = format!("{typed:#x}");
+    assert_eq!((rows[10][3], rows[11][3]), (typed.as_str(), typed.as_str()));
+    let id = s.id().to_string();
+    assert!(rows.iter().all(|row| row[5] == id), "{text}");
+    let times: Vec<u128> = rows.iter().map(|row| row[1].parse().unwrap()).collect();
+    assert!(
+        times.windows(2).all(|pair| pair[0] <= pair[1]),
+        "in order: {text}"
     );
 }
 

@@ -11,7 +11,8 @@
 //!
 //! Adaptors wrap any resource (a concrete one, or an `Arc<dyn MemoryResource>`) and add one
 //! behaviour: [`StatisticsAdaptor`] counts, [`LimitAdaptor`] caps the bytes outstanding,
-//! [`TrackingAdaptor`] books each outstanding allocation with where it was made. The
+//! [`TrackingAdaptor`] books each outstanding allocation with where it was made,
+//! [`LoggingAdaptor`] writes a CSV line per allocation and free. The
 //! [`CachingAllocator`](crate::caching::CachingAllocator) takes any resource as its upstream,
 //! and is one itself through [`CachingResource`], so adaptors fit over the cache as well as
 //! under it: `StatisticsAdaptor::new(LimitAdaptor::new(CachingResource::new(allocator), cap))`
@@ -48,6 +49,7 @@ mod async_pool;
 mod driver;
 mod limit;
 mod live;
+mod logging;
 mod statistics;
 mod tracking;
 
@@ -56,6 +58,7 @@ pub use async_pool::AsyncPoolResource;
 pub use driver::DriverResource;
 pub use limit::LimitAdaptor;
 pub(crate) use live::LiveAllocations;
+pub use logging::{LOG_HEADER, LoggingAdaptor};
 pub use statistics::{ResourceStats, StatisticsAdaptor};
 pub use tracking::{OutstandingAllocation, TrackingAdaptor};
 
