@@ -38,12 +38,22 @@ fn complete_legacy_stream(api: &crate::loader::DriverApi) -> Result<()> {
 /// Refuses a 16-bit memset at an odd address: the driver would refuse it too
 /// (`CUDA_ERROR_INVALID_VALUE`), but only after binding the context, and saying less.
 fn ensure_aligned_d16(dst: DevicePtr, operation: &'static str) -> Result<()> {
-    if dst.is_multiple_of(2) {
+    ensure_aligned(dst, 2, operation)
+}
+
+/// Refuses a 32-bit memset at an address that is not 4-byte aligned, as
+/// [`ensure_aligned_d16`] does for 16-bit ones.
+fn ensure_aligned_d32(dst: DevicePtr, operation: &'static str) -> Result<()> {
+    ensure_aligned(dst, 4, operation)
+}
+
+fn ensure_aligned(dst: DevicePtr, align: u64, operation: &'static str) -> Result<()> {
+    if dst.is_multiple_of(align) {
         Ok(())
     } else {
         Err(crate::error::DriverError::invalid(
             operation,
-            format!("destination {dst:#x} is not 2-byte aligned"),
+            format!("destination {dst:#x} is not {align}-byte aligned"),
         ))
     }
 }
@@ -367,6 +377,7 @@ pub unsafe fn memset_d16(
 /// Sets `count` 32-bit words at `dst` (4-byte aligned) to `value` and waits for it.
 ///
 /// # Errors
+/// `InvalidArgument` when `dst` is not 4-byte aligned, before the driver is asked.
 /// [`GraphError::Capturing`](crate::GraphError::Capturing), before the driver is asked, while
 /// the calling thread's capture mode forbids blocking calls, and, from any thread, while a
 /// capture begun through cuweave on a blocking stream of `context` is active: the legacy
@@ -381,6 +392,7 @@ pub unsafe fn memset_d32(
     value: u32,
     count: usize,
 ) -> Result<()> {
+    ensure_aligned_d32(dst, "memory::memset_d32")?;
     refuse_blocking(context, "memory::memset_d32")?;
     context.bind_to_thread()?;
     let api = driver()?;
@@ -440,6 +452,7 @@ pub unsafe fn memset_d16_async(
 /// Queues a 32-bit memset of `count` words on `stream`.
 ///
 /// # Errors
+/// `InvalidArgument` when `dst` is not 4-byte aligned, before anything is queued.
 /// [`GraphError::Capturing`](crate::GraphError::Capturing), before anything is queued, when
 /// `stream` is the legacy default stream and a capture begun through cuweave on a blocking
 /// stream of its context is active
@@ -453,6 +466,7 @@ pub unsafe fn memset_d32_async(
     count: usize,
     stream: &Stream,
 ) -> Result<()> {
+    ensure_aligned_d32(dst, "memory::memset_d32_async")?;
     crate::graph::refuse_on_legacy_stream(stream, "memory::memset_d32_async")?;
     stream.context().bind_to_thread()?;
     let api = driver()?;
@@ -474,8 +488,27 @@ fn refuse_blocking(context: &Context, operation: &'static str) -> Result<()> {
 mod tests {
     use rstest::rstest;
 
-    use super::{ensure_aligned_d16, ensure_disjoint};
+    use super::{ensure_aligned_d16, ensure_aligned_d32, ensure_disjoint};
     use crate::error::DriverError;
+
+    #[rstest]
+    #[case::zero(0, true)]
+    #[case::four(4, true)]
+    #[case::allocation(0x7f00_0000_0200, true)]
+    #[case::two(2, false)]
+    #[case::one(1, false)]
+    #[case::word_inside_allocation(0x7f00_0000_0206, false)]
+    fn a_32_bit_memset_needs_a_4_byte_aligned_destination(#[case] dst: u64, #[case] ok: bool) {
+        match ensure_aligned_d32(dst, "memory::memset_d32") {
+            Ok(()) => assert!(ok, "{dst:#x} accepted"),
+            Err(DriverError::InvalidArgument { operation, reason }) => {
+                assert!(!ok, "{dst:#x} refused");
+                assert_eq!(operation, "memory::memset_d32");
+                assert!(reason.contains("4-byte aligned"), "{reason}");
+            }
+            Err(other) => panic!("{other}"),
+        }
+    }
 
     #[rstest]
     #[case::zero(0, true)]
