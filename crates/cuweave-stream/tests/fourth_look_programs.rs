@@ -22,12 +22,12 @@ mod common;
 use std::sync::{Arc, Barrier, Mutex};
 
 use common::Kit;
-use common::graph::{Fixture, MS, fixture, graph_error, settled};
-use cuweave_driver::InstantiateOptions;
-use cuweave_driver::graph::GraphError;
+use common::graph::{MS, assert_exact, bits, fixture, graph_error, settled};
+use cuweave_driver::graph::{Graph, GraphError, GraphExec};
 use cuweave_driver::memory::copy_dtod_async;
+use cuweave_driver::{Context, InstantiateOptions};
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer};
-use cuweave_stream::capture::CaptureOptions;
+use cuweave_stream::capture::{CaptureOptions, StreamCapture};
 use cuweave_stream::{
     AllocationStrategy, MultiStreamCoordinator, OperationKind, PriorityStream, StreamError,
     StreamOrderedAllocator, StreamPool, StreamPoolConfig, StreamPriority, StreamProfiler,
@@ -35,7 +35,7 @@ use cuweave_stream::{
 use cuweave_test_support::outside_capture::{raw_mem_alloc, raw_mem_free};
 use cuweave_test_support::{require_gpu, resident_bytes, sanitizer_active, serial, skip};
 
-fn normal_stream(context: &Arc<cuweave_driver::Context>) -> Arc<PriorityStream> {
+fn normal_stream(context: &Arc<Context>) -> Arc<PriorityStream> {
     Arc::new(PriorityStream::new(context, StreamPriority::Normal).expect("stream"))
 }
 
@@ -45,14 +45,31 @@ fn input(round: usize, n: usize) -> Vec<f32> {
         .collect()
 }
 
-fn assert_f32_exact(actual: &[f32], expected: impl Fn(usize) -> f32, what: &str) {
-    if let Some((i, v)) = actual
-        .iter()
-        .enumerate()
-        .find(|(i, v)| v.to_bits() != expected(*i).to_bits())
-    {
-        panic!("{what}: element {i} is {v}, expected {}", expected(i));
-    }
+/// Ends `capture` (`what` says why it must end well) and instantiates its graph with plain
+/// options.
+fn finish(capture: StreamCapture<'_>, what: &str) -> (Graph, GraphExec) {
+    let graph = capture.finish().expect(what);
+    let exec = graph
+        .instantiate(&InstantiateOptions::default())
+        .expect("instantiate");
+    (graph, exec)
+}
+
+/// Runs `work(t)` for `t` in `0..threads`, each on a scoped thread of its own, all at once;
+/// their results in order of `t`.
+fn on_threads<R: Send>(threads: usize, work: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    let work = &work;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads).map(|t| scope.spawn(move || work(t))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// `count` zeroed buffers of `n` u32s on `context`.
+fn zeroed_buffers(context: &Arc<Context>, count: usize, n: usize) -> Vec<DeviceBuffer<u32>> {
+    (0..count)
+        .map(|_| DeviceBuffer::<u32>::zeroed(context, n).expect("buffer"))
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -73,17 +90,11 @@ fn assert_f32_exact(actual: &[f32], expected: impl Fn(usize) -> f32, what: &str)
 fn a_barrier_inside_a_capture_orders_its_branches_and_one_across_its_boundary_is_refused() {
     let name =
         "a_barrier_inside_a_capture_orders_its_branches_and_one_across_its_boundary_is_refused";
-    let Some(Fixture {
-        gpu,
-        kernels,
-        allocator: _,
-        _serial,
-    }) = fixture(name)
-    else {
+    let Some(fx) = fixture(name) else {
         return;
     };
     const N: usize = 1 << 12;
-    let context = &gpu.context;
+    let context = &fx.gpu.context;
     let pool = StreamPool::new(context, StreamPoolConfig::default()).expect("pool");
     let normals = pool.streams_of(StreamPriority::Normal);
     assert!(
@@ -105,9 +116,11 @@ fn a_barrier_inside_a_capture_orders_its_branches_and_one_across_its_boundary_is
         .begin_capture(CaptureOptions::default())
         .expect("begin");
     capture.fork(side.stream()).expect("fork");
-    kernels.spin_ns(side.stream(), 2 * MS).expect("side spin");
+    fx.kernels
+        .spin_ns(side.stream(), 2 * MS)
+        .expect("side spin");
     // SAFETY: `out` holds N u32s and outlives the graph; written by the graph only.
-    unsafe { kernels.fill_u32(side.stream(), out_ptr, 7, N) }.expect("side write");
+    unsafe { fx.kernels.fill_u32(side.stream(), out_ptr, 7, N) }.expect("side write");
 
     let refused = across
         .create_barrier()
@@ -128,20 +141,18 @@ fn a_barrier_inside_a_capture_orders_its_branches_and_one_across_its_boundary_is
     // SAFETY: both hold N u32s, alive for the graph; ordered after the side write by the barrier.
     unsafe { copy_dtod_async(res_ptr, out_ptr, N * 4, origin.stream()) }.expect("copy");
     capture.join(side.stream()).expect("join");
-    let graph = capture
-        .finish()
-        .expect("the refused barrier must not have broken the capture");
-    let exec = graph
-        .instantiate(&InstantiateOptions::default())
-        .expect("instantiate");
+    let (graph, exec) = finish(
+        capture,
+        "the refused barrier must not have broken the capture",
+    );
 
     for round in 0..20 {
         // SAFETY: as above; ordered on `origin` before the replay.
         unsafe {
-            kernels
+            fx.kernels
                 .fill_u32(origin.stream(), out_ptr, 0, N)
                 .expect("zero out");
-            kernels
+            fx.kernels
                 .fill_u32(origin.stream(), res_ptr, 0, N)
                 .expect("zero res");
         }
@@ -183,17 +194,11 @@ fn a_barrier_inside_a_capture_orders_its_branches_and_one_across_its_boundary_is
 fn scratch_read_on_a_forked_branch_and_dropped_on_the_origin_is_not_reused_within_the_graph() {
     let name =
         "scratch_read_on_a_forked_branch_and_dropped_on_the_origin_is_not_reused_within_the_graph";
-    let Some(Fixture {
-        gpu,
-        kernels,
-        allocator,
-        _serial,
-    }) = fixture(name)
-    else {
+    let Some(fx) = fixture(name) else {
         return;
     };
     const N: usize = 1 << 16;
-    let context = &gpu.context;
+    let context = &fx.gpu.context;
     let kit = Kit::load(context, N);
     let (main, side) = (normal_stream(context), normal_stream(context));
     let (m, s) = (main.stream(), side.stream());
@@ -204,17 +209,17 @@ fn scratch_read_on_a_forked_branch_and_dropped_on_the_origin_is_not_reused_withi
     let mut capture = main
         .begin_capture(CaptureOptions::default())
         .expect("begin");
-    let mut tmp = DeviceBuffer::<f32>::with_allocator(&allocator, N, m).expect("tmp");
+    let mut tmp = DeviceBuffer::<f32>::with_allocator(&fx.allocator, N, m).expect("tmp");
     kit.fill(m, &mut tmp, 0.0).expect("tmp = 0");
     kit.saxpy(m, 1.0, &x, &mut tmp).expect("tmp = x");
     capture.fork(s).expect("fork");
-    kernels.spin_ns(s, 3 * MS).expect("side spin");
+    fx.kernels.spin_ns(s, 3 * MS).expect("side spin");
     kit.fill(s, &mut side_out, 1.0).expect("side_out = 1");
     kit.saxpy(s, 2.0, &tmp, &mut side_out)
         .expect("side_out += 2 tmp");
     let tmp_range = (tmp.device_ptr(), tmp.device_ptr() + (N * 4) as u64);
     drop(tmp); // `del tmp` on the origin, the side's read not joined yet
-    let mut tmp2 = DeviceBuffer::<f32>::with_allocator(&allocator, N, m).expect("tmp2");
+    let mut tmp2 = DeviceBuffer::<f32>::with_allocator(&fx.allocator, N, m).expect("tmp2");
     let tmp2_ptr = tmp2.device_ptr();
     kit.fill(m, &mut tmp2, -1000.0).expect("tmp2 = -1000");
     kit.fill(m, &mut main_out, 0.0).expect("main_out = 0");
@@ -222,10 +227,7 @@ fn scratch_read_on_a_forked_branch_and_dropped_on_the_origin_is_not_reused_withi
         .expect("main_out = tmp2");
     drop(tmp2);
     capture.join(s).expect("join");
-    let graph = capture.finish().expect("finish");
-    let exec = graph
-        .instantiate(&InstantiateOptions::default())
-        .expect("instantiate");
+    let (graph, exec) = finish(capture, "finish");
     assert!(
         !(tmp_range.0..tmp_range.1).contains(&tmp2_ptr),
         "tmp2 at {tmp2_ptr:#x} reuses tmp [{:#x}, {:#x}) while the side branch still reads it",
@@ -241,20 +243,20 @@ fn scratch_read_on_a_forked_branch_and_dropped_on_the_origin_is_not_reused_withi
             .expect("input copied");
         main.launch_graph(&exec).expect("replay");
         main.synchronize().expect("sync");
-        assert_f32_exact(
-            &side_out.to_vec().expect("side_out"),
+        assert_exact(
+            &bits(&side_out.to_vec().expect("side_out")),
             |i| 2.0 * values[i] + 1.0,
             &format!("round {round}: side_out"),
         );
-        assert_f32_exact(
-            &main_out.to_vec().expect("main_out"),
+        assert_exact(
+            &bits(&main_out.to_vec().expect("main_out")),
             |_| -1000.0,
             &format!("round {round}: main_out"),
         );
     }
     drop((exec, graph));
     assert_eq!(
-        settled(&allocator).reserved_bytes.current,
+        settled(&fx.allocator).reserved_bytes.current,
         0,
         "the graph's scratch went back once the graph was dropped"
     );
@@ -298,12 +300,10 @@ fn a_stream_ordered_typed_buffer_allocated_and_dropped_in_a_capture_replays_ten_
     kit.fill(m, &mut tmp, 3.0).expect("tmp = 3");
     kit.saxpy(m, 1.0, &tmp, &mut acc).expect("acc += tmp");
     drop(tmp); // freed inside the capture: a graph free node, as `del tmp` is
-    let graph = capture
-        .finish()
-        .expect("a capture that allocates and frees stream-ordered scratch ends");
-    let exec = graph
-        .instantiate(&InstantiateOptions::default())
-        .expect("instantiate");
+    let (graph, exec) = finish(
+        capture,
+        "a capture that allocates and frees stream-ordered scratch ends",
+    );
 
     main.launch_graph(&exec).expect("first replay");
     main.synchronize().expect("sync");
@@ -314,7 +314,11 @@ fn a_stream_ordered_typed_buffer_allocated_and_dropped_in_a_capture_replays_ten_
     }
     main.synchronize().expect("sync");
     let expected = 3.0 * replays as f32;
-    assert_f32_exact(&acc.to_vec().expect("acc"), |_| expected, "accumulator");
+    assert_exact(
+        &bits(&acc.to_vec().expect("acc")),
+        |_| expected,
+        "accumulator",
+    );
     let reserved_now = allocator.reserved_bytes(0).expect("reserved");
     assert!(
         reserved_now <= reserved + (2 << 20),
@@ -341,23 +345,17 @@ fn a_stream_ordered_typed_buffer_allocated_and_dropped_in_a_capture_replays_ten_
 #[test]
 fn ten_thousand_replays_fed_through_one_pinned_buffer_stay_exact_and_bounded() {
     let name = "ten_thousand_replays_fed_through_one_pinned_buffer_stay_exact_and_bounded";
-    let Some(Fixture {
-        gpu,
-        kernels: _,
-        allocator,
-        _serial,
-    }) = fixture(name)
-    else {
+    let Some(fx) = fixture(name) else {
         return;
     };
     const N: usize = 4096;
     let iterations: usize = if sanitizer_active() { 600 } else { 10_000 };
-    let context = &gpu.context;
+    let context = &fx.gpu.context;
     let kit = Kit::load(context, N);
     let main = normal_stream(context);
     let m = main.stream();
-    let mut static_in = DeviceBuffer::<f32>::with_allocator(&allocator, N, m).expect("in");
-    let mut static_out = DeviceBuffer::<f32>::with_allocator(&allocator, N, m).expect("out");
+    let mut static_in = DeviceBuffer::<f32>::with_allocator(&fx.allocator, N, m).expect("in");
+    let mut static_out = DeviceBuffer::<f32>::with_allocator(&fx.allocator, N, m).expect("out");
     let mut pinned_in = PinnedBuffer::<f32>::zeroed(context, N).expect("pinned in");
     let mut pinned_out = PinnedBuffer::<f32>::zeroed(context, N).expect("pinned out");
     main.fill(&mut static_in, 0.0).expect("zero in");
@@ -369,10 +367,7 @@ fn ten_thousand_replays_fed_through_one_pinned_buffer_stay_exact_and_bounded() {
     kit.fill(m, &mut static_out, 1.0).expect("out = 1");
     kit.saxpy(m, 2.0, &static_in, &mut static_out)
         .expect("out += 2 in");
-    let graph = capture.finish().expect("finish");
-    let exec = graph
-        .instantiate(&InstantiateOptions::default())
-        .expect("instantiate");
+    let (graph, exec) = finish(capture, "finish");
 
     let events = main.event_pool().clone();
     let mut at_1000 = None;
@@ -395,8 +390,8 @@ fn ten_thousand_replays_fed_through_one_pinned_buffer_stay_exact_and_bounded() {
                 .wait()
                 .expect("copied out");
             let got = pinned_out.as_slice().expect("pinned out");
-            assert_f32_exact(
-                &got,
+            assert_exact(
+                &bits(&got),
                 |i| 2.0 * (value + (i % 8) as f32) + 1.0,
                 &format!("iteration {k}"),
             );
@@ -406,7 +401,7 @@ fn ten_thousand_replays_fed_through_one_pinned_buffer_stay_exact_and_bounded() {
             at_1000 = Some((
                 events.counters().created_regular,
                 static_in.tracked_uses(),
-                allocator.stats().reserved_bytes.current,
+                fx.allocator.stats().reserved_bytes.current,
                 resident_bytes(),
             ));
         }
@@ -425,7 +420,7 @@ fn ten_thousand_replays_fed_through_one_pinned_buffer_stay_exact_and_bounded() {
         uses_now <= uses.max(4),
         "the static input tracks {uses_now} uses (it tracked {uses} at iteration 1000)"
     );
-    assert_eq!(allocator.stats().reserved_bytes.current, reserved);
+    assert_eq!(fx.allocator.stats().reserved_bytes.current, reserved);
     let resident_now = resident_bytes();
     assert!(
         resident_now <= resident + (64 << 20),
@@ -451,72 +446,55 @@ fn ten_thousand_replays_fed_through_one_pinned_buffer_stay_exact_and_bounded() {
 fn eight_threads_racing_to_capture_on_round_robin_pool_streams_get_typed_refusals_or_graphs() {
     let name =
         "eight_threads_racing_to_capture_on_round_robin_pool_streams_get_typed_refusals_or_graphs";
-    let Some(Fixture {
-        gpu,
-        kernels,
-        allocator: _,
-        _serial,
-    }) = fixture(name)
-    else {
+    let Some(fx) = fixture(name) else {
         return;
     };
     const THREADS: usize = 8;
     const N: usize = 1024;
     const REPLAYS: u32 = 100;
-    let context = &gpu.context;
+    let context = &fx.gpu.context;
     let pool = StreamPool::new(
         context,
         StreamPoolConfig::with_strategy(AllocationStrategy::RoundRobin),
     )
     .expect("pool");
-    let buffers: Vec<DeviceBuffer<u32>> = (0..THREADS)
-        .map(|_| DeviceBuffer::<u32>::zeroed(context, N).expect("buffer"))
-        .collect();
+    let buffers = zeroed_buffers(context, THREADS, N);
     let start = Barrier::new(THREADS);
     let captured = Barrier::new(THREADS);
     let refusals = Mutex::new(Vec::new());
 
-    let results: Vec<Result<(), String>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..THREADS)
-            .map(|t| {
-                let (pool, kernels, start, captured, refusals) =
-                    (&pool, &kernels, &start, &captured, &refusals);
-                let ptr = buffers[t].device_ptr();
-                scope.spawn(move || -> Result<(), String> {
-                    start.wait();
-                    let built = (|| {
-                        for _attempt in 0..10_000 {
-                            let stream = pool.get_stream().map_err(|e| e.to_string())?;
-                            let capture = match stream.begin_capture(CaptureOptions::default()) {
-                                Ok(capture) => capture,
-                                Err(error) => {
-                                    refusals.lock().unwrap().push(error);
-                                    std::thread::yield_now();
-                                    continue;
-                                }
-                            };
-                            // SAFETY: `ptr` is this thread's N u32s, alive until the end.
-                            unsafe { kernels.increment_u32(stream.stream(), ptr, N) }
-                                .map_err(|e| e.to_string())?;
-                            let graph = capture.finish().map_err(|e| e.to_string())?;
-                            let exec = graph
-                                .instantiate(&InstantiateOptions::default())
-                                .map_err(|e| e.to_string())?;
-                            return Ok((stream, exec));
-                        }
-                        Err("no stream could be captured in 10000 attempts".to_string())
-                    })();
-                    // Every thread passes here, whether or not it got a graph.
-                    captured.wait();
-                    let (stream, exec) = built?;
-                    for _ in 0..REPLAYS {
-                        stream.launch_graph(&exec).map_err(|e| e.to_string())?;
+    let results = on_threads(THREADS, |t| -> Result<(), String> {
+        let ptr = buffers[t].device_ptr();
+        start.wait();
+        let built = (|| {
+            for _attempt in 0..10_000 {
+                let stream = pool.get_stream().map_err(|e| e.to_string())?;
+                let capture = match stream.begin_capture(CaptureOptions::default()) {
+                    Ok(capture) => capture,
+                    Err(error) => {
+                        refusals.lock().unwrap().push(error);
+                        std::thread::yield_now();
+                        continue;
                     }
-                    stream.synchronize().map_err(|e| e.to_string())
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+                };
+                // SAFETY: `ptr` is this thread's N u32s, alive until the end.
+                unsafe { fx.kernels.increment_u32(stream.stream(), ptr, N) }
+                    .map_err(|e| e.to_string())?;
+                let graph = capture.finish().map_err(|e| e.to_string())?;
+                let exec = graph
+                    .instantiate(&InstantiateOptions::default())
+                    .map_err(|e| e.to_string())?;
+                return Ok((stream, exec));
+            }
+            Err("no stream could be captured in 10000 attempts".to_string())
+        })();
+        // Every thread passes here, whether or not it got a graph.
+        captured.wait();
+        let (stream, exec) = built?;
+        for _ in 0..REPLAYS {
+            stream.launch_graph(&exec).map_err(|e| e.to_string())?;
+        }
+        stream.synchronize().map_err(|e| e.to_string())
     });
     for (t, result) in results.iter().enumerate() {
         if let Err(error) = result {
@@ -558,25 +536,16 @@ fn eight_threads_racing_to_capture_on_round_robin_pool_streams_get_typed_refusal
 #[test]
 fn one_capture_broken_among_four_parallel_ones_fails_typed_and_alone() {
     let name = "one_capture_broken_among_four_parallel_ones_fails_typed_and_alone";
-    let Some(Fixture {
-        gpu,
-        kernels,
-        allocator,
-        _serial,
-    }) = fixture(name)
-    else {
+    let Some(fx) = fixture(name) else {
         return;
     };
     const N: usize = 1 << 14;
     const REPLAYS: u32 = 25;
-    let context = &gpu.context;
+    let context = &fx.gpu.context;
     let pool = StreamPool::new(context, StreamPoolConfig::default()).expect("pool");
     let streams: Vec<Arc<PriorityStream>> = pool.streams_of(StreamPriority::Normal).to_vec();
     let victim = streams[1].id();
-    let buffers: Vec<DeviceBuffer<u32>> = streams
-        .iter()
-        .map(|_| DeviceBuffer::<u32>::zeroed(context, N).expect("buffer"))
-        .collect();
+    let buffers = zeroed_buffers(context, streams.len(), N);
     let index = |id: u64| streams.iter().position(|s| s.id() == id).unwrap();
     let coordinator = MultiStreamCoordinator::with_streams(streams.iter().cloned());
     let execs = Mutex::new(Vec::new());
@@ -586,11 +555,11 @@ fn one_capture_broken_among_four_parallel_ones_fails_typed_and_alone() {
         let s = stream.stream();
         let ptr = buffers[index(stream.id())].device_ptr();
         let capture = stream.begin_capture(CaptureOptions::default())?;
-        let tmp = allocator.allocate(N * 4, s)?;
+        let tmp = fx.allocator.allocate(N * 4, s)?;
         // SAFETY: `tmp` (graph memory) and `ptr` hold N u32s; ordered on `s`.
         unsafe {
             copy_dtod_async(tmp.ptr(), ptr, N * 4, s)?;
-            kernels.increment_u32(s, tmp.ptr(), N)?;
+            fx.kernels.increment_u32(s, tmp.ptr(), N)?;
             copy_dtod_async(ptr, tmp.ptr(), N * 4, s)?;
         }
         if stream.id() == victim
@@ -651,18 +620,14 @@ fn one_capture_broken_among_four_parallel_ones_fails_typed_and_alone() {
     let broken = &streams[index(victim)];
     let ptr = buffers[index(victim)].device_ptr();
     // SAFETY: `ptr` holds N u32s, used only on `broken` now.
-    unsafe { kernels.increment_u32(broken.stream(), ptr, N) }.expect("eager increment");
+    unsafe { fx.kernels.increment_u32(broken.stream(), ptr, N) }.expect("eager increment");
     broken.synchronize().expect("sync");
     let capture = broken
         .begin_capture(CaptureOptions::default())
         .expect("recapture");
     // SAFETY: as above.
-    unsafe { kernels.increment_u32(broken.stream(), ptr, N) }.expect("captured increment");
-    let exec = capture
-        .finish()
-        .expect("finish")
-        .instantiate(&InstantiateOptions::default())
-        .expect("instantiate");
+    unsafe { fx.kernels.increment_u32(broken.stream(), ptr, N) }.expect("captured increment");
+    let (_, exec) = finish(capture, "finish");
     broken.launch_graph(&exec).expect("replay");
     broken.launch_graph(&exec).expect("replay");
     broken.synchronize().expect("sync");
@@ -676,7 +641,7 @@ fn one_capture_broken_among_four_parallel_ones_fails_typed_and_alone() {
 
     drop((exec, execs));
     assert_eq!(
-        settled(&allocator).reserved_bytes.current,
+        settled(&fx.allocator).reserved_bytes.current,
         0,
         "the graphs' scratch and the broken capture's went back"
     );
@@ -694,29 +659,24 @@ fn one_capture_broken_among_four_parallel_ones_fails_typed_and_alone() {
 #[test]
 fn a_profiler_with_a_small_limit_over_ten_thousand_graph_replays_is_bounded_and_exact() {
     let name = "a_profiler_with_a_small_limit_over_ten_thousand_graph_replays_is_bounded_and_exact";
-    let Some(Fixture {
-        gpu,
-        kernels,
-        allocator: _,
-        _serial,
-    }) = fixture(name)
-    else {
+    let Some(fx) = fixture(name) else {
         return;
     };
     const KEPT: usize = 64;
     let replays: u64 = if sanitizer_active() { 500 } else { 10_000 };
-    let context = &gpu.context;
+    let context = &fx.gpu.context;
     let main = normal_stream(context);
     let counter = DeviceBuffer::<u32>::zeroed(context, 1).expect("counter");
     let capture = main
         .begin_capture(CaptureOptions::default())
         .expect("begin");
     // SAFETY: one u32, alive for the graph, written by it only.
-    unsafe { kernels.increment_u32(main.stream(), counter.device_ptr(), 1) }.expect("count");
-    let graph = capture.finish().expect("finish");
-    let exec = graph
-        .instantiate(&InstantiateOptions::default())
-        .expect("instantiate");
+    unsafe {
+        fx.kernels
+            .increment_u32(main.stream(), counter.device_ptr(), 1)
+    }
+    .expect("count");
+    let (graph, exec) = finish(capture, "finish");
 
     let profiler = StreamProfiler::with_limit(context, KEPT).expect("profiler");
     for i in 0..replays {
@@ -768,19 +728,13 @@ fn a_profiler_with_a_small_limit_over_ten_thousand_graph_replays_is_bounded_and_
 #[test]
 fn four_threads_looping_over_a_load_balanced_pool_with_typed_temporaries_stay_exact_and_bounded() {
     let name = "four_threads_looping_over_a_load_balanced_pool_with_typed_temporaries_stay_exact_and_bounded";
-    let Some(Fixture {
-        gpu,
-        kernels: _,
-        allocator,
-        _serial,
-    }) = fixture(name)
-    else {
+    let Some(fx) = fixture(name) else {
         return;
     };
     const THREADS: usize = 4;
     const N: usize = 1024;
     let steps: u32 = if sanitizer_active() { 200 } else { 2500 };
-    let context = &gpu.context;
+    let context = &fx.gpu.context;
     let kit = Kit::load(context, N);
     let pool = StreamPool::new(
         context,
@@ -788,31 +742,22 @@ fn four_threads_looping_over_a_load_balanced_pool_with_typed_temporaries_stay_ex
     )
     .expect("pool");
 
-    let results: Vec<(Vec<u32>, Vec<u32>)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..THREADS)
-            .map(|_| {
-                let (pool, kit, allocator) = (&pool, &kit, &allocator);
-                scope.spawn(move || {
-                    let mut counts = DeviceBuffer::<u32>::zeroed(context, N).expect("counts");
-                    let mut last = DeviceBuffer::<u32>::zeroed(context, N).expect("last");
-                    for step in 0..steps {
-                        let stream = pool.get_stream().expect("stream");
-                        let mut tmp =
-                            DeviceBuffer::<u32>::with_allocator(allocator, N, stream.stream())
-                                .expect("tmp");
-                        stream.fill(&mut tmp, step).expect("fill");
-                        stream.copy_buffer(&mut last, &tmp).expect("copy");
-                        kit.increment(stream.stream(), &mut counts)
-                            .expect("increment");
-                    }
-                    (
-                        counts.to_vec().expect("counts"),
-                        last.to_vec().expect("last"),
-                    )
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let results = on_threads(THREADS, |_| {
+        let mut counts = DeviceBuffer::<u32>::zeroed(context, N).expect("counts");
+        let mut last = DeviceBuffer::<u32>::zeroed(context, N).expect("last");
+        for step in 0..steps {
+            let stream = pool.get_stream().expect("stream");
+            let mut tmp = DeviceBuffer::<u32>::with_allocator(&fx.allocator, N, stream.stream())
+                .expect("tmp");
+            stream.fill(&mut tmp, step).expect("fill");
+            stream.copy_buffer(&mut last, &tmp).expect("copy");
+            kit.increment(stream.stream(), &mut counts)
+                .expect("increment");
+        }
+        (
+            counts.to_vec().expect("counts"),
+            last.to_vec().expect("last"),
+        )
     });
     for (t, (counts, last)) in results.iter().enumerate() {
         assert!(
@@ -831,7 +776,7 @@ fn four_threads_looping_over_a_load_balanced_pool_with_typed_temporaries_stay_ex
     for stream in pool.streams() {
         stream.synchronize().expect("sync");
     }
-    let reserved = settled(&allocator).reserved_bytes.current;
+    let reserved = settled(&fx.allocator).reserved_bytes.current;
     assert!(
         reserved <= 2 << 20,
         "{reserved} bytes stay reserved after every temporary was dropped and the streams idle"
