@@ -16,8 +16,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Flags, MS, read_u32s, within};
-use cuweave_driver::memory::{self, DeviceAllocation};
+use common::{Flags, MS, filled, read_u32s, within};
+use cuweave_driver::memory;
 use cuweave_driver::{Context, Stream};
 use cuweave_event::{
     AsyncEventWaiter, EventError, EventPool, EventPriority, OperationCoordinator, OperationId,
@@ -39,14 +39,6 @@ fn read_u64s(context: &Arc<Context>, ptr: u64, count: usize) -> Vec<u64> {
         .chunks_exact(8)
         .map(|chunk| u64::from_le_bytes(chunk.try_into().unwrap()))
         .collect()
-}
-
-/// A device allocation of `count` `u32`s, each set to `value`.
-fn filled(context: &Arc<Context>, count: usize, value: u32) -> DeviceAllocation {
-    let allocation = DeviceAllocation::new(context, count * 4).unwrap();
-    // SAFETY: `count` 4-byte words of the fresh allocation.
-    unsafe { memory::memset_d32(context, allocation.ptr(), value, count).unwrap() };
-    allocation
 }
 
 /// What `transform_checked_u32` computes for one element.

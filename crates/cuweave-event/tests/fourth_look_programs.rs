@@ -29,8 +29,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
-use common::{Flags, MS, read_u32s, register_kernel, within};
-use cuweave_driver::memory::{self, DeviceAllocation};
+use common::{
+    Flags, MS, US, copy_flag, filled, gate, read_u32s, register_kernel, settle, store_after, within,
+};
 use cuweave_driver::{Context, Stream};
 use cuweave_event::{
     AsyncEventWaiter, CrossStreamBarrier, EventError, EventPool, EventPriority,
@@ -41,31 +42,6 @@ use cuweave_test_support::event_kernels::EventKernels;
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::stream_kernels::StreamKernels;
 use cuweave_test_support::{poll_until, require_gpu, serial, skip_under_sanitizer};
-
-const US: u64 = 1_000;
-
-/// How long a gate holds its stream at most, should a failing test never open it.
-const GATE_TIMEOUT_NS: u64 = 10_000 * MS;
-
-/// Holds `stream` until the host writes 1 into the mapped word at `flag`.
-fn gate(kernels: &TestKernels, stream: &Stream, flag: u64) {
-    // SAFETY: `flag` is a word of mapped pinned memory (`Flags`) that outlives the kernel: the
-    // flags open every gate when dropped, and their memory is freed only after that.
-    unsafe { kernels.wait_u32(stream, flag, 1, GATE_TIMEOUT_NS).unwrap() };
-}
-
-/// Queues a spin of `ns` on `stream`, then a store of `value` into the word at `dst`.
-fn store_after(kernels: &TestKernels, stream: &Stream, ns: u64, dst: u64, value: u32) {
-    // SAFETY: `dst` is a word of mapped pinned memory or of a device allocation that outlives
-    // the kernel (every test synchronises its streams before dropping either).
-    unsafe { kernels.spin_then_store_u32(stream, ns, dst, value).unwrap() };
-}
-
-/// Queues `*out = *flag` on `stream`: what the kernel saw when it ran.
-fn copy_flag(kernels: &StreamKernels, stream: &Stream, flag: u64, out: u64) {
-    // SAFETY: both are words of mapped pinned memory that outlive the kernel.
-    unsafe { kernels.copy_flag_u32(stream, flag, out).unwrap() };
-}
 
 /// Queues `*out = |{ i < n : flags[i] == expected }|` on `stream`.
 fn count_flags(
@@ -85,29 +61,50 @@ fn count_flags(
     };
 }
 
-/// A device allocation of `count` `u32`s, each set to `value`.
-fn filled(context: &Arc<Context>, count: usize, value: u32) -> DeviceAllocation {
-    let allocation = DeviceAllocation::new(context, count * 4).unwrap();
-    // SAFETY: `count` 4-byte words of the fresh allocation.
-    unsafe { memory::memset_d32(context, allocation.ptr(), value, count).unwrap() };
-    allocation
-}
-
-/// Waits until `waiter` watches nothing (every callback it ran has returned).
-fn settle(waiter: &AsyncEventWaiter, what: &str) {
-    assert!(
-        poll_until(Duration::from_secs(5), || waiter.pending() == 0),
-        "{what}: the waiter still has {} waits pending after 5 s",
-        waiter.pending()
-    );
-}
-
 /// A coordinator with its own waiter and event pool (so its counters are this test's alone).
 fn coordinator(context: &Arc<Context>) -> (OperationCoordinator, Arc<AsyncEventWaiter>, EventPool) {
     let pool = EventPool::new(context, 0, 0).unwrap();
     let waiter = Arc::new(AsyncEventWaiter::new().unwrap());
     let coordinator = OperationCoordinator::with_waiter(pool.clone(), Arc::clone(&waiter));
     (coordinator, waiter, pool)
+}
+
+/// Begins `id` on `stream`, queues `work` there, and completes it.
+fn run(
+    coordinator: &OperationCoordinator,
+    id: OperationId,
+    stream: &Arc<Stream>,
+    work: impl FnOnce(),
+) {
+    coordinator.begin_operation(id, stream).unwrap();
+    work();
+    coordinator.complete_operation(id).unwrap();
+}
+
+/// Asserts that within 2 s no operation of `coordinator` is live; `why` ends the message.
+fn assert_none_live(coordinator: &OperationCoordinator, why: &str) {
+    assert!(
+        poll_until(Duration::from_secs(2), || coordinator.live_operations()
+            == 0),
+        "{} operations {why}",
+        coordinator.live_operations()
+    );
+}
+
+/// How many kernel operations of `coordinator` have a GPU time.
+fn kernels_timed(coordinator: &OperationCoordinator) -> u64 {
+    coordinator
+        .metrics()
+        .timed_by_type
+        .get(&OperationType::Kernel)
+        .copied()
+        .unwrap_or(0)
+}
+
+/// How many events `pool` has made, of every kind.
+fn events_created(pool: &EventPool) -> u64 {
+    let counters = pool.counters();
+    counters.created_regular + counters.created_timing + counters.created_blocking
 }
 
 /// PyTorch programs record an event, keep queueing work on the same stream, and have another
@@ -141,10 +138,10 @@ fn work_queued_after_a_point_never_holds_back_what_waits_for_that_point() {
 
     let produce = register_kernel(&coordinator, &[], "produce");
     let consume = register_kernel(&coordinator, &[produce], "consume");
-    coordinator.begin_operation(produce, &s1).unwrap();
-    gate(&kernels, &s1, flags.device(3));
-    store_after(&kernels, &s1, 2 * MS, flags.device(1), 7);
-    coordinator.complete_operation(produce).unwrap();
+    run(&coordinator, produce, &s1, || {
+        gate(&kernels, &s1, flags.device(3));
+        store_after(&kernels, &s1, 2 * MS, flags.device(1), 7);
+    });
     let idle = waiter.stream_idle(&s1).unwrap();
     let marker = pool.acquire_owned(false).unwrap();
     marker.record(&s1).unwrap();
@@ -153,9 +150,9 @@ fn work_queued_after_a_point_never_holds_back_what_waits_for_that_point() {
     gate(&kernels, &s1, flags.device(0));
     store_after(&kernels, &s1, 0, flags.device(1), 99);
 
-    coordinator.begin_operation(consume, &s2).unwrap();
-    copy_flag(&stream_kernels, &s2, flags.device(1), flags.device(2));
-    coordinator.complete_operation(consume).unwrap();
+    run(&coordinator, consume, &s2, || {
+        copy_flag(&stream_kernels, &s2, flags.device(1), flags.device(2))
+    });
     flags.write(3, 1);
     assert_eq!(
         coordinator.metadata(consume).unwrap().cross_stream_waits,
@@ -184,11 +181,9 @@ fn work_queued_after_a_point_never_holds_back_what_waits_for_that_point() {
         futures::executor::block_on(answered.completion(produce).unwrap())
     })
     .unwrap();
-    assert!(
-        poll_until(Duration::from_secs(2), || coordinator.live_operations()
-            == 0),
-        "{} operations live though both completed while the gate held s1",
-        coordinator.live_operations()
+    assert_none_live(
+        &coordinator,
+        "live though both completed while the gate held s1",
     );
     assert!(
         matches!(coordinator.metadata(produce), Err(EventError::Retired { id }) if id == produce)
@@ -228,7 +223,7 @@ fn sixteen_producer_streams_fan_into_one_consumer_round_after_round() {
     // Words 0..16: the producers'; 16..36: each round's count; 36: the gate.
     let flags = Flags::new(&gpu.context, STREAMS + ROUNDS + 1);
     let gate_word = STREAMS + ROUNDS;
-    let streams: Vec<Arc<Stream>> = (0..STREAMS).map(|_| common::stream(&gpu.context)).collect();
+    let streams = common::streams(&gpu.context, STREAMS);
     let (coordinator, waiter, _pool) = coordinator(&gpu.context);
 
     let mut previous: Option<OperationId> = None;
@@ -247,18 +242,18 @@ fn sixteen_producer_streams_fan_into_one_consumer_round_after_round() {
                         format!("produce {i} of round {round}"),
                     )
                     .unwrap();
-                coordinator.begin_operation(id, &streams[i]).unwrap();
-                if round == 0 {
-                    gate(&kernels, &streams[i], flags.device(gate_word));
-                }
-                store_after(
-                    &kernels,
-                    &streams[i],
-                    (40 + 15 * i as u64) * US,
-                    flags.device(i),
-                    value,
-                );
-                coordinator.complete_operation(id).unwrap();
+                run(&coordinator, id, &streams[i], || {
+                    if round == 0 {
+                        gate(&kernels, &streams[i], flags.device(gate_word));
+                    }
+                    store_after(
+                        &kernels,
+                        &streams[i],
+                        (40 + 15 * i as u64) * US,
+                        flags.device(i),
+                        value,
+                    );
+                });
                 id
             })
             .collect();
@@ -315,12 +310,7 @@ fn sixteen_producer_streams_fan_into_one_consumer_round_after_round() {
     for stream in &streams {
         stream.synchronize().unwrap();
     }
-    assert!(
-        poll_until(Duration::from_secs(2), || coordinator.live_operations()
-            == 0),
-        "{} operations still live",
-        coordinator.live_operations()
-    );
+    assert_none_live(&coordinator, "still live");
     let metrics = coordinator.metrics();
     let total = (ROUNDS * (STREAMS + 1)) as u64;
     assert_eq!(
@@ -356,9 +346,9 @@ fn one_operation_depends_on_retired_kept_remote_and_local_dependencies_at_once()
     let (coordinator, waiter, _pool) = coordinator(&gpu.context);
 
     let retired = register_kernel(&coordinator, &[], "retired");
-    coordinator.begin_operation(retired, &s1).unwrap();
-    store_after(&kernels, &s1, 0, flags.device(0), 1);
-    coordinator.complete_operation(retired).unwrap();
+    run(&coordinator, retired, &s1, || {
+        store_after(&kernels, &s1, 0, flags.device(0), 1)
+    });
     coordinator.synchronize(retired).unwrap();
     coordinator.retire_finished();
     assert!(matches!(
@@ -368,9 +358,9 @@ fn one_operation_depends_on_retired_kept_remote_and_local_dependencies_at_once()
 
     let kept = register_kernel(&coordinator, &[], "kept");
     let holder = register_kernel(&coordinator, &[kept], "never begins");
-    coordinator.begin_operation(kept, &s1).unwrap();
-    store_after(&kernels, &s1, 0, flags.device(1), 2);
-    coordinator.complete_operation(kept).unwrap();
+    run(&coordinator, kept, &s1, || {
+        store_after(&kernels, &s1, 0, flags.device(1), 2)
+    });
     coordinator.synchronize(kept).unwrap();
     coordinator.retire_finished();
     assert_eq!(
@@ -404,16 +394,16 @@ fn one_operation_depends_on_retired_kept_remote_and_local_dependencies_at_once()
         Err(EventError::UnknownOperation { .. })
     ));
 
-    let remote = register_kernel(&coordinator, &[], "remote");
-    coordinator.begin_operation(remote, &s2).unwrap();
-    gate(&kernels, &s2, flags.device(8));
-    store_after(&kernels, &s2, 0, flags.device(2), 3);
-    coordinator.complete_operation(remote).unwrap();
-    let local = register_kernel(&coordinator, &[], "local");
-    coordinator.begin_operation(local, &s3).unwrap();
-    gate(&kernels, &s3, flags.device(8));
-    store_after(&kernels, &s3, 0, flags.device(3), 4);
-    coordinator.complete_operation(local).unwrap();
+    // `remote` and `local` each store behind the same closed gate, on `s2` and `s3`.
+    let [remote, local] =
+        [("remote", &s2, 2, 3), ("local", &s3, 3, 4)].map(|(what, stream, word, value)| {
+            let id = register_kernel(&coordinator, &[], what);
+            run(&coordinator, id, stream, || {
+                gate(&kernels, stream, flags.device(8));
+                store_after(&kernels, stream, 0, flags.device(word), value);
+            });
+            id
+        });
 
     let gather = register_kernel(&coordinator, &[retired, kept, remote, local], "gather");
     let before = coordinator.metrics();
@@ -450,12 +440,7 @@ fn one_operation_depends_on_retired_kept_remote_and_local_dependencies_at_once()
         coordinator.metadata(kept),
         Err(EventError::Retired { .. })
     ));
-    assert!(
-        poll_until(Duration::from_secs(2), || coordinator.live_operations()
-            == 0),
-        "{} operations still live",
-        coordinator.live_operations()
-    );
+    assert_none_live(&coordinator, "still live");
     let metrics = coordinator.metrics();
     assert_eq!(
         (metrics.completed, metrics.cancelled, metrics.failed),
@@ -477,7 +462,7 @@ fn ten_thousand_operations_hopping_streams_with_timing_are_exact_timed_and_retir
     let gpu = require_gpu!();
     let _serial = serial();
     let kernels = TestKernels::load(&gpu.context).unwrap();
-    let streams: Vec<Arc<Stream>> = (0..4).map(|_| common::stream(&gpu.context)).collect();
+    let streams = common::streams(&gpu.context, 4);
     let (coordinator, waiter, pool) = coordinator(&gpu.context);
     coordinator.set_timing(true);
     let counter = filled(&gpu.context, 1, 0);
@@ -487,10 +472,11 @@ fn ten_thousand_operations_hopping_streams_with_timing_are_exact_timed_and_retir
         let deps: Vec<OperationId> = previous.into_iter().collect();
         let id = register_kernel(&coordinator, &deps, "");
         let stream = &streams[i % streams.len()];
-        coordinator.begin_operation(id, stream).unwrap();
-        // SAFETY: one word of a live allocation; the host touches it only after synchronizing.
-        unsafe { kernels.increment_u32(stream, counter.ptr(), 1).unwrap() };
-        coordinator.complete_operation(id).unwrap();
+        run(&coordinator, id, stream, || {
+            // SAFETY: one word of a live allocation; the host touches it only after
+            // synchronizing.
+            unsafe { kernels.increment_u32(stream, counter.ptr(), 1).unwrap() };
+        });
         if i % 1000 == 999 {
             coordinator.synchronize(id).unwrap();
             coordinator.retire_finished();
@@ -510,21 +496,18 @@ fn ten_thousand_operations_hopping_streams_with_timing_are_exact_timed_and_retir
         vec![OPS as u32],
         "increments raced: a dependency's device wait was missing"
     );
-    let timed = |coordinator: &OperationCoordinator| {
-        coordinator
-            .metrics()
-            .timed_by_type
-            .get(&OperationType::Kernel)
-            .copied()
-            .unwrap_or(0)
-    };
     assert!(
-        poll_until(Duration::from_secs(3), || timed(&coordinator) >= OPS as u64),
+        poll_until(Duration::from_secs(3), || kernels_timed(&coordinator)
+            >= OPS as u64),
         "{} of {OPS} operations have a GPU time",
-        timed(&coordinator)
+        kernels_timed(&coordinator)
     );
     let metrics = coordinator.metrics();
-    assert_eq!(timed(&coordinator), OPS as u64, "an operation timed twice");
+    assert_eq!(
+        kernels_timed(&coordinator),
+        OPS as u64,
+        "an operation timed twice"
+    );
     assert!(metrics.gpu_time_by_type[&OperationType::Kernel] > Duration::ZERO);
     assert_eq!(
         (metrics.registered, metrics.begun, metrics.completed),
@@ -533,11 +516,11 @@ fn ten_thousand_operations_hopping_streams_with_timing_are_exact_timed_and_retir
     assert_eq!(metrics.same_stream_waits_skipped, 0);
     assert!(metrics.cross_stream_waits < OPS as u64);
     assert_eq!(coordinator.live_operations(), 0);
-    let counters = pool.counters();
-    let created = counters.created_regular + counters.created_timing + counters.created_blocking;
+    let created = events_created(&pool);
     assert!(
         created <= 4096,
-        "{created} events for {OPS} operations: {counters:?}"
+        "{created} events for {OPS} operations: {:?}",
+        pool.counters()
     );
     assert_eq!(pool.utilization().in_use, 0, "every event back in the pool");
     settle(&waiter, "at the end");
@@ -574,17 +557,17 @@ fn a_hedged_requests_backup_is_withdrawn_by_the_winners_completion_callback() {
         })
         .unwrap();
 
-    coordinator.begin_operation(upload, &s0).unwrap();
-    store_after(&kernels, &s0, 2 * MS, flags.device(0), 5);
-    coordinator.complete_operation(upload).unwrap();
+    run(&coordinator, upload, &s0, || {
+        store_after(&kernels, &s0, 2 * MS, flags.device(0), 5)
+    });
     assert!(matches!(
         coordinator.wait_until_ready(backup, Duration::ZERO),
         Err(EventError::Stalled { id, ref blocked_on, .. }) if id == backup && *blocked_on == vec![slot]
     ));
 
-    coordinator.begin_operation(primary, &s1).unwrap();
-    copy_flag(&stream_kernels, &s1, flags.device(0), flags.device(1));
-    coordinator.complete_operation(primary).unwrap();
+    run(&coordinator, primary, &s1, || {
+        copy_flag(&stream_kernels, &s1, flags.device(0), flags.device(1))
+    });
     let hedger = coordinator.clone();
     coordinator
         .on_complete(primary, move |_, result| {
@@ -619,12 +602,7 @@ fn a_hedged_requests_backup_is_withdrawn_by_the_winners_completion_callback() {
         coordinator.wait_until_ready(backup, Duration::from_secs(1)),
         Err(EventError::UnknownOperation { .. })
     ));
-    assert!(
-        poll_until(Duration::from_secs(2), || coordinator.live_operations()
-            == 0),
-        "{} operations still live",
-        coordinator.live_operations()
-    );
+    assert_none_live(&coordinator, "still live");
     let metrics = coordinator.metrics();
     assert_eq!(
         (
@@ -654,7 +632,7 @@ fn two_barriers_a_round_over_thirty_two_streams_order_every_round() {
     let kernels = TestKernels::load(&gpu.context).unwrap();
     let event_kernels = EventKernels::load(&gpu.context).unwrap();
     let flags = Flags::new(&gpu.context, STREAMS + ROUNDS);
-    let streams: Vec<Arc<Stream>> = (0..STREAMS).map(|_| common::stream(&gpu.context)).collect();
+    let streams = common::streams(&gpu.context, STREAMS);
     let pool = EventPool::new(&gpu.context, 0, 0).unwrap();
     let barrier = CrossStreamBarrier::new(streams.clone(), pool.clone()).unwrap();
 
@@ -690,8 +668,7 @@ fn two_barriers_a_round_over_thirty_two_streams_order_every_round() {
         "rounds whose count missed a store: {wrong:?}"
     );
     assert_eq!(pool.utilization().in_use, 0, "every barrier event returned");
-    let counters = pool.counters();
-    let created = counters.created_regular + counters.created_timing + counters.created_blocking;
+    let created = events_created(&pool);
     assert!(
         created <= 4 * STREAMS as u64,
         "{created} events made for {} barriers over {STREAMS} streams",
@@ -722,9 +699,7 @@ fn timeouts_that_must_fire_and_ones_that_must_not_from_sixteen_threads() {
     }
     let _serial = serial();
     let kernels = Arc::new(TestKernels::load(&gpu.context).unwrap());
-    let streams: Vec<Arc<Stream>> = (0..2 * HELD)
-        .map(|_| common::stream(&gpu.context))
-        .collect();
+    let streams = common::streams(&gpu.context, 2 * HELD);
     let waiter = Arc::new(AsyncEventWaiter::new().unwrap());
     // Warm up: the waiter's completion words and the context's event pool exist before the
     // long kernels start.
@@ -847,7 +822,7 @@ fn a_priority_scheduler_over_a_random_dag_on_eight_streams_reads_no_unfinished_i
     let _serial = serial();
     let kernels = TestKernels::load(&gpu.context).unwrap();
     let event_kernels = EventKernels::load(&gpu.context).unwrap();
-    let streams: Vec<Arc<Stream>> = (0..STREAMS).map(|_| common::stream(&gpu.context)).collect();
+    let streams = common::streams(&gpu.context, STREAMS);
     let outputs = filled(&gpu.context, OPS * N, SENTINEL);
     let scratch = filled(&gpu.context, STREAMS * N, 0);
     let unfinished = filled(&gpu.context, 1, 0);
@@ -952,12 +927,7 @@ fn a_priority_scheduler_over_a_random_dag_on_eight_streams_reads_no_unfinished_i
             "output {i} is not all {i}"
         );
     }
-    assert!(
-        poll_until(Duration::from_secs(2), || coordinator.live_operations()
-            == 0),
-        "{} operations still live",
-        coordinator.live_operations()
-    );
+    assert_none_live(&coordinator, "still live");
     let metrics = coordinator.metrics();
     assert_eq!((metrics.begun, metrics.completed), (OPS as u64, OPS as u64));
     assert!(
@@ -982,35 +952,29 @@ fn timing_is_decided_at_begin_not_at_complete() {
     let stream = common::stream(&gpu.context);
     let (coordinator, waiter, _pool) = coordinator(&gpu.context);
 
-    coordinator.set_timing(true);
-    let timed = register_kernel(&coordinator, &[], "timed");
-    coordinator.begin_operation(timed, &stream).unwrap();
-    kernels.spin_ns(&stream, 2 * MS).unwrap();
-    coordinator.set_timing(false);
-    coordinator.complete_operation(timed).unwrap();
-
-    let untimed = register_kernel(&coordinator, &[], "untimed");
-    coordinator.begin_operation(untimed, &stream).unwrap();
-    kernels.spin_ns(&stream, 2 * MS).unwrap();
-    coordinator.set_timing(true);
-    coordinator.complete_operation(untimed).unwrap();
+    // Each begins with timing `at_begin` and completes with it flipped.
+    let [timed, untimed] = [("timed", true), ("untimed", false)].map(|(what, at_begin)| {
+        coordinator.set_timing(at_begin);
+        let id = register_kernel(&coordinator, &[], what);
+        run(&coordinator, id, &stream, || {
+            kernels.spin_ns(&stream, 2 * MS).unwrap();
+            coordinator.set_timing(!at_begin);
+        });
+        id
+    });
     let holder = register_kernel(&coordinator, &[timed, untimed], "holder");
 
     coordinator.synchronize(untimed).unwrap();
-    let count = |coordinator: &OperationCoordinator| {
-        coordinator
-            .metrics()
-            .timed_by_type
-            .get(&OperationType::Kernel)
-            .copied()
-            .unwrap_or(0)
-    };
     assert!(
-        poll_until(Duration::from_secs(2), || count(&coordinator) >= 1),
+        poll_until(Duration::from_secs(2), || kernels_timed(&coordinator) >= 1),
         "the operation begun with timing on has no GPU time"
     );
     coordinator.retire_finished();
-    assert_eq!(count(&coordinator), 1, "only `timed` began with timing on");
+    assert_eq!(
+        kernels_timed(&coordinator),
+        1,
+        "only `timed` began with timing on"
+    );
     let gpu_time = coordinator
         .metadata(timed)
         .unwrap()

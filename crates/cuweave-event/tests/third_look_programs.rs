@@ -32,9 +32,10 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context as TaskContext, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use common::{Flags, MS, read_u32s, register_kernel};
-use cuweave_driver::memory::{self, DeviceAllocation};
-use cuweave_driver::{Context, Stream};
+use common::{
+    Flags, MS, US, copy_flag, filled, gate, read_u32s, register_kernel, settle, store_after,
+};
+use cuweave_driver::Stream;
 use cuweave_event::{
     AsyncEventWaiter, CrossStreamBarrier, EventError, EventPool, EventPriority,
     OperationCoordinator, OperationId, OperationState, OperationType, WaitFuture, WaitOptions,
@@ -46,40 +47,6 @@ use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::stream_kernels::StreamKernels;
 use cuweave_test_support::{poll_until, require_gpu, resident_bytes, serial, skip_under_sanitizer};
 
-const US: u64 = 1_000;
-
-/// How long a gate holds its stream at most, should a failing test never open it.
-const GATE_TIMEOUT_NS: u64 = 10_000 * MS;
-
-/// Holds `stream` until the host writes 1 into the mapped word at `flag`.
-fn gate(kernels: &TestKernels, stream: &Stream, flag: u64) {
-    // SAFETY: `flag` is a word of mapped pinned memory (`Flags`) that outlives the kernel: the
-    // flags open every gate when dropped, and their memory is freed only after that.
-    unsafe { kernels.wait_u32(stream, flag, 1, GATE_TIMEOUT_NS).unwrap() };
-}
-
-/// Queues a spin of `ns` on `stream`, then a store of `value` into the word at `dst`.
-fn store_after(kernels: &TestKernels, stream: &Stream, ns: u64, dst: u64, value: u32) {
-    // SAFETY: `dst` is a word of mapped pinned memory or of a device allocation that outlives
-    // the kernel (every test synchronises its streams before dropping either).
-    unsafe { kernels.spin_then_store_u32(stream, ns, dst, value).unwrap() };
-}
-
-/// Queues `*out = *flag` on `stream`: what the kernel saw when it ran.
-fn copy_flag(kernels: &StreamKernels, stream: &Stream, flag: u64, out: u64) {
-    // SAFETY: both are words of mapped pinned memory or of device allocations that outlive the
-    // kernel (every test synchronises its streams before dropping either).
-    unsafe { kernels.copy_flag_u32(stream, flag, out).unwrap() };
-}
-
-/// A device allocation of `count` `u32`s, each set to `value`.
-fn filled(context: &Arc<Context>, count: usize, value: u32) -> DeviceAllocation {
-    let allocation = DeviceAllocation::new(context, count * 4).unwrap();
-    // SAFETY: `count` 4-byte words of the fresh allocation.
-    unsafe { memory::memset_d32(context, allocation.ptr(), value, count).unwrap() };
-    allocation
-}
-
 /// Waits as they resolve: which wait, its result, and the awaited work's stored word then.
 type Resolved<K> = Arc<Mutex<Vec<(K, WaitResult, u32)>>>;
 
@@ -87,15 +54,6 @@ type Resolved<K> = Arc<Mutex<Vec<(K, WaitResult, u32)>>>;
 fn poll_once(future: &mut WaitFuture) -> Poll<Result<(), EventError>> {
     let mut cx = TaskContext::from_waker(Waker::noop());
     std::future::Future::poll(std::pin::Pin::new(future), &mut cx)
-}
-
-/// Waits until `waiter` watches nothing (every callback it ran has returned).
-fn settle(waiter: &AsyncEventWaiter, what: &str) {
-    assert!(
-        poll_until(Duration::from_secs(5), || waiter.pending() == 0),
-        "{what}: the waiter still has {} waits pending after 5 s",
-        waiter.pending()
-    );
 }
 
 /// What `transform_checked_u32` computes for one element.
