@@ -8,6 +8,9 @@
 //! streams, timing events in stream order, and raw ownership hand-offs of device memory. Each
 //! test checks its outcome on the GPU: exact bytes, counts of every launch, typed errors.
 
+mod common;
+
+use common::{echoed, non_blocking, warmed_kernels};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
 
@@ -26,16 +29,11 @@ use cuweave_test_support::{require_gpu, serial};
 
 const MS: u64 = 1_000_000;
 
-fn non_blocking(context: &Arc<Context>) -> Stream {
-    Stream::new(context, StreamFlags::NON_BLOCKING).unwrap()
-}
-
-/// The test kernels, JIT-compiled and run once on `stream`.
-fn warmed_kernels(context: &Arc<Context>, stream: &Stream) -> TestKernels {
-    let kernels = TestKernels::load(context).unwrap();
-    kernels.spin_ns(stream, 1_000).unwrap();
-    stream.synchronize().unwrap();
-    kernels
+/// A non-blocking stream and the test kernels, warmed on it.
+fn stream_and_kernels(context: &Arc<Context>) -> (Stream, TestKernels) {
+    let stream = non_blocking(context);
+    let kernels = warmed_kernels(context, &stream);
+    (stream, kernels)
 }
 
 /// `n` bytes at `ptr`, after everything queued on `stream`.
@@ -85,6 +83,15 @@ impl Rng {
         low + (self.next() % (high - low + 1) as u64) as usize
     }
 
+    /// Where `len` bytes start inside `size`: at the very end when `at_end`, else anywhere.
+    fn offset(&mut self, at_end: bool, size: usize, len: usize) -> usize {
+        if at_end {
+            size - len
+        } else {
+            self.range(0, size - len)
+        }
+    }
+
     fn bytes(&mut self, n: usize) -> Vec<u8> {
         (0..n).map(|_| self.next() as u8).collect()
     }
@@ -93,6 +100,13 @@ impl Rng {
 // ---------------------------------------------------------------------------------------------
 // Raw memory
 // ---------------------------------------------------------------------------------------------
+
+/// Repeats `word` over `model`, as a 16- or 32-bit memset does.
+fn fill_words(model: &mut [u8], word: &[u8]) {
+    for chunk in model.chunks_exact_mut(word.len()) {
+        chunk.copy_from_slice(word);
+    }
+}
 
 /// Two disjoint ranges of `len` bytes inside `size` bytes: (dst, src).
 fn disjoint_ranges(rng: &mut Rng, size: usize, len: usize) -> (usize, usize) {
@@ -130,11 +144,7 @@ fn a_random_mix_of_sync_and_async_copies_and_memsets_at_odd_offsets_matches_a_ho
         match op % 11 {
             0 => {
                 let len = rng.range(1, 97);
-                let off = if at_end {
-                    SIZE - len
-                } else {
-                    rng.range(0, SIZE - len)
-                };
+                let off = rng.offset(at_end, SIZE, len);
                 let value = rng.next() as u8;
                 // SAFETY: `off + len <= SIZE`.
                 unsafe {
@@ -160,9 +170,7 @@ fn a_random_mix_of_sync_and_async_copies_and_memsets_at_odd_offsets_matches_a_ho
                     }
                 }
                 .unwrap();
-                for chunk in model[off..off + 2 * count].chunks_exact_mut(2) {
-                    chunk.copy_from_slice(&value.to_ne_bytes());
-                }
+                fill_words(&mut model[off..off + 2 * count], &value.to_ne_bytes());
             }
             2 => {
                 let count = rng.range(1, 24);
@@ -177,17 +185,11 @@ fn a_random_mix_of_sync_and_async_copies_and_memsets_at_odd_offsets_matches_a_ho
                     }
                 }
                 .unwrap();
-                for chunk in model[off..off + 4 * count].chunks_exact_mut(4) {
-                    chunk.copy_from_slice(&value.to_ne_bytes());
-                }
+                fill_words(&mut model[off..off + 4 * count], &value.to_ne_bytes());
             }
             3 | 4 => {
                 let len = rng.range(1, 131);
-                let off = if at_end {
-                    SIZE - len
-                } else {
-                    rng.range(0, SIZE - len)
-                };
+                let off = rng.offset(at_end, SIZE, len);
                 let bytes = rng.bytes(len);
                 // SAFETY: `off + len <= SIZE`; `bytes` lives in `sources` until the stream
                 // passes the copy.
@@ -261,9 +263,7 @@ fn a_random_mix_of_sync_and_async_copies_and_memsets_at_odd_offsets_matches_a_ho
                 // SAFETY: `off + 4 * count <= SIZE`.
                 match unsafe { memory::memset_d32(context, base + off as u64, value, count) } {
                     Ok(()) => {
-                        for chunk in model[off..off + 4 * count].chunks_exact_mut(4) {
-                            chunk.copy_from_slice(&value.to_ne_bytes());
-                        }
+                        fill_words(&mut model[off..off + 4 * count], &value.to_ne_bytes());
                     }
                     Err(DriverError::Cuda { .. } | DriverError::InvalidArgument { .. }) => {
                         d32_misaligned_refused += 1;
@@ -274,11 +274,7 @@ fn a_random_mix_of_sync_and_async_copies_and_memsets_at_odd_offsets_matches_a_ho
             _ => {
                 // A snapshot read back in the middle of the sequence.
                 let len = rng.range(1, 257);
-                let off = if at_end {
-                    SIZE - len
-                } else {
-                    rng.range(0, SIZE - len)
-                };
+                let off = rng.offset(at_end, SIZE, len);
                 let mut host = vec![0u8; len];
                 // SAFETY: `off + len <= SIZE`; `host` holds `len` bytes and is read only after
                 // the stream has been synchronised.
@@ -476,8 +472,7 @@ fn a_graph_and_an_executable_made_by_another_library_are_wrapped_launched_update
     let gpu = require_gpu!();
     let _serial = serial();
     let context = &gpu.context;
-    let stream = non_blocking(context);
-    let kernels = warmed_kernels(context, &stream);
+    let (stream, kernels) = stream_and_kernels(context);
     const N: usize = 3001;
     let first = DeviceAllocation::zeroed(context, N * 4).unwrap();
     let second = DeviceAllocation::zeroed(context, N * 4).unwrap();
@@ -538,8 +533,7 @@ fn a_memset_graph_updated_to_odd_ranges_writes_exactly_the_latest_and_a_kernel_i
     let gpu = require_gpu!();
     let _serial = serial();
     let context = &gpu.context;
-    let stream = non_blocking(context);
-    let kernels = warmed_kernels(context, &stream);
+    let (stream, kernels) = stream_and_kernels(context);
     const SIZE: usize = 4099;
     const LEN: usize = 333;
     let buffer = DeviceAllocation::zeroed(context, SIZE).unwrap();
@@ -581,20 +575,6 @@ fn a_memset_graph_updated_to_odd_ranges_writes_exactly_the_latest_and_a_kernel_i
     exec.launch(&stream).unwrap();
     model[offset..offset + LEN].fill(value);
     assert_eq!(read_bytes(context, buffer.ptr(), SIZE, &stream), model);
-}
-
-/// The eight words `echo_args` writes for these arguments.
-fn echoed(a: u8, b: u16, c: u32, d: u64, e: f32, f: f64, g: Pair) -> [u64; 8] {
-    [
-        u64::from(a),
-        u64::from(b),
-        u64::from(c),
-        d,
-        u64::from(e.to_bits()),
-        f.to_bits(),
-        g.first,
-        u64::from(g.second.to_bits()),
-    ]
 }
 
 #[test]
@@ -696,8 +676,7 @@ fn host_functions_between_kernels_pass_values_both_ways_for_two_thousand_rounds(
     let gpu = require_gpu!();
     let _serial = serial();
     let context = &gpu.context;
-    let stream = non_blocking(context);
-    let kernels = warmed_kernels(context, &stream);
+    let (stream, kernels) = stream_and_kernels(context);
     let copier = StreamKernels::load(context).unwrap();
     const ROUNDS: usize = 2000;
     // Word 0: a kernel stores the round, the host function reads it. Word 1: the host function
@@ -932,8 +911,7 @@ fn a_thousand_pooled_timing_events_in_stream_order_give_monotonic_elapsed_times(
     let gpu = require_gpu!();
     let _serial = serial();
     let context = &gpu.context;
-    let stream = non_blocking(context);
-    let kernels = warmed_kernels(context, &stream);
+    let (stream, kernels) = stream_and_kernels(context);
     let pool = EventPool::for_context(context).unwrap();
     let events: Vec<OwnedPooledEvent> = (0..1000)
         .map(|_| {

@@ -12,6 +12,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{non_blocking, warmed_kernels};
 use cuweave_driver::graph::{GraphNodeType, graph_memory_usage, trim_graph_memory};
 use cuweave_driver::memory::{self, DeviceAllocation, DevicePtr};
 use cuweave_driver::{
@@ -19,26 +22,12 @@ use cuweave_driver::{
     InstantiateOptions, OwnedPooledEvent, Stream, StreamFlags, WaitCondition, WriteOrdering, sys,
 };
 use cuweave_test_support::host_flags::HostFlags;
-use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{require_gpu, serial};
 
 const MS: u64 = 1_000_000;
 
 /// How long a test waits for work that must finish before calling it stuck.
 const STUCK: Duration = Duration::from_secs(10);
-
-fn non_blocking(context: &Arc<Context>) -> Stream {
-    Stream::new(context, StreamFlags::NON_BLOCKING).unwrap()
-}
-
-/// The test kernels, JIT-compiled and run once on `stream`, so that no later launch pays for
-/// the first launch's setup while a test times something.
-fn warmed_kernels(context: &Arc<Context>, stream: &Stream) -> TestKernels {
-    let kernels = TestKernels::load(context).unwrap();
-    kernels.spin_ns(stream, 1_000).unwrap();
-    stream.synchronize().unwrap();
-    kernels
-}
 
 /// The first `n` `u32`s at `ptr`, after everything queued on `stream`.
 fn read_u32(context: &Context, ptr: DevicePtr, n: usize, stream: &Stream) -> Vec<u32> {

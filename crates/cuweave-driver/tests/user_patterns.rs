@@ -4,6 +4,9 @@
 //! bounded, handles that travel between threads and through raw handles, raw memory that
 //! round-trips byte for byte, graphs relaunched and updated, and a machine without a driver.
 
+mod common;
+
+use common::echoed;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
@@ -332,19 +335,7 @@ fn arguments_of_every_size_and_a_struct_by_value_reach_the_kernel() {
     let mut host = [0u64; 8];
     // SAFETY: both hold 8 u64s.
     unsafe { memory::copy_dtoh(context, host.as_mut_ptr().cast(), out.ptr(), 64) }.unwrap();
-    assert_eq!(
-        host,
-        [
-            u64::from(a),
-            u64::from(b),
-            u64::from(c),
-            d,
-            u64::from(e.to_bits()),
-            f.to_bits(),
-            g.first,
-            u64::from(g.second.to_bits()),
-        ]
-    );
+    assert_eq!(host, echoed(a, b, c, d, e, f, g));
 }
 
 #[test]

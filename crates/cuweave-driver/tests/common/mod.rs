@@ -1,0 +1,35 @@
+//! Helpers shared by the driver layer's GPU tests.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use cuweave_driver::{Context, Stream, StreamFlags};
+use cuweave_test_support::kernels::TestKernels;
+use cuweave_test_support::launch_kernels::Pair;
+
+pub fn non_blocking(context: &Arc<Context>) -> Stream {
+    Stream::new(context, StreamFlags::NON_BLOCKING).unwrap()
+}
+
+/// The test kernels, JIT-compiled and run once on `stream`, so that no later launch pays for
+/// the first launch's setup while a test times something.
+pub fn warmed_kernels(context: &Arc<Context>, stream: &Stream) -> TestKernels {
+    let kernels = TestKernels::load(context).unwrap();
+    kernels.spin_ns(stream, 1_000).unwrap();
+    stream.synchronize().unwrap();
+    kernels
+}
+
+/// The eight words `echo_args` writes for these arguments.
+pub fn echoed(a: u8, b: u16, c: u32, d: u64, e: f32, f: f64, g: Pair) -> [u64; 8] {
+    [
+        u64::from(a),
+        u64::from(b),
+        u64::from(c),
+        d,
+        u64::from(e.to_bits()),
+        f.to_bits(),
+        g.first,
+        u64::from(g.second.to_bits()),
+    ]
+}
