@@ -19,8 +19,10 @@ mod common;
 
 use std::sync::{Arc, Barrier};
 
-use common::{SENTINEL, assert_all_u32, assert_bytes, block_on, bytes, grid, late_fill, watch};
-use cuweave_driver::{Context, Device, Kernel, Stream, StreamFlags};
+use common::{
+    SENTINEL, assert_all_u32, assert_bytes, block_on, bytes, grid, late_fill, user_stream, watch,
+};
+use cuweave_driver::{Context, Device, Kernel, Stream};
 use cuweave_memory::{
     Buffer, CachingAllocator, DeviceBuffer, Element, PinnedBuffer, TrackedLaunch, UnifiedBuffer,
 };
@@ -37,9 +39,13 @@ const KERNEL_NS: u64 = 20_000_000;
 const OLD: u32 = 0x0101_0101;
 const WRITTEN: u32 = 0x7E57_AB1E;
 
-/// Device 0's and device 1's primary contexts, or `None` after printing why the test skips
-/// (no GPU, or fewer than two).
-fn two_gpus(test: &str) -> Option<[Arc<Context>; 2]> {
+/// The binary's serial guard.
+type Serial = std::sync::MutexGuard<'static, ()>;
+
+/// What every two-GPU test starts from: the binary's serial guard, device 0's and device 1's
+/// primary contexts and a fresh manager; or `None` after printing why the test skips (no GPU,
+/// or fewer than two). The guard comes first so that it is dropped last.
+fn two_gpus(test: &str) -> Option<(Serial, [Arc<Context>; 2], TransferManager)> {
     let gpu = cuweave_test_support::gpu(test)?;
     let count = Device::count().unwrap_or(0);
     if count < 2 {
@@ -47,12 +53,31 @@ fn two_gpus(test: &str) -> Option<[Arc<Context>; 2]> {
         return None;
     }
     let other = Context::primary(Device::get(1).unwrap()).unwrap();
-    Some([gpu.context, other])
+    let serial = serial();
+    Some((
+        serial,
+        [gpu.context, other],
+        TransferManager::new().unwrap(),
+    ))
 }
 
-/// A non-blocking stream of the user's own on `context`'s device.
-fn stream_on(context: &Arc<Context>) -> Stream {
-    Stream::new(context, StreamFlags::NON_BLOCKING).unwrap()
+/// The test kernels loaded on each device.
+fn kernels_on(contexts: &[Arc<Context>; 2]) -> [TestKernels; 2] {
+    contexts.each_ref().map(|c| TestKernels::load(c).unwrap())
+}
+
+/// The kernel `name` of each device's test kernels.
+fn function_on(kernels: &[TestKernels; 2], name: &str) -> [Kernel; 2] {
+    kernels
+        .each_ref()
+        .map(|k| k.module().function(name).unwrap())
+}
+
+/// Each device's default caching allocator.
+fn caches_of(contexts: &[Arc<Context>; 2]) -> [CachingAllocator; 2] {
+    contexts
+        .each_ref()
+        .map(|c| CachingAllocator::for_device(c.device()).unwrap())
 }
 
 /// The methods a forced transfer from device `a` to device `b` may use on this machine, with
@@ -72,13 +97,16 @@ fn peer_methods(manager: &TransferManager, a: usize, b: usize) -> Vec<Option<Tra
     methods
 }
 
+/// What a transfer returns.
+type Moved = Result<cuweave_transfer::TransferReport, TransferError>;
+
 /// Runs the planned transfer (`None`) or the forced one.
 fn move_by<'s, 'd, T: Element>(
     manager: &TransferManager,
     method: Option<TransferMethod>,
     src: impl Into<Source<'s, T>>,
     dst: impl Into<Destination<'d, T>>,
-) -> Result<cuweave_transfer::TransferReport, TransferError> {
+) -> Moved {
     match method {
         None => manager.transfer(src, dst),
         Some(m) => manager.transfer_with(m, src, dst),
@@ -210,17 +238,16 @@ fn exchange<T: Element>(
 fn tensors_move_between_devices_at_odd_lengths_offsets_and_views_by_every_method() {
     const TEST: &str =
         "tensors_move_between_devices_at_odd_lengths_offsets_and_views_by_every_method";
-    let Some(contexts) = two_gpus(TEST) else {
+    let Some((_serial, contexts, manager)) = two_gpus(TEST) else {
         return;
     };
-    let _serial = serial();
     let tiny = TransferManager::with_staging(StagingConfig {
         chunk_bytes: MIN_CHUNK_BYTES,
         depth: 2,
         ..StagingConfig::for_upload(MIB)
     })
     .unwrap();
-    for manager in [&TransferManager::new().unwrap(), &tiny] {
+    for manager in [&manager, &tiny] {
         manager.stats().reset();
         let moved = [
             exchange::<u16>(manager, &contexts, "u16"),
@@ -259,11 +286,9 @@ fn tensors_move_between_devices_at_odd_lengths_offsets_and_views_by_every_method
 #[test]
 fn both_directions_at_once_from_two_threads_on_one_fresh_manager() {
     const TEST: &str = "both_directions_at_once_from_two_threads_on_one_fresh_manager";
-    let Some(contexts) = two_gpus(TEST) else {
+    let Some((_serial, contexts, manager)) = two_gpus(TEST) else {
         return;
     };
-    let _serial = serial();
-    let manager = TransferManager::new().unwrap();
     const ROUNDS: usize = 24;
     let barrier = Barrier::new(4);
     let (manager, contexts, barrier) = (&manager, &contexts, &barrier);
@@ -308,14 +333,12 @@ fn both_directions_at_once_from_two_threads_on_one_fresh_manager() {
     let host = expected(&|r| MIB + r * 4099) * 2 + ROUNDS as u64;
     let rounds = ROUNDS as u64;
     assert_eq!(on_path(manager, TransferPath::PEER), (2 * rounds, peer, 0));
-    assert_eq!(
-        on_path(manager, TransferPath::PAGEABLE_TO_DEVICE),
-        (2 * rounds, host, 0)
-    );
-    assert_eq!(
-        on_path(manager, TransferPath::DEVICE_TO_PAGEABLE),
-        (2 * rounds, host, 0)
-    );
+    for path in [
+        TransferPath::PAGEABLE_TO_DEVICE,
+        TransferPath::DEVICE_TO_PAGEABLE,
+    ] {
+        assert_eq!(on_path(manager, path), (2 * rounds, host, 0), "{path}");
+    }
     for d in 0..2 {
         assert!(manager.is_open(d), "device {d} was used");
         assert!(manager.idle_lanes(d) <= MAX_IDLE_LANES);
@@ -336,24 +359,13 @@ fn both_directions_at_once_from_two_threads_on_one_fresh_manager() {
 #[test]
 fn a_thousand_ping_pongs_with_kernels_on_both_devices_keep_memory_flat() {
     const TEST: &str = "a_thousand_ping_pongs_with_kernels_on_both_devices_keep_memory_flat";
-    let Some(contexts) = two_gpus(TEST) else {
+    let Some((_serial, contexts, manager)) = two_gpus(TEST) else {
         return;
     };
-    let _serial = serial();
-    let manager = TransferManager::new().unwrap();
-    let kernels = [
-        TestKernels::load(&contexts[0]).unwrap(),
-        TestKernels::load(&contexts[1]).unwrap(),
-    ];
-    let inc = [
-        kernels[0].module().function("increment_u32").unwrap(),
-        kernels[1].module().function("increment_u32").unwrap(),
-    ];
-    let streams = [stream_on(&contexts[0]), stream_on(&contexts[1])];
-    let allocators = [
-        CachingAllocator::for_device(contexts[0].device()).unwrap(),
-        CachingAllocator::for_device(contexts[1].device()).unwrap(),
-    ];
+    let kernels = kernels_on(&contexts);
+    let inc = function_on(&kernels, "increment_u32");
+    let streams = contexts.each_ref().map(user_stream);
+    let allocators = caches_of(&contexts);
     let methods = peer_methods(&manager, 0, 1);
     let n = 64 * 1024 + 3;
     let start = common::words(n, 77);
@@ -440,25 +452,16 @@ fn a_thousand_ping_pongs_with_kernels_on_both_devices_keep_memory_flat() {
 #[test]
 fn a_late_kernel_write_on_one_device_reaches_the_other_after_its_reader() {
     const TEST: &str = "a_late_kernel_write_on_one_device_reaches_the_other_after_its_reader";
-    let Some(contexts) = two_gpus(TEST) else {
+    let Some((_serial, contexts, manager)) = two_gpus(TEST) else {
         return;
     };
     if cuweave_test_support::skip_under_sanitizer(TEST, "needs kernels on two streams at once") {
         return;
     }
-    let _serial = serial();
-    let manager = TransferManager::new().unwrap();
-    let kernels = [
-        TestKernels::load(&contexts[0]).unwrap(),
-        TestKernels::load(&contexts[1]).unwrap(),
-    ];
-    let fill = kernels
-        .each_ref()
-        .map(|k| k.module().function("fill_u32").unwrap());
-    let watcher = kernels
-        .each_ref()
-        .map(|k| k.module().function("watch_u32").unwrap());
-    let streams = [stream_on(&contexts[0]), stream_on(&contexts[1])];
+    let kernels = kernels_on(&contexts);
+    let fill = function_on(&kernels, "fill_u32");
+    let watcher = function_on(&kernels, "watch_u32");
+    let streams = contexts.each_ref().map(user_stream);
     let n = MIB / 4 + 3;
     let (src_at, dst_at) = (2usize, 3usize);
     for (a, b) in [(1usize, 0usize), (0, 1)] {
@@ -540,12 +543,10 @@ fn a_late_kernel_write_on_one_device_reaches_the_other_after_its_reader() {
 fn forced_peer_to_peer_follows_peer_access_and_foreign_methods_are_typed_errors() {
     const TEST: &str =
         "forced_peer_to_peer_follows_peer_access_and_foreign_methods_are_typed_errors";
-    let Some(contexts) = two_gpus(TEST) else {
+    let Some((_serial, contexts, manager)) = two_gpus(TEST) else {
         return;
     };
-    let _serial = serial();
     let devices = [Device::get(0).unwrap(), Device::get(1).unwrap()];
-    let manager = TransferManager::new().unwrap();
     assert!(!manager.is_open(0) && !manager.is_open(1));
     // An upload to device 1 opens device 1 alone.
     let n = MIB + 13;
@@ -809,11 +810,9 @@ fn device_one_only_child() {
 #[test]
 fn per_pair_calibration_decides_each_direction_and_statistics_count_by_path() {
     const TEST: &str = "per_pair_calibration_decides_each_direction_and_statistics_count_by_path";
-    let Some(contexts) = two_gpus(TEST) else {
+    let Some((_serial, contexts, manager)) = two_gpus(TEST) else {
         return;
     };
-    let _serial = serial();
-    let manager = TransferManager::new().unwrap();
     let machine = manager.machine();
     let mut table = CalibrationTable {
         device: machine.first().cloned(),
@@ -821,19 +820,16 @@ fn per_pair_calibration_decides_each_direction_and_statistics_count_by_path() {
         ..CalibrationTable::default()
     };
     let at = |a: usize, b: usize| Query::new(Location::Device(a), Location::Device(b), 16 * MIB);
-    for (m, g) in [
-        (TransferMethod::PeerToPeer, 300.0),
-        (TransferMethod::DirectCopy, 250.0),
-        (TransferMethod::HostStaged, 20.0),
-    ] {
-        table.record_at(at(0, 1).measure, m, g);
-    }
-    for (m, g) in [
-        (TransferMethod::PeerToPeer, 10.0),
-        (TransferMethod::DirectCopy, 5.0),
-        (TransferMethod::HostStaged, 40.0),
-    ] {
-        table.record_at(at(1, 0).measure, m, g);
+    let methods = [
+        TransferMethod::PeerToPeer,
+        TransferMethod::DirectCopy,
+        TransferMethod::HostStaged,
+    ];
+    // GB/s of each method, 0 -> 1 and 1 -> 0.
+    for (a, b, gbps) in [(0, 1, [300.0, 250.0, 20.0]), (1, 0, [10.0, 5.0, 40.0])] {
+        for (m, g) in methods.into_iter().zip(gbps) {
+            table.record_at(at(a, b).measure, m, g);
+        }
     }
     assert!(
         manager.set_calibration(table).is_none(),
@@ -936,22 +932,14 @@ fn per_pair_calibration_decides_each_direction_and_statistics_count_by_path() {
 #[test]
 fn pipeline_stages_on_two_devices_draw_from_each_devices_cache_in_order() {
     const TEST: &str = "pipeline_stages_on_two_devices_draw_from_each_devices_cache_in_order";
-    let Some(contexts) = two_gpus(TEST) else {
+    let Some((_serial, contexts, manager)) = two_gpus(TEST) else {
         return;
     };
-    let _serial = serial();
-    let manager = TransferManager::new().unwrap();
-    let kernels = [
-        TestKernels::load(&contexts[0]).unwrap(),
-        TestKernels::load(&contexts[1]).unwrap(),
-    ];
+    let kernels = kernels_on(&contexts);
     let fill = kernels[0].module().function("fill_u32").unwrap();
     let inc = kernels[1].module().function("increment_u32").unwrap();
-    let streams = [stream_on(&contexts[0]), stream_on(&contexts[1])];
-    let allocators = [
-        CachingAllocator::for_device(contexts[0].device()).unwrap(),
-        CachingAllocator::for_device(contexts[1].device()).unwrap(),
-    ];
+    let streams = contexts.each_ref().map(user_stream);
+    let allocators = caches_of(&contexts);
     assert_eq!(allocators[1].device().ordinal(), 1);
     let n = 300_001usize;
     const MICROBATCHES: u32 = 64;
@@ -1041,11 +1029,9 @@ fn pipeline_stages_on_two_devices_draw_from_each_devices_cache_in_order() {
 #[test]
 fn loaders_on_threads_with_the_other_device_current_move_exact_batches() {
     const TEST: &str = "loaders_on_threads_with_the_other_device_current_move_exact_batches";
-    let Some(contexts) = two_gpus(TEST) else {
+    let Some((_serial, contexts, manager)) = two_gpus(TEST) else {
         return;
     };
-    let _serial = serial();
-    let manager = TransferManager::new().unwrap();
     const ROUNDS: usize = 6;
     let barrier = Barrier::new(2);
     let (manager, contexts, barrier) = (&manager, &contexts, &barrier);
@@ -1093,8 +1079,12 @@ fn loaders_on_threads_with_the_other_device_current_move_exact_batches() {
         }
     });
     let rounds = 3 * 2 * ROUNDS as u64;
-    assert_eq!(on_path(manager, TransferPath::PAGEABLE_TO_DEVICE).0, rounds);
-    assert_eq!(on_path(manager, TransferPath::DEVICE_TO_PAGEABLE).0, rounds);
+    for path in [
+        TransferPath::PAGEABLE_TO_DEVICE,
+        TransferPath::DEVICE_TO_PAGEABLE,
+    ] {
+        assert_eq!(on_path(manager, path).0, rounds, "{path}");
+    }
     assert_eq!(on_path(manager, TransferPath::PAGEABLE_TO_DEVICE).2, 0);
 }
 
@@ -1111,34 +1101,39 @@ fn loaders_on_threads_with_the_other_device_current_move_exact_batches() {
 #[test]
 fn views_of_pinned_and_unified_memory_cross_devices_by_every_method() {
     const TEST: &str = "views_of_pinned_and_unified_memory_cross_devices_by_every_method";
-    let Some(contexts) = two_gpus(TEST) else {
+    let Some((_serial, contexts, manager)) = two_gpus(TEST) else {
         return;
     };
-    let _serial = serial();
-    let manager = TransferManager::new().unwrap();
     let n = MIB + 5;
     let data = bytes(n + 8, 21);
     let managed = Device::get(1).unwrap().supports_managed_memory().unwrap();
-    let check = |result: Result<cuweave_transfer::TransferReport, TransferError>,
-                 method: Option<TransferMethod>,
-                 got: Vec<u8>,
-                 what: &str| {
-        match result {
-            Ok(report) => {
-                assert_eq!(report.plan.path, TransferPath::PEER, "{what}");
-                assert_bytes(&got[4..4 + n], &data[3..3 + n], what);
-                assert!(got[..4].iter().all(|&x| x == SENTINEL), "{what}: before");
-                assert!(got[4 + n..].iter().all(|&x| x == SENTINEL), "{what}: after");
+    // Runs `run` (which clears the destination, moves the bytes and reads the destination
+    // back) by every method from device `a` to device `b` and checks what it moved.
+    let across =
+        |a: usize,
+         b: usize,
+         what: &str,
+         run: &mut dyn FnMut(Option<TransferMethod>) -> (Moved, Vec<u8>)| {
+            for method in peer_methods(&manager, a, b) {
+                let (result, got) = run(method);
+                let what = format!("{what} by {method:?}");
+                match result {
+                    Ok(report) => {
+                        assert_eq!(report.plan.path, TransferPath::PEER, "{what}");
+                        assert_bytes(&got[4..4 + n], &data[3..3 + n], &what);
+                        assert!(got[..4].iter().all(|&x| x == SENTINEL), "{what}: before");
+                        assert!(got[4 + n..].iter().all(|&x| x == SENTINEL), "{what}: after");
+                    }
+                    Err(TransferError::Unsupported { .. }) if method.is_some() => {
+                        eprintln!("{what}: Unsupported");
+                    }
+                    Err(error) => panic!("{what}: {error:?}"),
+                }
             }
-            Err(TransferError::Unsupported { .. }) if method.is_some() => {
-                eprintln!("{what}: Unsupported");
-            }
-            Err(error) => panic!("{what}: {error:?}"),
-        }
-    };
+        };
     let pinned = PinnedBuffer::from_slice(&contexts[0], &data).unwrap();
     let mut on1 = DeviceBuffer::<u8>::new(&contexts[1], n + 8).unwrap();
-    for method in peer_methods(&manager, 0, 1) {
+    across(0, 1, "pinned(0) view -> 1", &mut |method| {
         on1.fill(SENTINEL).unwrap();
         let result = move_by(
             &manager,
@@ -1146,17 +1141,12 @@ fn views_of_pinned_and_unified_memory_cross_devices_by_every_method() {
             pinned.slice(3..3 + n).unwrap(),
             Destination::device(&mut on1, 4),
         );
-        check(
-            result,
-            method,
-            on1.to_vec().unwrap(),
-            &format!("pinned(0) view -> 1 by {method:?}"),
-        );
-    }
+        (result, on1.to_vec().unwrap())
+    });
     // Device 1 back into a view of a pinned buffer of device 0.
     let source = DeviceBuffer::from_slice(&contexts[1], &data).unwrap();
     let mut pinned_out = PinnedBuffer::<u8>::new(&contexts[0], n + 8).unwrap();
-    for method in peer_methods(&manager, 1, 0) {
+    across(1, 0, "1 -> pinned(0) view", &mut |method| {
         pinned_out.fill(SENTINEL).unwrap();
         let result = move_by(
             &manager,
@@ -1164,21 +1154,15 @@ fn views_of_pinned_and_unified_memory_cross_devices_by_every_method() {
             Source::device(&source, 3, n),
             pinned_out.slice_mut(4..4 + n).unwrap(),
         );
-        let got = pinned_out.as_slice().unwrap().to_vec();
-        check(
-            result,
-            method,
-            got,
-            &format!("1 -> pinned(0) view by {method:?}"),
-        );
-    }
+        (result, pinned_out.as_slice().unwrap().to_vec())
+    });
     if !managed {
         skip(TEST, "the unified part: device 1 has no managed memory");
         return;
     }
     let unified = UnifiedBuffer::from_slice(&contexts[1], &data).unwrap();
     let mut on0 = DeviceBuffer::<u8>::new(&contexts[0], n + 8).unwrap();
-    for method in peer_methods(&manager, 1, 0) {
+    across(1, 0, "unified(1) view -> 0", &mut |method| {
         on0.fill(SENTINEL).unwrap();
         let result = move_by(
             &manager,
@@ -1186,16 +1170,11 @@ fn views_of_pinned_and_unified_memory_cross_devices_by_every_method() {
             unified.slice(3..3 + n).unwrap(),
             on0.slice_mut(4..4 + n).unwrap(),
         );
-        check(
-            result,
-            method,
-            on0.to_vec().unwrap(),
-            &format!("unified(1) view -> 0 by {method:?}"),
-        );
-    }
+        (result, on0.to_vec().unwrap())
+    });
     let source = DeviceBuffer::from_slice(&contexts[0], &data).unwrap();
     let mut unified_out = UnifiedBuffer::<u8>::new(&contexts[1], n + 8).unwrap();
-    for method in peer_methods(&manager, 0, 1) {
+    across(0, 1, "0 -> unified(1) view", &mut |method| {
         unified_out.fill(SENTINEL).unwrap();
         let result = move_by(
             &manager,
@@ -1203,12 +1182,6 @@ fn views_of_pinned_and_unified_memory_cross_devices_by_every_method() {
             source.slice(3..3 + n).unwrap(),
             unified_out.slice_mut(4..4 + n).unwrap(),
         );
-        let got = unified_out.to_vec().unwrap();
-        check(
-            result,
-            method,
-            got,
-            &format!("0 -> unified(1) view by {method:?}"),
-        );
-    }
+        (result, unified_out.to_vec().unwrap())
+    });
 }
