@@ -26,13 +26,12 @@
 //! pending while it checks something, a `wait_u32` gate the host opens holds the stream.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 
 use cuweave_driver::memory::{
     MemLocation, range_accessed_by, range_last_prefetch_location, range_preferred_location,
     range_read_mostly,
 };
-use cuweave_driver::{Context, Device, DriverError, Stream, StreamFlags};
+use cuweave_driver::{Context, Device, DriverError, Stream};
 use cuweave_memory::pinned_pool::PinnedPoolConfig;
 use cuweave_memory::{
     Buffer, DeviceBuffer, ManagedCapabilities, ManagedMemoryHints, MemAdvice, MemoryError,
@@ -40,7 +39,7 @@ use cuweave_memory::{
     UnifiedBuffer,
 };
 use cuweave_test_support::kernels::TestKernels;
-use cuweave_test_support::{require_gpu, serial, skip};
+use cuweave_test_support::{require_gpu, serial};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -49,35 +48,15 @@ const MIB: usize = 1 << 20;
 mod gate;
 use gate::Gate;
 
-fn stream(context: &Arc<Context>) -> Stream {
-    Stream::new(context, StreamFlags::NON_BLOCKING).expect("create stream")
-}
-
-/// Whether device 0 has managed memory with concurrent access (every test of managed memory
-/// here needs host slices); prints a skip line otherwise.
-fn managed_usable(device: Device, test: &str) -> bool {
-    let capabilities = ManagedCapabilities::of(device).expect("capabilities");
-    if capabilities.managed_memory && capabilities.concurrent_managed_access {
-        true
-    } else {
-        skip(test, "no managed memory with concurrent access on device 0");
-        false
-    }
-}
+#[path = "common/managed.rs"]
+mod managed;
+use managed::{assert_busy, managed_usable, stream, tracked_checksum};
 
 fn assert_read_only<T>(result: cuweave_memory::Result<T>, what: &str) {
     match result {
         Err(MemoryError::ReadOnlyView { .. }) => {}
         Err(other) => panic!("{what}: expected ReadOnlyView, got {other:?}"),
         Ok(_) => panic!("{what}: a write through a shared view was accepted"),
-    }
-}
-
-fn assert_busy<T>(result: cuweave_memory::Result<T>, what: &str) {
-    match result {
-        Err(MemoryError::DeviceBusy { .. }) => {}
-        Err(other) => panic!("{what}: expected DeviceBusy, got {other:?}"),
-        Ok(_) => panic!("{what}: host access granted while queued GPU work uses the buffer"),
     }
 }
 
@@ -144,15 +123,7 @@ fn ten_thousand_pinned_dataloader_batches_reuse_a_bounded_set_of_pool_blocks() {
             slot.copy_from_host_async(staged, &copy)
                 .expect("non_blocking upload"),
         );
-        slot.prepare_read(&compute).expect("prepare read");
-        total.prepare_write(&compute).expect("prepare checksum");
-        // SAFETY: the slot holds BATCH u32s and `total` one u64 (8-byte aligned); both outlive
-        // the kernel, whose read and write are recorded right below (later uploads into the slot
-        // and the final download of `total` wait for them).
-        unsafe { kernels.checksum_u32(&compute, slot.device_ptr(), BATCH, total.device_ptr()) }
-            .expect("checksum kernel");
-        slot.record_read(&compute).expect("record read");
-        total.record_write(&compute).expect("record checksum");
+        tracked_checksum(&kernels, &compute, slot, &total);
     }
     for pending in in_flight.drain(..) {
         drop(pending.wait().expect("upload"));

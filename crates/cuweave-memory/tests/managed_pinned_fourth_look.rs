@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use cuweave_driver::memory::MemLocation;
-use cuweave_driver::{Context, Device, DriverError, LaunchConfig, Stream, StreamFlags};
+use cuweave_driver::{Context, Device, DriverError, Kernel, LaunchConfig, Stream};
 use cuweave_memory::pinned_pool::{PinnedPoolConfig, block_size};
 use cuweave_memory::{
     Buffer, DeviceBuffer, ManagedCapabilities, ManagedMemoryHints, MemoryError, MigrationPolicy,
@@ -33,7 +33,7 @@ use cuweave_memory::{
     UnifiedBuffer,
 };
 use cuweave_test_support::kernels::TestKernels;
-use cuweave_test_support::{poll_until, require_gpu, serial, skip, skip_under_sanitizer};
+use cuweave_test_support::{poll_until, require_gpu, serial, skip_under_sanitizer};
 
 mod common;
 
@@ -41,32 +41,26 @@ mod common;
 mod gate;
 use gate::Gate;
 
+#[path = "common/managed.rs"]
+mod managed;
+use managed::{assert_busy, managed_usable, stream, tracked_checksum};
+
+/// `require_gpu!()` and `serial()` for `test`, returning from it (with a skip line) where device
+/// 0 has no managed memory with concurrent access.
+macro_rules! managed_gpu {
+    ($test:expr) => {{
+        let gpu = require_gpu!();
+        let serial = serial();
+        if !managed_usable(gpu.device, $test) {
+            return;
+        }
+        (gpu, serial)
+    }};
+}
+
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
 const MS: u64 = 1_000_000;
-
-fn stream(context: &Arc<Context>) -> Stream {
-    Stream::new(context, StreamFlags::NON_BLOCKING).expect("create stream")
-}
-
-/// Whether device 0 has managed memory with concurrent access; prints a skip line otherwise.
-fn managed_usable(device: Device, test: &str) -> bool {
-    let capabilities = ManagedCapabilities::of(device).expect("capabilities");
-    if capabilities.managed_memory && capabilities.concurrent_managed_access {
-        true
-    } else {
-        skip(test, "no managed memory with concurrent access on device 0");
-        false
-    }
-}
-
-fn assert_busy<T>(result: cuweave_memory::Result<T>, what: &str) {
-    match result {
-        Err(MemoryError::DeviceBusy { .. }) => {}
-        Err(other) => panic!("{what}: expected DeviceBusy, got {other:?}"),
-        Ok(_) => panic!("{what}: host access granted while queued GPU work uses the buffer"),
-    }
-}
 
 fn assert_invalid_target<T: std::fmt::Debug>(result: cuweave_memory::Result<T>, what: &str) {
     assert!(
@@ -113,6 +107,40 @@ fn assert_balanced(stats: &PinnedPoolStats, what: &str) {
         stats.peak_pinned_bytes >= stats.pinned_bytes,
         "{what}: {stats:?}"
     );
+}
+
+/// Fills every element of `view` with `value` by a `fill_u32` kernel (`fill`) on `s`, launched
+/// through `TrackedLaunch` with the view declared written.
+fn tracked_fill<B: Buffer<u32> + ?Sized>(
+    fill: &Kernel,
+    s: &Stream,
+    view: &mut B,
+    value: u32,
+) -> cuweave_memory::Result<()> {
+    let n = view.len() as u64;
+    let config = LaunchConfig::for_elements(view.len(), 256).expect("config");
+    // SAFETY: fill_u32(unsigned*, unsigned, size_t) gets the view's address, a value and the
+    // view's length; it writes only those elements, and the view is declared written.
+    unsafe {
+        TrackedLaunch::new(fill, s, config)
+            .write(view)
+            .arg(&value)
+            .arg(&n)
+            .launch()
+    }
+}
+
+/// Counts a reader thread in `started` before `read` and in `finished` after it returns.
+fn counted<T>(started: &AtomicUsize, finished: &AtomicUsize, read: impl FnOnce() -> T) -> T {
+    started.fetch_add(1, Ordering::SeqCst);
+    let got = read();
+    finished.fetch_add(1, Ordering::SeqCst);
+    got
+}
+
+/// The advice of `len` bytes at `offset` of `buffer`.
+fn hints_of(buffer: &UnifiedBuffer<u8>, offset: usize, len: usize) -> ManagedMemoryHints<'_> {
+    ManagedMemoryHints::for_range(buffer.range(offset, len).expect("range")).expect("hints")
 }
 
 /// The path a prefetch plan takes on this driver.
@@ -280,14 +308,7 @@ fn four_threads_refilling_pinned_staging_pairs_from_one_pool_never_change_a_queu
             kernels.spin_ns(&s, 20_000).expect("spin");
             slot.copy_from_async(&*stage, &s)
                 .expect("device copy from pinned");
-            slot.prepare_read(&s).expect("prepare read");
-            total.prepare_write(&s).expect("prepare checksum");
-            // SAFETY: the slot holds BATCH u32s and `total` one aligned u64; both outlive the
-            // kernel, whose uses are recorded right below.
-            unsafe { kernels.checksum_u32(&s, slot.device_ptr(), BATCH, total.device_ptr()) }
-                .expect("checksum");
-            slot.record_read(&s).expect("record read");
-            total.record_write(&s).expect("record checksum");
+            tracked_checksum(&kernels, &s, &slot, &total);
         }
         let got = total.to_vec().expect("checksum")[0];
         drop(staging);
@@ -348,11 +369,7 @@ fn four_threads_refilling_pinned_staging_pairs_from_one_pool_never_change_a_queu
 fn blocking_host_reads_on_other_threads_wait_for_gated_writes_into_odd_views_and_see_them_exactly()
 {
     let test = "blocking_host_reads_on_other_threads_wait_for_gated_writes_into_odd_views_and_see_them_exactly";
-    let gpu = require_gpu!();
-    let _serial = serial();
-    if !managed_usable(gpu.device, test) {
-        return;
-    }
+    let (gpu, _serial) = managed_gpu!(test);
     let context = &gpu.context;
     let kernels = TestKernels::load(context).expect("kernels");
     let fill = kernels.module().function("fill_u32").expect("fill_u32");
@@ -381,22 +398,13 @@ fn blocking_host_reads_on_other_threads_wait_for_gated_writes_into_odd_views_and
         .expect("odd managed view")
         .fill_async(0xBEEF, &s)
         .expect("16-bit fill");
-    {
-        let mut view = words.slice_mut(5..WORDS - 2).expect("odd word view");
-        let n = view.len() as u64;
-        let value = 0xC0FF_EE00u32;
-        let config = LaunchConfig::for_elements(view.len(), 256).expect("config");
-        // SAFETY: fill_u32(unsigned*, unsigned, size_t) gets the view's address, a value and
-        // the view's length; it writes only those elements, and the view is declared written.
-        unsafe {
-            TrackedLaunch::new(&fill, &s, config)
-                .write(&mut view)
-                .arg(&value)
-                .arg(&n)
-                .launch()
-        }
-        .expect("tracked launch");
-    }
+    tracked_fill(
+        &fill,
+        &s,
+        &mut words.slice_mut(5..WORDS - 2).expect("odd word view"),
+        0xC0FF_EE00,
+    )
+    .expect("tracked launch");
     assert_busy(bytes.try_as_slice(), "pinned bytes under a gated copy");
     assert_busy(halves.try_as_slice(), "managed halves under a gated fill");
     assert_busy(words.try_as_slice(), "pinned words under a gated kernel");
@@ -407,22 +415,19 @@ fn blocking_host_reads_on_other_threads_wait_for_gated_writes_into_odd_views_and
         let (bytes, halves, words) = (&bytes, &halves, &words);
         let (started, finished) = (&started, &finished);
         let a = scope.spawn(move || {
-            started.fetch_add(1, Ordering::SeqCst);
-            let got = bytes.to_vec().expect("blocking read of pinned bytes");
-            finished.fetch_add(1, Ordering::SeqCst);
-            got
+            counted(started, finished, || {
+                bytes.to_vec().expect("blocking read of pinned bytes")
+            })
         });
         let b = scope.spawn(move || {
-            started.fetch_add(1, Ordering::SeqCst);
-            let got = halves.to_vec().expect("blocking read of managed halves");
-            finished.fetch_add(1, Ordering::SeqCst);
-            got
+            counted(started, finished, || {
+                halves.to_vec().expect("blocking read of managed halves")
+            })
         });
         let c = scope.spawn(move || {
-            started.fetch_add(1, Ordering::SeqCst);
-            let got = words.as_slice().expect("host slice").to_vec();
-            finished.fetch_add(1, Ordering::SeqCst);
-            got
+            counted(started, finished, || {
+                words.as_slice().expect("host slice").to_vec()
+            })
         });
         assert!(poll_until(Duration::from_secs(5), || started
             .load(Ordering::SeqCst)
@@ -493,11 +498,7 @@ fn poll_granted(mut attempt: impl FnMut() -> Option<()>) -> usize {
 #[test]
 fn polled_host_access_is_refused_until_spin_held_work_lands_and_never_sees_or_makes_stale_bytes() {
     let test = "polled_host_access_is_refused_until_spin_held_work_lands_and_never_sees_or_makes_stale_bytes";
-    let gpu = require_gpu!();
-    let _serial = serial();
-    if !managed_usable(gpu.device, test) {
-        return;
-    }
+    let (gpu, _serial) = managed_gpu!(test);
     let context = &gpu.context;
     let kernels = TestKernels::load(context).expect("kernels");
     let fill = kernels.module().function("fill_u32").expect("fill_u32");
@@ -514,21 +515,13 @@ fn polled_host_access_is_refused_until_spin_held_work_lands_and_never_sees_or_ma
 
     for round in 0..3u32 {
         kernels.spin_ns(&s, 30 * MS).expect("spin");
-        {
-            let mut view = out.slice_mut(1..N - 1).expect("view");
-            let n = view.len() as u64;
-            let value = VALUE + round;
-            let config = LaunchConfig::for_elements(view.len(), 256).expect("config");
-            // SAFETY: fill_u32 writes the view's n elements, declared written.
-            unsafe {
-                TrackedLaunch::new(&fill, &s, config)
-                    .write(&mut view)
-                    .arg(&value)
-                    .arg(&n)
-                    .launch()
-            }
-            .expect("tracked fill");
-        }
+        tracked_fill(
+            &fill,
+            &s,
+            &mut out.slice_mut(1..N - 1).expect("view"),
+            VALUE + round,
+        )
+        .expect("tracked fill");
         managed
             .slice_mut(2..)
             .expect("managed view")
@@ -594,11 +587,7 @@ fn polled_host_access_is_refused_until_spin_held_work_lands_and_never_sees_or_ma
 fn prefetch_plans_over_odd_ranges_of_three_element_types_round_trip_and_refuse_bad_entries() {
     let test =
         "prefetch_plans_over_odd_ranges_of_three_element_types_round_trip_and_refuse_bad_entries";
-    let gpu = require_gpu!();
-    let _serial = serial();
-    if !managed_usable(gpu.device, test) {
-        return;
-    }
+    let (gpu, _serial) = managed_gpu!(test);
     let context = &gpu.context;
     let s = stream(context);
     let device = MemLocation::Device(gpu.device.ordinal());
@@ -757,26 +746,19 @@ fn prefetch_plans_over_odd_ranges_of_three_element_types_round_trip_and_refuse_b
 #[test]
 fn advice_on_odd_sub_ranges_reads_back_per_range_and_never_touches_the_data() {
     let test = "advice_on_odd_sub_ranges_reads_back_per_range_and_never_touches_the_data";
-    let gpu = require_gpu!();
-    let _serial = serial();
-    if !managed_usable(gpu.device, test) {
-        return;
-    }
+    let (gpu, _serial) = managed_gpu!(test);
     let context = &gpu.context;
     let s = stream(context);
     let device = MemLocation::Device(gpu.device.ordinal());
     const N: usize = 4 * MIB; // bytes
     let data: Vec<u8> = (0..N).map(|i| (i % 251) as u8).collect();
     let mut buffer = UnifiedBuffer::from_slice(context, &data).expect("managed bytes");
-    let hints_of = |offset: usize, len: usize| {
-        ManagedMemoryHints::for_range(buffer.range(offset, len).expect("range")).expect("hints")
-    };
     let (inside, across, last) = (
-        hints_of(4099, 5),
-        hints_of(MIB + 3, 64 * KIB + 1),
-        hints_of(N - 7, 7),
+        hints_of(&buffer, 4099, 5),
+        hints_of(&buffer, MIB + 3, 64 * KIB + 1),
+        hints_of(&buffer, N - 7, 7),
     );
-    let far = hints_of(2 * MIB, MIB);
+    let far = hints_of(&buffer, 2 * MIB, MIB);
     inside.set_read_mostly().expect("read mostly");
     across
         .set_preferred_location(device)
@@ -838,24 +820,28 @@ fn advice_on_odd_sub_ranges_reads_back_per_range_and_never_touches_the_data() {
     want[N - 7..].fill(0xCD);
     assert_eq!(buffer.as_slice().expect("host"), &want[..]);
 
-    let hints_of = |offset: usize, len: usize| {
-        ManagedMemoryHints::for_range(buffer.range(offset, len).expect("range")).expect("hints")
-    };
-    hints_of(4099, 5).unset_read_mostly().expect("unset");
-    hints_of(MIB + 3, 64 * KIB + 1)
+    hints_of(&buffer, 4099, 5)
+        .unset_read_mostly()
+        .expect("unset");
+    hints_of(&buffer, MIB + 3, 64 * KIB + 1)
         .unset_preferred_location()
         .expect("unset");
-    hints_of(N - 7, 7)
+    hints_of(&buffer, N - 7, 7)
         .unset_accessed_by(MemLocation::Host)
         .expect("unset");
-    assert!(!hints_of(4099, 5).read_mostly().expect("inside"));
+    assert!(!hints_of(&buffer, 4099, 5).read_mostly().expect("inside"));
     assert_eq!(
-        hints_of(MIB + 3, 64 * KIB + 1)
+        hints_of(&buffer, MIB + 3, 64 * KIB + 1)
             .preferred_location()
             .expect("across"),
         None
     );
-    assert!(hints_of(N - 7, 7).accessed_by().expect("last").is_empty());
+    assert!(
+        hints_of(&buffer, N - 7, 7)
+            .accessed_by()
+            .expect("last")
+            .is_empty()
+    );
     assert_eq!(buffer.as_slice().expect("host"), &want[..]);
 }
 
@@ -873,11 +859,7 @@ fn advice_on_odd_sub_ranges_reads_back_per_range_and_never_touches_the_data() {
 fn a_pipeline_through_managed_device_and_pinned_memory_on_three_streams_matches_a_host_model() {
     let test =
         "a_pipeline_through_managed_device_and_pinned_memory_on_three_streams_matches_a_host_model";
-    let gpu = require_gpu!();
-    let _serial = serial();
-    if !managed_usable(gpu.device, test) {
-        return;
-    }
+    let (gpu, _serial) = managed_gpu!(test);
     let context = &gpu.context;
     let kernels = TestKernels::load(context).expect("kernels");
     let increment = kernels
