@@ -141,6 +141,11 @@ impl<T> GpuTimer<T> {
         self.skipped.load(Ordering::Relaxed)
     }
 
+    /// The most spans kept pending.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     /// Spans queued whose time has not been read yet.
     pub fn pending(&self) -> usize {
         self.pending.lock().len

@@ -220,6 +220,9 @@ impl MultiStreamCoordinator {
             .map(|stream| (stream.stream(), stream.event_pool()))
             .collect();
         let info = queue_barrier(&pairs)?;
+        for stream in &streams {
+            stream.note_queued_wait()?;
+        }
         self.graph.lock().clear();
         self.barriers.fetch_add(1, Ordering::Relaxed);
         Ok(info)

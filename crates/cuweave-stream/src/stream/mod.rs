@@ -50,6 +50,10 @@ pub struct PriorityStream {
     metrics: MetricsCounters,
     events: EventPool,
     outstanding: OutstandingWork<OwnedPooledEvent>,
+    /// Markers behind the device waits queued on the stream (on other streams' work), which
+    /// count no operation but hold back whatever is queued after them: a stream the pool would
+    /// otherwise see as idle ([`pending_waits`](Self::pending_waits)).
+    waits: OutstandingWork<OwnedPooledEvent>,
     timer: GpuTimer<()>,
     callbacks: CallbackWorker,
 }
@@ -91,6 +95,7 @@ impl PriorityStream {
             driver_priority,
             metrics: MetricsCounters::default(),
             outstanding: OutstandingWork::default(),
+            waits: OutstandingWork::default(),
             timer,
             events,
             callbacks: CallbackWorker::new(id),
@@ -128,6 +133,12 @@ impl PriorityStream {
         self.priority
     }
 
+    /// Adds the GPU time of the timed operations that finished to the counters.
+    fn harvest_gpu_time(&self) -> Result<()> {
+        self.timer
+            .harvest(|(), time, _| self.metrics.add_gpu_time(1, duration_ns(time)))
+    }
+
     /// The driver priority the stream really has, read back with `cuStreamGetPriority` when it
     /// was made (lower is more urgent).
     pub fn driver_priority(&self) -> i32 {
@@ -139,8 +150,7 @@ impl PriorityStream {
     /// # Errors
     /// The driver's error when reading a finished timing pair fails.
     pub fn metrics(&self) -> Result<StreamMetrics> {
-        self.timer
-            .harvest(|(), time, _| self.metrics.add_gpu_time(1, duration_ns(time)))?;
+        self.harvest_gpu_time()?;
         let mut metrics = self.metrics.snapshot();
         metrics.callback_panics = self.callbacks.panics();
         Ok(metrics)
@@ -165,6 +175,32 @@ impl PriorityStream {
     /// The driver's error from an event query.
     pub fn outstanding_work(&self) -> Result<u64> {
         Ok(self.outstanding.outstanding(|event| event.query())?)
+    }
+
+    /// Device waits queued on this stream (by [`wait_for`](Self::wait_for), a coordinator's
+    /// dependencies and barriers) that the GPU has not passed, without blocking: work queued
+    /// now would start only after the other streams' work they wait for. Not operations, so
+    /// not in [`outstanding_work`](Self::outstanding_work); the pool's strategies count both.
+    ///
+    /// # Errors
+    /// The driver's error from an event query.
+    pub fn pending_waits(&self) -> Result<u64> {
+        Ok(self.waits.outstanding(|event| event.query())?)
+    }
+
+    /// Notes a device wait just queued on this stream: a marker behind it, so that
+    /// [`pending_waits`](Self::pending_waits) counts it until the GPU passes it. Nothing while
+    /// the stream captures (the wait is a graph edge, and its marker could never be queried).
+    pub(crate) fn note_queued_wait(&self) -> Result<()> {
+        if crate::capture::is_capturing(&self.inner)? {
+            return Ok(());
+        }
+        self.waits.submitted(
+            1,
+            || self.events.acquire_owned(false),
+            |event| event.record(&self.inner),
+        )?;
+        Ok(())
     }
 
     /// Whether everything queued on the stream (counted or not) has finished (`cuStreamQuery`).
@@ -201,7 +237,8 @@ impl PriorityStream {
         // The driver's join: refused across a capture's boundary before anything is queued,
         // an event of the context's shared pool otherwise.
         self.inner.wait_stream(&other.inner)?;
-        crate::capture::note_wait_joined_capture(&self.inner)
+        crate::capture::note_wait_joined_capture(&self.inner)?;
+        self.note_queued_wait()
     }
 
     /// Queues work through `f` on this stream, counting it as one operation of `kind` moving
@@ -242,6 +279,16 @@ impl PriorityStream {
     where
         StreamError: From<E>,
     {
+        if self.timer.is_enabled() && self.timer.pending() >= self.timer.capacity() {
+            // Full: read the spans the GPU has finished first, as `metrics` would, so a stream
+            // whose owner rarely asks for metrics keeps timing while the GPU keeps up. Nothing
+            // can be read while this thread captures another stream: the timer skips instead.
+            if let Err(error) = self.harvest_gpu_time()
+                && !error.is_capture_refusal()
+            {
+                return Err(error);
+            }
+        }
         let span = self.timer.start_not_capturing(&self.inner)?;
         let result = f(&self.inner);
         // The start event is already on the stream; end it even if `f` failed, so the pair stays
