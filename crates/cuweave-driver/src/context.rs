@@ -185,6 +185,16 @@ impl Context {
         unsafe { cu!(api.ctx_synchronize()) }
     }
 
+    /// [`synchronize`](Self::synchronize) while captures of other contexts may be active: for a
+    /// synchronised capture begin that has checked, with no capture able to begin, that none is
+    /// active in this context (the caller's part), in relaxed capture mode.
+    pub(crate) fn synchronize_beside_captures(&self) -> Result<()> {
+        self.bind_to_thread()?;
+        let api = driver()?;
+        // SAFETY: the context is current on this thread.
+        unsafe { cu!(api.ctx_synchronize()) }
+    }
+
     /// The stream priorities this context offers.
     pub fn stream_priority_range(&self) -> Result<StreamPriorityRange> {
         self.bind_to_thread()?;

@@ -24,7 +24,7 @@ pub(super) fn is_legacy_default(raw: sys::CUstream) -> bool {
 
 /// The known-complete bound of a capture that [`Stream::begin_capture_synchronized`] is about
 /// to begin: the epoch `synchronize` returns (it bumps the epoch and synchronises the context)
-/// when no capture is active; otherwise, or when `synchronize` is refused because a capture
+/// when no capture of the context is active (`active_captures` counts those); otherwise, or when `synchronize` is refused because a capture
 /// began on another thread meanwhile ([`GraphError::Capturing`]), the bound `inherited` from the
 /// active captures of the same context.
 ///
@@ -84,11 +84,14 @@ impl Stream {
     /// known to be complete ([`known_complete_before`]), so a capturing stream drops it instead
     /// of waiting on an event recorded outside the capture (which the driver refuses).
     ///
-    /// When another capture is already active the context cannot be synchronised (that would
-    /// wait on, or break, the capturing streams): the capture begins without it and inherits the
-    /// bound of an active capture of the same context, if any, read after the synchronisation
-    /// was found impossible, so that a capture another thread began meanwhile (its own
-    /// synchronisation just done) is inherited from too.
+    /// When another capture of the same context is already active the context cannot be
+    /// synchronised (that would wait on, or break, the capturing streams): the capture begins
+    /// without it and inherits the bound of an active capture of the context, read after the
+    /// synchronisation was found impossible, so that a capture another thread began meanwhile
+    /// (its own synchronisation just done) is inherited from too. Captures of other contexts do
+    /// not stop it: this context alone is synchronised, in relaxed capture mode, so a program
+    /// capturing one rank per device from one thread (`nccl-tests -G`) may warm up the buffers
+    /// of every rank first.
     ///
     /// # Errors
     /// As [`begin_capture`](Self::begin_capture), and the synchronisation's error (a kernel that
@@ -98,20 +101,46 @@ impl Stream {
     pub fn begin_capture_synchronized(&self, mode: CaptureMode) -> Result<()> {
         self.check_can_capture()?;
         let complete_before = synchronized_bound(
-            active_captures,
+            || self.captures_in_context(),
             || {
-                let epoch =
-                    CaptureState::from_word(STATE.fetch_add(1 << COUNT_BITS, Ordering::SeqCst))
-                        .epoch
-                        + 1;
-                // No capture can begin between the count's check (inside `synchronize`) and the
-                // synchronisation, which would invalidate it.
-                while_no_capture_begins(|| self.context().synchronize())?;
-                Ok(epoch)
+                // No capture can begin between the check and the synchronisation, which would
+                // invalidate one of this context.
+                while_no_capture_begins(|| {
+                    if self.captures_in_context() != 0 {
+                        return Err(GraphError::Capturing {
+                            operation: "Stream::begin_capture_synchronized",
+                            reason: "a capture of this context began meanwhile",
+                        }
+                        .into());
+                    }
+                    let epoch =
+                        CaptureState::from_word(STATE.fetch_add(1 << COUNT_BITS, Ordering::SeqCst))
+                            .epoch
+                            + 1;
+                    // Captures of other contexts (another device's rank, in a one-thread
+                    // multi-GPU capture) are not waited on by this context's synchronisation;
+                    // relaxed mode keeps the driver from refusing it under their mode.
+                    let _relaxed = super::relaxed_during_captures()?;
+                    self.context().synchronize_beside_captures()?;
+                    Ok(epoch)
+                })
             },
             || self.inherited_complete_before(),
         )?;
         self.begin_capture_recorded(mode, complete_before)
+    }
+
+    /// How many captures begun through cuweave are active on this stream's context.
+    fn captures_in_context(&self) -> usize {
+        if active_captures() == 0 {
+            return 0;
+        }
+        let raw = self.context().as_raw() as usize;
+        RECORDS
+            .lock()
+            .iter()
+            .filter(|record| record.context == raw)
+            .count()
     }
 
     fn check_can_capture(&self) -> Result<()> {
