@@ -221,7 +221,7 @@ impl MultiStreamCoordinator {
             .collect();
         let info = queue_barrier(&pairs)?;
         for stream in &streams {
-            stream.note_queued_wait()?;
+            stream.note_queued_wait();
         }
         self.graph.lock().clear();
         self.barriers.fetch_add(1, Ordering::Relaxed);

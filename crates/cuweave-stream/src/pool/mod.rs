@@ -476,8 +476,9 @@ impl StreamPool {
 /// The load [`load_of`] gives a capturing stream: more than any real count.
 const CAPTURING: u64 = u64::MAX;
 
-/// What the strategies compare: the operations and device waits still queued on `stream`
-/// ([`PriorityStream::outstanding_work`] plus [`PriorityStream::pending_waits`]), or [`CAPTURING`]
+/// What the strategies compare: the operations still queued on `stream`, plus one while device
+/// waits queued on it may hold it back ([`PriorityStream::outstanding_work`],
+/// [`PriorityStream::has_pending_waits`]), or [`CAPTURING`]
 /// while it captures a graph (on any thread). A capturing stream records no markers (its work
 /// runs only when the graph is launched), so its count would read 0 and make it look idle:
 /// handed out to eager work, that work would be recorded into the capture or break it. It is
@@ -499,7 +500,7 @@ fn load_of(stream: &Arc<PriorityStream>) -> Result<u64> {
     // work would wait for it, however few operations of its own it has.
     match stream
         .outstanding_work()
-        .and_then(|work| Ok(work + stream.pending_waits()?))
+        .and_then(|work| Ok(work + u64::from(stream.has_pending_waits()?)))
     {
         Err(error) if error.is_capture_refusal() => Ok(0),
         other => other,

@@ -2,6 +2,7 @@
 //! GPU-timed operations, outstanding-work tracking and host callbacks that may call CUDA.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cuweave_driver::graph::{StatusCheck, refuse_recording};
 use cuweave_driver::{
@@ -50,10 +51,11 @@ pub struct PriorityStream {
     metrics: MetricsCounters,
     events: EventPool,
     outstanding: OutstandingWork<OwnedPooledEvent>,
-    /// Markers behind the device waits queued on the stream (on other streams' work), which
-    /// count no operation but hold back whatever is queued after them: a stream the pool would
-    /// otherwise see as idle ([`pending_waits`](Self::pending_waits)).
-    waits: OutstandingWork<OwnedPooledEvent>,
+    /// Device waits queued on the stream (on other streams' work), which count no operation
+    /// but hold back whatever is queued after them ([`has_pending_waits`](Self::has_pending_waits)):
+    /// how many were queued, and how many a query has since found passed.
+    waits_queued: AtomicU64,
+    waits_passed: AtomicU64,
     timer: GpuTimer<()>,
     callbacks: CallbackWorker,
 }
@@ -95,7 +97,8 @@ impl PriorityStream {
             driver_priority,
             metrics: MetricsCounters::default(),
             outstanding: OutstandingWork::default(),
-            waits: OutstandingWork::default(),
+            waits_queued: AtomicU64::new(0),
+            waits_passed: AtomicU64::new(0),
             timer,
             events,
             callbacks: CallbackWorker::new(id),
@@ -177,30 +180,30 @@ impl PriorityStream {
         Ok(self.outstanding.outstanding(|event| event.query())?)
     }
 
-    /// Device waits queued on this stream (by [`wait_for`](Self::wait_for), a coordinator's
-    /// dependencies and barriers) that the GPU has not passed, without blocking: work queued
-    /// now would start only after the other streams' work they wait for. Not operations, so
-    /// not in [`outstanding_work`](Self::outstanding_work); the pool's strategies count both.
+    /// Whether device waits queued on this stream (by [`wait_for`](Self::wait_for), a
+    /// coordinator's dependencies and barriers) may still hold back work queued now, behind
+    /// other streams' work: not operations, so not in [`outstanding_work`](Self::outstanding_work),
+    /// but the pool's strategies count a stream held so as busy. Costs nothing until a wait is
+    /// queued; then one `cuStreamQuery` per call until one finds the stream idle.
     ///
     /// # Errors
-    /// The driver's error from an event query.
-    pub fn pending_waits(&self) -> Result<u64> {
-        Ok(self.waits.outstanding(|event| event.query())?)
+    /// The driver's error from the query.
+    pub fn has_pending_waits(&self) -> Result<bool> {
+        let queued = self.waits_queued.load(Ordering::Acquire);
+        if self.waits_passed.load(Ordering::Acquire) >= queued {
+            return Ok(false);
+        }
+        if self.inner.query()? {
+            // Idle: every wait queued before the query has passed.
+            self.waits_passed.fetch_max(queued, Ordering::AcqRel);
+            return Ok(false);
+        }
+        Ok(true)
     }
 
-    /// Notes a device wait just queued on this stream: a marker behind it, so that
-    /// [`pending_waits`](Self::pending_waits) counts it until the GPU passes it. Nothing while
-    /// the stream captures (the wait is a graph edge, and its marker could never be queried).
-    pub(crate) fn note_queued_wait(&self) -> Result<()> {
-        if crate::capture::is_capturing(&self.inner)? {
-            return Ok(());
-        }
-        self.waits.submitted(
-            1,
-            || self.events.acquire_owned(false),
-            |event| event.record(&self.inner),
-        )?;
-        Ok(())
+    /// Notes a device wait just queued on this stream (one atomic add).
+    pub(crate) fn note_queued_wait(&self) {
+        self.waits_queued.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Whether everything queued on the stream (counted or not) has finished (`cuStreamQuery`).
@@ -238,7 +241,8 @@ impl PriorityStream {
         // an event of the context's shared pool otherwise.
         self.inner.wait_stream(&other.inner)?;
         crate::capture::note_wait_joined_capture(&self.inner)?;
-        self.note_queued_wait()
+        self.note_queued_wait();
+        Ok(())
     }
 
     /// Queues work through `f` on this stream, counting it as one operation of `kind` moving
