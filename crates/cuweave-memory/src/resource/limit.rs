@@ -1,10 +1,9 @@
 //! [`LimitAdaptor`]: a cap on the bytes outstanding through a resource.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use cuweave_driver::Stream;
 use cuweave_driver::memory::DevicePtr;
-use cuweave_driver::{Context, Device, Stream};
 
 use super::MemoryResource;
 use super::statistics::saturating_sub;
@@ -144,29 +143,13 @@ unsafe impl<R: MemoryResource> MemoryResource for LimitAdaptor<R> {
         Ok(())
     }
 
-    fn allocates_in_graphs(&self) -> bool {
-        self.upstream.allocates_in_graphs()
-    }
-
-    fn context(&self) -> &Arc<Context> {
-        self.upstream.context()
-    }
-
-    fn device(&self) -> Device {
-        self.upstream.device()
-    }
-
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn release_unused(&self) -> Result<()> {
-        self.upstream.release_unused()
-    }
+    super::forward_to_upstream!();
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
     use rstest::rstest;
 

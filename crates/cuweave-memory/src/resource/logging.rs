@@ -3,12 +3,11 @@
 
 use std::fmt::Write as _;
 use std::io::Write;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use cuweave_driver::Stream;
 use cuweave_driver::memory::DevicePtr;
-use cuweave_driver::{Context, Device, Stream};
 use parking_lot::Mutex;
 
 use super::MemoryResource;
@@ -169,20 +168,35 @@ impl<R: MemoryResource> LoggingAdaptor<R> {
         }
     }
 
-    fn logged<T>(
+    /// Logs what an allocation of `bytes` on `stream` gave, and passes it on.
+    fn logged_allocation(
         &self,
-        done: Action,
-        failed: Action,
-        ptr: impl FnOnce(&T) -> DevicePtr,
         bytes: usize,
         stream: &Stream,
-        result: Result<T>,
-    ) -> Result<T> {
-        match &result {
-            Ok(value) => self.log(done, ptr(value), bytes, stream),
-            Err(_) => self.log(failed, 0, bytes, stream),
+        allocated: Result<DevicePtr>,
+    ) -> Result<DevicePtr> {
+        match &allocated {
+            Ok(ptr) => self.log(Action::Allocate, *ptr, bytes, stream),
+            Err(_) => self.log(Action::AllocateFailure, 0, bytes, stream),
         }
-        result
+        allocated
+    }
+
+    /// Logs what a free of `ptr` (`bytes`) on `stream` gave, and passes it on.
+    fn logged_free(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: &Stream,
+        freed: Result<()>,
+    ) -> Result<()> {
+        let action = if freed.is_ok() {
+            Action::Free
+        } else {
+            Action::FreeFailure
+        };
+        self.log(action, ptr, bytes, stream);
+        freed
     }
 }
 
@@ -198,72 +212,28 @@ impl<R> Drop for LoggingAdaptor<R> {
 #[allow(unsafe_code)]
 unsafe impl<R: MemoryResource> MemoryResource for LoggingAdaptor<R> {
     fn allocate(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
-        let allocated = self.upstream.allocate(bytes, stream);
-        self.logged(
-            Action::Allocate,
-            Action::AllocateFailure,
-            |&p| p,
-            bytes,
-            stream,
-            allocated,
-        )
+        self.logged_allocation(bytes, stream, self.upstream.allocate(bytes, stream))
     }
 
     fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
-        let freed = self.upstream.deallocate(ptr, bytes, stream);
-        self.logged(
-            Action::Free,
-            Action::FreeFailure,
-            |_| ptr,
+        self.logged_free(
+            ptr,
             bytes,
             stream,
-            freed,
+            self.upstream.deallocate(ptr, bytes, stream),
         )
     }
 
     fn allocate_owned(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
-        let allocated = self.upstream.allocate_owned(bytes, stream);
-        self.logged(
-            Action::Allocate,
-            Action::AllocateFailure,
-            |&p| p,
-            bytes,
-            stream,
-            allocated,
-        )
+        self.logged_allocation(bytes, stream, self.upstream.allocate_owned(bytes, stream))
     }
 
     fn deallocate_owned(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
         let freed = self.upstream.deallocate_owned(ptr, bytes, stream);
-        self.logged(
-            Action::Free,
-            Action::FreeFailure,
-            |_| ptr,
-            bytes,
-            stream,
-            freed,
-        )
+        self.logged_free(ptr, bytes, stream, freed)
     }
 
-    fn allocates_in_graphs(&self) -> bool {
-        self.upstream.allocates_in_graphs()
-    }
-
-    fn context(&self) -> &Arc<Context> {
-        self.upstream.context()
-    }
-
-    fn device(&self) -> Device {
-        self.upstream.device()
-    }
-
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn release_unused(&self) -> Result<()> {
-        self.upstream.release_unused()
-    }
+    super::forward_to_upstream!();
 }
 
 #[cfg(test)]

@@ -45,6 +45,34 @@ use cuweave_driver::{Context, Device, Stream};
 
 use crate::error::{MemoryError, Result};
 
+/// The [`MemoryResource`] methods an adaptor takes from its `upstream` field as they are (graph
+/// allocation, context, device, release) and its `name` field: what every adaptor shares, so
+/// that each spells out only the calls it changes.
+macro_rules! forward_to_upstream {
+    () => {
+        fn allocates_in_graphs(&self) -> bool {
+            self.upstream.allocates_in_graphs()
+        }
+
+        fn context(&self) -> &std::sync::Arc<cuweave_driver::Context> {
+            self.upstream.context()
+        }
+
+        fn device(&self) -> cuweave_driver::Device {
+            self.upstream.device()
+        }
+
+        fn name(&self) -> &str {
+            &self.name
+        }
+
+        fn release_unused(&self) -> crate::error::Result<()> {
+            self.upstream.release_unused()
+        }
+    };
+}
+use forward_to_upstream;
+
 mod async_pool;
 mod driver;
 mod limit;

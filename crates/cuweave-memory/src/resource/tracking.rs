@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
+use cuweave_driver::Stream;
 use cuweave_driver::memory::DevicePtr;
-use cuweave_driver::{Context, Device, Stream};
 
 use super::MemoryResource;
 use super::live::LiveAllocations;
@@ -283,25 +283,7 @@ unsafe impl<R: MemoryResource> MemoryResource for TrackingAdaptor<R> {
         )
     }
 
-    fn allocates_in_graphs(&self) -> bool {
-        self.upstream.allocates_in_graphs()
-    }
-
-    fn context(&self) -> &Arc<Context> {
-        self.upstream.context()
-    }
-
-    fn device(&self) -> Device {
-        self.upstream.device()
-    }
-
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn release_unused(&self) -> Result<()> {
-        self.upstream.release_unused()
-    }
+    super::forward_to_upstream!();
 }
 
 #[cfg(test)]
