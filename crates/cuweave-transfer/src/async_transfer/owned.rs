@@ -44,7 +44,7 @@ pub struct Owned<T: Element> {
 /// Polled again after it resolved. It has handed both buffers out and has no `Owned` left to
 /// give, so it panics, as `Future`'s contract allows, rather than answer `Pending` forever. (A
 /// borrowed [`AsyncTransfer`](super::AsyncTransfer), whose output is a `Result`, answers
-/// [`TransferError::AlreadyCompleted`](crate::TransferError::AlreadyCompleted) instead.)
+/// [`TransferError::AlreadyCompleted`] instead.)
 #[must_use = "the transfer runs anyway; await it to get the buffers back"]
 pub struct OwnedTransfer<T: Element> {
     handoff: Arc<Handoff<Owned<T>>>,
