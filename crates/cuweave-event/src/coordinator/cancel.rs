@@ -5,14 +5,15 @@
 //! a driver error) or who abandons the work would otherwise leave it, and them, registered for
 //! good: cancelling removes it as if it had never been registered. Its id then reads as
 //! unknown, not as retired (a retired id means the GPU completed the work, which here it never
-//! did), for as long as it is among the latest [`CANCELLED_KEPT`] cancellations; ids only grow,
-//! so an id older than that is a program's bug either way.
+//! did), for as long as it is among the latest [`CANCELLED_KEPT`] runs of consecutive cancelled
+//! ids (a batch withdrawn at once is one run); ids only grow, so an id older than that is a
+//! program's bug either way.
 //!
 //! Operations that depend on each other go together ([`OperationCoordinator::cancel_operations`]):
 //! that is how a dependency cycle closed by mistake (whose members can never begin, and each of
 //! which a registered operation depends on) is withdrawn.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::completion::run_callbacks;
 use super::metrics::MetricsCell;
@@ -21,29 +22,55 @@ use super::{
 };
 use crate::error::{EventError, Result};
 
-/// How many of the latest cancelled ids a coordinator remembers.
+/// How many runs of consecutive cancelled ids a coordinator remembers (the runs of the highest
+/// ids: ids only grow, so those are the latest).
 pub(crate) const CANCELLED_KEPT: usize = 4096;
 
-/// The latest cancelled ids, oldest first, at most [`CANCELLED_KEPT`].
+/// The latest cancelled ids, as runs of consecutive ids (a batch withdrawn together, or one
+/// after another, is one run), at most [`CANCELLED_KEPT`] runs.
 #[derive(Debug, Default)]
 pub(super) struct Cancelled {
-    order: VecDeque<OperationId>,
-    ids: HashSet<OperationId>,
+    /// First id of each run to its last, by number.
+    runs: BTreeMap<u64, u64>,
 }
 
 impl Cancelled {
     pub(super) fn contains(&self, id: OperationId) -> bool {
-        self.ids.contains(&id)
+        let number = id.get();
+        self.runs
+            .range(..=number)
+            .next_back()
+            .is_some_and(|(_, &last)| last >= number)
     }
 
     fn insert(&mut self, id: OperationId) {
-        if self.order.len() == CANCELLED_KEPT
-            && let Some(oldest) = self.order.pop_front()
-        {
-            self.ids.remove(&oldest);
+        let number = id.get();
+        if self.contains(id) {
+            return;
         }
-        self.order.push_back(id);
-        self.ids.insert(id);
+        // Joins the run that ends just below and the one that starts just above.
+        let mut first = number;
+        let mut last = number;
+        if let Some((&start, &end)) = self.runs.range(..number).next_back()
+            && end + 1 == number
+        {
+            first = start;
+        }
+        if let Some(end) = number
+            .checked_add(1)
+            .and_then(|next| self.runs.remove(&next))
+        {
+            last = end;
+        }
+        self.runs.insert(first, last);
+        if self.runs.len() > CANCELLED_KEPT {
+            self.runs.pop_first();
+        }
+    }
+
+    #[cfg(test)]
+    fn runs(&self) -> usize {
+        self.runs.len()
     }
 }
 
@@ -290,9 +317,67 @@ mod tests {
                 id
             })
             .collect();
-        assert_eq!(state.cancelled.order.len(), CANCELLED_KEPT);
-        assert_eq!(state.cancelled.ids.len(), CANCELLED_KEPT);
+        assert_eq!(state.cancelled.runs(), 1, "consecutive ids are one run");
         assert!(state.operations.is_empty());
-        assert_eq!(state.state_of(*ids.last().unwrap()), None);
+        for id in &ids {
+            assert_eq!(state.state_of(*id), None, "every one reads unknown");
+        }
+    }
+
+    /// Cancellations between completions are one run each: the oldest runs go past the bound,
+    /// and only those read as retired.
+    #[test]
+    fn cancelled_runs_are_merged_and_bounded() {
+        let mut state = State::default();
+        let mut cancelled = Vec::new();
+        let mut kept = Vec::new();
+        for _ in 0..CANCELLED_KEPT + 10 {
+            let id = register(&mut state, Vec::new());
+            state.cancel(id).unwrap();
+            cancelled.push(id);
+            // A registered id in between keeps the cancelled ones apart.
+            kept.push(register(&mut state, Vec::new()));
+        }
+        assert_eq!(state.cancelled.runs(), CANCELLED_KEPT);
+        assert_eq!(state.state_of(cancelled[10]), None);
+        assert_eq!(
+            state.state_of(cancelled[9]),
+            Some(OperationState::Completed),
+            "the oldest runs are forgotten (documented)"
+        );
+        // The registered ones between them, cancelled now, join their neighbours' runs.
+        for id in kept {
+            state.cancel(id).unwrap();
+        }
+        assert!(state.cancelled.runs() <= 11, "{}", state.cancelled.runs());
+        assert_eq!(state.state_of(cancelled[10]), None);
+        assert_eq!(state.state_of(*cancelled.last().unwrap()), None);
+    }
+
+    #[test]
+    fn runs_join_from_either_side_and_ignore_repeats() {
+        let mut cancelled = Cancelled::default();
+        let id = |n| OperationId::new(1, n);
+        for n in [5, 7, 6, 6, 9, 4] {
+            cancelled.insert(id(n));
+        }
+        assert_eq!(
+            cancelled
+                .runs
+                .iter()
+                .map(|(&a, &b)| (a, b))
+                .collect::<Vec<_>>(),
+            [(4, 7), (9, 9)]
+        );
+        for (n, inside) in [
+            (3, false),
+            (4, true),
+            (7, true),
+            (8, false),
+            (9, true),
+            (10, false),
+        ] {
+            assert_eq!(cancelled.contains(id(n)), inside, "{n}");
+        }
     }
 }
