@@ -240,14 +240,12 @@ pub(crate) fn graph_pool_of_key(key: StreamKey) -> Option<GraphPoolId> {
 
 /// Whether `key` names a private pool that still has a holder (its segments stay reserved).
 pub(crate) fn is_retained(key: StreamKey) -> bool {
-    let raw = key.as_usize();
-    if raw & PRIVATE_BIT == 0 {
+    let Some(pool) = graph_pool_of_key(key) else {
         return false;
-    }
-    let pool = ((raw & !PRIVATE_BIT) >> 32) as u32;
+    };
     LIVE.read()
         .as_ref()
-        .is_some_and(|live| live.contains_key(&pool))
+        .is_some_and(|live| live.contains_key(&pool.as_u32()))
 }
 
 /// The pool of `tag`, if it is still alive.

@@ -17,7 +17,7 @@ use cuweave_driver::Context;
 use super::super::engine::{Engine, Release};
 use super::super::pool::Segment;
 use super::super::stream_uses::{Marker, StreamKey};
-use super::{GraphHeld, Held, HeldMemory, PRIVATE_BIT, pool_of_tag, synchronize_once};
+use super::{GraphHeld, Held, HeldMemory, pool_of_tag, synchronize_once};
 use crate::error::Result;
 
 /// Where a caching allocator's segments go back to: the part of the allocator that a graph
@@ -30,8 +30,7 @@ pub(crate) trait SegmentHome: Release + Send + Sync + 'static {
 
 /// The graph pool whose free lists `key` names, if it is a private key.
 fn pool_of_key(key: StreamKey) -> Option<u32> {
-    let raw = key.as_usize();
-    (raw & PRIVATE_BIT != 0).then_some(((raw & !PRIVATE_BIT) >> 32) as u32)
+    super::graph_pool_of_key(key).map(super::GraphPoolId::as_u32)
 }
 
 /// Segments of a dropped allocator that a graph pool holds for its graphs, with the upstream

@@ -8,8 +8,8 @@ use std::sync::{Arc, Weak};
 use parking_lot::Mutex;
 
 use super::super::super::engine::Upstream;
-use super::super::GraphPool;
 use super::super::test_support::flushed_until;
+use super::super::{GraphPool, PRIVATE_BIT};
 use super::*;
 use crate::caching::stream_uses::fake::Flag;
 use crate::error::MemoryError;

@@ -109,8 +109,8 @@ impl MemorySnapshot {
         self.segments
             .iter()
             .filter(|segment| {
-                segment.bytes(BlockStatus::Free) != 0
-                    && segment.bytes(BlockStatus::Free) != segment.total_size
+                let free = segment.bytes(BlockStatus::Free);
+                free != 0 && free != segment.total_size
             })
             .count()
     }
