@@ -359,12 +359,7 @@ impl TransferManager {
     ) -> Result<RegisteredHost<'a, T>> {
         let slot = self.slot(device)?;
         // Refused before the device is opened: a mistake must not leave a context behind.
-        if size_of_val(memory) == 0 {
-            return Err(TransferError::EmptyRegistration {
-                len: memory.len(),
-                element_bytes: size_of::<T>(),
-            });
-        }
+        crate::registered::refuse_empty(memory)?;
         RegisteredHost::new(&slot.state()?.context, device, memory)
     }
 

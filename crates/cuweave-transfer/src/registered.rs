@@ -73,6 +73,18 @@ pub struct RegisteredHost<'a, T: Element> {
     _elements: PhantomData<&'a mut [T]>,
 }
 
+/// `EmptyRegistration` for memory without bytes: zero-sized elements give zero bytes too,
+/// which also keeps the casts of a registration from failing.
+pub(crate) fn refuse_empty<T: Element>(memory: &[T]) -> Result<()> {
+    if size_of_val(memory) == 0 {
+        return Err(TransferError::EmptyRegistration {
+            len: memory.len(),
+            element_bytes: size_of::<T>(),
+        });
+    }
+    Ok(())
+}
+
 impl<'a, T: Element> RegisteredHost<'a, T> {
     /// Registers `memory` in `context` (device ordinal `device`).
     pub(crate) fn new(
@@ -80,14 +92,7 @@ impl<'a, T: Element> RegisteredHost<'a, T> {
         device: usize,
         memory: &'a mut [T],
     ) -> Result<Self> {
-        let len = memory.len();
-        // Zero-sized elements give zero bytes too, which also keeps the casts below from failing.
-        if size_of_val(memory) == 0 {
-            return Err(TransferError::EmptyRegistration {
-                len,
-                element_bytes: size_of::<T>(),
-            });
-        }
+        refuse_empty(memory)?;
         let bytes: &'a mut [u8] = bytemuck::cast_slice_mut(memory);
         let start = Instant::now();
         let registration = HostRegistration::new(context, bytes)?;
