@@ -179,10 +179,7 @@ impl Context {
             }
             .into());
         }
-        self.bind_to_thread()?;
-        let api = driver()?;
-        // SAFETY: the context is current on this thread.
-        unsafe { cu!(api.ctx_synchronize()) }
+        self.synchronize_beside_captures()
     }
 
     /// [`synchronize`](Self::synchronize) while captures of other contexts may be active: for a

@@ -24,9 +24,10 @@ pub(super) fn is_legacy_default(raw: sys::CUstream) -> bool {
 
 /// The known-complete bound of a capture that [`Stream::begin_capture_synchronized`] is about
 /// to begin: the epoch `synchronize` returns (it bumps the epoch and synchronises the context)
-/// when no capture of the context is active (`active_captures` counts those); otherwise, or when `synchronize` is refused because a capture
-/// began on another thread meanwhile ([`GraphError::Capturing`]), the bound `inherited` from the
-/// active captures of the same context.
+/// when no capture of the context is active (`active_captures` counts those); otherwise, or
+/// when `synchronize` is refused because a capture began on another thread meanwhile
+/// ([`GraphError::Capturing`]), the bound `inherited` from the active captures of the same
+/// context.
 ///
 /// `inherited` is read only after the attempt: a capture that refused the synchronisation was
 /// recorded, bound included, before it was counted, so a begin that lost the race to another
