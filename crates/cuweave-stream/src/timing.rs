@@ -141,9 +141,10 @@ impl<T> GpuTimer<T> {
         self.skipped.load(Ordering::Relaxed)
     }
 
-    /// The most spans kept pending.
-    pub fn capacity(&self) -> usize {
-        self.capacity
+    /// Whether as many spans wait for the GPU as the timer keeps: [`start`](Self::start) would
+    /// time nothing unless finished ones are [harvested](Self::harvest) first.
+    pub fn is_full(&self) -> bool {
+        self.pending() >= self.capacity
     }
 
     /// Spans queued whose time has not been read yet.
@@ -171,7 +172,7 @@ impl<T> GpuTimer<T> {
         if !self.is_enabled() {
             return Ok(None);
         }
-        if self.pending.lock().len >= self.capacity {
+        if self.is_full() {
             self.skipped.fetch_add(1, Ordering::Relaxed);
             return Ok(None);
         }

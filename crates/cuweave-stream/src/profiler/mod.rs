@@ -122,7 +122,7 @@ impl StreamProfiler {
             self.context.device().ordinal(),
             stream.device().ordinal(),
         )?;
-        if self.timer.pending() >= crate::timing::DEFAULT_PENDING_SPANS {
+        if self.timer.is_full() {
             // Nothing can be read while this thread captures: the timer skips instead.
             if let Err(error) = self.collect(false)
                 && !error.is_capture_refusal()

@@ -283,7 +283,7 @@ impl PriorityStream {
     where
         StreamError: From<E>,
     {
-        if self.timer.is_enabled() && self.timer.pending() >= self.timer.capacity() {
+        if self.timer.is_enabled() && self.timer.is_full() {
             // Full: read the spans the GPU has finished first, as `metrics` would, so a stream
             // whose owner rarely asks for metrics keeps timing while the GPU keeps up. Nothing
             // can be read while this thread captures another stream: the timer skips instead.
