@@ -752,6 +752,11 @@ fn swapping_calibration_tables_under_running_transfers_changes_methods_but_no_by
     let most = sizes[sizes.len() - 1];
     let stop = AtomicBool::new(false);
     let swaps = AtomicUsize::new(0);
+    // Transfers finished so far. Each state stays until one more transfer has finished: the
+    // states take very different times to set (`clear_cache` trims the pinned pool after it
+    // forgets the table, `set_calibration` reads the device names first), so swapping at the
+    // swapper's own pace gave the table set just before `clear_cache` almost no time at all.
+    let finished = AtomicUsize::new(0);
     let results: Vec<(Tally, BTreeSet<TransferMethod>)> = std::thread::scope(|scope| {
         let swapper = scope.spawn(|| {
             let mut k = 0usize;
@@ -764,12 +769,15 @@ fn swapping_calibration_tables_under_running_transfers_changes_methods_but_no_by
                 }
                 k += 1;
                 swaps.store(k, Ordering::Relaxed);
-                std::thread::yield_now();
+                let seen = finished.load(Ordering::Acquire);
+                while finished.load(Ordering::Acquire) == seen && !stop.load(Ordering::Acquire) {
+                    std::thread::yield_now();
+                }
             }
         });
         let workers: Vec<_> = (0..3usize)
             .map(|t| {
-                let (manager, context) = (&manager, &gpu.context);
+                let (manager, context, finished) = (&manager, &gpu.context, &finished);
                 scope.spawn(move || {
                     let source = bytes(most + 8, 700 + t as u64);
                     let mut device = DeviceBuffer::<u8>::zeroed(context, most + 8).unwrap();
@@ -787,6 +795,7 @@ fn swapping_calibration_tables_under_running_transfers_changes_methods_but_no_by
                         let down = manager
                             .transfer(Source::device(&device, offset, n), &mut back)
                             .unwrap();
+                        finished.fetch_add(1, Ordering::Release);
                         assert_bytes(
                             &back,
                             src,
