@@ -155,6 +155,15 @@ pub enum MemoryError {
         /// The capture whose graph allocates the memory.
         capture: u64,
     },
+    /// An allocator setting is unknown, not implemented, or out of its range
+    /// ([`AllocatorConfig`](crate::caching::AllocatorConfig)).
+    #[error("allocator option {option}: {reason}")]
+    InvalidConfig {
+        /// The option, as written.
+        option: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A pointer handed back to an allocator or pool is not one it gave out.
     #[error("{operation}: {ptr:#x} was not allocated here (or was already freed)")]
     UnknownAllocation {

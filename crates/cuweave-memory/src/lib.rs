@@ -79,7 +79,9 @@ pub use buffer::{
     HostSliceMut, HostSource, PendingCopy, PinnedBuffer, UnifiedBuffer, host_refusal,
     split_host_refusal,
 };
-pub use caching::{CachedAllocation, CachingAllocator, MemoryStats, PoolKind, Stat, StreamKey};
+pub use caching::{
+    AllocatorConfig, CachedAllocation, CachingAllocator, MemoryStats, PoolKind, Stat, StreamKey,
+};
 pub use element::Element;
 pub use error::{HostCopyError, MemoryError, Result};
 pub use host_copy::copy_streaming;

@@ -7,6 +7,7 @@ use cuweave_driver::graph::active_captures;
 use cuweave_driver::{Context, Device, EventPool, Stream, StreamFlags};
 
 use super::allocation::CachedAllocation;
+use super::config::AllocatorConfig;
 use super::engine::{Engine, Release, SHARDS, StreamEnd, Upstream};
 use super::graph_pool::{SegmentHome, retire_engine};
 use super::pool::{Grant, Segment};
@@ -252,10 +253,54 @@ impl CachingAllocator {
     /// [`new`](Self::new) uses 32. One shard puts every stream under one lock, as the allocator
     /// was before it was sharded (the benchmarks compare the two).
     pub fn with_shards(upstream: Arc<dyn MemoryResource>, shards: usize) -> Self {
+        Self::build(upstream, shards, None)
+    }
+
+    /// A caching allocator over `upstream` with PyTorch's allocator settings
+    /// (`PYTORCH_CUDA_ALLOC_CONF`'s `max_split_size_mb`, `set_per_process_memory_fraction`; see
+    /// [`AllocatorConfig`](super::AllocatorConfig)).
+    ///
+    /// A memory fraction reads the device's total memory (one driver call) and caps the upstream
+    /// with a [`LimitAdaptor`](crate::LimitAdaptor) of that share.
+    ///
+    /// ```no_run
+    /// use cuweave_driver::{Context, Device, Stream, StreamFlags};
+    /// use cuweave_memory::caching::{AllocatorConfig, CachingAllocator};
+    /// use cuweave_memory::DriverResource;
+    /// use std::sync::Arc;
+    ///
+    /// # fn main() -> cuweave_memory::Result<()> {
+    /// let context = Context::primary(Device::get(0)?)?;
+    /// let config: AllocatorConfig = "max_split_size_mb:256,memory_fraction:0.5".parse()?;
+    /// let allocator =
+    ///     CachingAllocator::with_config(Arc::new(DriverResource::new(&context)), config)?;
+    /// // Buffers that `DeviceBuffer::new_on` makes come from it from now on.
+    /// CachingAllocator::set_default_for_device(allocator);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`MemoryError::InvalidConfig`](crate::MemoryError::InvalidConfig) for a setting out of
+    /// range; the driver's error when the device's memory cannot be read.
+    pub fn with_config(upstream: Arc<dyn MemoryResource>, config: AllocatorConfig) -> Result<Self> {
+        config.validate()?;
+        let upstream: Arc<dyn MemoryResource> = match config.memory_fraction {
+            Some(fraction) => {
+                let total = upstream.device().total_memory()?;
+                let cap = AllocatorConfig::cap_of(fraction, total);
+                Arc::new(crate::LimitAdaptor::new(upstream, cap))
+            }
+            None => upstream,
+        };
+        Ok(Self::build(upstream, SHARDS, config.max_split_size))
+    }
+
+    fn build(upstream: Arc<dyn MemoryResource>, shards: usize, max_split: Option<usize>) -> Self {
         let shards = shards.max(1).checked_next_power_of_two().unwrap_or(SHARDS);
         let device = upstream.device();
         let shared = Arc::new(Shared {
-            engine: Engine::with_shards(shards),
+            engine: Engine::with_max_split(shards, max_split),
             source: Arc::new(Source {
                 upstream,
                 release_stream: OnceLock::new(),

@@ -12,13 +12,16 @@
 //! reference count.
 
 use std::cell::RefCell;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cuweave_driver::{Context, Device};
 use parking_lot::Mutex;
 
 use super::allocator::CachingAllocator;
+use super::config::AllocatorConfig;
 use crate::error::{MemoryError, Result};
+use crate::resource::DriverResource;
 
 /// The allocators by device ordinal.
 static DEFAULTS: Mutex<Vec<Option<CachingAllocator>>> = Mutex::new(Vec::new());
@@ -40,7 +43,12 @@ pub(crate) fn for_device(device: Device) -> Result<CachingAllocator> {
     }
     // Retaining the primary context is a driver call, but a rare one (once per device), and
     // holding the lock keeps two threads from making two defaults.
-    let allocator = CachingAllocator::with_driver(&Context::primary(device)?);
+    // `CUWEAVE_ALLOC_CONF` (PyTorch's `PYTORCH_CUDA_ALLOC_CONF`) shapes every default; a
+    // setting that does not parse fails the allocation, as PyTorch's does, rather than being
+    // ignored.
+    let config = AllocatorConfig::from_env()?;
+    let upstream = Arc::new(DriverResource::new(&Context::primary(device)?));
+    let allocator = CachingAllocator::with_config(upstream, config)?;
     cuweave_driver::process_caches::register_process_cache(
         "cuweave-memory: the default caching allocators",
         empty_defaults,

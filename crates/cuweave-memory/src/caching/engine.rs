@@ -138,9 +138,24 @@ impl<E> Default for Engine<E> {
 impl<E> Engine<E> {
     /// An engine with `shards` shards (a power of two, at least 1).
     pub fn with_shards(shards: usize) -> Self {
+        Self::with_max_split(shards, None)
+    }
+
+    /// An engine with `shards` shards (a power of two, at least 1) whose large blocks of at
+    /// least `max_split` bytes are never split ([`AllocatorConfig::max_split_size`]).
+    ///
+    /// [`AllocatorConfig::max_split_size`]: super::AllocatorConfig::max_split_size
+    pub fn with_max_split(shards: usize, max_split: Option<usize>) -> Self {
         debug_assert!(shards.is_power_of_two());
+        let shard = || {
+            let shard = Shard::default();
+            if let Some(bytes) = max_split {
+                shard.pools.lock().set_max_split(bytes);
+            }
+            shard
+        };
         Self {
-            shards: (0..shards).map(|_| Shard::default()).collect(),
+            shards: (0..shards).map(|_| shard()).collect(),
             totals: Mutex::default(),
             retired: Mutex::new(Vec::new()),
             ends: Mutex::default(),

@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use super::block::{Arena, BlockId, NIL};
-use super::size_class::{MIN_BLOCK_SIZE, PoolKind, SMALL_SEGMENT};
+use super::size_class::{LARGE_SEGMENT, MIN_BLOCK_SIZE, PoolKind, SMALL_SEGMENT};
 use super::stream_uses::StreamKey;
 
 /// Exact size classes of the small pool: one per 512 B up to a whole segment.
@@ -101,7 +101,7 @@ impl Hasher for StreamHasher {
 type LargeKey = (StreamKey, usize, u64);
 
 /// Every free block, small and large, of every stream.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct FreeLists {
     /// Index into `small` of each stream's lists.
     slots: HashMap<StreamKey, u32, BuildHasherDefault<StreamHasher>>,
@@ -114,9 +114,40 @@ pub(crate) struct FreeLists {
     last: Option<(StreamKey, u32)>,
     large: BTreeMap<LargeKey, BlockId>,
     len: usize,
+    /// [`AllocatorConfig::max_split_size`](super::AllocatorConfig::max_split_size), or
+    /// `usize::MAX` for none.
+    max_split: usize,
+}
+
+impl Default for FreeLists {
+    fn default() -> Self {
+        Self {
+            slots: HashMap::default(),
+            small: Vec::new(),
+            segments: Vec::new(),
+            vacant: Vec::new(),
+            last: None,
+            large: BTreeMap::new(),
+            len: 0,
+            max_split: usize::MAX,
+        }
+    }
 }
 
 impl FreeLists {
+    /// Sets the size from which large blocks are never split (PyTorch's `max_split_size`):
+    /// a request below it never takes such a block, and a request at or above it takes one only
+    /// when at most [`LARGE_SEGMENT`] larger.
+    pub fn set_max_split(&mut self, bytes: usize) {
+        self.max_split = bytes;
+    }
+
+    /// The size from which large blocks are never split (`usize::MAX` for none).
+    #[inline]
+    pub fn max_split(&self) -> usize {
+        self.max_split
+    }
+
     /// The index of `stream`'s small-pool lists, for a new small segment of that stream (whose
     /// blocks carry it); made on first use.
     pub fn acquire_slot(&mut self, stream: StreamKey) -> u32 {
@@ -221,6 +252,14 @@ impl FreeLists {
             PoolKind::Large => {
                 let (&key, &id) = self.large.range((stream, rounded, 0)..).next()?;
                 if key.0 != stream {
+                    return None;
+                }
+                // Best fit is the smallest block that fits, so when it is refused every larger
+                // one would be too (PyTorch's `get_free_block`).
+                let size = key.1;
+                if size >= self.max_split
+                    && (rounded < self.max_split || size >= rounded.saturating_add(LARGE_SEGMENT))
+                {
                     return None;
                 }
                 id

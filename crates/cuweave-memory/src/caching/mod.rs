@@ -110,6 +110,7 @@
 mod allocation;
 mod allocator;
 mod block;
+mod config;
 pub(crate) mod default;
 mod engine;
 mod free_list;
@@ -127,6 +128,7 @@ pub use allocation::CachedAllocation;
 pub(crate) use allocation::CachedBlock;
 pub use allocator::CachingAllocator;
 pub(crate) use allocator::ShardHandle;
+pub use config::{ALLOC_CONF_VAR, AllocatorConfig};
 #[cfg(test)]
 pub(crate) use graph_pool::test_support as graph_pool_test_support;
 pub use graph_pool::{

@@ -48,6 +48,11 @@ pub(crate) struct Pools {
 }
 
 impl Pools {
+    /// Sets the size from which large blocks are never split ([`FreeLists::set_max_split`]).
+    pub fn set_max_split(&mut self, bytes: usize) {
+        self.free.set_max_split(bytes);
+    }
+
     /// The statistics.
     pub fn stats(&self) -> &MemoryStats {
         &self.stats
@@ -226,7 +231,10 @@ impl Pools {
     fn carve(&mut self, id: BlockId, rounded: usize, requested: usize) -> Grant {
         let block = self.arena.block(id);
         let remaining = block.size - rounded;
-        if block.pool.should_split(remaining) {
+        // A request of at least `max_split` takes its block whole (PyTorch's oversize blocks).
+        if block.pool.should_split(remaining)
+            && (block.pool == PoolKind::Small || rounded < self.free.max_split())
+        {
             let rest = Block {
                 prev: Some(id),
                 next: block.next,

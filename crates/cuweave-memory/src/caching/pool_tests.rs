@@ -270,9 +270,14 @@ fn only_whole_free_segments_are_released() {
     assert_eq!(pools.stats().reserved_bytes.current, 0);
 }
 
-#[test]
-fn random_workloads_keep_every_invariant_and_balance() {
+#[rstest]
+#[case::no_split_limit(None)]
+#[case::max_split_size_24_mib(Some(24 * MIB))]
+fn random_workloads_keep_every_invariant_and_balance(#[case] max_split: Option<usize>) {
     let mut pools = Pools::default();
+    if let Some(bytes) = max_split {
+        pools.set_max_split(bytes);
+    }
     let mut next = 0x1000_0000;
     let mut state = 0x2545_f491_4f6c_dd1d_u64;
     let mut random = move || {
@@ -424,4 +429,64 @@ fn a_snapshot_lists_each_segment_with_its_blocks_in_address_order() {
     );
     assert_eq!(snapshot.bytes(BlockStatus::Free), snapshot.reserved_bytes());
     assert_eq!(snapshot.split_segments(), 0);
+}
+
+/// PyTorch's `max_split_size_mb:64`: a 200 MiB block freed by one step is not carved up by the
+/// next step's 30 MiB requests (they get segments of their own), a 190 MiB request takes it
+/// whole (within 20 MiB), a 100 MiB one does not (it would waste 100 MiB), and an oversize
+/// block is handed out whole, never split.
+#[test]
+fn max_split_size_keeps_large_blocks_whole_and_for_large_requests() {
+    let mut pools = Pools::default();
+    pools.set_max_split(64 * MIB);
+    let mut next = 0x1000_0000;
+    let big = alloc(&mut pools, &mut next, S1, 200 * MIB);
+    assert_eq!(big.size, 200 * MIB);
+    pools.free(big.id, big.ptr).unwrap();
+    pools.check_invariants();
+
+    let small = alloc(&mut pools, &mut next, S1, 30 * MIB);
+    assert_ne!(
+        small.ptr, big.ptr,
+        "a request below the limit never splits an oversize block"
+    );
+    assert_eq!(pools.stats().segments.current, 2);
+
+    let rounded = round_size(100 * MIB).unwrap();
+    assert!(
+        pools.take_free(S1, rounded, 100 * MIB).is_none(),
+        "a 200 MiB block is more than 20 MiB too large for a 100 MiB request"
+    );
+
+    let near = alloc(&mut pools, &mut next, S1, 190 * MIB);
+    assert_eq!(
+        near.ptr, big.ptr,
+        "within 20 MiB, the oversize block is reused"
+    );
+    assert_eq!(
+        near.size,
+        200 * MIB,
+        "whole: the 10 MiB left over is not split off"
+    );
+    assert_eq!(pools.stats().segments.current, 2);
+    for grant in [near, small] {
+        pools.free(grant.id, grant.ptr).unwrap();
+    }
+    pools.check_invariants();
+}
+
+/// Without a limit, the same 200 MiB block serves a 30 MiB request by splitting (the default,
+/// PyTorch's too).
+#[test]
+fn without_max_split_size_large_blocks_split_for_any_large_request() {
+    let mut pools = Pools::default();
+    let mut next = 0x1000_0000;
+    let big = alloc(&mut pools, &mut next, S1, 200 * MIB);
+    pools.free(big.id, big.ptr).unwrap();
+    let small = alloc(&mut pools, &mut next, S1, 30 * MIB);
+    assert_eq!(small.ptr, big.ptr);
+    assert_eq!(small.size, 30 * MIB);
+    assert_eq!(pools.stats().segments.current, 1);
+    pools.free(small.id, small.ptr).unwrap();
+    pools.check_invariants();
 }
