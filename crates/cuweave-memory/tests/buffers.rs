@@ -549,3 +549,60 @@ fn a_block_dropped_behind_its_streams_queued_fill_is_not_written_early_by_its_ne
         );
     }
 }
+
+/// A data loader checksums the pinned batch it has just queued for upload, while the upload
+/// still waits behind a 1 s kernel: the host's read of the pinned buffer does not wait for the
+/// device's read of it (both only read), and sees the batch; a host write does wait (and
+/// `try_as_mut_slice` is refused meanwhile), and the device gets the batch, not the write.
+/// Unified memory, read by a device copy, behaves the same where the host may touch it.
+#[test]
+fn host_reads_go_on_beside_queued_device_reads_and_host_writes_wait_for_them() {
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let ctx = &gpu.context;
+    let kernels = TestKernels::load(ctx).unwrap();
+    let s = stream(ctx);
+    let data = pattern(1 << 16);
+    let mut pinned = PinnedBuffer::from_slice(ctx, &data).unwrap();
+    let mut device = DeviceBuffer::<u32>::zeroed(ctx, data.len()).unwrap();
+    kernels.spin_ns(&s, 1000 * MS).unwrap();
+    std::mem::forget(device.copy_from_host_async(&mut pinned, &s).unwrap());
+    let sum: u64 = pinned
+        .as_slice()
+        .unwrap()
+        .iter()
+        .map(|&x| u64::from(x))
+        .sum();
+    assert_eq!(sum, data.iter().map(|&x| u64::from(x)).sum::<u64>());
+    assert!(
+        !s.query().unwrap(),
+        "the host read waited for the queued upload, which only reads the buffer"
+    );
+    assert_eq!(pinned.try_as_slice().unwrap(), &data[..]);
+    assert!(matches!(
+        pinned.try_as_mut_slice(),
+        Err(MemoryError::DeviceBusy { .. })
+    ));
+    pinned.as_mut_slice().unwrap().fill(0);
+    assert!(s.query().unwrap(), "the host write waited for the upload");
+    assert_eq!(device.to_vec().unwrap(), data);
+
+    if !gpu
+        .device
+        .supports_concurrent_managed_access()
+        .unwrap_or(false)
+    {
+        return;
+    }
+    let unified = UnifiedBuffer::from_slice(ctx, &data).unwrap();
+    let mut copy = DeviceBuffer::<u32>::zeroed(ctx, data.len()).unwrap();
+    kernels.spin_ns(&s, 1000 * MS).unwrap();
+    copy.copy_from_async(&unified, &s).unwrap();
+    assert_eq!(unified.as_slice().unwrap(), &data[..]);
+    assert!(
+        !s.query().unwrap(),
+        "the host read of unified memory waited for a device copy that only reads it"
+    );
+    s.synchronize().unwrap();
+    assert_eq!(copy.to_vec().unwrap(), data);
+}

@@ -215,9 +215,9 @@ impl<T: Element> PinnedBuffer<T> {
         Ok(buffer)
     }
 
-    /// The elements, after waiting for every queued device use of the buffer (blocks). While
-    /// the slice lives, graphs whose captures wrote the buffer are not launched (see
-    /// [`HostSlice`]).
+    /// The elements, after waiting for every queued device write of the buffer (blocks; device
+    /// reads of it may go on while the host reads too). While the slice lives, graphs whose
+    /// captures wrote the buffer are not launched (see [`HostSlice`]).
     ///
     /// # Errors
     /// As [`Buffer::synchronize`].
@@ -226,7 +226,8 @@ impl<T: Element> PinnedBuffer<T> {
         Ok(HostSlice::new(self.host_slice()?, held))
     }
 
-    /// The elements, or `DeviceBusy` while queued device work may still use the buffer.
+    /// The elements, or `DeviceBusy` while queued device work may still write the buffer
+    /// (queued reads do not stand in the way).
     pub fn try_as_slice(&self) -> Result<HostSlice<'_, T>> {
         let held = self
             .core

@@ -342,7 +342,17 @@ impl StreamTracker {
     /// graph launches while any capture is active (a context synchronisation would wait on the
     /// capturing streams); the driver's error otherwise.
     pub(crate) fn synchronize(&self) -> Result<()> {
-        let (events, in_graphs) = self.host_wait("StreamTracker::synchronize")?;
+        self.synchronize_before(Access::Write)
+    }
+
+    /// Waits for the uses a host `access` of the whole buffer conflicts with: for a read, the
+    /// writes (device reads may go on beside the host's); for a write, every use. Graph
+    /// launches are covered as in [`synchronize`](Self::synchronize).
+    ///
+    /// # Errors
+    /// As [`synchronize`](Self::synchronize).
+    fn synchronize_before(&self, access: Access) -> Result<()> {
+        let (events, in_graphs) = self.host_wait("StreamTracker::synchronize", access)?;
         for event in events {
             event.synchronize()?;
         }
@@ -359,9 +369,13 @@ impl StreamTracker {
     ///
     /// # Errors
     /// As [`UseState::all_events`].
-    fn host_wait(&self, operation: &'static str) -> Result<(Vec<Arc<OwnedPooledEvent>>, bool)> {
+    fn host_wait(
+        &self,
+        operation: &'static str,
+        access: Access,
+    ) -> Result<(Vec<Arc<OwnedPooledEvent>>, bool)> {
         let state = self.state.lock();
-        let events = state.all_events(operation, capture_is_active)?;
+        let events = state.host_events(operation, access, capture_is_active)?;
         Ok((events, state.used_in_graphs()))
     }
 
@@ -374,7 +388,13 @@ impl StreamTracker {
     /// Whether every use has finished, without blocking. For a buffer a capture used, `false`
     /// while a graph launch since the last [`synchronize`](Self::synchronize) may still run.
     pub(crate) fn is_idle(&self) -> Result<bool> {
-        let (events, in_graphs) = self.host_wait("StreamTracker::is_idle")?;
+        self.is_idle_for(Access::Write)
+    }
+
+    /// Whether every use a host `access` conflicts with has finished, without blocking (see
+    /// [`synchronize_before`](Self::synchronize_before)).
+    fn is_idle_for(&self, access: Access) -> Result<bool> {
+        let (events, in_graphs) = self.host_wait("StreamTracker::is_idle", access)?;
         if in_graphs && !self.graph_launches_waited() {
             return Ok(false);
         }
@@ -388,7 +408,12 @@ impl StreamTracker {
 
     /// `Err(DeviceBusy)` unless every use has finished.
     pub(crate) fn ensure_idle(&self, operation: &'static str) -> Result<()> {
-        if self.is_idle()? {
+        self.ensure_idle_before(Access::Write, operation)
+    }
+
+    /// `Err(DeviceBusy)` unless every use a host `access` conflicts with has finished.
+    fn ensure_idle_before(&self, access: Access, operation: &'static str) -> Result<()> {
+        if self.is_idle_for(access)? {
             Ok(())
         } else {
             Err(MemoryError::DeviceBusy {
@@ -410,7 +435,7 @@ impl StreamTracker {
     /// As [`synchronize`](Self::synchronize); the borrow ends with the error.
     pub(crate) fn synchronize_for_host(&self, access: Access) -> Result<Option<HostBorrow>> {
         let borrow = self.begin_host_borrow(access);
-        self.synchronize()?;
+        self.synchronize_before(access)?;
         Ok(borrow)
     }
 
@@ -425,7 +450,7 @@ impl StreamTracker {
         operation: &'static str,
     ) -> Result<Option<HostBorrow>> {
         let borrow = self.begin_host_borrow(access);
-        self.ensure_idle(operation)?;
+        self.ensure_idle_before(access, operation)?;
         Ok(borrow)
     }
 

@@ -102,9 +102,9 @@ impl<T: Element> UnifiedBuffer<T> {
         })
     }
 
-    /// The elements, after waiting for every queued device use of the buffer (blocks). While
-    /// the slice lives, graphs whose captures wrote the buffer are not launched (see
-    /// [`HostSlice`]).
+    /// The elements, after waiting for every queued device write of the buffer (blocks; device
+    /// reads of it may go on while the host reads too). While the slice lives, graphs whose
+    /// captures wrote the buffer are not launched (see [`HostSlice`]).
     ///
     /// # Errors
     /// `CapabilityMissing` on devices without concurrent managed access: there any GPU work
@@ -118,7 +118,8 @@ impl<T: Element> UnifiedBuffer<T> {
         ))
     }
 
-    /// The elements, or `DeviceBusy` while queued device work may still use the buffer.
+    /// The elements, or `DeviceBusy` while queued device work may still write the buffer
+    /// (queued reads do not stand in the way).
     ///
     /// # Errors
     /// `CapabilityMissing` on devices without concurrent managed access, as for

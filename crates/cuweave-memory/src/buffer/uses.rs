@@ -451,8 +451,28 @@ impl<E: UseEvent> UseState<E> {
         operation: &'static str,
         active: impl Fn(u64) -> bool,
     ) -> Result<Vec<Arc<E>>> {
-        let mut events = Vec::with_capacity(self.tracked());
-        for used in self.writes.iter().chain(&self.reads) {
+        self.host_events(operation, Access::Write, active)
+    }
+
+    /// The events a host `access` of the whole buffer must wait for: a read waits for the
+    /// writes only (the device's reads and the host's may overlap), a write for every use. Uses
+    /// of ended captures are left out, as in [`all_events`](Self::all_events).
+    ///
+    /// # Errors
+    /// As [`all_events`](Self::all_events), for the uses `access` conflicts with.
+    pub(crate) fn host_events(
+        &self,
+        operation: &'static str,
+        access: Access,
+        active: impl Fn(u64) -> bool,
+    ) -> Result<Vec<Arc<E>>> {
+        let reads = if access == Access::Write {
+            &self.reads[..]
+        } else {
+            &[]
+        };
+        let mut events = Vec::with_capacity(self.writes.len() + reads.len());
+        for used in self.writes.iter().chain(reads) {
             match used.capture {
                 Some(id) if active(id) => {
                     return Err(MemoryError::Driver(
