@@ -406,11 +406,6 @@ impl StreamTracker {
         Ok(true)
     }
 
-    /// `Err(DeviceBusy)` unless every use has finished.
-    pub(crate) fn ensure_idle(&self, operation: &'static str) -> Result<()> {
-        self.ensure_idle_before(Access::Write, operation)
-    }
-
     /// `Err(DeviceBusy)` unless every use a host `access` conflicts with has finished.
     fn ensure_idle_before(&self, access: Access, operation: &'static str) -> Result<()> {
         if self.is_idle_for(access)? {
@@ -443,7 +438,7 @@ impl StreamTracker {
     /// `Err(DeviceBusy)` unless every use has finished.
     ///
     /// # Errors
-    /// As [`ensure_idle`](Self::ensure_idle); the borrow ends with the error.
+    /// As [`ensure_idle_before`](Self::ensure_idle_before); the borrow ends with the error.
     pub(crate) fn ensure_idle_for_host(
         &self,
         access: Access,

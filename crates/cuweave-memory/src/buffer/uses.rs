@@ -446,6 +446,7 @@ impl<E: UseEvent> UseState<E> {
     /// # Errors
     /// `GraphError::Capturing` when a use was recorded in a capture that is still active
     /// (`active` says which): its event cannot be waited for by the host.
+    #[cfg(test)]
     pub(crate) fn all_events(
         &self,
         operation: &'static str,
