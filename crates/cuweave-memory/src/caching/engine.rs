@@ -18,7 +18,7 @@ use parking_lot::{Mutex, MutexGuard};
 use super::block::BlockId;
 use super::pending::PendingFrees;
 use super::pool::{Grant, Pools, Segment};
-use super::size_class::segment_size;
+use super::size_class::{segment_size, smallest_segment};
 use super::snapshot::MemorySnapshot;
 use super::stats::{MemoryStats, Stat};
 use super::stream_uses::{Marker, StreamKey};
@@ -275,6 +275,20 @@ impl<E: Marker> Engine<E> {
                     if released > 0 && round < RETRY_ROUNDS {
                         // Threads off this path took the room: give back what they cached since.
                         continue;
+                    }
+                    // A 1-10 MiB request asks for a shared 20 MiB segment; under a budget the
+                    // room for the request itself may be there (two 4 MiB buffers on two
+                    // streams under 24 MiB). PyTorch fails here; RMM's pools would not.
+                    if let Some(smallest) = smallest_segment(rounded)
+                        && let Ok(ptr) = upstream.allocate_segment(smallest)
+                    {
+                        tracing::info!(
+                            requested = rounded,
+                            segment = smallest,
+                            "caching allocator: out of memory for a shared segment; a segment \
+                             of the request's own size fitted"
+                        );
+                        return Ok(self.add_segment(stream, ptr, smallest, rounded, bytes));
                     }
                     let limit = limit_of(&error).or(limit_of(&first));
                     let error = self.out_of_memory(stream, rounded, limit);

@@ -176,12 +176,13 @@ fn out_of_memory_after_the_retry_is_a_typed_error_with_the_totals() {
     let held = engine.allocate(key(1), 4096, &upstream).unwrap();
     let cached = engine.allocate(key(2), 4096, &upstream).unwrap();
     engine.free(cached.stream, cached.id, cached.ptr).unwrap();
-    // 3 MiB is a large request: it needs a 20 MiB segment, past the 8 MiB cap.
-    let error = engine.allocate(key(1), 3 * MIB, &upstream).unwrap_err();
+    // 7 MiB is a large request: it asks for a 20 MiB segment, past the 8 MiB cap, and then for
+    // one of its own size (8 MiB), past what the held small segment leaves.
+    let error = engine.allocate(key(1), 7 * MIB, &upstream).unwrap_err();
     assert_eq!(
         error,
         MemoryError::OutOfMemory {
-            requested: 3 * MIB,
+            requested: 7 * MIB,
             allocated: 4096,
             reserved: SMALL_SEGMENT,
             limit: Some(8 * MIB),
@@ -736,4 +737,31 @@ mod adoption {
         engine.free(small.stream, small.id, small.ptr).unwrap();
         engine.check_invariants();
     }
+}
+
+/// A budget of 24 MiB: a 4 MiB buffer on one stream takes a shared 20 MiB segment; a 4 MiB
+/// buffer on another stream cannot have one, and gets a segment of its own size instead of an
+/// out-of-memory error with 8 MiB live. A 10 MiB request (its own segment already) and small
+/// requests (2 MiB segments) have no smaller segment to fall back to.
+#[test]
+fn out_of_memory_for_a_shared_segment_falls_back_to_the_requests_own_size() {
+    let engine = Engine::<Flag>::default();
+    let upstream = FakeUpstream::with_cap(24 * MIB);
+    let first = engine.allocate(key(1), 4 * MIB, &upstream).unwrap();
+    let second = engine.allocate(key(2), 4 * MIB, &upstream).unwrap();
+    let stats = engine.stats();
+    assert_eq!(stats.reserved_bytes.current, LARGE_SEGMENT + 4 * MIB);
+    assert_eq!((stats.oom_retries, stats.ooms), (1, 0));
+    assert!(engine.allocate(key(3), 10 * MIB, &upstream).is_err());
+    for grant in [first, second] {
+        engine.free(grant.stream, grant.id, grant.ptr).unwrap();
+    }
+    engine.check_invariants();
+    assert_eq!(
+        crate::caching::size_class::smallest_segment(3 * MIB + 1),
+        Some(4 * MIB)
+    );
+    assert_eq!(crate::caching::size_class::smallest_segment(MIB), None);
+    assert_eq!(crate::caching::size_class::smallest_segment(10 * MIB), None);
+    assert_eq!(crate::caching::size_class::smallest_segment(19 * MIB), None);
 }

@@ -87,6 +87,17 @@ pub fn segment_size(rounded: usize) -> Option<usize> {
     }
 }
 
+/// The smallest segment a large request of `rounded` bytes can live in, when that is smaller
+/// than [`segment_size`]'s (requests between [`SMALL_SIZE`] and [`MIN_LARGE_ALLOC`], which
+/// share a [`LARGE_SEGMENT`]): what the out-of-memory retry asks for last, since under a budget
+/// the room for the request itself may be there when a shared segment's is not.
+pub fn smallest_segment(rounded: usize) -> Option<usize> {
+    if rounded <= SMALL_SIZE || rounded >= MIN_LARGE_ALLOC {
+        return None;
+    }
+    round_up(rounded, ROUND_LARGE).filter(|&bytes| bytes < LARGE_SEGMENT)
+}
+
 fn round_up(bytes: usize, multiple: usize) -> Option<usize> {
     bytes.checked_next_multiple_of(multiple)
 }
