@@ -131,33 +131,66 @@ fn parse_log(text: &str) -> Vec<Row> {
 }
 
 /// Replays `rows` in file order as RMM's replay tool does: every `allocate` must name an address
-/// not live at that point of the log, every `free` one that is live with that size. The first
-/// line that breaks this, if any.
+/// not live at that point of the log, every `free` one that is live with that size, unless the
+/// same thread's next line of that address is `free failure`, which undoes the `free` (the
+/// adaptor logs a free before the upstream runs it). The first line that breaks this, if any.
 fn replay(rows: &[Row]) -> Result<usize, String> {
     let mut live: HashMap<u64, usize> = HashMap::new();
+    // Frees not yet confirmed: what each undid (None: it matched nothing live), by thread and
+    // address, with the line it was on.
+    let mut open: HashMap<(u64, u64), (Option<usize>, usize)> = HashMap::new();
     for (index, row) in rows.iter().enumerate() {
+        let line = index + 2;
+        let key = (row.thread, row.ptr);
         match row.action.as_str() {
             "allocate" => {
                 if let Some(bytes) = live.insert(row.ptr, row.bytes) {
                     return Err(format!(
-                        "line {}: {:#x} allocated again while the log has it live ({bytes} bytes): {row:?}",
-                        index + 2,
+                        "line {line}: {:#x} allocated again while the log has it live ({bytes} bytes): {row:?}",
                         row.ptr
                     ));
                 }
             }
-            "free" => match live.remove(&row.ptr) {
-                Some(bytes) if bytes == row.bytes => {}
-                other => {
+            "free" => {
+                let undone = match live.get(&row.ptr) {
+                    Some(&bytes) if bytes == row.bytes => live.remove(&row.ptr),
+                    _ => None,
+                };
+                open.insert(key, (undone, line));
+            }
+            "free failure" => match open.remove(&key) {
+                Some((Some(bytes), _)) => {
+                    live.insert(row.ptr, bytes);
+                }
+                Some((None, _)) => {}
+                None => {
                     return Err(format!(
-                        "line {}: free of {:#x} that the log has as {other:?}: {row:?}",
-                        index + 2,
+                        "line {line}: a free failure with no free of {:#x} before it: {row:?}",
                         row.ptr
                     ));
                 }
             },
             _ => {}
         }
+        // A free stays open only until the same thread logs something else.
+        let settled: Vec<(u64, u64)> = open
+            .iter()
+            .filter(|&(&(thread, _), &(_, at))| thread == row.thread && at != line)
+            .map(|(&key, _)| key)
+            .collect();
+        for key in settled {
+            if let Some((None, at)) = open.remove(&key) {
+                return Err(format!(
+                    "line {at}: free of {:#x} that the log does not have live with that size",
+                    key.1
+                ));
+            }
+        }
+    }
+    if let Some((&(_, ptr), &(None, at))) = open.iter().find(|(_, (undone, _))| undone.is_none()) {
+        return Err(format!(
+            "line {at}: free of {ptr:#x} that the log does not have live with that size"
+        ));
     }
     Ok(live.len())
 }
@@ -1129,6 +1162,7 @@ fn a_cross_stream_free_refused_during_a_capture_keeps_the_booking_and_succeeds_a
             .collect::<Vec<_>>(),
         [
             ("allocate", s.id()),
+            ("free", cleanup.id()),
             ("free failure", cleanup.id()),
             ("free", cleanup.id())
         ]

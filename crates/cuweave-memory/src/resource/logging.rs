@@ -69,6 +69,12 @@ fn thread_number() -> u64 {
 /// adaptor was made, the action (`allocate`, `free`, `allocate failure`, `free failure`), the
 /// address, the bytes and the stream's [`Stream::id`]. The first line is [`LOG_HEADER`].
 ///
+/// Lines are in the order of the events they log, so the file replays in order: a `free` line
+/// is written before the upstream frees (as RMM's is), since once it has, another thread may
+/// be handed the same address and log its `allocate`; a `free failure` line follows it when the
+/// upstream refuses (the address stays live). Each line's time is read under the sink's lock,
+/// so times never run backwards down the file.
+///
 /// Each line is one write under a lock into the sink, which should buffer (a `BufWriter` over a
 /// file: [`to_file`](Self::to_file)); for diagnosing and replaying an allocation pattern, not
 /// for the hot path of production. A write that fails never fails the allocation: it is
@@ -152,8 +158,10 @@ impl<R: MemoryResource> LoggingAdaptor<R> {
     }
 
     fn log(&self, action: Action, ptr: DevicePtr, bytes: usize, stream: &Stream) {
+        let thread = thread_number();
+        let mut sink = self.sink.lock();
         let mut text = line(
-            thread_number(),
+            thread,
             self.started.elapsed().as_micros(),
             action,
             ptr,
@@ -161,7 +169,9 @@ impl<R: MemoryResource> LoggingAdaptor<R> {
             stream.id(),
         );
         text.push('\n');
-        if let Err(error) = self.sink.lock().write_all(text.as_bytes())
+        let written = sink.write_all(text.as_bytes());
+        drop(sink);
+        if let Err(error) = written
             && self.write_errors.fetch_add(1, Ordering::Relaxed) == 0
         {
             tracing::warn!(%error, adaptor = %self.name, "writing an allocation log line failed; later failures are only counted");
@@ -182,20 +192,19 @@ impl<R: MemoryResource> LoggingAdaptor<R> {
         allocated
     }
 
-    /// Logs what a free of `ptr` (`bytes`) on `stream` gave, and passes it on.
+    /// Logs a free of `ptr` (`bytes`) on `stream` before `free` runs it, and its refusal after.
     fn logged_free(
         &self,
         ptr: DevicePtr,
         bytes: usize,
         stream: &Stream,
-        freed: Result<()>,
+        free: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
-        let action = if freed.is_ok() {
-            Action::Free
-        } else {
-            Action::FreeFailure
-        };
-        self.log(action, ptr, bytes, stream);
+        self.log(Action::Free, ptr, bytes, stream);
+        let freed = free();
+        if freed.is_err() {
+            self.log(Action::FreeFailure, ptr, bytes, stream);
+        }
         freed
     }
 }
@@ -216,12 +225,9 @@ unsafe impl<R: MemoryResource> MemoryResource for LoggingAdaptor<R> {
     }
 
     fn deallocate(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
-        self.logged_free(
-            ptr,
-            bytes,
-            stream,
-            self.upstream.deallocate(ptr, bytes, stream),
-        )
+        self.logged_free(ptr, bytes, stream, || {
+            self.upstream.deallocate(ptr, bytes, stream)
+        })
     }
 
     fn allocate_owned(&self, bytes: usize, stream: &Stream) -> Result<DevicePtr> {
@@ -229,8 +235,9 @@ unsafe impl<R: MemoryResource> MemoryResource for LoggingAdaptor<R> {
     }
 
     fn deallocate_owned(&self, ptr: DevicePtr, bytes: usize, stream: &Stream) -> Result<()> {
-        let freed = self.upstream.deallocate_owned(ptr, bytes, stream);
-        self.logged_free(ptr, bytes, stream, freed)
+        self.logged_free(ptr, bytes, stream, || {
+            self.upstream.deallocate_owned(ptr, bytes, stream)
+        })
     }
 
     super::forward_to_upstream!();
