@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{copy_flag, filled, gate, read_u32s, settle, store_after, within, Flags, MS};
+use common::{Flags, MS, copy_flag, filled, gate, read_u32s, settle, store_after, within};
 use cuweave_driver::Context;
 use cuweave_event::{
     AsyncEventWaiter, CrossStreamBarrier, EventError, EventPool, EventPriority,

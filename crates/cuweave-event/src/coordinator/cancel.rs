@@ -5,9 +5,9 @@
 //! a driver error) or who abandons the work would otherwise leave it, and them, registered for
 //! good: cancelling removes it as if it had never been registered. Its id then reads as
 //! unknown, not as retired (a retired id means the GPU completed the work, which here it never
-//! did), for as long as it is among the latest [`CANCELLED_KEPT`] runs of consecutive cancelled
-//! ids (a batch withdrawn at once is one run); ids only grow, so an id older than that is a
-//! program's bug either way.
+//! did), for as long as it is among the [`CANCELLED_KEPT`] runs of consecutive cancelled ids
+//! (a batch withdrawn at once is one run) cancelled into most recently; asking about a
+//! cancellation older than that is a program's bug either way.
 //!
 //! Operations that depend on each other go together ([`OperationCoordinator::cancel_operations`]):
 //! that is how a dependency cycle closed by mistake (whose members can never begin, and each of
@@ -22,16 +22,22 @@ use super::{
 };
 use crate::error::{EventError, Result};
 
-/// How many runs of consecutive cancelled ids a coordinator remembers (the runs of the highest
-/// ids: ids only grow, so those are the latest).
+/// How many runs of consecutive cancelled ids a coordinator remembers (the runs cancelled into
+/// most recently).
 pub(crate) const CANCELLED_KEPT: usize = 4096;
 
 /// The latest cancelled ids, as runs of consecutive ids (a batch withdrawn together, or one
-/// after another, is one run), at most [`CANCELLED_KEPT`] runs.
+/// after another, is one run), at most [`CANCELLED_KEPT`] runs. Past the bound the run least
+/// recently cancelled into is forgotten, never by id: an operation registered early and
+/// withdrawn late has the lowest id but is the latest cancellation.
 #[derive(Debug, Default)]
 pub(super) struct Cancelled {
-    /// First id of each run to its last, by number.
-    runs: BTreeMap<u64, u64>,
+    /// First id of each run to its last id and the stamp of its latest cancellation.
+    runs: BTreeMap<u64, (u64, u64)>,
+    /// Each run's first id, by the stamp of its latest cancellation (oldest first).
+    by_recency: BTreeMap<u64, u64>,
+    /// Cancellations so far: the next stamp.
+    stamps: u64,
 }
 
 impl Cancelled {
@@ -40,7 +46,7 @@ impl Cancelled {
         self.runs
             .range(..=number)
             .next_back()
-            .is_some_and(|(_, &last)| last >= number)
+            .is_some_and(|(_, &(last, _))| last >= number)
     }
 
     fn insert(&mut self, id: OperationId) {
@@ -51,25 +57,34 @@ impl Cancelled {
         // Joins the run that ends just below and the one that starts just above.
         let mut first = number;
         let mut last = number;
-        if let Some((&start, &end)) = self.runs.range(..number).next_back()
+        if let Some((&start, &(end, stamp))) = self.runs.range(..number).next_back()
             && end + 1 == number
         {
             first = start;
+            self.runs.remove(&start);
+            self.by_recency.remove(&stamp);
         }
-        if let Some(end) = number
+        if let Some((end, stamp)) = number
             .checked_add(1)
             .and_then(|next| self.runs.remove(&next))
         {
             last = end;
+            self.by_recency.remove(&stamp);
         }
-        self.runs.insert(first, last);
-        if self.runs.len() > CANCELLED_KEPT {
-            self.runs.pop_first();
+        let stamp = self.stamps;
+        self.stamps += 1;
+        self.runs.insert(first, (last, stamp));
+        self.by_recency.insert(stamp, first);
+        if self.runs.len() > CANCELLED_KEPT
+            && let Some((_, oldest)) = self.by_recency.pop_first()
+        {
+            self.runs.remove(&oldest);
         }
     }
 
     #[cfg(test)]
     fn runs(&self) -> usize {
+        debug_assert_eq!(self.runs.len(), self.by_recency.len());
         self.runs.len()
     }
 }
@@ -345,13 +360,46 @@ mod tests {
             Some(OperationState::Completed),
             "the oldest runs are forgotten (documented)"
         );
-        // The registered ones between them, cancelled now, join their neighbours' runs.
+        // The registered ones between them, cancelled now (4,106 cancellations later than the
+        // first loop's, so those runs are forgotten one by one as these come), keep the bound,
+        // and the latest reads unknown.
+        let last_kept = *kept.last().unwrap();
         for id in kept {
             state.cancel(id).unwrap();
+            assert!(state.cancelled.runs() <= CANCELLED_KEPT);
         }
-        assert!(state.cancelled.runs() <= 11, "{}", state.cancelled.runs());
-        assert_eq!(state.state_of(cancelled[10]), None);
+        assert_eq!(state.state_of(last_kept), None);
+        assert!(state.operations.is_empty());
+    }
+
+    /// An operation registered first and withdrawn after 4,200 separate withdrawals has the
+    /// lowest id but is the latest cancellation: it reads unknown, never completed, and the run
+    /// forgotten is the one cancelled longest ago.
+    #[test]
+    fn the_run_forgotten_is_the_least_recently_cancelled_not_the_lowest_id() {
+        let mut state = State::default();
+        let early = register(&mut state, Vec::new());
+        let mut cancelled = Vec::new();
+        for _ in 0..CANCELLED_KEPT + 100 {
+            let id = register(&mut state, Vec::new());
+            state.cancel(id).unwrap();
+            cancelled.push(id);
+            register(&mut state, Vec::new());
+        }
+        state.cancel(early).unwrap();
+        assert_eq!(state.cancelled.runs(), CANCELLED_KEPT);
+        assert_eq!(
+            state.state_of(early),
+            None,
+            "the latest cancellation reads unknown"
+        );
         assert_eq!(state.state_of(*cancelled.last().unwrap()), None);
+        assert_eq!(
+            state.state_of(cancelled[100]),
+            Some(OperationState::Completed),
+            "the least recently cancelled run is the one forgotten"
+        );
+        assert_eq!(state.state_of(cancelled[101]), None);
     }
 
     #[test]
@@ -365,7 +413,7 @@ mod tests {
             cancelled
                 .runs
                 .iter()
-                .map(|(&a, &b)| (a, b))
+                .map(|(&a, &(b, _))| (a, b))
                 .collect::<Vec<_>>(),
             [(4, 7), (9, 9)]
         );
