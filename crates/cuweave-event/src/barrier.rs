@@ -145,7 +145,14 @@ impl<S: AsStream> CrossStreamBarrier<S> {
             .iter()
             .map(|stream| (stream.as_stream(), &self.pool))
             .collect();
-        Ok(queue_barrier(&pairs)?)
+        let info = queue_barrier(&pairs)?;
+        if self.streams.len() > 1 {
+            // Every stream waits (the hub for the others, the others for the hub).
+            for stream in &self.streams {
+                stream.note_queued_wait();
+            }
+        }
+        Ok(info)
     }
 
     /// Blocks the host until the work queued so far on every stream has finished; returns how

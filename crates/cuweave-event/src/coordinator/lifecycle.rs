@@ -187,6 +187,7 @@ impl OperationCoordinator {
                 stream.wait_event(event)?;
             }
             if !waits.is_empty() {
+                handle.note_queued_wait();
                 cuweave_stream::capture::note_wait_joined_capture(stream)?;
             }
             Ok(self.inner.timer.start(stream)?)

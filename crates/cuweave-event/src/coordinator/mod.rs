@@ -51,6 +51,11 @@ use cuweave_driver::DriverError;
 pub trait AsStream: Send + Sync + 'static {
     /// The driver stream.
     fn as_stream(&self) -> &Stream;
+
+    /// Told after a device wait was queued on [`as_stream`](Self::as_stream) (a dependency's
+    /// or a barrier's): a [`PriorityStream`] counts it, so its pool does not hand it out as
+    /// idle while it is held behind the wait. Nothing by default.
+    fn note_queued_wait(&self) {}
 }
 
 impl AsStream for Stream {
@@ -62,6 +67,10 @@ impl AsStream for Stream {
 impl AsStream for PriorityStream {
     fn as_stream(&self) -> &Stream {
         self.stream()
+    }
+
+    fn note_queued_wait(&self) {
+        PriorityStream::note_queued_wait(self);
     }
 }
 

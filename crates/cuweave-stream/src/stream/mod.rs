@@ -201,8 +201,13 @@ impl PriorityStream {
         Ok(true)
     }
 
-    /// Notes a device wait just queued on this stream (one atomic add).
-    pub(crate) fn note_queued_wait(&self) {
+    /// Notes a device wait just queued on this stream (one atomic add), so that
+    /// [`has_pending_waits`](Self::has_pending_waits) and the pool's `Priority` and
+    /// `LoadBalanced` strategies see it. This stream's own waits ([`wait_for`](Self::wait_for),
+    /// the [`MultiStreamCoordinator`](crate::MultiStreamCoordinator)'s dependencies) note
+    /// theirs; a layer above that queues `cuStreamWaitEvent` on [`stream`](Self::stream)
+    /// directly (the event layer's coordinator and barriers) calls this after it.
+    pub fn note_queued_wait(&self) {
         self.waits_queued.fetch_add(1, Ordering::AcqRel);
     }
 
