@@ -172,14 +172,18 @@ impl Context {
 
     /// Blocks until all work queued in this context has finished.
     pub fn synchronize(&self) -> Result<()> {
-        if crate::graph::active_captures() != 0 {
-            return Err(crate::graph::GraphError::Capturing {
-                operation: "Context::synchronize",
-                reason: "a context synchronisation waits on the capturing streams too",
+        // No capture may begin between the check and the synchronisation: one begun on another
+        // thread in that gap would be broken by it (a capture begin waits for this to return).
+        crate::graph::while_no_capture_begins(|| {
+            if crate::graph::active_captures() != 0 {
+                return Err(crate::graph::GraphError::Capturing {
+                    operation: "Context::synchronize",
+                    reason: "a context synchronisation waits on the capturing streams too",
+                }
+                .into());
             }
-            .into());
-        }
-        self.synchronize_beside_captures()
+            self.synchronize_beside_captures()
+        })
     }
 
     /// [`synchronize`](Self::synchronize) while captures of other contexts may be active: for a

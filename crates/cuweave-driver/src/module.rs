@@ -76,7 +76,7 @@ impl Module {
         let mut logs = JitLogs::new();
         let (mut options, mut values) = logs.options();
         // A capture records no module load: relaxed while capturing.
-        let relaxed = crate::graph::relaxed_during_captures()?;
+        let relaxed = crate::graph::relaxed_for_unrecorded_call()?;
         // SAFETY: valid out-pointer; four options, each log buffer's value its address in
         // `logs` (alive and untouched until the call returns) followed by its true size; the
         // image contract is the caller's.
@@ -187,7 +187,7 @@ impl Drop for Module {
             return;
         }
         // A capture records no unload: relaxed while capturing, as the load is.
-        let _relaxed = match crate::graph::relaxed_during_captures() {
+        let _relaxed = match crate::graph::relaxed_for_unrecorded_call() {
             Ok(relaxed) => relaxed,
             Err(error) => {
                 tracing::warn!(%error, "cannot enter relaxed capture mode; leaking a module");

@@ -18,6 +18,7 @@ mod refusals;
 mod registry;
 mod status;
 
+pub(crate) use mode::relaxed_for_unrecorded_call;
 pub use mode::{CaptureMode, CaptureModeGuard, relaxed_during_captures};
 pub use refusals::{
     StatusCheck, refuse_legacy_stream_use, refuse_on_legacy_stream, refuse_recording,

@@ -38,7 +38,7 @@ impl DeviceAllocation {
         let mut ptr = 0;
         // A capture records no allocation: made in relaxed mode, it leaves an active capture
         // intact (as PyTorch's relaxed captures allow `cudaMalloc`).
-        let relaxed = crate::graph::relaxed_during_captures()?;
+        let relaxed = crate::graph::relaxed_for_unrecorded_call()?;
         // SAFETY: valid out-pointer; nonzero size; the context is current.
         let allocated = unsafe { cu!(api.mem_alloc(&mut ptr, bytes)) };
         drop(relaxed);

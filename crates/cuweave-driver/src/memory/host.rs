@@ -73,7 +73,7 @@ impl HostAllocation {
         context.bind_to_thread()?;
         let api = driver()?;
         let mut ptr = std::ptr::null_mut();
-        let relaxed = crate::graph::relaxed_during_captures()?;
+        let relaxed = crate::graph::relaxed_for_unrecorded_call()?;
         // SAFETY: valid out-pointer; nonzero size; the context is current.
         let pinned = unsafe { cu!(api.mem_host_alloc(&mut ptr, bytes, flags.bits())) };
         drop(relaxed);
@@ -166,7 +166,7 @@ impl Drop for HostAllocation {
             return;
         }
         // Relaxed while capturing, as `new` is: a capture records no free.
-        let _relaxed = match crate::graph::relaxed_during_captures() {
+        let _relaxed = match crate::graph::relaxed_for_unrecorded_call() {
             Ok(relaxed) => relaxed,
             Err(error) => {
                 tracing::warn!(%error, bytes = self.bytes, "cannot enter relaxed capture mode; leaking pinned memory");
@@ -199,7 +199,7 @@ impl<'a> HostRegistration<'a> {
         context.bind_to_thread()?;
         let api = driver()?;
         // A capture records no pinning: relaxed while capturing, as `HostAllocation::new` is.
-        let relaxed = crate::graph::relaxed_during_captures()?;
+        let relaxed = crate::graph::relaxed_for_unrecorded_call()?;
         // SAFETY: the slice is valid for its length and exclusively borrowed for `'a`.
         let registered = unsafe {
             cu!(api.mem_host_register(
@@ -278,7 +278,7 @@ impl std::fmt::Debug for HostRegistration<'_> {
 fn unregister(context: &Context, memory: &mut [u8]) -> Result<()> {
     context.bind_to_thread()?;
     let api = driver()?;
-    let _relaxed = crate::graph::relaxed_during_captures()?;
+    let _relaxed = crate::graph::relaxed_for_unrecorded_call()?;
     // SAFETY: `memory` is exactly the range a `HostRegistration` registered; its owner gives it
     // up here, so it is unregistered once.
     unsafe { cu!(api.mem_host_unregister(memory.as_mut_ptr().cast())) }?;

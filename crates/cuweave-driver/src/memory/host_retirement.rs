@@ -229,9 +229,9 @@ fn retire_batch(batch: Vec<HostAllocation>, counted: bool) -> Vec<HostAllocation
             .partition(|allocation| allocation.context().as_raw() == context.as_raw());
         rest = others;
         let count = same.len();
-        // Checked and made with no capture beginning in between: a synchronisation into a
-        // capture would invalidate it.
-        match crate::graph::while_no_capture_begins(|| context.synchronize()) {
+        // `Context::synchronize` checks and synchronises with no capture beginning in between:
+        // a synchronisation into a capture would invalidate it.
+        match context.synchronize() {
             Ok(()) => same.into_iter().for_each(keep_spare),
             Err(error) if refused_by_a_capture(&error) => {
                 refused.extend(same);

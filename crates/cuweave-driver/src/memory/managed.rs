@@ -139,7 +139,7 @@ impl ManagedAllocation {
         let api = driver()?;
         let mut ptr = 0;
         // A capture records no allocation: relaxed while capturing, as `DeviceAllocation::new`.
-        let relaxed = crate::graph::relaxed_during_captures()?;
+        let relaxed = crate::graph::relaxed_for_unrecorded_call()?;
         // SAFETY: valid out-pointer; nonzero size; the context is current.
         let allocated = unsafe {
             cu!(api.mem_alloc_managed(

@@ -53,7 +53,7 @@ pub(crate) unsafe fn free_device_memory(context: &crate::Context, ptr: DevicePtr
     context.bind_to_thread()?;
     let api = crate::loader::driver()?;
     // A capture records no free: made in relaxed mode, it leaves an active capture intact.
-    let _relaxed = crate::graph::relaxed_during_captures()?;
+    let _relaxed = crate::graph::relaxed_for_unrecorded_call()?;
     // SAFETY: the caller's contract.
     unsafe { crate::loader::cu!(api.mem_free(ptr)) }
 }

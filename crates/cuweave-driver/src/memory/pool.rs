@@ -69,7 +69,7 @@ impl MemoryPool {
         let mut raw = std::ptr::null_mut();
         // A capture records no pool creation, and a stream-ordered allocator makes its pool on
         // first use, which may be inside a capture: relaxed while one is active, as loads are.
-        let _relaxed = crate::graph::relaxed_during_captures()?;
+        let _relaxed = crate::graph::relaxed_for_unrecorded_call()?;
         // SAFETY: valid out-pointer and fully initialised properties.
         unsafe { cu!(api.mem_pool_create(&mut raw, &props)) }?;
         Ok(Self {
@@ -122,7 +122,7 @@ impl MemoryPool {
         let api = driver()?;
         let mut value = bytes;
         // Not recorded by a capture (see `new`).
-        let _relaxed = crate::graph::relaxed_during_captures()?;
+        let _relaxed = crate::graph::relaxed_for_unrecorded_call()?;
         // SAFETY: the attribute is 64-bit and `value` outlives the call.
         unsafe {
             cu!(api.mem_pool_set_attribute(
@@ -180,7 +180,7 @@ impl Drop for MemoryPool {
         }
         let Ok(api) = driver() else { return };
         // Not recorded by a capture (see `new`).
-        let _relaxed = match crate::graph::relaxed_during_captures() {
+        let _relaxed = match crate::graph::relaxed_for_unrecorded_call() {
             Ok(relaxed) => relaxed,
             Err(error) => {
                 tracing::warn!(%error, "cannot enter relaxed capture mode; leaking a memory pool");

@@ -52,6 +52,22 @@ pub fn relaxed_during_captures() -> Result<Option<CaptureModeGuard>> {
         .transpose()
 }
 
+/// Puts this thread in relaxed capture mode for one call that no capture records (allocating,
+/// freeing or pinning memory, making or destroying a pool, loading or unloading a module),
+/// whether or not a capture is active: always `Some`.
+///
+/// [`relaxed_during_captures`] skips the switch while cuweave counts no capture, which leaves
+/// a gap: another thread may begin a global capture between that check and the call, and the
+/// call would then break it. These calls take microseconds or more, so the two
+/// `cuThreadExchangeStreamCaptureMode` calls cost nothing that matters, and a capture begun
+/// outside cuweave is covered too. Polling paths that run often keep the cheaper check.
+///
+/// # Errors
+/// The driver's error from `cuThreadExchangeStreamCaptureMode`.
+pub(crate) fn relaxed_for_unrecorded_call() -> Result<Option<CaptureModeGuard>> {
+    CaptureModeGuard::enter(CaptureMode::Relaxed).map(Some)
+}
+
 /// This thread's capture mode, read by exchanging it with itself.
 pub(super) fn thread_capture_mode() -> Result<CaptureMode> {
     let api = driver()?;

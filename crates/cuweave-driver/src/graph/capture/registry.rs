@@ -71,8 +71,12 @@ pub(super) static CAPTURE_BEGIN: parking_lot::RwLock<()> = parking_lot::RwLock::
 /// followed by a call that would invalidate a capture (a context synchronisation) made off the
 /// thread whose program order would otherwise keep them apart. A capture about to begin waits
 /// for `f` to return.
+///
+/// Reentrant: `f` may call what takes it again (`Context::synchronize` inside
+/// [`WeakStream::with_no_capture_beginning`](crate::stream::WeakStream::with_no_capture_beginning)),
+/// without deadlocking behind a capture begin that waits.
 pub(crate) fn while_no_capture_begins<R>(f: impl FnOnce() -> R) -> R {
-    let _no_begin = CAPTURE_BEGIN.read();
+    let _no_begin = CAPTURE_BEGIN.read_recursive();
     f()
 }
 
