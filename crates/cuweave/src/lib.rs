@@ -98,9 +98,10 @@ pub mod prelude {
     };
     #[cfg(feature = "memory")]
     pub use cuweave_memory::{
-        Buffer, CachedAllocation, CachingAllocator, DeviceBuffer, Element, MemAdvice, MemLocation,
-        MemoryError, MemoryStats, MigrationPolicy, PendingCopy, PinnedBuffer, PinnedPool,
-        PrefetchPlan, TrackedLaunch, UnifiedBuffer,
+        AllocatorConfig, Buffer, CachedAllocation, CachingAllocator, DeviceBuffer, DriverResource,
+        Element, LimitAdaptor, MemAdvice, MemLocation, MemoryError, MemoryResource, MemorySnapshot,
+        MemoryStats, MigrationPolicy, PendingCopy, PinnedBuffer, PinnedPool, PrefetchPlan,
+        TrackedLaunch, UnifiedBuffer,
     };
     #[cfg(feature = "stream")]
     pub use cuweave_stream::{
@@ -110,7 +111,7 @@ pub mod prelude {
     };
     #[cfg(feature = "transfer")]
     pub use cuweave_transfer::{
-        AsyncTransfer, CalibrationTable, Destination, Location, OwnedTransfer, Plan,
+        AsyncTransfer, CalibrationTable, Destination, Location, Owned, OwnedTransfer, Plan,
         RegisteredHost, RegistrationAdvice, Source, StagingConfig, TransferDirection,
         TransferError, TransferManager, TransferMethod, TransferPath, TransferReport,
         TransferStats,
