@@ -11,7 +11,9 @@
 use std::sync::Arc;
 
 use cuweave_driver::Stream;
-use cuweave_event::{EventPriority, OperationCoordinator, OperationId, OperationType, WaitFuture};
+use cuweave_event::{
+    AsStream, EventPriority, OperationCoordinator, OperationId, OperationType, WaitFuture,
+};
 use cuweave_memory::Buffer;
 
 use crate::comm::Communicator;
@@ -68,6 +70,9 @@ impl CoordinatedCollectives {
 
     /// Registers an operation of `operation_type` after `dependencies`, begins it on `stream`,
     /// runs `queue` (which queues the collective on the stream) and completes the operation.
+    /// `stream` is any [`AsStream`]: a driver stream, or a pool's
+    /// `PriorityStream` (whose pool then sees the dependency
+    /// waits queued on it).
     ///
     /// What `begin_operation` would refuse is checked before anything is registered, by the
     /// coordinator's own rules: `stream` must belong to the context of the coordinator's event
@@ -99,20 +104,21 @@ impl CoordinatedCollectives {
     ///
     /// [`EventError::ForeignStream`]: cuweave_event::EventError::ForeignStream
     /// [`EventError::DependencyNotQueued`]: cuweave_event::EventError::DependencyNotQueued
-    pub fn run(
+    pub fn run<Q: AsStream>(
         &self,
         operation_type: OperationType,
-        stream: &Arc<Stream>,
+        stream: &Arc<Q>,
         dependencies: &[OperationId],
         description: impl Into<String>,
         queue: impl FnOnce(&Stream) -> Result<()>,
     ) -> Result<OperationId> {
-        self.coordinator.check_stream(stream)?;
+        let raw = stream.as_stream();
+        self.coordinator.check_stream(raw)?;
         self.coordinator.dependencies_queued(dependencies)?;
         let id = self.coordinator.register_operation(
             operation_type,
             self.priority,
-            Some(stream),
+            Some(raw),
             dependencies,
             description,
         )?;
@@ -123,7 +129,7 @@ impl CoordinatedCollectives {
             }
             return Err(refused.into());
         }
-        let queued = queue(stream);
+        let queued = queue(raw);
         self.coordinator.complete_operation(id)?;
         queued.map(|()| id)
     }
@@ -141,13 +147,13 @@ impl CoordinatedCollectives {
     /// # Errors
     /// As [`run`](Self::run) and the collective.
     #[allow(clippy::too_many_arguments)]
-    pub fn all_reduce<T, S, R>(
+    pub fn all_reduce<T, S, R, Q: AsStream>(
         &self,
         comm: &Communicator,
         send: &S,
         recv: &mut R,
         op: ReduceOp,
-        stream: &Arc<Stream>,
+        stream: &Arc<Q>,
         dependencies: &[OperationId],
     ) -> Result<OperationId>
     where
@@ -168,12 +174,12 @@ impl CoordinatedCollectives {
     ///
     /// # Errors
     /// As [`run`](Self::run) and the collective.
-    pub fn all_reduce_in_place<T: NcclType, B: Buffer<T> + ?Sized>(
+    pub fn all_reduce_in_place<T: NcclType, B: Buffer<T> + ?Sized, Q: AsStream>(
         &self,
         comm: &Communicator,
         buffer: &mut B,
         op: ReduceOp,
-        stream: &Arc<Stream>,
+        stream: &Arc<Q>,
         dependencies: &[OperationId],
     ) -> Result<OperationId> {
         let description = describe("ncclAllReduce", comm, buffer.len());
@@ -191,13 +197,13 @@ impl CoordinatedCollectives {
     /// # Errors
     /// As [`run`](Self::run) and the collective.
     #[allow(clippy::too_many_arguments)]
-    pub fn broadcast<T, S, R>(
+    pub fn broadcast<T, S, R, Q: AsStream>(
         &self,
         comm: &Communicator,
         send: &S,
         recv: &mut R,
         root: usize,
-        stream: &Arc<Stream>,
+        stream: &Arc<Q>,
         dependencies: &[OperationId],
     ) -> Result<OperationId>
     where
@@ -219,14 +225,14 @@ impl CoordinatedCollectives {
     /// # Errors
     /// As [`run`](Self::run) and the collective.
     #[allow(clippy::too_many_arguments)]
-    pub fn reduce<T, S, R>(
+    pub fn reduce<T, S, R, Q: AsStream>(
         &self,
         comm: &Communicator,
         send: &S,
         recv: &mut R,
         op: ReduceOp,
         root: usize,
-        stream: &Arc<Stream>,
+        stream: &Arc<Q>,
         dependencies: &[OperationId],
     ) -> Result<OperationId>
     where
