@@ -33,12 +33,12 @@ use std::time::Duration;
 
 use cuweave_memory::{Buffer, DeviceBuffer, PinnedBuffer, UnifiedBuffer};
 use cuweave_test_support::{poll_until, require_gpu, serial};
-use cuweave_transfer::planner::{choose_for, Query};
+use cuweave_transfer::planner::{Query, choose_for};
 use cuweave_transfer::{
-    CalibrationTable, ChunkOrder, Destination, HostCopy, LocationKind, Measure, PathFacts,
-    PathStats, PlanReason, RegistrationCost, SizeClass, Source, StagingChoice, StagingConfig,
-    TransferDirection, TransferError, TransferManager, TransferMethod, TransferPath,
-    TransferReport, DEFAULT_MACHINE, MARKED_STREAMS, MAX_IDLE_LANES,
+    CalibrationTable, ChunkOrder, DEFAULT_MACHINE, Destination, HostCopy, LocationKind,
+    MARKED_STREAMS, MAX_IDLE_LANES, Measure, PathFacts, PathStats, PlanReason, RegistrationCost,
+    SizeClass, Source, StagingChoice, StagingConfig, TransferDirection, TransferError,
+    TransferManager, TransferMethod, TransferPath, TransferReport,
 };
 use cuweave_transfer::{Location, MAX_WORKERS};
 

@@ -16,8 +16,8 @@
 //! Every GPU test takes `serial()`: one captures a graph, others replace or empty the
 //! process-wide default allocator, or read its books.
 
-use std::sync::mpsc;
 use std::sync::Arc;
+use std::sync::mpsc;
 use std::time::Duration;
 
 use cuweave::driver::{InstantiateOptions, Kernel, LaunchConfig};

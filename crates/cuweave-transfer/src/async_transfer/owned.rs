@@ -173,8 +173,8 @@ impl TransferManager {
     }
 
     /// What an owned transfer does once its range is `checked`: run on `device`'s lane, end at
-    /// once when it moves nothing (the device still opened, as `transfer` opens it), or be
-    /// refused with the error, its path kept for the future's `Debug`.
+    /// once when it moves nothing (the device only looked up, not opened, as `transfer` does),
+    /// or be refused with the error, its path kept for the future's `Debug`.
     fn owned_start(
         &self,
         checked: Result<()>,
