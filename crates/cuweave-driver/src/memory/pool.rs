@@ -105,6 +105,9 @@ impl MemoryPool {
     fn get_u64(&self, attribute: sys::CUmemPool_attribute) -> Result<u64> {
         let api = driver()?;
         let mut value = 0u64;
+        // A read a capture does not record; refused (and the capture broken) under a global or
+        // thread-local capture unless relaxed.
+        let _relaxed = crate::graph::relaxed_for_unrecorded_call()?;
         // SAFETY: the threshold and size attributes are 64-bit; `value` is a valid out-pointer.
         unsafe {
             cu!(api.mem_pool_get_attribute(self.raw, attribute, (&mut value as *mut u64).cast()))
@@ -146,6 +149,8 @@ impl MemoryPool {
     /// Releases cached memory until the pool holds at most `keep_bytes` (plus what is in use).
     pub fn trim_to(&self, keep_bytes: usize) -> Result<()> {
         let api = driver()?;
+        // Not recorded by a capture (see `new`).
+        let _relaxed = crate::graph::relaxed_for_unrecorded_call()?;
         // SAFETY: live pool.
         unsafe { cu!(api.mem_pool_trim_to(self.raw, keep_bytes)) }
     }

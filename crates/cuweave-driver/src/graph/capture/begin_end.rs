@@ -70,8 +70,8 @@ impl Stream {
     ///
     /// # Errors
     /// [`GraphError::LegacyDefaultStream`] for the legacy default stream;
-    /// [`GraphError::AlreadyCapturing`] when a cuweave capture is active on this stream; the
-    /// driver's error otherwise.
+    /// [`GraphError::AlreadyCapturing`] when this stream is capturing (begun through this handle, an
+    /// alias of its `CUstream`, or another library); the driver's error otherwise.
     pub fn begin_capture(&self, mode: CaptureMode) -> Result<()> {
         self.check_can_capture()?;
         let complete_before = self.inherited_complete_before();
@@ -156,6 +156,13 @@ impl Stream {
             .iter()
             .any(|record| record.stream == self.id())
         {
+            return Err(GraphError::AlreadyCapturing { stream: self.id() }.into());
+        }
+        // The same `CUstream` may capture through another handle (a borrowed alias of it, or a
+        // library's own capture): asking its flags below would then break that capture (the
+        // driver refuses `cuStreamGetFlags` on a capturing stream and invalidates it). The
+        // capture-info query is legal during a capture.
+        if matches!(self.capture_status(), Ok(status) if status.id().is_some()) {
             return Err(GraphError::AlreadyCapturing { stream: self.id() }.into());
         }
         Ok(())
