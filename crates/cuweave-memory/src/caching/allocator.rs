@@ -446,18 +446,7 @@ impl CachingAllocator {
     /// peaks of allocated, requested and active bytes are the shards' peaks summed (exact for
     /// one stream, an upper bound of the simultaneous peak across streams of different shards).
     pub fn stats(&self) -> MemoryStats {
-        self.settle_pending();
         self.handles.shared.engine.stats()
-    }
-
-    /// Returns to their free lists the pending blocks, of every stream, whose recorded uses have
-    /// finished (one event query each, no wait), so that what the statistics and the snapshot
-    /// call pending still waits for the device: an allocation settles only its own stream's.
-    /// Nothing while a capture is active (a query would break it).
-    fn settle_pending(&self) {
-        if active_captures() == 0 {
-            self.handles.shared.engine.process_pending();
-        }
     }
 
     /// Every segment the allocator holds and the blocks it is split into, in address order, at
@@ -484,7 +473,6 @@ impl CachingAllocator {
     /// # }
     /// ```
     pub fn snapshot(&self) -> super::MemorySnapshot {
-        self.settle_pending();
         self.handles.shared.engine.snapshot()
     }
 
@@ -495,7 +483,6 @@ impl CachingAllocator {
 
     /// Freed blocks that wait for other streams' recorded uses before they can be reused.
     pub fn pending_frees(&self) -> usize {
-        self.settle_pending();
         self.handles.shared.engine.pending_blocks()
     }
 

@@ -377,6 +377,7 @@ impl<E: Marker> Engine<E> {
         self.shard(stream).pools.lock().free_to_pending(id, ptr)
     }
 
+    #[cfg_attr(not(test), allow(dead_code))]
     /// Returns to their free lists the pending blocks, of every shard, whose markers have all
     /// completed, without blocking.
     pub fn process_pending(&self) {
