@@ -368,7 +368,7 @@ impl StreamTracker {
     /// buffer (then graph launches, which record no uses, must be covered too).
     ///
     /// # Errors
-    /// As [`UseState::all_events`].
+    /// As [`UseState::host_events`].
     fn host_wait(
         &self,
         operation: &'static str,

@@ -440,12 +440,8 @@ impl<E: UseEvent> UseState<E> {
         }
     }
 
-    /// Every event a host access must wait for: uses of ended captures are left out (their
-    /// work is the graph's, ordered by the stream it is launched on).
-    ///
-    /// # Errors
-    /// `GraphError::Capturing` when a use was recorded in a capture that is still active
-    /// (`active` says which): its event cannot be waited for by the host.
+    /// Every event a host write must wait for ([`host_events`](Self::host_events) with
+    /// `Access::Write`).
     #[cfg(test)]
     pub(crate) fn all_events(
         &self,
@@ -457,10 +453,12 @@ impl<E: UseEvent> UseState<E> {
 
     /// The events a host `access` of the whole buffer must wait for: a read waits for the
     /// writes only (the device's reads and the host's may overlap), a write for every use. Uses
-    /// of ended captures are left out, as in [`all_events`](Self::all_events).
+    /// of ended captures are left out (their work is the graph's, ordered by the stream it is
+    /// launched on).
     ///
     /// # Errors
-    /// As [`all_events`](Self::all_events), for the uses `access` conflicts with.
+    /// `GraphError::Capturing` when a use `access` conflicts with was recorded in a capture that
+    /// is still active (`active` says which): its event cannot be waited for by the host.
     pub(crate) fn host_events(
         &self,
         operation: &'static str,

@@ -258,7 +258,7 @@ impl CachingAllocator {
 
     /// A caching allocator over `upstream` with PyTorch's allocator settings
     /// (`PYTORCH_CUDA_ALLOC_CONF`'s `max_split_size_mb`, `set_per_process_memory_fraction`; see
-    /// [`AllocatorConfig`](super::AllocatorConfig)).
+    /// [`AllocatorConfig`]).
     ///
     /// A memory fraction reads the device's total memory (one driver call) and caps the upstream
     /// with a [`LimitAdaptor`](crate::LimitAdaptor) of that share.
