@@ -14,159 +14,24 @@
 //! Every GPU test takes `serial()`: one captures a graph, which changes what the whole process
 //! may do while it runs, and the others measure allocator books or rely on slow kernels.
 
+mod common;
+
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cuweave::driver::{InstantiateOptions, Kernel, LaunchConfig};
+use cuweave::driver::InstantiateOptions;
 use cuweave::event::OperationId;
-use cuweave::memory::TrackedLaunch;
 use cuweave::prelude::*;
-use cuweave::stream::OperationKind;
 use cuweave::stream::capture::CaptureOptions;
 use cuweave::transfer::TransferPath;
-use cuweave_test_support::kernels::TestKernels;
-use cuweave_test_support::{gpu_required, require_gpu, sanitizer_active, serial, skip};
+use cuweave_test_support::{require_gpu, sanitizer_active, serial};
 
-/// Elements of the programs' tensors (256 KiB of `f32`).
-const N: usize = 1 << 16;
-/// One millisecond, in the nanoseconds the spin kernel takes.
-const MS: u64 = 1_000_000;
+use common::{MS, N, Ops, assert_exact, nccl_or_skip, value, words};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
-
-/// The test kernels as `Kernel`s that `TrackedLaunch` launches on typed buffers, each queued
-/// through a pool stream (so its metrics count it) and ordered by the buffers' own tracking.
-struct Ops {
-    test: TestKernels,
-    add: Kernel,
-    saxpy: Kernel,
-    increment: Kernel,
-}
-
-impl Ops {
-    fn load(context: &Arc<Context>) -> Self {
-        let test = TestKernels::load(context).unwrap();
-        Self {
-            add: test.module().function("add_f32").unwrap(),
-            saxpy: test.module().function("saxpy_f32").unwrap(),
-            increment: test.module().function("increment_u32").unwrap(),
-            test,
-        }
-    }
-
-    /// `y[i] += a * x[i]`: a read of `x`, a write of `y`.
-    fn saxpy(
-        &self,
-        stream: &PriorityStream,
-        a: f32,
-        x: &DeviceBuffer<f32>,
-        y: &mut DeviceBuffer<f32>,
-    ) -> Result<(), StreamError> {
-        assert_eq!(x.len(), y.len());
-        let n = y.len() as u64;
-        let config = LaunchConfig::for_elements(y.len(), 256)?;
-        stream.enqueue(OperationKind::KernelLaunch, 0, |raw| {
-            // SAFETY: saxpy_f32(float, const float*, float*, size_t) reads n elements of `x` and
-            // writes n of `y`, both n f32s long and declared so.
-            unsafe {
-                TrackedLaunch::new(&self.saxpy, raw, config)
-                    .arg(&a)
-                    .read(x)
-                    .write(&mut *y)
-                    .arg(&n)
-                    .launch()
-            }
-        })
-    }
-
-    /// `out[i] = a[i] + b[i]`: reads of `a` and `b`, a write of `out`.
-    fn add(
-        &self,
-        stream: &PriorityStream,
-        a: &DeviceBuffer<f32>,
-        b: &DeviceBuffer<f32>,
-        out: &mut DeviceBuffer<f32>,
-    ) -> Result<(), StreamError> {
-        assert!(a.len() == out.len() && b.len() == out.len());
-        let n = out.len() as u64;
-        let config = LaunchConfig::for_elements(out.len(), 256)?;
-        stream.enqueue(OperationKind::KernelLaunch, 0, |raw| {
-            // SAFETY: add_f32(const float*, const float*, float*, size_t) reads n elements of
-            // `a` and `b` and writes n of `out`, all n f32s long and declared so; `out` is a
-            // buffer of its own, so it does not overlap the inputs.
-            unsafe {
-                TrackedLaunch::new(&self.add, raw, config)
-                    .read(a)
-                    .read(b)
-                    .write(&mut *out)
-                    .arg(&n)
-                    .launch()
-            }
-        })
-    }
-
-    /// `data[i] += 1` (wrapping): a write of `data`, any kind of buffer.
-    fn increment<B: Buffer<u32>>(
-        &self,
-        stream: &PriorityStream,
-        data: &mut B,
-    ) -> Result<(), StreamError> {
-        let n = data.len() as u64;
-        let config = LaunchConfig::for_elements(data.len(), 256)?;
-        stream.enqueue(OperationKind::KernelLaunch, 0, |raw| {
-            // SAFETY: increment_u32(unsigned*, size_t) reads and writes n elements of `data`,
-            // which holds n u32s; declared written.
-            unsafe {
-                TrackedLaunch::new(&self.increment, raw, config)
-                    .write(&mut *data)
-                    .arg(&n)
-                    .launch()
-            }
-        })
-    }
-
-    /// Keeps `stream` busy for `ns` nanoseconds, so that work that fails to wait for what
-    /// follows would read stale bytes.
-    fn spin(&self, stream: &PriorityStream, ns: u64) {
-        stream.launch(|raw| self.test.spin_ns(raw, ns)).unwrap();
-    }
-}
-
-/// Small integers (in `-1000..=1000`), different for each `seed`: every sum the programs make
-/// of a few hundred of them is exact in `f32`, so results can be compared bit for bit.
-fn value(seed: usize, i: usize) -> f32 {
-    (i.wrapping_mul(7919)
-        .wrapping_add(seed.wrapping_mul(104_729))
-        % 2001) as f32
-        - 1000.0
-}
-
-/// `len` pattern words with no short period, different for each `seed`.
-fn words(len: usize, seed: u64) -> Vec<u32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 16) as u32
-        })
-        .collect()
-}
-
-/// Asserts `actual` equals `expected(i)` bit for bit, naming the first difference.
-fn assert_exact(actual: &[f32], expected: impl Fn(usize) -> f32, what: &str) {
-    if let Some((i, value)) = actual
-        .iter()
-        .enumerate()
-        .find(|(i, value)| value.to_bits() != expected(*i).to_bits())
-    {
-        panic!("{what}: element {i} is {value}, expected {}", expected(i));
-    }
-}
 
 /// Transfers the manager counted on `path`, over every size class.
 fn counted(manager: &TransferManager, path: TransferPath) -> u64 {
@@ -177,26 +42,6 @@ fn counted(manager: &TransferManager, path: TransferPath) -> u64 {
         .filter(|(p, ..)| *p == path)
         .map(|(_, _, stats)| stats.count)
         .sum()
-}
-
-/// Whether NCCL loads; prints `SKIPPED <test>: <reason>` when it does not. As in the collective
-/// crate's tests, NCCL is part of what `CUWEAVE_REQUIRE_GPU=1` requires, so there its absence
-/// fails.
-fn nccl_or_skip(test: &str) -> bool {
-    match cuweave::collective::nccl() {
-        Ok(nccl) => {
-            eprintln!("{test}: NCCL {} from {}", nccl.version(), nccl.path());
-            true
-        }
-        Err(error) => {
-            assert!(
-                !gpu_required(),
-                "{test}: CUWEAVE_REQUIRE_GPU=1 but NCCL is not loadable: {error}"
-            );
-            skip(test, &format!("NCCL is not loadable: {error}"));
-            false
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
