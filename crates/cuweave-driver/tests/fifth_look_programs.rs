@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::{non_blocking, warmed_kernels};
+use common::{assert_invalid, non_blocking, read_bytes, read_u32, warmed_kernels};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -26,30 +26,6 @@ use cuweave_driver::{
 };
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{require_gpu, serial};
-
-/// `n` bytes at `ptr`, after everything queued on `stream`.
-fn read_bytes(context: &Context, ptr: DevicePtr, n: usize, stream: &Stream) -> Vec<u8> {
-    stream.synchronize().unwrap();
-    let mut host = vec![0u8; n];
-    // SAFETY: callers pass device memory holding at least `n` bytes; `host` holds `n`.
-    unsafe { memory::copy_dtoh(context, host.as_mut_ptr(), ptr, n) }.unwrap();
-    host
-}
-
-/// `n` `u32`s at `ptr`, after everything queued on `stream`.
-fn read_u32(context: &Context, ptr: DevicePtr, n: usize, stream: &Stream) -> Vec<u32> {
-    read_bytes(context, ptr, n * 4, stream)
-        .chunks_exact(4)
-        .map(|word| u32::from_ne_bytes(word.try_into().unwrap()))
-        .collect()
-}
-
-fn assert_invalid<T: std::fmt::Debug>(result: Result<T, DriverError>, what: &str) {
-    match result {
-        Err(DriverError::InvalidArgument { .. }) => {}
-        other => panic!("{what}: expected InvalidArgument, got {other:?}"),
-    }
-}
 
 fn pools_supported(context: &Arc<Context>) -> bool {
     context.device().supports_memory_pools().unwrap()

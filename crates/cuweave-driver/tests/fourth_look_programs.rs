@@ -10,11 +10,11 @@
 
 mod common;
 
-use common::{echoed, non_blocking, warmed_kernels};
+use common::{assert_invalid, echoed, non_blocking, read_bytes, read_u32, warmed_kernels};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
 
-use cuweave_driver::memory::{self, DeviceAllocation, DevicePtr, MemoryPool};
+use cuweave_driver::memory::{self, DeviceAllocation, MemoryPool};
 use cuweave_driver::{
     CaptureMode, Context, DriverError, Event, EventFlags, EventPool, Graph, GraphError, GraphExec,
     GraphNodeType, InstantiateOptions, KernelArgs, LaunchConfig, OwnedPooledEvent, PoolCounters,
@@ -34,30 +34,6 @@ fn stream_and_kernels(context: &Arc<Context>) -> (Stream, TestKernels) {
     let stream = non_blocking(context);
     let kernels = warmed_kernels(context, &stream);
     (stream, kernels)
-}
-
-/// `n` bytes at `ptr`, after everything queued on `stream`.
-fn read_bytes(context: &Context, ptr: DevicePtr, n: usize, stream: &Stream) -> Vec<u8> {
-    stream.synchronize().unwrap();
-    let mut host = vec![0u8; n];
-    // SAFETY: callers pass device memory holding at least `n` bytes; `host` holds `n`.
-    unsafe { memory::copy_dtoh(context, host.as_mut_ptr(), ptr, n) }.unwrap();
-    host
-}
-
-/// `n` `u32`s at `ptr`, after everything queued on `stream`.
-fn read_u32(context: &Context, ptr: DevicePtr, n: usize, stream: &Stream) -> Vec<u32> {
-    read_bytes(context, ptr, n * 4, stream)
-        .chunks_exact(4)
-        .map(|word| u32::from_ne_bytes(word.try_into().unwrap()))
-        .collect()
-}
-
-fn assert_invalid<T: std::fmt::Debug>(result: Result<T, DriverError>, what: &str) {
-    match result {
-        Err(DriverError::InvalidArgument { .. }) => {}
-        other => panic!("{what}: expected InvalidArgument, got {other:?}"),
-    }
 }
 
 fn assert_update_rejected(result: Result<(), DriverError>, what: &str) {

@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use cuweave_driver::{Context, Stream, StreamFlags};
+use cuweave_driver::memory::{self, DevicePtr};
+use cuweave_driver::{Context, DriverError, Stream, StreamFlags};
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::launch_kernels::Pair;
 
@@ -32,4 +33,29 @@ pub fn echoed(a: u8, b: u16, c: u32, d: u64, e: f32, f: f64, g: Pair) -> [u64; 8
         g.first,
         u64::from(g.second.to_bits()),
     ]
+}
+
+/// `n` bytes at `ptr`, after everything queued on `stream`.
+pub fn read_bytes(context: &Context, ptr: DevicePtr, n: usize, stream: &Stream) -> Vec<u8> {
+    stream.synchronize().unwrap();
+    let mut host = vec![0u8; n];
+    // SAFETY: callers pass device memory holding at least `n` bytes; `host` holds `n`.
+    unsafe { memory::copy_dtoh(context, host.as_mut_ptr(), ptr, n) }.unwrap();
+    host
+}
+
+/// `n` `u32`s at `ptr`, after everything queued on `stream`.
+pub fn read_u32(context: &Context, ptr: DevicePtr, n: usize, stream: &Stream) -> Vec<u32> {
+    read_bytes(context, ptr, n * 4, stream)
+        .chunks_exact(4)
+        .map(|word| u32::from_ne_bytes(word.try_into().unwrap()))
+        .collect()
+}
+
+/// Asserts `result` is `DriverError::InvalidArgument`, naming `what` otherwise.
+pub fn assert_invalid<T: std::fmt::Debug>(result: Result<T, DriverError>, what: &str) {
+    match result {
+        Err(DriverError::InvalidArgument { .. }) => {}
+        other => panic!("{what}: expected InvalidArgument, got {other:?}"),
+    }
 }
