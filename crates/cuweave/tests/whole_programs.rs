@@ -211,8 +211,9 @@ fn coordinated_upload_compute_download_steps_stay_exact_retire_and_keep_memory_f
             live <= 9,
             "step {step}: {live} operations live; finished steps must retire"
         );
-        // Each pool stream keeps a marker event behind its latest operations (at most 256) until
-        // asked for its outstanding work, as a load-balanced pool asks: asked here, they go back.
+        // Each pool stream keeps marker events behind its latest operations (about 32 while the
+        // GPU keeps up, at most 256) until asked for its outstanding work, as a load-balanced
+        // pool asks: asked here, they go back.
         for stream in [&loader, &compute, &reader] {
             stream.outstanding_work().unwrap();
         }

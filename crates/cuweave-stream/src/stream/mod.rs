@@ -305,10 +305,16 @@ impl PriorityStream {
         self.timer.finish_not_capturing(span, &self.inner, ())?;
         let value = result?;
         self.metrics.count(kind, bytes);
+        // Finished markers are looked for only while no capture is active: a query now could
+        // break another thread's global capture.
+        let prune = (cuweave_driver::graph::active_captures() == 0).then_some(
+            |event: &cuweave_driver::OwnedPooledEvent| matches!(event.query(), Ok(true)),
+        );
         self.outstanding.submitted(
             1,
             || self.events.acquire_owned(false),
             |event| event.record(&self.inner),
+            prune,
         )?;
         Ok(value)
     }

@@ -13,6 +13,13 @@ use parking_lot::Mutex;
 /// work too, so a stream that is fed far ahead of the GPU costs bounded memory.
 pub(crate) const MAX_MARKERS: usize = 256;
 
+/// Markers kept before a submission looks for finished ones to drop (a binary search: markers
+/// finish in stream order), so a stream whose owner never asks for its outstanding work holds
+/// about this many events while the GPU keeps up, not [`MAX_MARKERS`]. A search that finds none
+/// finished doubles the mark (up to [`MAX_MARKERS`]) and skips as many submissions before the
+/// next, so a stream far ahead of the GPU does not search on every submission.
+pub(crate) const PRUNE_AT: usize = 32;
+
 /// Markers behind queued work, oldest first, each with the number of operations it covers.
 #[derive(Debug)]
 pub(crate) struct OutstandingWork<M> {
@@ -22,6 +29,10 @@ pub(crate) struct OutstandingWork<M> {
 #[derive(Debug)]
 struct Inner<M> {
     pending: VecDeque<(M, u64)>,
+    /// How many markers a submission lets wait before it looks for finished ones.
+    prune_at: usize,
+    /// Submissions left before the next look, after one that found nothing finished.
+    calm: usize,
 }
 
 impl<M> Default for OutstandingWork<M> {
@@ -29,22 +40,57 @@ impl<M> Default for OutstandingWork<M> {
         Self {
             inner: Mutex::new(Inner {
                 pending: VecDeque::new(),
+                prune_at: PRUNE_AT,
+                calm: 0,
             }),
+        }
+    }
+}
+
+impl<M> Inner<M> {
+    /// Drops the finished markers (a prefix: they finish in stream order), found by binary
+    /// search with `is_done` (a query that fails counts as not finished); moves the mark.
+    fn prune(&mut self, is_done: impl Fn(&M) -> bool) {
+        let (mut finished, mut unknown) = (0, self.pending.len());
+        while finished < unknown {
+            let mid = finished + (unknown - finished) / 2;
+            if is_done(&self.pending[mid].0) {
+                finished = mid + 1;
+            } else {
+                unknown = mid;
+            }
+        }
+        self.pending.drain(..finished);
+        if finished == 0 {
+            self.prune_at = (self.prune_at * 2).min(MAX_MARKERS);
+            self.calm = self.prune_at;
+        } else {
+            self.prune_at = PRUNE_AT.max(self.pending.len() * 2);
         }
     }
 }
 
 impl<M> OutstandingWork<M> {
     /// Notes `ops` operations just queued: records a marker from `make` behind them with
-    /// `record`. Past [`MAX_MARKERS`] the newest marker is re-recorded
-    /// instead (stream order makes it cover everything it covered before as well).
+    /// `record`. Past [`PRUNE_AT`] markers the finished ones are dropped first, found with
+    /// `is_done` (`None`: not now, e.g. while a capture forbids queries). Past [`MAX_MARKERS`]
+    /// the newest marker is re-recorded instead (stream order makes it cover everything it
+    /// covered before as well).
     pub(crate) fn submitted<E>(
         &self,
         ops: u64,
         make: impl FnOnce() -> Result<M, E>,
         record: impl Fn(&M) -> Result<(), E>,
+        is_done: Option<impl Fn(&M) -> bool>,
     ) -> Result<(), E> {
         let mut inner = self.inner.lock();
+        if inner.calm > 0 {
+            inner.calm -= 1;
+        } else if inner.pending.len() >= inner.prune_at
+            && let Some(is_done) = is_done
+        {
+            inner.prune(is_done);
+        }
         if inner.pending.len() >= MAX_MARKERS
             && let Some((marker, covered)) = inner.pending.back_mut()
         {
@@ -91,6 +137,74 @@ mod tests {
     #[derive(Debug, Default)]
     struct Marker(Cell<u64>);
 
+    /// No pruning at submission (as while a capture forbids queries).
+    const NEVER_ASKED: Option<fn(&Marker) -> bool> = None;
+
+    /// A stream whose owner never asks for its outstanding work, with the GPU keeping up to
+    /// within `lag` submissions: the markers held stay near `PRUNE_AT` (each search drops the
+    /// finished prefix, with a handful of queries), not `MAX_MARKERS`; the count of
+    /// outstanding operations stays exact; with the GPU stopped, the searches back off and
+    /// the bound still holds.
+    #[test]
+    fn finished_markers_are_dropped_at_submission_with_few_queries() {
+        let work = OutstandingWork::<Marker>::default();
+        let submitted = Cell::new(0u64);
+        let queries = Cell::new(0u64);
+        let lag = Cell::new(5u64);
+        let submit = || {
+            submitted.set(submitted.get() + 1);
+            let done_up_to = submitted.get().saturating_sub(lag.get());
+            work.submitted::<Infallible>(
+                1,
+                || Ok(Marker::default()),
+                |marker| {
+                    marker.0.set(submitted.get());
+                    Ok(())
+                },
+                Some(|marker: &Marker| {
+                    queries.set(queries.get() + 1);
+                    marker.0.get() <= done_up_to
+                }),
+            )
+            .unwrap();
+        };
+        for _ in 0..10_000 {
+            submit();
+            assert!(work.markers() <= PRUNE_AT + 1, "{}", work.markers());
+        }
+        assert!(
+            queries.get() < 10_000 / 4,
+            "{} queries for 10,000 submissions",
+            queries.get()
+        );
+        let done_up_to = submitted.get() - lag.get();
+        assert_eq!(
+            work.outstanding::<Infallible>(|marker| Ok(marker.0.get() <= done_up_to))
+                .unwrap(),
+            lag.get()
+        );
+        // The GPU stops: nothing finishes; the marks back off and the bound holds.
+        lag.set(u64::MAX);
+        queries.set(0);
+        for _ in 0..2_000 {
+            submit();
+            assert!(work.markers() <= MAX_MARKERS);
+        }
+        assert!(
+            queries.get() < 200,
+            "{} queries while stopped",
+            queries.get()
+        );
+        assert_eq!(
+            work.outstanding::<Infallible>(|_| Ok(false)).unwrap(),
+            lag_total(&work)
+        );
+    }
+
+    fn lag_total(work: &OutstandingWork<Marker>) -> u64 {
+        work.inner.lock().pending.iter().map(|(_, ops)| ops).sum()
+    }
+
     #[test]
     fn outstanding_counts_only_unfinished_work_and_drops_finished_markers() {
         let work = OutstandingWork::<Marker>::default();
@@ -108,6 +222,7 @@ mod tests {
                     marker.0.set(submitted.get());
                     Ok(())
                 },
+                NEVER_ASKED,
             )
             .unwrap();
         };
@@ -131,7 +246,7 @@ mod tests {
     fn markers_stay_bounded_by_rerecording_the_newest() {
         let work = OutstandingWork::<Marker>::default();
         for _ in 0..MAX_MARKERS + 10 {
-            work.submitted::<Infallible>(1, || Ok(Marker::default()), |_| Ok(()))
+            work.submitted::<Infallible>(1, || Ok(Marker::default()), |_| Ok(()), NEVER_ASKED)
                 .unwrap();
         }
         assert_eq!(work.markers(), MAX_MARKERS);
@@ -142,7 +257,12 @@ mod tests {
     #[test]
     fn a_failed_record_keeps_nothing_pending() {
         let work = OutstandingWork::<Marker>::default();
-        let result = work.submitted(1, || Ok(Marker::default()), |_| Err("record failed"));
+        let result = work.submitted(
+            1,
+            || Ok(Marker::default()),
+            |_| Err("record failed"),
+            NEVER_ASKED,
+        );
         assert_eq!(result, Err("record failed"));
         assert_eq!(work.outstanding::<Infallible>(|_| Ok(false)).unwrap(), 0);
     }
