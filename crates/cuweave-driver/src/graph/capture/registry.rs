@@ -74,9 +74,28 @@ pub(super) static CAPTURE_BEGIN: parking_lot::RwLock<()> = parking_lot::RwLock::
 ///
 /// Reentrant: `f` may call what takes it again (`Context::synchronize` inside
 /// [`WeakStream::with_no_capture_beginning`](crate::stream::WeakStream::with_no_capture_beginning)),
-/// without deadlocking behind a capture begin that waits.
+/// without deadlocking behind a capture begin that waits: a nested call on the thread that
+/// holds the lock takes nothing more. The outermost call takes the fair read lock, so a waiting
+/// capture begin goes ahead of new readers (a recursive read lock would let threads that
+/// synchronise in a loop starve it).
 pub(crate) fn while_no_capture_begins<R>(f: impl FnOnce() -> R) -> R {
-    let _no_begin = CAPTURE_BEGIN.read_recursive();
+    thread_local! {
+        static HELD: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+    /// Counts this thread's nesting for as long as it lives (unwinding included).
+    struct Depth;
+    impl Drop for Depth {
+        fn drop(&mut self) {
+            HELD.with(|held| held.set(held.get() - 1));
+        }
+    }
+    let outermost = HELD.with(|held| {
+        let depth = held.get();
+        held.set(depth + 1);
+        depth == 0
+    });
+    let _depth = Depth;
+    let _no_begin = outermost.then(|| CAPTURE_BEGIN.read());
     f()
 }
 
@@ -190,3 +209,40 @@ pub(super) fn this_thread_captures() -> bool {
 /// zero: the test harness runs them on parallel threads.
 #[cfg(test)]
 pub(crate) static CAPTURE_COUNT_TEST_LOCK: Mutex<()> = Mutex::new(());
+
+#[cfg(test)]
+mod no_begin_tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A nested hold on a thread that already holds the lock does not wait behind a capture
+    /// begin queued meanwhile (a plain nested read would deadlock: the fair lock makes new
+    /// readers wait for the queued writer, which waits for the outer read), and the begin gets
+    /// the lock once the outer hold ends.
+    #[test]
+    fn a_nested_hold_does_not_wait_behind_a_queued_begin() {
+        let held = AtomicBool::new(false);
+        let begun = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                while_no_capture_begins(|| {
+                    held.store(true, Ordering::Release);
+                    // Let the begin queue behind this hold.
+                    std::thread::sleep(Duration::from_millis(50));
+                    assert!(!begun.load(Ordering::Acquire));
+                    while_no_capture_begins(|| ());
+                });
+            });
+            scope.spawn(|| {
+                while !held.load(Ordering::Acquire) {
+                    std::thread::yield_now();
+                }
+                let _beginning = CAPTURE_BEGIN.write();
+                begun.store(true, Ordering::Release);
+            });
+        });
+        assert!(begun.load(Ordering::Acquire));
+    }
+}
