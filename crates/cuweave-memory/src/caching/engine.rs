@@ -172,7 +172,7 @@ impl<E> Engine<E> {
 }
 
 /// The cap a limiting adaptor reported in an out-of-memory error, if any.
-fn limit_of(error: &MemoryError) -> Option<usize> {
+pub(super) fn limit_of(error: &MemoryError) -> Option<usize> {
     match error {
         MemoryError::OutOfMemory { limit, .. } => *limit,
         _ => None,

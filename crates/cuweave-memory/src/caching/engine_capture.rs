@@ -14,9 +14,9 @@
 use cuweave_driver::graph::GraphError;
 
 use super::super::pool::{Grant, Segment};
-use super::super::size_class::{PoolKind, round_size, segment_size};
+use super::super::size_class::{PoolKind, round_size, segment_size, smallest_segment};
 use super::super::stream_uses::{Marker, StreamKey};
-use super::{Engine, Upstream};
+use super::{Engine, Upstream, limit_of};
 use crate::error::{MemoryError, Result};
 
 impl<E: Marker> Engine<E> {
@@ -72,7 +72,14 @@ impl<E: Marker> Engine<E> {
         match upstream.allocate_segment(segment) {
             Ok(ptr) => Ok(self.add_segment(stream, ptr, segment, rounded, bytes)),
             Err(error) if error.is_out_of_memory() => {
-                Err(self.out_of_memory(stream, rounded, None))
+                // No retry during a capture (it would wait and free), but a segment of the
+                // request's own size may fit where a shared one does not, as outside.
+                if let Some(smallest) = smallest_segment(rounded)
+                    && let Ok(ptr) = upstream.allocate_segment(smallest)
+                {
+                    return Ok(self.add_segment(stream, ptr, smallest, rounded, bytes));
+                }
+                Err(self.out_of_memory(stream, rounded, limit_of(&error)))
             }
             Err(error) => Err(error),
         }

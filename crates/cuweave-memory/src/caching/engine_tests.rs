@@ -765,3 +765,29 @@ fn out_of_memory_for_a_shared_segment_falls_back_to_the_requests_own_size() {
     assert_eq!(crate::caching::size_class::smallest_segment(10 * MIB), None);
     assert_eq!(crate::caching::size_class::smallest_segment(19 * MIB), None);
 }
+
+/// During a capture (no retry), a request past a budget is refused naming the budget, and a
+/// 1-10 MiB request takes a segment of its own size when a shared 20 MiB one does not fit.
+#[test]
+fn a_capture_miss_past_a_budget_names_it_and_falls_back_to_the_requests_own_size() {
+    let engine = Engine::<Flag>::default();
+    let upstream = FakeUpstream::with_cap(24 * MIB);
+    let first = engine
+        .allocate_quiet(key(1), 4 * MIB, &upstream, true, None)
+        .unwrap();
+    let second = engine
+        .allocate_quiet(key(2), 4 * MIB, &upstream, true, None)
+        .unwrap();
+    assert_eq!(
+        engine.stats().reserved_bytes.current,
+        LARGE_SEGMENT + 4 * MIB
+    );
+    match engine.allocate_quiet(key(3), 12 * MIB, &upstream, true, None) {
+        Err(MemoryError::OutOfMemory { limit, .. }) => assert_eq!(limit, Some(24 * MIB)),
+        other => panic!("past the budget: {other:?}"),
+    }
+    for grant in [first, second] {
+        engine.free(grant.stream, grant.id, grant.ptr).unwrap();
+    }
+    engine.check_invariants();
+}
