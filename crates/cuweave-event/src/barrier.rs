@@ -145,14 +145,16 @@ impl<S: AsStream> CrossStreamBarrier<S> {
             .iter()
             .map(|stream| (stream.as_stream(), &self.pool))
             .collect();
-        let info = queue_barrier(&pairs)?;
+        let queued = queue_barrier(&pairs);
         if self.streams.len() > 1 {
-            // Every stream waits (the hub for the others, the others for the hub).
+            // Every stream waits (the hub for the others, the others for the hub); noted after
+            // a failure part way too, since the waits queued before it still hold their
+            // streams (a note too many costs one stream query).
             for stream in &self.streams {
                 stream.note_queued_wait();
             }
         }
-        Ok(info)
+        Ok(queued?)
     }
 
     /// Blocks the host until the work queued so far on every stream has finished; returns how

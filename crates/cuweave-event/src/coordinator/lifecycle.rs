@@ -183,8 +183,14 @@ impl OperationCoordinator {
             waits
         };
         let queued = (|| -> Result<Option<cuweave_stream::SpanStart>> {
-            for event in &waits {
-                stream.wait_event(event)?;
+            for (queued, event) in waits.iter().enumerate() {
+                if let Err(error) = stream.wait_event(event) {
+                    if queued > 0 {
+                        // The waits queued before this one still hold the stream.
+                        handle.note_queued_wait();
+                    }
+                    return Err(error.into());
+                }
             }
             if !waits.is_empty() {
                 handle.note_queued_wait();
