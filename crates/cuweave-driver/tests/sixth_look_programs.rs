@@ -461,13 +461,13 @@ fn synchronize_inside_with_no_capture_beginning_neither_deadlocks_nor_breaks_a_w
         "synchronize with a global capture active: {after_begin:?}"
     );
     // SAFETY: `counter` holds one u32 and outlives every launch (synchronised below).
-    unsafe { kernels.increment_u32(&capturing, counter.ptr(), 3) }.unwrap();
+    unsafe { kernels.increment_u32(&capturing, counter.ptr(), 1) }.unwrap();
     let graph = capturing.end_capture().expect("the capture stayed valid");
     let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
     for _ in 0..7 {
         exec.launch(&capturing).unwrap();
     }
-    assert_eq!(read_u32(context, counter.ptr(), 1, &capturing), [21]);
+    assert_eq!(read_u32(context, counter.ptr(), 1, &capturing), [7]);
     drop(stream);
 }
 
@@ -498,11 +498,18 @@ fn dropped_written_words_retire_after_global_captures_on_another_thread_without_
             let mut value = 0u64;
             while !stop.load(Ordering::Acquire) && written < 400 {
                 value += 1;
+                // The write is waited for by polling the mapped word, not by synchronising the
+                // stream: under another thread's global-mode capture CUDA forbids this thread's
+                // synchronisations, and a check made just before one cannot stop a capture
+                // beginning in between (the documented rule: capture in thread-local mode when
+                // other threads synchronise).
                 let outcome = MappedWords::new(context, 4).and_then(|words| {
                     words.enqueue_write(&writer, 1, value)?;
-                    writer.synchronize()?;
                     Ok(words)
                 });
+                if let Ok(words) = &outcome {
+                    poll_until(Duration::from_secs(5), || words.load(1) == Some(value));
+                }
                 match outcome {
                     Ok(words) => {
                         written += 1;
