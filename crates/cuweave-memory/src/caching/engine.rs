@@ -276,19 +276,8 @@ impl<E: Marker> Engine<E> {
                         // Threads off this path took the room: give back what they cached since.
                         continue;
                     }
-                    // A 1-10 MiB request asks for a shared 20 MiB segment; under a budget the
-                    // room for the request itself may be there (two 4 MiB buffers on two
-                    // streams under 24 MiB). PyTorch fails here; RMM's pools would not.
-                    if let Some(smallest) = smallest_segment(rounded)
-                        && let Ok(ptr) = upstream.allocate_segment(smallest)
-                    {
-                        tracing::info!(
-                            requested = rounded,
-                            segment = smallest,
-                            "caching allocator: out of memory for a shared segment; a segment \
-                             of the request's own size fitted"
-                        );
-                        return Ok(self.add_segment(stream, ptr, smallest, rounded, bytes));
+                    if let Some(grant) = self.own_size_segment(stream, rounded, bytes, upstream) {
+                        return Ok(grant);
                     }
                     let limit = limit_of(&error).or(limit_of(&first));
                     let error = self.out_of_memory(stream, rounded, limit);
@@ -298,6 +287,28 @@ impl<E: Marker> Engine<E> {
                 done => return done,
             }
         }
+    }
+
+    /// The last try after out-of-memory, with or without a retry before it: a 1-10 MiB request
+    /// asks for a shared 20 MiB segment, and under a budget the room for the request itself may
+    /// be there (two 4 MiB buffers on two streams under 24 MiB). PyTorch fails here; RMM's
+    /// pools would not. `None` when the request has no smaller segment or it does not fit.
+    pub(super) fn own_size_segment(
+        &self,
+        stream: StreamKey,
+        rounded: usize,
+        bytes: usize,
+        upstream: &impl Upstream,
+    ) -> Option<Grant> {
+        let smallest = smallest_segment(rounded)?;
+        let ptr = upstream.allocate_segment(smallest).ok()?;
+        tracing::info!(
+            requested = rounded,
+            segment = smallest,
+            "caching allocator: out of memory for a shared segment; a segment of the request's \
+             own size fitted"
+        );
+        Some(self.add_segment(stream, ptr, smallest, rounded, bytes))
     }
 
     fn add_segment(

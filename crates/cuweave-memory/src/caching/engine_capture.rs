@@ -14,7 +14,7 @@
 use cuweave_driver::graph::GraphError;
 
 use super::super::pool::{Grant, Segment};
-use super::super::size_class::{PoolKind, round_size, segment_size, smallest_segment};
+use super::super::size_class::{PoolKind, round_size, segment_size};
 use super::super::stream_uses::{Marker, StreamKey};
 use super::{Engine, Upstream, limit_of};
 use crate::error::{MemoryError, Result};
@@ -74,10 +74,8 @@ impl<E: Marker> Engine<E> {
             Err(error) if error.is_out_of_memory() => {
                 // No retry during a capture (it would wait and free), but a segment of the
                 // request's own size may fit where a shared one does not, as outside.
-                if let Some(smallest) = smallest_segment(rounded)
-                    && let Ok(ptr) = upstream.allocate_segment(smallest)
-                {
-                    return Ok(self.add_segment(stream, ptr, smallest, rounded, bytes));
+                if let Some(grant) = self.own_size_segment(stream, rounded, bytes, upstream) {
+                    return Ok(grant);
                 }
                 Err(self.out_of_memory(stream, rounded, limit_of(&error)))
             }
