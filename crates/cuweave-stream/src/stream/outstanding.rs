@@ -51,15 +51,7 @@ impl<M> Inner<M> {
     /// Drops the finished markers (a prefix: they finish in stream order), found by binary
     /// search with `is_done` (a query that fails counts as not finished); moves the mark.
     fn prune(&mut self, is_done: impl Fn(&M) -> bool) {
-        let (mut finished, mut unknown) = (0, self.pending.len());
-        while finished < unknown {
-            let mid = finished + (unknown - finished) / 2;
-            if is_done(&self.pending[mid].0) {
-                finished = mid + 1;
-            } else {
-                unknown = mid;
-            }
-        }
+        let finished = self.pending.partition_point(|(marker, _)| is_done(marker));
         self.pending.drain(..finished);
         if finished == 0 {
             self.prune_at = (self.prune_at * 2).min(MAX_MARKERS);
