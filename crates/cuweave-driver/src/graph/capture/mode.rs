@@ -54,7 +54,7 @@ pub fn relaxed_during_captures() -> Result<Option<CaptureModeGuard>> {
 
 /// Puts this thread in relaxed capture mode for one call that no capture records (allocating,
 /// freeing or pinning memory, making or destroying a pool, loading or unloading a module),
-/// whether or not a capture is active: always `Some`.
+/// whether or not a capture is active.
 ///
 /// [`relaxed_during_captures`] skips the switch while cuweave counts no capture, which leaves
 /// a gap: another thread may begin a global capture between that check and the call, and the
@@ -64,8 +64,8 @@ pub fn relaxed_during_captures() -> Result<Option<CaptureModeGuard>> {
 ///
 /// # Errors
 /// The driver's error from `cuThreadExchangeStreamCaptureMode`.
-pub(crate) fn relaxed_for_unrecorded_call() -> Result<Option<CaptureModeGuard>> {
-    CaptureModeGuard::enter(CaptureMode::Relaxed).map(Some)
+pub(crate) fn relaxed_for_unrecorded_call() -> Result<CaptureModeGuard> {
+    CaptureModeGuard::enter(CaptureMode::Relaxed)
 }
 
 /// This thread's capture mode, read by exchanging it with itself.
