@@ -450,7 +450,8 @@ fn dropping_the_waiter_with_thousands_pending_runs_no_callback_and_frees_everyth
     });
     flags.write(0, 1);
     stream.synchronize().unwrap();
-    std::thread::sleep(Duration::from_millis(20));
+    // The waiter's drop joined its reactor thread, where callbacks run: none can run from now
+    // on, so what `ran` reads is final.
 
     assert_eq!(
         ran.load(Ordering::SeqCst),
@@ -657,19 +658,20 @@ fn smol_awaits_completions_while_half_are_dropped_and_callbacks_see_the_gated_st
         values.iter().all(|&v| v == 4242),
         "callbacks saw {values:?}"
     );
-    std::thread::sleep(Duration::from_millis(20));
-    assert_eq!(
-        calls.load(Ordering::SeqCst),
-        CONSUMERS,
-        "a callback ran twice"
-    );
     for stream in &streams {
         stream.synchronize().unwrap();
     }
     assert!(poll_until(Duration::from_secs(2), || coordinator
         .live_operations()
         == 0));
+    // The reactor counts a wait off only after its callback has returned: with none pending,
+    // every callback that will ever run has run.
     settle(&waiter, "at the end");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        CONSUMERS,
+        "a callback ran twice"
+    );
 }
 
 /// A cancellation storm: 2000 callback waits with timeouts on a gated stream (even ones 0-19
@@ -746,8 +748,9 @@ fn a_cancellation_storm_from_four_threads_racing_timeouts_runs_each_callback_at_
     let before_open: Vec<u32> = slots.iter().map(|s| s.load(Ordering::SeqCst)).collect();
     flags.write(0, 1);
     stream.synchronize().unwrap();
+    // The reactor counts a wait off only after its callback has returned: with none pending,
+    // every callback that will ever run has run.
     settle(&waiter, "after the storm");
-    std::thread::sleep(Duration::from_millis(20));
     for &(i, ok) in &cancelled {
         let slot = slots[i].load(Ordering::SeqCst);
         if ok {

@@ -213,7 +213,6 @@ pub(crate) static CAPTURE_COUNT_TEST_LOCK: Mutex<()> = Mutex::new(());
 #[cfg(test)]
 mod no_begin_tests {
     use std::sync::atomic::{AtomicBool, Ordering};
-    use std::time::Duration;
 
     use super::*;
 
@@ -229,8 +228,11 @@ mod no_begin_tests {
             scope.spawn(|| {
                 while_no_capture_begins(|| {
                     held.store(true, Ordering::Release);
-                    // Let the begin queue behind this hold.
-                    std::thread::sleep(Duration::from_millis(50));
+                    // Until the begin has queued behind this hold: the fair lock then refuses
+                    // new readers, which is what a plain nested read would have waited on.
+                    while CAPTURE_BEGIN.try_read().is_some() {
+                        std::thread::yield_now();
+                    }
                     assert!(!begun.load(Ordering::Acquire));
                     while_no_capture_begins(|| ());
                 });
