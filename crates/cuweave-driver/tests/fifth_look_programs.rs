@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::{assert_invalid, non_blocking, read_bytes, read_u32, warmed_kernels};
+use common::{CaptureRounds, assert_invalid, non_blocking, read_bytes, read_u32, warmed_kernels};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -59,8 +59,7 @@ fn race_global_captures(
     let counter = DeviceAllocation::zeroed(context, 4).unwrap();
     let stop = AtomicBool::new(false);
     let started = Barrier::new(2);
-    let mut broken = Vec::new();
-    let mut replayed = 0u32;
+    let mut capture = CaptureRounds::default();
     let beside = std::thread::scope(|scope| {
         let other = scope.spawn(|| {
             let mut seen = Beside::default();
@@ -83,26 +82,7 @@ fn race_global_captures(
         let mut round = 0;
         while round < rounds && Instant::now() < deadline {
             round += 1;
-            if let Err(error) = stream.begin_capture(CaptureMode::Global) {
-                broken.push(format!("round {round}: begin: {error}"));
-                continue;
-            }
-            // SAFETY: `counter` holds one u32 and outlives every launch of the graph (replays
-            // are synchronised below, before it drops).
-            let launched = unsafe { kernels.increment_u32(&stream, counter.ptr(), 1) };
-            let ended = stream.end_capture();
-            if let Err(error) = launched {
-                broken.push(format!("round {round}: captured launch: {error}"));
-            }
-            match ended {
-                Ok(graph) if round % 256 == 0 => {
-                    let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
-                    exec.launch(&stream).unwrap();
-                    replayed += 1;
-                }
-                Ok(_) => {}
-                Err(error) => broken.push(format!("round {round}: end: {error}")),
-            }
+            capture.capture_increment(&stream, &kernels, counter.ptr(), round, 256);
         }
         stop.store(true, Ordering::Release);
         other.join().unwrap()
@@ -110,10 +90,10 @@ fn race_global_captures(
     stream.synchronize().unwrap();
     assert_eq!(
         read_u32(context, counter.ptr(), 1, &stream),
-        [replayed],
+        [capture.replayed],
         "each replayed graph incremented once, and nothing captured ran eagerly"
     );
-    (broken, beside)
+    (capture.broken, beside)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{non_blocking, read_u32, warmed_kernels};
+use common::{CaptureRounds, non_blocking, read_u32, warmed_kernels};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -240,8 +240,7 @@ fn unrecorded_calls_on_a_global_mode_thread_never_break_global_captures_begun_be
     let counter = DeviceAllocation::zeroed(context, 4).unwrap();
     let stop = AtomicBool::new(false);
     let started = Barrier::new(2);
-    let mut broken = Vec::new();
-    let mut replayed = 0u32;
+    let mut capture = CaptureRounds::default();
     let (ok, refused, other, mode_after) = std::thread::scope(|scope| {
         let loader = scope.spawn(|| {
             let _global = CaptureModeGuard::enter(CaptureMode::Global).unwrap();
@@ -266,39 +265,24 @@ fn unrecorded_calls_on_a_global_mode_thread_never_break_global_captures_begun_be
         // At least a few loader rounds overlap the captures, however the threads are scheduled.
         while round < 3000 && Instant::now() < deadline {
             round += 1;
-            if let Err(error) = stream.begin_capture(CaptureMode::Global) {
-                broken.push(format!("round {round}: begin: {error}"));
-                continue;
-            }
-            // SAFETY: `counter` holds one u32 and outlives every launch (synchronised below).
-            let launched = unsafe { kernels.increment_u32(&stream, counter.ptr(), 1) };
-            let ended = stream.end_capture();
-            if let Err(error) = launched {
-                broken.push(format!("round {round}: captured launch: {error}"));
-            }
-            match ended {
-                Ok(graph) if round % 128 == 0 => {
-                    let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
-                    exec.launch(&stream).unwrap();
-                    replayed += 1;
-                }
-                Ok(_) => {}
-                Err(error) => broken.push(format!("round {round}: end: {error}")),
-            }
+            capture.capture_increment(&stream, &kernels, counter.ptr(), round, 128);
         }
         stop.store(true, Ordering::Release);
         loader.join().unwrap()
     });
     assert!(
-        broken.is_empty() && other.is_empty(),
+        capture.broken.is_empty() && other.is_empty(),
         "{} captures broke (first: {:?}); the loader's driver errors: {other:?} ({ok} rounds \
          made, {refused} refused)",
-        broken.len(),
-        broken.first()
+        capture.broken.len(),
+        capture.broken.first()
     );
     assert!(ok > 0, "the loader's calls succeed beside global captures");
     assert_eq!(mode_after, CaptureMode::Global, "the loader's own mode");
-    assert_eq!(read_u32(context, counter.ptr(), 1, &stream), [replayed]);
+    assert_eq!(
+        read_u32(context, counter.ptr(), 1, &stream),
+        [capture.replayed]
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -326,9 +310,8 @@ fn capture_begins_are_not_starved_by_eight_threads_synchronising_the_context() {
     let started = Barrier::new(9);
     const ROUNDS: usize = 200;
     let limit = Duration::from_secs(8);
-    let mut broken = Vec::new();
     let mut done_rounds = 0usize;
-    let mut replayed = 0u32;
+    let mut capture = CaptureRounds::default();
     let (others, refused, finished_while_running) = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..8)
             .map(|_| {
@@ -361,25 +344,7 @@ fn capture_begins_are_not_starved_by_eight_threads_synchronising_the_context() {
         let began = Instant::now();
         while done_rounds < ROUNDS {
             done_rounds += 1;
-            if let Err(error) = stream.begin_capture(CaptureMode::Global) {
-                broken.push(format!("round {done_rounds}: begin: {error}"));
-                continue;
-            }
-            // SAFETY: `counter` holds one u32 and outlives every launch (synchronised below).
-            let launched = unsafe { kernels.increment_u32(&stream, counter.ptr(), 1) };
-            let ended = stream.end_capture();
-            if let Err(error) = launched {
-                broken.push(format!("round {done_rounds}: launch: {error}"));
-            }
-            match ended {
-                Ok(graph) if done_rounds.is_multiple_of(20) => {
-                    let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
-                    exec.launch(&stream).unwrap();
-                    replayed += 1;
-                }
-                Ok(_) => {}
-                Err(error) => broken.push(format!("round {done_rounds}: end: {error}")),
-            }
+            capture.capture_increment(&stream, &kernels, counter.ptr(), done_rounds, 20);
         }
         let finished_while_running = began.elapsed() < limit;
         stop.store(true, Ordering::Release);
@@ -398,12 +363,15 @@ fn capture_begins_are_not_starved_by_eight_threads_synchronising_the_context() {
          (writer starvation of the begin lock: `while_no_capture_begins` uses read_recursive)"
     );
     assert!(
-        broken.is_empty() && others.is_empty(),
+        capture.broken.is_empty() && others.is_empty(),
         "{} captures broke (first: {:?}); workers' driver errors: {others:?} ({refused} refused)",
-        broken.len(),
-        broken.first()
+        capture.broken.len(),
+        capture.broken.first()
     );
-    assert_eq!(read_u32(context, counter.ptr(), 1, &stream), [replayed]);
+    assert_eq!(
+        read_u32(context, counter.ptr(), 1, &stream),
+        [capture.replayed]
+    );
     context.synchronize().unwrap();
 }
 
@@ -489,8 +457,7 @@ fn dropped_written_words_retire_after_global_captures_on_another_thread_without_
     let counter = DeviceAllocation::zeroed(context, 4).unwrap();
     let stop = AtomicBool::new(false);
     let started = Barrier::new(2);
-    let mut broken = Vec::new();
-    let mut replayed = 0u32;
+    let mut capture = CaptureRounds::default();
     let (written, wrong, errors) = std::thread::scope(|scope| {
         let dropper = scope.spawn(|| {
             let (mut written, mut wrong, mut errors) = (0usize, 0usize, Vec::new());
@@ -543,40 +510,25 @@ fn dropped_written_words_retire_after_global_captures_on_another_thread_without_
         let mut round = 0;
         while round < 2000 && Instant::now() < deadline {
             round += 1;
-            if let Err(error) = capturing.begin_capture(CaptureMode::Global) {
-                broken.push(format!("round {round}: begin: {error}"));
-                continue;
-            }
-            // SAFETY: `counter` holds one u32 and outlives every launch (synchronised below).
-            let launched = unsafe { kernels.increment_u32(&capturing, counter.ptr(), 1) };
-            let ended = capturing.end_capture();
-            if let Err(error) = launched {
-                broken.push(format!("round {round}: launch: {error}"));
-            }
-            match ended {
-                Ok(graph) if round % 100 == 0 => {
-                    let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
-                    exec.launch(&capturing).unwrap();
-                    replayed += 1;
-                }
-                Ok(_) => {}
-                Err(error) => broken.push(format!("round {round}: end: {error}")),
-            }
+            capture.capture_increment(&capturing, &kernels, counter.ptr(), round, 100);
         }
         stop.store(true, Ordering::Release);
         dropper.join().unwrap()
     });
     assert!(
-        broken.is_empty() && errors.is_empty(),
+        capture.broken.is_empty() && errors.is_empty(),
         "{} captures broke (first: {:?}); the word thread's driver errors: {errors:?}",
-        broken.len(),
-        broken.first()
+        capture.broken.len(),
+        capture.broken.first()
     );
     assert_eq!(
         wrong, 0,
         "words read back the value written ({written} rounds)"
     );
-    assert_eq!(read_u32(context, counter.ptr(), 1, &capturing), [replayed]);
+    assert_eq!(
+        read_u32(context, counter.ptr(), 1, &capturing),
+        [capture.replayed]
+    );
     writer.synchronize().unwrap();
     assert!(
         poll_until(Duration::from_secs(10), || {

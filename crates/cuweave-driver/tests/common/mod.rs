@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use cuweave_driver::graph::{CaptureMode, InstantiateOptions};
 use cuweave_driver::memory::{self, DevicePtr};
 use cuweave_driver::{Context, DriverError, Stream, StreamFlags};
 use cuweave_test_support::kernels::TestKernels;
@@ -57,5 +58,50 @@ pub fn assert_invalid<T: std::fmt::Debug>(result: Result<T, DriverError>, what: 
     match result {
         Err(DriverError::InvalidArgument { .. }) => {}
         other => panic!("{what}: expected InvalidArgument, got {other:?}"),
+    }
+}
+
+/// What a run of global-mode capture rounds saw: the rounds that broke, and the graphs replayed.
+#[derive(Debug, Default)]
+pub struct CaptureRounds {
+    /// One line per round whose begin, captured launch or end failed.
+    pub broken: Vec<String>,
+    /// Graphs instantiated and launched once each (one increment of the counter each).
+    pub replayed: u32,
+}
+
+impl CaptureRounds {
+    /// Round `round` of the capture-race probes: a global-mode capture on `stream` of one
+    /// increment of the `u32` at `counter`; every `replay_every`th graph is replayed once.
+    /// A failure is written down, not raised, so the other thread's work goes on.
+    pub fn capture_increment(
+        &mut self,
+        stream: &Stream,
+        kernels: &TestKernels,
+        counter: DevicePtr,
+        round: usize,
+        replay_every: usize,
+    ) {
+        if let Err(error) = stream.begin_capture(CaptureMode::Global) {
+            self.broken.push(format!("round {round}: begin: {error}"));
+            return;
+        }
+        // SAFETY: callers pass a `counter` holding one u32 that outlives every launch of the
+        // graph (they synchronise before it drops).
+        let launched = unsafe { kernels.increment_u32(stream, counter, 1) };
+        let ended = stream.end_capture();
+        if let Err(error) = launched {
+            self.broken
+                .push(format!("round {round}: captured launch: {error}"));
+        }
+        match ended {
+            Ok(graph) if round.is_multiple_of(replay_every) => {
+                let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
+                exec.launch(stream).unwrap();
+                self.replayed += 1;
+            }
+            Ok(_) => {}
+            Err(error) => self.broken.push(format!("round {round}: end: {error}")),
+        }
     }
 }
