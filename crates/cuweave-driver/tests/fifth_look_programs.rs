@@ -11,7 +11,10 @@
 
 mod common;
 
-use common::{CaptureRounds, assert_invalid, non_blocking, read_bytes, read_u32, warmed_kernels};
+use common::{
+    CaptureRounds, assert_invalid, non_blocking, pools_supported, read_bytes, read_u32,
+    warmed_kernels,
+};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -26,10 +29,6 @@ use cuweave_driver::{
 };
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{require_gpu, serial};
-
-fn pools_supported(context: &Arc<Context>) -> bool {
-    context.device().supports_memory_pools().unwrap()
-}
 
 /// What a thread making calls beside a capturing thread saw.
 #[derive(Debug, Default)]

@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::{CaptureRounds, non_blocking, read_u32, warmed_kernels};
+use common::{CaptureRounds, non_blocking, pools_supported, read_u32, warmed_kernels};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -44,10 +44,6 @@ fn thread_mode() -> CaptureMode {
     CaptureModeGuard::enter(CaptureMode::Relaxed)
         .expect("cuThreadExchangeStreamCaptureMode")
         .previous()
-}
-
-fn pools_supported(context: &Arc<Context>) -> bool {
-    context.device().supports_memory_pools().unwrap()
 }
 
 fn managed_supported(context: &Arc<Context>) -> bool {

@@ -9,6 +9,11 @@ use cuweave_driver::{Context, DriverError, Stream, StreamFlags};
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::launch_kernels::Pair;
 
+/// Whether the context's device supports stream-ordered memory pools.
+pub fn pools_supported(context: &Arc<Context>) -> bool {
+    context.device().supports_memory_pools().unwrap()
+}
+
 pub fn non_blocking(context: &Arc<Context>) -> Stream {
     Stream::new(context, StreamFlags::NON_BLOCKING).unwrap()
 }
