@@ -32,11 +32,13 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{Flags, MS, copy_flag, filled, gate, read_u32s, settle, store_after, within};
-use cuweave_driver::Context;
+use common::{
+    Flags, MS, coordinator, copy_flag, filled, gate, hold, read_u32s, register, settle,
+    store_after, unknown, within,
+};
 use cuweave_event::{
-    AsyncEventWaiter, CrossStreamBarrier, EventError, EventPool, EventPriority,
-    OperationCoordinator, OperationId, OperationState, OperationType, WaitFuture,
+    AsyncEventWaiter, CrossStreamBarrier, EventError, EventPool, EventPriority, OperationId,
+    OperationState, OperationType, WaitFuture,
 };
 use cuweave_stream::{
     AllocationStrategy, PriorityStream, StreamPool, StreamPoolConfig, StreamPriority,
@@ -45,46 +47,10 @@ use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::stream_kernels::StreamKernels;
 use cuweave_test_support::{poll_until, require_gpu, serial};
 
-/// A coordinator with its own waiter and event pool (so its counters are this test's alone).
-fn coordinator(context: &Arc<Context>) -> (OperationCoordinator, Arc<AsyncEventWaiter>, EventPool) {
-    let pool = EventPool::new(context, 0, 0).unwrap();
-    let waiter = Arc::new(AsyncEventWaiter::new().unwrap());
-    let coordinator = OperationCoordinator::with_waiter(pool.clone(), Arc::clone(&waiter));
-    (coordinator, waiter, pool)
-}
-
-/// Registers a kernel operation of `priority` after `dependencies`.
-fn register(
-    coordinator: &OperationCoordinator,
-    priority: EventPriority,
-    dependencies: &[OperationId],
-    what: &str,
-) -> OperationId {
-    coordinator
-        .register_operation(OperationType::Kernel, priority, None, dependencies, what)
-        .unwrap()
-}
-
 /// How many events `pool` has made, of every kind.
 fn events_created(pool: &EventPool) -> u64 {
     let counters = pool.counters();
     counters.created_regular + counters.created_timing + counters.created_blocking
-}
-
-/// Queues on the pool stream `stream` (counted as a launch) a gate on the mapped word `flag`.
-fn hold(kernels: &TestKernels, stream: &PriorityStream, flag: u64) {
-    stream
-        .launch(|s| {
-            // SAFETY: `flag` is a word of `Flags` that outlives the kernel (the flags open every
-            // gate when dropped, and each test synchronises its streams before that).
-            unsafe { kernels.wait_u32(s, flag, 1, common::GATE_TIMEOUT_NS) }
-        })
-        .unwrap();
-}
-
-/// Whether `result` is `Err(UnknownOperation)` for `id`.
-fn unknown<T: std::fmt::Debug>(result: &cuweave_event::Result<T>, id: OperationId) -> bool {
-    matches!(result, Err(EventError::UnknownOperation { id: got, .. }) if *got == id)
 }
 
 /// An inference server registers a long request first, then serves thousands of short ones:

@@ -23,11 +23,11 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Flags, copy_flag, gate, store_after};
-use cuweave_driver::{CaptureMode, Context, DriverError, Stream};
+use common::{Flags, coordinator, copy_flag, gate, hold, register, store_after, unknown};
+use cuweave_driver::{CaptureMode, DriverError, Stream};
 use cuweave_event::{
-    AsStream, AsyncEventWaiter, CrossStreamBarrier, EventError, EventPool, EventPriority,
-    OperationCoordinator, OperationId, OperationState, OperationType,
+    AsStream, CrossStreamBarrier, EventPool, EventPriority, OperationId, OperationState,
+    OperationType,
 };
 use cuweave_stream::{
     AllocationStrategy, OperationKind, PriorityStream, StreamPool, StreamPoolConfig, StreamPriority,
@@ -35,36 +35,6 @@ use cuweave_stream::{
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::stream_kernels::StreamKernels;
 use cuweave_test_support::{poll_until, require_gpu, serial};
-
-/// A coordinator with its own waiter and event pool (so its counters are this test's alone).
-fn coordinator(context: &Arc<Context>) -> (OperationCoordinator, Arc<AsyncEventWaiter>, EventPool) {
-    let pool = EventPool::new(context, 0, 0).unwrap();
-    let waiter = Arc::new(AsyncEventWaiter::new().unwrap());
-    let coordinator = OperationCoordinator::with_waiter(pool.clone(), Arc::clone(&waiter));
-    (coordinator, waiter, pool)
-}
-
-/// Registers a kernel operation of `priority` after `dependencies`.
-fn register(
-    coordinator: &OperationCoordinator,
-    priority: EventPriority,
-    dependencies: &[OperationId],
-) -> OperationId {
-    coordinator
-        .register_operation(OperationType::Kernel, priority, None, dependencies, "probe")
-        .unwrap()
-}
-
-/// Queues on the pool stream `stream` (counted as one launch) a gate on the mapped word `flag`.
-fn hold(kernels: &TestKernels, stream: &PriorityStream, flag: u64) {
-    stream
-        .launch(|s| {
-            // SAFETY: `flag` is a word of `Flags` that outlives the kernel (the flags open every
-            // gate when dropped, and each test synchronises its streams before that).
-            unsafe { kernels.wait_u32(s, flag, 1, common::GATE_TIMEOUT_NS) }
-        })
-        .unwrap();
-}
 
 /// One counted operation that queues nothing but its marker.
 fn submit(stream: &PriorityStream) {
@@ -84,11 +54,6 @@ fn submit_from_threads(stream: &Arc<PriorityStream>, threads: usize, each: usize
             });
         }
     });
-}
-
-/// Whether `result` is `Err(UnknownOperation)` for `id`.
-fn unknown<T: std::fmt::Debug>(result: &cuweave_event::Result<T>, id: OperationId) -> bool {
-    matches!(result, Err(EventError::UnknownOperation { id: got, .. }) if *got == id)
 }
 
 /// A stream of a user's program that is either a plain driver stream (a library's own stream
@@ -320,14 +285,14 @@ fn a_pool_stream_held_by_two_dependencies_is_pending_until_both_pass_then_handed
     let producers = common::streams(context, 2);
     let mut produced = Vec::new();
     for (i, producer) in producers.iter().enumerate() {
-        let id = register(&coordinator, EventPriority::Low, &[]);
+        let id = register(&coordinator, EventPriority::Low, &[], "probe");
         coordinator.begin_operation(id, producer).unwrap();
         gate(&kernels, producer, flags.device(i));
         store_after(&kernels, producer, 0, flags.device(2 + i), 40 + i as u32);
         coordinator.complete_operation(id).unwrap();
         produced.push(id);
     }
-    let consume = register(&coordinator, EventPriority::Critical, &produced);
+    let consume = register(&coordinator, EventPriority::Critical, &produced, "probe");
     let high = coordinator.begin_on_pool(consume, &pool).unwrap();
     assert_eq!(high.priority(), StreamPriority::High);
     high.launch(|s| {
@@ -460,7 +425,7 @@ fn withdrawals_interleaved_with_completions_forget_only_the_least_recently_cance
     let mut groups: Vec<[OperationId; 4]> = Vec::with_capacity(3000);
     let mut late_first: Option<OperationId> = None;
     for _ in 0..3000 {
-        let ids = [(); 4].map(|()| register(&coordinator, EventPriority::Normal, &[]));
+        let ids = [(); 4].map(|()| register(&coordinator, EventPriority::Normal, &[], "probe"));
         coordinator.cancel_operation(ids[1]).unwrap();
         if let Some(first) = late_first.take() {
             coordinator.cancel_operation(first).unwrap();
@@ -507,9 +472,9 @@ fn withdrawals_interleaved_with_completions_forget_only_the_least_recently_cance
 
     let mut isolated = Vec::with_capacity(2000);
     for _ in 0..2000 {
-        let id = register(&coordinator, EventPriority::Normal, &[]);
+        let id = register(&coordinator, EventPriority::Normal, &[], "probe");
         coordinator.cancel_operation(id).unwrap();
-        complete(register(&coordinator, EventPriority::Normal, &[]));
+        complete(register(&coordinator, EventPriority::Normal, &[], "probe"));
         isolated.push(id);
     }
     stream.synchronize().unwrap();
@@ -611,16 +576,16 @@ fn a_run_joined_by_a_late_withdrawal_counts_as_recently_cancelled() {
         coordinator.begin_operation(id, &stream).unwrap();
         coordinator.complete_operation(id).unwrap();
     };
-    let early = register(&coordinator, EventPriority::Normal, &[]);
-    let neighbour = register(&coordinator, EventPriority::Normal, &[]);
+    let early = register(&coordinator, EventPriority::Normal, &[], "probe");
+    let neighbour = register(&coordinator, EventPriority::Normal, &[], "probe");
     coordinator.cancel_operation(early).unwrap();
     let mut completed = Vec::new();
     let mut storm = Vec::new();
     for _ in 0..4000 {
-        let done = register(&coordinator, EventPriority::Normal, &[]);
+        let done = register(&coordinator, EventPriority::Normal, &[], "probe");
         complete(done);
         completed.push(done);
-        let gone = register(&coordinator, EventPriority::Normal, &[]);
+        let gone = register(&coordinator, EventPriority::Normal, &[], "probe");
         coordinator.cancel_operation(gone).unwrap();
         storm.push(gone);
     }
@@ -628,10 +593,10 @@ fn a_run_joined_by_a_late_withdrawal_counts_as_recently_cancelled() {
     assert!(unknown(&coordinator.state(early), early));
     coordinator.cancel_operation(neighbour).unwrap();
     for _ in 0..1000 {
-        let done = register(&coordinator, EventPriority::Normal, &[]);
+        let done = register(&coordinator, EventPriority::Normal, &[], "probe");
         complete(done);
         completed.push(done);
-        let gone = register(&coordinator, EventPriority::Normal, &[]);
+        let gone = register(&coordinator, EventPriority::Normal, &[], "probe");
         coordinator.cancel_operation(gone).unwrap();
         storm.push(gone);
     }

@@ -7,7 +7,11 @@ use std::time::Duration;
 
 use cuweave_driver::memory::DeviceAllocation;
 use cuweave_driver::{Context, Stream, StreamFlags};
-use cuweave_event::AsyncEventWaiter;
+use cuweave_event::{
+    AsyncEventWaiter, EventError, EventPool, EventPriority, OperationCoordinator, OperationId,
+    OperationType,
+};
+use cuweave_stream::PriorityStream;
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::poll_until;
 use cuweave_test_support::stream_kernels::StreamKernels;
@@ -83,19 +87,11 @@ pub fn settle(waiter: &AsyncEventWaiter, what: &str) {
 
 /// Registers a normal-priority kernel operation described as `what`, after `dependencies`.
 pub fn register_kernel(
-    coordinator: &cuweave_event::OperationCoordinator,
-    dependencies: &[cuweave_event::OperationId],
+    coordinator: &OperationCoordinator,
+    dependencies: &[OperationId],
     what: &str,
-) -> cuweave_event::OperationId {
-    coordinator
-        .register_operation(
-            cuweave_event::OperationType::Kernel,
-            cuweave_event::EventPriority::Normal,
-            None,
-            dependencies,
-            what,
-        )
-        .unwrap()
+) -> OperationId {
+    register(coordinator, EventPriority::Normal, dependencies, what)
 }
 
 /// Reads `count` `u32`s of device memory (the streams writing it are idle).
@@ -109,4 +105,42 @@ pub fn read_u32s(context: &Arc<Context>, ptr: u64, count: usize) -> Vec<u32> {
         .chunks_exact(4)
         .map(|chunk| u32::from_le_bytes(chunk.try_into().unwrap()))
         .collect()
+}
+
+/// A coordinator with its own waiter and event pool (so its counters are this test's alone).
+pub fn coordinator(
+    context: &Arc<Context>,
+) -> (OperationCoordinator, Arc<AsyncEventWaiter>, EventPool) {
+    let pool = EventPool::new(context, 0, 0).unwrap();
+    let waiter = Arc::new(AsyncEventWaiter::new().unwrap());
+    let coordinator = OperationCoordinator::with_waiter(pool.clone(), Arc::clone(&waiter));
+    (coordinator, waiter, pool)
+}
+
+/// Registers a kernel operation of `priority` after `dependencies`.
+pub fn register(
+    coordinator: &OperationCoordinator,
+    priority: EventPriority,
+    dependencies: &[OperationId],
+    what: &str,
+) -> OperationId {
+    coordinator
+        .register_operation(OperationType::Kernel, priority, None, dependencies, what)
+        .unwrap()
+}
+
+/// Queues on the pool stream `stream` (counted as one launch) a gate on the mapped word `flag`.
+pub fn hold(kernels: &TestKernels, stream: &PriorityStream, flag: u64) {
+    stream
+        .launch(|s| {
+            // SAFETY: `flag` is a word of `Flags` that outlives the kernel (the flags open every
+            // gate when dropped, and each test synchronises its streams before that).
+            unsafe { kernels.wait_u32(s, flag, 1, GATE_TIMEOUT_NS) }
+        })
+        .unwrap();
+}
+
+/// Whether `result` is `Err(UnknownOperation)` for `id`.
+pub fn unknown<T: std::fmt::Debug>(result: &cuweave_event::Result<T>, id: OperationId) -> bool {
+    matches!(result, Err(EventError::UnknownOperation { id: got, .. }) if *got == id)
 }
