@@ -31,9 +31,7 @@ use std::sync::{Arc, Barrier};
 
 use cuweave_driver::graph::CaptureMode;
 use cuweave_driver::memory::{self, DevicePtr};
-use cuweave_driver::{
-    Context, Event, EventFlags, InstantiateOptions, Kernel, LaunchConfig, Stream, StreamFlags,
-};
+use cuweave_driver::{Context, Event, EventFlags, InstantiateOptions, Stream, StreamFlags};
 use cuweave_memory::caching::{
     BlockStatus, CachingAllocator, CachingResource, GraphPool, MemorySnapshot, MissPolicy,
     begin_allocate_to_pool,
@@ -42,7 +40,7 @@ use cuweave_memory::resource::{
     AsyncPoolResource, DriverResource, LOG_HEADER, LimitAdaptor, LoggingAdaptor, MemoryResource,
     TrackingAdaptor,
 };
-use cuweave_memory::{Buffer, DeviceBuffer, MemoryError, TrackedLaunch};
+use cuweave_memory::{Buffer, DeviceBuffer, MemoryError};
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{require_gpu, serial};
 
@@ -50,32 +48,14 @@ use cuweave_test_support::{require_gpu, serial};
 mod gate;
 use gate::Gate;
 
+#[path = "common/tracked.rs"]
+mod tracked;
+use tracked::{fill_kernel, tracked_fill};
+
 const MIB: usize = 1 << 20;
 
 fn stream(context: &Arc<Context>) -> Stream {
     Stream::new(context, StreamFlags::NON_BLOCKING).expect("create stream")
-}
-
-/// The `fill_u32(unsigned* dst, unsigned value, size_t n)` test kernel.
-fn fill_kernel(kernels: &TestKernels) -> Kernel {
-    kernels.module().function("fill_u32").expect("fill_u32")
-}
-
-/// Fills every element of `view` with `value` by the `fill_u32` kernel on `s`, the view declared
-/// written.
-fn tracked_fill<B: Buffer<u32> + ?Sized>(fill: &Kernel, s: &Stream, view: &mut B, value: u32) {
-    let n = view.len() as u64;
-    let config = LaunchConfig::for_elements(view.len(), 256).expect("config");
-    // SAFETY: fill_u32(unsigned*, unsigned, size_t) gets the view's address, a value and the
-    // view's length; it writes only those elements, and the view is declared written.
-    unsafe {
-        TrackedLaunch::new(fill, s, config)
-            .write(view)
-            .arg(&value)
-            .arg(&n)
-            .launch()
-    }
-    .expect("tracked fill launch");
 }
 
 /// A log sink the test reads back.

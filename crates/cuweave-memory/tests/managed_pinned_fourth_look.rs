@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use cuweave_driver::memory::MemLocation;
-use cuweave_driver::{Context, Device, DriverError, Kernel, LaunchConfig, Stream};
+use cuweave_driver::{Context, Device, DriverError, LaunchConfig};
 use cuweave_memory::pinned_pool::{PinnedPoolConfig, block_size};
 use cuweave_memory::{
     Buffer, DeviceBuffer, ManagedCapabilities, ManagedMemoryHints, MemoryError, MigrationPolicy,
@@ -44,6 +44,10 @@ use gate::Gate;
 #[path = "common/managed.rs"]
 mod managed;
 use managed::{assert_busy, managed_usable, stream, tracked_checksum};
+
+#[path = "common/tracked.rs"]
+mod tracked;
+use tracked::try_tracked_fill;
 
 /// `require_gpu!()` and `serial()` for `test`, returning from it (with a skip line) where device
 /// 0 has no managed memory with concurrent access.
@@ -107,27 +111,6 @@ fn assert_balanced(stats: &PinnedPoolStats, what: &str) {
         stats.peak_pinned_bytes >= stats.pinned_bytes,
         "{what}: {stats:?}"
     );
-}
-
-/// Fills every element of `view` with `value` by a `fill_u32` kernel (`fill`) on `s`, launched
-/// through `TrackedLaunch` with the view declared written.
-fn tracked_fill<B: Buffer<u32> + ?Sized>(
-    fill: &Kernel,
-    s: &Stream,
-    view: &mut B,
-    value: u32,
-) -> cuweave_memory::Result<()> {
-    let n = view.len() as u64;
-    let config = LaunchConfig::for_elements(view.len(), 256).expect("config");
-    // SAFETY: fill_u32(unsigned*, unsigned, size_t) gets the view's address, a value and the
-    // view's length; it writes only those elements, and the view is declared written.
-    unsafe {
-        TrackedLaunch::new(fill, s, config)
-            .write(view)
-            .arg(&value)
-            .arg(&n)
-            .launch()
-    }
 }
 
 /// Counts a reader thread in `started` before `read` and in `finished` after it returns.
@@ -398,7 +381,7 @@ fn blocking_host_reads_on_other_threads_wait_for_gated_writes_into_odd_views_and
         .expect("odd managed view")
         .fill_async(0xBEEF, &s)
         .expect("16-bit fill");
-    tracked_fill(
+    try_tracked_fill(
         &fill,
         &s,
         &mut words.slice_mut(5..WORDS - 2).expect("odd word view"),
@@ -515,7 +498,7 @@ fn polled_host_access_is_refused_until_spin_held_work_lands_and_never_sees_or_ma
 
     for round in 0..3u32 {
         kernels.spin_ns(&s, 30 * MS).expect("spin");
-        tracked_fill(
+        try_tracked_fill(
             &fill,
             &s,
             &mut out.slice_mut(1..N - 1).expect("view"),

@@ -35,7 +35,7 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::time::Duration;
 
 use cuweave_driver::graph::CaptureMode;
-use cuweave_driver::{Context, InstantiateOptions, Kernel, LaunchConfig, Stream, StreamFlags};
+use cuweave_driver::{Context, InstantiateOptions, Stream, StreamFlags};
 use cuweave_memory::caching::{
     AllocatorConfig, CachingAllocator, GraphPool, MissPolicy, begin_allocate_to_pool,
 };
@@ -43,8 +43,7 @@ use cuweave_memory::resource::{
     DriverResource, LOG_HEADER, LimitAdaptor, LoggingAdaptor, MemoryResource, TrackingAdaptor,
 };
 use cuweave_memory::{
-    Buffer, DeviceBuffer, ManagedCapabilities, MemoryError, PinnedBuffer, TrackedLaunch,
-    UnifiedBuffer,
+    Buffer, DeviceBuffer, ManagedCapabilities, MemoryError, PinnedBuffer, UnifiedBuffer,
 };
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::{poll_until, require_gpu, serial, skip};
@@ -53,32 +52,14 @@ use cuweave_test_support::{poll_until, require_gpu, serial, skip};
 mod gate;
 use gate::Gate;
 
+#[path = "common/tracked.rs"]
+mod tracked;
+use tracked::{fill_kernel, tracked_fill};
+
 const MIB: usize = 1 << 20;
 
 fn stream(context: &Arc<Context>) -> Stream {
     Stream::new(context, StreamFlags::NON_BLOCKING).expect("create stream")
-}
-
-/// The `fill_u32(unsigned* dst, unsigned value, size_t n)` test kernel.
-fn fill_kernel(kernels: &TestKernels) -> Kernel {
-    kernels.module().function("fill_u32").expect("fill_u32")
-}
-
-/// Fills every element of `view` with `value` by the `fill_u32` kernel on `s`, the view declared
-/// written.
-fn tracked_fill<B: Buffer<u32> + ?Sized>(fill: &Kernel, s: &Stream, view: &mut B, value: u32) {
-    let n = view.len() as u64;
-    let config = LaunchConfig::for_elements(view.len(), 256).expect("config");
-    // SAFETY: fill_u32(unsigned*, unsigned, size_t) gets the view's address, a value and the
-    // view's length; it writes only those elements, and the view is declared written.
-    unsafe {
-        TrackedLaunch::new(fill, s, config)
-            .write(view)
-            .arg(&value)
-            .arg(&n)
-            .launch()
-    }
-    .expect("tracked fill launch");
 }
 
 fn assert_busy<T>(result: cuweave_memory::Result<T>, what: &str) {
