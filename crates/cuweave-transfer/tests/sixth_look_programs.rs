@@ -315,7 +315,7 @@ fn a_table_measured_only_on_other_device_ordinals_never_decides_for_device_0() {
 /// A launcher builds its manager from `CUDA_VISIBLE_DEVICES`-style lists: one ordinal exactly
 /// past the machine's last device (the off-by-one a user makes with 1-based numbering) is
 /// `NoSuchDevice` naming it and the machine's count; a list repeating device 0 serves device 0
-/// once, opens nothing until a transfer, and that transfer moves exact bytes.
+/// once, opens nothing until a pipelined transfer, and that transfer moves exact bytes.
 #[test]
 fn for_devices_at_the_first_missing_ordinal_and_with_repeats() {
     let gpu = require_gpu!();
@@ -348,8 +348,13 @@ fn for_devices_at_the_first_missing_ordinal_and_with_repeats() {
     let n = 1009;
     let data = bytes(n, 61);
     let mut device = DeviceBuffer::<u8>::zeroed(&gpu.context, n + 3).unwrap();
+    // The pipeline takes a lane of device 0's streams: that opens it.
     manager
-        .transfer(&data[..], Destination::device(&mut device, 3))
+        .transfer_with(
+            TransferMethod::HostStaged,
+            &data[..],
+            Destination::device(&mut device, 3),
+        )
         .unwrap();
     assert!(manager.is_open(0));
     let mut back = vec![0u8; n];
@@ -795,13 +800,16 @@ fn statistics_lanes_and_mark_words_stay_bounded_over_100k_tiny_transfers() {
     let mut device = DeviceBuffer::<u8>::zeroed(ctx, 4096).unwrap();
     let records = bytes(64 * 61, 5);
     let mut back = [0u8; 61];
-    // Warm up: opens the device and makes its first lane.
-    manager
-        .transfer(
-            &records[..8],
-            Destination::view(device.slice_mut(0..8).unwrap()),
-        )
-        .unwrap();
+    // Warm up both directions at every length the loop uses, so that whatever lanes (and
+    // mark words) the planned methods take are taken before the baseline is read.
+    for len in 1..=61 {
+        manager
+            .transfer(&records[..len], Destination::device(&mut device, 0))
+            .unwrap();
+        manager
+            .transfer(Source::device(&device, 0, len), &mut back[..len])
+            .unwrap();
+    }
     manager.stats().reset();
     let words_after_warmup = manager.free_mark_words(0);
     const ROUNDS: usize = 50_000;
