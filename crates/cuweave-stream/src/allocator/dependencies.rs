@@ -23,7 +23,9 @@ pub(super) struct Dependency {
 impl StreamOrderedAllocator {
     /// Makes `dependent` wait on the device for the work queued on `prerequisite` so far, and
     /// lets it use every allocation `prerequisite` may use now (those it owns and those it was
-    /// given).
+    /// given). The wait is noted on `dependent`
+    /// ([`has_pending_waits`](PriorityStream::has_pending_waits)), so a pool does not hand it out
+    /// as idle while it is held.
     ///
     /// While `prerequisite` is capturing, the wait is recorded into the graph (an edge, which
     /// forks `dependent` into the capture) and is not one that
@@ -66,6 +68,10 @@ impl StreamOrderedAllocator {
         let event = prerequisite.event_pool().acquire_owned(false)?;
         event.record(prerequisite.stream())?;
         dependent.stream().wait_event(&event)?;
+        // Noted at once, as `wait_for` does: the wait holds `dependent` behind `prerequisite`'s
+        // work, so the pool's `Priority` and `LoadBalanced` strategies must not read it as idle
+        // (even if the capture bookkeeping below fails, the wait stays queued).
+        dependent.note_queued_wait();
         crate::capture::note_wait_joined_capture(dependent.stream())?;
         let (pre, dep) = (prerequisite.id(), dependent.id());
         for entry in self.entries.lock().values_mut() {
