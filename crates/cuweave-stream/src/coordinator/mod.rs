@@ -212,17 +212,24 @@ impl MultiStreamCoordinator {
     /// block. The diagnostic dependency graph starts afresh.
     ///
     /// # Errors
-    /// The driver's error from an event record or wait.
+    /// The driver's error from an event record or wait; the waits queued before it stay queued
+    /// and are noted on their streams, as a complete barrier's are.
     pub fn create_barrier(&self) -> Result<BarrierInfo> {
         let streams = self.streams();
         let pairs: Vec<_> = streams
             .iter()
             .map(|stream| (stream.stream(), stream.event_pool()))
             .collect();
-        let info = queue_barrier(&pairs)?;
-        for stream in &streams {
-            stream.note_queued_wait();
+        let queued = queue_barrier(&pairs);
+        if streams.len() > 1 {
+            // Every stream waits (the hub for the others, the others for the hub); noted after
+            // a failure part way too, since the waits queued before it stay queued and hold
+            // their streams (a note too many costs one stream query).
+            for stream in &streams {
+                stream.note_queued_wait();
+            }
         }
+        let info = queued?;
         self.graph.lock().clear();
         self.barriers.fetch_add(1, Ordering::Relaxed);
         Ok(info)
