@@ -70,9 +70,10 @@ impl CoordinatedCollectives {
 
     /// Registers an operation of `operation_type` after `dependencies`, begins it on `stream`,
     /// runs `queue` (which queues the collective on the stream) and completes the operation.
-    /// `stream` is any [`AsStream`]: a driver stream, or a pool's
-    /// `PriorityStream` (whose pool then sees the dependency
-    /// waits queued on it).
+    /// `stream` is any [`AsStream`]: a driver stream, or a pool's `PriorityStream`, which is
+    /// told ([`AsStream::note_queued_wait`]) of the dependency waits and of what `queue`
+    /// queued (the buffers' tracker waits and the collective), so its pool reads it as busy
+    /// until the GPU has passed them.
     ///
     /// What `begin_operation` would refuse is checked before anything is registered, by the
     /// coordinator's own rules: `stream` must belong to the context of the coordinator's event
@@ -130,6 +131,11 @@ impl CoordinatedCollectives {
             return Err(refused.into());
         }
         let queued = queue(raw);
+        // The collective, and the waits its buffers' use trackers queued before it, hold the
+        // stream until the GPU passes them: told once, so a pool reads its `PriorityStream` as
+        // busy meanwhile. Also when `queue` failed, since the trackers' waits may be queued by
+        // then (a note too many costs one stream query).
+        stream.note_queued_wait();
         self.coordinator.complete_operation(id)?;
         queued.map(|()| id)
     }

@@ -52,9 +52,11 @@ pub trait AsStream: Send + Sync + 'static {
     /// The driver stream.
     fn as_stream(&self) -> &Stream;
 
-    /// Told after a device wait was queued on [`as_stream`](Self::as_stream) (a dependency's
-    /// or a barrier's): a [`PriorityStream`] counts it, so its pool does not hand it out as
-    /// idle while it is held behind the wait. Nothing by default.
+    /// Told after work that can hold the stream without being one of its counted operations
+    /// was queued on [`as_stream`](Self::as_stream): a device wait (a dependency's, a
+    /// barrier's, a buffer's use tracker's) or a collective (`cuweave-collective`'s
+    /// coordinated calls). A [`PriorityStream`] counts it, so its pool does not hand it out as
+    /// idle until the GPU has passed it. Nothing by default.
     fn note_queued_wait(&self) {}
 }
 
