@@ -6,6 +6,7 @@
 //! |---|---|
 //! | `mode` | [`CaptureMode`], [`CaptureModeGuard`], [`relaxed_during_captures`]: the calling thread's capture mode |
 //! | `status` | [`CaptureStatus`], and a stream's status (`Stream::capture_status`, `is_capturing`, `capture_mode`) |
+//! | `outside` | [`outside_captures`]: work cuweave does of its own accord (queries) that no capture may begin during |
 //! | `registry` | the process-wide bookkeeping: the capture count and epoch ([`active_captures`], [`capture_state`]) and the captures begun through cuweave |
 //! | `failures` | the driver calls that broke a capture, remembered for [`GraphError::CaptureInvalidated`](crate::GraphError::CaptureInvalidated) |
 //! | `refusals` | the checks that refuse a call that would break a capture ([`refuse_while_capturing`], [`refuse_recording`], [`refuse_wait_across_capture`], [`refuse_legacy_stream_use`], [`refuse_on_legacy_stream`]) |
@@ -14,12 +15,14 @@
 mod begin_end;
 mod failures;
 mod mode;
+mod outside;
 mod refusals;
 mod registry;
 mod status;
 
 pub(crate) use mode::relaxed_for_unrecorded_call;
 pub use mode::{CaptureMode, CaptureModeGuard, relaxed_during_captures};
+pub use outside::outside_captures;
 pub use refusals::{
     StatusCheck, refuse_legacy_stream_use, refuse_on_legacy_stream, refuse_recording,
     refuse_wait_across_capture, refuse_while_capturing,

@@ -45,7 +45,7 @@ pub(crate) use capture::CAPTURE_COUNT_TEST_LOCK;
 pub(crate) use capture::relaxed_for_unrecorded_call;
 pub use capture::{
     CaptureMode, CaptureModeGuard, CaptureState, CaptureStatus, StatusCheck, active_captures,
-    capture_is_active, capture_state, known_complete_before, note_tracked_use,
+    capture_is_active, capture_state, known_complete_before, note_tracked_use, outside_captures,
     refuse_legacy_stream_use, refuse_on_legacy_stream, refuse_recording,
     refuse_wait_across_capture, refuse_while_capturing, relaxed_during_captures,
 };

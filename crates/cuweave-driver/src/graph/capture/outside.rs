@@ -1,0 +1,196 @@
+//! Work that must never run while a capture is active or beginning: the queries cuweave makes
+//! of its own accord (a stream pruning its finished markers at a submission, an allocator
+//! settling pending frees, the event reactor's scan), which would invalidate a global-mode
+//! capture another thread begins between a check of [`active_captures`] and the query.
+//!
+//! A check then a query is not enough: the capture can begin in between. [`outside_captures`]
+//! closes that window without a lock shared by every caller: each caller counts itself into a
+//! counter of its own shard (one of [`SHARDS`], cache-padded, chosen per thread), then reads
+//! whether a capture is beginning or active; a capture begin announces itself first
+//! ([`announce_capture_begin`]), then waits until no shard counts a caller. All of these
+//! operations are sequentially consistent, so of a caller and a begin racing, either the caller
+//! sees the announcement (and skips its work) or the begin sees the caller's count (and waits
+//! for it to finish). Callers arriving after the announcement skip at once, so a begin waits
+//! only for work already under way (a few queries), and callers never wait at all.
+//!
+//! No CUDA here: the protocol is tested with plain threads.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crossbeam::utils::{Backoff, CachePadded};
+
+use super::registry::active_captures;
+
+/// Shards of the count of callers inside [`outside_captures`]: threads spread over them, so
+/// concurrent callers seldom share a cache line.
+const SHARDS: usize = 64;
+
+/// Callers inside [`outside_captures`] (entered and not yet left), per shard.
+static INSIDE: [CachePadded<AtomicUsize>; SHARDS] =
+    [const { CachePadded::new(AtomicUsize::new(0)) }; SHARDS];
+/// Capture begins announced and not yet counted in [`active_captures`].
+static BEGINNING: AtomicUsize = AtomicUsize::new(0);
+/// The next thread's shard.
+static NEXT_SHARD: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// This thread's shard of [`INSIDE`].
+    static SHARD: usize = NEXT_SHARD.fetch_add(1, Ordering::Relaxed) % SHARDS;
+    /// How deep this thread is inside [`outside_captures`] (a begin made inside, against its
+    /// contract, must not wait for its own thread).
+    static DEPTH: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Runs `f` unless a capture begun through cuweave is active or beginning, and no such capture
+/// begins while `f` runs: `Some(f())`, or `None` without running `f`.
+///
+/// For a query cuweave makes of its own accord, which a user did not ask for and which would
+/// break another thread's global-mode capture (an event or stream query of work queued before
+/// it). A check of [`active_captures`] followed by the query leaves a window in which such a
+/// capture can begin; this closes it. Callers never wait: one atomic add and two loads on the
+/// way in, one atomic subtract on the way out. A capture begin waits for the callers already
+/// inside, so `f` must be short and must not wait for another thread, nor begin a capture.
+///
+/// ```
+/// # use cuweave_driver::graph::outside_captures;
+/// // No capture is active here, so the closure runs.
+/// assert_eq!(outside_captures(|| 7), Some(7));
+/// ```
+pub fn outside_captures<R>(f: impl FnOnce() -> R) -> Option<R> {
+    let shard = &INSIDE[SHARD.with(|shard| *shard)];
+    shard.fetch_add(1, Ordering::SeqCst);
+    DEPTH.with(|depth| depth.set(depth.get() + 1));
+    let _left = Leave(shard);
+    if BEGINNING.load(Ordering::SeqCst) != 0 || active_captures() != 0 {
+        return None;
+    }
+    Some(f())
+}
+
+/// Counts the caller out of its shard (unwinding included).
+struct Leave(&'static AtomicUsize);
+
+impl Drop for Leave {
+    fn drop(&mut self) {
+        DEPTH.with(|depth| depth.set(depth.get() - 1));
+        self.0.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// Held by a capture begin from before its driver call until the capture is counted in
+/// [`active_captures`]: [`outside_captures`] skips its work meanwhile.
+#[must_use = "the announcement ends when this is dropped"]
+pub(super) struct CaptureBeginAnnounced(());
+
+impl Drop for CaptureBeginAnnounced {
+    fn drop(&mut self) {
+        BEGINNING.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Announces a capture begin to [`outside_captures`], then waits until no caller is inside it
+/// (other than the calling thread itself): from then until the returned guard is dropped, no
+/// caller runs its work. Drop the guard only once the capture is counted in
+/// [`active_captures`] (or has failed to begin).
+pub(super) fn announce_capture_begin() -> CaptureBeginAnnounced {
+    BEGINNING.fetch_add(1, Ordering::SeqCst);
+    let announced = CaptureBeginAnnounced(());
+    let own_shard = SHARD.with(|shard| *shard);
+    let own = DEPTH.with(Cell::get);
+    // Callers that enter after the announcement leave without working; those inside before it
+    // finish their (short) work. So once a shard reads 0 (the calling thread's own shard: its
+    // own depth), no working caller is left in it: each shard is waited for on its own, not
+    // the sum of all at one moment, which callers entering and leaving in a loop would keep
+    // above 0.
+    for (index, shard) in INSIDE.iter().enumerate() {
+        let allowed = if index == own_shard { own } else { 0 };
+        let backoff = Backoff::new();
+        while shard.load(Ordering::SeqCst) > allowed {
+            if backoff.is_completed() {
+                std::thread::yield_now();
+            } else {
+                backoff.snooze();
+            }
+        }
+    }
+    announced
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicBool;
+
+    use super::*;
+
+    /// The protocol's one promise, with a flag for "the capture has begun": work run by
+    /// `outside_captures` never sees the flag raised, while four threads call it in a loop and
+    /// another announces two hundred begins (raising the flag only between announcement and
+    /// drop, as a begin does around its driver call). Each announcement also proves it waited:
+    /// no caller is inside once it returns.
+    #[test]
+    fn work_never_overlaps_an_announced_begin() {
+        let _serial = crate::graph::CAPTURE_COUNT_TEST_LOCK.lock();
+        let begun = AtomicBool::new(false);
+        let done = AtomicBool::new(false);
+        let ran = AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(|| {
+                    while !done.load(Ordering::Acquire) {
+                        let seen = outside_captures(|| {
+                            let seen = begun.load(Ordering::SeqCst);
+                            std::hint::spin_loop();
+                            seen || begun.load(Ordering::SeqCst)
+                        });
+                        if let Some(seen) = seen {
+                            assert!(!seen, "work ran while a capture was beginning");
+                            ran.fetch_add(1, Ordering::Relaxed);
+                        }
+                        std::thread::yield_now();
+                    }
+                });
+            }
+            for _ in 0..200 {
+                let announced = announce_capture_begin();
+                begun.store(true, Ordering::SeqCst);
+                std::hint::spin_loop();
+                begun.store(false, Ordering::SeqCst);
+                drop(announced);
+                std::thread::yield_now();
+            }
+            done.store(true, Ordering::Release);
+        });
+        assert!(
+            ran.load(Ordering::Relaxed) > 0,
+            "no caller ever ran its work"
+        );
+    }
+
+    /// A caller skips its work while a begin is announced, and runs it again once the begin is
+    /// over.
+    #[test]
+    fn work_is_skipped_while_announced_and_runs_after() {
+        let _serial = crate::graph::CAPTURE_COUNT_TEST_LOCK.lock();
+        let announced = announce_capture_begin();
+        let other = std::thread::spawn(|| outside_captures(|| ()));
+        assert_eq!(other.join().unwrap(), None);
+        drop(announced);
+        assert_eq!(outside_captures(|| 3), Some(3));
+    }
+
+    /// A begin announced from inside `outside_captures` on the same thread (against its
+    /// contract) does not wait for itself for ever, and nested calls count in and out.
+    #[test]
+    fn a_begin_inside_does_not_wait_for_its_own_thread() {
+        let _serial = crate::graph::CAPTURE_COUNT_TEST_LOCK.lock();
+        let nested = outside_captures(|| {
+            let inner = outside_captures(|| DEPTH.with(Cell::get));
+            let announced = announce_capture_begin();
+            drop(announced);
+            inner
+        });
+        assert_eq!(nested, Some(Some(2)));
+        assert_eq!(DEPTH.with(Cell::get), 0);
+    }
+}
