@@ -201,12 +201,15 @@ impl PriorityStream {
         Ok(true)
     }
 
-    /// Notes a device wait just queued on this stream (one atomic add), so that
-    /// [`has_pending_waits`](Self::has_pending_waits) and the pool's `Priority` and
-    /// `LoadBalanced` strategies see it. This stream's own waits ([`wait_for`](Self::wait_for),
-    /// the [`MultiStreamCoordinator`](crate::MultiStreamCoordinator)'s dependencies) note
-    /// theirs; a layer above that queues `cuStreamWaitEvent` on [`stream`](Self::stream)
-    /// directly (the event layer's coordinator and barriers) calls this after it.
+    /// Notes a device wait, or other work not queued through this type, just queued on this
+    /// stream (one atomic add), so that [`has_pending_waits`](Self::has_pending_waits) and the
+    /// pool's `Priority` and `LoadBalanced` strategies see the stream as held until the GPU
+    /// passes it. This crate's own waits ([`wait_for`](Self::wait_for), the
+    /// [`MultiStreamCoordinator`](crate::MultiStreamCoordinator)'s dependencies, the
+    /// [`StreamOrderedAllocator`](crate::StreamOrderedAllocator)'s stream dependencies) note
+    /// theirs; a layer above that queues on [`stream`](Self::stream) directly (the event
+    /// layer's coordinator and barriers, the collective layer's coordinated collectives) calls
+    /// this after it.
     pub fn note_queued_wait(&self) {
         self.waits_queued.fetch_add(1, Ordering::AcqRel);
     }
@@ -245,8 +248,9 @@ impl PriorityStream {
         // The driver's join: refused across a capture's boundary before anything is queued,
         // an event of the context's shared pool otherwise.
         self.inner.wait_stream(&other.inner)?;
-        crate::capture::note_wait_joined_capture(&self.inner)?;
+        // Noted before the capture bookkeeping, which may fail with the wait already queued.
         self.note_queued_wait();
+        crate::capture::note_wait_joined_capture(&self.inner)?;
         Ok(())
     }
 
@@ -300,22 +304,36 @@ impl PriorityStream {
         }
         let span = self.timer.start_not_capturing(&self.inner)?;
         let result = f(&self.inner);
-        // The start event is already on the stream; end it even if `f` failed, so the pair stays
-        // well-formed (its time is then that of whatever `f` queued before failing).
+        let Ok(value) = result else {
+            // Nothing (or not all of it) was queued: not an operation, as `metrics` does not
+            // count it, so not timed either (the profiler drops such a span too). The start
+            // event goes back to the pool unread.
+            drop(span);
+            return result.map_err(StreamError::from);
+        };
         self.timer.finish_not_capturing(span, &self.inner, ())?;
-        let value = result?;
         self.metrics.count(kind, bytes);
-        // Finished markers are looked for only while no capture is active: a query now could
-        // break another thread's global capture.
-        let prune = (cuweave_driver::graph::active_captures() == 0).then_some(
-            |event: &cuweave_driver::OwnedPooledEvent| matches!(event.query(), Ok(true)),
-        );
-        self.outstanding.submitted(
-            1,
-            || self.events.acquire_owned(false),
-            |event| event.record(&self.inner),
-            prune,
-        )?;
+        // Finished markers are looked for only outside captures, and no capture begins during
+        // the search: a query could break another thread's global capture.
+        let record = |event: &cuweave_driver::OwnedPooledEvent| event.record(&self.inner);
+        let make = || self.events.acquire_owned(false);
+        let pruned = cuweave_driver::graph::outside_captures(|| {
+            self.outstanding.submitted(
+                1,
+                make,
+                record,
+                Some(|event: &cuweave_driver::OwnedPooledEvent| matches!(event.query(), Ok(true))),
+            )
+        });
+        match pruned {
+            Some(submitted) => submitted?,
+            None => self.outstanding.submitted(
+                1,
+                make,
+                record,
+                None::<fn(&cuweave_driver::OwnedPooledEvent) -> bool>,
+            )?,
+        }
         Ok(value)
     }
 
