@@ -24,7 +24,8 @@
 //!   once their capture has ended they are dropped (the graph's launches are ordered by the stream
 //!   the graph is launched on); while it is active, eager work that would wait for one is
 //!   refused with [`GraphError::Capturing`];
-//! - while any capture is active, finished uses are not pruned (that would query events).
+//! - while any capture is active, finished uses are not pruned (that would query events), and no
+//!   capture begins while they are (`outside_captures`: a query would break a global-mode one).
 
 use std::sync::Arc;
 

@@ -84,8 +84,9 @@ impl<E: UseEvent> UseState<E> {
     }
 
     /// Drops the uses whose events have completed (nothing need wait for them); a use whose
-    /// event cannot be queried is kept. Queries nothing while any capture is active (a query of
-    /// an event recorded before a capture can invalidate it, one recorded in a capture fails).
+    /// event cannot be queried is kept. Queries nothing while any capture is active, and no
+    /// capture begins during the queries (a query of an event recorded before a capture can
+    /// invalidate it, another thread's global-mode one too; one recorded in a capture fails).
     ///
     /// Events recorded on one stream complete in the order they were recorded, so the finished
     /// eager uses of a stream are its oldest ones: a binary search over them finds where they
@@ -98,6 +99,15 @@ impl<E: UseEvent> UseState<E> {
         if view.any_active {
             return;
         }
+        // The view was read at the start of the operation: a capture may have begun since, and
+        // one may begin between a check and a query. The queries run only while none is active
+        // or beginning; otherwise nothing is pruned, as when the view saw one.
+        let _ = cuweave_driver::graph::outside_captures(|| self.prune_finished_now());
+    }
+
+    /// The queries and retirement of [`prune_finished`](Self::prune_finished), run outside
+    /// captures.
+    fn prune_finished_now(&mut self) {
         let mut ordered: Vec<(u64, u64, &Arc<E>)> = self
             .writes
             .iter()
