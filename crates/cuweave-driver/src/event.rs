@@ -193,7 +193,15 @@ impl Event {
     /// first (the calling thread's current context is left as it is). Only when the driver
     /// answers with another error does it make the context current and ask again, and that
     /// answer stands.
+    ///
+    /// No capture begun through cuweave begins between the refusal's check and the query, which
+    /// would break a global-mode capture begun on another thread meanwhile: a query made while
+    /// one begins waits for it (microseconds), then is refused or made.
     pub fn query(&self) -> Result<bool> {
+        crate::graph::between_capture_begins(|| self.query_between_capture_begins())
+    }
+
+    fn query_between_capture_begins(&self) -> Result<bool> {
         crate::graph::refuse_while_capturing(None, "Event::query")?;
         let api = driver()?;
         // SAFETY: live event.

@@ -246,7 +246,15 @@ impl Stream {
     /// thread whose capture mode forbids queries, and for the legacy default stream while a
     /// blocking stream of its context captures
     /// ([`refuse_on_legacy_stream`](crate::graph::refuse_on_legacy_stream)); the driver's error.
+    ///
+    /// No capture begun through cuweave begins between the refusal's check and the query, which
+    /// would break a global-mode capture begun on another thread meanwhile: a query made while
+    /// one begins waits for it (microseconds), then is refused or made.
     pub fn query(&self) -> Result<bool> {
+        crate::graph::between_capture_begins(|| self.query_between_capture_begins())
+    }
+
+    fn query_between_capture_begins(&self) -> Result<bool> {
         crate::graph::refuse_on_legacy_stream(self, "Stream::query")?;
         crate::graph::refuse_while_capturing(Some(self), "Stream::query")?;
         let api = driver()?;

@@ -22,6 +22,7 @@ mod status;
 
 pub(crate) use mode::relaxed_for_unrecorded_call;
 pub use mode::{CaptureMode, CaptureModeGuard, relaxed_during_captures};
+pub(crate) use outside::between_capture_begins;
 pub use outside::outside_captures;
 pub use refusals::{
     StatusCheck, refuse_legacy_stream_use, refuse_on_legacy_stream, refuse_recording,

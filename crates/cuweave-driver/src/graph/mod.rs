@@ -42,6 +42,7 @@ mod memory;
 
 #[cfg(test)]
 pub(crate) use capture::CAPTURE_COUNT_TEST_LOCK;
+pub(crate) use capture::between_capture_begins;
 pub(crate) use capture::relaxed_for_unrecorded_call;
 pub use capture::{
     CaptureMode, CaptureModeGuard, CaptureState, CaptureStatus, StatusCheck, active_captures,

@@ -187,10 +187,11 @@ impl Stream {
         let blocking = self.flags().map_or(true, |flags| !flags.is_non_blocking());
         self.context().bind_to_thread()?;
         let api = driver()?;
-        // Until the capture is counted: see `outside_captures` (callers already inside finish
-        // first) and `while_no_capture_begins`.
-        let _announced = super::outside::announce_capture_begin();
+        // Until the capture is counted: see `while_no_capture_begins` (whose holders, perhaps
+        // synchronising for long, go first) and then `outside_captures` (callers already inside
+        // finish first; queries made meanwhile wait only for the few calls below).
         let _beginning = CAPTURE_BEGIN.write();
+        let _announced = super::outside::announce_capture_begin();
         // No lock across the call: a failure goes through `note_driver_failure`, which locks.
         // SAFETY: live stream of the current context; the mode is a valid enum value.
         unsafe { cu!(api.stream_begin_capture(self.as_raw(), mode.to_sys())) }?;

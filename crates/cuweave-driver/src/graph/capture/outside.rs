@@ -58,14 +58,58 @@ thread_local! {
 /// assert_eq!(outside_captures(|| 7), Some(7));
 /// ```
 pub fn outside_captures<R>(f: impl FnOnce() -> R) -> Option<R> {
+    outside_capture_begins(|| (active_captures() == 0).then(f)).flatten()
+}
+
+/// Runs `f` unless a capture begin through cuweave is under way, and no capture begins while
+/// `f` runs: `Some(f())`, or `None` without running `f`. Captures already active may be; `f`
+/// can read them ([`active_captures`], the capture records) knowing the set cannot grow until
+/// it returns. The same contract as [`outside_captures`]: `f` short, waiting for no other
+/// thread, beginning no capture.
+pub(crate) fn outside_capture_begins<R>(f: impl FnOnce() -> R) -> Option<R> {
     let shard = &INSIDE[SHARD.with(|shard| *shard)];
     shard.fetch_add(1, Ordering::SeqCst);
-    DEPTH.with(|depth| depth.set(depth.get() + 1));
+    let nested = DEPTH.with(|depth| {
+        let outer = depth.get();
+        depth.set(outer + 1);
+        outer > 0
+    });
     let _left = Leave(shard);
-    if BEGINNING.load(Ordering::SeqCst) != 0 || active_captures() != 0 {
+    // Nested inside this thread's own call, which is running its work: every begin announced
+    // since waits for that call, so none can be under way past its wait (and refusing here would
+    // make a query inside the outer call wait for a begin that waits for it).
+    if !nested && BEGINNING.load(Ordering::SeqCst) != 0 {
         return None;
     }
     Some(f())
+}
+
+/// Runs `f` as [`outside_capture_begins`] does, waiting out capture begins under way (each a
+/// few microseconds: one driver call and some bookkeeping) instead of skipping: for a driver
+/// call that must happen, and must not race a capture begin (an event query that would break
+/// it). On a thread already inside [`outside_captures`] no begin can be under way.
+pub(crate) fn between_capture_begins<R>(f: impl FnOnce() -> R) -> R {
+    let mut f = Some(f);
+    let backoff = Backoff::new();
+    loop {
+        if let Some(result) = outside_capture_begins(|| (f.take().expect("runs once"))()) {
+            return result;
+        }
+        while BEGINNING.load(Ordering::SeqCst) != 0 {
+            if backoff.is_completed() {
+                std::thread::yield_now();
+            } else {
+                backoff.snooze();
+            }
+        }
+    }
+}
+
+/// Whether this thread is inside [`outside_captures`] (or [`outside_capture_begins`]) running
+/// its work: every capture begin announced meanwhile waits for it, so none can begin until it
+/// returns.
+pub(super) fn inside_on_this_thread() -> bool {
+    DEPTH.with(Cell::get) > 0
 }
 
 /// Counts the caller out of its shard (unwinding included).
@@ -168,19 +212,28 @@ mod tests {
     }
 
     /// A caller skips its work while a begin is announced, and runs it again once the begin is
-    /// over.
+    /// over; a call that must happen waits for the begin to end, then runs.
     #[test]
     fn work_is_skipped_while_announced_and_runs_after() {
         let _serial = crate::graph::CAPTURE_COUNT_TEST_LOCK.lock();
         let announced = announce_capture_begin();
         let other = std::thread::spawn(|| outside_captures(|| ()));
         assert_eq!(other.join().unwrap(), None);
-        drop(announced);
+        let ended = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            let waiting = scope.spawn(|| between_capture_begins(|| ended.load(Ordering::SeqCst)));
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            ended.store(true, Ordering::SeqCst);
+            drop(announced);
+            assert!(waiting.join().unwrap(), "ran before the begin ended");
+        });
         assert_eq!(outside_captures(|| 3), Some(3));
     }
 
     /// A begin announced from inside `outside_captures` on the same thread (against its
     /// contract) does not wait for itself for ever, and nested calls count in and out.
+    /// A call nested in one that runs while another thread announces a begin runs at once: the
+    /// begin waits for the outer call, so waiting for the begin would deadlock.
     #[test]
     fn a_begin_inside_does_not_wait_for_its_own_thread() {
         let _serial = crate::graph::CAPTURE_COUNT_TEST_LOCK.lock();
@@ -192,5 +245,40 @@ mod tests {
         });
         assert_eq!(nested, Some(Some(2)));
         assert_eq!(DEPTH.with(Cell::get), 0);
+
+        let inside = AtomicBool::new(false);
+        let announced = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                outside_captures(|| {
+                    inside.store(true, Ordering::SeqCst);
+                    while BEGINNING.load(Ordering::SeqCst) == 0 {
+                        std::thread::yield_now();
+                    }
+                    assert_eq!(between_capture_begins(|| 5), 5);
+                    assert!(!announced.load(Ordering::SeqCst));
+                })
+                .expect("no begin was under way");
+            });
+            while !inside.load(Ordering::SeqCst) {
+                std::thread::yield_now();
+            }
+            let begin = announce_capture_begin();
+            announced.store(true, Ordering::SeqCst);
+            drop(begin);
+        });
+    }
+
+    /// `while_no_capture_begins` called inside `outside_captures` does not wait for the begin
+    /// lock: a begin holding it waits for this thread's call, so waiting back would deadlock
+    /// (and no capture can begin meanwhile anyway).
+    #[test]
+    fn the_begin_lock_is_not_waited_for_inside() {
+        let _serial = crate::graph::CAPTURE_COUNT_TEST_LOCK.lock();
+        let _beginning = super::super::registry::CAPTURE_BEGIN.write();
+        let ran = std::thread::spawn(|| {
+            outside_captures(|| super::super::registry::while_no_capture_begins(|| 9))
+        });
+        assert_eq!(ran.join().unwrap(), Some(9));
     }
 }

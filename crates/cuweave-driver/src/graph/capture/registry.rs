@@ -89,11 +89,14 @@ pub(crate) fn while_no_capture_begins<R>(f: impl FnOnce() -> R) -> R {
             HELD.with(|held| held.set(held.get() - 1));
         }
     }
+    // Inside `outside_captures` on this thread, no capture can begin either (a begin holding
+    // the lock waits for that call), and the lock must not be waited for: its holder waits for
+    // this thread.
     let outermost = HELD.with(|held| {
         let depth = held.get();
         held.set(depth + 1);
         depth == 0
-    });
+    }) && !super::outside::inside_on_this_thread();
     let _depth = Depth;
     let _no_begin = outermost.then(|| CAPTURE_BEGIN.read());
     f()
