@@ -195,8 +195,12 @@ impl StreamEnd for cuweave_driver::stream::StreamEnd {
     }
 
     fn finished(&self) -> bool {
-        // An error (a capture began meanwhile) counts as not yet: asked again at a later miss.
-        matches!(self.is_finished(), Ok(true))
+        // Asked at a miss, of cuweave's own accord: only while no capture is active or
+        // beginning, since a query would break another thread's global-mode capture begun
+        // after the allocation's check. Skipped, or an error, counts as not yet: asked again at
+        // a later miss.
+        cuweave_driver::graph::outside_captures(|| matches!(self.is_finished(), Ok(true)))
+            .unwrap_or(false)
     }
 }
 

@@ -400,14 +400,23 @@ impl<E: Marker> Engine<E> {
     }
 
     /// Returns `shard`'s completed pending blocks to its free lists, without blocking; skipped
-    /// when another thread is already doing it.
+    /// when another thread is already doing it, and while a capture is active or beginning.
     fn process_pending_of(&self, shard: &Shard<E>) {
         let Some(mut pending) = shard.pending.try_lock() else {
             return;
         };
         let mut completed = Vec::new();
         let mut ready = Vec::new();
-        pending.poll(&mut completed, &mut ready);
+        // The markers are polled (event queries) only while no capture is active or beginning:
+        // the caller's check of `active_captures` leaves a window in which another thread's
+        // global-mode capture could begin, and a query would then break it. Skipped, the blocks
+        // stay pending, as during a capture. The pending lock, taken before, is never held by a
+        // thread beginning a capture.
+        if cuweave_driver::graph::outside_captures(|| pending.poll(&mut completed, &mut ready))
+            .is_none()
+        {
+            return;
+        }
         shard
             .pending_count
             .store(pending.blocks(), Ordering::Release);

@@ -16,7 +16,9 @@
 //!   allocation is not part of the graph and is safe to make), or, with
 //!   [`MissPolicy::Fail`], fails with [`GraphError::Capturing`]. No out-of-memory retry runs
 //!   during a capture (it would wait for the device).
-//! - Nothing polls events while any capture is active: pending blocks wait.
+//! - Nothing polls events while any capture is active, and no capture begins while they are
+//!   polled (`outside_captures`: a poll would break another thread's global-mode capture):
+//!   pending blocks wait.
 //! - A free during a capture that would record or poll events is deferred until no capture is
 //!   active: a raw block used on other streams (`record_stream`), or a typed buffer's block with
 //!   any tracked use, on its own stream too (the next buffer made from the block may be used on
