@@ -80,8 +80,8 @@ pub use buffer::{
     split_host_refusal,
 };
 pub use caching::{
-    AllocatorConfig, BlockSnapshot, BlockStatus, CachedAllocation, CachingAllocator,
-    MemorySnapshot, MemoryStats, PoolKind, SegmentSnapshot, Stat, StreamKey,
+    AllocatorConfig, BlockSnapshot, BlockStatus, CachedAllocation, CachingAllocator, GraphPool,
+    GraphPoolId, MemorySnapshot, MemoryStats, PoolKind, SegmentSnapshot, Stat, StreamKey,
 };
 pub use element::Element;
 pub use error::{HostCopyError, MemoryError, Result};

@@ -87,8 +87,8 @@ pub mod prelude {
     };
     #[cfg(feature = "driver")]
     pub use cuweave_driver::{
-        CaptureMode, Context, Device, DriverError, Event, EventFlags, EventPool, Graph, GraphExec,
-        InstantiateOptions, Kernel, KernelArgs, LaunchConfig, Module, OwnedPooledEvent,
+        CaptureMode, Context, Device, DriverError, Event, EventFlags, EventPool, Graph, GraphError,
+        GraphExec, InstantiateOptions, Kernel, KernelArgs, LaunchConfig, Module, OwnedPooledEvent,
         PooledEvent, Stream, StreamFlags,
     };
     #[cfg(feature = "event")]
@@ -98,10 +98,11 @@ pub mod prelude {
     };
     #[cfg(feature = "memory")]
     pub use cuweave_memory::{
-        AllocatorConfig, Buffer, CachedAllocation, CachingAllocator, DeviceBuffer, DriverResource,
-        Element, LimitAdaptor, MemAdvice, MemLocation, MemoryError, MemoryResource, MemorySnapshot,
+        AllocatorConfig, BlockStatus, Buffer, BufferSlice, BufferSliceMut, CachedAllocation,
+        CachingAllocator, DeviceBuffer, DriverResource, Element, GraphPool, HostRefusal,
+        LimitAdaptor, MemAdvice, MemLocation, MemoryError, MemoryResource, MemorySnapshot,
         MemoryStats, MigrationPolicy, PendingCopy, PinnedBuffer, PinnedPool, PrefetchPlan,
-        TrackedLaunch, UnifiedBuffer,
+        TrackedLaunch, UnifiedBuffer, split_host_refusal,
     };
     #[cfg(feature = "stream")]
     pub use cuweave_stream::{
