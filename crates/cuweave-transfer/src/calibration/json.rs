@@ -138,6 +138,27 @@ mod tests {
         );
     }
 
+    /// A hand-written file with only a registration cost (no `entries`) loads: the planner then
+    /// falls back to its labelled defaults for every figure.
+    #[test]
+    fn a_file_without_entries_loads_with_none() {
+        let only_registration = r#"{ "device": null,
+            "registration": { "fixed_ms": 0.25, "ms_per_mib": 0.125 } }"#;
+        let table = CalibrationTable::from_json(only_registration).unwrap();
+        assert!(table.entries.is_empty());
+        assert_eq!(
+            table.registration,
+            Some(RegistrationCost {
+                fixed_ms: 0.25,
+                ms_per_mib: 0.125
+            })
+        );
+        assert_eq!(
+            CalibrationTable::from_json(&table.to_json()).unwrap(),
+            table
+        );
+    }
+
     #[test]
     fn negative_figures_in_a_file_are_refused_by_name() {
         let table = CalibrationTable::h100_defaults();

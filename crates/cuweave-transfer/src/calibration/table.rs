@@ -33,7 +33,9 @@ pub struct CalibrationTable {
     /// The staging configuration chosen per path, device and size.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub staging: Vec<StagingChoice>,
-    /// The measurements.
+    /// The measurements (none in a hand-written file that holds only staging choices or a
+    /// registration cost).
+    #[serde(default)]
     pub entries: Vec<CalibrationEntry>,
     /// What registering and unregistering host memory costs here, if measured (files written
     /// before it was measured have none, and load as `None`).
