@@ -111,7 +111,8 @@ impl CachedAllocation {
     /// queued on it; borrowed and context-relative handles are always kept) and
     /// whose queued work has all finished (`cuStreamQuery`): no use of the memory on it is left
     /// for the free to wait for. Streams held elsewhere are kept without a driver call. Nothing
-    /// is let go while a capture is active (a query would break it).
+    /// is let go while a capture is active, and no capture begins during the queries (one
+    /// would break it).
     ///
     /// # Errors
     /// [`MemoryError::WrongDevice`](crate::MemoryError::WrongDevice) for a stream of another
@@ -143,13 +144,20 @@ impl CachedAllocation {
         check_stream(self.shard.shared.device, stream, OPERATION)?;
         let key = StreamKey::checked(stream, OPERATION)?;
         if key != self.stream && !self.uses.iter().any(|used| StreamKey::of(used) == key) {
-            if cuweave_driver::graph::active_captures() == 0 {
+            // Only while no capture is active or beginning: these queries are cuweave's own,
+            // and one would break another thread's global-mode capture begun between a check
+            // and it. Skipped, every recorded stream is kept, as during a capture.
+            let mut retired = Vec::new();
+            let _ = cuweave_driver::graph::outside_captures(|| {
                 // Only a handle that owns its stream can be its last: a borrowed or
                 // context-relative handle's stream takes more work through other handles.
-                retire_finished_uses(&mut self.uses, |stream| {
+                retire_finished_uses(&mut self.uses, &mut retired, |stream| {
                     stream.owns_its_stream() && matches!(stream.query(), Ok(true))
                 });
-            }
+            });
+            // Dropped once out of `outside_captures`, which a capture begin waits for: a
+            // stream's drop waits for its weak handles' closures and takes the capture records.
+            drop(retired);
             self.uses.push(Arc::clone(stream));
         }
         Ok(())
@@ -221,8 +229,9 @@ impl CachedAllocation {
     }
 }
 
-/// Drops from `uses` the streams whose every use of the memory has finished: those of which
-/// `uses` holds the only `Arc` and whose queued work is done.
+/// Moves from `uses` into `retired` the streams whose every use of the memory has finished:
+/// those of which `uses` holds the only `Arc` and whose queued work is done. The caller drops
+/// `retired` (destroying those streams) when it sees fit.
 ///
 /// A stream that looks done is taken out of its last `Arc` ([`Arc::try_unwrap`]) and asked
 /// once more: between the first query and the unwrap another thread could have upgraded a
@@ -231,7 +240,11 @@ impl CachedAllocation {
 ///
 /// `finished` says whether a stream's queued work is all done (`cuStreamQuery`; an error
 /// counts as not done).
-fn retire_finished_uses<S>(uses: &mut Vec<Arc<S>>, finished: impl Fn(&S) -> bool) {
+fn retire_finished_uses<S>(
+    uses: &mut Vec<Arc<S>>,
+    retired: &mut Vec<S>,
+    finished: impl Fn(&S) -> bool,
+) {
     let recorded = std::mem::take(uses);
     uses.reserve(recorded.len() + 1);
     for used in recorded {
@@ -241,7 +254,9 @@ fn retire_finished_uses<S>(uses: &mut Vec<Arc<S>>, finished: impl Fn(&S) -> bool
         }
         match Arc::try_unwrap(used) {
             Ok(stream) => {
-                if !finished(&stream) {
+                if finished(&stream) {
+                    retired.push(stream);
+                } else {
                     uses.push(Arc::new(stream));
                 }
             }
@@ -426,13 +441,22 @@ mod tests {
             stream(4, true),
         ];
         let weak: Weak<FakeStream> = Arc::downgrade(&uses[1]);
-        retire_finished_uses(&mut uses, |s| s.is_done());
+        let mut retired = Vec::new();
+        retire_finished_uses(&mut uses, &mut retired, |s| s.is_done());
         assert_eq!(names(&uses), vec![1, 3], "2 and 4 were done and only ours");
-        assert!(weak.upgrade().is_none(), "a let-go stream is dropped");
+        let mut let_go: Vec<u32> = retired.iter().map(|s| s.name).collect();
+        let_go.sort_unstable();
+        assert_eq!(
+            let_go,
+            vec![2, 4],
+            "let-go streams are handed to the caller to drop"
+        );
+        assert!(weak.upgrade().is_none(), "a let-go stream has no Arc left");
         // Once the busy one finishes it goes too; the one held elsewhere stays.
         uses.iter().for_each(|s| s.finish());
-        retire_finished_uses(&mut uses, |s| s.is_done());
+        retire_finished_uses(&mut uses, &mut retired, |s| s.is_done());
         assert_eq!(names(&uses), vec![1]);
+        assert_eq!(retired.len(), 3);
     }
 
     #[test]
@@ -441,11 +465,13 @@ mod tests {
         // was queued in between through a handle that has gone since.
         let mut uses = vec![stream(7, true)];
         let asked = Cell::new(0);
-        retire_finished_uses(&mut uses, |_| {
+        let mut retired = Vec::new();
+        retire_finished_uses(&mut uses, &mut retired, |_| {
             asked.set(asked.get() + 1);
             asked.get() == 1
         });
         assert_eq!(names(&uses), vec![7]);
+        assert!(retired.is_empty());
         assert_eq!(asked.get(), 2);
     }
 
@@ -454,7 +480,7 @@ mod tests {
         let mut uses = Vec::new();
         let mut most = 0;
         for request in 0..100_000 {
-            retire_finished_uses(&mut uses, |s: &FakeStream| s.is_done());
+            retire_finished_uses(&mut uses, &mut Vec::new(), |s: &FakeStream| s.is_done());
             // The previous request's stream finished before this one began.
             let new = stream(request, false);
             uses.push(Arc::clone(&new));

@@ -202,7 +202,13 @@ pub(crate) fn borrowed_home_marker(
         return marker;
     }
     let end = home.end();
-    if matches!(end.is_finished(), Ok(true)) {
+    // The caller's check of `active_captures` leaves a window in which another thread's
+    // global-mode capture could begin, which this query (cuweave's own) would break: asked only
+    // while none is active or beginning. Skipped, the end is waited for below, as when it has
+    // not finished.
+    if cuweave_driver::graph::outside_captures(|| matches!(end.is_finished(), Ok(true)))
+        == Some(true)
+    {
         return Ok(None);
     }
     if end.is_recorded() {
