@@ -25,15 +25,15 @@ impl Capacity for HostAllocation {
 }
 
 impl Fence for OwnedPooledEvent {
-    /// Never queries while a stream capture is active anywhere: a query of an event recorded
-    /// before a capture invalidates it (from the capturing thread, or any thread in global
-    /// mode), and one recorded inside a capture cannot be queried at all. The block stays
-    /// pending until the captures are over; [`PinnedPool::get`] pins another meanwhile.
+    /// Never queries while a stream capture is active anywhere, and no capture begins during
+    /// the query ([`outside_captures`](cuweave_driver::graph::outside_captures): a check then a
+    /// query would leave a window for one): a query of an event recorded before a capture
+    /// invalidates it (from the capturing thread, or any thread in global mode), and one
+    /// recorded inside a capture cannot be queried at all. The block stays pending until the
+    /// captures are over; [`PinnedPool::get`] pins another meanwhile. The pool's lock, held
+    /// around the poll, is never held by a thread beginning a capture.
     fn passed(&self) -> Result<bool, DriverError> {
-        if cuweave_driver::graph::active_captures() != 0 {
-            return Ok(false);
-        }
-        self.query()
+        cuweave_driver::graph::outside_captures(|| self.query()).unwrap_or(Ok(false))
     }
 
     fn wait(&self) -> Result<(), DriverError> {
