@@ -67,8 +67,12 @@
 //!
 //! - **Graph capture.** Allocations on a capturing stream come from a private [`GraphPool`]
 //!   bound to the capture, and nothing that would break a capture (driver allocation or free,
-//!   event query, synchronisation) happens while one is active: see [`GraphPool`] and
-//!   `docs/graphs.md`.
+//!   event query, synchronisation) happens while one is active; the queries the allocator
+//!   makes of its own accord (polling pending frees, a dropped stream's end, `record_stream`'s
+//!   retirement) also run only while no capture can begin
+//!   ([`outside_captures`](cuweave_driver::graph::outside_captures)), since one begun on
+//!   another thread between a check and a query would break in global mode: see [`GraphPool`]
+//!   and `docs/graphs.md`.
 //!
 //! - **As a memory resource.** [`CachingResource`] wraps the allocator in the
 //!   [`MemoryResource`](crate::resource::MemoryResource) trait, so that adaptors can sit over
