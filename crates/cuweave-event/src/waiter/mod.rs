@@ -156,8 +156,8 @@ pub struct WaiterStats {
 /// so an idle waiter costs no CPU. Callbacks run on the reactor thread: keep them short, and never block in them.
 /// The reactor and its sleeper thread stay in relaxed capture mode, so that a
 /// [`CaptureMode::Global`](cuweave_driver::CaptureMode::Global) capture on another thread does
-/// not fail their waits; for the same reason a callback must make no CUDA call that a capture
-/// forbids (no allocation, no synchronisation).
+/// not fail their waits (nor do their queries break it); for the same reason a callback must
+/// make no CUDA call that a capture forbids (no allocation, no synchronisation).
 /// Dropping the waiter stops the thread: pending callbacks are cancelled (never run) and pending
 /// futures resolve to [`EventError::WaiterShutDown`]. A callback may own the last handle (an
 /// `Arc` of the waiter, or of an [`OperationCoordinator`](crate::OperationCoordinator)): the

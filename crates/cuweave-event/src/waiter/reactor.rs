@@ -11,7 +11,7 @@ use std::sync::{Arc, Weak};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
-use cuweave_driver::graph::capture_is_active;
+use cuweave_driver::graph::{capture_is_active, outside_captures};
 use cuweave_driver::{Event, OwnedPooledEvent};
 
 use parking_lot::{Condvar, Mutex};
@@ -97,13 +97,15 @@ enum Check {
 }
 
 impl Registration {
-    fn check(&self) -> Check {
+    /// Where the wait stands; `relaxed`: whether this thread is in relaxed capture mode (see
+    /// [`query`]).
+    fn check(&self, relaxed: bool) -> Check {
         match &self.source {
             Source::Word(lease) if lease.is_reached() => Check::Reached,
             Source::Word(_) => Check::NotYet,
-            Source::Event(event) => query(event.event()),
+            Source::Event(event) => query(event.event(), relaxed),
             Source::Held(event) => match event.upgrade() {
-                Some(event) => query(event.event()),
+                Some(event) => query(event.event(), relaxed),
                 None => Check::LetGo,
             },
             Source::CaptureEnd(capture) if capture_is_active(*capture) => Check::NotYet,
@@ -119,14 +121,28 @@ impl Registration {
     }
 }
 
-fn query(event: &Event) -> Check {
-    match event.query() {
-        Ok(true) => Check::Reached,
-        Ok(false) => Check::NotYet,
+/// Asks the driver whether the GPU has passed `event`, a query the reactor makes of its own
+/// accord. In relaxed capture mode (`relaxed`) the driver allows it during any capture on
+/// another thread, and it breaks none: asked now, so that waits resolve whatever captures run
+/// elsewhere (`waits_resolve_while_another_thread_runs_a_global_mode_capture`). Without the
+/// mode, the query would break a global-mode capture another thread began, even one begun
+/// between a check of the capture count and the query: it is made only inside
+/// [`outside_captures`], and a capture active or beginning means "not yet".
+fn query(event: &Event, relaxed: bool) -> Check {
+    let answer = if relaxed {
+        Some(event.query())
+    } else {
+        outside_captures(|| event.query())
+    };
+    match answer {
+        // Skipped while a capture is active or beginning: asked again on a later scan.
+        None => Check::NotYet,
+        Some(Ok(true)) => Check::Reached,
+        Some(Ok(false)) => Check::NotYet,
         // Refused while a capture lasts (only if this thread could not enter relaxed mode):
         // asked again on a later scan, never a failure.
-        Err(error) if error.is_capture_refusal() => Check::NotYet,
-        Err(error) => Check::Failed(error.into()),
+        Some(Err(error)) if error.is_capture_refusal() => Check::NotYet,
+        Some(Err(error)) => Check::Failed(error.into()),
     }
 }
 
@@ -220,8 +236,10 @@ impl Sleeper {
 /// From its first registration the thread stays in relaxed capture mode: it queries only
 /// events and streams recorded outside captures (a wait on a capturing stream is refused when
 /// it is made), so a global-mode capture on another thread must not turn its queries into
-/// failures. Not before: entering the mode loads and initialises the driver, which a waiter
-/// that never gets a registration (or a process with no GPU work yet) should not pay.
+/// failures, nor be broken by them. Not before: entering the mode loads and initialises the
+/// driver, which a waiter that never gets a registration (or a process with no GPU work yet)
+/// should not pay. Should the mode be out of reach, its queries are made only inside
+/// [`outside_captures`] (see [`query`]).
 pub(crate) fn run(shared: &Shared) {
     let mut relaxed = None;
     let mut reactor = Reactor {
@@ -229,6 +247,7 @@ pub(crate) fn run(shared: &Shared) {
         entries: Vec::new(),
         zombies: Vec::new(),
         last_probe: Instant::now(),
+        relaxed: false,
     };
     let mut sleeper: Option<Arc<Sleeper>> = None;
     let mut last_progress = Instant::now();
@@ -250,6 +269,7 @@ pub(crate) fn run(shared: &Shared) {
         if arrived {
             if relaxed.is_none() {
                 relaxed = capture::relaxed_thread("cuweave-event-reactor");
+                reactor.relaxed = relaxed.is_some();
             }
             // A caller that just registered a wait expects a short one: spin first.
             last_progress = now;
@@ -305,6 +325,9 @@ struct Reactor<'a> {
     /// does, so a late write never lands in a word lent to someone else.
     zombies: Vec<Lease>,
     last_probe: Instant,
+    /// Whether this thread holds relaxed capture mode: its queries then need not keep out of
+    /// captures (see [`query`]).
+    relaxed: bool,
 }
 
 impl Reactor<'_> {
@@ -319,7 +342,7 @@ impl Reactor<'_> {
                 progressed = true;
                 continue;
             }
-            match entry.check() {
+            match entry.check(self.relaxed) {
                 Check::Reached => {
                     let entry = self.entries.swap_remove(index);
                     if entry.cell.complete() {
@@ -399,7 +422,15 @@ impl Reactor<'_> {
         }
         let mut failed_any = false;
         for slab in slabs {
-            let Err(error) = slab.probe() else { continue };
+            // A stream query of cuweave's own, as the scan's event queries (see [`query`]):
+            // without relaxed mode, made only while no capture is active or beginning.
+            let probed = if self.relaxed {
+                Some(slab.probe())
+            } else {
+                outside_captures(|| slab.probe())
+            };
+            // Skipped (a capture is active or beginning): no news of a death.
+            let Some(Err(error)) = probed else { continue };
             if error.is_capture_refusal() {
                 // Not asked (a capture forbids it on this thread): no news of a death.
                 continue;

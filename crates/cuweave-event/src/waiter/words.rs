@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
 use crossbeam::queue::SegQueue;
+use cuweave_driver::graph::outside_captures;
 use cuweave_driver::memory::MappedWords;
 use cuweave_driver::{Context, DriverError, EventPool, OwnedPooledEvent, Stream, StreamFlags};
 use parking_lot::Mutex;
@@ -112,10 +113,15 @@ impl WordSlab {
     /// the reactor's spin or nap once it wakes). The word's write is already queued, so the
     /// lease must be watched whatever happens here: a failure only costs the reactor its sleep
     /// (it naps instead).
+    ///
+    /// Whether the last one is still pending is a query of cuweave's own, made on the caller's
+    /// thread (not in relaxed mode): only inside [`outside_captures`], so that it cannot break
+    /// a global-mode capture another thread begins meanwhile. While a capture is active or
+    /// beginning it is not asked, and a fresh event is recorded, as when the driver refused it.
     fn wake_event(&self, stream: &Stream) -> Option<Arc<OwnedPooledEvent>> {
         let mut wakes = self.wakes.lock();
         if let Some(pending) = wakes.get(&stream.id()).and_then(Weak::upgrade)
-            && pending.query().ok() == Some(false)
+            && outside_captures(|| pending.query().ok()).flatten() == Some(false)
         {
             return None;
         }
