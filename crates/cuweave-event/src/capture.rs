@@ -6,7 +6,15 @@
 //! relaxed mode. Such a refusal says "not now", never "failed": the capture ends and the
 //! question can be asked again. The waiter's own threads query only events recorded outside
 //! captures, which no capture can be broken by, so they run in relaxed mode for their whole
-//! lives ([`relaxed_thread`]).
+//! lives ([`relaxed_thread`]); should a thread fail to enter it, its queries are made as the
+//! ones below.
+//!
+//! The queries the layer makes of its own accord on a caller's thread (the coordinator's polls
+//! and GPU-time harvests, the completion words' check of their last wake event) run inside
+//! [`outside_captures`](cuweave_driver::graph::outside_captures): never while a capture begun
+//! through cuweave is active, and no capture begins during them. A check of the capture count
+//! followed by the query would leave a gap in which another thread's global-mode capture could
+//! begin, and the query would break it. Skipped, such a query counts as "not yet".
 
 use cuweave_driver::graph::{CaptureModeGuard, StatusCheck, refuse_recording};
 use cuweave_driver::{CaptureMode, DriverError, Stream};

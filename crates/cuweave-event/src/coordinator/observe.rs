@@ -4,7 +4,7 @@
 use std::sync::{Arc, Weak};
 
 use cuweave_driver::OwnedPooledEvent;
-use cuweave_driver::graph::capture_is_active;
+use cuweave_driver::graph::{capture_is_active, outside_captures};
 
 use super::capture_waits::{self, CapturedCompletion, captured_completion};
 use super::metrics::MetricsCell;
@@ -88,13 +88,19 @@ impl Inner {
                         == CapturedCompletion::Captured);
                 }
                 match &op.done {
-                    Some(done) => match done.query() {
+                    // A query the coordinator makes of its own accord, on the caller's thread:
+                    // only while no capture is active or beginning (a check of the capture
+                    // count, then the query, would break a global-mode capture another thread
+                    // began in between). Skipped: "not yet", as a refused query, asked again by
+                    // a later poll.
+                    Some(done) => match outside_captures(|| done.query()) {
+                        None => Ok(false),
                         // Recorded into a capture begun outside cuweave, unseen at the record:
                         // complete once that capture has ended, as a cuweave capture's are.
-                        Err(error) if capture_waits::is_captured_event(&error) => {
+                        Some(Err(error)) if capture_waits::is_captured_event(&error) => {
                             op.foreign_capture_ended()
                         }
-                        answer => answer,
+                        Some(answer) => answer,
                     },
                     // A queued operation always has its event; without one there is nothing
                     // to see.
@@ -117,10 +123,22 @@ impl Inner {
     }
 
     /// Adds the GPU time of finished spans to the metrics (and to live operations' metadata).
+    ///
+    /// The harvest queries the spans' end events, of the coordinator's own accord: only while
+    /// no capture is active or beginning, so that no global-mode capture another thread begins
+    /// meanwhile is broken; skipped otherwise (the spans stay pending for a later harvest). A
+    /// timer with nothing pending (timing off) asks nothing, and pays nothing for that.
     pub(super) fn harvest_times(&self) {
+        // Taken first: a harvest under way on another thread may hold spans already taken out
+        // of the timer, and their times are written before this returns.
         let _harvesting = self.harvesting.lock();
+        if self.timer.pending() == 0 {
+            return;
+        }
         let mut times = Vec::new();
-        if let Err(error) = self.timer.harvest(|tag, time, _| times.push((tag, time))) {
+        if let Some(Err(error)) =
+            outside_captures(|| self.timer.harvest(|tag, time, _| times.push((tag, time))))
+        {
             tracing::warn!(%error, "reading an operation's GPU time");
         }
         if times.is_empty() {
