@@ -27,8 +27,8 @@ use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-use cuweave_driver::graph::{StatusCheck, refuse_recording, relaxed_during_captures};
-use cuweave_driver::{EventPool, OwnedPooledEvent, Stream};
+use cuweave_driver::graph::{CaptureModeGuard, StatusCheck, outside_captures, refuse_recording};
+use cuweave_driver::{CaptureMode, EventPool, OwnedPooledEvent, Stream};
 use cuweave_event::{AsyncEventWaiter, EventError, WaitFuture};
 
 use crate::comm::Communicator;
@@ -104,15 +104,27 @@ impl Future for CollectiveFuture {
                     // communicator. The event was recorded eagerly (`completion_within` refuses a
                     // capturing stream), so a capture this thread is subject to need not forbid
                     // the query: made in relaxed mode, it neither breaks nor is refused.
-                    let relaxed = relaxed_during_captures();
-                    let done = self.event.query();
-                    drop(relaxed);
+                    //
+                    // The query is cuweave's own. Asked plainly only inside `outside_captures`,
+                    // where no capture is active and none begins (a check of the capture count
+                    // and then a plain query would break a global-mode capture another thread
+                    // began in between); with a capture active or beginning, asked in relaxed
+                    // mode, entered whatever the count reads (the capture may not be counted
+                    // yet).
+                    let done = outside_captures(|| self.event.query()).or_else(|| {
+                        let relaxed = CaptureModeGuard::enter(CaptureMode::Relaxed).ok()?;
+                        let done = self.event.query();
+                        drop(relaxed);
+                        Some(done)
+                    });
                     match done {
-                        Ok(true) => return Poll::Ready(self.finished()),
-                        Ok(false) => {}
-                        // Still refused (relaxed mode unavailable): the tick decides.
-                        Err(error) if error.is_capture_refusal() => {}
-                        Err(error) => return Poll::Ready(Err(error.into())),
+                        Some(Ok(true)) => return Poll::Ready(self.finished()),
+                        Some(Ok(false)) => {}
+                        // Not asked, or still refused (relaxed mode unavailable): the tick
+                        // decides.
+                        None => {}
+                        Some(Err(error)) if error.is_capture_refusal() => {}
+                        Some(Err(error)) => return Poll::Ready(Err(error.into())),
                     }
                     // Has NCCL reported an error, or has the deadline passed? Either aborts
                     // in the background, so the caller is not held (see `abort_in_background`).
