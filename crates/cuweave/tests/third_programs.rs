@@ -535,8 +535,8 @@ fn request_threads_sharing_a_load_balanced_pool_await_pooled_events_and_leave_no
 /// stream, beginning a second capture on it, uploading a pageable `Vec` into it, emptying the
 /// allocator's cache and reading a buffer back with a blocking copy, all while capturing. Each
 /// is a typed refusal (the `Vec` handed back) or, for the read, a correct result; none may break
-/// the capture, which still finishes and replays exactly. A fork never joined is
-/// `UnjoinedFork`, after which both streams work eagerly again.
+/// the capture, which still finishes and replays exactly. A fork that did work and never joined
+/// is `UnjoinedFork`, after which both streams work eagerly again.
 #[test]
 fn capture_misuse_is_refused_with_typed_errors_and_the_capture_still_replays() {
     let gpu = require_gpu!();
@@ -611,8 +611,11 @@ fn capture_misuse_is_refused_with_typed_errors_and_the_capture_still_replays() {
         "100 replays of one captured increment"
     );
 
+    // A fork that queued nothing needs no join (the driver ends such a capture), so the side
+    // stream does work, as a real fork would, and never joins back.
     let mut capture = stream.begin_capture(CaptureOptions::default()).unwrap();
     capture.fork(other.stream()).unwrap();
+    ops.spin(&other, 1_000);
     assert_eq!(capture.unjoined(), vec![other.stream().id()]);
     match capture.finish() {
         Err(error) => assert!(

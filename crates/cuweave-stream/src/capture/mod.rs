@@ -232,9 +232,11 @@ impl<'s> StreamCapture<'s> {
     /// Ends the capture and returns its graph, which keeps the capture's pool alive.
     ///
     /// # Errors
-    /// [`GraphError::UnjoinedFork`] when a forked stream was not joined back;
-    /// [`GraphError::CaptureInvalidated`] naming the first call that broke the capture. The
-    /// capture is over either way and every stream usable.
+    /// [`GraphError::UnjoinedFork`] when work queued on a forked stream was not joined back
+    /// (the driver's check: a fork that queued nothing after [`fork`](Self::fork) leaves no
+    /// node outside the origin's graph, and ends with it, although [`unjoined`](Self::unjoined)
+    /// still lists it); [`GraphError::CaptureInvalidated`] naming the first call that broke the
+    /// capture. The capture is over either way and every stream usable.
     pub fn finish(mut self) -> Result<Graph> {
         self.ended = true;
         let ended = self.origin.end_capture();
