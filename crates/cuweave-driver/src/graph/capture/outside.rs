@@ -13,10 +13,15 @@
 //! for it to finish). Callers arriving after the announcement skip at once, so a begin waits
 //! only for work already under way (a few queries), and callers never wait at all.
 //!
-//! No CUDA here: the protocol is tested with plain threads.
+//! No CUDA here: the protocol's core ([`Gate`]) is model-checked with loom (`loom_tests`), and
+//! the whole is tested with plain threads.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicUsize, Ordering};
+
+#[cfg(all(loom, test))]
+use loom::sync::atomic::{AtomicUsize, Ordering, fence};
+#[cfg(not(all(loom, test)))]
+use std::sync::atomic::{AtomicUsize, Ordering, fence};
 
 use crossbeam::utils::{Backoff, CachePadded};
 
@@ -26,17 +31,97 @@ use super::registry::active_captures;
 /// concurrent callers seldom share a cache line.
 const SHARDS: usize = 64;
 
-/// Callers inside [`outside_captures`] (entered and not yet left), per shard.
-static INSIDE: [CachePadded<AtomicUsize>; SHARDS] =
-    [const { CachePadded::new(AtomicUsize::new(0)) }; SHARDS];
-/// Capture begins announced and not yet counted in [`active_captures`].
-static BEGINNING: AtomicUsize = AtomicUsize::new(0);
+/// The protocol's core, free of CUDA and of thread-locals (callers pass their shard), so that
+/// loom can check it with a few shards (`loom_tests`).
+pub(super) struct Gate<const N: usize> {
+    /// Callers inside (entered and not yet left), per shard.
+    inside: [CachePadded<AtomicUsize>; N],
+    /// Capture begins announced and not yet over.
+    beginning: AtomicUsize,
+}
+
+impl<const N: usize> Gate<N> {
+    #[cfg(not(all(loom, test)))]
+    const fn new() -> Self {
+        Self {
+            inside: [const { CachePadded::new(AtomicUsize::new(0)) }; N],
+            beginning: AtomicUsize::new(0),
+        }
+    }
+
+    #[cfg(all(loom, test))]
+    fn new() -> Self {
+        Self {
+            inside: std::array::from_fn(|_| CachePadded::new(AtomicUsize::new(0))),
+            beginning: AtomicUsize::new(0),
+        }
+    }
+
+    /// Counts a caller into `shard`; whether it may run its work (no begin announced, or
+    /// `nested` in a call of its own thread that is running its work). Either way the caller
+    /// must [`leave`](Self::leave) after.
+    ///
+    /// The count, then a full fence, then the read of the announcements; a begin announces,
+    /// fences, then reads the counts. Of a caller and a begin racing, one of the two reads sees
+    /// the other's write (the fences' total order), so either the caller skips or the begin
+    /// waits for it.
+    fn enter(&self, shard: usize, nested: bool) -> bool {
+        self.inside[shard].fetch_add(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        // Nested inside this thread's own call, which is running its work: every begin
+        // announced since waits for that call, so none can be under way past its wait (and
+        // refusing here would make a query inside the outer call wait for a begin that waits
+        // for it).
+        // Acquire: a caller that reads an announcement's end sees what the begin did before it.
+        nested || self.beginning.load(Ordering::Acquire) == 0
+    }
+
+    /// Counts a caller out of `shard`; what its work did happens before a begin that sees it
+    /// gone.
+    fn leave(&self, shard: usize) {
+        self.inside[shard].fetch_sub(1, Ordering::Release);
+    }
+
+    /// Whether a begin is announced and not yet over.
+    fn is_beginning(&self) -> bool {
+        self.beginning.load(Ordering::Acquire) != 0
+    }
+
+    /// Announces a begin, then waits (calling `wait` between looks) until no caller is inside
+    /// running its work, other than `own_depth` callers of the announcing thread in `own_shard`.
+    fn announce(&self, own_shard: usize, own_depth: usize, mut wait: impl FnMut()) {
+        self.beginning.fetch_add(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        // Callers that enter after the announcement leave without working; those inside before
+        // it finish their (short) work. So once a shard reads 0 (the announcing thread's own
+        // shard: its own depth), no working caller is left in it: each shard is waited for on
+        // its own, not the sum of all at one moment, which callers entering and leaving in a
+        // loop would keep above 0.
+        for (index, shard) in self.inside.iter().enumerate() {
+            let allowed = if index == own_shard { own_depth } else { 0 };
+            while shard.load(Ordering::Acquire) > allowed {
+                wait();
+            }
+        }
+    }
+
+    /// Ends an announcement.
+    fn end_announcement(&self) {
+        self.beginning.fetch_sub(1, Ordering::Release);
+    }
+}
+
+#[cfg(not(all(loom, test)))]
+static GATE: Gate<SHARDS> = Gate::new();
+#[cfg(all(loom, test))]
+static GATE: std::sync::LazyLock<Gate<SHARDS>> = std::sync::LazyLock::new(Gate::new);
+
 /// The next thread's shard.
-static NEXT_SHARD: AtomicUsize = AtomicUsize::new(0);
+static NEXT_SHARD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 thread_local! {
-    /// This thread's shard of [`INSIDE`].
-    static SHARD: usize = NEXT_SHARD.fetch_add(1, Ordering::Relaxed) % SHARDS;
+    /// This thread's shard of [`GATE`].
+    static SHARD: usize = NEXT_SHARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % SHARDS;
     /// How deep this thread is inside [`outside_captures`] (a begin made inside, against its
     /// contract, must not wait for its own thread).
     static DEPTH: Cell<usize> = const { Cell::new(0) };
@@ -67,21 +152,14 @@ pub fn outside_captures<R>(f: impl FnOnce() -> R) -> Option<R> {
 /// it returns. The same contract as [`outside_captures`]: `f` short, waiting for no other
 /// thread, beginning no capture.
 pub(crate) fn outside_capture_begins<R>(f: impl FnOnce() -> R) -> Option<R> {
-    let shard = &INSIDE[SHARD.with(|shard| *shard)];
-    shard.fetch_add(1, Ordering::SeqCst);
+    let shard = SHARD.with(|shard| *shard);
     let nested = DEPTH.with(|depth| {
         let outer = depth.get();
         depth.set(outer + 1);
         outer > 0
     });
     let _left = Leave(shard);
-    // Nested inside this thread's own call, which is running its work: every begin announced
-    // since waits for that call, so none can be under way past its wait (and refusing here would
-    // make a query inside the outer call wait for a begin that waits for it).
-    if !nested && BEGINNING.load(Ordering::SeqCst) != 0 {
-        return None;
-    }
-    Some(f())
+    GATE.enter(shard, nested).then(f)
 }
 
 /// Runs `f` as [`outside_capture_begins`] does, waiting out capture begins under way (each a
@@ -95,7 +173,7 @@ pub(crate) fn between_capture_begins<R>(f: impl FnOnce() -> R) -> R {
         if let Some(result) = outside_capture_begins(|| (f.take().expect("runs once"))()) {
             return result;
         }
-        while BEGINNING.load(Ordering::SeqCst) != 0 {
+        while GATE.is_beginning() {
             if backoff.is_completed() {
                 std::thread::yield_now();
             } else {
@@ -113,12 +191,12 @@ pub(super) fn inside_on_this_thread() -> bool {
 }
 
 /// Counts the caller out of its shard (unwinding included).
-struct Leave(&'static AtomicUsize);
+struct Leave(usize);
 
 impl Drop for Leave {
     fn drop(&mut self) {
         DEPTH.with(|depth| depth.set(depth.get() - 1));
-        self.0.fetch_sub(1, Ordering::Release);
+        GATE.leave(self.0);
     }
 }
 
@@ -129,7 +207,7 @@ pub(super) struct CaptureBeginAnnounced(());
 
 impl Drop for CaptureBeginAnnounced {
     fn drop(&mut self) {
-        BEGINNING.fetch_sub(1, Ordering::SeqCst);
+        GATE.end_announcement();
     }
 }
 
@@ -138,30 +216,18 @@ impl Drop for CaptureBeginAnnounced {
 /// caller runs its work. Drop the guard only once the capture is counted in
 /// [`active_captures`] (or has failed to begin).
 pub(super) fn announce_capture_begin() -> CaptureBeginAnnounced {
-    BEGINNING.fetch_add(1, Ordering::SeqCst);
-    let announced = CaptureBeginAnnounced(());
-    let own_shard = SHARD.with(|shard| *shard);
-    let own = DEPTH.with(Cell::get);
-    // Callers that enter after the announcement leave without working; those inside before it
-    // finish their (short) work. So once a shard reads 0 (the calling thread's own shard: its
-    // own depth), no working caller is left in it: each shard is waited for on its own, not
-    // the sum of all at one moment, which callers entering and leaving in a loop would keep
-    // above 0.
-    for (index, shard) in INSIDE.iter().enumerate() {
-        let allowed = if index == own_shard { own } else { 0 };
-        let backoff = Backoff::new();
-        while shard.load(Ordering::SeqCst) > allowed {
-            if backoff.is_completed() {
-                std::thread::yield_now();
-            } else {
-                backoff.snooze();
-            }
+    let backoff = Backoff::new();
+    GATE.announce(SHARD.with(|shard| *shard), DEPTH.with(Cell::get), || {
+        if backoff.is_completed() {
+            std::thread::yield_now();
+        } else {
+            backoff.snooze();
         }
-    }
-    announced
+    });
+    CaptureBeginAnnounced(())
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod tests {
     use std::sync::atomic::AtomicBool;
 
@@ -252,7 +318,7 @@ mod tests {
             scope.spawn(|| {
                 outside_captures(|| {
                     inside.store(true, Ordering::SeqCst);
-                    while BEGINNING.load(Ordering::SeqCst) == 0 {
+                    while !GATE.is_beginning() {
                         std::thread::yield_now();
                     }
                     assert_eq!(between_capture_begins(|| 5), 5);
@@ -280,5 +346,88 @@ mod tests {
             outside_captures(|| super::super::registry::while_no_capture_begins(|| 9))
         });
         assert_eq!(ran.join().unwrap(), Some(9));
+    }
+}
+
+#[cfg(all(loom, test))]
+mod loom_tests {
+    use loom::sync::Arc;
+    use loom::sync::atomic::{AtomicBool, Ordering};
+    use loom::thread;
+
+    use super::Gate;
+
+    /// A caller's work never overlaps an announced begin: the flag the begin raises after its
+    /// wait (and lowers before its end) is never seen raised by the work.
+    #[test]
+    fn loom_work_never_overlaps_an_announced_begin() {
+        loom::model(|| {
+            let gate = Arc::new(Gate::<2>::new());
+            let begun = Arc::new(AtomicBool::new(false));
+            let caller = {
+                let (gate, begun) = (gate.clone(), begun.clone());
+                thread::spawn(move || {
+                    if gate.enter(0, false) {
+                        assert!(!begun.load(Ordering::Relaxed), "work ran during a begin");
+                    }
+                    gate.leave(0);
+                })
+            };
+            gate.announce(1, 0, thread::yield_now);
+            begun.store(true, Ordering::Relaxed);
+            begun.store(false, Ordering::Relaxed);
+            gate.end_announcement();
+            caller.join().unwrap();
+        });
+    }
+
+    /// Two callers in one shard and a begin: neither works during the begin, and the begin's
+    /// wait ends (each shard is waited for on its own).
+    #[test]
+    fn loom_two_callers_sharing_a_shard_never_overlap_a_begin() {
+        // Three threads and a wait loop: bounded preemptions keep the model to seconds.
+        let mut model = loom::model::Builder::new();
+        model.preemption_bound = Some(3);
+        model.check(|| {
+            let gate = Arc::new(Gate::<2>::new());
+            let begun = Arc::new(AtomicBool::new(false));
+            let callers: Vec<_> = (0..2)
+                .map(|_| {
+                    let (gate, begun) = (gate.clone(), begun.clone());
+                    thread::spawn(move || {
+                        if gate.enter(0, false) {
+                            assert!(!begun.load(Ordering::Relaxed), "work ran during a begin");
+                        }
+                        gate.leave(0);
+                    })
+                })
+                .collect();
+            gate.announce(1, 0, thread::yield_now);
+            begun.store(true, Ordering::Relaxed);
+            begun.store(false, Ordering::Relaxed);
+            gate.end_announcement();
+            for caller in callers {
+                caller.join().unwrap();
+            }
+        });
+    }
+
+    /// A caller entering after an announcement ended runs its work.
+    #[test]
+    fn loom_a_caller_after_the_begin_runs() {
+        loom::model(|| {
+            let gate = Arc::new(Gate::<2>::new());
+            gate.announce(0, 0, thread::yield_now);
+            gate.end_announcement();
+            let caller = {
+                let gate = gate.clone();
+                thread::spawn(move || {
+                    let ran = gate.enter(1, false);
+                    gate.leave(1);
+                    ran
+                })
+            };
+            assert!(caller.join().unwrap());
+        });
     }
 }
