@@ -206,7 +206,10 @@ fn every_pair_and_method_round_trips_between_two_devices() {
         Context::primary(Device::get(0).unwrap()).unwrap(),
         Context::primary(Device::get(1).unwrap()).unwrap(),
     );
-    for len in SIZES {
+    // Up to 8 MiB + 4097 bytes (several chunks of every pipeline): the 256 MiB size, run in
+    // the one-device matrix, took most of this test's 77 s on a two-H200 host and pushed the
+    // binary past the bundle's per-binary limit.
+    for len in SIZES.into_iter().filter(|&len| len < 256 * MIB) {
         let total = len + SLACK;
         let data = pattern(total, 7 + len as u32);
         for (a, b) in [(&c0, &c1), (&c1, &c0)] {
