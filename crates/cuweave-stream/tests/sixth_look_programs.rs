@@ -23,12 +23,10 @@ use cuweave_stream::{
 };
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::stream_kernels::StreamKernels;
-use cuweave_test_support::{require_gpu, serial, skip};
+use cuweave_test_support::{require_gpu, serial};
 
 mod common;
-use common::mapped::Mapped;
-
-const MS: u64 = 1_000_000;
+use common::mapped::{Mapped, copy_flag, hold, increment, maps_host_memory};
 
 /// The markers a stream keeps before a submission drops finished ones
 /// (`stream::outstanding::PRUNE_AT`, private to the crate).
@@ -40,42 +38,6 @@ const MAX_MARKERS: usize = 256;
 /// Events of the shared pool taken by something else meanwhile (a capture's fork events, a
 /// thread's cached slot): slack on every event bound below.
 const SLACK: usize = 16;
-
-/// `false` (after saying why) when the device cannot map pinned host memory for the gates.
-fn maps_host_memory(gpu: &cuweave_test_support::Gpu, test: &str) -> bool {
-    if gpu.device.can_map_host_memory().unwrap() {
-        return true;
-    }
-    skip(test, "the device cannot map host memory");
-    false
-}
-
-/// Queues on `stream` a `wait_u32` gate holding it until word `word` of `gate` is 1 (or 10 s).
-fn hold(kernels: &TestKernels, stream: &PriorityStream, gate: &Mapped, word: usize) {
-    let flag = gate.device(word);
-    // SAFETY: `flag` is a mapped word of `gate`, which outlives the kernel (every test opens
-    // the gate and synchronizes before dropping it).
-    stream
-        .launch(|s| unsafe { kernels.wait_u32(s, flag, 1, 10_000 * MS) })
-        .unwrap();
-}
-
-/// Queues on `stream` `*word += 1` for one `u32`.
-fn increment(kernels: &TestKernels, stream: &PriorityStream, word: u64) {
-    // SAFETY: callers pass one mapped `u32` that lives until the stream is synchronized and that
-    // only work ordered on one stream (or behind waits on it) touches.
-    stream
-        .launch(|s| unsafe { kernels.increment_u32(s, word, 1) })
-        .unwrap();
-}
-
-/// Queues on `stream` a copy of the `u32` at `flag` into the `u32` at `out`.
-fn copy_flag(kernels: &StreamKernels, stream: &PriorityStream, flag: u64, out: u64) {
-    // SAFETY: callers pass mapped words that live until the stream is synchronized.
-    stream
-        .launch(|s| unsafe { kernels.copy_flag_u32(s, flag, out) })
-        .unwrap();
-}
 
 /// Events of `stream`'s context pool handed out and not returned.
 fn events_in_use(stream: &PriorityStream) -> usize {
