@@ -30,15 +30,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use common::increment::{increment, incrementer, plus};
 use common::{assert_bytes_eq, comm, own_comm, pattern, skip, stream};
 use cuweave_collective::{
     Bf16, CollectiveError, CommConfig, Communicator, CoordinatedCollectives, F16, Group, ReduceOp,
 };
-use cuweave_driver::{Context, Device, Kernel, LaunchConfig, Stream};
+use cuweave_driver::{Context, Device, Stream};
 use cuweave_event::{
     AsStream, EventPool, EventPriority, OperationCoordinator, OperationId, OperationType,
 };
-use cuweave_memory::{Buffer, DeviceBuffer, TrackedLaunch};
+use cuweave_memory::{Buffer, DeviceBuffer};
 use cuweave_test_support::host_flags::HostFlags;
 use cuweave_test_support::kernels::TestKernels;
 use cuweave_test_support::poll_until;
@@ -111,40 +112,6 @@ fn all_retired(coordinator: &OperationCoordinator, what: &str) {
         "{what}: {} operations still live after 10 s",
         coordinator.live_operations()
     );
-}
-
-/// `increment_u32` of `context`'s test kernels (the module kept alive beside it).
-fn incrementer(context: &Arc<Context>) -> (TestKernels, Kernel) {
-    let kernels = TestKernels::load(context).expect("kernels");
-    let increment = kernels
-        .module()
-        .function("increment_u32")
-        .expect("increment_u32");
-    (kernels, increment)
-}
-
-/// Queues `data[i] += 1` on `stream`, declared a write of `data`.
-fn increment<B: Buffer<u32> + ?Sized>(kernel: &Kernel, stream: &Stream, data: &mut B) {
-    let n = data.len() as u64;
-    let config = LaunchConfig {
-        grid: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
-        block: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: increment_u32(unsigned* data, size_t n) gets the buffer's address and its length
-    // (a grid-stride loop over exactly `n` elements); it writes only `data`, declared a write,
-    // so the tracker orders it with every other use.
-    unsafe {
-        TrackedLaunch::new(kernel, stream, config)
-            .write(data)
-            .arg(&n)
-            .launch()
-    }
-    .expect("increment");
-}
-
-fn plus(values: &[u32], k: u32) -> Vec<u32> {
-    values.iter().map(|v| v.wrapping_add(k)).collect()
 }
 
 /// Makes NCCL's lazy first-call setup happen now, not under a test's timing.

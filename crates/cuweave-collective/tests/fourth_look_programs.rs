@@ -24,15 +24,13 @@ mod common;
 
 use std::sync::Arc;
 
+use common::increment::{increment, incrementer, plus};
 use common::{Pattern, assert_bytes_eq, comm, own_comm, pattern, skip, stream};
 use cuweave_collective::{
     Bf16, CollectiveError, CommConfig, Communicator, F16, Group, NcclType, ReduceOp, UniqueId,
 };
-use cuweave_driver::{Context, Device, Kernel, LaunchConfig, Stream};
-use cuweave_memory::{
-    Buffer, BufferSlice, BufferSliceMut, DeviceBuffer, MemoryError, TrackedLaunch,
-};
-use cuweave_test_support::kernels::TestKernels;
+use cuweave_driver::{Context, Device, Stream};
+use cuweave_memory::{Buffer, BufferSlice, BufferSliceMut, DeviceBuffer, MemoryError};
 
 /// 20 ms of a spinning kernel: work queued behind it on its stream starts that late, so work on
 /// another stream that did not wait for it would run first and show in the bytes.
@@ -40,40 +38,6 @@ const SPIN_NS: u64 = 20_000_000;
 
 fn upload<T: NcclType>(context: &Arc<Context>, values: &[T]) -> DeviceBuffer<T> {
     DeviceBuffer::from_slice(context, values).expect("upload")
-}
-
-/// The test kernels of `context` and their `increment_u32`.
-fn incrementer(context: &Arc<Context>) -> (TestKernels, Kernel) {
-    let kernels = TestKernels::load(context).expect("kernels");
-    let increment = kernels
-        .module()
-        .function("increment_u32")
-        .expect("increment_u32");
-    (kernels, increment)
-}
-
-/// Queues `data[i] += 1` on `stream`, declared a write of `data`.
-fn increment<B: Buffer<u32> + ?Sized>(kernel: &Kernel, stream: &Stream, data: &mut B) {
-    let n = data.len() as u64;
-    let config = LaunchConfig {
-        grid: (n.div_ceil(256).clamp(1, 4096) as u32, 1, 1),
-        block: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: increment_u32(unsigned* data, size_t n) gets the buffer's address and its length
-    // (a grid-stride loop over exactly `n` elements); it writes only `data`, declared a write,
-    // so the tracker orders it with every other use.
-    unsafe {
-        TrackedLaunch::new(kernel, stream, config)
-            .write(data)
-            .arg(&n)
-            .launch()
-    }
-    .expect("increment");
-}
-
-fn plus(values: &[u32], k: u32) -> Vec<u32> {
-    values.iter().map(|v| v.wrapping_add(k)).collect()
 }
 
 /// The first two devices, or `None` after printing why the two-rank program is skipped.

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod increment;
+
 use std::sync::{Arc, OnceLock};
 
 use cuweave_collective::{Bf16, CommConfig, Communicator, F16, NcclType, UniqueId};
