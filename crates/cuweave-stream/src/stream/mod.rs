@@ -314,26 +314,21 @@ impl PriorityStream {
         self.timer.finish_not_capturing(span, &self.inner, ())?;
         self.metrics.count(kind, bytes);
         // Finished markers are looked for only outside captures, and no capture begins during
-        // the search: a query could break another thread's global capture.
-        let record = |event: &cuweave_driver::OwnedPooledEvent| event.record(&self.inner);
-        let make = || self.events.acquire_owned(false);
-        let pruned = cuweave_driver::graph::outside_captures(|| {
-            self.outstanding.submitted(
-                1,
-                make,
-                record,
-                Some(|event: &cuweave_driver::OwnedPooledEvent| matches!(event.query(), Ok(true))),
-            )
-        });
-        match pruned {
-            Some(submitted) => submitted?,
-            None => self.outstanding.submitted(
-                1,
-                make,
-                record,
-                None::<fn(&cuweave_driver::OwnedPooledEvent) -> bool>,
-            )?,
-        }
+        // a query: one could break another thread's global capture. Each query is a section of
+        // its own, taken under the markers' lock: a section must never wait for a lock, which
+        // `outstanding_work` holds across queries that wait out a capture begin (which waits
+        // for the sections). A query skipped reads as unfinished: the search then drops fewer.
+        self.outstanding.submitted(
+            1,
+            || self.events.acquire_owned(false),
+            |event| event.record(&self.inner),
+            Some(|event: &cuweave_driver::OwnedPooledEvent| {
+                matches!(
+                    cuweave_driver::graph::outside_captures(|| event.query()),
+                    Some(Ok(true))
+                )
+            }),
+        )?;
         Ok(value)
     }
 

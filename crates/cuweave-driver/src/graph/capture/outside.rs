@@ -135,7 +135,10 @@ thread_local! {
 /// it). A check of [`active_captures`] followed by the query leaves a window in which such a
 /// capture can begin; this closes it. Callers never wait: one atomic add and two loads on the
 /// way in, one atomic subtract on the way out. A capture begin waits for the callers already
-/// inside, so `f` must be short and must not wait for another thread, nor begin a capture.
+/// inside, so `f` must be short and must not wait for another thread, nor begin a capture. In
+/// particular `f` must not wait for a lock that another thread may hold across an
+/// [`Event::query`](crate::Event::query) or [`Stream::query`](crate::Stream::query) (which wait
+/// out a capture begin): take such a lock before the call, or wrap each query instead.
 ///
 /// ```
 /// # use cuweave_driver::graph::outside_captures;
