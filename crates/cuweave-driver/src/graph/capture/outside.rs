@@ -57,23 +57,18 @@ impl<const N: usize> Gate<N> {
         }
     }
 
-    /// Counts a caller into `shard`; whether it may run its work (no begin announced, or
-    /// `nested` in a call of its own thread that is running its work). Either way the caller
-    /// must [`leave`](Self::leave) after.
+    /// Counts a caller into `shard`; whether it may run its work (no begin announced). Either
+    /// way the caller must [`leave`](Self::leave) after.
     ///
     /// The count, then a full fence, then the read of the announcements; a begin announces,
     /// fences, then reads the counts. Of a caller and a begin racing, one of the two reads sees
     /// the other's write (the fences' total order), so either the caller skips or the begin
-    /// waits for it.
-    fn enter(&self, shard: usize, nested: bool) -> bool {
+    /// waits for it. Acquire: a caller that reads an announcement's end sees what the begin did
+    /// before it.
+    fn enter(&self, shard: usize) -> bool {
         self.inside[shard].fetch_add(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
-        // Nested inside this thread's own call, which is running its work: every begin
-        // announced since waits for that call, so none can be under way past its wait (and
-        // refusing here would make a query inside the outer call wait for a begin that waits
-        // for it).
-        // Acquire: a caller that reads an announcement's end sees what the begin did before it.
-        nested || self.beginning.load(Ordering::Acquire) == 0
+        self.beginning.load(Ordering::Acquire) == 0
     }
 
     /// Counts a caller out of `shard`; what its work did happens before a begin that sees it
@@ -88,17 +83,17 @@ impl<const N: usize> Gate<N> {
     }
 
     /// Announces a begin, then waits (calling `wait` between looks) until no caller is inside
-    /// running its work, other than `own_depth` callers of the announcing thread in `own_shard`.
-    fn announce(&self, own_shard: usize, own_depth: usize, mut wait: impl FnMut()) {
+    /// running its work, other than the `own` counts of the announcing thread in `own_shard`.
+    fn announce(&self, own_shard: usize, own: usize, mut wait: impl FnMut()) {
         self.beginning.fetch_add(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
         // Callers that enter after the announcement leave without working; those inside before
         // it finish their (short) work. So once a shard reads 0 (the announcing thread's own
-        // shard: its own depth), no working caller is left in it: each shard is waited for on
+        // shard: its own count), no working caller is left in it: each shard is waited for on
         // its own, not the sum of all at one moment, which callers entering and leaving in a
         // loop would keep above 0.
         for (index, shard) in self.inside.iter().enumerate() {
-            let allowed = if index == own_shard { own_depth } else { 0 };
+            let allowed = if index == own_shard { own } else { 0 };
             while shard.load(Ordering::Acquire) > allowed {
                 wait();
             }
@@ -122,8 +117,9 @@ static NEXT_SHARD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsi
 thread_local! {
     /// This thread's shard of [`GATE`].
     static SHARD: usize = NEXT_SHARD.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % SHARDS;
-    /// How deep this thread is inside [`outside_captures`] (a begin made inside, against its
-    /// contract, must not wait for its own thread).
+    /// How deep this thread is inside [`outside_captures`]. Only the outermost call counts
+    /// itself into the shard (a nested one runs at once), so a begin made inside, against its
+    /// contract, waits for no count of its own thread.
     static DEPTH: Cell<usize> = const { Cell::new(0) };
 }
 
@@ -133,8 +129,9 @@ thread_local! {
 /// For a query cuweave makes of its own accord, which a user did not ask for and which would
 /// break another thread's global-mode capture (an event or stream query of work queued before
 /// it). A check of [`active_captures`] followed by the query leaves a window in which such a
-/// capture can begin; this closes it. Callers never wait: one atomic add and two loads on the
-/// way in, one atomic subtract on the way out. A capture begin waits for the callers already
+/// capture can begin; this closes it. Callers never wait: an atomic add, a fence and two loads
+/// on the way in, an atomic subtract on the way out (a call nested in another of its thread:
+/// nothing). A capture begin waits for the callers already
 /// inside, so `f` must be short and must not wait for another thread, nor begin a capture. In
 /// particular `f` must not wait for a lock that another thread may hold across an
 /// [`Event::query`](crate::Event::query) or [`Stream::query`](crate::Stream::query) (which wait
@@ -155,14 +152,22 @@ pub fn outside_captures<R>(f: impl FnOnce() -> R) -> Option<R> {
 /// it returns. The same contract as [`outside_captures`]: `f` short, waiting for no other
 /// thread, beginning no capture.
 pub(crate) fn outside_capture_begins<R>(f: impl FnOnce() -> R) -> Option<R> {
-    let shard = SHARD.with(|shard| *shard);
-    let nested = DEPTH.with(|depth| {
+    let outer = DEPTH.with(|depth| {
         let outer = depth.get();
         depth.set(outer + 1);
-        outer > 0
+        outer
     });
+    let _depth = Depth;
+    if outer > 0 {
+        // Nested in this thread's own call, which is running its work: every begin announced
+        // since waits for that call, so none can be under way past its wait, and no second
+        // count is needed (refusing here would make a query inside the outer call wait for a
+        // begin that waits for it).
+        return Some(f());
+    }
+    let shard = SHARD.with(|shard| *shard);
     let _left = Leave(shard);
-    GATE.enter(shard, nested).then(f)
+    GATE.enter(shard).then(f)
 }
 
 /// Runs `f` as [`outside_capture_begins`] does, waiting out capture begins under way (each a
@@ -177,11 +182,7 @@ pub(crate) fn between_capture_begins<R>(f: impl FnOnce() -> R) -> R {
             return result;
         }
         while GATE.is_beginning() {
-            if backoff.is_completed() {
-                std::thread::yield_now();
-            } else {
-                backoff.snooze();
-            }
+            pause(&backoff);
         }
     }
 }
@@ -198,8 +199,25 @@ struct Leave(usize);
 
 impl Drop for Leave {
     fn drop(&mut self) {
-        DEPTH.with(|depth| depth.set(depth.get() - 1));
         GATE.leave(self.0);
+    }
+}
+
+/// Counts one call of this thread out of [`DEPTH`] (unwinding included).
+struct Depth;
+
+impl Drop for Depth {
+    fn drop(&mut self) {
+        DEPTH.with(|depth| depth.set(depth.get() - 1));
+    }
+}
+
+/// One wait between looks at the gate: spins briefly, then yields the core.
+fn pause(backoff: &Backoff) {
+    if backoff.is_completed() {
+        std::thread::yield_now();
+    } else {
+        backoff.snooze();
     }
 }
 
@@ -220,13 +238,9 @@ impl Drop for CaptureBeginAnnounced {
 /// [`active_captures`] (or has failed to begin).
 pub(super) fn announce_capture_begin() -> CaptureBeginAnnounced {
     let backoff = Backoff::new();
-    GATE.announce(SHARD.with(|shard| *shard), DEPTH.with(Cell::get), || {
-        if backoff.is_completed() {
-            std::thread::yield_now();
-        } else {
-            backoff.snooze();
-        }
-    });
+    // This thread's own count: one while it is inside (only its outermost call counts).
+    let own = usize::from(DEPTH.with(Cell::get) > 0);
+    GATE.announce(SHARD.with(|shard| *shard), own, || pause(&backoff));
     CaptureBeginAnnounced(())
 }
 
@@ -289,9 +303,16 @@ mod tests {
         let other = std::thread::spawn(|| outside_captures(|| ()));
         assert_eq!(other.join().unwrap(), None);
         let ended = AtomicBool::new(false);
+        let skipped = AtomicBool::new(false);
         std::thread::scope(|scope| {
-            let waiting = scope.spawn(|| between_capture_begins(|| ended.load(Ordering::SeqCst)));
-            std::thread::sleep(std::time::Duration::from_millis(20));
+            let waiting = scope.spawn(|| {
+                // Seen announced (skipped) first, so the call below meets the begin (or its end).
+                skipped.store(outside_captures(|| ()).is_none(), Ordering::SeqCst);
+                between_capture_begins(|| ended.load(Ordering::SeqCst))
+            });
+            while !skipped.load(Ordering::SeqCst) {
+                std::thread::yield_now();
+            }
             ended.store(true, Ordering::SeqCst);
             drop(announced);
             assert!(waiting.join().unwrap(), "ran before the begin ended");
@@ -370,7 +391,7 @@ mod loom_tests {
             let caller = {
                 let (gate, begun) = (gate.clone(), begun.clone());
                 thread::spawn(move || {
-                    if gate.enter(0, false) {
+                    if gate.enter(0) {
                         assert!(!begun.load(Ordering::Relaxed), "work ran during a begin");
                     }
                     gate.leave(0);
@@ -398,7 +419,7 @@ mod loom_tests {
                 .map(|_| {
                     let (gate, begun) = (gate.clone(), begun.clone());
                     thread::spawn(move || {
-                        if gate.enter(0, false) {
+                        if gate.enter(0) {
                             assert!(!begun.load(Ordering::Relaxed), "work ran during a begin");
                         }
                         gate.leave(0);
@@ -425,7 +446,7 @@ mod loom_tests {
             let caller = {
                 let gate = gate.clone();
                 thread::spawn(move || {
-                    let ran = gate.enter(1, false);
+                    let ran = gate.enter(1);
                     gate.leave(1);
                     ran
                 })
