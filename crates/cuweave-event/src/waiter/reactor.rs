@@ -129,12 +129,7 @@ impl Registration {
 /// between a check of the capture count and the query: it is made only inside
 /// [`outside_captures`], and a capture active or beginning means "not yet".
 fn query(event: &Event, relaxed: bool) -> Check {
-    let answer = if relaxed {
-        Some(event.query())
-    } else {
-        outside_captures(|| event.query())
-    };
-    match answer {
+    match own_query(relaxed, || event.query()) {
         // Skipped while a capture is active or beginning: asked again on a later scan.
         None => Check::NotYet,
         Some(Ok(true)) => Check::Reached,
@@ -143,6 +138,17 @@ fn query(event: &Event, relaxed: bool) -> Check {
         // asked again on a later scan, never a failure.
         Some(Err(error)) if error.is_capture_refusal() => Check::NotYet,
         Some(Err(error)) => Check::Failed(error.into()),
+    }
+}
+
+/// Makes `ask`, a query of the reactor's own accord: at once in relaxed capture mode
+/// (`relaxed`), which no capture forbids and which breaks none; otherwise only inside
+/// [`outside_captures`] (`None`: skipped while a capture is active or beginning). See [`query`].
+fn own_query<R>(relaxed: bool, ask: impl FnOnce() -> R) -> Option<R> {
+    if relaxed {
+        Some(ask())
+    } else {
+        outside_captures(ask)
     }
 }
 
@@ -424,11 +430,7 @@ impl Reactor<'_> {
         for slab in slabs {
             // A stream query of cuweave's own, as the scan's event queries (see [`query`]):
             // without relaxed mode, made only while no capture is active or beginning.
-            let probed = if self.relaxed {
-                Some(slab.probe())
-            } else {
-                outside_captures(|| slab.probe())
-            };
+            let probed = own_query(self.relaxed, || slab.probe());
             // Skipped (a capture is active or beginning): no news of a death.
             let Some(Err(error)) = probed else { continue };
             if error.is_capture_refusal() {
