@@ -677,12 +677,9 @@ fn f16_and_bf16_round_to_nearest_even_and_round_trip_every_bit_pattern() {
     let f16 = |bits: u16| F16::from_bits(bits).to_f32();
     let bf16 = |bits: u16| Bf16::from_bits(bits).to_f32();
     // Deterministic f32 bit patterns over every exponent (an LCG), positive finite ones.
-    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut lcg = cuweave_test_support::lcg::Lcg::new(0x9E37_79B9_7F4A_7C15);
     for _ in 0..200_000 {
-        state = state
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        let value = f32::from_bits((state >> 33) as u32 & 0x7fff_ffff);
+        let value = f32::from_bits((lcg.next_state() >> 33) as u32 & 0x7fff_ffff);
         if !value.is_finite() {
             continue;
         }

@@ -37,6 +37,7 @@ pub mod event_kernels;
 pub mod host_flags;
 pub mod kernels;
 pub mod launch_kernels;
+pub mod lcg;
 pub mod memory_kernels;
 pub mod outside_capture;
 pub mod stream_kernels;

@@ -288,14 +288,9 @@ mod tests {
 
     #[test]
     fn paths_are_the_ones_the_copying_walk_found() {
-        // A small linear congruential generator: the same graphs on every run.
-        let mut state: u64 = 0x2545_f491_4f6c_dd1d;
-        let mut next = move |bound: u64| {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            (state >> 33) % bound
-        };
+        // The same graphs on every run.
+        let mut lcg = cuweave_test_support::lcg::Lcg::new(0x2545_f491_4f6c_dd1d);
+        let mut next = move |bound: u64| lcg.below(bound);
         for (nodes, edges) in [(6, 4), (12, 20), (24, 40), (24, 120), (40, 200)] {
             let mut graph = DependencyGraph::new();
             for _ in 0..edges {
