@@ -322,12 +322,12 @@ impl PriorityStream {
             1,
             || self.events.acquire_owned(false),
             |event| event.record(&self.inner),
-            Some(|event: &cuweave_driver::OwnedPooledEvent| {
+            |event: &cuweave_driver::OwnedPooledEvent| {
                 matches!(
                     cuweave_driver::graph::outside_captures(|| event.query()),
                     Some(Ok(true))
                 )
-            }),
+            },
         )?;
         Ok(value)
     }

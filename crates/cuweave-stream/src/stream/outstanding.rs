@@ -65,7 +65,8 @@ impl<M> Inner<M> {
 impl<M> OutstandingWork<M> {
     /// Notes `ops` operations just queued: records a marker from `make` behind them with
     /// `record`. Past [`PRUNE_AT`] markers the finished ones are dropped first, found with
-    /// `is_done` (`None`: not now, e.g. while a capture forbids queries). Past [`MAX_MARKERS`]
+    /// `is_done` (which answers `false` for what it may not ask now, e.g. while a capture
+    /// forbids queries: the search then drops fewer). Past [`MAX_MARKERS`]
     /// the newest marker is re-recorded instead (stream order makes it cover everything it
     /// covered before as well).
     pub(crate) fn submitted<E>(
@@ -73,14 +74,12 @@ impl<M> OutstandingWork<M> {
         ops: u64,
         make: impl FnOnce() -> Result<M, E>,
         record: impl Fn(&M) -> Result<(), E>,
-        is_done: Option<impl Fn(&M) -> bool>,
+        is_done: impl Fn(&M) -> bool,
     ) -> Result<(), E> {
         let mut inner = self.inner.lock();
         if inner.calm > 0 {
             inner.calm -= 1;
-        } else if inner.pending.len() >= inner.prune_at
-            && let Some(is_done) = is_done
-        {
+        } else if inner.pending.len() >= inner.prune_at {
             inner.prune(is_done);
         }
         if inner.pending.len() >= MAX_MARKERS
@@ -129,8 +128,8 @@ mod tests {
     #[derive(Debug, Default)]
     struct Marker(Cell<u64>);
 
-    /// No pruning at submission (as while a capture forbids queries).
-    const NEVER_ASKED: Option<fn(&Marker) -> bool> = None;
+    /// Nothing found finished at submission (as while a capture forbids queries).
+    const NEVER_DONE: fn(&Marker) -> bool = |_| false;
 
     /// A stream whose owner never asks for its outstanding work, with the GPU keeping up to
     /// within `lag` submissions: the markers held stay near `PRUNE_AT` (each search drops the
@@ -153,10 +152,10 @@ mod tests {
                     marker.0.set(submitted.get());
                     Ok(())
                 },
-                Some(|marker: &Marker| {
+                |marker: &Marker| {
                     queries.set(queries.get() + 1);
                     marker.0.get() <= done_up_to
-                }),
+                },
             )
             .unwrap();
         };
@@ -214,7 +213,7 @@ mod tests {
                     marker.0.set(submitted.get());
                     Ok(())
                 },
-                NEVER_ASKED,
+                NEVER_DONE,
             )
             .unwrap();
         };
@@ -238,7 +237,7 @@ mod tests {
     fn markers_stay_bounded_by_rerecording_the_newest() {
         let work = OutstandingWork::<Marker>::default();
         for _ in 0..MAX_MARKERS + 10 {
-            work.submitted::<Infallible>(1, || Ok(Marker::default()), |_| Ok(()), NEVER_ASKED)
+            work.submitted::<Infallible>(1, || Ok(Marker::default()), |_| Ok(()), NEVER_DONE)
                 .unwrap();
         }
         assert_eq!(work.markers(), MAX_MARKERS);
@@ -253,7 +252,7 @@ mod tests {
             1,
             || Ok(Marker::default()),
             |_| Err("record failed"),
-            NEVER_ASKED,
+            NEVER_DONE,
         );
         assert_eq!(result, Err("record failed"));
         assert_eq!(work.outstanding::<Infallible>(|_| Ok(false)).unwrap(), 0);
