@@ -289,8 +289,10 @@ impl OperationCoordinator {
     ///
     /// On a capturing stream the event goes into the capture: operations of the same capture
     /// wait for it inside the graph, and the operation counts as complete (callbacks run, it
-    /// retires) once the capture has ended, as the coordinator's next call observes; its work
-    /// then runs at each launch of the graph. It has no GPU time.
+    /// retires) once the capture has ended, as the coordinator's next call observes (or, for
+    /// an operation with callbacks, the waiter's watch of the capture's end, whatever eager work
+    /// is queued before it on the stream); its work then runs at each launch of the graph. It
+    /// has no GPU time.
     ///
     /// Of two concurrent calls on one operation exactly one records its event; the other is
     /// refused as a second call is.

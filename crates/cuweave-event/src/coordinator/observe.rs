@@ -9,6 +9,7 @@ use cuweave_driver::graph::{capture_is_active, outside_captures};
 use super::capture_waits::{self, CapturedCompletion, captured_completion};
 use super::metrics::MetricsCell;
 use super::{CompletionCallback, Inner, Operation, OperationId, completion};
+use crate::capture;
 use crate::error::EventError;
 use crate::waiter::WaitResult;
 
@@ -34,17 +35,46 @@ impl Inner {
         });
     }
 
-    /// Has the waiter poll once `capture` has ended, so that the callbacks of operations
-    /// recorded into it run without a later coordinator call. One watch per capture
+    /// Has the waiter decide the operations recorded into `capture` once it has ended
+    /// ([`decide_ended_capture`](Self::decide_ended_capture)), so that their callbacks run
+    /// without a later coordinator call; it then polls for the rest. One watch per capture
     /// ([`State::watched_captures`](super::State)); it holds the coordinator weakly.
     pub(super) fn watch_capture_end(self: &Arc<Self>, capture: u64) {
         let inner: Weak<Inner> = Arc::downgrade(self);
         self.waiter.when_capture_ends(capture, move |_| {
             if let Some(inner) = inner.upgrade() {
-                inner.state.lock().watched_captures.remove(&capture);
+                let decided = {
+                    let mut state = inner.state.lock();
+                    // Under the lock that decides: an operation of this capture queued with a
+                    // callback after this point finds no watch and starts one, which fires at
+                    // once (the capture has ended).
+                    state.watched_captures.remove(&capture);
+                    state.decide_captured(capture, capture_is_active)
+                };
+                inner.after_all_decided(decided);
                 inner.poll();
             }
         });
+    }
+
+    /// Decides every queued operation recorded into `capture`, which has ended, and runs
+    /// their callbacks: directly, not through a poll, which walks each stream from its front
+    /// and would stop at eager work queued before them that the GPU has not finished (or
+    /// whose query it skipped during another capture), with nothing to poll again later.
+    /// Captured operations have no GPU time, so there is nothing to harvest first.
+    pub(super) fn decide_ended_capture(&self, capture: u64) {
+        let decided = self
+            .state
+            .lock()
+            .decide_captured(capture, capture_is_active);
+        self.after_all_decided(decided);
+    }
+
+    /// [`after_decided`](Self::after_decided) for each of `decided`, in order.
+    fn after_all_decided(&self, decided: Vec<(OperationId, WaitResult, Vec<CompletionCallback>)>) {
+        for (id, result, callbacks) in decided {
+            self.after_decided(id, &result, callbacks);
+        }
     }
 
     /// The waiter found `id`'s completion event recorded into a capture begun outside cuweave
@@ -117,14 +147,17 @@ impl Inner {
         };
         // GPU times first, so that a callback already finds its operation's.
         self.harvest_times();
-        for (id, result, callbacks) in decided {
-            self.after_decided(id, &result, callbacks);
-        }
+        self.after_all_decided(decided);
     }
 
     /// Adds the GPU time of finished spans to the metrics (and to live operations' metadata).
     ///
-    /// The harvest queries the spans' end events, of the coordinator's own accord: only while
+    /// The harvest queries the spans' end events, of the coordinator's own accord. On the
+    /// waiter's reactor thread, which holds relaxed capture mode
+    /// ([`capture::holds_relaxed_mode`]), at once: the driver allows its queries during any
+    /// capture on another thread, and they break none (the timer's end events were all
+    /// recorded outside captures), so an operation the waiter decides during another thread's
+    /// capture still has its GPU time when its callbacks run. On any other thread only while
     /// no capture is active or beginning, so that no global-mode capture another thread begins
     /// meanwhile is broken; skipped otherwise (the spans stay pending for a later harvest). A
     /// timer with nothing pending (timing off) asks nothing, and pays nothing for that.
@@ -136,9 +169,13 @@ impl Inner {
             return;
         }
         let mut times = Vec::new();
-        if let Some(Err(error)) =
-            outside_captures(|| self.timer.harvest(|tag, time, _| times.push((tag, time))))
-        {
+        // Made at once on the reactor, `Event::query` may wait out a capture begin under way
+        // while this holds `harvesting` and the timer's lock: no thread inside
+        // `outside_captures` waits for either (this takes `harvesting` before entering), so
+        // the begin finishes.
+        if let Some(Err(error)) = capture::own_query(capture::holds_relaxed_mode(), || {
+            self.timer.harvest(|tag, time, _| times.push((tag, time)))
+        }) {
             tracing::warn!(%error, "reading an operation's GPU time");
         }
         if times.is_empty() {

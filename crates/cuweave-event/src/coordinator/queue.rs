@@ -48,6 +48,30 @@ impl StreamQueues {
         }
     }
 
+    /// Takes off every queue, wherever they stand in it, the operations `pick` chooses, and
+    /// returns them (each stream's in queue order). For operations whose completion does not
+    /// follow their stream's order: those recorded into a capture, complete once it has ended
+    /// even behind eager work the GPU has not finished. O(queued).
+    pub(super) fn remove_where(
+        &mut self,
+        mut pick: impl FnMut(OperationId) -> bool,
+    ) -> Vec<OperationId> {
+        let mut removed = Vec::new();
+        let Self { by_stream, len } = self;
+        by_stream.retain(|_, queue| {
+            queue.retain(|&id| {
+                let taken = pick(id);
+                if taken {
+                    removed.push(id);
+                }
+                !taken
+            });
+            !queue.is_empty()
+        });
+        *len -= removed.len();
+        removed
+    }
+
     /// Walks every stream's queue from its front: `look(id)` says whether the front is done
     /// ([`Front::Done`], taken off and returned in order), already decided or gone
     /// ([`Front::Drop`], taken off), or not yet ([`Front::NotYet`], which ends that stream's
@@ -117,6 +141,39 @@ mod tests {
         let done = queues.drain_done(|_| Front::Done(()));
         assert_eq!(done.len(), 1);
         assert_eq!((queues.len(), queues.streams()), (0, 0));
+    }
+
+    #[test]
+    fn removing_by_choice_takes_operations_from_anywhere_in_a_queue() {
+        let mut queues = StreamQueues::default();
+        // Stream 1: an eager op still running (1), then ops 2 and 3; stream 2: op 4 alone.
+        for id in 1..=3 {
+            queues.push(1, OperationId::new(0, id));
+        }
+        queues.push(2, OperationId::new(0, 4));
+        let removed = queues.remove_where(|id| id.get() % 2 == 0);
+        let mut removed: Vec<u64> = removed.into_iter().map(OperationId::get).collect();
+        removed.sort_unstable();
+        assert_eq!(removed, vec![2, 4]);
+        assert_eq!(
+            (queues.len(), queues.streams()),
+            (2, 1),
+            "stream 2 emptied: gone"
+        );
+        // The rest keeps its order: op 1 still holds back op 3.
+        let done = queues.drain_done(|id| {
+            if id.get() == 1 {
+                Front::NotYet
+            } else {
+                Front::Done(())
+            }
+        });
+        assert!(done.is_empty());
+        let done = queues.drain_done(|_| Front::Done(()));
+        let done: Vec<u64> = done.into_iter().map(|(id, ())| id.get()).collect();
+        assert_eq!(done, vec![1, 3]);
+        assert_eq!((queues.len(), queues.streams()), (0, 0));
+        assert!(queues.remove_where(|_| true).is_empty());
     }
 
     #[test]

@@ -120,6 +120,40 @@ impl State {
         })
     }
 
+    /// Decides, complete, every queued operation whose completion event was recorded into
+    /// `capture`, once that capture has ended (`active` says whether it still records; while
+    /// it does, nothing is decided), wherever each stands in its stream's queue; returns their
+    /// callbacks to run.
+    ///
+    /// A captured operation is complete once its capture has ended, whatever eager work was
+    /// queued before it on the same stream: its work is a node of the graph, not stream work,
+    /// so stream order says nothing about it. Were it decided only by a poll from its queue's
+    /// front, an eager operation in front (still running, or its query skipped during another
+    /// capture) would hold it, and its callbacks, until some later coordinator call. No driver
+    /// call: the capture registry answers.
+    pub(super) fn decide_captured(
+        &mut self,
+        capture: u64,
+        active: impl Fn(u64) -> bool,
+    ) -> Vec<(OperationId, WaitResult, Vec<CompletionCallback>)> {
+        if captured_completion(capture, active) == CapturedCompletion::Recording {
+            return Vec::new();
+        }
+        let operations = &self.operations;
+        let taken = self.queued.remove_where(|id| {
+            operations.get(&id).is_some_and(|op| {
+                op.metadata.state == OperationState::Queued && op.captured_into() == Some(capture)
+            })
+        });
+        taken
+            .into_iter()
+            .filter_map(|id| {
+                let callbacks = self.decide(id, &Ok(()))?;
+                Some((id, Ok(()), callbacks))
+            })
+            .collect()
+    }
+
     /// Records that the GPU reached (or failed to reach) queued `id`: its state, its error,
     /// its queue entry; returns its callbacks to run. `None` when it is not queued (already
     /// decided, or unknown).

@@ -381,3 +381,130 @@ fn another_coordinators_id_is_unknown_here_never_retired() {
         })
     );
 }
+
+/// A queued operation on `stream`, its completion recorded eagerly or into `capture`.
+fn queued_on(
+    state: &mut State,
+    id: u64,
+    stream: u64,
+    capture: Option<u64>,
+) -> (OperationId, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut op = operation(id, OperationState::Queued, vec![]);
+    op.metadata.stream = Some(stream);
+    op.recorded = Some(match capture {
+        Some(capture) => capture_waits::Recorded::Captured { capture },
+        None => capture_waits::Recorded::Eager { epoch: 0 },
+    });
+    let counted = std::sync::Arc::clone(&calls);
+    op.callbacks.push(Box::new(move |_, result| {
+        assert_eq!(result, Ok(()));
+        counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }));
+    let id = OperationId::new(0, id);
+    state.next_id = state.next_id.max(id.get());
+    state.operations.insert(id, op);
+    state.queued.push(stream, id);
+    (id, calls)
+}
+
+/// The seventh-look probe `a_captured_steps_callback_behind_a_gated_eager_step_runs_once_the_gate_opens`
+/// (and its twin beside another thread's capture), in the state: an eager step the GPU has
+/// not finished (or whose query is skipped) sits in front of a captured step on one stream. A
+/// poll from the front stops at it; deciding the ended capture reaches the captured step (and
+/// another of the same capture on another stream) at once, runs their callbacks, and leaves
+/// the eager step and another capture's step, still recording, queued and in order.
+#[test]
+fn an_ended_captures_operations_are_decided_behind_unfinished_eager_work() {
+    const STREAM: u64 = 1;
+    const SIDE: u64 = 2;
+    const ENDED: u64 = 7;
+    const RECORDING: u64 = 9;
+    let mut state = State::default();
+    let (eager, eager_calls) = queued_on(&mut state, 1, STREAM, None);
+    let (captured, captured_calls) = queued_on(&mut state, 2, STREAM, Some(ENDED));
+    let (other, other_calls) = queued_on(&mut state, 3, STREAM, Some(RECORDING));
+    let (side, side_calls) = queued_on(&mut state, 4, SIDE, Some(ENDED));
+    let active = |capture| capture == RECORDING;
+
+    // What the capture-end watch did alone: the eager step's query says "not yet" (running,
+    // or skipped during another capture), and the walk of that stream stops there.
+    let finished = state.take_finished(|op| {
+        if let Some(capture) = op.captured_into() {
+            return Ok(!active(capture));
+        }
+        Ok(false)
+    });
+    let finished: Vec<_> = finished.into_iter().map(|(id, _)| id).collect();
+    assert_eq!(
+        finished,
+        vec![side],
+        "only the other stream's captured step"
+    );
+    for id in finished {
+        let callbacks = state.decide(id, &Ok(())).unwrap();
+        assert_eq!(completion::run_callbacks(id, callbacks, &Ok(())), 0);
+        state.try_retire(id);
+    }
+    assert_eq!(side_calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(state.state_of(captured), Some(OperationState::Queued));
+
+    // Deciding the ended capture reaches it behind the eager step.
+    assert!(
+        state.decide_captured(RECORDING, active).is_empty(),
+        "a capture still recording decides nothing"
+    );
+    let decided = state.decide_captured(ENDED, active);
+    assert_eq!(
+        decided.iter().map(|(id, ..)| *id).collect::<Vec<_>>(),
+        vec![captured],
+        "the side step was already decided: not again"
+    );
+    for (id, result, callbacks) in decided {
+        assert_eq!(result, Ok(()));
+        assert_eq!(completion::run_callbacks(id, callbacks, &result), 0);
+        state.try_retire(id);
+    }
+    assert_eq!(captured_calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert!(state.is_retired(captured));
+    assert!(state.decide_captured(ENDED, active).is_empty(), "once only");
+    assert_eq!(side_calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    // The eager step and the recording capture's step stay queued, in order, untouched.
+    assert_eq!(state.queued.len(), 2);
+    assert_eq!(state.state_of(eager), Some(OperationState::Queued));
+    assert_eq!(state.state_of(other), Some(OperationState::Queued));
+    assert_eq!(eager_calls.load(std::sync::atomic::Ordering::SeqCst), 0);
+    assert_eq!(other_calls.load(std::sync::atomic::Ordering::SeqCst), 0);
+    // The gate opens and the other capture ends: the next poll drains the stream in order.
+    let finished = state.take_finished(|_| Ok(true));
+    assert_eq!(
+        finished.iter().map(|(id, _)| *id).collect::<Vec<_>>(),
+        vec![eager, other]
+    );
+    assert_eq!(state.queued.len(), 0);
+}
+
+/// Deciding ended captures keeps the books bounded over 10^5 captures, each behind an eager
+/// operation that never finishes on the same stream: every captured operation is decided and
+/// retires, nothing but the one eager operation stays queued or live.
+#[test]
+fn ended_captures_behind_a_stuck_eager_operation_retire_and_stay_bounded() {
+    const STREAM: u64 = 3;
+    let mut state = State::default();
+    let (stuck, _) = queued_on(&mut state, 1, STREAM, None);
+    let mut ran = 0;
+    for capture in 0..100_000u64 {
+        let (id, calls) = queued_on(&mut state, capture + 2, STREAM, Some(capture));
+        // Recording: nothing decided yet.
+        assert!(state.decide_captured(capture, |c| c == capture).is_empty());
+        for (id, result, callbacks) in state.decide_captured(capture, |_| false) {
+            completion::run_callbacks(id, callbacks, &result);
+            state.try_retire(id);
+        }
+        ran += calls.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(state.is_retired(id));
+        assert_eq!((state.queued.len(), state.operations.len()), (1, 1));
+    }
+    assert_eq!(ran, 100_000);
+    assert_eq!(state.state_of(stuck), Some(OperationState::Queued));
+}

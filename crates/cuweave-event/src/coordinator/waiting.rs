@@ -49,14 +49,15 @@ impl OperationCoordinator {
                         drop(state);
                         self.inner.watch(id, &done);
                     }
-                    // Captured, and its capture has ended: the poll decides it and runs the
-                    // callbacks now.
+                    // Captured, and its capture has ended: decided now with the rest of that
+                    // capture, and the callbacks run (not by a poll, which eager work queued
+                    // before it on its stream would stop).
                     Some(capture)
                         if captured_completion(capture, capture_is_active)
                             == CapturedCompletion::Captured =>
                     {
                         drop(state);
-                        self.inner.poll();
+                        self.inner.decide_ended_capture(capture);
                     }
                     // Queued into a capture still recording: the waiter watches for its end,
                     // once per capture, and polls then.

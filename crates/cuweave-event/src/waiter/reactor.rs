@@ -11,7 +11,7 @@ use std::sync::{Arc, Weak};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
-use cuweave_driver::graph::{capture_is_active, outside_captures};
+use cuweave_driver::graph::capture_is_active;
 use cuweave_driver::{Event, OwnedPooledEvent};
 
 use parking_lot::{Condvar, Mutex};
@@ -19,7 +19,7 @@ use parking_lot::{Condvar, Mutex};
 use super::WaitId;
 use super::source::WatchedEvent;
 use super::words::{Lease, WordSlab};
-use crate::capture;
+use crate::capture::{self, own_query};
 use crate::error::EventError;
 use crate::wake::{Inbox, Outcome, WaitCell};
 
@@ -127,7 +127,8 @@ impl Registration {
 /// elsewhere (`waits_resolve_while_another_thread_runs_a_global_mode_capture`). Without the
 /// mode, the query would break a global-mode capture another thread began, even one begun
 /// between a check of the capture count and the query: it is made only inside
-/// [`outside_captures`], and a capture active or beginning means "not yet".
+/// [`outside_captures`](cuweave_driver::graph::outside_captures), and a capture active or
+/// beginning means "not yet".
 fn query(event: &Event, relaxed: bool) -> Check {
     match own_query(relaxed, || event.query()) {
         // Skipped while a capture is active or beginning: asked again on a later scan.
@@ -138,17 +139,6 @@ fn query(event: &Event, relaxed: bool) -> Check {
         // asked again on a later scan, never a failure.
         Some(Err(error)) if error.is_capture_refusal() => Check::NotYet,
         Some(Err(error)) => Check::Failed(error.into()),
-    }
-}
-
-/// Makes `ask`, a query of the reactor's own accord: at once in relaxed capture mode
-/// (`relaxed`), which no capture forbids and which breaks none; otherwise only inside
-/// [`outside_captures`] (`None`: skipped while a capture is active or beginning). See [`query`].
-fn own_query<R>(relaxed: bool, ask: impl FnOnce() -> R) -> Option<R> {
-    if relaxed {
-        Some(ask())
-    } else {
-        outside_captures(ask)
     }
 }
 
@@ -245,7 +235,7 @@ impl Sleeper {
 /// failures, nor be broken by them. Not before: entering the mode loads and initialises the
 /// driver, which a waiter that never gets a registration (or a process with no GPU work yet)
 /// should not pay. Should the mode be out of reach, its queries are made only inside
-/// [`outside_captures`] (see [`query`]).
+/// [`outside_captures`](cuweave_driver::graph::outside_captures) (see [`query`]).
 pub(crate) fn run(shared: &Shared) {
     let mut relaxed = None;
     let mut reactor = Reactor {
