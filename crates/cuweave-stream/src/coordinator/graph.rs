@@ -3,16 +3,48 @@
 //! Pure logic, no CUDA.
 
 use std::collections::hash_map::Entry;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::fmt;
 
 use super::cycles;
 
 /// A directed graph of ids (streams, or operations): an edge `dependent -> prerequisite` means
 /// the dependent waits for the prerequisite's work.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+///
+/// Every operation costs about the part of the graph it concerns, not the whole graph: adding
+/// or removing a node touches only its own edges (planners retire 10^5 stages one by one), a
+/// path search stops as soon as either end's side of the graph is exhausted, and the cycle
+/// queries are linear in the graph (Tarjan's components, then one walk per component).
+#[derive(Clone, Default)]
 pub struct DependencyGraph {
+    /// Each node's prerequisites (the nodes it waits on).
     edges: BTreeMap<u64, BTreeSet<u64>>,
+    /// Each node's dependents (the nodes waiting on it): the reverse of `edges`, with the same
+    /// nodes as keys, so that `remove` reaches the edges into a node without scanning every
+    /// node, and `path` can search backwards from its target.
+    dependents: BTreeMap<u64, BTreeSet<u64>>,
 }
+
+// The reverse index follows from `edges`: equality and the debug form are those of `edges`
+// alone (as they were before the index existed).
+impl PartialEq for DependencyGraph {
+    fn eq(&self, other: &Self) -> bool {
+        self.edges == other.edges
+    }
+}
+
+impl Eq for DependencyGraph {}
+
+impl fmt::Debug for DependencyGraph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DependencyGraph")
+            .field("edges", &self.edges)
+            .finish()
+    }
+}
+
+/// No parent, or no node, in the index-space walks of [`DependencyGraph::cycles`].
+const NONE: usize = usize::MAX;
 
 impl DependencyGraph {
     /// An empty graph.
@@ -22,7 +54,8 @@ impl DependencyGraph {
 
     /// Adds `dependent -> prerequisite` unless it would close a cycle; then returns the cycle,
     /// starting at `dependent` (each id waits on the next, the last on `dependent`).
-    /// Returns `Ok(false)` when the edge was already there.
+    /// Returns `Ok(false)` when the edge was already there. Costs one [`path`](Self::path)
+    /// search.
     pub fn try_add(&mut self, dependent: u64, prerequisite: u64) -> Result<bool, Vec<u64>> {
         if dependent == prerequisite {
             return Err(vec![dependent]);
@@ -38,20 +71,38 @@ impl DependencyGraph {
     }
 
     /// Adds an edge without checking for cycles (to describe a graph found elsewhere; see
-    /// [`cycles`](Self::cycles)). Returns whether it is new.
+    /// [`cycles`](Self::cycles)). Returns whether it is new. O(log nodes).
     pub fn add_unchecked(&mut self, dependent: u64, prerequisite: u64) -> bool {
         self.edges.entry(prerequisite).or_default();
-        self.edges
+        self.dependents.entry(dependent).or_default();
+        let new = self
+            .edges
             .entry(dependent)
             .or_default()
-            .insert(prerequisite)
+            .insert(prerequisite);
+        self.dependents
+            .entry(prerequisite)
+            .or_default()
+            .insert(dependent);
+        new
     }
 
-    /// Removes a stream and every edge touching it.
+    /// Removes a stream and every edge touching it. Costs its own edges (times a map lookup),
+    /// whatever the size of the graph.
     pub fn remove(&mut self, stream: u64) {
-        self.edges.remove(&stream);
-        for targets in self.edges.values_mut() {
-            targets.remove(&stream);
+        if let Some(prerequisites) = self.edges.remove(&stream) {
+            for prerequisite in prerequisites {
+                if let Some(dependents) = self.dependents.get_mut(&prerequisite) {
+                    dependents.remove(&stream);
+                }
+            }
+        }
+        if let Some(dependents) = self.dependents.remove(&stream) {
+            for dependent in dependents {
+                if let Some(prerequisites) = self.edges.get_mut(&dependent) {
+                    prerequisites.remove(&stream);
+                }
+            }
         }
     }
 
@@ -63,7 +114,7 @@ impl DependencyGraph {
             .collect()
     }
 
-    /// The streams `dependent` waits on directly.
+    /// The streams `dependent` waits on directly, sorted.
     pub fn prerequisites(&self, dependent: u64) -> Vec<u64> {
         self.edges
             .get(&dependent)
@@ -71,15 +122,34 @@ impl DependencyGraph {
             .unwrap_or_default()
     }
 
+    /// The streams that wait on `prerequisite` directly, sorted.
+    pub fn dependents(&self, prerequisite: u64) -> Vec<u64> {
+        self.dependents
+            .get(&prerequisite)
+            .map(|set| set.iter().copied().collect())
+            .unwrap_or_default()
+    }
+
     /// A path of edges from `from` to `to` (both included), if any: the first one a depth-first
-    /// walk meets, taking each node's prerequisites from the largest id down. O(nodes + edges)
-    /// (times a map lookup); O(log nodes) when nothing leads to `to` (it is in no edge).
+    /// walk meets, taking each node's prerequisites from the largest id down.
+    ///
+    /// The walk runs beside a backward search from `to` over dependents, each side taking turns
+    /// by the edges it has looked at. When the backward side runs out without meeting `from`,
+    /// there is no path; when it runs out having met it, it knows every node that can reach
+    /// `to`, and the walk skips the others (which never changes the path it meets: a node that
+    /// cannot reach `to` only hides nodes that cannot either). So the answer costs about the
+    /// smaller of the two sides when there is no path (a chain grown at its top, whose new
+    /// stage is already a node, answers at once), and at most twice the walk when there is one;
+    /// O(log nodes) when nothing leads to `to` (it is in no edge).
     pub fn path(&self, from: u64, to: u64) -> Option<Vec<u64>> {
-        if from != to && !self.edges.contains_key(&to) {
+        if from == to {
+            return Some(vec![to]);
+        }
+        if !self.edges.contains_key(&to) || !self.edges.contains_key(&from) {
             // Every prerequisite is a node (`add_unchecked` makes it one, `remove` drops the
-            // edges into a node with it): a walk can reach `to` only if it is one. Building a
-            // chain stage by stage adds each stage as a new dependent, so `try_add` answers at
-            // once instead of walking the whole chain.
+            // edges into a node with it): a walk can reach `to` only if it is one, and leaves
+            // `from` only if it is one. Building a chain stage by stage adds each stage as a
+            // new dependent, so `try_add` answers at once instead of walking the whole chain.
             return None;
         }
         // Each stack entry is a node and the node it was reached from. The first time a node is
@@ -88,7 +158,30 @@ impl DependencyGraph {
         // query over a chain of n nodes O(n^2).
         let mut stack: Vec<(u64, Option<u64>)> = vec![(from, None)];
         let mut parents: HashMap<u64, Option<u64>> = HashMap::new();
-        while let Some((node, parent)) = stack.pop() {
+        // The backward side: nodes known to reach `to`, and those whose dependents are unread.
+        let mut reaching: HashSet<u64> = HashSet::from([to]);
+        let mut frontier: Vec<u64> = vec![to];
+        let mut met_from = false;
+        let (mut walked, mut searched) = (0usize, 0usize);
+        loop {
+            let reaching_known = frontier.is_empty();
+            if !reaching_known && searched < walked {
+                let node = frontier.pop().expect("the frontier is not empty");
+                let dependents = &self.dependents[&node];
+                searched += 1 + dependents.len();
+                for &dependent in dependents {
+                    if reaching.insert(dependent) {
+                        met_from |= dependent == from;
+                        frontier.push(dependent);
+                    }
+                }
+                if frontier.is_empty() && !met_from {
+                    return None;
+                }
+                continue;
+            }
+            let (node, parent) = stack.pop()?;
+            walked += 1;
             if node == to {
                 let mut path = vec![to];
                 let mut at = parent;
@@ -99,6 +192,9 @@ impl DependencyGraph {
                 path.reverse();
                 return Some(path);
             }
+            if reaching_known && !reaching.contains(&node) {
+                continue;
+            }
             match parents.entry(node) {
                 Entry::Occupied(_) => continue,
                 Entry::Vacant(slot) => {
@@ -106,99 +202,158 @@ impl DependencyGraph {
                 }
             }
             for &next in self.edges.get(&node).into_iter().flatten() {
+                walked += 1;
                 stack.push((next, Some(node)));
             }
         }
-        None
     }
 
-    /// Whether the graph has a cycle.
+    /// Whether the graph has a cycle: a self-loop, or a strongly connected part of more than
+    /// one node. Linear in the graph (times a map lookup per edge).
     pub fn has_cycles(&self) -> bool {
-        !self.cycles().is_empty()
+        if self.edges.iter().any(|(node, to)| to.contains(node)) {
+            return true;
+        }
+        let (_, edges) = self.indexed();
+        let component = cycles::components(&edges, 0);
+        let mut seen = vec![false; component.len()];
+        component
+            .into_iter()
+            .any(|c| std::mem::replace(&mut seen[c], true))
     }
 
     /// One cycle through each strongly connected part of the graph that has one (Tarjan's
-    /// algorithm), each starting at its smallest id.
+    /// algorithm), each starting at its smallest id. Linear in the graph (times a map lookup
+    /// per edge): each part's cycle is found by a walk over that part's own edges.
     pub fn cycles(&self) -> Vec<Vec<u64>> {
+        let (nodes, edges) = self.indexed();
+        let (component, parts) = Self::parts(&edges);
         let mut cycles = Vec::new();
-        for component in self.strongly_connected() {
-            let start = component[0];
-            let self_loop = self.edges.get(&start).is_some_and(|to| to.contains(&start));
-            if component.len() == 1 && !self_loop {
+        // Parts are disjoint and each walk stays inside its part, so one set of marks serves
+        // every walk.
+        let mut seen = vec![false; nodes.len()];
+        let mut parents = vec![NONE; nodes.len()];
+        for part in parts {
+            let start = part[0];
+            let c = component[start];
+            let self_loop = edges[start].binary_search(&start).is_ok();
+            if part.len() == 1 {
+                if self_loop {
+                    cycles.push(vec![nodes[start]]);
+                }
                 continue;
             }
-            if self_loop && component.len() == 1 {
-                cycles.push(vec![start]);
+            // A path back to `start` from its first successor inside the part (the smallest,
+            // which is `start` itself when it has a self-loop): inside a strongly connected
+            // part the first one always leads back.
+            let Some(&first) = edges[start].iter().find(|&&next| component[next] == c) else {
                 continue;
+            };
+            let mut stack: Vec<(usize, usize)> = vec![(first, NONE)];
+            while let Some((node, parent)) = stack.pop() {
+                if node == start {
+                    // path: first .. start; the cycle is start, first, .., (start).
+                    let mut path = vec![];
+                    let mut at = parent;
+                    while at != NONE {
+                        path.push(nodes[at]);
+                        at = parents[at];
+                    }
+                    path.push(nodes[start]);
+                    path.reverse();
+                    cycles.push(path);
+                    break;
+                }
+                if std::mem::replace(&mut seen[node], true) {
+                    continue;
+                }
+                parents[node] = parent;
+                for &next in &edges[node] {
+                    if component[next] == c {
+                        stack.push((next, node));
+                    }
+                }
             }
-            // A path back to `start` through one of its successors inside the component.
-            let members: BTreeSet<u64> = component.iter().copied().collect();
-            let inner = self.restricted(&members);
-            let cycle = inner
-                .prerequisites(start)
-                .into_iter()
-                .find_map(|next| inner.path(next, start))
-                .map(|mut path| {
-                    path.pop();
-                    let mut cycle = vec![start];
-                    cycle.extend(path);
-                    cycle
-                });
-            cycles.extend(cycle);
         }
         cycles
     }
 
-    fn restricted(&self, members: &BTreeSet<u64>) -> Self {
-        let mut graph = Self::new();
-        for (from, to) in self.edges() {
-            if members.contains(&from) && members.contains(&to) {
-                graph.add_unchecked(from, to);
-            }
-        }
-        graph
-    }
-
-    /// The nodes, sorted, and each one's prerequisites as indices into that list.
+    /// The nodes, sorted, and each one's prerequisites as indices into that list (sorted).
     fn indexed(&self) -> (Vec<u64>, Vec<Vec<usize>>) {
         let nodes: Vec<u64> = self.edges.keys().copied().collect();
-        let index: BTreeMap<u64, usize> = nodes.iter().enumerate().map(|(i, &n)| (n, i)).collect();
-        let edges = nodes
-            .iter()
-            .map(|node| self.edges[node].iter().map(|to| index[to]).collect())
+        let index: HashMap<u64, usize> = nodes.iter().enumerate().map(|(i, &n)| (n, i)).collect();
+        let edges = self
+            .edges
+            .values()
+            .map(|to| to.iter().map(|to| index[to]).collect())
             .collect();
         (nodes, edges)
     }
 
-    /// Strongly connected components, each sorted, in order.
-    fn strongly_connected(&self) -> Vec<Vec<u64>> {
-        let (nodes, edges) = self.indexed();
-        let component = cycles::components(&edges, 0);
-        let mut parts: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
-        for (i, &c) in component.iter().enumerate() {
-            parts.entry(c).or_default().push(nodes[i]);
+    /// Strongly connected components of an indexed graph: each node's component number, and
+    /// the components as sorted lists of nodes, ordered by their smallest node.
+    fn parts(edges: &[Vec<usize>]) -> (Vec<usize>, Vec<Vec<usize>>) {
+        let component = cycles::components(edges, 0);
+        // Component numbers in the order of their smallest node.
+        let mut rank = vec![NONE; edges.len()];
+        let mut parts: Vec<Vec<usize>> = Vec::new();
+        for (node, &c) in component.iter().enumerate() {
+            if rank[c] == NONE {
+                rank[c] = parts.len();
+                parts.push(Vec::new());
+            }
+            parts[rank[c]].push(node);
         }
-        let mut out: Vec<Vec<u64>> = parts.into_values().collect();
-        out.sort();
-        out
+        (component, parts)
     }
 
     /// Every elementary cycle, each listed once, starting at its smallest id and following the
     /// edges (`[a, b]`: `a` waits for `b`, which waits for `a`), ordered by their first id
-    /// (Johnson's algorithm with blocked sets, iterative: O((nodes + edges) x (cycles + 1))).
+    /// (Johnson's algorithm with blocked sets, iterative, run on each strongly connected part
+    /// with a cycle: O((part nodes + part edges) x (part cycles + 1)) summed over the parts).
     /// Their number can grow exponentially with the graph's density; dependency graphs of real
     /// work have few.
     pub fn elementary_cycles(&self) -> Vec<Vec<u64>> {
         let (nodes, edges) = self.indexed();
-        cycles::elementary_cycles(&edges)
-            .into_iter()
-            .map(|cycle| cycle.into_iter().map(|i| nodes[i]).collect())
-            .collect()
+        let (component, parts) = Self::parts(&edges);
+        let mut local = vec![NONE; nodes.len()];
+        let mut found: Vec<Vec<u64>> = Vec::new();
+        for part in parts {
+            let c = component[part[0]];
+            if part.len() == 1 && edges[part[0]].binary_search(&part[0]).is_err() {
+                continue;
+            }
+            // Every cycle lies inside one part, and a part's nodes keep their order, so Johnson
+            // on the part alone lists its cycles in the order it lists them on the whole graph.
+            for (i, &node) in part.iter().enumerate() {
+                local[node] = i;
+            }
+            let inner: Vec<Vec<usize>> = part
+                .iter()
+                .map(|&node| {
+                    edges[node]
+                        .iter()
+                        .filter(|&&to| component[to] == c)
+                        .map(|&to| local[to])
+                        .collect()
+                })
+                .collect();
+            found.extend(
+                cycles::elementary_cycles(&inner)
+                    .into_iter()
+                    .map(|cycle| cycle.into_iter().map(|i| nodes[part[i]]).collect()),
+            );
+        }
+        // Parts are ordered by their smallest node, not by every cycle's first one; the sort is
+        // stable, so the cycles sharing a first node keep Johnson's order.
+        found.sort_by_key(|cycle| cycle[0]);
+        found
     }
 
     /// Removes every edge and node.
     pub fn clear(&mut self) {
         self.edges.clear();
+        self.dependents.clear();
     }
 
     /// Nodes in the graph.
@@ -213,165 +368,5 @@ impl DependencyGraph {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_edge_closing_a_cycle_is_refused_with_the_cycle() {
-        let mut graph = DependencyGraph::new();
-        assert_eq!(graph.try_add(1, 2), Ok(true));
-        assert_eq!(graph.try_add(2, 3), Ok(true));
-        assert_eq!(graph.try_add(1, 2), Ok(false));
-        // 3 waiting on 1 would make 3 -> 1 -> 2 -> 3.
-        assert_eq!(graph.try_add(3, 1), Err(vec![3, 1, 2]));
-        assert_eq!(graph.try_add(4, 4), Err(vec![4]));
-        assert!(!graph.has_cycles());
-        assert_eq!(graph.edges(), vec![(1, 2), (2, 3)]);
-    }
-
-    #[test]
-    fn diamonds_are_not_cycles() {
-        let mut graph = DependencyGraph::new();
-        for (a, b) in [(1, 2), (1, 3), (2, 4), (3, 4)] {
-            graph.try_add(a, b).unwrap();
-        }
-        assert!(!graph.has_cycles());
-        assert_eq!(graph.path(1, 4).map(|p| p.len()), Some(3));
-        assert_eq!(graph.path(4, 1), None);
-    }
-
-    #[test]
-    fn cycles_reports_one_cycle_per_strongly_connected_part() {
-        let mut graph = DependencyGraph::new();
-        for (a, b) in [(1, 2), (2, 3), (3, 1), (5, 6), (6, 5), (7, 7), (3, 8)] {
-            graph.add_unchecked(a, b);
-        }
-        let cycles = graph.cycles();
-        assert_eq!(cycles, vec![vec![1, 2, 3], vec![5, 6], vec![7]]);
-        assert!(graph.has_cycles());
-        for cycle in &cycles {
-            for (i, &node) in cycle.iter().enumerate() {
-                let next = cycle[(i + 1) % cycle.len()];
-                assert!(
-                    graph.prerequisites(node).contains(&next),
-                    "{cycle:?} is a real cycle"
-                );
-            }
-        }
-        graph.remove(1);
-        assert_eq!(graph.cycles(), vec![vec![5, 6], vec![7]]);
-        assert_eq!(graph.elementary_cycles(), vec![vec![5, 6], vec![7]]);
-        graph.clear();
-        assert!(graph.is_empty() && !graph.has_cycles());
-    }
-
-    /// The walk `path` made before it kept parents: the whole path copied onto every stack
-    /// entry. The paths it found are the ones to keep finding.
-    fn copying_path(graph: &DependencyGraph, from: u64, to: u64) -> Option<Vec<u64>> {
-        let mut stack = vec![(from, vec![from])];
-        let mut seen = BTreeSet::new();
-        while let Some((node, path)) = stack.pop() {
-            if node == to {
-                return Some(path);
-            }
-            if !seen.insert(node) {
-                continue;
-            }
-            for next in graph.prerequisites(node) {
-                let mut longer = path.clone();
-                longer.push(next);
-                stack.push((next, longer));
-            }
-        }
-        None
-    }
-
-    #[test]
-    fn paths_are_the_ones_the_copying_walk_found() {
-        // The same graphs on every run.
-        let mut lcg = cuweave_test_support::lcg::Lcg::new(0x2545_f491_4f6c_dd1d);
-        let mut next = move |bound: u64| lcg.below(bound);
-        for (nodes, edges) in [(6, 4), (12, 20), (24, 40), (24, 120), (40, 200)] {
-            let mut graph = DependencyGraph::new();
-            for _ in 0..edges {
-                graph.add_unchecked(next(nodes), next(nodes));
-            }
-            graph.remove(next(nodes));
-            // One id past the nodes: in no edge.
-            for from in 0..=nodes {
-                for to in 0..=nodes {
-                    assert_eq!(
-                        graph.path(from, to),
-                        copying_path(&graph, from, to),
-                        "{from} -> {to} in {:?}",
-                        graph.edges()
-                    );
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn a_hundred_thousand_stage_chain_built_with_try_add_is_quick_and_its_ring_exact() {
-        const STAGES: u64 = 100_000;
-        let started = std::time::Instant::now();
-        let mut graph = DependencyGraph::new();
-        for stage in 1..STAGES {
-            assert_eq!(graph.try_add(stage, stage - 1), Ok(true), "stage {stage}");
-        }
-        assert_eq!(graph.try_add(STAGES / 2, STAGES / 2 - 1), Ok(false));
-        assert_eq!(graph.len(), STAGES as usize);
-
-        let descending: Vec<u64> = (0..STAGES).rev().collect();
-        assert_eq!(graph.path(STAGES - 1, 0).as_deref(), Some(&descending[..]));
-        assert_eq!(graph.path(0, STAGES - 1), None);
-        // Closing the ring: 0 would wait on the last stage, which waits (through every stage)
-        // on 0. The refusal names the ring from 0, each stage waiting on the next.
-        let mut ring = vec![0];
-        ring.extend(&descending[..descending.len() - 1]);
-        assert_eq!(graph.try_add(0, STAGES - 1), Err(ring.clone()));
-        assert!(!graph.has_cycles(), "a refused edge is not added");
-
-        graph.add_unchecked(0, STAGES - 1);
-        assert_eq!(graph.cycles(), vec![ring]);
-        // Far under the 160 s that 10^4 stages took while every step copied its path (O(n^3)
-        // to build); generous for an unoptimised build on a loaded machine.
-        let elapsed = started.elapsed();
-        assert!(
-            elapsed < std::time::Duration::from_secs(20),
-            "{STAGES} stages took {elapsed:?}"
-        );
-    }
-
-    #[test]
-    fn a_chain_whose_every_check_walks_it_whole_is_exact() {
-        // Every stage is already a node (a sink waits on all of them), so no check can answer
-        // at once: each `try_add(stage, stage - 1)` walks the chain below the stage.
-        const STAGES: u64 = 1_000;
-        const SINK: u64 = u64::MAX;
-        let mut graph = DependencyGraph::new();
-        for stage in 0..STAGES {
-            graph.add_unchecked(SINK, stage);
-        }
-        for stage in 1..STAGES {
-            assert_eq!(graph.try_add(stage, stage - 1), Ok(true), "stage {stage}");
-        }
-        let mut ring = vec![0];
-        ring.extend((1..STAGES).rev());
-        assert_eq!(graph.try_add(0, STAGES - 1), Err(ring));
-        // The sink waits on every stage: its path down to 0 is the first one a walk from the
-        // largest prerequisite down meets.
-        let through_the_chain: Vec<u64> = std::iter::once(SINK).chain((0..STAGES).rev()).collect();
-        assert_eq!(graph.path(SINK, 0), Some(through_the_chain));
-        assert_eq!(graph.path(SINK, 0), copying_path(&graph, SINK, 0));
-    }
-
-    #[test]
-    fn ping_pong_is_one_cycle_of_two() {
-        let mut graph = DependencyGraph::new();
-        graph.add_unchecked(10, 20);
-        graph.add_unchecked(20, 10);
-        assert_eq!(graph.cycles(), vec![vec![10, 20]]);
-        assert_eq!(graph.elementary_cycles(), vec![vec![10, 20]]);
-    }
-}
+#[path = "graph_tests.rs"]
+mod tests;
