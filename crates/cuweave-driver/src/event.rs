@@ -203,6 +203,7 @@ impl Event {
 
     fn query_between_capture_begins(&self) -> Result<bool> {
         crate::graph::refuse_while_capturing(None, "Event::query")?;
+        self.refuse_if_recorded_in_active_capture("Event::query")?;
         let api = driver()?;
         // SAFETY: live event.
         match unsafe { cu!(api.event_query(self.raw)) } {
@@ -219,11 +220,43 @@ impl Event {
         }
     }
 
+    /// Refuses a query or synchronisation of an event last recorded into a capture that is
+    /// still active: its "work" is an edge of the capture's graph, not work that runs, and the
+    /// driver answers such a call with `CUDA_ERROR_CAPTURED_EVENT` and invalidates the capture
+    /// (a monitoring thread polling a fork point would break the model thread's capture).
+    /// One relaxed load for an event recorded eagerly.
+    fn refuse_if_recorded_in_active_capture(&self, operation: &'static str) -> Result<()> {
+        match self.recorded_in() {
+            crate::graph::RecordedIn::Capture(capture)
+                if crate::graph::capture_is_active(capture) =>
+            {
+                Err(crate::graph::GraphError::Capturing {
+                    operation,
+                    reason: "the event was last recorded into a stream capture that is still active: it marks a point of the capture's graph, not work that runs",
+                }
+                .into())
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Blocks until the captured work has finished.
+    ///
+    /// The wait is made in relaxed capture mode once the refusals below have passed, so a
+    /// global-mode capture another thread begins meanwhile is neither broken nor raced by the
+    /// driver's own check (which, under that race, was seen to crash inside the driver).
+    ///
+    /// # Errors
+    /// [`GraphError::Capturing`](crate::GraphError::Capturing), nothing waited for, while this
+    /// thread's capture mode forbids a synchronisation (its own capture, or another thread's
+    /// global one) and for an event last recorded into a capture that is still active; the
+    /// driver's error otherwise.
     pub fn synchronize(&self) -> Result<()> {
         crate::graph::refuse_while_capturing(None, "Event::synchronize")?;
+        self.refuse_if_recorded_in_active_capture("Event::synchronize")?;
         self.context.bind_to_thread()?;
         let api = driver()?;
+        let _relaxed = crate::graph::relaxed_for_unrecorded_call()?;
         // SAFETY: live event.
         unsafe { cu!(api.event_synchronize(self.raw)) }
     }

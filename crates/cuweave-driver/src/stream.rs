@@ -300,6 +300,10 @@ impl Stream {
         crate::graph::refuse_while_capturing(Some(self), "Stream::synchronize")?;
         self.context.bind_to_thread()?;
         let api = driver()?;
+        // Relaxed once the refusals passed: a global-mode capture another thread begins after
+        // the check is then neither broken by the wait nor raced by the driver's own check of
+        // it (that race was seen to crash inside the driver).
+        let _relaxed = crate::graph::relaxed_for_unrecorded_call()?;
         // SAFETY: live stream.
         unsafe { cu!(api.stream_synchronize(self.raw)) }
     }
@@ -597,6 +601,8 @@ impl Drop for Stream {
         if let Some(end) = self.end.get() {
             end.record(self);
         }
+        // Relaxed: a stream may be dropped while another thread captures in global mode.
+        let _relaxed = crate::graph::relaxed_for_unrecorded_call();
         // SAFETY: we created this stream and destroy it once; queued work still completes.
         if let Err(error) = unsafe { cu!(api.stream_destroy(self.raw)) } {
             tracing::warn!(%error, "destroying a stream failed");

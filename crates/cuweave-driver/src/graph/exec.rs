@@ -174,6 +174,11 @@ impl GraphExec {
         };
         release_finished_keep_alives();
         let mut raw = std::ptr::null_mut();
+        // Relaxed: instantiation is a call the driver counts as unsafe under another thread's
+        // global-mode capture (it may allocate); a capture that thread begins meanwhile is then
+        // neither broken nor raced by the driver's check (that race was seen to crash inside
+        // the driver).
+        let _relaxed = super::relaxed_for_unrecorded_call()?;
         // SAFETY: live graph of the current context; valid out-pointers.
         let outcome =
             unsafe { cu!(api.graph_instantiate_with_params(&mut raw, graph, &mut params)) };
@@ -385,6 +390,8 @@ impl GraphExec {
         let _guard = self.lock.lock();
         self.context.bind_to_thread()?;
         let api = driver()?;
+        // Relaxed, as `instantiate`: uploading may allocate the executable's device memory.
+        let _relaxed = super::relaxed_for_unrecorded_call()?;
         // SAFETY: live executable and stream of the same (current) context.
         unsafe { cu!(api.graph_upload(self.raw, stream.as_raw())) }
     }
@@ -417,6 +424,8 @@ impl GraphExec {
         self.context.bind_to_thread()?;
         let api = driver()?;
         let mut info = sys::CUgraphExecUpdateResultInfo::default();
+        // Relaxed, as `instantiate`.
+        let _relaxed = super::relaxed_for_unrecorded_call()?;
         // SAFETY: live executable and graph; valid out-pointer.
         let outcome = unsafe { cu!(api.graph_exec_update(self.raw, graph.as_raw(), &mut info)) };
         if let Err(error) = outcome {
@@ -446,6 +455,8 @@ impl Drop for GraphExec {
             tracing::warn!(%error, "binding context to destroy a graph executable failed");
             return;
         }
+        // Relaxed, as `instantiate`: destroying frees the executable's device memory.
+        let _relaxed = super::relaxed_for_unrecorded_call();
         // SAFETY: we own the executable and destroy it once; queued launches still complete.
         if let Err(error) = unsafe { cu!(api.graph_exec_destroy(self.raw)) } {
             tracing::warn!(%error, "destroying a graph executable failed");

@@ -322,6 +322,9 @@ impl Drop for Graph {
             tracing::warn!(%error, "binding context to destroy a graph failed");
             return;
         }
+        // Relaxed: a graph may be dropped while another thread captures in global mode (see
+        // `GraphExec`'s instantiation).
+        let _relaxed = super::relaxed_for_unrecorded_call();
         // SAFETY: we own the graph and destroy it once.
         if let Err(error) = unsafe { cu!(api.graph_destroy(self.raw)) } {
             tracing::warn!(%error, "destroying a graph failed");

@@ -103,7 +103,7 @@ pub unsafe fn copy_htod(
     src: *const u8,
     bytes: usize,
 ) -> Result<()> {
-    refuse_blocking(context, "memory::copy_htod")?;
+    let _relaxed = refuse_blocking(context, "memory::copy_htod")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -128,7 +128,7 @@ pub unsafe fn copy_dtoh(
     src: DevicePtr,
     bytes: usize,
 ) -> Result<()> {
-    refuse_blocking(context, "memory::copy_dtoh")?;
+    let _relaxed = refuse_blocking(context, "memory::copy_dtoh")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -155,7 +155,7 @@ pub unsafe fn copy_dtod(
     bytes: usize,
 ) -> Result<()> {
     ensure_disjoint(dst, src, bytes, "memory::copy_dtod")?;
-    refuse_blocking(context, "memory::copy_dtod")?;
+    let _relaxed = refuse_blocking(context, "memory::copy_dtod")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -180,7 +180,7 @@ pub unsafe fn copy_dtod(
 /// driver knows (device, pinned, registered or managed).
 pub unsafe fn copy(context: &Context, dst: DevicePtr, src: DevicePtr, bytes: usize) -> Result<()> {
     ensure_disjoint(dst, src, bytes, "memory::copy")?;
-    refuse_blocking(context, "memory::copy")?;
+    let _relaxed = refuse_blocking(context, "memory::copy")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -337,7 +337,7 @@ pub unsafe fn copy_peer_async(
 /// # Safety
 /// `dst` is device memory writable for `bytes`.
 pub unsafe fn memset_d8(context: &Context, dst: DevicePtr, value: u8, bytes: usize) -> Result<()> {
-    refuse_blocking(context, "memory::memset_d8")?;
+    let _relaxed = refuse_blocking(context, "memory::memset_d8")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -366,7 +366,7 @@ pub unsafe fn memset_d16(
     count: usize,
 ) -> Result<()> {
     ensure_aligned_d16(dst, "memory::memset_d16")?;
-    refuse_blocking(context, "memory::memset_d16")?;
+    let _relaxed = refuse_blocking(context, "memory::memset_d16")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract; `dst` is 2-byte aligned (checked above).
@@ -393,7 +393,7 @@ pub unsafe fn memset_d32(
     count: usize,
 ) -> Result<()> {
     ensure_aligned_d32(dst, "memory::memset_d32")?;
-    refuse_blocking(context, "memory::memset_d32")?;
+    let _relaxed = refuse_blocking(context, "memory::memset_d32")?;
     context.bind_to_thread()?;
     let api = driver()?;
     // SAFETY: the caller's contract.
@@ -479,9 +479,18 @@ pub unsafe fn memset_d32_async(
 /// ([`refuse_while_capturing`](crate::graph::refuse_while_capturing)), and the legacy stream it
 /// runs on must not meet a capture on a blocking stream of `context`
 /// ([`refuse_legacy_stream_use`](crate::graph::refuse_legacy_stream_use)).
-fn refuse_blocking(context: &Context, operation: &'static str) -> Result<()> {
+///
+/// Returns this thread in relaxed capture mode, to hold across the blocking call and the wait
+/// behind it: a global-mode capture another thread begins after the checks is then neither
+/// broken by the call nor raced by the driver's own check of it (that race was seen to crash
+/// inside the driver).
+fn refuse_blocking(
+    context: &Context,
+    operation: &'static str,
+) -> Result<crate::graph::CaptureModeGuard> {
     crate::graph::refuse_while_capturing(None, operation)?;
-    crate::graph::refuse_legacy_stream_use(context, operation)
+    crate::graph::refuse_legacy_stream_use(context, operation)?;
+    crate::graph::relaxed_for_unrecorded_call()
 }
 
 #[cfg(test)]
