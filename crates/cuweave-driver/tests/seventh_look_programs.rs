@@ -427,57 +427,42 @@ fn outside_captures_sections_on_four_threads_never_run_during_a_global_capture()
     );
 }
 
-/// A library that, inside its own `outside_captures` section, begins a global capture (against
-/// the documented contract, but on one thread only: a begin made inside must not wait for its
-/// own thread's count). Two levels of nesting. Inside the capture a further section is skipped
-/// (`None`) and an event query is a typed refusal. Checks: the capture ends valid with one
-/// kernel node and replays three times exactly; afterwards another thread's section runs and
-/// another thread's capture begins and ends (within 20 s: no count was left behind).
+/// A library that, inside its own `outside_captures` section, begins a global capture, against
+/// the documented contract, two levels deep. A begin waits for every section to end, so one made
+/// inside a section could wait for itself once another thread's begin holds the begin lock:
+/// it is refused instead. Checks: the begin is a typed capture refusal, the stream is left not
+/// capturing (its query answers), a begin after the section captures one kernel whose graph
+/// replays three times exactly, and afterwards another thread's section runs and another
+/// thread's capture begins and ends (within 20 s: no count was left behind).
 #[test]
-fn a_capture_begun_inside_outside_captures_ends_valid_and_the_gate_reopens() {
+fn a_capture_begun_inside_outside_captures_is_refused_and_the_gate_reopens() {
     let gpu = require_gpu!();
     let _serial = serial();
     let context = &gpu.context;
     let stream = non_blocking(context);
     let kernels = warmed_kernels(context, &stream);
     let counter = DeviceAllocation::zeroed(context, 4).unwrap();
-    let eager = Event::new(context, EventFlags::DISABLE_TIMING).unwrap();
-    eager.record(&non_blocking(context)).unwrap();
-    let outcome = outside_captures(|| {
-        outside_captures(|| {
-            stream.begin_capture(CaptureMode::Global).unwrap();
-            let skipped = outside_captures(|| ());
-            let query = eager.query();
-            // SAFETY: `counter` holds one u32 and outlives every launch (synchronised below).
-            let launched = unsafe { kernels.increment_u32(&stream, counter.ptr(), 1) };
-            let graph = stream.end_capture();
-            (skipped, query, launched, graph)
-        })
-    });
-    let (skipped, query, launched, graph) = outcome
+    let begun = outside_captures(|| outside_captures(|| stream.begin_capture(CaptureMode::Global)))
         .expect("no capture was active at the outer section")
         .expect("nested in a running section");
+    assert_capture_refusal(begun, "a capture begun inside an outside_captures section");
     assert_eq!(
-        skipped, None,
-        "a section inside an active capture is skipped"
+        stream.query(),
+        Ok(true),
+        "the refused begin left the stream eager and idle"
     );
-    assert_capture_refusal(
-        query,
-        "an event query inside the thread's own global capture",
-    );
+    stream.begin_capture(CaptureMode::Global).unwrap();
+    // SAFETY: `counter` holds one u32 and outlives every launch (synchronised below).
+    let launched = unsafe { kernels.increment_u32(&stream, counter.ptr(), 1) };
+    let graph = stream.end_capture();
     launched.unwrap();
-    let graph = graph.expect("the capture begun inside the section ends valid");
+    let graph = graph.expect("the capture begun after the section ends valid");
     assert_eq!(graph.node_types().unwrap(), [GraphNodeType::Kernel]);
     let exec = graph.instantiate(&InstantiateOptions::default()).unwrap();
     for _ in 0..3 {
         exec.launch(&stream).unwrap();
     }
     assert_eq!(read_u32(context, counter.ptr(), 1, &stream), [3]);
-    assert_eq!(
-        eager.query(),
-        Ok(true),
-        "plain again once the capture ended"
-    );
 
     let other = within(Duration::from_secs(20), || outside_captures(|| 5));
     assert_eq!(other, Some(Some(5)), "another thread's section runs");
@@ -487,21 +472,23 @@ fn a_capture_begun_inside_outside_captures_ends_valid_and_the_gate_reopens() {
     assert_eq!(begun.unwrap(), 1);
 }
 
-/// The same misuse in a loop beside other threads: the model thread begins and ends 500
-/// global captures each inside its own `outside_captures` section, while three threads poll an
-/// event and a stream and run sections of their own. The begin waits for the other threads'
-/// sections and they skip (or wait out) it; nothing may wait in a circle. Checks (under a 60 s
-/// watchdog): the loop finishes, every section of the model thread ran, every capture ended
-/// valid and the replays count exactly, the pollers saw only answers and typed refusals, and
-/// their own sections' queries always answered.
+/// The deadlock shape of that misuse: one thread tries 500 global-capture begins, each inside
+/// its own `outside_captures` section, while another thread begins and ends 500 global
+/// captures plainly and three threads poll an event and a stream and run sections of their
+/// own. Unrefused, the section's begin would wait for the begin lock while the plain begin
+/// holding it waited for the section. Checks (under a 60 s watchdog): everything finishes;
+/// every begin made inside a section that ran is a typed refusal; the plain captures end valid
+/// and their replays count exactly; the pollers saw only answers and typed refusals, and their
+/// own sections' queries always answered.
 #[test]
-fn captures_begun_inside_sections_beside_polling_threads_never_deadlock() {
+fn captures_begun_inside_sections_beside_plain_begins_and_pollers_never_deadlock() {
     let gpu = require_gpu!();
     let _serial = serial();
     let context = Arc::clone(&gpu.context);
     let outcome = within(Duration::from_secs(60), move || {
         let context = &context;
         let stream = non_blocking(context);
+        let inside_stream = non_blocking(context);
         let kernels = warmed_kernels(context, &stream);
         let counter = DeviceAllocation::zeroed(context, 4).unwrap();
         let polled: Vec<(Stream, Event)> = (0..3)
@@ -513,10 +500,9 @@ fn captures_begun_inside_sections_beside_polling_threads_never_deadlock() {
             })
             .collect();
         let stop = AtomicBool::new(false);
-        let started = Barrier::new(4);
+        let started = Barrier::new(5);
         let mut capture = CaptureRounds::default();
-        let mut sections_skipped = 0usize;
-        let beside = std::thread::scope(|scope| {
+        let (beside, inside) = std::thread::scope(|scope| {
             let pollers: Vec<_> = polled
                 .iter()
                 .map(|(stream, event)| {
@@ -535,28 +521,48 @@ fn captures_begun_inside_sections_beside_polling_threads_never_deadlock() {
                     })
                 })
                 .collect();
+            let inside_stream = &inside_stream;
+            let started_inside = &started;
+            let in_sections = scope.spawn(move || {
+                let mut seen = Beside::default();
+                started_inside.wait();
+                for _ in 0..500 {
+                    if let Some(begun) =
+                        outside_captures(|| inside_stream.begin_capture(CaptureMode::Global))
+                    {
+                        match begun {
+                            Ok(()) => {
+                                seen.other.push("a begin inside a section was made".into());
+                                let _ = inside_stream.end_capture();
+                            }
+                            Err(error) if error.is_capture_refusal() => seen.refused += 1,
+                            Err(error) => seen.other.push(format!("begin: {error}")),
+                        }
+                    }
+                }
+                seen
+            });
             started.wait();
             for round in 1..=500 {
-                let ran = outside_captures(|| {
-                    capture.capture_increment(&stream, &kernels, counter.ptr(), round, 25);
-                });
-                sections_skipped += usize::from(ran.is_none());
+                capture.capture_increment(&stream, &kernels, counter.ptr(), round, 25);
             }
+            let inside = in_sections.join().unwrap();
             stop.store(true, Ordering::Release);
             let mut beside = Beside::default();
             for poller in pollers {
                 beside.merge(poller.join().unwrap());
             }
-            beside
+            (beside, inside)
         });
         let count = read_u32(context, counter.ptr(), 1, &stream)[0];
-        (capture, sections_skipped, beside, count)
+        (capture, beside, inside, count)
     });
-    let (capture, sections_skipped, beside, count) =
-        outcome.expect("500 capture rounds inside sections beside pollers finish (no deadlock)");
-    assert_eq!(
-        sections_skipped, 0,
-        "only this thread begins captures: none is active or beginning at its sections"
+    let (capture, beside, inside, count) =
+        outcome.expect("500 plain captures beside 500 begins inside sections finish (no deadlock)");
+    assert!(
+        inside.other.is_empty(),
+        "begins inside sections: {:?}",
+        inside.other
     );
     assert!(
         capture.broken.is_empty() && beside.other.is_empty(),

@@ -71,7 +71,9 @@ impl Stream {
     /// # Errors
     /// [`GraphError::LegacyDefaultStream`] for the legacy default stream;
     /// [`GraphError::AlreadyCapturing`] when this stream is capturing (begun through this handle, an
-    /// alias of its `CUstream`, or another library); the driver's error otherwise.
+    /// alias of its `CUstream`, or another library); [`GraphError::Capturing`] when called
+    /// inside [`outside_captures`](crate::graph::outside_captures) on this thread (the begin
+    /// would wait for that call to return); the driver's error otherwise.
     pub fn begin_capture(&self, mode: CaptureMode) -> Result<()> {
         self.check_can_capture()?;
         let complete_before = self.inherited_complete_before();
@@ -145,6 +147,16 @@ impl Stream {
     }
 
     fn check_can_capture(&self) -> Result<()> {
+        // A begin waits for every thread inside `outside_captures` to leave it; made from
+        // inside one, it would wait for itself as soon as another thread's begin held the
+        // begin lock first (that one waiting for this thread's section, this one for the lock).
+        if super::outside::inside_on_this_thread() {
+            return Err(GraphError::Capturing {
+                operation: "Stream::begin_capture",
+                reason: "called inside `outside_captures`, which holds every capture begin off until it returns",
+            }
+            .into());
+        }
         if is_legacy_default(self.as_raw()) {
             return Err(GraphError::LegacyDefaultStream {
                 operation: "Stream::begin_capture",

@@ -132,7 +132,8 @@ thread_local! {
 /// capture can begin; this closes it. Callers never wait: an atomic add, a fence and two loads
 /// on the way in, an atomic subtract on the way out (a call nested in another of its thread:
 /// nothing). A capture begin waits for the callers already
-/// inside, so `f` must be short and must not wait for another thread, nor begin a capture. In
+/// inside, so `f` must be short and must not wait for another thread, nor begin a capture (a
+/// begin inside is refused with `GraphError::Capturing`, since it could wait for itself). In
 /// particular `f` must not wait for a lock that another thread may hold across an
 /// [`Event::query`](crate::Event::query) or [`Stream::query`](crate::Stream::query) (which wait
 /// out a capture begin): take such a lock before the call, or wrap each query instead.
