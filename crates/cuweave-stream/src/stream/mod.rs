@@ -317,16 +317,14 @@ impl PriorityStream {
         // a query: one could break another thread's global capture. Each query is a section of
         // its own, taken under the markers' lock: a section must never wait for a lock, which
         // `outstanding_work` holds across queries that wait out a capture begin (which waits
-        // for the sections). A query skipped reads as unfinished: the search then drops fewer.
+        // for the sections). A query skipped ends the search (`None`), a failed one reads as
+        // unfinished.
         self.outstanding.submitted(
             1,
             || self.events.acquire_owned(false),
             |event| event.record(&self.inner),
             |event: &cuweave_driver::OwnedPooledEvent| {
-                matches!(
-                    cuweave_driver::graph::outside_captures(|| event.query()),
-                    Some(Ok(true))
-                )
+                cuweave_driver::graph::outside_captures(|| matches!(event.query(), Ok(true)))
             },
         )?;
         Ok(value)

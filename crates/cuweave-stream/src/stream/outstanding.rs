@@ -49,9 +49,27 @@ impl<M> Default for OutstandingWork<M> {
 
 impl<M> Inner<M> {
     /// Drops the finished markers (a prefix: they finish in stream order), found by binary
-    /// search with `is_done` (a query that fails counts as not finished); moves the mark.
-    fn prune(&mut self, is_done: impl Fn(&M) -> bool) {
-        let finished = self.pending.partition_point(|(marker, _)| is_done(marker));
+    /// search with `is_done` (`Some(false)` also for a query that failed); moves the mark.
+    ///
+    /// A query that may not be made now (`None`: a capture is active or beginning) ends the
+    /// search with nothing dropped and the mark left where it is: finding nothing *finished*
+    /// backs the searches off (the GPU is behind), finding nothing *asked* must not, or the
+    /// markers piled up during a long capture would wait out the back-off after it ends. The
+    /// next search is put off by [`PRUNE_AT`] submissions, so a stream fed during a capture
+    /// does not try on every one.
+    fn prune(&mut self, is_done: impl Fn(&M) -> Option<bool>) {
+        let (mut finished, mut unfinished) = (0, self.pending.len());
+        while finished < unfinished {
+            let middle = finished + (unfinished - finished) / 2;
+            match is_done(&self.pending[middle].0) {
+                Some(true) => finished = middle + 1,
+                Some(false) => unfinished = middle,
+                None => {
+                    self.calm = PRUNE_AT;
+                    return;
+                }
+            }
+        }
         self.pending.drain(..finished);
         if finished == 0 {
             self.prune_at = (self.prune_at * 2).min(MAX_MARKERS);
@@ -65,8 +83,8 @@ impl<M> Inner<M> {
 impl<M> OutstandingWork<M> {
     /// Notes `ops` operations just queued: records a marker from `make` behind them with
     /// `record`. Past [`PRUNE_AT`] markers the finished ones are dropped first, found with
-    /// `is_done` (which answers `false` for what it may not ask now, e.g. while a capture
-    /// forbids queries: the search then drops fewer). Past [`MAX_MARKERS`]
+    /// `is_done` (which answers `None` for what it may not ask now, e.g. while a capture
+    /// forbids queries: the search then stops, dropping nothing). Past [`MAX_MARKERS`]
     /// the newest marker is re-recorded instead (stream order makes it cover everything it
     /// covered before as well).
     pub(crate) fn submitted<E>(
@@ -74,7 +92,7 @@ impl<M> OutstandingWork<M> {
         ops: u64,
         make: impl FnOnce() -> Result<M, E>,
         record: impl Fn(&M) -> Result<(), E>,
-        is_done: impl Fn(&M) -> bool,
+        is_done: impl Fn(&M) -> Option<bool>,
     ) -> Result<(), E> {
         let mut inner = self.inner.lock();
         if inner.calm > 0 {
@@ -128,8 +146,8 @@ mod tests {
     #[derive(Debug, Default)]
     struct Marker(Cell<u64>);
 
-    /// Nothing found finished at submission (as while a capture forbids queries).
-    const NEVER_DONE: fn(&Marker) -> bool = |_| false;
+    /// Nothing found finished at submission (the GPU is behind).
+    const NEVER_DONE: fn(&Marker) -> Option<bool> = |_| Some(false);
 
     /// A stream whose owner never asks for its outstanding work, with the GPU keeping up to
     /// within `lag` submissions: the markers held stay near `PRUNE_AT` (each search drops the
@@ -154,7 +172,7 @@ mod tests {
                 },
                 |marker: &Marker| {
                     queries.set(queries.get() + 1);
-                    marker.0.get() <= done_up_to
+                    Some(marker.0.get() <= done_up_to)
                 },
             )
             .unwrap();
@@ -231,6 +249,63 @@ mod tests {
         assert_eq!(made.get(), 4);
         let all_done = work.outstanding::<Infallible>(|_| Ok(true)).unwrap();
         assert_eq!(all_done, 0);
+    }
+
+    /// A stream fed through a long capture elsewhere (every query skipped), then with the GPU
+    /// keeping up: the skipped searches neither drop markers nor back the searches off, and
+    /// are not retried on every submission; within `PRUNE_AT` submissions after the capture the
+    /// piled-up finished markers are dropped.
+    #[test]
+    fn skipped_searches_do_not_back_off_so_markers_piled_up_in_a_capture_drop_after_it() {
+        let work = OutstandingWork::<Marker>::default();
+        let submitted = Cell::new(0u64);
+        let queries = Cell::new(0u64);
+        let capturing = Cell::new(true);
+        let submit = || {
+            submitted.set(submitted.get() + 1);
+            work.submitted::<Infallible>(
+                1,
+                || Ok(Marker::default()),
+                |marker| {
+                    marker.0.set(submitted.get());
+                    Ok(())
+                },
+                |marker: &Marker| {
+                    queries.set(queries.get() + 1);
+                    (!capturing.get()).then(|| marker.0.get() < submitted.get())
+                },
+            )
+            .unwrap();
+        };
+        for _ in 0..1_000 {
+            submit();
+        }
+        assert_eq!(
+            work.markers(),
+            MAX_MARKERS,
+            "nothing dropped while queries are skipped"
+        );
+        assert!(
+            queries.get() <= 1_000 / PRUNE_AT as u64 + 1,
+            "{} skipped queries for 1,000 submissions",
+            queries.get()
+        );
+        capturing.set(false);
+        for _ in 0..=PRUNE_AT {
+            submit();
+        }
+        assert!(
+            work.markers() <= PRUNE_AT,
+            "{} markers held {} submissions after the capture",
+            work.markers(),
+            PRUNE_AT + 1
+        );
+        // Only the newest marker's work is unfinished (the fake GPU is one submission behind).
+        assert_eq!(
+            work.outstanding::<Infallible>(|marker| Ok(marker.0.get() < submitted.get()))
+                .unwrap(),
+            1
+        );
     }
 
     #[test]
