@@ -233,6 +233,7 @@ impl<T: Element> DeviceBuffer<T> {
         {
             tracker.set_graph_allocation(capture);
         }
+        crate::caching::return_frees_deferred_by_captures();
         let ptr = resource.allocate_owned(bytes, stream)?;
         let buffer = Self {
             core: BufferCore::with_tracker(tracker, ptr, len, size_of::<T>()),
@@ -368,6 +369,17 @@ fn refuse_if_capturing() -> Result<()> {
 /// Deallocates a resource's memory on the legacy default stream once it has waited for the end
 /// of the stream the memory was allocated on (`end`, when that handle is gone) and for every
 /// event; if a wait cannot be queued, the event is waited for on the host instead.
+/// [`deallocate_after`] with no stream end: the legacy stream waits for `events`, then the
+/// resource deallocates there (a resource buffer freed during a capture, returned after it).
+pub(crate) fn deallocate_after_events(
+    resource: &dyn MemoryResource,
+    ptr: DevicePtr,
+    bytes: usize,
+    events: &[StreamEvent],
+) -> Result<()> {
+    deallocate_after(resource, ptr, bytes, events, None)
+}
+
 fn deallocate_after(
     resource: &dyn MemoryResource,
     ptr: DevicePtr,

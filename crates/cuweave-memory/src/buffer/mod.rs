@@ -85,6 +85,7 @@ mod view;
 
 pub use common::Buffer;
 pub use device::DeviceBuffer;
+pub(crate) use device::deallocate_after_events;
 pub use host::{HostRefusal, HostSink, HostSource, host_refusal, split_host_refusal};
 pub use host_slice::{HostSlice, HostSliceMut};
 pub use peer::copy_peer;

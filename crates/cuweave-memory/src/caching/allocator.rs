@@ -406,6 +406,7 @@ impl CachingAllocator {
         if active_captures() != 0 {
             return self.allocate_during_capture(bytes, stream, key);
         }
+        super::return_frees_deferred_by_captures();
         let upstream = RequestUpstream { shared, stream };
         let grant = shared.engine.allocate(key, bytes, &upstream)?;
         let shard = &self.handles.shards[shared.engine.shard_index(key)];
@@ -427,6 +428,8 @@ impl CachingAllocator {
     /// [graph pools](super::GraphPool) are never released.
     pub fn empty_cache(&self) -> Result<usize> {
         super::graph_pool::refuse_during_capture("CachingAllocator::empty_cache")?;
+        // Frees deferred by captures that have ended come back first, so their segments can go.
+        super::graph_pool::flush_frees_deferred_by_captures();
         self.handles
             .shared
             .engine

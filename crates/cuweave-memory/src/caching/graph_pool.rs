@@ -72,9 +72,13 @@ pub(crate) use binding::pool_tag_of_capture;
 pub use binding::{AllocateToPool, MissPolicy, begin_allocate_to_pool, note_capture_stream};
 pub(super) use during_capture::{refuse_during_capture, release_during_capture};
 pub(crate) use during_capture::{release_block_during_capture, release_resource_during_capture};
+pub(in crate::caching) use held::flush_deferred as flush_frees_deferred_by_captures;
 pub use held::stranded_graph_memory;
-use held::{DEFERRED, Held, HeldMemory, flush_deferred};
-pub(crate) use held::{GraphHeld, defer_until_no_capture, hold_for_graphs, synchronize_once};
+pub(crate) use held::{
+    GraphHeld, defer_until_no_capture, hold_for_graphs, return_frees_deferred_by_captures,
+    synchronize_once,
+};
+use held::{Held, HeldMemory, defer, flush_deferred};
 pub(crate) use retire::{SegmentHome, retire_engine};
 
 /// The high bit of a [`StreamKey`] marks a private pool's free list.
@@ -140,7 +144,7 @@ impl Drop for PoolToken {
             }
         }
         if !free.is_empty() {
-            DEFERRED.lock().extend(free);
+            free.into_iter().for_each(defer);
             flush_deferred();
         }
     }
@@ -207,7 +211,7 @@ impl GraphPool {
         #[allow(unsafe_code)]
         // SAFETY: when the last token dies, nothing of the pool is reused before the device has
         // finished with it: `PoolToken::drop` hands the general cache's blocks and resources
-        // it held to `DEFERRED`, and `return_block` synchronises their context first (deferred
+        // it held to the deferred frees, and `return_block` synchronises their context first (deferred
         // while a capture forbids the wait); the pool's own segments are adopted only by a
         // capture whose context synchronised after the pool was seen dead and idle
         // (`engine_capture`), and go back to the driver only through `cuMemFree`, which waits.

@@ -15,8 +15,8 @@ use super::super::block::BlockId;
 use super::super::engine::{Adoption, Upstream};
 use super::super::pool::{Grant, Segment};
 use super::super::stream_uses::StreamKey;
-use super::binding::{BINDINGS, MissPolicy, capturing_pool_of, route};
-use super::held::{DEFERRED, Held, HeldBlock, HeldMemory, flush_deferred, hold_for_captures};
+use super::binding::{MissPolicy, capturing_pool_of, route};
+use super::held::{Held, HeldBlock, HeldMemory, defer, flush_deferred, hold_for_captures};
 use super::{PRIVATE_BIT, is_retained, private_key};
 use crate::buffer::tracker::FreeMarkers;
 use crate::error::{MemoryError, Result};
@@ -112,13 +112,14 @@ pub(in crate::caching) fn release_during_capture(
         ptr,
         stream,
         uses: uses.clone(),
+        events: Vec::new(),
         after_device,
     };
     if stream.as_usize() & PRIVATE_BIT != 0 {
         if uses.is_empty() {
             return engine.free(stream, id, ptr);
         }
-        DEFERRED.lock().push(held(false).into());
+        defer(held(false).into());
         return Ok(());
     }
     let owner = capturing_pool_of(stream.as_usize() as u64)
@@ -134,7 +135,7 @@ pub(in crate::caching) fn release_during_capture(
     if uses.is_empty() && !borrowed {
         return engine.free(stream, id, ptr);
     }
-    DEFERRED.lock().push(held(borrowed).into());
+    defer(held(borrowed).into());
     Ok(())
 }
 
@@ -152,8 +153,10 @@ pub(in crate::caching) fn release_during_capture(
 /// - A private block waits for the captures to end (its uses may be on streams forked into
 ///   the capture, not ordered with the next allocation).
 /// - A general-cache block used only eagerly is held by the pool of a capture that has its
-///   stream (or, failing that, of the only bound capture), else returned once no capture is
-///   active and the device has finished.
+///   stream, else returned once no capture is active behind its uses' events (recorded
+///   eagerly), by the first allocation after the captures ended
+///   ([`return_frees_deferred_by_captures`](super::held::return_frees_deferred_by_captures));
+///   on a borrowed stream, once the device has finished.
 ///
 /// [`stranded_graph_memory`]: crate::caching::stranded_graph_memory
 #[cold]
@@ -172,17 +175,18 @@ pub(crate) fn release_block_during_capture(
         graph_pools,
     } = markers;
     let used = !events.is_empty();
-    drop(events);
     let private = stream.as_usize() & PRIVATE_BIT != 0;
-    let held = HeldBlock {
+    let mut held = HeldBlock {
         shared: Arc::clone(&shard.shared),
         id,
         ptr,
         stream,
         uses: Vec::new(),
+        events: Vec::new(),
         after_device: !private,
     };
     if !private && !graph_pools.is_empty() {
+        drop(events);
         hold_for_captures(held.into(), &graph_pools, bytes);
         flush_deferred();
         return Ok(());
@@ -193,19 +197,21 @@ pub(crate) fn release_block_during_capture(
         return engine.free(stream, id, ptr);
     }
     if !private {
-        let owner = capturing_pool_of(stream.as_usize() as u64).or_else(|| {
-            let bindings = BINDINGS.read();
-            match bindings.as_slice() {
-                [only] => Some(only.pool.clone()),
-                _ => None,
-            }
-        });
-        if let Some(pool) = owner {
+        if let Some(pool) = capturing_pool_of(stream.as_usize() as u64) {
+            drop(events);
             pool.token.held.lock().push(held.into());
             return Ok(());
         }
+        // No capture used it (`graph_pools` is empty) and none has its stream: its events were
+        // recorded eagerly, so it comes back behind them once no capture is active, as any
+        // eager free does, without waiting for the device. A borrowed stream's key may name
+        // another stream by then: that block waits for the device instead.
+        if !stream.is_borrowed() {
+            held.events = events;
+            held.after_device = false;
+        }
     }
-    DEFERRED.lock().push(held.into());
+    defer(held.into());
     flush_deferred();
     Ok(())
 }
@@ -226,17 +232,20 @@ pub(crate) fn release_resource_during_capture(
         events,
         graph_pools,
     } = markers;
-    drop(events);
+    // With no capture among its uses, its events were recorded eagerly: the deallocation waits
+    // for them (device-side) once no capture is active. Else it is graph memory.
+    let events = graph_pools.is_empty().then_some(events);
     let held = Held {
         memory: HeldMemory::Resource {
             resource,
             ptr,
             bytes,
+            events,
         },
         also: Vec::new(),
     };
     if graph_pools.is_empty() {
-        DEFERRED.lock().push(held);
+        defer(held);
     } else {
         hold_for_captures(held, &graph_pools, bytes);
     }

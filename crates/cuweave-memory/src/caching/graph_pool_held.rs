@@ -3,6 +3,7 @@
 
 #[cfg(test)]
 use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Weak};
 
 use cuweave_driver::graph::active_captures;
@@ -16,6 +17,7 @@ use super::super::stream_uses::{StreamKey, record_uses};
 use super::test_support;
 use super::{NO_POOL, PoolToken, pool_of_tag};
 use crate::error::Result;
+use crate::events::StreamEvent;
 use crate::resource::MemoryResource;
 
 /// A block freed during a capture whose return waits: for the capture to end (events to
@@ -26,6 +28,9 @@ pub(super) struct HeldBlock {
     pub(super) ptr: u64,
     pub(super) stream: StreamKey,
     pub(super) uses: Vec<Arc<Stream>>,
+    /// Events a typed buffer's tracker recorded behind its eager uses (never inside a capture):
+    /// the block is handed out again once they and `uses` have completed.
+    pub(super) events: Vec<StreamEvent>,
     /// Whether the device must be idle first (the graph may still be replaying with it).
     pub(super) after_device: bool,
 }
@@ -40,6 +45,9 @@ pub(super) enum HeldMemory {
         resource: Arc<dyn MemoryResource>,
         ptr: u64,
         bytes: usize,
+        /// The events behind its eager uses, when no capture used it: the legacy stream waits
+        /// for them before the deallocation, instead of the device for everything.
+        events: Option<Vec<StreamEvent>>,
     },
     /// Memory of another kind (a pinned pool's block, a managed allocation), which says itself
     /// how it goes back.
@@ -89,8 +97,67 @@ impl From<HeldBlock> for Held {
     }
 }
 
-/// Frees waiting for no capture to be active.
-pub(super) static DEFERRED: Mutex<Vec<Held>> = Mutex::new(Vec::new());
+/// Frees waiting for no capture to be active whose return waits for the device (a
+/// synchronisation): carried out by [`flush_deferred`], at the points that may wait.
+static DEFERRED: Mutex<Vec<Held>> = Mutex::new(Vec::new());
+/// Frees waiting for no capture to be active whose return waits for nothing on the host (their
+/// uses' events are recorded or kept): carried out by [`flush_deferred`] and, lazily, by the
+/// first allocation or resource buffer made once no capture is active
+/// ([`return_frees_deferred_by_captures`]), as PyTorch's allocator inserts the events of frees
+/// deferred during a capture at its next `malloc`.
+static AFTER_CAPTURES: Mutex<Vec<Held>> = Mutex::new(Vec::new());
+/// Whether [`AFTER_CAPTURES`] may hold anything: set by every push, cleared by the take that
+/// empties it (under its lock), so the allocation path pays one load.
+static AFTER_CAPTURES_WAITING: AtomicBool = AtomicBool::new(false);
+
+impl Held {
+    /// Whether the return waits for nothing on the host.
+    fn waits_for_nothing(&self) -> bool {
+        match &self.memory {
+            HeldMemory::Block(block) => !block.after_device,
+            HeldMemory::Resource { events, .. } => events.is_some(),
+            _ => false,
+        }
+    }
+}
+
+/// Defers `held` until no capture is active (see [`DEFERRED`] and [`AFTER_CAPTURES`]).
+pub(super) fn defer(held: Held) {
+    if held.waits_for_nothing() {
+        let mut waiting = AFTER_CAPTURES.lock();
+        waiting.push(held);
+        AFTER_CAPTURES_WAITING.store(true, AtomicOrdering::Release);
+    } else {
+        DEFERRED.lock().push(held);
+    }
+}
+
+/// Carries out the frees deferred by captures that wait for nothing on the host, once no
+/// capture is active: one atomic load when there are none. Called where memory is allocated
+/// (the caching allocator's allocation, a resource buffer's), so memory freed during a
+/// capture comes back after it ends without waiting for another capture or `empty_cache`.
+#[inline]
+pub(crate) fn return_frees_deferred_by_captures() {
+    if AFTER_CAPTURES_WAITING.load(AtomicOrdering::Acquire) && active_captures() == 0 {
+        return_after_captures();
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn return_after_captures() {
+    let taken = {
+        let mut waiting = AFTER_CAPTURES.lock();
+        AFTER_CAPTURES_WAITING.store(false, AtomicOrdering::Release);
+        std::mem::take(&mut *waiting)
+    };
+    let mut synced: Vec<Arc<Context>> = Vec::new();
+    for held in taken {
+        if let Err(error) = return_block(held, &mut synced) {
+            tracing::error!(%error, "returning memory freed during a capture failed; it is never reused");
+        }
+    }
+}
 /// Allocations used by a capture no pool could be found for, kept out of every cache for the
 /// process's life (a graph of that capture may still write them): how many, and their bytes.
 static STRANDED: Mutex<(u64, u64)> = Mutex::new((0, 0));
@@ -122,7 +189,7 @@ pub(super) fn hold_for_captures(mut held: Held, tags: &[u64], bytes: usize) {
                 held.also = pools.iter().map(Arc::downgrade).collect();
                 first.held.lock().push(held);
             }
-            None => DEFERRED.lock().push(held),
+            None => defer(held),
         },
         None => {
             tracing::warn!(
@@ -157,11 +224,16 @@ pub fn stranded_graph_memory() -> (u64, u64) {
 
 /// Carries out deferred frees once no capture is active (else leaves them for the last
 /// capture's end).
-pub(super) fn flush_deferred() {
+pub(in crate::caching) fn flush_deferred() {
     if active_captures() != 0 {
         return;
     }
-    let taken = std::mem::take(&mut *DEFERRED.lock());
+    let mut taken = std::mem::take(&mut *DEFERRED.lock());
+    {
+        let mut waiting = AFTER_CAPTURES.lock();
+        AFTER_CAPTURES_WAITING.store(false, AtomicOrdering::Release);
+        taken.append(&mut waiting);
+    }
     if taken.is_empty() {
         return;
     }
@@ -189,19 +261,23 @@ pub(super) fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result
     // item `synced` skips its synchronisation, the one call that would have been refused, so a
     // resource would be freed (`cuMemFree`) or events recorded into a capturing stream.
     if capture_active_now() {
-        DEFERRED.lock().push(held);
+        defer(held);
         return Ok(());
     }
     // The device must finish first: a capture begun since the check refuses the wait.
     let context = match &held.memory {
         HeldMemory::Block(block) if block.after_device => Some(Arc::clone(block.shared.context())),
-        HeldMemory::Resource { resource, .. } => Some(Arc::clone(resource.context())),
+        HeldMemory::Resource {
+            resource,
+            events: None,
+            ..
+        } => Some(Arc::clone(resource.context())),
         _ => None,
     };
     if let Some(context) = context {
         match synchronize_once(&context, synced) {
             Err(error) if error.is_capture_refusal() => {
-                DEFERRED.lock().push(held);
+                defer(held);
                 return Ok(());
             }
             Err(error) => return Err(error),
@@ -214,21 +290,30 @@ pub(super) fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result
             resource,
             ptr,
             bytes,
+            events,
         } => {
-            let legacy = crate::buffer::raw::legacy_stream(resource.context());
-            let result = resource.deallocate_owned(ptr, bytes, &legacy);
+            let result = match &events {
+                Some(events) => {
+                    crate::buffer::deallocate_after_events(&*resource, ptr, bytes, events)
+                }
+                None => {
+                    let legacy = crate::buffer::raw::legacy_stream(resource.context());
+                    resource.deallocate_owned(ptr, bytes, &legacy)
+                }
+            };
             return redefer_refused(result, || Held {
                 memory: HeldMemory::Resource {
                     resource,
                     ptr,
                     bytes,
+                    events,
                 },
                 also: held.also,
             });
         }
         HeldMemory::Other(other) => {
             if let Some(again) = other.give_back(synced)? {
-                DEFERRED.lock().push(Held {
+                defer(Held {
                     memory: HeldMemory::Other(again),
                     also: held.also,
                 });
@@ -247,7 +332,10 @@ pub(super) fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result
     }
     let shared = &block.shared;
     match record_uses(&block.uses, shared.context(), &shared.events) {
-        Ok(events) => engine.free_after(block.stream, block.id, block.ptr, events),
+        Ok(mut events) => {
+            events.extend(block.events);
+            engine.free_after(block.stream, block.id, block.ptr, events)
+        }
         Err(error) => {
             engine.free_never_reuse(block.stream, block.id, block.ptr)?;
             Err(error)
@@ -263,7 +351,7 @@ pub(super) fn redefer_refused(result: Result<()>, again: impl FnOnce() -> Held) 
     match result {
         Err(error) if error.is_capture_refusal() => {
             tracing::debug!(%error, "returning held memory was refused by a capture; deferred");
-            DEFERRED.lock().push(again());
+            defer(again());
             Ok(())
         }
         other => other,
@@ -291,7 +379,7 @@ pub(crate) fn hold_for_graphs(memory: Box<dyn GraphHeld>, graph_pools: &[u64], b
 /// now, else when the last active one ends. For memory no capture used, freed while one is
 /// active (when nothing may wait for the device).
 pub(crate) fn defer_until_no_capture(memory: Box<dyn GraphHeld>) {
-    DEFERRED.lock().push(Held {
+    defer(Held {
         memory: HeldMemory::Other(memory),
         also: Vec::new(),
     });

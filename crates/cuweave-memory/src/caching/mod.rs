@@ -141,7 +141,8 @@ pub use graph_pool::{
 };
 pub(crate) use graph_pool::{
     GraphHeld, NO_POOL, defer_until_no_capture, hold_for_graphs, pool_tag_is_live,
-    pool_tag_of_capture, release_resource_during_capture, synchronize_once,
+    pool_tag_of_capture, release_resource_during_capture, return_frees_deferred_by_captures,
+    synchronize_once,
 };
 pub(crate) use pool::Grant;
 pub use resource::CachingResource;
