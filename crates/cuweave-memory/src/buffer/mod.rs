@@ -85,10 +85,10 @@ mod view;
 
 pub use common::Buffer;
 pub use device::DeviceBuffer;
-pub(crate) use device::deallocate_after_events;
+pub(crate) use device::deallocate_eagerly_used;
 pub use host::{HostRefusal, HostSink, HostSource, host_refusal, split_host_refusal};
 pub use host_slice::{HostSlice, HostSliceMut};
-pub use peer::copy_peer;
+pub use peer::{copy_peer, copy_peer_async};
 pub use pending::{MarkedCopy, PendingCopy};
 pub use pinned::PinnedBuffer;
 pub use staged::{FromDevice, Staged, StagedRead, StagedWrite, ToDevice};
