@@ -366,20 +366,31 @@ fn refuse_if_capturing() -> Result<()> {
     ))
 }
 
-/// Deallocates a resource's memory on the legacy default stream once it has waited for the end
-/// of the stream the memory was allocated on (`end`, when that handle is gone) and for every
-/// event; if a wait cannot be queued, the event is waited for on the host instead.
-/// [`deallocate_after`] with no stream end: the legacy stream waits for `events`, then the
-/// resource deallocates there (a resource buffer freed during a capture, returned after it).
-pub(crate) fn deallocate_after_events(
+/// Deallocates a resource's memory that no capture used, as a drop with no capture active does:
+/// on its `home` stream behind the events of the uses on other streams while that handle lives,
+/// else on the legacy default stream after the handle's end (`None`: a context-relative stream,
+/// after the events only). So the work queued on the home stream by hand, which records nothing,
+/// is ordered before the free too. For a resource buffer whose free a capture deferred, returned
+/// after it; a capture active or begun meanwhile makes this a capture refusal.
+pub(crate) fn deallocate_eagerly_used(
     resource: &dyn MemoryResource,
     ptr: DevicePtr,
     bytes: usize,
     events: &[StreamEvent],
+    home: Option<&WeakStream>,
 ) -> Result<()> {
-    deallocate_after(resource, ptr, bytes, events, None)
+    match home {
+        Some(home) => deallocate_on_home(resource, ptr, bytes, events, home),
+        None => {
+            refuse_if_capturing()?;
+            deallocate_after(resource, ptr, bytes, events, None)
+        }
+    }
 }
 
+/// Deallocates a resource's memory on the legacy default stream once it has waited for the end
+/// of the stream the memory was allocated on (`end`, when that handle is gone) and for every
+/// event; if a wait cannot be queued, the event is waited for on the host instead.
 fn deallocate_after(
     resource: &dyn MemoryResource,
     ptr: DevicePtr,
@@ -491,7 +502,9 @@ impl<T: Element> Drop for DeviceBuffer<T> {
                 if markers.during_capture() {
                     // No wait nor query may run during a capture (one on a captured event
                     // fails, one on an eager event breaks a global-mode capture).
-                    crate::caching::release_resource_during_capture(resource, ptr, bytes, markers);
+                    crate::caching::release_resource_during_capture(
+                        resource, ptr, bytes, home, markers,
+                    );
                 } else if let Err(error) = freed() {
                     if error.is_capture_refusal() {
                         // A capture began on another thread after the check above: it was seen
@@ -500,7 +513,7 @@ impl<T: Element> Drop for DeviceBuffer<T> {
                         // kept the allocation: it waits with the frees made during a capture,
                         // for the first flush with none active.
                         crate::caching::release_resource_during_capture(
-                            resource, ptr, bytes, markers,
+                            resource, ptr, bytes, home, markers,
                         );
                     } else {
                         tracing::error!(%error, ptr, bytes, "deallocating a DeviceBuffer failed; the memory is leaked");

@@ -9,6 +9,7 @@ use cuweave_driver::graph::{
     CaptureMode, CaptureModeGuard, GraphError, active_captures, capture_state,
     known_complete_before,
 };
+use cuweave_driver::stream::WeakStream;
 
 use super::super::allocator::{CachingAllocator, ShardHandle};
 use super::super::block::BlockId;
@@ -16,7 +17,9 @@ use super::super::engine::{Adoption, Upstream};
 use super::super::pool::{Grant, Segment};
 use super::super::stream_uses::StreamKey;
 use super::binding::{MissPolicy, capturing_pool_of, route};
-use super::held::{Held, HeldBlock, HeldMemory, defer, flush_deferred, hold_for_captures};
+use super::held::{
+    EagerUses, Held, HeldBlock, HeldMemory, defer, flush_deferred, hold_for_captures,
+};
 use super::{PRIVATE_BIT, is_retained, private_key};
 use crate::buffer::tracker::FreeMarkers;
 use crate::error::{MemoryError, Result};
@@ -219,28 +222,32 @@ pub(crate) fn release_block_during_capture(
 /// Frees a resource's allocation (a typed buffer not from a caching allocator) while some
 /// capture is active, or after one that used it: nothing is waited on or queried. Used by
 /// captures, it is held as [`release_block_during_capture`] holds a general-cache block; else
-/// it is deallocated once no capture is active and the device has finished.
+/// it is deallocated once no capture is active, as an eager drop would be: on its `home` stream
+/// behind its uses' events (the first allocation after the captures ended does it,
+/// [`return_frees_deferred_by_captures`](super::held::return_frees_deferred_by_captures)).
 #[cold]
 #[inline(never)]
 pub(crate) fn release_resource_during_capture(
     resource: Arc<dyn MemoryResource>,
     ptr: u64,
     bytes: usize,
+    home: Option<WeakStream>,
     markers: FreeMarkers,
 ) {
     let FreeMarkers {
         events,
         graph_pools,
     } = markers;
-    // With no capture among its uses, its events were recorded eagerly: the deallocation waits
-    // for them (device-side) once no capture is active. Else it is graph memory.
-    let events = graph_pools.is_empty().then_some(events);
+    // With no capture among its uses, its events were recorded eagerly: once no capture is
+    // active it is deallocated as an eager drop does, on its home stream behind them (so the
+    // work queued there by hand is covered too), not after the device. Else it is graph memory.
+    let eager = graph_pools.is_empty().then_some(EagerUses { events, home });
     let held = Held {
         memory: HeldMemory::Resource {
             resource,
             ptr,
             bytes,
-            events,
+            eager,
         },
         also: Vec::new(),
     };

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Weak};
 
 use cuweave_driver::graph::active_captures;
+use cuweave_driver::stream::WeakStream;
 use cuweave_driver::{Context, Stream};
 use parking_lot::Mutex;
 
@@ -45,9 +46,8 @@ pub(super) enum HeldMemory {
         resource: Arc<dyn MemoryResource>,
         ptr: u64,
         bytes: usize,
-        /// The events behind its eager uses, when no capture used it: the legacy stream waits
-        /// for them before the deallocation, instead of the device for everything.
-        events: Option<Vec<StreamEvent>>,
+        /// When no capture used it: what an eager drop would wait for, instead of the device.
+        eager: Option<EagerUses>,
     },
     /// Memory of another kind (a pinned pool's block, a managed allocation), which says itself
     /// how it goes back.
@@ -55,6 +55,10 @@ pub(super) enum HeldMemory {
     /// Counts its return (tests).
     #[cfg(test)]
     Probe(Arc<std::sync::atomic::AtomicUsize>),
+    /// Counts its return, which waits for nothing on the host, as a typed block's behind its
+    /// eager events does (tests).
+    #[cfg(test)]
+    LazyProbe(Arc<std::sync::atomic::AtomicUsize>),
 }
 
 /// Memory other than the caching allocator's blocks and resources' allocations (a pinned pool's
@@ -88,6 +92,15 @@ pub(super) struct Held {
     pub(super) also: Vec<Weak<PoolToken>>,
 }
 
+/// The uses of a resource allocation no capture used, freed while one was active: the events
+/// recorded behind its uses (all eager) and the stream it was allocated on, where the
+/// deallocation goes once no capture is active (covering work queued there by hand, which
+/// records no event), as [`crate::buffer::deallocate_eagerly_used`] does for an eager drop.
+pub(super) struct EagerUses {
+    pub(super) events: Vec<StreamEvent>,
+    pub(super) home: Option<WeakStream>,
+}
+
 impl From<HeldBlock> for Held {
     fn from(block: HeldBlock) -> Self {
         Self {
@@ -115,7 +128,9 @@ impl Held {
     fn waits_for_nothing(&self) -> bool {
         match &self.memory {
             HeldMemory::Block(block) => !block.after_device,
-            HeldMemory::Resource { events, .. } => events.is_some(),
+            HeldMemory::Resource { eager, .. } => eager.is_some(),
+            #[cfg(test)]
+            HeldMemory::LazyProbe(_) => true,
             _ => false,
         }
     }
@@ -269,7 +284,7 @@ pub(super) fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result
         HeldMemory::Block(block) if block.after_device => Some(Arc::clone(block.shared.context())),
         HeldMemory::Resource {
             resource,
-            events: None,
+            eager: None,
             ..
         } => Some(Arc::clone(resource.context())),
         _ => None,
@@ -290,12 +305,16 @@ pub(super) fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result
             resource,
             ptr,
             bytes,
-            events,
+            eager,
         } => {
-            let result = match &events {
-                Some(events) => {
-                    crate::buffer::deallocate_after_events(&*resource, ptr, bytes, events)
-                }
+            let result = match &eager {
+                Some(EagerUses { events, home }) => crate::buffer::deallocate_eagerly_used(
+                    &*resource,
+                    ptr,
+                    bytes,
+                    events,
+                    home.as_ref(),
+                ),
                 None => {
                     let legacy = crate::buffer::raw::legacy_stream(resource.context());
                     resource.deallocate_owned(ptr, bytes, &legacy)
@@ -306,7 +325,7 @@ pub(super) fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result
                     resource,
                     ptr,
                     bytes,
-                    events,
+                    eager,
                 },
                 also: held.also,
             });
@@ -321,7 +340,7 @@ pub(super) fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result
             return Ok(());
         }
         #[cfg(test)]
-        HeldMemory::Probe(count) => {
+        HeldMemory::Probe(count) | HeldMemory::LazyProbe(count) => {
             count.fetch_add(1, Ordering::SeqCst);
             return Ok(());
         }
