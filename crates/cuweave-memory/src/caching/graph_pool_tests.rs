@@ -410,3 +410,92 @@ fn pool_ids_are_distinct_and_the_live_set_stays_bounded() {
     let after = LIVE.read().as_ref().map_or(0, HashMap::len);
     assert!(after <= before + 2, "dead pools leave the live set");
 }
+
+/// Defers a probe whose return waits for nothing on the host (a typed block behind its eager
+/// events) and returns its count.
+fn defer_lazy(count: &Arc<AtomicUsize>) {
+    super::held::defer(Held {
+        memory: HeldMemory::LazyProbe(Arc::clone(count)),
+        also: Vec::new(),
+    });
+}
+
+/// Calls what an allocation calls, and nothing else, until `count` reaches `expected` or a
+/// generous deadline passes; the count then. Another test's flush may take the list meanwhile
+/// and return it a little later, hence the polling.
+fn returned_by_allocations(count: &AtomicUsize, expected: usize) -> usize {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while count.load(Ordering::SeqCst) < expected && std::time::Instant::now() < deadline {
+        return_frees_deferred_by_captures();
+        std::thread::yield_now();
+    }
+    count.load(Ordering::SeqCst)
+}
+
+#[test]
+fn a_free_that_waits_for_nothing_is_returned_once_by_the_next_allocation() {
+    let returned = Arc::new(AtomicUsize::new(0));
+    defer_lazy(&returned);
+    assert_eq!(returned_by_allocations(&returned, 1), 1);
+    for _ in 0..10 {
+        return_frees_deferred_by_captures();
+        flush_deferred();
+    }
+    assert_eq!(returned.load(Ordering::SeqCst), 1, "returned twice");
+}
+
+#[test]
+fn a_lazy_return_a_capture_refuses_is_found_again_by_a_later_allocation() {
+    // The allocation's check saw no capture, but one began before the item's return (faked on
+    // this thread): the item goes back to the list, and the flag with it, so the first
+    // allocation once the capture has ended still finds it.
+    let returned = Arc::new(AtomicUsize::new(0));
+    test_support::FAKE_CAPTURE.with(|fake| fake.set(true));
+    defer_lazy(&returned);
+    for _ in 0..10 {
+        return_frees_deferred_by_captures();
+    }
+    test_support::FAKE_CAPTURE.with(|fake| fake.set(false));
+    assert_eq!(
+        returned_by_allocations(&returned, 1),
+        1,
+        "lost: the flag was cleared with the item still waiting"
+    );
+    assert_eq!(returned.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn lazy_returns_racing_frees_on_other_threads_lose_nothing_and_return_nothing_twice() {
+    const THREADS: usize = 4;
+    const EACH: usize = 2_000;
+    let returned = Arc::new(AtomicUsize::new(0));
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let allocating = scope.spawn(|| {
+            while !stop.load(Ordering::SeqCst) {
+                return_frees_deferred_by_captures();
+            }
+        });
+        let freeing: Vec<_> = (0..THREADS)
+            .map(|_| {
+                scope.spawn(|| {
+                    for _ in 0..EACH {
+                        defer_lazy(&returned);
+                    }
+                })
+            })
+            .collect();
+        for thread in freeing {
+            thread.join().unwrap();
+        }
+        stop.store(true, Ordering::SeqCst);
+        allocating.join().unwrap();
+    });
+    assert_eq!(
+        returned_by_allocations(&returned, THREADS * EACH),
+        THREADS * EACH
+    );
+    return_frees_deferred_by_captures();
+    flush_deferred();
+    assert_eq!(returned.load(Ordering::SeqCst), THREADS * EACH);
+}
