@@ -197,6 +197,12 @@ impl Event {
     /// No capture begun through cuweave begins between the refusal's check and the query, which
     /// would break a global-mode capture begun on another thread meanwhile: a query made while
     /// one begins waits for it (microseconds), then is refused or made.
+    ///
+    /// # Errors
+    /// [`GraphError::Capturing`](crate::GraphError::Capturing), nothing asked, while this
+    /// thread's capture mode forbids a query (its own capture, or another thread's global one)
+    /// and for an event last recorded into a capture that is still active (the driver would
+    /// invalidate that capture); the driver's error otherwise.
     pub fn query(&self) -> Result<bool> {
         crate::graph::between_capture_begins(|| self.query_between_capture_begins())
     }
