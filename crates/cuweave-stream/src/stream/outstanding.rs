@@ -308,6 +308,70 @@ mod tests {
         );
     }
 
+    /// A search whose queries are skipped partway (a capture begins during it, after some
+    /// markers were found finished) drops nothing and leaves the mark where it was; the next
+    /// search, `PRUNE_AT` submissions on, drops the finished prefix as usual, and the count of
+    /// outstanding operations stays exact throughout.
+    #[test]
+    fn a_search_skipped_partway_drops_nothing_and_the_next_one_drops_the_prefix() {
+        let work = OutstandingWork::<Marker>::default();
+        let submitted = Cell::new(0u64);
+        // Queries answered before the skips begin (`u64::MAX`: never skipped).
+        let answered = Cell::new(u64::MAX);
+        let submit = || {
+            submitted.set(submitted.get() + 1);
+            work.submitted::<Infallible>(
+                1,
+                || Ok(Marker::default()),
+                |marker| {
+                    marker.0.set(submitted.get());
+                    Ok(())
+                },
+                |marker: &Marker| {
+                    let left = answered.get();
+                    if left == 0 {
+                        return None;
+                    }
+                    answered.set(left.saturating_sub(1));
+                    // The fake GPU is two submissions behind.
+                    Some(marker.0.get() + 2 <= submitted.get())
+                },
+            )
+            .unwrap();
+        };
+        answered.set(0);
+        for _ in 0..PRUNE_AT {
+            submit();
+        }
+        assert_eq!(work.markers(), PRUNE_AT, "no search before the mark");
+        // The search at the mark answers one query (the middle marker: finished), then skips.
+        answered.set(1);
+        submit();
+        assert_eq!(answered.get(), 0, "one query answered, then the skip");
+        assert_eq!(
+            work.markers(),
+            PRUNE_AT + 1,
+            "nothing dropped by a skipped search"
+        );
+        // The skipped search puts the next off by `PRUNE_AT` submissions, no more.
+        answered.set(u64::MAX);
+        for _ in 0..PRUNE_AT {
+            submit();
+        }
+        assert_eq!(work.markers(), 2 * PRUNE_AT + 1, "no search while put off");
+        submit();
+        // Held: the one behind the newest finished and the one just recorded.
+        assert_eq!(
+            work.markers(),
+            2,
+            "the next search drops every finished marker (the mark did not back off)"
+        );
+        let outstanding = work
+            .outstanding::<Infallible>(|marker| Ok(marker.0.get() + 2 <= submitted.get()))
+            .unwrap();
+        assert_eq!(outstanding, 2);
+    }
+
     #[test]
     fn markers_stay_bounded_by_rerecording_the_newest() {
         let work = OutstandingWork::<Marker>::default();
