@@ -33,9 +33,14 @@
 //!   pool is known): at the free, the pools still alive hold it, and it returns when
 //!   the last of them dies. Used by a capture no pool was bound to, it is stranded for good
 //!   ([`stranded_graph_memory`]), never handed out again.
-//! - A typed buffer of another memory resource freed during a capture is deallocated once no
-//!   capture is active and the device has finished (or held like a block, when a capture used
-//!   it).
+//! - A typed buffer of another memory resource freed during a capture is held like a block
+//!   when a capture used it; else it is deallocated once no capture is active as an eager drop
+//!   deallocates it (on its home stream behind its uses' events).
+//! - Deferred frees that wait for nothing on the host once no capture is active (a typed block
+//!   or resource allocation no capture used, behind its eager events; a raw block's
+//!   `record_stream` uses) are carried out by the first allocation made once none is active;
+//!   those that wait for the device, by [`CachingAllocator::empty_cache`], a pool binding's end,
+//!   a pool's death, or the next capture-time free with no capture active.
 //! - A pool lives as long as its last holder: the [`GraphPool`] handles and every graph and
 //!   executable it is attached to ([`GraphPool::keep_alive`]). Until then
 //!   [`CachingAllocator::empty_cache`] leaves its segments alone; after, they are released like

@@ -40,8 +40,9 @@ pub(super) struct HeldBlock {
 pub(super) enum HeldMemory {
     /// A block of a caching allocator.
     Block(HeldBlock),
-    /// An allocation of another memory resource, deallocated (on the legacy stream) once the
-    /// device has finished with it.
+    /// An allocation of another memory resource: when a capture used it, deallocated (on the
+    /// legacy stream) once the device has finished with it; else as an eager drop does
+    /// (`eager`).
     Resource {
         resource: Arc<dyn MemoryResource>,
         ptr: u64,
@@ -270,7 +271,7 @@ fn capture_active_now() -> bool {
 }
 
 /// Returns held memory; memory whose return a capture begun since the flush's check refused
-/// goes back to [`DEFERRED`], for the next flush with no capture active.
+/// is deferred again ([`defer`]), for the next flush or allocation with no capture active.
 pub(super) fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result<()> {
     // A capture begun since the flush checked, seen before each item: after a context's first
     // item `synced` skips its synchronisation, the one call that would have been refused, so a
@@ -364,8 +365,8 @@ pub(super) fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result
 
 /// The result of returning held memory, with a refusal because a capture began since the
 /// flush checked (a `CachingResource` refuses a cross-stream free during a capture) turned into
-/// a deferral: `again` goes back to [`DEFERRED`], for the next flush with no capture active,
-/// instead of the memory never being freed.
+/// a deferral: `again` is deferred again ([`defer`]), for the next flush or allocation with no
+/// capture active, instead of the memory never being freed.
 pub(super) fn redefer_refused(result: Result<()>, again: impl FnOnce() -> Held) -> Result<()> {
     match result {
         Err(error) if error.is_capture_refusal() => {
