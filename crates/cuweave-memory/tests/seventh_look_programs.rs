@@ -424,9 +424,9 @@ fn streams_recorded_during_a_capture_elsewhere_are_retired_after_it() {
 }
 
 /// Pinned staging buffers (a pinned-memory data loader) whose copies to the device finished
-/// are dropped while another thread holds a capture open: their fences are not queried then,
-/// so the pool pins new blocks for the next batches. After the capture, every block becomes
-/// ready at the next get and the following gets are all hits: the pool stops growing.
+/// are dropped while another thread holds a capture open (their fences are then queried in
+/// relaxed capture mode, which breaks no capture). After the capture, every block is ready at
+/// the next get and the following gets are all hits: the pool stops growing.
 #[test]
 fn pinned_staging_dropped_during_a_capture_elsewhere_is_reused_after_it() {
     let _serial = serial();

@@ -1,5 +1,6 @@
 //! [`PendingCopy`]: an asynchronous copy in flight, owning its host side until it has finished.
 
+use cuweave_driver::graph::{CaptureMode, CaptureModeGuard};
 use cuweave_driver::memory::{Mark, StreamMarks};
 use cuweave_driver::{OwnedPooledEvent, Stream};
 
@@ -70,7 +71,7 @@ impl<H> PendingCopy<H> {
     /// The driver's error if waiting fails; the host side is then leaked, not freed.
     pub fn wait(mut self) -> crate::Result<H> {
         if let Some(done) = &self.done {
-            done.synchronize()?;
+            wait_for_copy(done)?;
         }
         Ok(self
             .host
@@ -100,6 +101,16 @@ impl<H> PendingCopy<H> {
     }
 }
 
+/// Waits for an async copy's event, in relaxed capture mode: the event was recorded behind
+/// eager work (a copy recorded into a capture has none), so waiting for it breaks no capture,
+/// and another thread's global-mode capture must not make the wait fail (a borrowed transfer
+/// whose reactor saw the chunk land would resolve to an error), nor a drop leak its host side.
+/// A capture of this thread's own stream still refuses nothing here: the event is not in it.
+fn wait_for_copy(done: &OwnedPooledEvent) -> cuweave_driver::Result<()> {
+    let _relaxed = CaptureModeGuard::enter(CaptureMode::Relaxed)?;
+    done.synchronize()
+}
+
 impl<H> Drop for PendingCopy<H> {
     fn drop(&mut self) {
         let Some(host) = self.host.take() else { return };
@@ -108,7 +119,7 @@ impl<H> Drop for PendingCopy<H> {
             drop(host);
             return;
         };
-        match done.synchronize() {
+        match wait_for_copy(done) {
             Ok(()) => drop(host),
             Err(error) => {
                 tracing::error!(%error, bytes = self.bytes, "waiting for an async copy failed; leaking its host memory");

@@ -4,6 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
+use cuweave_driver::graph::{CaptureMode, CaptureModeGuard};
 use cuweave_driver::memory::HostAllocation;
 use cuweave_driver::{Context, DriverError, EventPool, OwnedPooledEvent, Stream};
 use parking_lot::Mutex;
@@ -25,15 +26,24 @@ impl Capacity for HostAllocation {
 }
 
 impl Fence for OwnedPooledEvent {
-    /// Never queries while a stream capture is active anywhere, and no capture begins during
-    /// the query ([`outside_captures`](cuweave_driver::graph::outside_captures): a check then a
-    /// query would leave a window for one): a query of an event recorded before a capture
-    /// invalidates it (from the capturing thread, or any thread in global mode), and one
-    /// recorded inside a capture cannot be queried at all. The block stays pending until the
-    /// captures are over; [`PinnedPool::get`] pins another meanwhile. The pool's lock, held
-    /// around the poll, is never held by a thread beginning a capture.
+    /// While no capture is active or beginning, a plain query, with no capture able to begin
+    /// during it ([`outside_captures`](cuweave_driver::graph::outside_captures): a check then
+    /// a query would leave a window for one). While one is, the query is made in relaxed
+    /// capture mode, which breaks no capture (the event reactor's queries are made so): a
+    /// loader's pinned staging blocks keep being reused while another thread holds a long
+    /// capture open, instead of a new block being pinned for every transfer. A fence recorded
+    /// into a capture that is still active is refused by the query (it marks a graph, not
+    /// work that runs) and reads as not passed. The pool's lock, held around the poll, is
+    /// never held by a thread beginning a capture.
     fn passed(&self) -> Result<bool, DriverError> {
-        cuweave_driver::graph::outside_captures(|| self.query()).unwrap_or(Ok(false))
+        if let Some(answer) = cuweave_driver::graph::outside_captures(|| self.query()) {
+            return answer;
+        }
+        let _relaxed = CaptureModeGuard::enter(CaptureMode::Relaxed)?;
+        match self.query() {
+            Err(error) if error.is_capture_refusal() => Ok(false),
+            answer => answer,
+        }
     }
 
     fn wait(&self) -> Result<(), DriverError> {
