@@ -178,6 +178,18 @@ impl CollectiveError {
         matches!(self, Self::NotFound { .. })
     }
 
+    /// Whether the call was refused because a stream capture is active (a collective or wait
+    /// on a capturing stream, a blocking call a capture forbids), from whichever layer refused
+    /// it: nothing was queued, and the call may be made again once the capture has ended.
+    pub fn is_capture_refusal(&self) -> bool {
+        match self {
+            Self::Driver(error) => error.is_capture_refusal(),
+            Self::Memory(error) => error.is_capture_refusal(),
+            Self::Event(error) => error.is_capture_refusal(),
+            _ => false,
+        }
+    }
+
     /// Whether this is a timeout that aborted the communicator.
     pub fn is_timeout(&self) -> bool {
         matches!(self, Self::Timeout { .. })
@@ -196,5 +208,39 @@ impl CollectiveError {
             operation,
             reason: reason.into(),
         }
+    }
+}
+
+#[cfg(test)]
+mod capture_refusal_tests {
+    use cuweave_driver::{DriverError, GraphError};
+
+    use super::CollectiveError;
+
+    #[test]
+    fn capture_refusals_are_seen_through_every_wrapped_layer() {
+        let refused = || -> DriverError {
+            GraphError::Capturing {
+                operation: "Stream::synchronize",
+                reason: "test",
+            }
+            .into()
+        };
+        assert!(CollectiveError::Driver(refused()).is_capture_refusal());
+        assert!(
+            CollectiveError::Memory(cuweave_memory::MemoryError::Driver(refused()))
+                .is_capture_refusal()
+        );
+        assert!(
+            CollectiveError::Event(cuweave_event::EventError::Driver(refused()))
+                .is_capture_refusal()
+        );
+        assert!(
+            !CollectiveError::Driver(DriverError::InvalidArgument {
+                operation: "x",
+                reason: "y".into()
+            })
+            .is_capture_refusal()
+        );
     }
 }

@@ -81,7 +81,8 @@ pub use buffer::{
 };
 pub use caching::{
     AllocatorConfig, BlockSnapshot, BlockStatus, CachedAllocation, CachingAllocator, GraphPool,
-    GraphPoolId, MemorySnapshot, MemoryStats, PoolKind, SegmentSnapshot, Stat, StreamKey,
+    GraphPoolId, MemorySnapshot, MemoryStats, MissPolicy, PoolKind, SegmentSnapshot, Stat,
+    StreamKey,
 };
 pub use element::Element;
 pub use error::{HostCopyError, MemoryError, Result};

@@ -104,3 +104,49 @@ impl<H> From<cuweave_memory::HostCopyError<H>> for TransferError {
         error.into_error().into()
     }
 }
+
+impl TransferError {
+    /// Whether the transfer was refused because a stream capture is active, from whichever
+    /// layer refused it: nothing was moved, and it may be made again once the capture has ended.
+    pub fn is_capture_refusal(&self) -> bool {
+        match self {
+            Self::Driver(error) => error.is_capture_refusal(),
+            Self::Memory(error) => error.is_capture_refusal(),
+            Self::Event(error) => error.is_capture_refusal(),
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use cuweave_driver::{DriverError, GraphError};
+
+    use super::*;
+
+    #[test]
+    fn capture_refusals_are_seen_through_every_wrapped_layer() {
+        let refused = || -> DriverError {
+            GraphError::Capturing {
+                operation: "Stream::synchronize",
+                reason: "test",
+            }
+            .into()
+        };
+        assert!(TransferError::Driver(refused()).is_capture_refusal());
+        assert!(TransferError::Memory(MemoryError::Driver(refused())).is_capture_refusal());
+        assert!(
+            TransferError::Event(cuweave_event::EventError::Driver(refused())).is_capture_refusal()
+        );
+        assert!(
+            !TransferError::Memory(MemoryError::ZeroLength { operation: "x" }).is_capture_refusal()
+        );
+        assert!(
+            !TransferError::Driver(DriverError::InvalidArgument {
+                operation: "x",
+                reason: "y".into()
+            })
+            .is_capture_refusal()
+        );
+    }
+}

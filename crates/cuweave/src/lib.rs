@@ -101,8 +101,8 @@ pub mod prelude {
         AllocatorConfig, BlockStatus, Buffer, BufferSlice, BufferSliceMut, CachedAllocation,
         CachingAllocator, DeviceBuffer, DriverResource, Element, GraphPool, HostRefusal,
         LimitAdaptor, MemAdvice, MemLocation, MemoryError, MemoryResource, MemorySnapshot,
-        MemoryStats, MigrationPolicy, PendingCopy, PinnedBuffer, PinnedPool, PrefetchPlan,
-        TrackedLaunch, UnifiedBuffer, split_host_refusal,
+        MemoryStats, MigrationPolicy, MissPolicy, PendingCopy, PinnedBuffer, PinnedPool,
+        PrefetchPlan, TrackedLaunch, UnifiedBuffer, split_host_refusal,
     };
     #[cfg(feature = "stream")]
     pub use cuweave_stream::{
