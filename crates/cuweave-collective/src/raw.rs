@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
 use cuweave_driver::Stream;
+use cuweave_driver::graph::{CaptureMode, CaptureModeGuard};
 use cuweave_driver::memory::DevicePtr;
 
 use crate::config::NcclConfig;
@@ -102,6 +103,17 @@ impl HandleSlot {
     }
 }
 
+/// This thread in relaxed capture mode for one NCCL call. NCCL's calls allocate, free,
+/// synchronise and query on the calling thread (init, split, finalize, destroy and abort
+/// above all); in the default global mode each of those, made while another thread captures
+/// in global mode, breaks that capture (seen on the GPU in the sixth-look probes). Relaxed,
+/// they break none, and a collective on a capturing stream is still captured: the mode only
+/// lifts the driver's ban on "unsafe" calls. `None` when the driver is missing (NCCL then
+/// fails on its own).
+fn relaxed() -> Option<CaptureModeGuard> {
+    CaptureModeGuard::enter(CaptureMode::Relaxed).ok()
+}
+
 /// `ncclCommInitRankConfig` for the device whose context is current on this thread, writing the
 /// handle into `slot` (which must outlive any write NCCL can make: see [`HandleSlot`]) with the
 /// config `slot` keeps.
@@ -118,6 +130,7 @@ pub(crate) fn init_rank(
         *dst = *src as std::ffi::c_char;
     }
     let mut config = slot.raw_config();
+    let _relaxed = relaxed();
     // SAFETY: the slot is a heap cell its owner keeps alive while NCCL may write it; `config`
     // is copied during the call, and the strings it points at live in the slot, as long as
     // NCCL may read them; the id is passed by value.
@@ -135,6 +148,7 @@ pub(crate) fn split(
 ) -> Result<ncclResult_t> {
     let f = api.comm_split.get()?;
     let mut config = slot.raw_config();
+    let _relaxed = relaxed();
     // SAFETY: `parent` is a live communicator (the caller holds a guard of it); the slot and
     // the strings it keeps outlive NCCL's writes and reads (see above); `config` is copied
     // during the call.
@@ -146,6 +160,7 @@ macro_rules! comm_call {
         $(#[$doc])*
         pub(crate) fn $name(api: &NcclApi, comm: RawComm) -> Result<ncclResult_t> {
             let f = api.$entry.get()?;
+            let _relaxed = relaxed();
             // SAFETY: `comm` is a live communicator handle owned by the caller.
             Ok(unsafe { f(comm.0) })
         }
@@ -206,6 +221,7 @@ pub(crate) fn group_start(api: &NcclApi) -> Result<ncclResult_t> {
 /// `ncclGroupEnd`.
 pub(crate) fn group_end(api: &NcclApi) -> Result<ncclResult_t> {
     let f = api.group_end.get()?;
+    let _relaxed = relaxed();
     // SAFETY: no arguments; called once per `group_start`.
     Ok(unsafe { f() })
 }
@@ -284,6 +300,7 @@ impl Call {
         stream: &Stream,
     ) -> Result<ncclResult_t> {
         let (c, s) = (comm.0, stream_handle(stream));
+        let _relaxed = relaxed();
         // SAFETY (every arm): the contract above; NCCL reads `send` and writes `recv` for the
         // given counts only, and enqueues the work on `s` without blocking on the device.
         Ok(match self {

@@ -654,7 +654,7 @@ fn ten_thousand_small_transfers_beside_a_capture_replay_loop_stay_exact_and_boun
 
 /// A server keeps one `static MANAGER: OnceLock<TransferManager>` made on first use; eight
 /// request threads released together all reach it first. It must be made once, serve all
-/// eight (each a round trip of 1 MiB + t bytes, exact), open device 0, and count exactly
+/// eight (each a round trip of 1 MiB + 1 + t bytes, exact), open device 0, and count exactly
 /// eight uploads and eight downloads.
 #[test]
 fn a_manager_made_lazily_by_eight_threads_at_once_is_made_once_and_counts_every_transfer() {
@@ -668,7 +668,8 @@ fn a_manager_made_lazily_by_eight_threads_at_once_is_made_once_and_counts_every_
         for t in 0..THREADS {
             let (lazy, made, start, context) = (&lazy, &made, &start, &gpu.context);
             scope.spawn(move || {
-                let n = MIB + t;
+                // Past 1 MiB for every thread: all eight fall in `SizeClass::of(MIB + 1)`.
+                let n = MIB + 1 + t;
                 let data = bytes(n, 300 + t as u64);
                 let mut device = DeviceBuffer::<u8>::zeroed(context, n).unwrap();
                 start.wait();
