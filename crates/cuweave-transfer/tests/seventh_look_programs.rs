@@ -704,7 +704,7 @@ fn a_manager_made_lazily_by_eight_threads_at_once_is_made_once_and_counts_every_
         (THREADS as u64, 0),
         "downloads: {down:?}"
     );
-    let bytes_moved: u64 = (0..THREADS).map(|t| (MIB + t) as u64).sum();
+    let bytes_moved: u64 = (0..THREADS).map(|t| (MIB + 1 + t) as u64).sum();
     assert_eq!((up.bytes, down.bytes), (bytes_moved, bytes_moved));
 }
 
