@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::ops::Deref;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
@@ -12,6 +13,7 @@ use super::recycler::{Recycler, TakeError};
 use crate::context::Context;
 use crate::error::{DriverError, Result};
 use crate::event::{Event, EventFlags};
+use crate::graph::{RecordedIn, capture_is_active};
 
 /// The pool of each context that has one in use (keyed by the raw `CUcontext`), held weakly:
 /// a pool lives while a user holds it, and [`EventPool::for_context`] hands every caller in
@@ -37,6 +39,10 @@ static CONTEXT_POOLS: Mutex<Vec<(usize, Weak<PoolShared>)>> = Mutex::new(Vec::ne
 /// `Semaphore::acquire` and `acquire_owned`.
 ///
 /// The pool is a cheap `Clone` (an `Arc`).
+///
+/// An event given back while it was last recorded into a stream capture that is still active
+/// is parked until that capture ends, then rejoins its free list: recording it again on
+/// another thread while the capture goes on races inside the driver.
 ///
 /// [`acquire_event`]: Self::acquire_event
 /// [`acquire_owned`]: Self::acquire_owned
@@ -72,6 +78,11 @@ struct PoolShared {
     regular: Recycler<Event>,
     timing: Recycler<Event>,
     blocking: Recycler<Event>,
+    /// Events given back while last recorded into a capture that is still active, with that
+    /// capture: they return to their free list once it has ended (see [`PoolShared::give`]).
+    parked: Mutex<Vec<(Kind, u32, u64)>>,
+    /// `parked.len()`, read without the lock on every give.
+    parked_count: AtomicUsize,
 }
 
 /// The three kinds of event a pool keeps apart.
@@ -101,6 +112,51 @@ impl Kind {
 }
 
 impl PoolShared {
+    /// Gives event `index` back. One recorded into a capture that is still active is parked
+    /// instead, until that capture ends: handed out at once, it would be recorded eagerly by
+    /// another thread while the capturing thread goes on with the capture the event is part
+    /// of, a race inside the driver that crashed `cuEventRecord` (the facade's fourth-programs
+    /// probe, a buffer dropped inside a capture while other threads copied). One relaxed load
+    /// for an event recorded eagerly, and one more while any event is parked.
+    #[inline]
+    fn give(&self, kind: Kind, index: u32) {
+        let recycler = self.recycler(kind);
+        if let RecordedIn::Capture(capture) = recycler.get(index).recorded_in()
+            && capture_is_active(capture)
+        {
+            self.park(kind, index, capture);
+            return;
+        }
+        recycler.give(index);
+        if self.parked_count.load(Ordering::Relaxed) != 0 {
+            self.unpark_ended();
+        }
+    }
+
+    #[cold]
+    fn park(&self, kind: Kind, index: u32, capture: u64) {
+        let mut parked = self.parked.lock();
+        parked.push((kind, index, capture));
+        self.parked_count.store(parked.len(), Ordering::Relaxed);
+    }
+
+    /// Returns the parked events whose capture has ended to their free lists.
+    #[cold]
+    fn unpark_ended(&self) {
+        let ended: Vec<(Kind, u32, u64)> = {
+            let mut parked = self.parked.lock();
+            let (ended, still) = parked
+                .drain(..)
+                .partition(|&(_, _, capture)| !capture_is_active(capture));
+            *parked = still;
+            self.parked_count.store(parked.len(), Ordering::Relaxed);
+            ended
+        };
+        for (kind, index, _) in ended {
+            self.recycler(kind).give(index);
+        }
+    }
+
     #[inline]
     fn recycler(&self, kind: Kind) -> &Recycler<Event> {
         match kind {
@@ -114,6 +170,9 @@ impl PoolShared {
     /// grows).
     #[inline]
     fn take(&self, kind: Kind) -> Result<u32> {
+        if self.parked_count.load(Ordering::Relaxed) != 0 {
+            self.unpark_ended();
+        }
         self.recycler(kind)
             .take(|| self.create(kind))
             .map_err(Self::take_error)
@@ -187,6 +246,8 @@ impl EventPool {
             regular: Recycler::new(),
             timing: Recycler::new(),
             blocking: Recycler::new(),
+            parked: Mutex::new(Vec::new()),
+            parked_count: AtomicUsize::new(0),
         };
         for (recycler, count, flags) in [
             (&shared.regular, regular, EventFlags::DISABLE_TIMING),
@@ -295,6 +356,9 @@ impl EventPool {
     /// returning events meanwhile).
     pub fn utilization(&self) -> PoolUtilization {
         let shared = &self.shared;
+        if shared.parked_count.load(Ordering::Relaxed) != 0 {
+            shared.unpark_ended();
+        }
         let available_regular = shared.regular.available();
         let available_timing = shared.timing.available();
         let available_blocking = shared.blocking.available();
@@ -379,7 +443,7 @@ impl AsRef<Event> for PooledEvent<'_> {
 impl Drop for PooledEvent<'_> {
     #[inline]
     fn drop(&mut self) {
-        self.pool.shared.recycler(self.kind).give(self.index);
+        self.pool.shared.give(self.kind, self.index);
     }
 }
 
@@ -430,6 +494,6 @@ impl AsRef<Event> for OwnedPooledEvent {
 impl Drop for OwnedPooledEvent {
     #[inline]
     fn drop(&mut self) {
-        self.pool.recycler(self.kind).give(self.index);
+        self.pool.give(self.kind, self.index);
     }
 }
