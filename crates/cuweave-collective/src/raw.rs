@@ -185,6 +185,8 @@ comm_call!(
 pub(crate) fn async_error(api: &NcclApi, comm: RawComm) -> Result<ncclResult_t> {
     let f = api.comm_get_async_error.get()?;
     let mut state = ncclResult_t::ncclSuccess;
+    // NCCL may poll its own events here (a non-blocking communicator's progress).
+    let _relaxed = relaxed();
     // SAFETY: `comm` is live; `state` is a valid out-pointer.
     let code = unsafe { f(comm.0, &mut state) };
     api.check(code, "ncclCommGetAsyncError", comm.0)?;
