@@ -705,3 +705,28 @@ fn outside_captures_nests_on_sixteen_threads_and_survives_panics_without_a_drive
     });
     assert_eq!(total.load(Ordering::Relaxed), 16 * (2_000 - 4));
 }
+
+/// A library that queues a stream-ordered free inside `WeakStream::with_no_capture_beginning`
+/// and, against its contract, begins a capture there: the begin would wait for the begin lock
+/// its own thread holds. Checks: the begin is a typed capture refusal, the stream is left eager
+/// and idle, and a capture begun right after the section ends valid (within 20 s: nothing was
+/// left holding begins off).
+#[test]
+fn a_capture_begun_inside_with_no_capture_beginning_is_refused() {
+    let gpu = require_gpu!();
+    let _serial = serial();
+    let context = &gpu.context;
+    let stream = non_blocking(context);
+    let weak = stream
+        .downgrade()
+        .expect("an owned stream has a weak handle");
+    let begun = weak
+        .with_no_capture_beginning(|stream| stream.begin_capture(CaptureMode::Global))
+        .expect("the stream is alive");
+    assert_capture_refusal(begun, "a capture begun while this thread holds begins off");
+    assert_eq!(stream.query(), Ok(true), "the stream stayed eager");
+    let owned = Arc::clone(context);
+    let round = within(Duration::from_secs(20), move || one_capture_round(&owned))
+        .expect("a capture begins after the section (no lock left held)");
+    assert_eq!(round.unwrap(), 1);
+}

@@ -121,8 +121,8 @@ impl WeakStream {
     /// until it returns (a capture about to begin waits for `f`), so `f` can queue work that a
     /// capture must not see (a stream-ordered free that would become a graph node).
     ///
-    /// `f` must not begin a capture (it would wait for `f` for ever), besides what
-    /// [`with`](Self::with) asks.
+    /// `f` must not begin a capture (it would wait for `f` for ever: such a begin is refused
+    /// with `GraphError::Capturing`), besides what [`with`](Self::with) asks.
     pub fn with_no_capture_beginning<R>(&self, f: impl FnOnce(&Stream) -> R) -> Option<R> {
         crate::graph::while_no_capture_begins(|| self.with(f))
     }

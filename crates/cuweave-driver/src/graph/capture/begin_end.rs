@@ -157,6 +157,13 @@ impl Stream {
             }
             .into());
         }
+        if super::registry::holding_capture_begins_off() {
+            return Err(GraphError::Capturing {
+                operation: "Stream::begin_capture",
+                reason: "called inside `WeakStream::with_no_capture_beginning` (or another section that holds capture begins off), which would wait for itself",
+            }
+            .into());
+        }
         if is_legacy_default(self.as_raw()) {
             return Err(GraphError::LegacyDefaultStream {
                 operation: "Stream::begin_capture",

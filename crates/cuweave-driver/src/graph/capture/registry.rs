@@ -67,6 +67,17 @@ pub(super) static RECORDS: Mutex<Vec<Record>> = Mutex::new(Vec::new());
 /// began in between, which would invalidate it.
 pub(super) static CAPTURE_BEGIN: parking_lot::RwLock<()> = parking_lot::RwLock::new(());
 
+thread_local! {
+    /// How deep this thread is inside [`while_no_capture_begins`].
+    static HELD: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Whether this thread is inside [`while_no_capture_begins`]: a capture begin here would wait
+/// for the begin lock this thread holds.
+pub(super) fn holding_capture_begins_off() -> bool {
+    HELD.with(std::cell::Cell::get) > 0
+}
+
 /// Runs `f` while no capture can begin through cuweave: for a check of [`active_captures`]
 /// followed by a call that would invalidate a capture (a context synchronisation) made off the
 /// thread whose program order would otherwise keep them apart. A capture about to begin waits
@@ -79,9 +90,6 @@ pub(super) static CAPTURE_BEGIN: parking_lot::RwLock<()> = parking_lot::RwLock::
 /// capture begin goes ahead of new readers (a recursive read lock would let threads that
 /// synchronise in a loop starve it).
 pub(crate) fn while_no_capture_begins<R>(f: impl FnOnce() -> R) -> R {
-    thread_local! {
-        static HELD: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-    }
     /// Counts this thread's nesting for as long as it lives (unwinding included).
     struct Depth;
     impl Drop for Depth {
