@@ -143,6 +143,7 @@ impl Communicator {
     ) -> Result<Vec<Option<Self>>> {
         check_parents(parents, splits.len(), op)?;
         let nccl_splits = to_nccl(splits, op)?;
+        crate::comm::refuse_beside_global_captures(op)?;
         let api = parents[0].api();
         let timeout = parents
             .iter()

@@ -1,9 +1,13 @@
 //! Ending a rank: `ncclCommFinalize` then `ncclCommDestroy`, on request or on drop.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cuweave_driver::Context;
 
 use crate::error::{CollectiveError, NcclCode, Result};
-use crate::raw;
+use crate::loader::NcclApi;
+use crate::raw::{self, HandleSlot, RawComm};
 
 use super::{CommInner, Communicator, abort_raw, settle_raw};
 
@@ -12,8 +16,34 @@ impl CommInner {
     /// `ncclCommDestroy`; when finalising fails or times out the handle is aborted instead.
     /// `Aborted` (and nothing done) once the handle is gone.
     fn close(&mut self) -> Result<()> {
+        self.take_for_close().close()
+    }
+
+    /// The handle and what closing it needs, taken out of the rank (which is then closed).
+    fn take_for_close(&mut self) -> Closing {
+        Closing {
+            raw: self.handle.take(),
+            slot: self.slot.take(),
+            api: self.api,
+            context: Arc::clone(&self.context),
+            timeout: self.config.timeout,
+        }
+    }
+}
+
+/// A rank's handle on its way to `ncclCommFinalize` and `ncclCommDestroy`.
+struct Closing {
+    raw: Option<RawComm>,
+    slot: Option<HandleSlot>,
+    api: &'static NcclApi,
+    context: Arc<Context>,
+    timeout: Duration,
+}
+
+impl Closing {
+    fn close(mut self) -> Result<()> {
         const OP: &str = "ncclCommFinalize";
-        let Some(raw) = self.handle.take() else {
+        let Some(raw) = self.raw.take() else {
             // Aborted: NCCL's thread may have been cut short with the slot's address in hand.
             if let Some(slot) = self.slot.take() {
                 slot.leak();
@@ -38,9 +68,51 @@ impl CommInner {
             return Err(error);
         }
         // Waits for the rank's queued work; on failure the handle is already aborted.
-        settle_raw(api, &[&self.context], &[raw], OP, self.config.timeout)?;
+        settle_raw(api, &[&self.context], &[raw], OP, self.timeout)?;
         let code = raw::destroy(api, raw)?;
         api.check(code, "ncclCommDestroy", std::ptr::null_mut())
+    }
+
+    /// Closes on a thread of its own once no global-mode capture is active (polled every
+    /// millisecond, for at most [`DEFERRED_CLOSE_LIMIT`], then closed anyway): the last clone
+    /// of a communicator dropped while another thread captures in global mode. NCCL's teardown
+    /// frees and synchronises on threads of its own, beyond relaxed capture mode, which would
+    /// break the capture.
+    fn close_after_global_captures(self) {
+        let spawned = std::thread::Builder::new()
+            .name("cuweave-nccl-close".into())
+            .spawn(move || {
+                let started = Instant::now();
+                while global_captures_forbid_teardown() {
+                    if started.elapsed() > DEFERRED_CLOSE_LIMIT {
+                        tracing::warn!("a global capture outlived the wait to close an NCCL communicator; closing it anyway");
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                log_close(self.close());
+            });
+        if let Err(error) = spawned {
+            tracing::error!(%error, "no thread to close an NCCL communicator after a capture; its handle is leaked");
+        }
+    }
+}
+
+/// How long a dropped communicator waits for global captures to end before closing anyway.
+const DEFERRED_CLOSE_LIMIT: Duration = Duration::from_secs(600);
+
+/// Whether a capture begun through cuweave forbids NCCL's teardown now on this thread (a
+/// global-mode capture anywhere, or a capture of this thread).
+fn global_captures_forbid_teardown() -> bool {
+    cuweave_driver::graph::refuse_while_capturing(None, "Communicator (drop)").is_err()
+}
+
+fn log_close(closed: Result<()>) {
+    match closed {
+        Ok(()) | Err(CollectiveError::Aborted { .. }) => {}
+        Err(error) => {
+            tracing::error!(%error, "finalising or destroying an NCCL communicator failed");
+        }
     }
 }
 
@@ -80,11 +152,11 @@ impl Communicator {
 
 impl Drop for CommInner {
     fn drop(&mut self) {
-        match self.close() {
-            Ok(()) | Err(CollectiveError::Aborted { .. }) => {}
-            Err(error) => {
-                tracing::error!(%error, "finalising or destroying an NCCL communicator failed");
-            }
+        let closing = self.take_for_close();
+        if closing.raw.is_some() && global_captures_forbid_teardown() {
+            closing.close_after_global_captures();
+            return;
         }
+        log_close(closing.close());
     }
 }

@@ -86,6 +86,7 @@ impl Communicator {
             return Err(CollectiveError::invalid(OP, "no devices"));
         }
         let (api, nccl_config) = prepare(config)?;
+        refuse_beside_global_captures(OP)?;
         let nranks = to_int(devices.len(), "device count", OP)?;
         let contexts = devices
             .iter()
@@ -187,6 +188,7 @@ impl Communicator {
         }
         let (nranks, rank) = (to_int(nranks, "nranks", OP)?, to_int(rank, "rank", OP)?);
         let (api, nccl_config) = prepare(config)?;
+        refuse_beside_global_captures(OP)?;
         let context = Context::primary(device)?;
         context.bind_to_thread()?;
         let slot = HandleSlot::new(nccl_config);
@@ -210,4 +212,14 @@ impl Communicator {
         }
         Self::from_slot(slot, api, context, config.clone(), Some(World::of_id(id)))
     }
+}
+
+/// Refuses making communicators while a global-mode capture is active on any thread (or any
+/// capture on this one): NCCL's setup allocates, pins and synchronises on threads it starts
+/// itself, beyond the relaxed capture mode the calling thread's NCCL calls run in, and each
+/// such call would break the capture (seen on the GPU). PyTorch asks the same: NCCL is set up
+/// before graphs are captured. A capture begun while NCCL sets up is not seen.
+pub(crate) fn refuse_beside_global_captures(operation: &'static str) -> Result<()> {
+    cuweave_driver::graph::refuse_while_capturing(None, operation)?;
+    Ok(())
 }

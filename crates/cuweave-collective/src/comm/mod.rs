@@ -20,7 +20,7 @@ use crate::raw::{HandleSlot, RawComm};
 use crate::sys::{self, ncclResult_t};
 
 pub(crate) use abort::{abort_all, abort_all_in_background, abort_raw, abort_raw_together};
-pub(crate) use init::to_int;
+pub(crate) use init::{refuse_beside_global_captures, to_int};
 pub(crate) use settle::settle_raw;
 pub(crate) use world::World;
 
@@ -57,6 +57,14 @@ pub(crate) struct CommInner {
 /// the deadline) and then `ncclCommDestroy`; when finalising fails or times out it runs
 /// `ncclCommAbort` instead. A communicator that timed out or saw an asynchronous error is
 /// aborted at once and refuses further work ([`CollectiveError::Aborted`]).
+///
+/// Beside stream captures: every NCCL call cuweave makes runs in relaxed capture mode, so a
+/// global-mode capture on another thread is not broken by the calling thread's driver calls.
+/// NCCL's setup and teardown also work on threads it starts itself, out of that reach: making
+/// a communicator ([`init_all`](Self::init_all), [`init_rank`](Self::init_rank),
+/// [`split`](Self::split)) while a global capture is active is refused
+/// (`GraphError::Capturing`, through [`CollectiveError::is_capture_refusal`]), and the last
+/// clone dropped then is finalised on a thread of its own once no global capture is active.
 #[derive(Clone)]
 pub struct Communicator {
     pub(crate) inner: Arc<CommInner>,
