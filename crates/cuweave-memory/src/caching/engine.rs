@@ -407,15 +407,23 @@ impl<E: Marker> Engine<E> {
         };
         let mut completed = Vec::new();
         let mut ready = Vec::new();
-        // The markers are polled (event queries) only while no capture is active or beginning:
-        // the caller's check of `active_captures` leaves a window in which another thread's
-        // global-mode capture could begin, and a query would then break it. Skipped, the blocks
-        // stay pending, as during a capture. The pending lock, taken before, is never held by a
-        // thread beginning a capture.
+        // The markers are polled (event queries) with no capture able to begin meanwhile (the
+        // caller's check of `active_captures` leaves a window in which another thread's
+        // global-mode capture could begin, and a query would then break it), or, while one is
+        // active or beginning, in relaxed capture mode, which breaks none: the markers were
+        // recorded eagerly (a marker recorded into a capture that is still active is refused
+        // by its query and stays unfinished), so frees keep being reused while another thread
+        // holds a long capture open. The pending lock, taken before, is never held by a thread
+        // beginning a capture.
         if cuweave_driver::graph::outside_captures(|| pending.poll(&mut completed, &mut ready))
             .is_none()
         {
-            return;
+            let Ok(_relaxed) = cuweave_driver::graph::CaptureModeGuard::enter(
+                cuweave_driver::graph::CaptureMode::Relaxed,
+            ) else {
+                return;
+            };
+            pending.poll(&mut completed, &mut ready);
         }
         shard
             .pending_count

@@ -156,10 +156,10 @@ pub(in crate::caching) fn release_during_capture(
 /// - A private block waits for the captures to end (its uses may be on streams forked into
 ///   the capture, not ordered with the next allocation).
 /// - A general-cache block used only eagerly is held by the pool of a capture that has its
-///   stream, else returned once no capture is active behind its uses' events (recorded
-///   eagerly), by the first allocation after the captures ended
-///   ([`return_frees_deferred_by_captures`](super::held::return_frees_deferred_by_captures));
-///   on a borrowed stream, once the device has finished.
+///   stream, else freed behind its uses' events (recorded eagerly) as an eager free is: the
+///   pending poll asks them in relaxed capture mode while a capture is active, so the block is
+///   reused during the capture once they have completed. On a borrowed stream it waits for the
+///   device once no capture is active.
 ///
 /// [`stranded_graph_memory`]: crate::caching::stranded_graph_memory
 #[cold]
@@ -179,7 +179,7 @@ pub(crate) fn release_block_during_capture(
     } = markers;
     let used = !events.is_empty();
     let private = stream.as_usize() & PRIVATE_BIT != 0;
-    let mut held = HeldBlock {
+    let held = HeldBlock {
         shared: Arc::clone(&shard.shared),
         id,
         ptr,
@@ -206,13 +206,18 @@ pub(crate) fn release_block_during_capture(
             return Ok(());
         }
         // No capture used it (`graph_pools` is empty) and none has its stream: its events were
-        // recorded eagerly, so it comes back behind them once no capture is active, as any
-        // eager free does, without waiting for the device. A borrowed stream's key may name
-        // another stream by then: that block waits for the device instead.
+        // recorded eagerly, so it waits behind them as any eager free does, and is reused once
+        // they have completed (the pending poll asks in relaxed capture mode while a capture is
+        // active), so a loader freeing beside a long capture on another thread stays bounded. A
+        // borrowed stream's key may name another stream by then: that block waits for the
+        // device instead, once no capture is active.
         if !stream.is_borrowed() {
-            held.events = events;
-            held.after_device = false;
+            if events.is_empty() {
+                return engine.free(stream, id, ptr);
+            }
+            return engine.free_after(stream, id, ptr, events);
         }
+        drop(events);
     }
     defer(held.into());
     flush_deferred();

@@ -75,6 +75,9 @@ impl AsyncPoolResource {
 
 impl AsyncPoolResource {
     fn allocate_marked(&self, bytes: usize, stream: &Stream, owned: bool) -> Result<DevicePtr> {
+        // Frees a capture deferred (this resource's among them) come back first, so a program
+        // allocating straight from the resource after a capture sees its memory again.
+        crate::caching::return_frees_deferred_by_captures();
         check_request(self.device(), bytes, stream, "AsyncPoolResource::allocate")?;
         // SAFETY: the pointer is recorded in `live` and freed only by `deallocate_marked`,
         // which takes it out of `live` first, so it is freed exactly once. Ordering other

@@ -50,6 +50,9 @@ impl DriverResource {
     }
 
     fn allocate_marked(&self, bytes: usize, stream: &Stream, owned: bool) -> Result<DevicePtr> {
+        // Frees a capture deferred (this resource's among them) come back first, so a program
+        // allocating straight from the resource after a capture sees its memory again.
+        crate::caching::return_frees_deferred_by_captures();
         check_request(self.device(), bytes, stream, "DriverResource::allocate")?;
         // cuMemAlloc breaks a capture that forbids it (thread-local or global mode).
         cuweave_driver::graph::refuse_while_capturing(None, "DriverResource::allocate")?;

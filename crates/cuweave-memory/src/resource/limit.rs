@@ -106,6 +106,8 @@ impl<R: MemoryResource> LimitAdaptor<R> {
                 operation: "LimitAdaptor::allocate",
             });
         }
+        // Frees a capture deferred hold budget until they come back: they do first.
+        crate::caching::return_frees_deferred_by_captures();
         if let Err(used) = self.budget.try_reserve(bytes) {
             return Err(MemoryError::OutOfMemory {
                 requested: bytes,
