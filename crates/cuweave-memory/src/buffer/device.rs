@@ -335,7 +335,21 @@ fn deallocate_on_home(
     // No capture may begin between the check and the free: a stream-ordered free queued on a
     // stream that began capturing would become a node of its graph.
     let on_home = home.with_no_capture_beginning(|stream| {
-        refuse_if_capturing()?;
+        // Beside another thread's capture the free is made as an eager one, unless the home
+        // stream itself captures (the waits and a stream-ordered free would become nodes of
+        // its graph): the events are eager (no capture used the buffer), and relaxed capture
+        // mode keeps the waits and the free from breaking the other capture.
+        if active_captures() != 0 {
+            cuweave_driver::graph::refuse_recording(
+                stream,
+                cuweave_driver::graph::StatusCheck::Always,
+                "DeviceBuffer::drop",
+                "the buffer's home stream is capturing: its free would become a node of the graph",
+            )?;
+        }
+        let _relaxed = cuweave_driver::graph::CaptureModeGuard::enter(
+            cuweave_driver::graph::CaptureMode::Relaxed,
+        )?;
         for StreamEvent { event, stream: id } in events {
             if *id == Some(stream.id()) {
                 continue; // queued on the home stream: stream order covers it
@@ -499,9 +513,10 @@ impl<T: Element> Drop for DeviceBuffer<T> {
                         None => {}
                     }
                 }
-                if markers.during_capture() {
-                    // No wait nor query may run during a capture (one on a captured event
-                    // fails, one on an eager event breaks a global-mode capture).
+                if markers.used_in_graphs() || (active_captures() != 0 && home.is_none()) {
+                    // Graph memory, or beside a capture with no home stream to free on: no
+                    // wait nor query may run (one on a captured event fails, one on an eager
+                    // event breaks a global-mode capture).
                     crate::caching::release_resource_during_capture(
                         resource, ptr, bytes, home, markers,
                     );
