@@ -75,7 +75,22 @@ pub(crate) fn ready_for_work(stream: &PriorityStream) -> Result<bool> {
     if crate::capture::is_capturing(stream.stream())? {
         return Ok(false);
     }
-    stream.is_ready()
+    match stream.is_ready() {
+        // Another thread's global capture forbids this thread's query; the stream itself is
+        // not capturing, and a query made in relaxed capture mode breaks no capture (as the
+        // event layer's reactor asks), so the scheduler still finds its idle streams. A
+        // refusal then (the stream began capturing meanwhile) reads as not ready.
+        Err(error) if error.is_capture_refusal() => {
+            let _relaxed = cuweave_driver::graph::CaptureModeGuard::enter(
+                cuweave_driver::graph::CaptureMode::Relaxed,
+            )?;
+            match stream.is_ready() {
+                Err(error) if error.is_capture_refusal() => Ok(false),
+                answer => answer,
+            }
+        }
+        answer => answer,
+    }
 }
 
 /// The sleep after `current`: doubled, at most [`MAX_BACKOFF`].
