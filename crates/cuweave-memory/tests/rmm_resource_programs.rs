@@ -1,6 +1,6 @@
 //! Programs written the way RMM users compose memory resources, aimed at the resources' newest
-//! code: typed buffers on adaptor stacks whose frees a capture on another thread defers (and
-//! which must come back after it, on the buffer's home stream, behind every use), stream-ordered
+//! code: typed buffers on adaptor stacks freed beside a capture on another thread (at once, as
+//! eager drops are, on the buffer's home stream behind every use), stream-ordered
 //! frees across streams and threads, `device_uvector`-style growth, out-of-memory refusals of a
 //! `LimitAdaptor`, and the counters of every adaptor over long runs:
 //!
@@ -8,19 +8,20 @@
 //!   256 times while another thread holds a capture open: the bytes outstanding stay bounded, as
 //!   the caching allocator's do in the same program;
 //! - a pool buffer written by hand (unrecorded) on its home stream behind a gate, dropped during
-//!   a capture elsewhere: the deferred free, carried out by the next resource buffer, waits for
-//!   that write, so a buffer the pool hands out on another stream keeps its bytes;
+//!   a capture elsewhere: the free, made at once on its home stream, waits for that write, so a
+//!   buffer the pool hands out on another stream keeps its bytes;
 //! - the same with the home stream's handle dropped before the buffer: the free waits for the
 //!   handle's end;
 //! - a buffer allocated on one stream, written on a second behind a gate and dropped on a third
 //!   thread: a new buffer on a fourth stream keeps its bytes;
-//! - a logging and tracking stack over the pool: a deferred free is logged on the buffer's home
-//!   stream (not the legacy stream) once a capture ends, before the next allocation, and the
-//!   log replays to nothing live;
+//! - a logging and tracking stack over the pool: a free beside a capture is logged on the
+//!   buffer's home stream (not the legacy stream), before the next allocation, and the log
+//!   replays to nothing live;
 //! - a `LimitAdaptor` whose budget is held by buffers dropped during a capture: a raw
 //!   `allocate` after the capture ends is served (RMM's `mr.allocate` beside `device_uvector`s);
-//! - a typed buffer refused by the limit while a capture holds its budget: a typed OOM naming
-//!   the cap, nothing booked, counted as a failure, and served once the capture has ended;
+//! - a typed buffer refused by the limit during a capture elsewhere, while a live buffer holds
+//!   its budget: a typed OOM naming the cap, nothing booked, counted as a failure, and served
+//!   once that buffer is dropped;
 //! - `device_uvector` growth (allocate double, copy, free the old one) 10^4 times under a tight
 //!   limit: contents exact, every counter exact at each step, the pool's reserve bounded;
 //! - eight threads churning buffers over `tracking(statistics(limit(pool)))`, read on side
@@ -210,10 +211,11 @@ fn a_loaders_pool_batches_during_a_long_capture_elsewhere_stay_bounded() {
 /// RMM's rule that memory is freed on the stream it was allocated on covers work queued there
 /// by hand: a pool buffer whose home stream writes it with a raw kernel (no use recorded, which
 /// the docs allow on the allocation stream) behind a gate is dropped while another thread holds
-/// a capture open. Its free is deferred; the next resource buffer made after the capture, on
-/// another stream, carries it out (the limit shows exactly one buffer's bytes). That free must
-/// be ordered behind the raw write on the home stream: the new buffer, filled on its own stream
-/// before the gate opens, must read back its own value, never the late write's.
+/// a capture open. No capture used it and its home stream is not capturing, so it is freed at
+/// once, on its home stream (the limit's budget comes back then). That free must be ordered
+/// behind the raw write on the home stream: the next buffer, made after the capture on another
+/// stream and filled there before the gate opens, must read back its own value, never the late
+/// write's.
 #[test]
 fn a_deferred_pool_free_waits_for_unrecorded_work_on_its_home_stream() {
     const LEN: usize = MIB / 4; // 1 MiB of u32
@@ -247,17 +249,13 @@ fn a_deferred_pool_free_waits_for_unrecorded_work_on_its_home_stream() {
     drop(old);
     assert_eq!(
         limit.used(),
-        LEN * 4,
-        "freed during the capture: deferred, still outstanding"
+        0,
+        "freed at once beside the capture, in stream order on its home stream"
     );
     let captured = capture.close();
 
     let mut fresh = DeviceBuffer::<u32>::with_resource(Arc::clone(&resource), LEN, &other).unwrap();
-    assert_eq!(
-        limit.used(),
-        LEN * 4,
-        "the first resource buffer after the capture carried out the deferred free"
-    );
+    assert_eq!(limit.used(), LEN * 4, "only the new buffer is outstanding");
     fresh.fill_async(FRESH, &other).unwrap();
     let reused = fresh.device_ptr() == old_ptr;
     gate.open();
@@ -278,9 +276,9 @@ fn a_deferred_pool_free_waits_for_unrecorded_work_on_its_home_stream() {
 }
 
 /// As above, but the program drops the home stream's handle (a per-request stream) after
-/// queuing the raw write and before the buffer: the deferred free, carried out after the
-/// capture, must wait for the handle's end, behind the gated write, so the next buffer the pool
-/// hands out on another stream keeps its bytes.
+/// queuing the raw write and before the buffer: the free, made at once beside the capture on
+/// the legacy stream, must wait for the handle's end, behind the gated write, so the next
+/// buffer the pool hands out on another stream keeps its bytes.
 #[test]
 fn a_deferred_pool_free_whose_home_stream_is_gone_waits_for_that_streams_end() {
     const LEN: usize = MIB / 4;
@@ -312,7 +310,11 @@ fn a_deferred_pool_free_whose_home_stream_is_gone_waits_for_that_streams_end() {
     unsafe { kernels.fill_u32(&home, old_ptr, STALE, LEN) }.unwrap();
     drop(home);
     drop(old);
-    assert_eq!(stats.stats().current_allocations, 1, "deferred");
+    assert_eq!(
+        stats.stats().current_allocations,
+        0,
+        "freed at once, behind the home stream's end"
+    );
     let captured = capture.close();
 
     let mut fresh = DeviceBuffer::<u32>::with_resource(Arc::clone(&resource), LEN, &other).unwrap();
@@ -320,7 +322,7 @@ fn a_deferred_pool_free_whose_home_stream_is_gone_waits_for_that_streams_end() {
     assert_eq!(
         (counted.current_allocations, counted.total_deallocations),
         (1, 1),
-        "the first resource buffer after the capture carried out the deferred free: {counted:?}"
+        "only the new buffer is outstanding: {counted:?}"
     );
     fresh.fill_async(FRESH, &other).unwrap();
     let reused = fresh.device_ptr() == old_ptr;
@@ -465,11 +467,11 @@ fn parse_log(text: &str) -> Vec<Row> {
 /// RMM's `logging_resource_adaptor` over a tracking adaptor over the async pool, for replaying
 /// a program's allocations: two buffers, one whose home stream lives on and one whose home
 /// stream's handle is dropped, both also read on a side stream and dropped while another thread
-/// holds a capture. During the capture the tracking books still hold both (owned, on their home
-/// streams) and the log has no free. After it, the next resource buffer carries the frees out
-/// before its own allocation: in the log, both frees come before that allocation, the live
-/// buffer's on its home stream (the stream it is deallocated on), the other's not on its dead
-/// stream; the log replays to nothing live and the books are empty.
+/// holds a capture. No capture used them, so both are freed at once beside it, as eager drops
+/// are: the tracking books hold only the side stream's scratch buffer, and in the log both frees
+/// come before the next allocation, the live buffer's on its home stream (the stream it is
+/// deallocated on), the other's not on its dead stream; the log replays to nothing live and the
+/// books end empty.
 #[test]
 fn deferred_frees_are_logged_on_their_home_stream_before_the_next_allocation() {
     let _serial = serial();
@@ -517,19 +519,11 @@ fn deferred_frees_are_logged_on_their_home_stream_before_the_next_allocation() {
     drop(kept);
     drop(orphan);
     let tracking = stack.upstream();
-    assert_eq!(tracking.outstanding_count(), 3, "{}", tracking.report());
-    let booked: HashMap<u64, (usize, bool, u64)> = tracking
-        .outstanding()
-        .iter()
-        .map(|a| (a.ptr, (a.bytes, a.owned, a.stream)))
-        .collect();
-    assert_eq!(booked[&kept_ptr], (20_000, true, home_id));
-    assert_eq!(booked[&orphan_ptr], (28_000, true, gone_id));
-    assert!(
-        parse_log(&log.text())
-            .iter()
-            .all(|row| row.action == "allocate"),
-        "nothing freed during the capture"
+    assert_eq!(
+        tracking.outstanding_count(),
+        1,
+        "only the scratch buffer: {}",
+        tracking.report()
     );
     let captured = capture.close();
 
@@ -552,7 +546,7 @@ fn deferred_frees_are_logged_on_their_home_stream_before_the_next_allocation() {
     for (what, ptr) in [("kept", kept_ptr), ("orphan", orphan_ptr)] {
         assert!(
             position("free", ptr) < next_allocation,
-            "{what}: the deferred free is carried out before the next allocation: {rows:?}"
+            "{what}: freed before the next allocation: {rows:?}"
         );
     }
     let kept_free = &rows[position("free", kept_ptr)];
@@ -638,11 +632,11 @@ fn a_raw_allocation_after_a_capture_is_not_refused_for_budget_its_deferred_frees
 }
 
 /// A typed buffer refused by a limit (RMM's `limiting_resource_adaptor` throwing
-/// `out_of_memory`) while the budget is held by a buffer dropped during another thread's
-/// capture: the refusal is a typed `OutOfMemory` naming the cap, the request and the bytes in
-/// use; the statistics adaptor counts one failure and nothing else changes; the tracking books
-/// hold only the deferred buffer. Once the capture has ended the same request is served (the
-/// deferred free is carried out first), its bytes round-trip, and the books end empty.
+/// `out_of_memory`) during another thread's capture, while a live buffer holds the budget: the
+/// refusal is a typed `OutOfMemory` naming the cap, the request and the bytes in use, not a
+/// capture refusal; the statistics adaptor counts one failure and nothing else changes; the
+/// tracking books hold only the live buffer. Once it is dropped (after the capture) the same
+/// request is served, its bytes round-trip, and the books end empty.
 #[test]
 fn a_limit_refusal_beside_a_capture_is_typed_leaks_nothing_and_is_served_after_it() {
     const CAP: usize = 4 * MIB;
@@ -669,7 +663,6 @@ fn a_limit_refusal_beside_a_capture_is_typed_leaks_nothing_and_is_served_after_i
     held.fill_async(3, &s).unwrap();
     s.synchronize().unwrap();
     let capture = CaptureElsewhere::open(ctx);
-    drop(held);
     let before = statistics.stats();
     let refused = DeviceBuffer::<u32>::with_resource(Arc::clone(&resource), MIB / 2, &s);
     match &refused {
@@ -706,6 +699,7 @@ fn a_limit_refusal_beside_a_capture_is_typed_leaks_nothing_and_is_served_after_i
     assert_eq!(limit.used(), 3 * MIB, "the refusal reserved nothing");
     assert_eq!(stack.outstanding_count(), 1, "{}", stack.report());
     let captured = capture.close();
+    drop(held);
 
     let pattern: Vec<u32> = (0..(MIB / 2) as u32)
         .map(|i| i.wrapping_mul(0x9E37_79B9))

@@ -128,8 +128,12 @@ impl Communicator {
     ///
     /// # Errors
     /// `InvalidArgument` while other clones are alive; `Aborted` for an aborted communicator;
-    /// NCCL's error, or `Timeout` when the queued work does not finish in time (the
-    /// communicator is then aborted).
+    /// `GraphError::Capturing` (through [`CollectiveError::is_capture_refusal`]) while a
+    /// global-mode capture is active on any thread, or any capture on this one: NCCL's
+    /// teardown runs partly on threads of its own, beyond relaxed capture mode, and would break
+    /// it; the rank is then finalised on a thread of its own once no global capture is active,
+    /// as a drop then does. NCCL's error, or `Timeout` when the queued work does not finish in
+    /// time (the communicator is then aborted).
     ///
     /// [`CommConfig::timeout`]: super::CommConfig::timeout
     pub fn finalize(self) -> Result<()> {
@@ -138,6 +142,17 @@ impl Communicator {
             // Nothing to finalise, whoever still holds a clone (a background abort does until
             // its `ncclCommAbort` returns).
             return Err(CollectiveError::Aborted { operation: OP });
+        }
+        if global_captures_forbid_teardown() {
+            // `self` drops here; if it is the last clone its drop finalises the rank on a thread
+            // of its own once no global capture is active.
+            return Err(cuweave_driver::DriverError::from(
+                cuweave_driver::GraphError::Capturing {
+                    operation: OP,
+                    reason: "a global-mode capture is active: NCCL's teardown, on threads of its own, would break it; the last clone is finalised once no global capture is active",
+                },
+            )
+            .into());
         }
         let clones = Arc::strong_count(&self.inner) - 1;
         match Arc::try_unwrap(self.inner) {

@@ -20,8 +20,8 @@ mod refusals;
 mod registry;
 mod status;
 
-pub(crate) use mode::relaxed_for_unrecorded_call;
 pub use mode::{CaptureMode, CaptureModeGuard, relaxed_during_captures};
+pub(crate) use mode::{relaxed_beside_captures, relaxed_for_unrecorded_call};
 pub(crate) use outside::between_capture_begins;
 pub use outside::outside_captures;
 pub use refusals::{

@@ -140,8 +140,10 @@ pub unsafe fn alloc_async(stream: &Stream, bytes: usize) -> Result<DevicePtr> {
     stream.context().bind_to_thread()?;
     let api = driver()?;
     let mut ptr = 0;
-    // SAFETY: valid out-pointer; live stream whose context is current.
-    unsafe { cu!(api.mem_alloc_async(&mut ptr, bytes, stream.as_raw())) }?;
+    crate::graph::relaxed_beside_captures(|| {
+        // SAFETY: valid out-pointer; live stream whose context is current.
+        unsafe { cu!(api.mem_alloc_async(&mut ptr, bytes, stream.as_raw())) }
+    })?;
     Ok(ptr)
 }
 
@@ -160,6 +162,8 @@ pub unsafe fn free_async(ptr: DevicePtr, stream: &Stream) -> Result<()> {
     crate::graph::refuse_on_legacy_stream(stream, "free_async")?;
     stream.context().bind_to_thread()?;
     let api = driver()?;
-    // SAFETY: the caller guarantees `ptr` is a live stream-ordered allocation.
-    unsafe { cu!(api.mem_free_async(ptr, stream.as_raw())) }
+    crate::graph::relaxed_beside_captures(|| {
+        // SAFETY: the caller guarantees `ptr` is a live stream-ordered allocation.
+        unsafe { cu!(api.mem_free_async(ptr, stream.as_raw())) }
+    })
 }

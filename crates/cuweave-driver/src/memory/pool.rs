@@ -172,8 +172,12 @@ impl MemoryPool {
         stream.context().bind_to_thread()?;
         let api = driver()?;
         let mut ptr = 0;
-        // SAFETY: valid out-pointer; live pool and stream of the same device.
-        unsafe { cu!(api.mem_alloc_from_pool_async(&mut ptr, bytes, self.raw, stream.as_raw())) }?;
+        crate::graph::relaxed_beside_captures(|| {
+            // SAFETY: valid out-pointer; live pool and stream of the same device.
+            unsafe {
+                cu!(api.mem_alloc_from_pool_async(&mut ptr, bytes, self.raw, stream.as_raw()))
+            }
+        })?;
         Ok(ptr)
     }
 }

@@ -68,6 +68,27 @@ pub(crate) fn relaxed_for_unrecorded_call() -> Result<CaptureModeGuard> {
     CaptureModeGuard::enter(CaptureMode::Relaxed)
 }
 
+/// Runs `f` (a stream-ordered allocation or free: `cuMemAllocAsync`, `cuMemAllocFromPoolAsync`,
+/// `cuMemFreeAsync`) with no capture able to begin meanwhile, in relaxed capture mode while one
+/// is active: the driver counts these calls on an eager stream as unsafe under another thread's
+/// global-mode capture and breaks it (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, seen on the GPU),
+/// while on a capturing stream they are recorded as graph nodes whatever the mode. Costs an
+/// atomic add, a fence and a load while no capture is active (the mode switch only while one
+/// is, which a capture begin cannot race).
+///
+/// # Errors
+/// `f`'s error; the driver's error from `cuThreadExchangeStreamCaptureMode`.
+pub(crate) fn relaxed_beside_captures<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+    super::outside::between_capture_begins(|| {
+        let _relaxed = if super::registry::active_captures() != 0 {
+            Some(relaxed_for_unrecorded_call()?)
+        } else {
+            None
+        };
+        f()
+    })
+}
+
 /// This thread's capture mode, read by exchanging it with itself.
 pub(super) fn thread_capture_mode() -> Result<CaptureMode> {
     let api = driver()?;
