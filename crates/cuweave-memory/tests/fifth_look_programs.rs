@@ -58,26 +58,9 @@ fn stream(context: &Arc<Context>) -> Stream {
     Stream::new(context, StreamFlags::NON_BLOCKING).expect("create stream")
 }
 
-/// A log sink the test reads back.
-#[derive(Clone, Default)]
-struct SharedLog(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl SharedLog {
-    fn text(&self) -> String {
-        String::from_utf8(self.0.lock().unwrap().clone()).expect("the log is UTF-8")
-    }
-}
-
-impl std::io::Write for SharedLog {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
+#[path = "common/shared_log.rs"]
+mod shared_log;
+use shared_log::SharedLog;
 
 /// One parsed line of a `LoggingAdaptor`'s CSV.
 #[derive(Debug, Clone, PartialEq, Eq)]

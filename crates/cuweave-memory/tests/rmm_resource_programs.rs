@@ -417,26 +417,9 @@ fn a_buffer_written_on_a_second_stream_and_dropped_on_a_third_thread_is_freed_af
 // Logging and tracking of deferred frees
 // ---------------------------------------------------------------------------------------------
 
-/// A log sink the test reads back.
-#[derive(Clone, Default)]
-struct SharedLog(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl SharedLog {
-    fn text(&self) -> String {
-        String::from_utf8(self.0.lock().unwrap().clone()).expect("the log is UTF-8")
-    }
-}
-
-impl std::io::Write for SharedLog {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
+#[path = "common/shared_log.rs"]
+mod shared_log;
+use shared_log::SharedLog;
 
 /// One parsed log line: action, address, bytes, stream id.
 #[derive(Debug, Clone, PartialEq, Eq)]
