@@ -226,20 +226,9 @@ fn tracking_adaptor_names_what_is_outstanding_and_forgets_what_was_freed() {
     );
 }
 
-/// A log sink the test reads back.
-#[derive(Clone, Default)]
-struct SharedLog(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for SharedLog {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
+#[path = "common/shared_log.rs"]
+mod shared_log;
+use shared_log::SharedLog;
 
 /// RMM's logging adaptor: one CSV line per allocation, free and refusal, in order, with the
 /// address, size and stream of each, readable for a replay; refusals are logged and still
@@ -265,7 +254,7 @@ fn logging_adaptor_writes_one_line_per_allocation_and_free_in_order() {
     logged.flush().unwrap();
     assert_eq!(logged.write_errors(), 0);
 
-    let text = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
+    let text = log.text();
     let mut lines = text.lines();
     assert_eq!(lines.next(), Some(LOG_HEADER));
     let rows: Vec<Vec<&str>> = lines.map(|line| line.split(',').collect()).collect();
