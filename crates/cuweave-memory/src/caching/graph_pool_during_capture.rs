@@ -115,7 +115,6 @@ pub(in crate::caching) fn release_during_capture(
         ptr,
         stream,
         uses: uses.clone(),
-        events: Vec::new(),
         after_device,
     };
     if stream.as_usize() & PRIVATE_BIT != 0 {
@@ -185,7 +184,6 @@ pub(crate) fn release_block_during_capture(
         ptr,
         stream,
         uses: Vec::new(),
-        events: Vec::new(),
         after_device: !private,
     };
     if !private && !graph_pools.is_empty() {

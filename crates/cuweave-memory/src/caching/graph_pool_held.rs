@@ -29,9 +29,6 @@ pub(super) struct HeldBlock {
     pub(super) ptr: u64,
     pub(super) stream: StreamKey,
     pub(super) uses: Vec<Arc<Stream>>,
-    /// Events a typed buffer's tracker recorded behind its eager uses (never inside a capture):
-    /// the block is handed out again once they and `uses` have completed.
-    pub(super) events: Vec<StreamEvent>,
     /// Whether the device must be idle first (the graph may still be replaying with it).
     pub(super) after_device: bool,
 }
@@ -352,10 +349,7 @@ pub(super) fn return_block(held: Held, synced: &mut Vec<Arc<Context>>) -> Result
     }
     let shared = &block.shared;
     match record_uses(&block.uses, shared.context(), &shared.events) {
-        Ok(mut events) => {
-            events.extend(block.events);
-            engine.free_after(block.stream, block.id, block.ptr, events)
-        }
+        Ok(events) => engine.free_after(block.stream, block.id, block.ptr, events),
         Err(error) => {
             engine.free_never_reuse(block.stream, block.id, block.ptr)?;
             Err(error)
