@@ -27,8 +27,8 @@ use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-use cuweave_driver::graph::{CaptureModeGuard, StatusCheck, outside_captures, refuse_recording};
-use cuweave_driver::{CaptureMode, EventPool, OwnedPooledEvent, Stream};
+use cuweave_driver::graph::{StatusCheck, outside_captures_or_relaxed, refuse_recording};
+use cuweave_driver::{EventPool, OwnedPooledEvent, Stream};
 use cuweave_event::{AsyncEventWaiter, EventError, WaitFuture};
 
 use crate::comm::Communicator;
@@ -105,18 +105,12 @@ impl Future for CollectiveFuture {
                     // capturing stream), so a capture this thread is subject to need not forbid
                     // the query: made in relaxed mode, it neither breaks nor is refused.
                     //
-                    // The query is cuweave's own. Asked plainly only inside `outside_captures`,
-                    // where no capture is active and none begins (a check of the capture count
-                    // and then a plain query would break a global-mode capture another thread
-                    // began in between); with a capture active or beginning, asked in relaxed
-                    // mode, entered whatever the count reads (the capture may not be counted
-                    // yet).
-                    let done = outside_captures(|| self.event.query()).or_else(|| {
-                        let relaxed = CaptureModeGuard::enter(CaptureMode::Relaxed).ok()?;
-                        let done = self.event.query();
-                        drop(relaxed);
-                        Some(done)
-                    });
+                    // The query is cuweave's own (`outside_captures_or_relaxed`): asked plainly
+                    // only where no capture is active and none begins (a check of the capture
+                    // count and then a plain query would break a global-mode capture another
+                    // thread began in between); with a capture active or beginning, asked in
+                    // relaxed mode.
+                    let done = outside_captures_or_relaxed(|| self.event.query()).ok();
                     match done {
                         Some(Ok(true)) => return Poll::Ready(self.finished()),
                         Some(Ok(false)) => {}

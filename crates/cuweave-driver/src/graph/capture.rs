@@ -23,7 +23,7 @@ mod status;
 pub use mode::{CaptureMode, CaptureModeGuard, relaxed_during_captures};
 pub(crate) use mode::{relaxed_beside_captures, relaxed_for_unrecorded_call};
 pub(crate) use outside::between_capture_begins;
-pub use outside::outside_captures;
+pub use outside::{outside_captures, outside_captures_or_relaxed};
 pub use refusals::{
     StatusCheck, refuse_legacy_stream_use, refuse_on_legacy_stream, refuse_recording,
     refuse_wait_across_capture, refuse_while_capturing,

@@ -415,15 +415,11 @@ impl<E: Marker> Engine<E> {
         // by its query and stays unfinished), so frees keep being reused while another thread
         // holds a long capture open. The pending lock, taken before, is never held by a thread
         // beginning a capture.
-        if cuweave_driver::graph::outside_captures(|| pending.poll(&mut completed, &mut ready))
-            .is_none()
-        {
-            let Ok(_relaxed) = cuweave_driver::graph::CaptureModeGuard::enter(
-                cuweave_driver::graph::CaptureMode::Relaxed,
-            ) else {
-                return;
-            };
+        let polled = cuweave_driver::graph::outside_captures_or_relaxed(|| {
             pending.poll(&mut completed, &mut ready);
+        });
+        if polled.is_err() {
+            return;
         }
         shard
             .pending_count

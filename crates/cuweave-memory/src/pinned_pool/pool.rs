@@ -4,7 +4,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cuweave_driver::graph::{CaptureMode, CaptureModeGuard};
 use cuweave_driver::memory::HostAllocation;
 use cuweave_driver::{Context, DriverError, EventPool, OwnedPooledEvent, Stream};
 use parking_lot::Mutex;
@@ -36,11 +35,7 @@ impl Fence for OwnedPooledEvent {
     /// work that runs) and reads as not passed. The pool's lock, held around the poll, is
     /// never held by a thread beginning a capture.
     fn passed(&self) -> Result<bool, DriverError> {
-        if let Some(answer) = cuweave_driver::graph::outside_captures(|| self.query()) {
-            return answer;
-        }
-        let _relaxed = CaptureModeGuard::enter(CaptureMode::Relaxed)?;
-        match self.query() {
+        match cuweave_driver::graph::outside_captures_or_relaxed(|| self.query())? {
             Err(error) if error.is_capture_refusal() => Ok(false),
             answer => answer,
         }

@@ -75,20 +75,12 @@ pub(crate) fn ready_for_work(stream: &PriorityStream) -> Result<bool> {
     if crate::capture::is_capturing(stream.stream())? {
         return Ok(false);
     }
-    match stream.is_ready() {
-        // Another thread's global capture forbids this thread's query; the stream itself is
-        // not capturing, and a query made in relaxed capture mode breaks no capture (as the
-        // event layer's reactor asks), so the scheduler still finds its idle streams. A
-        // refusal then (the stream began capturing meanwhile) reads as not ready.
-        Err(error) if error.is_capture_refusal() => {
-            let _relaxed = cuweave_driver::graph::CaptureModeGuard::enter(
-                cuweave_driver::graph::CaptureMode::Relaxed,
-            )?;
-            match stream.is_ready() {
-                Err(error) if error.is_capture_refusal() => Ok(false),
-                answer => answer,
-            }
-        }
+    // While a capture is active or beginning the stream, which is not capturing, is asked in
+    // relaxed capture mode: another thread's global capture would refuse a plain query, and a
+    // relaxed one breaks no capture, so the scheduler still finds its idle streams. A refusal
+    // then (the stream began capturing meanwhile) reads as not ready.
+    match cuweave_driver::graph::outside_captures_or_relaxed(|| stream.is_ready())? {
+        Err(error) if error.is_capture_refusal() => Ok(false),
         answer => answer,
     }
 }

@@ -147,6 +147,34 @@ pub fn outside_captures<R>(f: impl FnOnce() -> R) -> Option<R> {
     outside_capture_begins(|| (active_captures() == 0).then(f)).flatten()
 }
 
+/// Runs `f`, a query cuweave makes of its own accord of work queued eagerly (a free's marker, a
+/// fence, a stream's readiness), as [`outside_captures`] does while no capture is active or
+/// beginning; while one is, in relaxed capture mode instead of not at all: the thread then
+/// breaks no capture and is not refused for another thread's (the event reactor asks so), so
+/// memory keeps being reused and waits keep resolving beside a long capture. An event recorded
+/// into a capture that is still active is still refused by its query, which callers read as
+/// "not yet".
+///
+/// The same contract as [`outside_captures`] for the first branch: `f` short, waiting for no
+/// other thread, beginning no capture.
+///
+/// # Errors
+/// The driver's error from `cuThreadExchangeStreamCaptureMode` (`f` not run).
+///
+/// ```
+/// # use cuweave_driver::graph::outside_captures_or_relaxed;
+/// // No capture is active here, so the closure runs as `outside_captures` runs it.
+/// assert_eq!(outside_captures_or_relaxed(|| 7).ok(), Some(7));
+/// ```
+pub fn outside_captures_or_relaxed<R>(f: impl FnOnce() -> R) -> crate::error::Result<R> {
+    let mut f = Some(f);
+    if let Some(answer) = outside_captures(|| (f.take().expect("runs once"))()) {
+        return Ok(answer);
+    }
+    let _relaxed = super::mode::CaptureModeGuard::enter(super::mode::CaptureMode::Relaxed)?;
+    Ok((f.take().expect("not run by outside_captures"))())
+}
+
 /// Runs `f` unless a capture begin through cuweave is under way, and no capture begins while
 /// `f` runs: `Some(f())`, or `None` without running `f`. Captures already active may be; `f`
 /// can read them ([`active_captures`], the capture records) knowing the set cannot grow until
