@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::ops::Deref;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
@@ -13,7 +13,7 @@ use super::recycler::{Recycler, TakeError};
 use crate::context::Context;
 use crate::error::{DriverError, Result};
 use crate::event::{Event, EventFlags};
-use crate::graph::{RecordedIn, capture_is_active};
+use crate::graph::{RecordedIn, capture_is_active, captures_ended};
 
 /// The pool of each context that has one in use (keyed by the raw `CUcontext`), held weakly:
 /// a pool lives while a user holds it, and [`EventPool::for_context`] hands every caller in
@@ -83,6 +83,9 @@ struct PoolShared {
     parked: Mutex<Vec<(Kind, u32, u64)>>,
     /// `parked.len()`, read without the lock on every give.
     parked_count: AtomicUsize,
+    /// [`captures_ended`] when `parked` was last looked through: gives and takes look again
+    /// only once another capture has ended.
+    looked_at_ends: AtomicU64,
 }
 
 /// The three kinds of event a pool keeps apart.
@@ -117,7 +120,8 @@ impl PoolShared {
     /// another thread while the capturing thread goes on with the capture the event is part
     /// of, a race inside the driver that crashed `cuEventRecord` (the facade's fourth-programs
     /// probe, a buffer dropped inside a capture while other threads copied). One relaxed load
-    /// for an event recorded eagerly, and one more while any event is parked.
+    /// for an event recorded eagerly, and two more while any event is parked (the parked ones
+    /// are looked through once per capture that ends, not once per give).
     #[inline]
     fn give(&self, kind: Kind, index: u32) {
         let recycler = self.recycler(kind);
@@ -128,16 +132,31 @@ impl PoolShared {
             return;
         }
         recycler.give(index);
-        if self.parked_count.load(Ordering::Relaxed) != 0 {
+        self.unpark_if_a_capture_ended();
+    }
+
+    /// [`unpark_ended`](Self::unpark_ended) when events are parked and a capture has ended
+    /// since they were last looked through.
+    #[inline]
+    fn unpark_if_a_capture_ended(&self) {
+        if self.parked_count.load(Ordering::Relaxed) != 0
+            && captures_ended() != self.looked_at_ends.load(Ordering::Relaxed)
+        {
             self.unpark_ended();
         }
     }
 
     #[cold]
     fn park(&self, kind: Kind, index: u32, capture: u64) {
-        let mut parked = self.parked.lock();
-        parked.push((kind, index, capture));
-        self.parked_count.store(parked.len(), Ordering::Relaxed);
+        {
+            let mut parked = self.parked.lock();
+            parked.push((kind, index, capture));
+            self.parked_count.store(parked.len(), Ordering::Relaxed);
+        }
+        // Ended between the check and the push, possibly after the last look: look now.
+        if !capture_is_active(capture) {
+            self.unpark_ended();
+        }
     }
 
     /// Returns the parked events whose capture has ended to their free lists.
@@ -145,6 +164,9 @@ impl PoolShared {
     fn unpark_ended(&self) {
         let ended: Vec<(Kind, u32, u64)> = {
             let mut parked = self.parked.lock();
+            // Read before looking: a capture that ends during the look moves the count again.
+            self.looked_at_ends
+                .store(captures_ended(), Ordering::Relaxed);
             let (ended, still) = parked
                 .drain(..)
                 .partition(|&(_, _, capture)| !capture_is_active(capture));
@@ -170,9 +192,7 @@ impl PoolShared {
     /// grows).
     #[inline]
     fn take(&self, kind: Kind) -> Result<u32> {
-        if self.parked_count.load(Ordering::Relaxed) != 0 {
-            self.unpark_ended();
-        }
+        self.unpark_if_a_capture_ended();
         self.recycler(kind)
             .take(|| self.create(kind))
             .map_err(Self::take_error)
@@ -248,6 +268,7 @@ impl EventPool {
             blocking: Recycler::new(),
             parked: Mutex::new(Vec::new()),
             parked_count: AtomicUsize::new(0),
+            looked_at_ends: AtomicU64::new(0),
         };
         for (recycler, count, flags) in [
             (&shared.regular, regular, EventFlags::DISABLE_TIMING),

@@ -28,6 +28,7 @@ pub use refusals::{
     StatusCheck, refuse_legacy_stream_use, refuse_on_legacy_stream, refuse_recording,
     refuse_wait_across_capture, refuse_while_capturing,
 };
+pub(crate) use registry::captures_ended;
 pub use registry::{
     CaptureState, active_captures, capture_is_active, capture_state, known_complete_before,
     note_tracked_use,

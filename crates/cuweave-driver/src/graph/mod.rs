@@ -42,13 +42,13 @@ mod memory;
 
 #[cfg(test)]
 pub(crate) use capture::CAPTURE_COUNT_TEST_LOCK;
-pub(crate) use capture::between_capture_begins;
 pub use capture::{
     CaptureMode, CaptureModeGuard, CaptureState, CaptureStatus, StatusCheck, active_captures,
     capture_is_active, capture_state, known_complete_before, note_tracked_use, outside_captures,
     outside_captures_or_relaxed, refuse_legacy_stream_use, refuse_on_legacy_stream,
     refuse_recording, refuse_wait_across_capture, refuse_while_capturing, relaxed_during_captures,
 };
+pub(crate) use capture::{between_capture_begins, captures_ended};
 pub(crate) use capture::{relaxed_beside_captures, relaxed_for_unrecorded_call};
 pub use error::GraphError;
 pub use exec::{GraphExec, InstantiateOptions, held_for_dropped_executables};

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use super::failures::{FAILURE_SEQ, invalidated_since};
 use super::mode::CaptureMode;
 use super::registry::{
-    BLOCKING, CAPTURE_BEGIN, COUNT_BITS, CaptureState, GLOBAL, RECORDS, Record, STATE,
+    BLOCKING, CAPTURE_BEGIN, COUNT_BITS, CaptureState, ENDED, GLOBAL, RECORDS, Record, STATE,
     active_captures, while_no_capture_begins,
 };
 use crate::error::{DriverError, Result};
@@ -308,6 +308,7 @@ impl Stream {
 
     fn forget_capture(&self, record: Record) {
         RECORDS.lock().retain(|other| other.stream != record.stream);
+        ENDED.fetch_add(1, Ordering::AcqRel);
         STATE.fetch_sub(1, Ordering::AcqRel);
         if record.mode == CaptureMode::Global {
             GLOBAL.fetch_sub(1, Ordering::AcqRel);

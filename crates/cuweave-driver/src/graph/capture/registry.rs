@@ -19,6 +19,10 @@ pub(super) static STATE: AtomicU64 = AtomicU64::new(0);
 pub(super) const COUNT_BITS: u32 = 24;
 /// Mask of the count in [`STATE`].
 const COUNT_MASK: u64 = (1 << COUNT_BITS) - 1;
+/// Captures begun through cuweave that have ended since the process started, counted once
+/// each capture's record is gone (so a reader that sees the count move and then looks at the
+/// records finds the capture ended).
+pub(super) static ENDED: AtomicU64 = AtomicU64::new(0);
 /// Those of them in [`CaptureMode::Global`].
 pub(super) static GLOBAL: AtomicUsize = AtomicUsize::new(0);
 /// Those of them whose origin stream is blocking (made without `StreamFlags::NON_BLOCKING`):
@@ -108,6 +112,12 @@ pub(crate) fn while_no_capture_begins<R>(f: impl FnOnce() -> R) -> R {
     let _depth = Depth;
     let _no_begin = outermost.then(|| CAPTURE_BEGIN.read());
     f()
+}
+
+/// How many captures begun through cuweave have ended since the process started: one atomic
+/// load, for a cache of things held until their capture ends to look again only when one has.
+pub(crate) fn captures_ended() -> u64 {
+    ENDED.load(Ordering::Acquire)
 }
 
 /// How many captures begun through cuweave are active in the process: one relaxed atomic load,
