@@ -1,7 +1,7 @@
 //! Ending a rank: `ncclCommFinalize` then `ncclCommDestroy`, on request or on drop.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cuweave_driver::Context;
 
@@ -73,22 +73,17 @@ impl Closing {
         api.check(code, "ncclCommDestroy", std::ptr::null_mut())
     }
 
-    /// Closes on a thread of its own once no global-mode capture is active (polled every
-    /// millisecond, for at most [`DEFERRED_CLOSE_LIMIT`], then closed anyway): the last clone
-    /// of a communicator dropped while another thread captures in global mode. NCCL's teardown
+    /// Closes on a thread of its own once no global-mode capture is active (woken when each
+    /// capture ends; at most [`DEFERRED_CLOSE_LIMIT`], then closed anyway): the last clone of
+    /// a communicator dropped while another thread captures in global mode. NCCL's teardown
     /// frees and synchronises on threads of its own, beyond relaxed capture mode, which would
     /// break the capture.
     fn close_after_global_captures(self) {
         let spawned = std::thread::Builder::new()
             .name("cuweave-nccl-close".into())
             .spawn(move || {
-                let started = Instant::now();
-                while global_captures_forbid_teardown() {
-                    if started.elapsed() > DEFERRED_CLOSE_LIMIT {
-                        tracing::warn!("a global capture outlived the wait to close an NCCL communicator; closing it anyway");
-                        break;
-                    }
-                    std::thread::sleep(Duration::from_millis(1));
+                if !cuweave_driver::graph::wait_for_no_global_capture(DEFERRED_CLOSE_LIMIT) {
+                    tracing::warn!("a global capture outlived the wait to close an NCCL communicator; closing it anyway");
                 }
                 log_close(self.close());
             });

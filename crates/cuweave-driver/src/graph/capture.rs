@@ -31,7 +31,7 @@ pub use refusals::{
 pub(crate) use registry::captures_ended;
 pub use registry::{
     CaptureState, active_captures, capture_is_active, capture_state, known_complete_before,
-    note_tracked_use,
+    note_tracked_use, wait_for_no_global_capture,
 };
 pub use status::CaptureStatus;
 

@@ -47,6 +47,7 @@ pub use capture::{
     capture_is_active, capture_state, known_complete_before, note_tracked_use, outside_captures,
     outside_captures_or_relaxed, refuse_legacy_stream_use, refuse_on_legacy_stream,
     refuse_recording, refuse_wait_across_capture, refuse_while_capturing, relaxed_during_captures,
+    wait_for_no_global_capture,
 };
 pub(crate) use capture::{between_capture_begins, captures_ended};
 pub(crate) use capture::{relaxed_beside_captures, relaxed_for_unrecorded_call};

@@ -316,6 +316,7 @@ impl Stream {
         if record.blocking {
             BLOCKING.fetch_sub(1, Ordering::AcqRel);
         }
+        super::registry::signal_capture_end();
     }
 
     /// At drop: ends a capture begun through cuweave on this stream and never ended, and

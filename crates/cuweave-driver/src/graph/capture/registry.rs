@@ -114,6 +114,33 @@ pub(crate) fn while_no_capture_begins<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Signalled (under [`ENDS`]) whenever a capture begun through cuweave ends.
+static ENDS: Mutex<()> = Mutex::new(());
+static ENDS_SIGNAL: parking_lot::Condvar = parking_lot::Condvar::new();
+
+/// Wakes the threads in [`wait_for_no_global_capture`]; called once a capture's counts are
+/// down.
+pub(super) fn signal_capture_end() {
+    let _ends = ENDS.lock();
+    ENDS_SIGNAL.notify_all();
+}
+
+/// Blocks until no global-mode capture begun through cuweave is active, for at most `limit`
+/// (woken by each capture's end, not by polling): for work that a global capture forbids on
+/// every thread and that can wait for it, such as tearing down an NCCL communicator, whose
+/// threads cuweave cannot put in relaxed mode. Whether none is active on return. A capture
+/// beginning right after the return is not held off.
+pub fn wait_for_no_global_capture(limit: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    let mut ends = ENDS.lock();
+    while GLOBAL.load(Ordering::Acquire) != 0 {
+        if ENDS_SIGNAL.wait_until(&mut ends, deadline).timed_out() {
+            return GLOBAL.load(Ordering::Acquire) == 0;
+        }
+    }
+    true
+}
+
 /// How many captures begun through cuweave have ended since the process started: one atomic
 /// load, for a cache of things held until their capture ends to look again only when one has.
 pub(crate) fn captures_ended() -> u64 {

@@ -305,3 +305,32 @@ fn the_legacy_stream_is_refused_only_beside_a_blocking_capture_of_its_context() 
         ([true, true, true, false, false, false, false], false)
     );
 }
+
+#[test]
+fn a_wait_for_no_global_capture_is_woken_by_the_capture_end_and_times_out_otherwise() {
+    use super::registry::{GLOBAL, signal_capture_end};
+    use std::time::Duration;
+    let _count = CAPTURE_COUNT_TEST_LOCK.lock();
+    assert!(
+        wait_for_no_global_capture(Duration::ZERO),
+        "none active: at once"
+    );
+    GLOBAL.fetch_add(1, Ordering::AcqRel);
+    assert!(
+        !wait_for_no_global_capture(Duration::from_millis(5)),
+        "a global capture outlives a short wait"
+    );
+    let (started, ready) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        started.send(()).unwrap();
+        wait_for_no_global_capture(Duration::from_secs(60))
+    });
+    ready.recv().unwrap();
+    // The end, as `forget_capture` makes it: the count down, then the signal.
+    GLOBAL.fetch_sub(1, Ordering::AcqRel);
+    signal_capture_end();
+    assert!(
+        waiter.join().unwrap(),
+        "woken by the end, well before its limit"
+    );
+}
